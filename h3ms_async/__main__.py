@@ -1,0 +1,4 @@
+"""``python -m h3ms_async``: the standalone entry point (see h3ms_async.cli)."""
+from h3ms_async.cli import main
+
+raise SystemExit(main())
