@@ -1,0 +1,466 @@
+"""The step driver: runs H3's block stack split across the rank workers, once per denoising step.
+
+Synchronous callers (ComfyUI's prompt thread, the demo) use :class:`SplitEngine`; the engine's work runs as
+coroutines on the coordinator loop.  Per step the engine
+
+1. plans token and head ranges (largest remainder by shares, ``plans.make_split_plan``);
+2. writes the residual stream, t_emb, rope table and any per-token mod rows into the step segment (shm) once;
+3. sends ``dit_step`` to every rank (``workers.dit_rank``): each runs all blocks on its shard, exchanging through the
+   arena (``exchange="host"``) or torch.distributed (``"nccl"``; gloo on CPU ranks);
+4. reads the new residual stream back (each rank wrote its own rows) and records a step record for the status hub.
+
+Any rank's failure fails the step on every rank at once (``WorkerPool.all``); an interrupt aborts every rank's waits.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import concurrent.futures as cf
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from h3ms_async import plans
+from h3ms_async.coordinator import get_coordinator
+from h3ms_async.log import get_logger
+from h3ms_async.pool import WorkerError, WorkerPool
+from h3ms_async.reference_dit import DiTConfig
+from h3ms_async.status import get_hub, now_iso
+from h3ms_async.weight_store import BlockReader, WeightStore, fill
+from workers import dit_protocol
+from workers.dist_exchange import check_nccl_rank_map
+from workers.exchange import ArenaLayout, dtype_name
+from workers.shm import Arena, Segment
+
+log = get_logger("MultiStream")
+
+EXCHANGES = ("host", "nccl")
+_INTERRUPT_POLL_S = 0.05
+
+
+class SplitError(RuntimeError):
+    """A split step failed (a worker died, reported an error or missed its deadline)."""
+
+
+class SplitInterrupted(SplitError):
+    """The caller's interrupt probe turned true; every rank was aborted."""
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """What the node (or the CLI) chose.  ``shares`` = relative speed per rank (None: equal)."""
+
+    exchange: str = "host"
+    exchange_chunks: int = 0
+    vram_residency: str = "auto"
+    weight_cache: bool = True
+    cache_ram_reserve_gb: float = 0.0
+    shares: tuple[float, ...] | None = None
+    step_timeout_s: float = 600.0
+    exchange_deadline_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
+        if not 0 <= self.exchange_chunks <= 32:
+            raise ValueError(f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single shot)")
+        if self.vram_residency not in dit_protocol.RESIDENCIES:
+            raise ValueError(f"vram_residency={self.vram_residency!r} is not one of {dit_protocol.RESIDENCIES}")
+        if self.cache_ram_reserve_gb < 0:
+            raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
+
+
+@dataclass
+class _StepBuffers:
+    """The step segment (inputs/outputs) and the exchange arena, reused while shapes stay the same."""
+
+    shape_key: tuple
+    step: Segment
+    descs: dict[str, dict]
+    arena: Segment | None
+    layout: ArenaLayout
+
+    def close(self) -> None:
+        for seg in (self.step, self.arena):
+            if seg is not None:
+                seg.close()
+                seg.unlink()
+
+
+@dataclass
+class _Loaded:
+    store: WeightStore
+    config: DiTConfig
+    head_bounds: tuple[int, ...]
+
+
+class SplitEngine:
+    """One rank map's workers, weight store and step buffers."""
+
+    def __init__(self, devices: Sequence[str], options: SplitOptions = SplitOptions()) -> None:
+        if not devices:
+            raise ValueError("devices: the split needs at least one rank device (e.g. ['cpu','cpu'] or ['cuda:0','cuda:1'])")
+        if options.shares is not None and len(options.shares) != len(devices):
+            raise plans.GPUSelectionError(
+                f"shares: {len(options.shares)} value(s) for {len(devices)} rank(s); give one share per rank")
+        if options.exchange == "nccl" and all(d.startswith("cuda") for d in devices):
+            check_nccl_rank_map(list(devices))
+        self.devices = list(devices)
+        self.options = options
+        self.pool = WorkerPool(self.devices, name="dit", env=_cpu_thread_env(self.devices))
+        self._loaded: _Loaded | None = None
+        self._buffers: _StepBuffers | None = None
+        self._lock = threading.Lock()
+        self._running = False
+        self._steps = 0
+        self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
+
+    # -- properties -------------------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> int:
+        return len(self.devices)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def weight_state(self) -> str:
+        return self._loaded.store.describe() if self._loaded else "empty"
+
+    @property
+    def transport(self) -> str:
+        if self.options.exchange == "host":
+            return "host"
+        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def load_weights(self, key: tuple, config: DiTConfig, block_weights: BlockReader, n_blocks: int | None = None) -> bool:
+        """Fill the weight store for ``key`` (no-op when it already holds ``key``) and load every rank.
+
+        Returns whether anything was (re)loaded.  Raises ``WeightStoreRefused`` when the RAM reserve forbids it.
+        """
+        n = config.layers if n_blocks is None else n_blocks
+        head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
+                                            "attention heads")) if self.ranks <= config.heads else None
+        if head_bounds is None:
+            raise plans.GPUSelectionError(f"{self.ranks} GPU ranks but the model has only {config.heads} attention "
+                                          f"heads; use at most {config.heads} ranks")
+        with self._lock:
+            if self._loaded and self._loaded.store.key == key and self._loaded.head_bounds == head_bounds:
+                return False
+            self._drop_store()
+            store = fill(key, n, block_weights, reserve_gb=self.options.cache_ram_reserve_gb)
+            self._loaded = _Loaded(store, config, head_bounds)
+            try:
+                self._run(self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks")
+            except BaseException:
+                self._drop_store()
+                raise
+            return True
+
+    async def _load_ranks(self) -> None:
+        ld = self._loaded
+        assert ld is not None
+        cfg = {"hidden": ld.config.hidden, "heads": ld.config.heads, "head_dim": ld.config.head_dim,
+               "eps": ld.config.eps, "layers": len(ld.store.manifest), "devices": self.devices}
+        fields = [{"store": ld.store.segment.name, "manifest": ld.store.manifest, "config": cfg,
+                   "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]], "residency": self.options.vram_residency,
+                   "key": ld.store.key_text} for r in range(self.ranks)]
+        await self.pool.start()
+        await self.pool.all("dit_load", fields, self.options.step_timeout_s)
+        self._rank_starts = self.pool.starts
+
+    def _drop_store(self) -> None:
+        if self._loaded is None:
+            return
+        if self.pool.running:
+            try:
+                self._run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
+            except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway
+                log.warning("releasing rank weights failed (%s); unlinking the store anyway", exc)
+        self._loaded.store.release()
+        self._loaded = None
+        log.info("weight store released")
+
+    # -- steps ------------------------------------------------------------------------------------------------
+    def run_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
+                   *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
+                   sigma: float | None = None) -> torch.Tensor:
+        """Run every loaded block on the ranks; returns the new residual stream (a new tensor, ``x``'s dtype).
+
+        ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
+        is accepted (the workers cannot run ComfyUI callables).
+        """
+        ld = self._loaded
+        if ld is None:
+            raise SplitError("run_blocks before load_weights: fill the weight store first")
+        _check_block_options(block_options)
+        if x.dim() != 2 or x.shape[1] != ld.config.hidden:
+            raise ValueError(f"x must be [S, {ld.config.hidden}] (the residual stream), got {tuple(x.shape)}")
+        plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
+        if tuple(plan.head_bounds) != ld.head_bounds:
+            raise SplitError("head plan changed since the weights were loaded; call load_weights again")
+        with self._lock:
+            self._running = True
+            try:
+                return self._step(plan, x, t_emb, mod_segments, rope_freqs, interrupt, sigma)
+            finally:
+                self._running = False
+
+    def _step(self, plan: plans.SplitPlan, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
+              rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None) -> torch.Tensor:
+        ld = self._loaded
+        assert ld is not None
+        t_wall = time.perf_counter()
+        buf = self._buffers_for(plan, x, t_emb, rope_freqs, mod_segments)
+        step = buf.step
+        step.tensor(buf.descs["x"]).copy_(x)
+        step.tensor(buf.descs["t_emb"]).copy_(t_emb)
+        step.tensor(buf.descs["rope"]).copy_(rope_freqs)
+        segments = []
+        for i, (a, b, row) in enumerate(mod_segments):
+            if isinstance(row, torch.Tensor):
+                d = buf.descs[f"row{i}"]
+                step.tensor(d).copy_(row.to(torch.int64))
+                row = d
+            segments.append([int(a), int(b), row])
+        self._steps += 1
+        fields = [{
+            "job": self._steps, "x": buf.descs["x"], "t_emb": buf.descs["t_emb"], "rope": buf.descs["rope"],
+            "segments": segments, "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
+            "arena": buf.arena.name if buf.arena is not None else "", "layout": buf.layout.to_dict(),
+            "exchange": "host" if self.options.exchange == "host" else "dist",
+            "chunks": self.options.exchange_chunks, "abort_gen": 0,
+            "deadline_s": self.options.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
+        } for r in range(self.ranks)]
+        try:
+            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt)
+        except BaseException:
+            # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
+            self._drop_buffers()
+            raise
+        out = step.tensor(buf.descs["x"]).clone()
+        self._record(plan, results, time.perf_counter() - t_wall, x.shape[0], len(ld.store.manifest), sigma)
+        return out
+
+    async def _dispatch(self, fields: list[dict]) -> list[dict]:
+        # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
+        await self.pool.start()
+        if self._rank_starts != self.pool.starts:
+            await self._load_ranks()
+        # The abort generation is read on the loop right before the job is sent, so an abort between steps
+        # cannot leave ranks disagreeing about it.
+        gen = self.pool.abort_generation
+        for f in fields:
+            f["abort_gen"] = gen
+        return await self.pool.all("dit_step", fields, self.options.step_timeout_s)
+
+    def _buffers_for(self, plan: plans.SplitPlan, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
+                     mod_segments: Sequence[tuple]) -> _StepBuffers:
+        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments) if isinstance(r, torch.Tensor))
+        ld = self._loaded
+        assert ld is not None
+        key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(t_emb.shape), t_emb.dtype, tuple(rope.shape),
+               rope.dtype, rows, self.options.exchange)
+        if self._buffers is not None and self._buffers.shape_key == key:
+            return self._buffers
+        self._drop_buffers()
+        specs = {"x": (x.dtype, x.shape), "t_emb": (t_emb.dtype, t_emb.shape), "rope": (rope.dtype, rope.shape)}
+        specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
+        size = sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
+        step = Segment.create(size, "step")
+        arena_seg = None
+        try:
+            a = Arena(step)
+            descs = {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
+            col_bounds = [g * ld.config.head_dim for g in ld.head_bounds]
+            layout = ArenaLayout.plan(self.ranks, list(plan.token_bounds), col_bounds, ld.config.hidden, x.dtype)
+            if self.options.exchange == "host":
+                arena_seg = Segment.create(layout.nbytes, "arena")
+                layout.init_header(arena_seg.base_tensor())
+        except BaseException:
+            for seg in (step, arena_seg):
+                if seg is not None:
+                    seg.close()
+                    seg.unlink()
+            raise
+        self._buffers = _StepBuffers(key, step, descs, arena_seg, layout)
+        return self._buffers
+
+    def _drop_buffers(self) -> None:
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
+
+    def _record(self, plan: plans.SplitPlan, results: list[dict], wall: float, tokens: int, blocks: int,
+                sigma: float | None) -> None:
+        hub = get_hub()
+        ranks = [{
+            "rank": r, "device": self.devices[r],
+            "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
+            "heads": [plan.head_bounds[r], plan.head_bounds[r + 1]],
+            "compute_s": float(res["compute_s"]), "exchange_s": float(res["exchange_s"]),
+            "wait_s": float(res["wait_s"]), "moved_bytes": int(res["moved_bytes"]),
+            "vram_peak_bytes": res.get("vram_peak_bytes"),
+        } for r, res in enumerate(results)]
+        chunks = self.options.exchange_chunks if self.options.exchange == "host" else 0
+        hub.record_step({
+            "at": now_iso(), "seq": hub.next_seq(), "kind": "dit", "sigma": sigma, "tokens": tokens,
+            "blocks": blocks, "devices": list(self.devices), "exchange": self.transport,
+            "chunks": max(chunks, 1), "wall_s": wall, "moved_bytes": sum(r["moved_bytes"] for r in ranks),
+            "weight_store": self.weight_state, "ranks": ranks,
+        })
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None) -> Any:
+        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires."""
+        coord = get_coordinator()
+        if interrupt is None:
+            try:
+                return coord.run(coro, timeout, what)
+            except WorkerError as exc:
+                raise SplitError(str(exc)) from exc
+        fut = coord.submit(coro)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(timeout=_INTERRUPT_POLL_S)
+            except cf.TimeoutError:
+                pass
+            except WorkerError as exc:
+                raise SplitError(str(exc)) from exc
+            if interrupt():
+                self.pool.abort()
+                coord.cancel(fut, wait=2.0)
+                raise SplitInterrupted(f"{what} interrupted; every rank was aborted")
+            if time.monotonic() > deadline:
+                self.pool.abort()
+                coord.cancel(fut, wait=2.0)
+                raise SplitError(f"{what} did not finish within {timeout:g} s; every rank was aborted")
+
+    def release(self) -> None:
+        """Stop the workers, unlink the store and the step buffers."""
+        with self._lock:
+            self._drop_store()
+            self._drop_buffers()
+            if self.pool.running:
+                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing workers")
+
+    def release_weights(self) -> bool:
+        """Drop only the weight store (the workers stay up).  Returns whether one was held."""
+        with self._lock:
+            held = self._loaded is not None
+            self._drop_store()
+            return held
+
+    def snapshot(self) -> dict:
+        """Plans/weights summary for the status route."""
+        return {"devices": list(self.devices), "options": _options_dict(self.options),
+                "weight_store": self._loaded.store.summary() if self._loaded else {"state": "empty"},
+                "running": self._running, "steps": self._steps}
+
+
+def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
+    """CPU ranks share the machine's cores: more intra-op threads than cores make OpenMP spin against itself."""
+    n_cpu = sum(1 for d in devices if d == "cpu")
+    if not n_cpu or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n_cpu))}
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _options_dict(o: SplitOptions) -> dict:
+    return {"exchange": o.exchange, "exchange_chunks": o.exchange_chunks, "vram_residency": o.vram_residency,
+            "weight_cache": o.weight_cache, "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
+            "shares": list(o.shares) if o.shares else None}
+
+
+def _check_block_options(block_options: list[dict] | None) -> None:
+    """Per-block option patches travel to the workers as data; a callable (e.g. an attention override) cannot."""
+    for i, opts in enumerate(block_options or []):
+        for k, v in (opts or {}).items():
+            if callable(v):
+                raise SplitError(
+                    f"block {i}: the patch sets transformer_options[{k!r}] to a callable ({type(v).__name__}); the "
+                    "rank workers cannot run ComfyUI callables. Remove that patch, or disable H3 MultiStream for it")
+            if k not in _WORKER_OPTIONS:
+                raise SplitError(
+                    f"block {i}: transformer_options[{k!r}] set by a block patch has no meaning on the rank workers; "
+                    f"supported keys: {sorted(_WORKER_OPTIONS) or 'none'}. Remove the patch or disable H3 MultiStream")
+
+
+#: transformer_options keys a per-block patch may set that the workers honour (none change H3's math today).
+_WORKER_OPTIONS: frozenset[str] = frozenset({"block_index"})
+
+# -- engine registry ------------------------------------------------------------------------------------------------
+_ENGINES: dict[tuple, SplitEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -> SplitEngine:
+    """The engine for this rank map and these options (created once; its workers start on first use).
+
+    Engines for other rank maps or options are released first: one split runs at a time, and each engine's
+    workers and weight store hold memory.
+    """
+    key = (tuple(devices), options)
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            for old_key in list(_ENGINES):
+                _ENGINES.pop(old_key).release()
+            eng = _ENGINES[key] = SplitEngine(devices, options)
+            _register_status()
+        return eng
+
+
+def engines() -> list[SplitEngine]:
+    with _ENGINES_LOCK:
+        return list(_ENGINES.values())
+
+
+def release_all_engines() -> int:
+    """Release every engine (workers, weight stores, buffers); returns how many there were."""
+    with _ENGINES_LOCK:
+        items = list(_ENGINES.values())
+        _ENGINES.clear()
+    for eng in items:
+        eng.release()
+    return len(items)
+
+
+def clear_weight_stores() -> int:
+    """Drop every engine's weight store, keeping the workers; returns how many stores were dropped."""
+    return sum(eng.release_weights() for eng in engines())
+
+
+_STATUS_REGISTERED = False
+
+
+def _register_status() -> None:
+    global _STATUS_REGISTERED
+    if _STATUS_REGISTERED:
+        return
+    hub = get_hub()
+    hub.register_provider("workers", lambda: [w for e in engines() for w in _worker_rows(e)])
+    hub.register_provider("weight_store", lambda: next(
+        (e._loaded.store.summary() for e in engines() if e._loaded), {"state": "empty"}))
+    hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in engines()]})
+    _STATUS_REGISTERED = True
+
+
+def _worker_rows(eng: SplitEngine) -> list[dict]:
+    return eng.pool.snapshot()
+
+
+atexit.register(release_all_engines)

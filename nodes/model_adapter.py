@@ -1,0 +1,411 @@
+"""ComfyUI ModelPatcher ↔ core: H3 detection, config, weight key and weight reading, patch capture, wrapper install.
+
+How the split sits on a ModelPatcher (facts: h3_dit_facts §3.1, §3.2; node_surface_facts §1.7):
+- a DIFFUSION_MODEL wrapper under ``WRAPPER_KEY`` (:class:`SplitWrapper`) and one ``("double_block", i)`` patch per
+  block: block 0's runs the whole stack on the workers, the others hand the stream back untouched, so H3's own
+  ``_forward`` keeps the preamble and the final layer;
+- ComfyUI keeps one patch per key, so a user patch set on the same key *before* our node is kept inside our patch
+  (``displaced``) and one set *after* it replaces ours; the wrapper sorts both out on every call;
+- an ON_PRE_RUN callback records which patcher is actually sampled (a LoRA node after ours makes a new clone that
+  shares our wrapper), so the weights and their key come from that patcher.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from typing import Any, Callable, Mapping
+
+import torch
+
+from h3ms_async.log import get_logger
+from h3ms_async.status import ram_info
+
+from . import progress
+
+log = get_logger("MultiStream")
+
+WRAPPER_KEY = "h3_multistream_async"
+H3_CLASS_NAME = "MiniMaxH3Model"
+GIB = 1024 ** 3
+
+
+class MultiStreamError(RuntimeError):
+    """A model or patch set the split cannot run; the message names the cause and the fix."""
+
+
+# --- recognising H3 -------------------------------------------------------------------------------------------
+
+def diffusion_model_of(patcher: Any) -> Any | None:
+    """The patcher's diffusion model (object patches honoured), or None when it has none."""
+    getter = getattr(patcher, "get_model_object", None)
+    if getter is None:
+        return None
+    try:
+        return getter("diffusion_model")
+    except (AttributeError, KeyError):
+        return None
+
+
+def is_h3(diffusion_model: Any) -> bool:
+    """True for ComfyUI's ``comfy.ldm.minimax.model.MiniMaxH3Model`` (or a subclass); not for minimax_music."""
+    return any(c.__name__ == H3_CLASS_NAME and c.__module__.endswith("minimax.model")
+               for c in type(diffusion_model).__mro__)
+
+
+def read_config(dm: Any):
+    """The block-stack config read from the live modules, never from defaults (pruned checkpoints differ; §1.1)."""
+    from h3ms_async.reference_dit import DiTConfig
+    b0 = dm.blocks[0]
+    head_dim = int(b0.attn.q_norm.weight.shape[0])
+    return DiTConfig(
+        hidden=int(b0.norm1.weight.shape[0]),
+        layers=len(dm.blocks),
+        heads=int(getattr(b0.attn, "heads", b0.attn.qkv_proj.weight.shape[0] // (3 * head_dim))),
+        head_dim=head_dim,
+        ffn=int(b0.mlp.fc1.weight.shape[0] // 2),
+        t_dim=int(b0.adaln_proj.linear.weight.shape[1]),
+        rope_pairs=3 * int(dm.rope.inv_freq.shape[0]),  # t, h and w axes (§2.2)
+        eps=float(b0.norm1.eps),
+    )
+
+
+# --- weight key ------------------------------------------------------------------------------------------------
+
+def weight_key(patcher: Any) -> tuple[tuple, str | None]:
+    """``(key, warning)``: the shm weight-store key of what ``patcher`` would run.
+
+    From the loader's reload factory (``cached_patcher_init = (factory, (path, model_options, ...))``,
+    node_surface_facts §1.6): ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it the key
+    is tied to this model object (``id``), with a warning: the store is then refilled for every reloaded model.
+    """
+    patches = str(getattr(patcher, "patches_uuid", ""))
+    init = getattr(patcher, "cached_patcher_init", None)
+    if init and len(init) >= 2 and init[1]:
+        args = init[1]
+        path = args[0]
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+            st = os.stat(path)
+            options = args[1] if len(args) > 1 else None
+            opts = repr(sorted(options.items(), key=lambda kv: str(kv[0]))) if isinstance(options, Mapping) else repr(options)
+            return ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns, opts, patches), None
+    model = getattr(patcher, "model", patcher)
+    return ("dit-object", id(model), patches), (
+        "weight store keyed by model object: the loader gave no single-file reload factory (cached_patcher_init); "
+        "load the DiT with a core loader (UNETLoader / CheckpointLoaderSimple) to keep the store across reloads")
+
+
+# --- weights through ComfyUI's own patch path ------------------------------------------------------------------
+
+def _is_quantized(t: Any) -> bool:
+    return hasattr(t, "_qdata") and hasattr(t, "_params")
+
+
+def effective_weight(patcher: Any, key: str) -> Any:
+    """The tensor ComfyUI computes with for state-dict ``key``: LoRA/weight patches and weight wrappers applied.
+
+    A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
+    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are, never patched twice;
+    when the live weight holds another clone's patches, the original comes from ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` computes the patched weight without touching the
+    model (quantized layers re-quantize through their ``set_weight``, §6.3). Weight wrappers
+    (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's ``weight_function`` list.
+    """
+    backup = getattr(patcher, "backup", {})
+    if key not in backup:
+        weight = patcher.patch_weight_to_device(key, return_weight=True)
+    elif getattr(patcher.model, "current_weight_patches_uuid", None) == patcher.patches_uuid:
+        path, attr = key.rsplit(".", 1)
+        weight = getattr(patcher.get_model_object(path), attr)
+    elif key not in patcher.patches:
+        weight = backup[key].weight  # the live weight carries another clone's patches; ours has none here
+    else:
+        raise MultiStreamError(
+            f"{key} currently holds another model clone's LoRA/weight patches, so this clone's patched weight cannot "
+            "be computed; let ComfyUI load this model (queue the prompt again) before the split reads its weights")
+    for fn in getattr(patcher, "weight_wrapper_patches", {}).get(key, []):
+        weight = fn(weight)
+    return weight
+
+
+def _convrot_tag(params: Any) -> torch.Tensor | None:
+    if not getattr(params, "convrot", False):
+        return None
+    conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int(params.convrot_groupsize)}
+    return torch.frombuffer(bytearray(json.dumps(conf).encode("utf-8")), dtype=torch.uint8).clone()
+
+
+def block_tensors(patcher: Any, block_index: int, prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+    """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight store takes them.
+
+    An int8 ``QuantizedTensor`` becomes ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``, fp32)
+    + ``<linear>.comfy_quant`` (JSON bytes) when it is ConvRot; a weight that a patch left dequantized stays a float
+    weight, which is what ComfyUI then computes with.  Float weights keep their stored dtype: ranks cast them to the
+    activation dtype exactly as ComfyUI's ops do.
+    """
+    dm = patcher.get_model_object(prefix.rstrip("."))
+    block = dm.blocks[block_index]
+    out: dict[str, torch.Tensor] = {}
+    for name, _ in block.named_parameters():
+        w = effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}")
+        if _is_quantized(w):
+            out[name] = w._qdata.detach().to("cpu").contiguous()
+            out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
+            tag = _convrot_tag(w._params)
+            if tag is not None:
+                out[f"{name.rsplit('.', 1)[0]}.comfy_quant"] = tag
+        else:
+            out[name] = w.detach().to("cpu").contiguous()
+    return out
+
+
+def block_nbytes(dm: Any, block_index: int) -> int:
+    """Bytes the block occupies as stored (int8 data counts one byte per element)."""
+    total = 0
+    for p in dm.blocks[block_index].parameters():
+        data = p._qdata if _is_quantized(p) else p
+        total += data.numel() * data.element_size()
+    return total
+
+
+def available_ram() -> int:
+    """Available RAM in bytes: the smaller of the host's and the memory cgroup's figure."""
+    return int(ram_info()["available_bytes"])
+
+
+def block_reader(patcher: Any, reserve_gb: float,
+                 ram: Callable[[], int] = available_ram) -> Callable[[int], dict[str, torch.Tensor]]:
+    """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into the RAM reserve."""
+    dm = patcher.get_model_object("diffusion_model")
+    reserve = int(reserve_gb * GIB)
+
+    def read(i: int) -> dict[str, torch.Tensor]:
+        need = block_nbytes(dm, i)
+        avail = ram()
+        if avail - need < reserve:
+            raise MultiStreamError(
+                f"weight store: block {i} needs {need / GIB:.2f} GiB but only {avail / GIB:.2f} GiB RAM is available "
+                f"and cache_ram_reserve_gb keeps {reserve_gb:g} GiB free; lower cache_ram_reserve_gb, free RAM, or "
+                "run the model unsplit")
+        with torch.inference_mode():
+            return block_tensors(patcher, i)
+    return read
+
+
+# --- user block patches ----------------------------------------------------------------------------------------
+
+class _OwnPatch:
+    """Marks the patches this pack installs; ``displaced`` is the user patch that held the key before ours."""
+
+    def __init__(self, displaced: Any = None):
+        self.displaced = displaced
+
+
+class PassThroughPatch(_OwnPatch):
+    """Blocks 1..L-1: block 0 already ran them on the workers."""
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        return {"img": args["img"]}
+
+
+class StackPatch(_OwnPatch):
+    """Block 0 at node time; the wrapper swaps in a per-call :class:`_RunStack` that does the work."""
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        raise MultiStreamError("H3 MultiStream's block patch ran without its DIFFUSION_MODEL wrapper; another node "
+                               "removed the wrapper. Put H3 MultiStream last in the model chain.")
+
+
+def collect_user_patches(transformer_options: Mapping, n_blocks: int) -> dict[int, Any]:
+    """User ``("double_block", i)`` patches by block, ours set aside; any other ``dit`` key is refused."""
+    dit = transformer_options.get("patches_replace", {}).get("dit", {})
+    found: dict[int, Any] = {}
+    other = []
+    for key, patch in dit.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "double_block" and isinstance(key[1], int)
+                and 0 <= key[1] < n_blocks):
+            other.append(key)
+            continue
+        user = patch.displaced if isinstance(patch, _OwnPatch) else patch
+        if user is not None:
+            found[key[1]] = user
+    if other:
+        raise MultiStreamError(f"unsupported dit patches: {other!r}; H3 MultiStream only runs "
+                               "('double_block', i) patches. Remove the node that sets them or disable H3 MultiStream.")
+    return found
+
+
+def _replaces(i: int, why: str) -> MultiStreamError:
+    return MultiStreamError(
+        f"block {i} carries a patch that replaces the block computation ({why}); H3 MultiStream only supports "
+        "patches that adjust transformer_options (e.g. a per-block attention backend). Remove that patch, or set "
+        "H3 MultiStream's enabled=false for this model.")
+
+
+def capture_block_options(user_patches: Mapping[int, Any], args: Mapping, n_blocks: int) -> list[dict] | None:
+    """Run each user patch against a recording ``original_block`` and keep what it changes in transformer_options.
+
+    The patch sees block ``i``'s args with a meta-device ``img`` (same shape and dtype, no data, so a patch that
+    computes on the stream cannot touch the real one). It must call ``original_block`` exactly once, with the args it
+    got except for ``transformer_options``, pass no ``attention`` callable, and return what ``original_block``
+    returned. Returns one dict per block (the keys the patch set or replaced), or None when nothing changed.
+    """
+    if not user_patches:
+        return None
+    base_to = args["transformer_options"]
+    probe = torch.empty_like(args["img"], device="meta")
+    per_block: list[dict] = [{} for _ in range(n_blocks)]
+    for i, patch in sorted(user_patches.items()):
+        given_to = dict(base_to)
+        given_to["block_index"] = i
+        snapshot = dict(given_to)
+        call_args = dict(args, img=probe, transformer_options=given_to)
+        seen: list[dict] = []
+
+        def original_block(a: dict) -> dict:
+            seen.append(dict(a))
+            return {"img": a["img"]}
+        try:
+            out = patch(call_args, {"original_block": original_block})
+        except MultiStreamError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a patch that computes on the stream fails on the meta probe
+            raise _replaces(i, f"it failed on a data-free probe: {type(exc).__name__}: {exc}") from exc
+        if len(seen) != 1:
+            raise _replaces(i, f"it called original_block {len(seen)} times, not once")
+        rec = seen[0]
+        if rec.get("attention") is not None:
+            raise _replaces(i, "it passes its own attention module")
+        for name in ("img", "t_emb", "mod_segments", "rope_freqs"):
+            if rec.get(name) is not call_args[name]:
+                raise _replaces(i, f"it changes args[{name!r}]")
+        if not isinstance(out, Mapping) or out.get("img") is not probe:
+            raise _replaces(i, "it does not return original_block's output")
+        rec_to = rec.get("transformer_options", {})
+        removed = [k for k in snapshot if k not in rec_to]
+        if removed:
+            raise _replaces(i, f"it removes transformer_options keys {removed}")
+        per_block[i] = {k: v for k, v in rec_to.items() if k not in snapshot or snapshot[k] is not v}
+    return per_block if any(per_block) else None
+
+
+# --- the wrapper ---------------------------------------------------------------------------------------------------
+
+class SplitState:
+    """What one node instance configured; shared by every clone that inherits its wrapper."""
+
+    def __init__(self, devices: list[str], options: Any, reserve_gb: float, patcher: Any):
+        self.devices = list(devices)
+        self.options = options
+        self.reserve_gb = reserve_gb
+        self.detached = False
+        self._patcher = weakref.ref(patcher)
+        self._lock = threading.Lock()
+        self.warned_key = False
+
+    def set_patcher(self, patcher: Any) -> None:
+        with self._lock:
+            self._patcher = weakref.ref(patcher)
+
+    def patcher(self) -> Any:
+        with self._lock:
+            p = self._patcher()
+        if p is None:
+            raise MultiStreamError("the model this split was configured for is gone; re-run the H3 MultiStream node")
+        return p
+
+    def describe(self) -> dict:
+        return {"kind": "dit_split", "devices": list(self.devices), "detached": self.detached,
+                "options": repr(self.options)}
+
+
+_STATES: "weakref.WeakSet[SplitState]" = weakref.WeakSet()
+
+
+def live_states() -> list[SplitState]:
+    """Split configurations still referenced by some model."""
+    return list(_STATES)
+
+
+def detach_all() -> int:
+    """Make every installed split run unsplit until its node runs again; returns how many were attached."""
+    n = 0
+    for state in live_states():
+        if not state.detached:
+            state.detached = True
+            n += 1
+    return n
+
+
+class _RunStack:
+    """Block 0 for one diffusion-model call: capture user patches, fill the store, run all blocks on the workers."""
+
+    def __init__(self, state: SplitState, dm: Any, user_patches: dict[int, Any]):
+        self.state = state
+        self.dm = dm
+        self.user_patches = user_patches
+
+    def __call__(self, args: dict, extra: dict) -> dict:
+        n = len(self.dm.blocks)
+        block_options = capture_block_options(self.user_patches, args, n)  # refuses bad patches before any work
+        from h3ms_async.split import SplitInterrupted, get_engine
+        patcher = self.state.patcher()
+        key, warning = weight_key(patcher)
+        if warning and not self.state.warned_key:
+            self.state.warned_key = True
+            log.warning(warning)
+        engine = get_engine(self.state.devices, self.state.options)
+        engine.load_weights(key + (repr(self.state.options),), read_config(self.dm),
+                            block_reader(patcher, self.state.reserve_gb), n)
+        try:
+            out = engine.run_blocks(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
+                                    block_options=block_options, interrupt=progress.interrupt_probe())
+        except SplitInterrupted as exc:
+            progress.raise_interrupted(exc)
+        return {"img": out}
+
+
+class SplitWrapper:
+    """The DIFFUSION_MODEL wrapper: swaps our block patches in for this call and runs H3's own ``_forward``."""
+
+    def __init__(self, state: SplitState):
+        self.state = state
+
+    def __call__(self, executor: Any, x: Any, timestep: Any, context: Any, transformer_options: dict,
+                 *args: Any, **kwargs: Any) -> Any:
+        dm = executor.class_obj
+        if not is_h3(dm):
+            return executor(x, timestep, context, transformer_options, *args, **kwargs)
+        n = len(dm.blocks)
+        user = collect_user_patches(transformer_options, n)
+        to = dict(transformer_options)
+        to["patches_replace"] = dict(to.get("patches_replace", {}))
+        if self.state.detached:  # plain ComfyUI: the user's own patches only
+            to["patches_replace"]["dit"] = {("double_block", i): p for i, p in user.items()}
+            return executor(x, timestep, context, to, *args, **kwargs)
+        dit = {("double_block", i): PassThroughPatch() for i in range(1, n)}
+        dit[("double_block", 0)] = _RunStack(self.state, dm, user)
+        to["patches_replace"]["dit"] = dit
+        to["prefetch_dynamic_vbars"] = False  # no ComfyUI-side block weight prefetch: blocks run on the workers
+        return executor(x, timestep, context, to, *args, **kwargs)
+
+
+def install_split(clone: Any, devices: list[str], options: Any, reserve_gb: float) -> SplitState:
+    """Put the wrapper, the block patches and the pre-run callback on ``clone`` (a fresh clone); returns the state."""
+    from comfy.patcher_extension import CallbacksMP, WrappersMP
+    dm = clone.get_model_object("diffusion_model")
+    state = SplitState(devices, options, reserve_gb, clone)
+    _STATES.add(state)
+    dit = clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    for i in range(len(dm.blocks)):
+        previous = dit.get(("double_block", i))
+        if isinstance(previous, _OwnPatch):  # a second H3 MultiStream node in the chain: keep the user patch only
+            previous = previous.displaced
+        patch = StackPatch(previous) if i == 0 else PassThroughPatch(previous)
+        clone.set_model_patch_replace(patch, "dit", "double_block", i)
+    # a second H3 MultiStream node in the chain replaces the first one's wrapper and callback instead of stacking
+    clone.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    clone.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, WRAPPER_KEY)
+    clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, SplitWrapper(state))
+    clone.add_callback_with_key(CallbacksMP.ON_PRE_RUN, WRAPPER_KEY, state.set_patcher)
+    return state

@@ -1,0 +1,107 @@
+"""The **H3 MultiStream** node: splits MiniMax H3's transformer blocks across GPU worker processes, bit-exact."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from h3ms_async.log import get_logger
+
+from .model_adapter import diffusion_model_of, install_split, is_h3
+
+log = get_logger("MultiStream")
+
+RANK_MAP_ENV = "H3MS_RANK_MAP"
+"""A rank map (e.g. ``cpu,cpu`` or ``cuda:0,cuda:0,cuda:1``) that replaces the GPU plan: for tests and verification."""
+
+_DESCRIPTION = (
+    "Splits every denoising step of MiniMax H3's transformer blocks across GPUs (tokens and attention heads), one "
+    "worker process per GPU, with output identical bit for bit to a single GPU. ComfyUI keeps H3's own embedding, "
+    "layout, rope and final layer; the workers run the 50 blocks from one shared-memory copy of the weights (LoRA "
+    "and weight patches included). Connect an H3 MS GPU Set to choose GPUs; without it every visible GPU is used. "
+    "A model that is not MiniMax H3, or a single usable GPU, runs unsplit. There is no dynamic_vram or "
+    "vram_block_cache input: the workers are separate processes, outside ComfyUI's DynamicVRAM, and keep as many "
+    "blocks resident in their own VRAM as fit (vram_residency).")
+
+
+class H3MultiStreamAsync:
+    """MODEL → MODEL: a clone with the split wrapper and block patches installed."""
+
+    CATEGORY = "advanced/model"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    DESCRIPTION = _DESCRIPTION
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "A MiniMax H3 model; any other model passes through unchanged."}),
+                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off returns the model untouched (plain "
+                                        "ComfyUI). Bypassing the node has the same effect."}),
+                "second_gpu": ("INT", {"default": -1, "min": -1, "max": 15, "tooltip": "Legacy: CUDA index of one "
+                                       "extra GPU; -1 = every visible GPU. Ignored when a GPU set is connected."}),
+                "exchange": (["host", "nccl"], {"default": "host", "tooltip": "host: per-block exchanges through "
+                             "pinned shared memory, works on any PCIe box. nccl: torch.distributed collectives, for "
+                             "NVLink machines."}),
+                "exchange_chunks": ("INT", {"default": 0, "min": 0, "max": 32, "tooltip": "Pipeline the host "
+                                    "exchange in this many chunks so device-to-host and host-to-device copies overlap; "
+                                    "0 or 1 = one shot. 8 is recommended for host. Ignored by nccl."}),
+                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep the block weights in shared memory "
+                                 "for the life of ComfyUI (about 18.5 GB for H3 int8), so the next prompt starts "
+                                 "without refilling them."}),
+                "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
+                                         "tooltip": "Fill the weight store only while at least this much RAM stays "
+                                         "available; the split refuses to start rather than eat into it."}),
+                "vram_residency": (["auto", "resident", "stream"], {"default": "auto", "tooltip": "auto: keep as "
+                                   "many blocks in each GPU's VRAM as fit and stream the rest with prefetch. "
+                                   "resident: all blocks must fit. stream: stream every block each step."}),
+            },
+            "optional": {
+                "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node."}),
+            },
+        }
+
+    def patch(self, model: Any, enabled: bool, second_gpu: int, exchange: str, exchange_chunks: int,
+              weight_cache: bool, cache_ram_reserve_gb: float, vram_residency: str, gpus: Any = None) -> tuple:
+        if not enabled:
+            return (model,)
+        dm = diffusion_model_of(model)
+        if dm is None or not is_h3(dm):
+            log.warning("H3 MultiStream: the model is %s, not MiniMax H3; passing it through unsplit",
+                        type(dm).__name__ if dm is not None else type(model).__name__)
+            return (model,)
+        devices, why = _plan_devices(model, gpus, second_gpu)
+        if devices is None:
+            log.info("H3 MultiStream: running unsplit (%s)", why)
+            return (model,)
+        from h3ms_async.split import SplitOptions
+        options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
+                               weight_cache=bool(weight_cache), cache_ram_reserve_gb=float(cache_ram_reserve_gb))
+        clone = model.clone()
+        install_split(clone, devices, options, float(cache_ram_reserve_gb))
+        log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
+                 "%g GiB, vram residency %s", type(dm).__name__, getattr(model, "load_device", "?"),
+                 ",".join(devices), why, exchange, exchange_chunks, "on" if weight_cache else "off",
+                 cache_ram_reserve_gb, vram_residency)
+        return (clone,)
+
+
+def _plan_devices(model: Any, gpus: Any, second_gpu: int) -> tuple[list[str] | None, str]:
+    """``(devices, why)``: the rank devices, or None with the reason the model runs unsplit.
+
+    ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for). Otherwise the model must be
+    on CUDA, and the resolved plan (the model's GPU is rank 0) needs at least two ranks.
+    """
+    from h3ms_async.plans import GPUSet, rank_map, resolve_cuda
+    spec = os.environ.get(RANK_MAP_ENV, "").strip()
+    if spec:
+        return rank_map(spec), f"{RANK_MAP_ENV}={spec}"
+    load_device = getattr(model, "load_device", None)
+    if getattr(load_device, "type", None) != "cuda":
+        return None, f"the model is on {load_device}, the split needs MiniMax H3 on CUDA"
+    gpu_set = gpus if gpus is not None else GPUSet.legacy(int(second_gpu))
+    plan = resolve_cuda(gpu_set, 0 if load_device.index is None else load_device.index)
+    notes = "; ".join(plan.notes) if plan.notes else "no notes"
+    if len(plan.devices) < 2:
+        return None, f"one usable GPU ({', '.join(plan.devices)}; {notes})"
+    return list(plan.devices), f"{gpu_set.describe()}; {notes}"

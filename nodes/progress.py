@@ -1,0 +1,18 @@
+"""Interrupt bridge: ComfyUI's cancel flag as the split's ``interrupt()`` probe, and the split's abort as ComfyUI's
+``InterruptProcessingException`` (so ComfyUI reports "interrupted", not an error)."""
+from __future__ import annotations
+
+from typing import Callable, NoReturn
+
+
+def interrupt_probe() -> Callable[[], bool]:
+    """``comfy.model_management.processing_interrupted``: True once the user pressed cancel (the flag is only read)."""
+    import comfy.model_management as mm
+    return mm.processing_interrupted
+
+
+def raise_interrupted(cause: BaseException) -> NoReturn:
+    """Raise ComfyUI's interrupt exception for a split the cancel flag aborted; clears the flag like ComfyUI does."""
+    import comfy.model_management as mm
+    mm.throw_exception_if_processing_interrupted()
+    raise mm.InterruptProcessingException() from cause

@@ -1,0 +1,1 @@
+"""Stand-in for the ``comfy`` package (tests only; see ../README.md)."""

@@ -1,0 +1,222 @@
+"""What one rank executes for the transformer split: its weights (views of the shared-memory weight store) and a
+step (every block on its token range and head group, with the per-block all-gather and all-to-all).
+
+Per block, rank r with tokens [t0, t1) and heads [g0, g1) (DESIGN.md §5):
+
+1. adaln of t_emb (same GEMM shape on every rank, so the same numbers); norm1 + modulation of its tokens;
+2. all-gather of the modulated rows -> [S, H];
+3. qkv of its head rows over all tokens, fused RMSNorm + rope, attention over the whole sequence;
+4. all-to-all -> every head's attention output for its own tokens [n_r, heads*D];
+5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as ComfyUI).
+
+The math is ``workers.dit_ops``, the same code the unsplit reference runs.  Device specifics (CUDA streams, weight
+residency, pinned staging) live in ``workers.cuda_rank``; this module is device-neutral.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers import dit_ops, dit_protocol
+from workers.exchange import ArenaLayout, ExchangeAborted, HostExchange
+from workers.handlers import WorkerContext, handler
+
+_STATE = "dit"
+
+
+@dataclass
+class RankWeights:
+    """This rank's block weights: every parameter as a tensor on the rank's device (or a view of the store)."""
+
+    key: str
+    store: str
+    config: dict
+    heads: tuple[int, int]
+    blocks: list[dict[str, torch.Tensor]]
+    #: per block: the head group's fused qkv rows (and scale), contiguous
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]
+    quant: list[dit_ops.QuantInfo]
+    provider: Any = None  # a CUDA streaming provider (workers.cuda_rank) when weights are not all resident
+    nbytes: int = 0
+
+
+@dataclass
+class RankState:
+    weights: RankWeights | None = None
+    exchanges: dict[tuple, Any] = field(default_factory=dict)
+    dist_backend: str | None = None
+
+
+def _state(ctx: WorkerContext) -> RankState:
+    st = ctx.state.get(_STATE)
+    if st is None:
+        st = ctx.state[_STATE] = RankState()
+    return st
+
+
+def _load_cpu(ctx: WorkerContext, msg: dict) -> RankWeights:
+    """CPU rank: block weights are zero-copy views of the store; the head group's qkv rows are copied once."""
+    seg = ctx.segment(msg["store"])
+    cfg = msg["config"]
+    g0, g1 = (int(v) for v in msg["heads"])
+    blocks, qkv, quant, nbytes = [], [], [], 0
+    for entry in msg["manifest"]:
+        w = {name: seg.tensor(desc) for name, desc in entry.items()}
+        q_w, q_s = dit_ops.slice_qkv_weights(w, g0, g1, cfg["heads"], cfg["head_dim"])
+        nbytes += q_w.numel() * q_w.element_size() if (g0, g1) != (0, cfg["heads"]) else 0
+        blocks.append(w)
+        qkv.append((q_w, q_s))
+        quant.append(dit_ops.quant_info(w, "attn.qkv_proj"))
+    return RankWeights(msg["key"], msg["store"], cfg, (g0, g1), blocks, qkv, quant, nbytes=nbytes)
+
+
+@handler("dit_load")
+async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    if st.weights is not None and st.weights.key == msg["key"] and list(st.weights.heads) == list(msg["heads"]):
+        return {"loaded": False, "bytes": st.weights.nbytes}
+    _drop_weights(ctx, st)
+    ctx.state["devices"] = msg["config"].get("devices")
+    t = time.perf_counter()
+    if ctx.device.startswith("cuda"):
+        from workers import cuda_rank
+        st.weights = await ctx.run_compute(cuda_rank.load_weights, ctx, msg)
+    else:
+        st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
+    ctx.log.info("[dit] rank %d: weights %s loaded (%d blocks, heads %s) in %.2fs", ctx.rank, msg["key"],
+                 len(st.weights.blocks), msg["heads"], time.perf_counter() - t)
+    return {"loaded": True, "bytes": st.weights.nbytes, "seconds": time.perf_counter() - t}
+
+
+def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
+    if st.weights is not None:
+        if st.weights.provider is not None:
+            st.weights.provider.close()
+        st.weights = None
+        if ctx.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+@handler("dit_release")
+async def _dit_release(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    store = st.weights.store if st.weights is not None else None
+    _drop_weights(ctx, st)
+    for ex in st.exchanges.values():
+        ex.close()
+    st.exchanges.clear()
+    if st.dist_backend is not None:
+        from workers.dist_exchange import destroy_group
+        await ctx.run_compute(destroy_group)
+        st.dist_backend = None
+    if store is not None:
+        ctx.forget_segment(store)
+    return {"released": True}
+
+
+def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
+    """The exchange object for this step's arena (created once per arena and layout)."""
+    layout = ArenaLayout.from_dict(msg["layout"])
+    if msg["exchange"] == "host":
+        key = ("host", msg["arena"])
+        ex = st.exchanges.get(key)
+        if ex is None:
+            for old in [k for k in st.exchanges if k[0] == "host"]:
+                st.exchanges.pop(old).close()
+            arena = ctx.segment(msg["arena"]).base_tensor()
+            copies = {}
+            if ctx.device.startswith("cuda"):
+                from workers import cuda_rank
+                copies = cuda_rank.exchange_copies(ctx)
+            ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
+                              msg["deadline_s"], **copies)
+            st.exchanges[key] = ex
+        return ex
+    from workers.dist_exchange import DistExchange, init_group
+    backend = "nccl" if ctx.device.startswith("cuda") else "gloo"
+    if st.dist_backend is None:
+        init_group(ctx.rank, ctx.world_size, backend, os.path.join(ctx.run_dir, "dist-rendezvous"),
+                   msg["deadline_s"], devices=ctx.state.get("devices"))
+        st.dist_backend = backend
+    key = ("dist", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
+    ex = st.exchanges.get(key)
+    if ex is None:
+        ex = st.exchanges[key] = DistExchange(ctx.rank, ctx.world_size, layout, control=ctx.control)
+    return ex
+
+
+def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.Segment]:
+    out: list[dit_ops.Segment] = []
+    for a, b, row in raw:
+        if isinstance(row, dict):
+            row = ctx.segment(row["seg"]).tensor(row).to(device)
+        out.append((int(a), int(b), row))
+    return out
+
+
+def run_step(ctx: WorkerContext, msg: dict) -> dict:
+    """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank timings."""
+    st = _state(ctx)
+    w = st.weights
+    if w is None:
+        raise RuntimeError(f"rank {ctx.rank}: dit_step before dit_load; the coordinator must load weights first")
+    cfg = w.config
+    t_start = time.perf_counter()
+    device = torch.device(ctx.device)
+    cuda = device.type == "cuda"
+    t0, t1 = (int(v) for v in msg["tokens"])
+    g0, g1 = w.heads
+    step_seg = ctx.segment(msg["x"]["seg"])
+    x_full = step_seg.tensor(msg["x"])
+    x_rows = x_full[t0:t1].to(device, non_blocking=True) if cuda else x_full[t0:t1]
+    t_emb = step_seg.tensor(msg["t_emb"]).to(device)
+    rope = step_seg.tensor(msg["rope"]).to(device)
+    segs = dit_ops.clip_segments(_segments(ctx, msg["segments"], device), t0, t1)
+    ex = _exchange(ctx, st, msg)
+    ex.reset_stats()
+    ex.begin(int(msg["abort_gen"]))
+    chunks = int(msg["chunks"])
+    b0, b1 = (int(v) for v in msg["blocks"])
+    eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
+    timer = w.provider.timer() if w.provider is not None else None
+    for i in range(b0, b1):
+        if ctx.abort_generation() != int(msg["abort_gen"]):
+            raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
+        bw = w.provider.block(i) if w.provider is not None else w.blocks[i]
+        q_w, q_s = w.provider.qkv(i) if w.provider is not None else w.qkv[i]
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(bw, t_emb)
+        n1 = dit_ops.norm_modulate(x_rows, bw["norm1.weight"], shift_msa, scale_msa, segs, eps)
+        n1_full = ex.all_gather_rows(n1, chunks)
+        attn = dit_ops.attention_heads(n1_full, q_w, q_s, bw["attn.q_norm.weight"], bw["attn.k_norm.weight"], rope,
+                                       heads_local, head_dim, eps, quant=w.quant[i])
+        attn_rows = ex.all_to_all_cols(attn, chunks)
+        dit_ops.out_mlp(x_rows, attn_rows, bw, gate_msa, shift_mlp, scale_mlp, gate_mlp, segs, eps)
+        if w.provider is not None:
+            w.provider.done(i)
+    if cuda:
+        x_full[t0:t1].copy_(x_rows)
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t_start
+    xs = ex.stats()
+    exchange_s = float(xs.get("copy_s", 0.0)) + float(xs.get("wait_s", 0.0))
+    return {
+        "wall_s": wall,
+        "compute_s": max(0.0, wall - exchange_s),
+        "exchange_s": float(xs.get("copy_s", 0.0)),
+        "wait_s": float(xs.get("wait_s", 0.0)),
+        "moved_bytes": int(xs.get("bytes_written", 0)) + int(xs.get("bytes_read", 0)),
+        "signals": int(xs.get("signals_sent", 0)),
+        "vram_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        "weights": timer() if timer is not None else None,
+    }
+
+
+@handler("dit_step")
+async def _dit_step(ctx: WorkerContext, msg: dict) -> dict:
+    if msg["exchange"] not in dit_protocol.EXCHANGES:
+        raise ValueError(f"dit_step: exchange {msg['exchange']!r} is not one of {dit_protocol.EXCHANGES}")
+    return await ctx.run_compute(run_step, ctx, msg)
