@@ -1,0 +1,209 @@
+"""Standalone HTTP server: the status/control routes, the live panel, and a Server-Sent-Events feed of step records.
+
+Inside ComfyUI the routes ride on ComfyUI's own server and steps reach the frontend over its websocket; outside it
+(``python -m h3ms_async serve``, or the demo via :func:`start_background_server`) this module is the server, and
+``GET /h3multistream/events`` is the live feed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from typing import Any, Awaitable, Callable, Sequence
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from h3ms_async.http_routes import PREFIX, LogTail, add_routes
+from h3ms_async.log import ensure_console_handler, get_logger
+from h3ms_async.status import RING_SIZE, StatusHub, get_hub
+
+_log = get_logger("Serve")
+
+EVENTS_DEFAULT_S, EVENTS_MAX_S = 60, 300  # a stream closes after this; EventSource reconnects with ?after / Last-Event-ID
+HEARTBEAT_S = 15.0
+MAX_STREAMS = 16
+QUEUE_SIZE = 64  # per stream; on overflow the oldest record is dropped and the client sees a seq gap
+
+_STREAMS = web.AppKey("h3ms_streams", set)
+
+
+def _sse(rec: dict) -> bytes:
+    return f"id: {rec['seq']}\nevent: step\ndata: {json.dumps(rec, separators=(',', ':'))}\n\n".encode()
+
+
+def _parse_int(raw: str | None) -> int | None:
+    if raw in (None, ""):
+        return None
+    return int(raw)
+
+
+def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) -> None:
+    """``GET /h3multistream/events?after=SEQ&timeout=S``: step records as Server-Sent Events.
+
+    Records with ``seq > after`` (or > the ``Last-Event-ID`` header) still in the ring are sent first, then new ones
+    as they are recorded. A stream lives at most ``timeout`` seconds (default 60, max 300), sends a comment every
+    15 s so proxies keep it open, and ends at once when the server shuts down. At most 16 streams at a time.
+    """
+    @routes.get(PREFIX + "/events")
+    async def events(request: web.Request) -> web.StreamResponse:
+        the_hub = hub or get_hub()
+        try:
+            # a reconnecting EventSource repeats its first URL's ?after but sends the newer Last-Event-ID
+            marks = [m for m in (_parse_int(request.query.get("after")),
+                                 _parse_int(request.headers.get("Last-Event-ID"))) if m is not None]
+            after = max(marks) if marks else None
+            timeout = _parse_int(request.query.get("timeout"))
+        except ValueError:
+            return web.json_response({"error": "after and timeout must be integers (a step seq, seconds)"},
+                                     status=400)
+        timeout = EVENTS_DEFAULT_S if timeout is None else max(1, min(EVENTS_MAX_S, timeout))
+        streams = request.app[_STREAMS]
+        if len(streams) >= MAX_STREAMS:
+            return web.json_response({"error": f"too many event streams open (max {MAX_STREAMS}); "
+                                      f"poll GET {PREFIX}/steps?after=SEQ instead"}, status=503)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[dict | None] = asyncio.Queue(maxsize=QUEUE_SIZE)
+
+        def put(item: dict | None) -> None:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(item)
+
+        def on_step(rec: dict) -> None:
+            try:
+                loop.call_soon_threadsafe(put, rec)
+            except RuntimeError:  # the loop closed between removal and this call: the stream is gone anyway
+                pass
+
+        # listen before reading the backlog so nothing recorded in between is lost; seq dedupes the overlap
+        remove = the_hub.add_listener(on_step)
+        streams.add(put)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        try:
+            await resp.prepare(request)
+            await resp.write(b"retry: 2000\n\n")
+            last = after
+            if after is not None:
+                for rec in the_hub.recent_steps(RING_SIZE, after=after):
+                    await resp.write(_sse(rec))
+                    last = rec["seq"]
+            deadline = loop.time() + timeout
+            while (remaining := deadline - loop.time()) > 0:
+                try:
+                    rec = await asyncio.wait_for(queue.get(), min(remaining, HEARTBEAT_S))
+                except asyncio.TimeoutError:
+                    if deadline - loop.time() > 0:
+                        await resp.write(b": keepalive\n\n")
+                    continue
+                if rec is None:  # server shutdown
+                    break
+                if last is not None and rec["seq"] <= last:
+                    continue
+                await resp.write(_sse(rec))
+                last = rec["seq"]
+        except (ConnectionResetError, ConnectionError):
+            pass  # the client went away; nothing to clean beyond the finally
+        finally:
+            remove()
+            streams.discard(put)
+        return resp
+
+
+@web.middleware
+async def _same_origin_posts(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Refuse cross-site POSTs: any web page can POST to 127.0.0.1, and these routes stop workers."""
+    origin = request.headers.get("Origin")
+    if request.method == "POST" and origin not in (None, "null") and urlsplit(origin).netloc != request.host:
+        return web.json_response({"error": f"cross-origin POST from {origin} refused; use the panel served by this "
+                                  "server or a client without an Origin header"}, status=403)
+    return await handler(request)
+
+
+async def _close_streams(app: web.Application) -> None:
+    for put in list(app[_STREAMS]):
+        put(None)
+
+
+def build_app(*, hub: StatusHub | None = None, log_tail: LogTail | None = None) -> web.Application:
+    """The standalone aiohttp application: :func:`h3ms_async.http_routes.add_routes` plus the event stream."""
+    app = web.Application(middlewares=[_same_origin_posts])
+    app[_STREAMS] = set()
+    routes = web.RouteTableDef()
+    add_routes(routes, hub=hub, log_tail=log_tail)
+    add_event_route(routes, hub=hub)
+
+    @routes.get("/")
+    async def root(request: web.Request) -> web.Response:
+        raise web.HTTPFound(PREFIX + "/panel")
+
+    app.add_routes(routes)
+    app.on_shutdown.append(_close_streams)
+    return app
+
+
+def serve(host: str = "127.0.0.1", port: int = 8189, *, hub: StatusHub | None = None,
+          log_tail: LogTail | None = None) -> None:
+    """Run the standalone server in the calling thread until interrupted (Ctrl-C)."""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        _log.warning("serving on %s: these routes have no authentication and can stop workers; "
+                     "prefer 127.0.0.1 behind an SSH tunnel", host)
+    _log.info("live panel on http://%s:%d%s/panel", host, port, PREFIX)
+    web.run_app(build_app(hub=hub, log_tail=log_tail), host=host, port=port, print=None,
+                shutdown_timeout=5.0)
+
+
+RunOnLoop = Callable[[Awaitable[Any], float], Any]
+
+
+def _coordinator_runner() -> RunOnLoop:
+    from h3ms_async.coordinator import get_coordinator
+    coord = get_coordinator()
+    return lambda coro, timeout: coord.run(coro, timeout)
+
+
+def start_background_server(port: int = 0, host: str = "127.0.0.1", *, hub: StatusHub | None = None,
+                            log_tail: LogTail | None = None,
+                            run: RunOnLoop | None = None) -> tuple[str, Callable[[], None]]:
+    """Serve the routes and panel from a loop that is already running (the coordinator's by default).
+
+    ``run(coro, timeout)`` executes a coroutine on that loop and returns its result; it defaults to the core
+    coordinator's ``run``. Returns ``(base_url, stop)``: ``base_url`` is ``http://host:port`` with the port actually
+    bound (``port=0`` picks a free one); ``stop()`` closes open event streams and the listening socket, within 10 s.
+    """
+    run = run or _coordinator_runner()
+    app = build_app(hub=hub, log_tail=log_tail)
+
+    async def start() -> tuple[web.AppRunner, int]:
+        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        return runner, runner.addresses[0][1]
+
+    runner, bound = run(start(), 30.0)
+    url = f"http://{host}:{bound}"
+    _log.info("live panel on %s%s/panel", url, PREFIX)
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        if not stopped:
+            stopped = True
+            run(runner.cleanup(), 10.0)
+    return url, stop
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m h3ms_async serve [--host H] [--port P]``."""
+    p = argparse.ArgumentParser(prog="python -m h3ms_async serve",
+                                description="Serve the H3 MultiStream status routes and live panel.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8189, help="TCP port (default 8189)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    ensure_console_handler(logging.INFO)
+    serve(args.host, args.port)
+    return 0

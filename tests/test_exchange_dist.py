@@ -1,0 +1,57 @@
+"""torch.distributed exchange (gloo on CPU) against the host exchange; the NCCL rank-map check."""
+from __future__ import annotations
+
+import glob
+import os
+
+import psutil
+import pytest
+
+from h3ms_async.bench_exchange import ProbeGroup, split_bounds
+from workers.dist_exchange import check_nccl_rank_map, init_group
+from workers.exchange import ArenaLayout
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    yield
+    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
+    assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
+    assert not psutil.Process().children(recursive=True), "child processes left behind"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gloo_equals_host_bit_exact(world):
+    shares = [1.0, 1.0, 0.7, 1.0][:world]
+    cases = []
+    for dt in ("bfloat16", "float32"):
+        lay = ArenaLayout.plan(world, split_bounds(19 + world, shares), [h * 4 for h in split_bounds(6, shares)],
+                               24, dt)
+        # "both": every op runs on the host arena and on gloo with the same inputs; each result must be
+        # torch.equal to the exact expected tensor, so host == gloo bit for bit
+        cases.append({"transport": "both", "layout": lay, "chunks": [0, 3], "rounds": 2, "blocks": 2, "seed": 11})
+    with ProbeGroup(world, cases) as grp:
+        grp.start()
+        recs = grp.results(timeout_s=120)
+    for rec in recs:
+        assert rec["error"] is None, rec["error"]
+        assert rec["ok"], [c["failures"] for c in rec["cases"]]
+        transports = [r["transport"] for r in rec["cases"][0]["runs"]]
+        assert transports == ["host", "dist", "host", "dist"]
+        dist_stats = rec["cases"][0]["runs"][1]["stats"]
+        assert dist_stats["transport"] == "dist-gloo" and dist_stats["ops"] == 8 and dist_stats["bytes_read"] > 0
+
+
+def test_nccl_refuses_two_ranks_on_one_gpu():
+    check_nccl_rank_map(["cuda:0", "cuda:1", "cuda:2"])
+    with pytest.raises(ValueError, match=r"ranks \[0, 1\] on cuda:0.*exchange=host"):
+        check_nccl_rank_map(["cuda:0", "cuda:0", "cuda:1"])
+    with pytest.raises(ValueError, match=r"ranks \[0, 2\] on cuda:0"):
+        check_nccl_rank_map(["cuda", "cuda:1", "cuda:0"])
+    with pytest.raises(ValueError, match="needs CUDA devices.*exchange=host"):
+        check_nccl_rank_map(["cpu", "cpu"])
+    # init_group checks the map before touching CUDA or the rendezvous file
+    with pytest.raises(ValueError, match="cannot put two ranks on one GPU"):
+        init_group(0, 2, "nccl", "/tmp/h3ms-never-created", 5.0, devices=["cuda:1", "cuda:1"])
+    with pytest.raises(ValueError, match="absolute path"):
+        init_group(0, 2, "gloo", "relative/init", 5.0)

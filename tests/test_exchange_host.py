@@ -1,0 +1,203 @@
+"""Host exchange: real rank subprocesses, real /dev/shm arenas, real eventfd doorbells."""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from h3ms_async.bench_exchange import ProbeGroup, ShmFile, split_bounds
+from workers.exchange import (ArenaLayout, ExchangeAborted, ExchangeChunkMismatch, ExchangeTimeout, HostExchange,
+                              decode_seq, encode_seq)
+from workers.exchange_probe import run_case
+
+SHARES = [1.0, 1.0, 0.7]
+
+
+def _layout(world: int, tokens: int, heads: int, head_dim: int, dtype: str) -> ArenaLayout:
+    shares = [SHARES[i % len(SHARES)] for i in range(world)]
+    hb = split_bounds(heads, shares)
+    return ArenaLayout.plan(world, split_bounds(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    yield
+    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
+    assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
+    assert not psutil.Process().children(recursive=True), "child processes left behind"
+
+
+class _Local:
+    """Arena + control + doorbells in this process, for in-process ranks."""
+
+    def __init__(self, layout: ArenaLayout) -> None:
+        self.layout = layout
+        self.shm = ShmFile(layout.nbytes + 4096)
+        self.arena = self.shm.tensor[: layout.nbytes]
+        self.control = self.shm.tensor[layout.nbytes:].view(torch.int64)
+        layout.init_header(self.arena)
+        self.fds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(layout.world)]
+
+    def exchange(self, rank: int, deadline_s: float = 5.0) -> HostExchange:
+        return HostExchange(rank, self.layout.world, self.arena, self.layout, self.fds, self.control, deadline_s)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.arena = self.control = None
+        self.shm.close()
+
+
+def test_layout_plan_is_aligned_and_round_trips():
+    lay = _layout(3, 29, 7, 4, "bfloat16")
+    assert lay.tokens_bounds == (0, 11, 22, 29) and lay.col_bounds[-1] == 28
+    offsets = [lay.header_bytes, lay.g_offset, *lay.a_offsets, lay.nbytes]
+    assert all(o % 4096 == 0 for o in offsets)
+    assert lay.a_offsets[0] >= lay.g_offset + 29 * 28 * 2
+    assert ArenaLayout.from_dict(lay.to_dict()) == lay
+    with pytest.raises(ValueError, match="tokens_bounds must have world"):
+        ArenaLayout.plan(2, [0, 3], [0, 1, 2], 4, "float32")
+    with pytest.raises(ValueError, match="never decrease"):
+        ArenaLayout.plan(2, [0, 3, 2], [0, 1, 2], 4, "float32")
+    with pytest.raises(ValueError, match="not supported"):
+        ArenaLayout.plan(1, [0, 3], [0, 2], 4, "complex64")
+    bad = dict(lay.to_dict(), nbytes=lay.nbytes + 1)
+    with pytest.raises(ValueError, match="different code versions"):
+        ArenaLayout.from_dict(bad)
+
+
+def test_sequence_word_round_trips():
+    w = encode_seq(0xABCD, 16383, 65535, 1, 255, 255)
+    assert w > 0 and decode_seq(w) == (0xABCD, 16383, 65535, 1, 255, 255)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_world1_in_process(dtype):
+    loc = _Local(_layout(1, 9, 3, 4, dtype))
+    try:
+        ex = loc.exchange(0)
+        case = {"transport": "host", "layout": loc.layout.to_dict(), "chunks": [0, 1, 8, 20], "rounds": 2,
+                "blocks": 2}
+        res = run_case(0, case, ex, None)
+        assert res["ok"], res["failures"]
+        assert ex.stats()["signals_sent"] == 0
+    finally:
+        loc.close()
+
+
+def _cases(world: int, tokens: int, heads: int) -> list[dict]:
+    big = tokens // world + 3  # more chunks than any rank has rows
+    return [{"name": f"{dt}", "transport": "host", "layout": _layout(world, tokens, heads, 4, dt),
+             "chunks": [0, 1, 8, big], "rounds": 2, "blocks": 2, "seed": world, "deadline_s": 30}
+            for dt in ("bfloat16", "float32")]
+
+
+@pytest.mark.parametrize("world,tokens,heads", [(2, 23, 5), (3, 29, 7), (5, 31, 9), (8, 37, 7)])
+def test_host_exchange_matches_expected(world, tokens, heads):
+    cases = _cases(world, tokens, heads)
+    if world == 8:
+        assert 0 in [b - a for a, b in zip(cases[0]["layout"].col_bounds, cases[0]["layout"].col_bounds[1:])]
+    with ProbeGroup(world, cases) as grp:
+        grp.start()
+        recs = grp.results(timeout_s=120)
+    for rec in recs:
+        assert rec["error"] is None, rec["error"]
+        assert rec["ok"], [c["failures"] for c in rec["cases"]]
+        assert rec["returncode"] == 0
+        runs = rec["cases"][0]["runs"]
+        assert [r["chunks"] for r in runs] == cases[0]["chunks"]
+        st = runs[2]["stats"]  # chunks=8: 2 rounds x 2 blocks x 2 ops x 8 chunks
+        assert st["chunks_published"] == 64 and st["bytes_read"] > 0 and st["signals_sent"] >= 64 * (world - 1)
+
+
+def test_dead_rank_aborts_the_others_quickly():
+    world = 3
+    cases = [{"transport": "host", "layout": _layout(world, 17, 5, 4, "bfloat16"), "chunks": [4], "rounds": 2,
+              "blocks": 2, "deadline_s": 60}]
+    with ProbeGroup(world, cases, stall={"rank": 1, "op": 3, "sleep_s": 60}) as grp:
+        grp.start()
+        grp.wait_line(1, "stalled", timeout_s=60)
+        grp.kill(1)
+        time.sleep(0.3)  # the survivors are asleep on their doorbells by now
+        t_abort = grp.abort()
+        for r in (0, 2):
+            grp.procs[r].wait(timeout=5)
+        survivors = [grp.record(r) for r in (0, 2)]
+    for rec in survivors:
+        assert rec["error"] and rec["error"]["type"] == "ExchangeAborted", rec
+        assert rec["error"]["t"] - t_abort < 2.0
+        assert rec["returncode"] == 3
+
+
+def test_deadline_names_the_missing_rank_and_op():
+    loc = _Local(_layout(2, 8, 2, 4, "float32"))
+    try:
+        quiet = loc.exchange(1)
+        quiet.begin(0)  # rank 1 joins the job but never sends
+        ex = loc.exchange(0, deadline_s=0.3)
+        ex.begin(0)
+        t = time.monotonic()
+        with pytest.raises(ExchangeTimeout, match=r"all_gather_rows op 1 chunk 1/2: no data from rank\(s\) \[1\]"):
+            ex.all_gather_rows(torch.zeros(4, 8), 2)
+        assert 0.25 < time.monotonic() - t < 2.0
+        fresh = _Local(_layout(2, 8, 2, 4, "float32"))
+        try:
+            lonely = fresh.exchange(0, deadline_s=0.2)
+            lonely.begin(0)
+            with pytest.raises(ExchangeTimeout, match=r"rank\(s\) \[1\] to begin this job"):
+                lonely.all_gather_rows(torch.zeros(4, 8), 0)
+        finally:
+            fresh.close()
+    finally:
+        loc.close()
+
+
+def test_chunk_count_mismatch_is_a_clear_error_on_every_rank():
+    loc = _Local(_layout(2, 10, 2, 4, "float32"))
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int, chunks: int) -> None:
+        ex = loc.exchange(rank, deadline_s=5.0)
+        ex.begin(0)
+        try:
+            ex.all_gather_rows(torch.zeros(5, 8), chunks)
+        except BaseException as e:  # noqa: BLE001 - collected for the assertions
+            errors[rank] = e
+
+    try:
+        t = time.monotonic()
+        threads = [threading.Thread(target=run, args=(0, 2)), threading.Thread(target=run, args=(1, 3))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(10)
+        assert time.monotonic() - t < 3.0
+        assert set(errors) == {0, 1}
+        for e in errors.values():
+            assert isinstance(e, ExchangeChunkMismatch), e
+            assert "exchange_chunks" in str(e)
+    finally:
+        loc.close()
+
+
+def test_abort_generation_checked_at_begin_and_inputs_validated():
+    loc = _Local(_layout(2, 10, 2, 4, "float32"))
+    try:
+        ex = loc.exchange(0)
+        loc.control[0] = 4
+        with pytest.raises(ExchangeAborted, match="generation 4"):
+            ex.begin(3)
+        ex.begin(4)
+        with pytest.raises(ValueError, match=r"input must be float32 \[5, 8\]"):
+            ex.all_gather_rows(torch.zeros(4, 8), 0)
+        with pytest.raises(ValueError, match="chunks must be an int in 0..255"):
+            ex.all_gather_rows(torch.zeros(5, 8), 300)
+        with pytest.raises(ValueError, match="one doorbell fd per rank"):
+            HostExchange(0, 2, loc.arena, loc.layout, loc.fds[:1], loc.control, 1.0)
+    finally:
+        loc.close()

@@ -1,0 +1,228 @@
+"""The status model: step-record schema, ring, listeners, providers, the status JSON, RAM, the step log line."""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import psutil
+import pytest
+
+from h3ms_async.status import (RING_SIZE, SchemaError, StatusHub, format_step_line, now_iso, ram_info,
+                               validate_status, validate_step_record)
+
+GIB = 1024 ** 3
+
+
+def make_record(seq: int = 0, *, wall: float = 1.5, ranks: int = 2, tokens: int = 1000, heads: int = 56,
+                devices: list[str] | None = None, vram: bool = True) -> dict:
+    """A valid step record with `ranks` ranks splitting tokens and heads as evenly as possible."""
+    devices = devices or [f"cuda:{i}" for i in range(ranks)]
+    rows = []
+    for r in range(ranks):
+        rows.append({
+            "rank": r, "device": devices[r % len(devices)],
+            "tokens": [tokens * r // ranks, tokens * (r + 1) // ranks],
+            "heads": [heads * r // ranks, heads * (r + 1) // ranks],
+            "compute_s": 1.0 + 0.125 * r, "exchange_s": 0.25 + 0.0625 * r, "wait_s": 0.0625 * (ranks - r),
+            "moved_bytes": 512 * 1024 ** 2, "vram_peak_bytes": (10 + r) * GIB if vram else None,
+        })
+    return {"at": now_iso(), "seq": seq, "kind": "dit", "sigma": 0.9375, "tokens": tokens, "blocks": 50,
+            "devices": sorted(set(devices)), "exchange": "host", "chunks": 4, "wall_s": wall,
+            "moved_bytes": ranks * 512 * 1024 ** 2, "weight_store": "warm, 18.5 GiB", "ranks": rows}
+
+
+def test_valid_record_passes_and_is_returned():
+    rec = make_record()
+    assert validate_step_record(rec) is rec
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda r: r.pop("wall_s"), "is missing 'wall_s'"),
+    (lambda r: r.update(typo=1), "unknown key(s) 'typo'"),
+    (lambda r: r.update(at="yesterday"), "field 'at' must be an ISO-8601 time"),
+    (lambda r: r.update(kind="vae"), "field 'kind' must be 'dit'"),
+    (lambda r: r.update(tokens=True), "field 'tokens' must be an int, got bool"),
+    (lambda r: r.update(exchange="p2p"), "field 'exchange' must be one of host, nccl, gloo, local"),
+    (lambda r: r.update(chunks=0), "field 'chunks' must be >= 1"),
+    (lambda r: r.update(wall_s=float("nan")), "field 'wall_s' must be finite"),
+    (lambda r: r.update(sigma="high"), "field 'sigma' must be a number"),
+    (lambda r: r.update(devices=[]), "field 'devices' must be a non-empty list"),
+    (lambda r: r.update(ranks=[]), "field 'ranks' must be a non-empty list"),
+    (lambda r: r["ranks"][1].update(rank=5), "field 'ranks[1].rank' must be 1"),
+    (lambda r: r["ranks"][1].update(device="cuda:7"), "'cuda:7' is not in devices"),
+    (lambda r: r["ranks"][0].update(tokens=[0, 600]), "field 'ranks[1].tokens' must start at 600"),
+    (lambda r: r["ranks"][1].update(tokens=[500, 400]), "must have start <= end"),
+    (lambda r: r["ranks"][1].update(heads=[20, 56]), "field 'ranks[1].heads' must start at 28"),
+    (lambda r: r["ranks"][1].update(tokens=[500, 900]), "token ranges end at 900 but tokens is 1000"),
+    (lambda r: r["ranks"][0].update(wait_s=-0.5), "field 'ranks[0].wait_s' must be >= 0"),
+    (lambda r: r["ranks"][0].pop("vram_peak_bytes"), "field 'ranks[0]' is missing 'vram_peak_bytes'"),
+])
+def test_bad_records_are_rejected_with_the_field_named(mutate, fragment):
+    rec = make_record()
+    mutate(rec)
+    with pytest.raises(SchemaError) as ei:
+        validate_step_record(rec)
+    assert fragment in str(ei.value)
+    assert str(ei.value).startswith("step record: field ")
+
+
+def test_ring_is_bounded_and_recent_steps_order():
+    hub = StatusHub()
+    for i in range(RING_SIZE + 10):
+        hub.record_step(make_record(i, wall=0.01 * i), log=False)
+    steps = hub.recent_steps(RING_SIZE + 100)
+    assert len(steps) == RING_SIZE
+    assert [s["seq"] for s in steps] == list(range(10, RING_SIZE + 10))
+    assert [s["seq"] for s in hub.recent_steps(3)] == [RING_SIZE + 7, RING_SIZE + 8, RING_SIZE + 9]
+    assert [s["seq"] for s in hub.recent_steps(50, after=RING_SIZE + 7)] == [RING_SIZE + 8, RING_SIZE + 9]
+    assert hub.status()["steps_recorded"] == RING_SIZE + 10
+
+
+def test_seq_must_increase():
+    hub = StatusHub()
+    hub.record_step(make_record(hub.next_seq()), log=False)
+    assert hub.next_seq() == 1
+    with pytest.raises(SchemaError, match=r"field 'seq' must increase, got 0 after 0; take it from .*next_seq"):
+        hub.record_step(make_record(0), log=False)
+    assert len(hub.recent_steps(10)) == 1  # the refused record was not stored
+
+
+def test_listeners_get_records_and_a_raising_listener_is_logged(caplog):
+    hub = StatusHub()
+    seen: list[int] = []
+
+    def broken(rec):
+        raise RuntimeError("panel gone")
+    hub.add_listener(broken)
+    remove = hub.add_listener(lambda rec: seen.append(rec["seq"]))
+    with caplog.at_level(logging.ERROR, logger="h3_multistream"):
+        hub.record_step(make_record(0), log=False)
+    assert seen == [0]
+    assert any("step listener" in r.getMessage() and r.exc_info for r in caplog.records)
+    remove()
+    hub.record_step(make_record(1), log=False)
+    assert seen == [0]
+    remove()  # removing twice is harmless
+
+
+def test_record_step_logs_the_step_line(caplog):
+    hub = StatusHub()
+    with caplog.at_level(logging.INFO, logger="h3_multistream"):
+        hub.record_step(make_record(3))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("[H3 MultiStream] [MultiStream] sigma 0.9375 step 3: 1000 tokens x 50 blocks") for m in msgs)
+
+
+def test_status_defaults_shape_and_json():
+    hub = StatusHub()
+    st = hub.status()
+    assert set(st) == {"version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store",
+                       "caches", "hooks", "ram", "log_dir"}
+    assert st["running"] is False and st["last_step"] == {} and st["workers"] == [] and st["plans"] == {}
+    assert st["version"] != "unknown"
+    json.dumps(st, allow_nan=False)
+    hub.record_step(make_record(0), log=False)
+    assert hub.status()["last_step"]["seq"] == 0
+
+
+def test_providers_fill_sections_and_failures_stay_in_their_section():
+    hub = StatusHub()
+    hub.register_provider("plans", lambda: {"dit": "cuda:0 (60%) + cuda:1 (40%)"})
+    hub.register_provider("workers", lambda: [{"rank": 0, "device": "cpu", "pid": 1234, "state": "running",
+                                              "uptime_s": 3.5, "rss_bytes": 10, "vram_bytes": None, "jobs": 2,
+                                              "log": "/tmp/x/rank0.log"}])
+    hub.register_provider("caches", lambda: 1 / 0)
+    hub.register_provider("hooks", lambda: [object()])                       # not an object row
+    hub.register_provider("weight_store", lambda: {"bytes": float("inf")})  # not JSON
+    hub.register_provider("log_dir", lambda: "/tmp/x")
+    hub.set_busy_probe(lambda: True)
+    st = hub.status()
+    assert st["plans"] == {"dit": "cuda:0 (60%) + cuda:1 (40%)"}
+    assert st["workers"][0]["pid"] == 1234
+    assert st["caches"] == {"error": "ZeroDivisionError: division by zero"}
+    assert "hooks[0]' must be an object" in st["hooks"]["error"]
+    assert "not JSON-serialisable" in st["weight_store"]["error"]
+    assert st["log_dir"] == "/tmp/x" and st["running"] is True
+    assert hub.worker_log_path(0) == "/tmp/x/rank0.log"
+    with pytest.raises(KeyError):
+        hub.worker_log_path(1)
+
+
+def test_bad_worker_rows_and_unknown_sections_are_refused():
+    hub = StatusHub()
+    hub.register_provider("workers", lambda: [{"rank": 0, "device": "cpu", "state": "running"}])
+    assert "workers[0]' is missing 'pid'" in hub.status()["workers"]["error"]
+    with pytest.raises(ValueError, match="unknown status section 'gpus'"):
+        hub.register_provider("gpus", dict)
+    with pytest.raises(ValueError, match="unknown action 'reboot'"):
+        hub.register_action("reboot", dict)
+
+
+def test_busy_probe_that_raises_counts_as_idle():
+    hub = StatusHub()
+    hub.set_busy_probe(lambda: 1 / 0)
+    assert hub.busy() is False
+
+
+def test_validate_status_rejects_a_broken_object():
+    st = StatusHub().status()
+    bad = copy.deepcopy(st)
+    bad["running"] = "no"
+    with pytest.raises(SchemaError, match="field 'running' must be a bool"):
+        validate_status(bad)
+    bad = copy.deepcopy(st)
+    del bad["ram"]["text"]
+    with pytest.raises(SchemaError, match="field 'ram' is missing 'text'"):
+        validate_status(bad)
+
+
+def test_format_step_line_fields():
+    line = format_step_line(make_record(12, wall=3.2144, ranks=3, devices=["cuda:0", "cuda:0", "cuda:1"]))
+    assert line.startswith("sigma 0.9375 step 12: 1000 tokens x 50 blocks on cuda:0+cuda:0+cuda:1, 3.214s ")
+    assert "(exchange host x4; compute 1.000/1.125/1.250s, exchange 0.250/0.312/0.375s, " \
+           "wait 0.188/0.125/0.062s; 1.50 GiB moved)" in line
+    assert ", weight store warm, 18.5 GiB" in line
+    # two ranks on cuda:0 are two processes on one GPU: their peaks add up
+    assert line.endswith("VRAM peak cuda:0 21.00 GiB / cuda:1 12.00 GiB")
+    cpu = make_record(0, ranks=1, devices=["cpu"], vram=False)
+    cpu["sigma"], cpu["chunks"], cpu["exchange"] = None, 1, "local"
+    line = format_step_line(cpu)
+    assert line.startswith("step 0: 1000 tokens x 50 blocks on cpu, ")
+    assert "(exchange local; compute" in line and "VRAM" not in line
+
+
+def _write(root, name, text):
+    p = root / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+def test_ram_info_cgroup_v2_limit(tmp_path):
+    if psutil.virtual_memory().available < 3 * GIB:
+        pytest.skip("needs 3 GiB of free host RAM so that the fake cgroup's figure is the smaller one")
+    limit = 2 * GIB  # below any CI host's RAM, so the container figure wins
+    _write(tmp_path, "memory.max", f"{limit}\n")
+    _write(tmp_path, "memory.current", f"{GIB}\n")
+    _write(tmp_path, "memory.stat", f"active_file {GIB // 4}\ninactive_file {GIB // 4}\ndirty {GIB // 8}\n"
+                                    "writeback 0\nanon 123\n")
+    info = ram_info(tmp_path)
+    reclaim = GIB // 4 + GIB // 4 - GIB // 8 - int(0.05 * limit)
+    assert info["total_bytes"] == limit and info["container_limit"] is True
+    assert info["available_bytes"] == GIB + reclaim  # this host has more than ~1.2 GiB free, so the cgroup wins
+    assert info["text"].endswith("of 2.0 GiB (container limit)")
+
+
+def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
+    v1 = tmp_path / "v1"
+    _write(v1, "memory/memory.limit_in_bytes", f"{GIB}\n")
+    _write(v1, "memory/memory.usage_in_bytes", f"{GIB // 2}\n")
+    _write(v1, "memory/memory.stat", "total_active_file 0\ntotal_inactive_file 0\n")
+    info = ram_info(v1)
+    assert info["total_bytes"] == GIB and info["available_bytes"] <= GIB // 2
+    unlimited = tmp_path / "v2max"
+    _write(unlimited, "memory.max", "max\n")
+    _write(unlimited, "memory.current", "1\n")
+    info = ram_info(unlimited)
+    assert info["container_limit"] is False and info["text"].startswith("RAM available ")
+    assert 0 < info["available_bytes"] <= info["total_bytes"]

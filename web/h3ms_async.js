@@ -1,0 +1,149 @@
+// H3 MultiStream (async) — ComfyUI frontend extension.
+//
+// Main-menu entry "H3 MultiStream" with the status toast, the live panel, and the release/clear/detach actions,
+// plus a small docked panel fed by the "h3multistream.step" websocket event (per-rank compute / exchange / wait bars
+// of the latest step and a sparkline of step wall times).
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { renderCompact, fmtBytes, fmtSec } from "./panel.js";
+
+const EXT = "H3MultiStreamAsync";
+const WALLS_KEPT = 60;
+
+function toast(severity, summary, detail) {
+  const t = app.extensionManager && app.extensionManager.toast;
+  if (t && typeof t.add === "function") {
+    t.add({ severity, summary, detail, life: severity === "error" ? 8000 : 5000 });
+    return;
+  }
+  // older frontends have no toast API
+  (severity === "error" ? console.error : console.log)(`[H3 MultiStream] ${summary}: ${detail}`);
+  if (severity === "error" || severity === "warn") alert(`${summary}\n${detail}`);
+}
+
+async function call(path, method = "POST") {
+  const resp = await api.fetchApi(path, { method });
+  let body = {};
+  try { body = await resp.json(); } catch { body = {}; }
+  if (!resp.ok) throw new Error(body.error || `${resp.status} ${resp.statusText}`);
+  return body;
+}
+
+function statusLines(st) {
+  const lines = [];
+  const plans = Object.entries(st.plans || {});
+  if (st.plans && st.plans.error) lines.push(`GPUs: ${st.plans.error}`);
+  else if (plans.length === 0) lines.push("GPUs: no plan yet");
+  else for (const [k, v] of plans) lines.push(`GPUs (${k}): ${typeof v === "string" ? v : JSON.stringify(v)}`);
+  const s = st.last_step;
+  if (s && s.ranks) {
+    const per = (k) => s.ranks.map((r) => fmtSec(r[k])).join("/");
+    lines.push(`Last step: ${fmtSec(s.wall_s)}s on ${s.devices.join("+")} (${s.tokens} tokens, exchange ` +
+      `${s.exchange}${s.chunks > 1 ? " x" + s.chunks : ""}; compute ${per("compute_s")}s, exchange ` +
+      `${per("exchange_s")}s, wait ${per("wait_s")}s; ${fmtBytes(s.moved_bytes)} moved)`);
+  } else {
+    lines.push("Last step: none yet");
+  }
+  if (!Array.isArray(st.workers)) lines.push(`Workers: ${st.workers.error}`);
+  else lines.push("Workers: " + (st.workers.length
+    ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}${w.busy ? " (busy)" : ""}`).join(", ") : "none"));
+  const ws = st.weight_store || {};
+  lines.push("Weight store: " + (ws.error || ws.text || ws.state || JSON.stringify(ws)));
+  const list = (v, f) => (!Array.isArray(v) ? v.error : v.length ? v.map(f).join(", ") : "none");
+  lines.push("Caches: " + list(st.caches, (c) => c.text || c.group || JSON.stringify(c)));
+  lines.push("Hooks attached: " + list(st.hooks, (h) => h.text || h.hook || JSON.stringify(h)));
+  lines.push(st.ram.text);
+  return lines;
+}
+
+// ---- docked live panel
+
+const dock = { el: null, body: null, walls: [], last: null, dismissed: false };
+
+function ensureDock() {
+  if (dock.el) return dock.el;
+  const el = document.createElement("div");
+  el.id = "h3ms-dock";
+  el.style.cssText = "position:fixed;right:12px;bottom:12px;z-index:1000;width:360px;padding:8px 10px;" +
+    "background:rgba(22,24,29,.94);color:#e4e6eb;border:1px solid #3a3f4a;border-radius:8px;" +
+    "font:12px/1.35 system-ui,sans-serif;box-shadow:0 4px 16px rgba(0,0,0,.4)";
+  const head = document.createElement("div");
+  head.style.cssText = "display:flex;justify-content:space-between;align-items:center;margin-bottom:4px";
+  const title = document.createElement("b");
+  title.textContent = "H3 MultiStream — live";
+  const close = document.createElement("button");
+  close.textContent = "×";
+  close.title = "hide (H3 MultiStream menu: Show docked panel)";
+  close.style.cssText = "background:none;border:none;color:inherit;font-size:16px;cursor:pointer";
+  close.addEventListener("click", () => { dock.dismissed = true; el.style.display = "none"; });
+  head.append(title, close);
+  dock.body = document.createElement("div");
+  el.append(head, dock.body);
+  document.body.appendChild(el);
+  dock.el = el;
+  renderCompact(dock.body, dock.last, dock.walls);
+  return el;
+}
+
+function onStep(rec) {
+  if (!rec || !Array.isArray(rec.ranks)) return;
+  dock.last = rec;
+  dock.walls.push(rec.wall_s);
+  if (dock.walls.length > WALLS_KEPT) dock.walls.splice(0, dock.walls.length - WALLS_KEPT);
+  if (dock.dismissed) return;
+  ensureDock().style.display = "";
+  renderCompact(dock.body, dock.last, dock.walls);
+}
+
+function toggleDock() {
+  const el = ensureDock();
+  const hidden = el.style.display === "none";
+  dock.dismissed = !hidden;
+  el.style.display = hidden ? "" : "none";
+}
+
+// ---- commands
+
+function action(path, summary) {
+  return async () => {
+    try {
+      const body = await call(path);
+      toast(body.busy ? "warn" : "success", summary, body.message || JSON.stringify(body));
+    } catch (err) {
+      toast("error", summary, err.message);
+    }
+  };
+}
+
+const commands = [
+  {
+    id: `${EXT}.Status`, label: "Show status", icon: "pi pi-info-circle",
+    function: async () => {
+      try {
+        toast("info", "H3 MultiStream status", statusLines(await call("/h3multistream/status", "GET")).join("\n"));
+      } catch (err) {
+        toast("error", "H3 MultiStream status", err.message);
+      }
+    },
+  },
+  {
+    id: `${EXT}.OpenPanel`, label: "Open live panel", icon: "pi pi-chart-bar",
+    function: () => window.open(api.apiURL("/h3multistream/panel"), "_blank", "noopener"),
+  },
+  { id: `${EXT}.ToggleDock`, label: "Show docked panel", icon: "pi pi-window-maximize", function: toggleDock },
+  { id: `${EXT}.ReleaseWorkers`, label: "Release workers", icon: "pi pi-power-off",
+    function: action("/h3multistream/workers/release", "Release workers") },
+  { id: `${EXT}.ClearWeightStore`, label: "Clear weight store", icon: "pi pi-trash",
+    function: action("/h3multistream/cache/clear_weights", "Clear weight store") },
+  { id: `${EXT}.DetachHooks`, label: "Detach hooks", icon: "pi pi-link",
+    function: action("/h3multistream/hooks/detach", "Detach hooks") },
+];
+
+app.registerExtension({
+  name: `${EXT}.Controls`,
+  commands,
+  menuCommands: [{ path: ["H3 MultiStream"], commands: commands.map((c) => c.id) }],
+  setup() {
+    api.addEventListener("h3multistream.step", (e) => onStep(e.detail));
+  },
+});
