@@ -18,7 +18,7 @@ import os
 import concurrent.futures as cf
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -133,7 +133,11 @@ class SplitEngine:
 
     @property
     def transport(self) -> str:
-        if self.options.exchange == "host":
+        """The configured transport as it runs here: host, nccl, or gloo (nccl on CPU ranks)."""
+        return self._transport(self.options.exchange)
+
+    def _transport(self, exchange: str) -> str:
+        if exchange == "host":
             return "host"
         return "nccl" if self.devices[0].startswith("cuda") else "gloo"
 
@@ -189,12 +193,20 @@ class SplitEngine:
     # -- steps ------------------------------------------------------------------------------------------------
     def run_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
                    *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
-                   sigma: float | None = None) -> torch.Tensor:
+                   sigma: float | None = None, exchange: str | None = None,
+                   exchange_chunks: int | None = None) -> torch.Tensor:
         """Run every loaded block on the ranks; returns the new residual stream (a new tensor, ``x``'s dtype).
 
         ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
-        is accepted (the workers cannot run ComfyUI callables).
+        is accepted (the workers cannot run ComfyUI callables).  ``exchange`` / ``exchange_chunks`` override the
+        engine's options for this step (benchmarks compare transports and chunking on the same workers).
         """
+        opts = self.options
+        if exchange is not None or exchange_chunks is not None:
+            opts = replace(opts, exchange=opts.exchange if exchange is None else exchange,
+                           exchange_chunks=opts.exchange_chunks if exchange_chunks is None else exchange_chunks)
+            if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
+                check_nccl_rank_map(self.devices)
         ld = self._loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
@@ -207,16 +219,16 @@ class SplitEngine:
         with self._lock:
             self._running = True
             try:
-                return self._step(plan, x, t_emb, mod_segments, rope_freqs, interrupt, sigma)
+                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma)
             finally:
                 self._running = False
 
-    def _step(self, plan: plans.SplitPlan, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
+    def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
               rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None) -> torch.Tensor:
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
-        buf = self._buffers_for(plan, x, t_emb, rope_freqs, mod_segments)
+        buf = self._buffers_for(plan, opts, x, t_emb, rope_freqs, mod_segments)
         step = buf.step
         step.tensor(buf.descs["x"]).copy_(x)
         step.tensor(buf.descs["t_emb"]).copy_(t_emb)
@@ -233,9 +245,9 @@ class SplitEngine:
             "job": self._steps, "x": buf.descs["x"], "t_emb": buf.descs["t_emb"], "rope": buf.descs["rope"],
             "segments": segments, "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
             "arena": buf.arena.name if buf.arena is not None else "", "layout": buf.layout.to_dict(),
-            "exchange": "host" if self.options.exchange == "host" else "dist",
-            "chunks": self.options.exchange_chunks, "abort_gen": 0,
-            "deadline_s": self.options.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
+            "exchange": "host" if opts.exchange == "host" else "dist",
+            "chunks": opts.exchange_chunks, "abort_gen": 0,
+            "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
         } for r in range(self.ranks)]
         try:
             results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt)
@@ -244,7 +256,7 @@ class SplitEngine:
             self._drop_buffers()
             raise
         out = step.tensor(buf.descs["x"]).clone()
-        self._record(plan, results, time.perf_counter() - t_wall, x.shape[0], len(ld.store.manifest), sigma)
+        self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], len(ld.store.manifest), sigma)
         return out
 
     async def _dispatch(self, fields: list[dict]) -> list[dict]:
@@ -259,13 +271,13 @@ class SplitEngine:
             f["abort_gen"] = gen
         return await self.pool.all("dit_step", fields, self.options.step_timeout_s)
 
-    def _buffers_for(self, plan: plans.SplitPlan, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
+    def _buffers_for(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
                      mod_segments: Sequence[tuple]) -> _StepBuffers:
         rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments) if isinstance(r, torch.Tensor))
         ld = self._loaded
         assert ld is not None
         key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(t_emb.shape), t_emb.dtype, tuple(rope.shape),
-               rope.dtype, rows, self.options.exchange)
+               rope.dtype, rows, opts.exchange)
         if self._buffers is not None and self._buffers.shape_key == key:
             return self._buffers
         self._drop_buffers()
@@ -279,7 +291,7 @@ class SplitEngine:
             descs = {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
             col_bounds = [g * ld.config.head_dim for g in ld.head_bounds]
             layout = ArenaLayout.plan(self.ranks, list(plan.token_bounds), col_bounds, ld.config.hidden, x.dtype)
-            if self.options.exchange == "host":
+            if opts.exchange == "host":
                 arena_seg = Segment.create(layout.nbytes, "arena")
                 layout.init_header(arena_seg.base_tensor())
         except BaseException:
@@ -296,7 +308,7 @@ class SplitEngine:
             self._buffers.close()
             self._buffers = None
 
-    def _record(self, plan: plans.SplitPlan, results: list[dict], wall: float, tokens: int, blocks: int,
+    def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dict], wall: float, tokens: int, blocks: int,
                 sigma: float | None) -> None:
         hub = get_hub()
         ranks = [{
@@ -307,10 +319,10 @@ class SplitEngine:
             "wait_s": float(res["wait_s"]), "moved_bytes": int(res["moved_bytes"]),
             "vram_peak_bytes": res.get("vram_peak_bytes"),
         } for r, res in enumerate(results)]
-        chunks = self.options.exchange_chunks if self.options.exchange == "host" else 0
+        chunks = opts.exchange_chunks if opts.exchange == "host" else 0
         hub.record_step({
             "at": now_iso(), "seq": hub.next_seq(), "kind": "dit", "sigma": sigma, "tokens": tokens,
-            "blocks": blocks, "devices": list(self.devices), "exchange": self.transport,
+            "blocks": blocks, "devices": list(self.devices), "exchange": self._transport(opts.exchange),
             "chunks": max(chunks, 1), "wall_s": wall, "moved_bytes": sum(r["moved_bytes"] for r in ranks),
             "weight_store": self.weight_state, "ranks": ranks,
         })

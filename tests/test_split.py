@@ -1,0 +1,190 @@
+"""The transformer split on real CPU rank workers: bit-exact against the unsplit reference, errors, faults.
+
+Every comparison is ``torch.equal`` over at least two steps with different inputs, so nothing stale from one step
+(arena contents, sequence words, cached buffers) can survive into the next unnoticed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from h3ms_async.layout import build_layout, layout_for_tokens
+from h3ms_async.plans import GPUSelectionError
+from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
+from h3ms_async.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions
+
+CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
+CFG_UNEVEN = DiTConfig(hidden=160, layers=2, heads=10, head_dim=32, ffn=224, t_dim=16, rope_pairs=12)
+TEXT_TAGS = [1, 1, 0, 0, 1, 1, 1, 0, 1]
+
+
+def _layouts():
+    """Two steps of differently shaped realistic layouts: text-tag runs, a keyframe (cond + cond audio), audio, video."""
+    return [build_layout(9, 3, 4, 6, 8, keyframes=1, text_tags=TEXT_TAGS, sigma=0.7),
+            build_layout(9, 3, 4, 6, 8, keyframes=1, text_tags=TEXT_TAGS, sigma=0.4)]
+
+
+def _reference(model: ReferenceDiT, inp) -> torch.Tensor:
+    return model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
+
+
+def _check_exact(engine: SplitEngine, model: ReferenceDiT, layouts, *, seed=10, **step_kw) -> None:
+    for s, lay in enumerate(layouts):
+        inp = make_step_inputs(model.config, lay, seed + s, model.dtype)
+        ref = _reference(model, inp)
+        out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **step_kw)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        diff = (out.float() - ref.float()).abs().max().item()
+        assert torch.equal(out, ref), f"step {s}: split differs from unsplit (max |diff| {diff:g})"
+
+
+def _no_workers_alive() -> bool:
+    kids = psutil.Process().children(recursive=True)
+    return not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def int8_model():
+    return ReferenceDiT(CFG, weights="int8", seed=5)
+
+
+@pytest.fixture
+def engine_factory():
+    made: list[SplitEngine] = []
+
+    def make(devices, **opts) -> SplitEngine:
+        eng = SplitEngine(devices, SplitOptions(**opts))
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.release()
+    assert _no_workers_alive()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 5, 8])
+def test_rank_counts_int8_exact(engine_factory, int8_model, ranks):
+    eng = engine_factory(["cpu"] * ranks)
+    eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    _check_exact(eng, int8_model, _layouts())
+
+
+def test_three_ranks_chunks_and_weights(engine_factory, int8_model):
+    """3 ranks: exchange_chunks 0, 1 and 8 (more chunks than some ranks' rows for the small layout), then fp32 and
+    bf16 weights on the same workers (the store is refilled for the new key)."""
+    eng = engine_factory(["cpu"] * 3)
+    eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    for chunks in (0, 1, 8):
+        _check_exact(eng, int8_model, _layouts(), exchange_chunks=chunks)
+    # a long sequence so that 8 chunks are real pipelining
+    _check_exact(eng, int8_model, [layout_for_tokens(700), layout_for_tokens(650)], exchange_chunks=8)
+    for kind in ("fp32", "bf16"):
+        model = ReferenceDiT(CFG, weights=kind, seed=6)
+        assert eng.load_weights(("t", kind, 6), CFG, model.block_weights)
+        _check_exact(eng, model, _layouts(), exchange_chunks=4)
+
+
+def test_shares_and_uneven_heads(engine_factory):
+    """Shares 1,1,0.7 over 10 heads: head groups 4/4/2 and token ranges by the same shares."""
+    model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
+    eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7))
+    eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
+    _check_exact(eng, model, _layouts(), exchange_chunks=2)
+    from h3ms_async.status import get_hub
+    heads = [r["heads"] for r in get_hub().recent_steps(1)[0]["ranks"]]
+    assert heads == [[0, 4], [4, 8], [8, 10]]
+
+
+def test_gloo_exchange_matches_host(engine_factory, int8_model):
+    """exchange=nccl on CPU ranks runs torch.distributed over gloo: same bits as host, 2 and 4 ranks."""
+    for ranks in (2, 4):
+        eng = engine_factory(["cpu"] * ranks, exchange="nccl")
+        assert eng.transport == "gloo"
+        eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+        _check_exact(eng, int8_model, _layouts())
+        _check_exact(eng, int8_model, _layouts(), exchange="host", exchange_chunks=3)
+
+
+def test_bad_plans_fail_before_workers_start(int8_model):
+    with pytest.raises(GPUSelectionError, match="attention heads"):
+        SplitEngine(["cpu"] * 9).load_weights(("t",), CFG, int8_model.block_weights)
+    with pytest.raises(GPUSelectionError, match="shares"):
+        SplitEngine(["cpu"] * 3, SplitOptions(shares=(1.0, 1.0)))
+    with pytest.raises(ValueError, match="exchange_chunks"):
+        SplitOptions(exchange_chunks=33)
+    with pytest.raises(ValueError, match="nccl"):
+        SplitEngine(["cuda:0", "cuda:0"], SplitOptions(exchange="nccl"))
+    assert _no_workers_alive()
+
+
+def test_fewer_tokens_than_ranks(engine_factory, int8_model):
+    eng = engine_factory(["cpu"] * 4)
+    eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    inp = make_step_inputs(CFG, _layouts()[0], 1, torch.bfloat16)
+    three = [(0, 3, inp.segments[0][2])]
+    with pytest.raises(GPUSelectionError, match="cannot split 3 tokens across 4"):
+        eng.run_blocks(inp.x[:3], inp.t_emb, three, inp.rope_freqs[:, :3])
+
+
+BIG = DiTConfig(hidden=384, layers=8, heads=8, head_dim=48, ffn=1024, t_dim=32, rope_pairs=12)
+
+
+@pytest.fixture(scope="module")
+def big_model():
+    return ReferenceDiT(BIG, weights="int8", seed=9)
+
+
+def _long_step(eng: SplitEngine, model: ReferenceDiT, **kw):
+    inp = make_step_inputs(BIG, layout_for_tokens(6000), 3, torch.bfloat16)
+    return inp, (lambda: eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw))
+
+
+def test_worker_killed_mid_step_fails_fast_then_recovers(engine_factory, big_model):
+    eng = engine_factory(["cpu"] * 3)
+    eng.load_weights(("t", "big"), BIG, big_model.block_weights)
+    inp, step = _long_step(eng, big_model)
+    step()  # warm: the timing below is a real step
+    victim = eng.pool.snapshot()[1]["pid"]
+    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
+    killer.start()
+    t = time.monotonic()
+    with pytest.raises(SplitError) as ei:
+        step()
+    elapsed = time.monotonic() - t - 0.5
+    killer.join()
+    assert elapsed < 5.0, f"failure took {elapsed:.1f}s after the kill"
+    msg = str(ei.value)
+    assert "rank 1" in msg and "last lines" in msg
+    # every other rank is idle again (the abort reached them), and the next step restarts the pool and is exact
+    ref = _reference(big_model, inp)
+    out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+    assert torch.equal(out, ref)
+    assert victim not in [w["pid"] for w in eng.pool.snapshot()]
+
+
+def test_interrupt_aborts_every_rank(engine_factory, big_model):
+    eng = engine_factory(["cpu"] * 2, exchange_chunks=4)
+    eng.load_weights(("t", "big"), BIG, big_model.block_weights)
+    inp, step = _long_step(eng, big_model)
+    step()
+    fire = time.monotonic() + 0.4
+
+    def interrupt() -> bool:
+        return time.monotonic() > fire
+
+    with pytest.raises(SplitInterrupted):
+        eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, interrupt=interrupt)
+    t = time.monotonic() - fire
+    assert t < 2.0, f"interrupt took {t:.2f}s"
+    states = [w["state"] for w in eng.pool.snapshot()]
+    assert all(st in ("ready", "busy") for st in states), states  # alive: nobody was killed for it
+    ref = _reference(big_model, inp)
+    assert torch.equal(eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs), ref)
