@@ -222,7 +222,7 @@ def format_step_line(rec: Mapping) -> str:
 # status JSON
 
 WORKER_FIELDS = ("rank", "device", "pid", "state")
-WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs", "log", "busy", "error")
+WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs_done", "log", "busy", "error")
 STATUS_FIELDS = ("version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store", "caches",
                  "hooks", "ram", "log_dir")
 
@@ -235,7 +235,7 @@ def validate_worker_entry(w: Any, path: str = "workers[i]") -> None:
     """One row of the status's ``workers`` list, as the pool's provider must return it.
 
     Required: ``rank`` (int), ``device`` (str), ``pid`` (int|None), ``state`` (str, e.g. "running", "exited(1)").
-    Optional: ``uptime_s`` (float|None), ``rss_bytes`` / ``vram_bytes`` (int|None), ``jobs`` (int), ``log`` (path
+    Optional: ``uptime_s`` (float|None), ``rss_bytes`` / ``vram_bytes`` (int|None), ``jobs_done`` (int), ``log`` (path
     str|None), ``busy`` (bool), ``error`` (str).
     """
     what = "status"
@@ -250,8 +250,8 @@ def validate_worker_entry(w: Any, path: str = "workers[i]") -> None:
             _req_int(what, f"{path}.{k}", w[k])
     if w.get("uptime_s") is not None:
         _req_float(what, f"{path}.uptime_s", w["uptime_s"])
-    if "jobs" in w:
-        _req_int(what, f"{path}.jobs", w["jobs"])
+    if "jobs_done" in w:
+        _req_int(what, f"{path}.jobs_done", w["jobs_done"])
     if w.get("log") is not None:
         _req_str(what, f"{path}.log", w["log"])
     if "busy" in w and not isinstance(w["busy"], bool):

@@ -130,7 +130,7 @@ def test_providers_fill_sections_and_failures_stay_in_their_section():
     hub = StatusHub()
     hub.register_provider("plans", lambda: {"dit": "cuda:0 (60%) + cuda:1 (40%)"})
     hub.register_provider("workers", lambda: [{"rank": 0, "device": "cpu", "pid": 1234, "state": "running",
-                                              "uptime_s": 3.5, "rss_bytes": 10, "vram_bytes": None, "jobs": 2,
+                                              "uptime_s": 3.5, "rss_bytes": 10, "vram_bytes": None, "jobs_done": 2,
                                               "log": "/tmp/x/rank0.log"}])
     hub.register_provider("caches", lambda: 1 / 0)
     hub.register_provider("hooks", lambda: [object()])                       # not an object row

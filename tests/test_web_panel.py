@@ -58,9 +58,9 @@ def served(tmp_path):
     log.write_text("hello from rank 0\n")
     hub.register_provider("workers", lambda: [
         {"rank": 0, "device": "cuda:0", "pid": 5151, "state": "running", "uptime_s": 125.0, "rss_bytes": 3 << 30,
-         "vram_bytes": 12 << 30, "jobs": 17, "log": str(log)},
+         "vram_bytes": 12 << 30, "jobs_done": 17, "log": str(log)},
         {"rank": 1, "device": "cuda:1", "pid": 5152, "state": "running", "uptime_s": 124.0, "rss_bytes": 3 << 30,
-         "vram_bytes": 11 << 30, "jobs": 17, "log": None},
+         "vram_bytes": 11 << 30, "jobs_done": 17, "log": None},
     ])
     url, stop = start_background_server(0, hub=hub)
     yield hub, url

@@ -213,7 +213,7 @@ class Panel {
       tr.appendChild(el("td", fmtUptime(w.uptime_s)));
       tr.appendChild(el("td", w.rss_bytes == null ? "" : fmtBytes(w.rss_bytes), { class: "num" }));
       tr.appendChild(el("td", w.vram_bytes == null ? "" : fmtBytes(w.vram_bytes), { class: "num" }));
-      tr.appendChild(el("td", w.jobs ?? "", { class: "num" }));
+      tr.appendChild(el("td", w.jobs_done ?? "", { class: "num" }));
       const logTd = el("td");
       const a = el("a", "tail", { href: `${this.base}workers/${w.rank}/log?lines=200` });
       a.addEventListener("click", (ev) => { ev.preventDefault(); this.showLog(w.rank); });

@@ -1,0 +1,214 @@
+"""WorkerPool with real worker processes on the CPU: start, ping, 64 MiB through shm, errors, release, no leaks."""
+import glob
+import hashlib
+import os
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from h3ms_async import rundir
+from h3ms_async.bench_ipc import run_bench_ipc
+from h3ms_async.coordinator import get_coordinator
+from h3ms_async.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
+from workers.shm import Segment
+
+MiB = 1 << 20
+
+
+def run(coro, timeout=60):
+    return get_coordinator().run(coro, timeout)
+
+
+def worker_children():
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "workers" in " ".join(p.cmdline())]
+
+
+def assert_released(pool, run_dir, pids):
+    assert pool.run_dir is None and not os.path.exists(run_dir)
+    deadline = time.monotonic() + 5
+    while worker_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_children() == []
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*") == []
+    assert all(w["state"] == "stopped" for w in pool.snapshot())
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_pool_start_ping_echo_release(n):
+    pool = WorkerPool(["cpu"] * n, name=f"t{n}")
+    run(pool.start(), 120)
+    try:
+        snap = pool.snapshot()
+        assert [w["rank"] for w in snap] == list(range(n))
+        assert all(w["state"] == "ready" and w["device"] == "cpu" and w["vram_bytes"] is None for w in snap)
+        pids = [w["pid"] for w in snap]
+        run_dir = pool.run_dir
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        assert os.path.basename(run_dir).startswith(f"h3ms-{os.getpid()}-")
+        answers = run(pool.all("ping", [{}] * n, timeout=10))
+        assert [a["pid"] for a in answers] == pids and all(a["pong"] for a in answers)
+
+        # 64 MiB of bfloat16 in, one 64 MiB copy back per rank, bit-exact
+        src_seg = Segment.create(64 * MiB, "src")
+        dst_seg = pool.create_segment(n * 64 * MiB, "dst")
+        try:
+            src_d = {"seg": src_seg.name, "off": 0, "dtype": "bfloat16", "shape": [4096, 8192]}
+            src = src_seg.tensor(src_d)
+            src.view(torch.int16).copy_(torch.randint(-32768, 32767, (4096, 8192), dtype=torch.int16))
+            dst_ds = [{**src_d, "seg": dst_seg.name, "off": r * 64 * MiB} for r in range(n)]
+            res = run(pool.all("echo", [{"src": src_d, "dst": d} for d in dst_ds], timeout=60), 90)
+            want = hashlib.sha256(src.view(torch.uint8).numpy()).hexdigest()
+            for r, (a, d) in enumerate(zip(res, dst_ds)):
+                assert a == {"bytes": 64 * MiB, "sha256": want}
+                assert torch.equal(dst_seg.tensor(d).view(torch.int16), src.view(torch.int16)), f"rank {r}"
+            assert [w["jobs_done"] for w in pool.snapshot()] == [2] * n
+            del src
+        finally:
+            src_seg.close()
+            src_seg.unlink()
+            dst_seg.close()
+    finally:
+        run(pool.release(), 60)
+    assert_released(pool, run_dir, pids)
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = WorkerPool(["cpu", "cpu"], name="pool2")
+    run(pool.start(), 120)
+    yield pool
+    run(pool.release(), 60)
+    assert glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*") == []
+
+
+def test_worker_error_carries_traceback_and_log(pool2):
+    seg = pool2.create_segment(8192, "bad")
+    small = {"seg": seg.name, "off": 0, "dtype": "uint8", "shape": [16]}
+    with pytest.raises(WorkerError) as ei:
+        run(pool2.request(1, "echo", {"src": small, "dst": {**small, "shape": [8]}}, timeout=10))
+    msg = str(ei.value)
+    assert ei.value.rank == 1 and ei.value.device == "cpu"
+    assert "worker rank 1 on cpu" in msg and "src has 16 bytes but dst has 8" in msg
+    assert "Traceback (most recent call last)" in msg and "rank1.log" in msg
+    # a handler error does not kill the worker
+    assert run(pool2.request(1, "ping", {}, timeout=5))["pong"]
+    assert pool2.snapshot()[1]["state"] == "ready"
+
+
+def test_busy_release_refused_and_abort_stops_ranks(pool2):
+    fut = get_coordinator().submit(pool2.all("sleep", [{"seconds": 30}] * 2, timeout=60))
+    deadline = time.monotonic() + 5
+    while not (pool2.busy and all(w["state"] == "busy" for w in pool2.snapshot())):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(PoolBusy, match="force=True"):
+        run(pool2.release(), 10)
+    gen = pool2.abort_generation
+    t0 = time.monotonic()
+    threading.Thread(target=pool2.abort).start()  # abort is thread-safe
+    with pytest.raises(WorkerError, match="sleep aborted by the pool"):
+        fut.result(5)
+    assert time.monotonic() - t0 < 5
+    assert pool2.abort_generation == gen + 2  # ours, then all()'s own fail-fast abort
+    assert not pool2.busy
+    assert run(pool2.all("ping", [{}, {}], timeout=5))[0]["pong"]
+
+
+def test_log_path_and_snapshot(pool2):
+    path = pool2.log_path(0)
+    assert path.startswith(pool2.run_dir)
+    deadline = time.monotonic() + 5
+    while "ready on cpu" not in open(path).read():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    text = open(path).read()
+    assert "coordinator: starting rank 0 on cpu" in text
+    snap = pool2.snapshot()[0]
+    assert set(snap) == {"rank", "device", "pid", "state", "uptime_s", "rss_bytes", "vram_bytes", "log", "jobs_done"}
+    assert snap["log"] == path and snap["uptime_s"] > 0 and snap["rss_bytes"] > 10 * MiB
+    assert pool2.world_size == 2 and pool2.devices == ["cpu", "cpu"]
+    with pytest.raises(IndexError):
+        pool2.log_path(2)
+
+
+def test_pool_must_run_on_coordinator_loop():
+    import asyncio
+
+    with pytest.raises(RuntimeError, match="coordinator loop"):
+        asyncio.run(WorkerPool(["cpu"]).start())
+
+
+def test_bad_device_lists():
+    for bad in ([], "cpu", ["gpu0"], ["cuda:x"], [0]):
+        with pytest.raises(ValueError):
+            WorkerPool(bad)
+    with pytest.raises(ValueError, match="pool name"):
+        WorkerPool(["cpu"], name="a b")
+
+
+def test_cuda_visible_devices_translation():
+    assert cuda_visible_for("cuda:1", None) == "1"
+    assert cuda_visible_for("cuda", None) == "0"
+    assert cuda_visible_for("cuda:1", "2,3") == "3"
+    assert cuda_visible_for("cuda:0", "GPU-aaaa, GPU-bbbb") == "GPU-aaaa"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='2,3'"):
+        cuda_visible_for("cuda:2", "2,3")
+
+
+def test_start_timeout_from_env_and_deadline(monkeypatch):
+    monkeypatch.setenv("H3MS_WORKER_START_TIMEOUT", "7")
+    assert WorkerPool(["cpu"]).start_timeout == 7.0
+    monkeypatch.setenv("H3MS_WORKER_START_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="H3MS_WORKER_START_TIMEOUT"):
+        WorkerPool(["cpu"])
+    monkeypatch.delenv("H3MS_WORKER_START_TIMEOUT")
+    segs_before = set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"))
+    pool = WorkerPool(["cpu"], start_timeout=0.05)
+    with pytest.raises(WorkerTimeout, match="did not start within 0.05 s") as ei:
+        run(pool.start())
+    assert ei.value.rank == 0
+    assert pool.snapshot()[0]["pid"] not in [p.pid for p in worker_children()]
+    assert pool.run_dir is None and set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*")) == segs_before
+
+
+def test_socket_path_limit_names_the_fix(monkeypatch, tmp_path):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setenv("H3MS_RUN_DIR", str(deep))
+    segs_before = set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"))
+    pool = WorkerPool(["cpu"])
+    with pytest.raises(rundir.RunDirError, match="H3MS_RUN_DIR"):
+        run(pool.start())
+    assert os.listdir(deep) == [] and set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*")) == segs_before
+
+
+def test_rundir_sweep_removes_dead_owners_only(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout)
+    (tmp_path / f"h3ms-{dead}-abc").mkdir()
+    (tmp_path / f"h3ms-{dead}-abc" / "rank0.log").write_text("x")
+    (tmp_path / f"h3ms-{os.getpid()}-live").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    monkeypatch.setenv("H3MS_RUN_DIR", str(tmp_path))
+    made = rundir.create()
+    try:
+        assert sorted(os.listdir(tmp_path)) == sorted([f"h3ms-{os.getpid()}-live", "unrelated",
+                                                       os.path.basename(made)])
+    finally:
+        rundir.remove(made)
+
+
+def test_bench_ipc_smoke():
+    out = run_bench_ipc(samples=200, messages=500, copy_mib=64, pool_sizes=(1,))
+    assert out["control_rtt_us"]["samples"] == 200
+    assert 0 < out["control_rtt_us"]["p50"] <= out["control_rtt_us"]["p99"]
+    assert out["messages_per_s"] > 0 and out["shm_copy_gb_s"] > 0
+    assert set(out["pool_start_s"]) == {"1"} and out["pool_start_s"]["1"] > 0

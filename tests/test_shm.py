@@ -1,0 +1,143 @@
+"""Shared-memory segments (workers/shm.py): real /dev/shm files, real mappings."""
+import glob
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workers import shm
+from workers.shm import Arena, Segment, ShmError
+
+MiB = 1 << 20
+
+
+def _ours() -> set:
+    return set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = _ours()
+    yield
+    assert _ours() == before, "a test left shared-memory segments behind"
+
+
+def test_create_attach_share_bytes():
+    with Segment.create(10_000, "t") as seg:
+        assert seg.size == 12288  # rounded up to 4 KiB
+        assert shm.owner_pid(seg.name) == os.getpid()
+        assert seg.name.startswith(f"h3ms-{os.getpid()}-") and seg.name.endswith("-t")
+        st = os.stat(seg.path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        other = Segment.attach(seg.name)
+        try:
+            assert other.size == seg.size and not other.owner
+            with seg.buffer(100, 4) as mv:
+                mv[:] = b"abcd"
+            with other.buffer(100, 4) as mv:
+                assert bytes(mv) == b"abcd"
+        finally:
+            other.close()
+    assert not os.path.exists(seg.path)
+
+
+def test_tensor_views_are_zero_copy_for_every_dtype():
+    with Segment.create(1 * MiB, "views") as seg:
+        arena = Arena(seg)
+        for name in ["float32", "bfloat16", "float16", "int8", "int64", "uint8"]:
+            d = arena.alloc(name, [3, 5])
+            assert d["off"] % shm.ALIGN == 0
+            t = seg.tensor(d)
+            assert t.dtype == getattr(torch, name) and t.shape == (3, 5)
+            t.copy_(torch.arange(15).reshape(3, 5).to(t.dtype))
+            again = seg.tensor(d)
+            assert again.data_ptr() == t.data_ptr()
+            assert torch.equal(again, torch.arange(15).reshape(3, 5).to(t.dtype))
+        # a view written here is seen through another mapping of the same segment
+        other = Segment.attach(seg.name)
+        try:
+            d = {"seg": seg.name, "off": 0, "dtype": "float32", "shape": [3, 5]}
+            assert torch.equal(other.tensor(d), seg.tensor(d))
+        finally:
+            other.close()
+        del t, again
+
+
+def test_tensor_desc_errors():
+    with Segment.create(8192, "err") as seg:
+        with pytest.raises(ShmError, match="outside segment"):
+            seg.tensor({"seg": seg.name, "off": 4096, "dtype": "float32", "shape": [1025]})
+        with pytest.raises(ShmError, match="points into segment h3ms-9-"):
+            seg.tensor({"seg": "h3ms-9-0123456789abcdef-x", "off": 0, "dtype": "uint8", "shape": [1]})
+        with pytest.raises(ShmError, match="dtype"):
+            seg.tensor({"seg": seg.name, "off": 0, "dtype": "complex64", "shape": [1]})
+        empty = seg.tensor({"seg": seg.name, "off": 0, "dtype": "float32", "shape": [0, 4]})
+        assert empty.shape == (0, 4)
+
+
+def test_attach_refuses_foreign_and_missing_names():
+    with pytest.raises(ShmError, match="not a segment name"):
+        Segment.attach("../../etc/passwd")
+    with pytest.raises(ShmError, match="does not exist"):
+        Segment.attach(f"h3ms-{os.getpid()}-00000000deadbeef-gone")
+    with pytest.raises(ShmError, match="tag"):
+        Segment.create(4096, "bad/tag")
+    with pytest.raises(ShmError, match="> 0"):
+        Segment.create(0, "zero")
+
+
+def test_arena_alignment_and_full():
+    with Segment.create(3 * 4096, "arena") as seg:
+        arena = Arena(seg)
+        a = arena.alloc("uint8", [1])
+        b = arena.alloc("float32", [1024])
+        assert (a["off"], b["off"]) == (0, 4096)
+        with pytest.raises(ShmError, match="arena .* is full"):
+            arena.alloc("float32", [2048])
+        arena.reset()
+        assert arena.alloc("float32", [3072])["off"] == 0
+
+
+def test_close_with_live_views_and_double_unlink():
+    seg = Segment.create(4096, "live")
+    t = seg.tensor({"seg": seg.name, "off": 0, "dtype": "int64", "shape": [4]})
+    t.fill_(7)
+    seg.close()  # the view keeps the mapping alive
+    assert int(t.sum()) == 28
+    seg.unlink()
+    seg.unlink()
+    with pytest.raises(ShmError, match="closed"):
+        seg.buffer()
+    del t
+
+
+def test_check_free_space_names_shm_size():
+    free = shm.check_free_space(4096)
+    assert free >= 4096
+    with pytest.raises(ShmError, match="--shm-size"):
+        shm.check_free_space(1 << 62)
+    with pytest.raises(ShmError, match="--shm-size"):
+        Segment.create(1 << 62, "huge")
+
+
+def test_register_cuda_is_a_noop_on_cpu():
+    with Segment.create(4096, "cpu") as seg:
+        assert shm.register_cuda(seg, "cpu") is False
+        shm.unregister_cuda(seg)
+
+
+def test_sweep_dead_owners_removes_only_dead():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(proc.stdout)
+    assert not shm.pid_alive(dead)
+    dead_path = f"/dev/shm/h3ms-{dead}-0123456789abcdef-stale"
+    with open(dead_path, "wb") as fh:
+        fh.write(b"x")
+    with Segment.create(4096, "alive") as live:
+        removed = shm.sweep_dead_owners()
+        assert os.path.basename(dead_path) in removed
+        assert not os.path.exists(dead_path)
+        assert os.path.exists(live.path)

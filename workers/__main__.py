@@ -1,0 +1,217 @@
+"""Worker entry: ``python -m workers --rank R --world-size N --socket PATH --parent-pid P --device DEV``.
+
+Started only by ``h3ms_async.pool.WorkerPool``: the pool key arrives on stdin, stdout/stderr are the worker's log
+file.  Order matters: die-with-parent first, then pin the device (before any CUDA call), read the key, import the
+handler modules, connect, authenticate, serve until shutdown or EOF.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import traceback
+
+from workers import auth, protocol
+
+log = logging.getLogger("h3_multistream.worker")
+
+#: Modules whose import registers handlers; the optional ones may not be installed yet.
+CORE_MODULES = ("workers.handlers",)
+OPTIONAL_MODULES = ("workers.dit_rank",)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on channel EOF", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        log.error("parent %d is gone before start; exiting", parent_pid)
+        os._exit(1)
+
+
+def _import_handler_modules() -> None:
+    for name in CORE_MODULES:
+        importlib.import_module(name)
+    for name in OPTIONAL_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if exc.name != name:  # the module exists but one of its own imports failed: that is a real error
+                raise
+            log.info("optional handler module %s not present", name)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _vram(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.memory_reserved(torch.device(device)))
+
+
+async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, rank: int) -> dict:
+    msg = await asyncio.wait_for(protocol.read_message(reader), 30)
+    if msg["k"] != "challenge":
+        raise protocol.ProtocolError(f"expected a challenge first, got {msg['k']!r}")
+    writer.write(protocol.encode({"k": "auth", "id": 0, "rank": rank, "pid": os.getpid(),
+                                  "mac": auth.response(key, msg["nonce"], rank)}))
+    await writer.drain()
+    msg = await asyncio.wait_for(protocol.read_message(reader), 30)
+    if msg["k"] == "refused":
+        raise auth.AuthError(f"coordinator refused this worker: {msg['error']}")
+    if msg["k"] != "welcome":
+        raise protocol.ProtocolError(f"expected welcome, got {msg['k']!r}")
+    return msg
+
+
+def _make_context(args: argparse.Namespace, welcome: dict):
+    from workers.handlers import WorkerContext
+    from workers.shm import Segment
+
+    control = Segment.attach(welcome["control"])
+    import torch
+
+    ctx = WorkerContext(
+        rank=args.rank, world_size=welcome["world_size"], device=welcome["device"], run_dir=welcome["run_dir"],
+        log=log, doorbell_fds=[int(fd) for fd in welcome["doorbell_fds"]],
+        control=control.base_tensor().view(torch.int64), control_segment=control)
+    return ctx
+
+
+async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hb_interval: float) -> str:
+    from workers.handlers import HANDLERS
+
+    ctx.state["_writer"] = writer
+    tasks: set[asyncio.Task] = set()
+
+    def send(msg: dict) -> None:
+        try:
+            frame = protocol.encode(msg)
+        except protocol.ProtocolError as exc:
+            frame = protocol.encode({"k": "err", "id": msg.get("id", 0), "error": f"bad answer: {exc}",
+                                     "tb": traceback.format_exc()})
+        if not writer.is_closing():
+            writer.write(frame)
+
+    async def heartbeat() -> None:
+        while True:
+            send({"k": "hb", "id": 0, "rss": _rss(), "vram": _vram(ctx.device), "busy": ctx.inflight > 0})
+            await asyncio.sleep(hb_interval)
+
+    async def run_one(fn, msg: dict) -> None:
+        ctx.inflight += 1
+        try:
+            result = await fn(ctx, msg)
+            if not isinstance(result, dict):
+                raise TypeError(f"handler for {msg['k']!r} returned {type(result).__name__}, not a dict")
+            send({"k": "ok", "id": msg["id"], "r": result})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # every handler error goes back to the coordinator
+            log.exception("request %s (id %d) failed", msg["k"], msg["id"])
+            send({"k": "err", "id": msg["id"], "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+        finally:
+            ctx.inflight -= 1
+
+    hb = asyncio.create_task(heartbeat())
+    try:
+        while True:
+            try:
+                msg = await protocol.read_message(reader)
+            except EOFError:
+                return "coordinator closed the channel"
+            except protocol.ProtocolError as exc:
+                log.error("protocol error from the coordinator: %s", exc)
+                return "protocol error"
+            kind = msg["k"]
+            if kind == "shutdown":
+                send({"k": "ok", "id": msg["id"], "r": {"pid": os.getpid()}})
+                await writer.drain()
+                return "shutdown requested"
+            fn = HANDLERS.get(kind)
+            if fn is None:
+                hint = " (test hooks are off: set H3MS_TEST_HOOKS=1)" if kind in (
+                    "sleep", "crash", "hang", "inject") else ""
+                send({"k": "err", "id": msg["id"], "error": f"this worker does not serve {kind!r}{hint}", "tb": ""})
+                continue
+            task = asyncio.create_task(run_one(fn, msg))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    finally:
+        hb.cancel()
+        for task in tasks:
+            task.cancel()
+
+
+async def _main_async(args: argparse.Namespace, key: bytes) -> str:
+    reader, writer = await asyncio.open_unix_connection(args.socket, limit=1 << 20)
+    welcome = await _handshake(reader, writer, key, args.rank)
+    ctx = _make_context(args, welcome)
+    log.info("rank %d/%d ready on %s (pid %d, %s loop)", ctx.rank, ctx.world_size, ctx.device, os.getpid(),
+             type(asyncio.get_running_loop()).__module__.split(".")[0])
+    try:
+        return await _serve(ctx, reader, writer, float(welcome["hb_interval"]))
+    finally:
+        writer.close()
+        ctx.close()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers", description="H3 MultiStream worker (started by the pool)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--socket", required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--device", required=True)
+    args = p.parse_args(argv)
+
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.DEBUG if os.environ.get("H3MS_DEBUG") == "1" else logging.INFO,
+        format=f"%(asctime)s.%(msecs)03d rank{args.rank} %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    _die_with_parent(args.parent_pid)
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(args.device))
+    try:
+        key = auth.read_key(sys.stdin.buffer)
+    except auth.AuthError as exc:
+        log.error("%s", exc)
+        return 2
+    _import_handler_modules()
+    loop = _new_loop()
+    try:
+        reason = loop.run_until_complete(_main_async(args, key))
+    except (auth.AuthError, protocol.ProtocolError, OSError, asyncio.TimeoutError) as exc:
+        log.error("rank %d stopping: %s: %s", args.rank, type(exc).__name__, exc)
+        return 2
+    log.info("rank %d exiting: %s", args.rank, reason)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A compute thread may still be running a kernel; do not wait for it.
+    os._exit(code)
