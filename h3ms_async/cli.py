@@ -29,7 +29,11 @@ def _bench(argv: Sequence[str]) -> int:
         from h3ms_async.bench_exchange import main as m
         return m(a)
 
-    benches.update(ipc=ipc, split=split, exchange=exchange)
+    def gpu(a: Sequence[str]) -> int:
+        from h3ms_async.bench_gpu import main as m
+        return m(a)
+
+    benches.update(ipc=ipc, split=split, exchange=exchange, gpu=gpu)
     if not argv or argv[0] not in benches:
         print(f"usage: python -m h3ms_async bench {{{'|'.join(benches)}}} [options]", file=sys.stderr)
         return 2
@@ -50,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m h3ms_async",
         description="H3 MultiStream (async), standalone: split a reference MiniMax H3 DiT across rank workers.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="demo, bench {ipc,split,exchange} or serve")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="demo, bench {ipc,split,exchange,gpu} or serve")
     if not args or args[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if args else 2

@@ -31,7 +31,7 @@ _log = get_logger("MultiStream")
 _status_log = get_logger("Status")
 
 RING_SIZE = 256
-EXCHANGE_MODES = ("host", "nccl", "gloo", "local")
+EXCHANGE_MODES = ("host", "nccl", "gloo", "none")
 SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir")
 ACTIONS = ("release_workers", "clear_weights", "detach_hooks")
 GIB = 1024 ** 3

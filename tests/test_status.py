@@ -43,7 +43,7 @@ def test_valid_record_passes_and_is_returned():
     (lambda r: r.update(at="yesterday"), "field 'at' must be an ISO-8601 time"),
     (lambda r: r.update(kind="vae"), "field 'kind' must be 'dit'"),
     (lambda r: r.update(tokens=True), "field 'tokens' must be an int, got bool"),
-    (lambda r: r.update(exchange="p2p"), "field 'exchange' must be one of host, nccl, gloo, local"),
+    (lambda r: r.update(exchange="p2p"), "field 'exchange' must be one of host, nccl, gloo, none"),
     (lambda r: r.update(chunks=0), "field 'chunks' must be >= 1"),
     (lambda r: r.update(wall_s=float("nan")), "field 'wall_s' must be finite"),
     (lambda r: r.update(sigma="high"), "field 'sigma' must be a number"),
@@ -186,10 +186,10 @@ def test_format_step_line_fields():
     # two ranks on cuda:0 are two processes on one GPU: their peaks add up
     assert line.endswith("VRAM peak cuda:0 21.00 GiB / cuda:1 12.00 GiB")
     cpu = make_record(0, ranks=1, devices=["cpu"], vram=False)
-    cpu["sigma"], cpu["chunks"], cpu["exchange"] = None, 1, "local"
+    cpu["sigma"], cpu["chunks"], cpu["exchange"] = None, 1, "none"
     line = format_step_line(cpu)
     assert line.startswith("step 0: 1000 tokens x 50 blocks on cpu, ")
-    assert "(exchange local; compute" in line and "VRAM" not in line
+    assert "(exchange none; compute" in line and "VRAM" not in line
 
 
 def _write(root, name, text):

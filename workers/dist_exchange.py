@@ -47,8 +47,13 @@ def check_nccl_rank_map(devices: list[str]) -> None:
 
 
 def init_group(rank: int, world: int, backend: str, init_file: str, timeout_s: float, *,
-               devices: list[str] | None = None) -> None:
-    """Join the process group through a rendezvous file in the private run dir (``file://<init_file>``)."""
+               devices: list[str] | None = None, local_device: str | None = None) -> None:
+    """Join the process group through a rendezvous file in the private run dir (``file://<init_file>``).
+
+    ``devices`` is the whole rank map (as the coordinator names the GPUs, for the one-GPU-per-rank check);
+    ``local_device`` is this rank's device as this process sees it (a worker with CUDA_VISIBLE_DEVICES narrowed to
+    its own GPU sees it as ``cuda:0``); it defaults to ``devices[rank]``.
+    """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
     if not os.path.isabs(init_file):
@@ -62,7 +67,7 @@ def init_group(rank: int, world: int, backend: str, init_file: str, timeout_s: f
         # NVLink SHARP multicast stays off on the machines we support (DESIGN: keep NCCL_NVLS_ENABLE=0); an explicit
         # setting from the environment wins
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(torch.device(devices[rank]))
+        torch.cuda.set_device(torch.device(local_device or devices[rank]))
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -32,6 +32,24 @@ Segment = tuple[int, int, Row]
 # Names of the four linears that int8 checkpoints quantize; everything else stays in model dtype.
 INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
+
+def apply_kitchen_policy() -> None:
+    """Enable comfy-kitchen's backends as ComfyUI does, so every rank computes with the parent's kernels.
+
+    ComfyUI (comfy/quant_ops.py) disables kitchen's ``cuda`` backend unless torch was built with CUDA >= 13, and its
+    ``triton`` backend unless ``--enable-triton-backend`` was given (here: ``H3MS_ENABLE_TRITON_BACKEND=1``).
+    """
+    import os
+
+    cuda = torch.version.cuda
+    if cuda is None or int(cuda.split(".")[0]) < 13:
+        ck.disable_backend("cuda")
+    if os.environ.get("H3MS_ENABLE_TRITON_BACKEND") != "1":
+        ck.disable_backend("triton")
+
+
+apply_kitchen_policy()
+
 # ComfyUI puts SDPA under an explicit backend priority only for large inputs on CUDA (comfy/ops.py).
 _SDPA_PRIORITY_MIN_ELEMENTS = 1024 * 128
 

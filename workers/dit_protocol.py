@@ -18,7 +18,10 @@ serve.  Field meanings:
     segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row index
     tokens      [t0, t1]
     arena       exchange arena segment name ("" for exchange "dist"); layout: ArenaLayout.to_dict()
-    exchange    "host" | "dist";  chunks: pipelined chunks per exchange (0/1 = single shot)
+    exchange    "host" | "dist" | "none";  chunks: pipelined chunks per exchange (0/1 = single shot).
+                "none" is the benchmark baseline: each rank computes its shard with no exchange at all (the other
+                ranks' rows are zeros), which measures what the ranks' compute costs on their own, e.g. two CUDA
+                contexts time-slicing one GPU.  Its output is wrong by design and never returned to a caller.
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
@@ -40,6 +43,6 @@ protocol.register_kind("dit_step", {
 protocol.register_kind("dit_release", {})
 
 #: Exchange transports a step may name.
-EXCHANGES = ("host", "dist")
+EXCHANGES = ("host", "dist", "none")
 #: Weight residency choices of a CUDA rank.
 RESIDENCIES = ("auto", "resident", "stream")

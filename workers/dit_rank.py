@@ -118,34 +118,80 @@ async def _dit_release(ctx: WorkerContext, msg: dict) -> dict:
     return {"released": True}
 
 
+class NoExchange:
+    """The "none" benchmark baseline (see ``dit_protocol``): same shapes as an exchange, no data from peers."""
+
+    def __init__(self, rank: int, layout: ArenaLayout, device: torch.device) -> None:
+        self.rank, self.layout = rank, layout
+        dt = layout.torch_dtype
+        t0, t1 = layout.rows(rank)
+        self._g = torch.zeros((layout.tokens, layout.row_width), dtype=dt, device=device)
+        self._a = torch.zeros((t1 - t0, layout.columns), dtype=dt, device=device)
+
+    def begin(self, gen: int) -> None:
+        pass
+
+    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        t0, t1 = self.layout.rows(self.rank)
+        self._g[t0:t1].copy_(local)
+        return self._g
+
+    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        t0, t1 = self.layout.rows(self.rank)
+        c0, c1 = self.layout.cols(self.rank)
+        self._a[:, c0:c1].copy_(local[t0:t1])
+        return self._a
+
+    def reset_stats(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"transport": "none"}
+
+    def close(self) -> None:
+        pass
+
+
 def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
-    """The exchange object for this step's arena (created once per arena and layout)."""
+    """The exchange object for this step's arena or process group (created once, reused while it matches)."""
     layout = ArenaLayout.from_dict(msg["layout"])
+    cuda = ctx.device.startswith("cuda")
+    if msg["exchange"] == "none":
+        key0 = ("none", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
+        if key0 not in st.exchanges:
+            st.exchanges[key0] = NoExchange(ctx.rank, layout, torch.device(ctx.device))
+        return st.exchanges[key0]
     if msg["exchange"] == "host":
-        key = ("host", msg["arena"])
+        key: tuple = ("host", msg["arena"])
         ex = st.exchanges.get(key)
         if ex is None:
             for old in [k for k in st.exchanges if k[0] == "host"]:
                 st.exchanges.pop(old).close()
             arena = ctx.segment(msg["arena"]).base_tensor()
-            copies = {}
-            if ctx.device.startswith("cuda"):
-                from workers import cuda_rank
-                copies = cuda_rank.exchange_copies(ctx)
+            wrap = copies = None
+            if cuda:
+                from workers.cuda_rank import CudaExchange
+                wrap = CudaExchange(torch.device(ctx.device), host=True)
+                copies = {"to_host": wrap.to_host, "to_device": wrap.to_device}
             ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
-                              msg["deadline_s"], **copies)
+                              msg["deadline_s"], **(copies or {}))
+            ex = wrap.bind(ex) if wrap is not None else ex
             st.exchanges[key] = ex
         return ex
     from workers.dist_exchange import DistExchange, init_group
-    backend = "nccl" if ctx.device.startswith("cuda") else "gloo"
     if st.dist_backend is None:
+        backend = "nccl" if cuda else "gloo"
         init_group(ctx.rank, ctx.world_size, backend, os.path.join(ctx.run_dir, "dist-rendezvous"),
-                   msg["deadline_s"], devices=ctx.state.get("devices"))
+                   msg["deadline_s"], devices=ctx.state.get("devices"), local_device=ctx.device)
         st.dist_backend = backend
     key = ("dist", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
     ex = st.exchanges.get(key)
     if ex is None:
-        ex = st.exchanges[key] = DistExchange(ctx.rank, ctx.world_size, layout, control=ctx.control)
+        ex = DistExchange(ctx.rank, ctx.world_size, layout, control=ctx.control)
+        if cuda:
+            from workers.cuda_rank import CudaExchange
+            ex = CudaExchange(torch.device(ctx.device), host=False).bind(ex)
+        st.exchanges[key] = ex
     return ex
 
 
@@ -176,13 +222,16 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
     t_emb = step_seg.tensor(msg["t_emb"]).to(device)
     rope = step_seg.tensor(msg["rope"]).to(device)
     segs = dit_ops.clip_segments(_segments(ctx, msg["segments"], device), t0, t1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        w.provider.prepare(x_full.shape[0], t1 - t0)
     ex = _exchange(ctx, st, msg)
     ex.reset_stats()
     ex.begin(int(msg["abort_gen"]))
     chunks = int(msg["chunks"])
     b0, b1 = (int(v) for v in msg["blocks"])
     eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
-    timer = w.provider.timer() if w.provider is not None else None
+    timer = w.provider.timer if w.provider is not None else None
     for i in range(b0, b1):
         if ctx.abort_generation() != int(msg["abort_gen"]):
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
@@ -199,7 +248,7 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
             w.provider.done(i)
     if cuda:
         x_full[t0:t1].copy_(x_rows)
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     wall = time.perf_counter() - t_start
     xs = ex.stats()
     exchange_s = float(xs.get("copy_s", 0.0)) + float(xs.get("wait_s", 0.0))
@@ -211,12 +260,21 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
         "moved_bytes": int(xs.get("bytes_written", 0)) + int(xs.get("bytes_read", 0)),
         "signals": int(xs.get("signals_sent", 0)),
         "vram_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        # CUDA ranks: the copies' own durations from events on the copy streams, and the host's waits for compute
+        "copy_gpu_s": float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
+        "compute_wait_s": float(xs.get("compute_wait_s", 0.0)),
         "weights": timer() if timer is not None else None,
     }
+
+
+def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:
+    # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another code path).
+    with torch.inference_mode():
+        return run_step(ctx, msg)
 
 
 @handler("dit_step")
 async def _dit_step(ctx: WorkerContext, msg: dict) -> dict:
     if msg["exchange"] not in dit_protocol.EXCHANGES:
         raise ValueError(f"dit_step: exchange {msg['exchange']!r} is not one of {dit_protocol.EXCHANGES}")
-    return await ctx.run_compute(run_step, ctx, msg)
+    return await ctx.run_compute(_run_step_inference, ctx, msg)

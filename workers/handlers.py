@@ -106,9 +106,20 @@ async def _ping(ctx: WorkerContext, msg: dict) -> dict:
     return {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
 
 
-def _copy_and_hash(src: Any, dst: Any) -> str:
-    dst.copy_(src)
-    return hashlib.sha256(dst.numpy()).hexdigest()
+def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
+    """Copy ``src`` to ``dst`` through this worker's device (a round trip host->GPU->host on a CUDA rank, from and
+    into CUDA-registered shm); returns the sha256 of ``dst`` and the seconds the copies took."""
+    import torch
+
+    t = time.perf_counter()
+    if device.startswith("cuda"):
+        staged = src.to(device, non_blocking=True)
+        dst.copy_(staged, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        dst.copy_(src)
+    seconds = time.perf_counter() - t
+    return hashlib.sha256(dst.numpy()).hexdigest(), seconds
 
 
 @handler("echo")
@@ -122,8 +133,9 @@ async def _echo(ctx: WorkerContext, msg: dict) -> dict:
         raise ValueError(f"echo: src has {n_src} bytes but dst has {n_dst}; give descriptors of equal size")
     src = ctx.segment(src_d["seg"]).tensor(src_d).reshape(-1).view(torch.uint8)
     dst = ctx.segment(dst_d["seg"]).tensor(dst_d).reshape(-1).view(torch.uint8)
-    digest = await ctx.run_compute(_copy_and_hash, src, dst)
-    return {"bytes": n_src, "sha256": digest}
+    digest, seconds = await ctx.run_compute(_copy_and_hash, src, dst, ctx.device)
+    return {"bytes": n_src, "sha256": digest, "seconds": seconds,
+            "registered": ctx.segment(src_d["seg"]).registered}
 
 
 @handler("shutdown")

@@ -95,6 +95,11 @@ class Segment:
         self._cuda_ptr: int | None = None
 
     @property
+    def registered(self) -> bool:
+        """Whether this mapping is registered with CUDA as pinned host memory."""
+        return self._cuda_ptr is not None
+
+    @property
     def path(self) -> str:
         return os.path.join(SHM_DIR, self.name)
 

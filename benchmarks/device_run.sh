@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
+#   bash benchmarks/device_run.sh [tests|bench|all] [extra bench args...]
+# comfy-kitchen travels in .ck/ (the cp312 wheel unpacked without its ROCm library, see kitchen_facts.md §7).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"; shift || true
+out="${OUT:-$PWD/.out}"; mkdir -p "$out"
+export PYTHONPATH="$PWD/.ck:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink SHARP multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{
+  nvidia-smi; nvidia-smi topo -m
+  python3 -c "import torch, comfy_kitchen as ck; print('torch', torch.__version__, 'cuda', torch.version.cuda); print({k: (v['available'], v['disabled']) for k, v in ck.list_backends().items()})"
+} > "$out/machine.txt" 2>&1
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -p no:cacheprovider -s tests/test_cuda.py 2>&1 | tee "$out/pytest_cuda.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m h3ms_async bench gpu --out "$out" "$@" 2>&1 | tee "$out/bench_gpu.log" || rc=1
+fi
+exit $rc
