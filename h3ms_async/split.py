@@ -30,7 +30,7 @@ from h3ms_async.pool import WorkerError, WorkerPool
 from h3ms_async.reference_dit import DiTConfig
 from h3ms_async.status import get_hub, now_iso
 from h3ms_async.weight_store import BlockReader, WeightStore, fill
-from workers import dit_protocol
+from workers import dit_ops, dit_protocol
 from workers.dist_exchange import check_nccl_rank_map
 from workers.exchange import ArenaLayout, dtype_name
 from workers.shm import Arena, Segment
@@ -38,6 +38,8 @@ from workers.shm import Arena, Segment
 log = get_logger("MultiStream")
 
 EXCHANGES = ("host", "nccl")
+#: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
+BASELINE_EXCHANGE = "none"
 _INTERRUPT_POLL_S = 0.05
 
 
@@ -47,6 +49,10 @@ class SplitError(RuntimeError):
 
 class SplitInterrupted(SplitError):
     """The caller's interrupt probe turned true; every rank was aborted."""
+
+
+class SplitUnsafe(SplitError):
+    """This step cannot be split bit-exactly on these ranks (the caller should run it unsplit, or use fewer ranks)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class SplitOptions:
     exchange_deadline_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.exchange not in EXCHANGES:
+        if self.exchange not in EXCHANGES + (BASELINE_EXCHANGE,):
             raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
         if not 0 <= self.exchange_chunks <= 32:
             raise ValueError(f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single shot)")
@@ -117,6 +123,10 @@ class SplitEngine:
         self._running = False
         self._steps = 0
         self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
+        self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
+        #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
+        #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``); benchmarks read it.
+        self.last_rank_results: list[dict] = []
 
     # -- properties -------------------------------------------------------------------------------------------
     @property
@@ -137,8 +147,8 @@ class SplitEngine:
         return self._transport(self.options.exchange)
 
     def _transport(self, exchange: str) -> str:
-        if exchange == "host":
-            return "host"
+        if exchange in ("host", BASELINE_EXCHANGE):
+            return exchange
         return "nccl" if self.devices[0].startswith("cuda") else "gloo"
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -175,12 +185,16 @@ class SplitEngine:
                    "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]], "residency": self.options.vram_residency,
                    "key": ld.store.key_text} for r in range(self.ranks)]
         await self.pool.start()
-        await self.pool.all("dit_load", fields, self.options.step_timeout_s)
+        results = await self.pool.all("dit_load", fields, self.options.step_timeout_s)
         self._rank_starts = self.pool.starts
+        self._sm_counts = [r.get("sm_count") for r in results]
 
     def _drop_store(self) -> None:
         if self._loaded is None:
             return
+        # dit_release closes the ranks' exchanges; a fresh exchange on the old arena would read its stale sequence
+        # words as "ready", so the next step must get new step buffers.
+        self._drop_buffers()
         if self.pool.running:
             try:
                 self._run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
@@ -210,18 +224,33 @@ class SplitEngine:
         ld = self._loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
-        _check_block_options(block_options)
+        check_block_options(block_options)
         if x.dim() != 2 or x.shape[1] != ld.config.hidden:
             raise ValueError(f"x must be [S, {ld.config.hidden}] (the residual stream), got {tuple(x.shape)}")
         plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
         if tuple(plan.head_bounds) != ld.head_bounds:
             raise SplitError("head plan changed since the weights were loaded; call load_weights again")
+        self._check_attention_exact(plan, ld.config.heads)
         with self._lock:
             self._running = True
             try:
                 return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma)
             finally:
                 self._running = False
+
+    def _check_attention_exact(self, plan: plans.SplitPlan, heads: int) -> None:
+        """Refuse (``SplitUnsafe``) a sequence so short that a rank's CUDA attention would change its schedule."""
+        tokens = plan.token_bounds[-1]
+        for r, sms in enumerate(self._sm_counts):
+            if sms is None:
+                continue
+            h = plan.head_bounds[r + 1] - plan.head_bounds[r]
+            if not dit_ops.flash_tiles_ok(h, heads, tokens, sms):
+                raise SplitUnsafe(
+                    f"{tokens} tokens are too few for {self.ranks} ranks to stay bit-exact on {self.devices[r]}: rank "
+                    f"{r} would attend with {h} of {heads} heads ({h * -(-tokens // 64)} query tiles, under the "
+                    f"{int(1.6 * sms)} at which CUDA attention switches to a split-KV schedule). Run this step "
+                    "unsplit or with fewer ranks")
 
     def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
               rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None) -> torch.Tensor:
@@ -245,7 +274,7 @@ class SplitEngine:
             "job": self._steps, "x": buf.descs["x"], "t_emb": buf.descs["t_emb"], "rope": buf.descs["rope"],
             "segments": segments, "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
             "arena": buf.arena.name if buf.arena is not None else "", "layout": buf.layout.to_dict(),
-            "exchange": "host" if opts.exchange == "host" else "dist",
+            "exchange": {"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
             "chunks": opts.exchange_chunks, "abort_gen": 0,
             "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
         } for r in range(self.ranks)]
@@ -256,6 +285,7 @@ class SplitEngine:
             self._drop_buffers()
             raise
         out = step.tensor(buf.descs["x"]).clone()
+        self.last_rank_results = [dict(r) for r in results]
         self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], len(ld.store.manifest), sigma)
         return out
 
@@ -397,8 +427,12 @@ def _options_dict(o: SplitOptions) -> dict:
             "shares": list(o.shares) if o.shares else None}
 
 
-def _check_block_options(block_options: list[dict] | None) -> None:
-    """Per-block option patches travel to the workers as data; a callable (e.g. an attention override) cannot."""
+def check_block_options(block_options: list[dict] | None) -> None:
+    """Per-block option patches travel to the workers as data; a callable (e.g. an attention override) cannot.
+
+    Raises :class:`SplitError` naming the block, the key and the fix.  Public so that a caller (the ComfyUI layer)
+    can refuse a patch before it fills the weight store or starts workers.
+    """
     for i, opts in enumerate(block_options or []):
         for k, v in (opts or {}).items():
             if callable(v):

@@ -88,7 +88,8 @@ def weight_key(patcher: Any) -> tuple[tuple, str | None]:
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
             st = os.stat(path)
             options = args[1] if len(args) > 1 else None
-            opts = repr(sorted(options.items(), key=lambda kv: str(kv[0]))) if isinstance(options, Mapping) else repr(options)
+            opts = (repr(sorted(options.items(), key=lambda kv: str(kv[0]))) if isinstance(options, Mapping)
+                    else repr(options))
             return ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns, opts, patches), None
     model = getattr(patcher, "model", patcher)
     return ("dit-object", id(model), patches), (
@@ -107,13 +108,19 @@ def effective_weight(patcher: Any, key: str) -> Any:
 
     A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
     ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are, never patched twice;
-    when the live weight holds another clone's patches, the original comes from ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` computes the patched weight without touching the
-    model (quantized layers re-quantize through their ``set_weight``, §6.3). Weight wrappers
-    (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's ``weight_function`` list.
+    when the live weight holds another clone's patches, the original comes from ``backup``. Otherwise
+    ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching the model: an unpatched
+    key is the live tensor as it is (no device work); a patched key is computed on ``patcher.load_device``, because
+    ComfyUI computes patches there, in that device's patch dtype (``lora_compute_dtype``), and the split must
+    match it bit for bit (quantized layers re-quantize through their ``set_weight``, §6.3). That is one transient
+    tensor at a time, moved to the host by :func:`block_tensors` before the next is made: the ComfyUI process never
+    holds a second copy of the blocks on a GPU. Weight wrappers (``add_weight_wrapper``) run last, in order, as
+    ``cast_bias_weight`` runs a module's ``weight_function`` list.
     """
     backup = getattr(patcher, "backup", {})
     if key not in backup:
-        weight = patcher.patch_weight_to_device(key, return_weight=True)
+        device = patcher.load_device if key in patcher.patches else None
+        weight = patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
     elif getattr(patcher.model, "current_weight_patches_uuid", None) == patcher.patches_uuid:
         path, attr = key.rsplit(".", 1)
         weight = getattr(patcher.get_model_object(path), attr)
@@ -202,9 +209,17 @@ class _OwnPatch:
 
 
 class PassThroughPatch(_OwnPatch):
-    """Blocks 1..L-1: block 0 already ran them on the workers."""
+    """Blocks 1..L-1: block 0 already ran them on the workers, unless it fell back to running this step unsplit
+    (``stack.unsplit``): then each block runs here as in plain ComfyUI, with the user's own patch if any."""
+
+    def __init__(self, displaced: Any = None, stack: "_RunStack | None" = None, index: int = 0) -> None:
+        super().__init__(displaced)
+        self.stack = stack
+        self.index = index
 
     def __call__(self, args: dict, extra: dict) -> dict:
+        if self.stack is not None and self.stack.unsplit:
+            return self.stack.run_unsplit(self.index, args, extra)
         return {"img": args["img"]}
 
 
@@ -344,11 +359,25 @@ class _RunStack:
         self.state = state
         self.dm = dm
         self.user_patches = user_patches
+        self.unsplit = False
+
+    def run_unsplit(self, i: int, args: dict, extra: dict) -> dict:
+        """Block i exactly as plain ComfyUI runs it (the user's patch, else the original block)."""
+        patch = self.user_patches.get(i)
+        return patch(args, extra) if patch is not None else extra["original_block"](args)
 
     def __call__(self, args: dict, extra: dict) -> dict:
+        from h3ms_async.split import SplitError, SplitInterrupted, SplitUnsafe, check_block_options, get_engine
+        interrupt = progress.interrupt_probe()
+        if interrupt():  # cancelled between steps: start nothing
+            progress.raise_interrupted()
         n = len(self.dm.blocks)
-        block_options = capture_block_options(self.user_patches, args, n)  # refuses bad patches before any work
-        from h3ms_async.split import SplitInterrupted, get_engine
+        # refuse a bad patch before any work (weight store fill, worker start)
+        block_options = capture_block_options(self.user_patches, args, n)
+        try:
+            check_block_options(block_options)
+        except SplitError as exc:
+            raise MultiStreamError(str(exc)) from None
         patcher = self.state.patcher()
         key, warning = weight_key(patcher)
         if warning and not self.state.warned_key:
@@ -359,10 +388,24 @@ class _RunStack:
                             block_reader(patcher, self.state.reserve_gb), n)
         try:
             out = engine.run_blocks(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
-                                    block_options=block_options, interrupt=progress.interrupt_probe())
+                                    block_options=block_options, interrupt=interrupt, sigma=_sigma(args))
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
+        except SplitUnsafe as exc:
+            # A sequence too short to split exactly on these GPUs: this step runs unsplit in ComfyUI, as it would
+            # without the node (the ranks stay up for the next, longer, call).
+            log.warning("%s; running this step unsplit", exc)
+            self.unsplit = True
+            return self.run_unsplit(0, args, extra)
         return {"img": out}
+
+
+def _sigma(args: Mapping) -> float | None:
+    """The step's sigma for the step record: ComfyUI puts the sampler's sigmas in transformer_options."""
+    sigmas = args.get("transformer_options", {}).get("sigmas")
+    if isinstance(sigmas, torch.Tensor) and sigmas.numel() >= 1:
+        return float(sigmas.reshape(-1)[0])
+    return None
 
 
 class SplitWrapper:
@@ -383,8 +426,9 @@ class SplitWrapper:
         if self.state.detached:  # plain ComfyUI: the user's own patches only
             to["patches_replace"]["dit"] = {("double_block", i): p for i, p in user.items()}
             return executor(x, timestep, context, to, *args, **kwargs)
-        dit = {("double_block", i): PassThroughPatch() for i in range(1, n)}
-        dit[("double_block", 0)] = _RunStack(self.state, dm, user)
+        stack = _RunStack(self.state, dm, user)
+        dit = {("double_block", i): PassThroughPatch(stack=stack, index=i) for i in range(1, n)}
+        dit[("double_block", 0)] = stack
         to["patches_replace"]["dit"] = dit
         to["prefetch_dynamic_vbars"] = False  # no ComfyUI-side block weight prefetch: blocks run on the workers
         return executor(x, timestep, context, to, *args, **kwargs)

@@ -70,13 +70,14 @@ class H3MultiStreamAsync:
             log.warning("H3 MultiStream: the model is %s, not MiniMax H3; passing it through unsplit",
                         type(dm).__name__ if dm is not None else type(model).__name__)
             return (model,)
-        devices, why = _plan_devices(model, gpus, second_gpu)
+        devices, shares, why = _plan_devices(model, gpus, second_gpu)
         if devices is None:
             log.info("H3 MultiStream: running unsplit (%s)", why)
             return (model,)
         from h3ms_async.split import SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
-                               weight_cache=bool(weight_cache), cache_ram_reserve_gb=float(cache_ram_reserve_gb))
+                               weight_cache=bool(weight_cache), cache_ram_reserve_gb=float(cache_ram_reserve_gb),
+                               shares=shares)
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb))
         log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
@@ -86,22 +87,37 @@ class H3MultiStreamAsync:
         return (clone,)
 
 
-def _plan_devices(model: Any, gpus: Any, second_gpu: int) -> tuple[list[str] | None, str]:
-    """``(devices, why)``: the rank devices, or None with the reason the model runs unsplit.
+def _plan_devices(model: Any, gpus: Any,
+                  second_gpu: int) -> tuple[list[str] | None, tuple[float, ...] | None, str]:
+    """``(devices, shares, why)``: the rank devices and their shares (None: equal), or None with the reason the
+    model runs unsplit.
 
-    ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for). Otherwise the model must be
-    on CUDA, and the resolved plan (the model's GPU is rank 0) needs at least two ranks.
+    ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for); a connected GPU set's shares
+    still apply, one per rank. Otherwise the model must be on CUDA, and the resolved plan (the model's GPU is rank 0)
+    needs at least two ranks.
     """
-    from h3ms_async.plans import GPUSet, rank_map, resolve_cuda
+    from h3ms_async.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
     spec = os.environ.get(RANK_MAP_ENV, "").strip()
     if spec:
-        return rank_map(spec), f"{RANK_MAP_ENV}={spec}"
+        devices = rank_map(spec)
+        shares = tuple(gpus.shares) if gpus is not None and gpus.shares else None
+        if shares is not None and len(shares) != len(devices):
+            raise GPUSelectionError(f"shares: {len(shares)} value(s) from the H3 MS GPU Set for {len(devices)} "
+                                    f"rank(s) of {RANK_MAP_ENV}={spec}; give one share per rank or leave shares empty")
+        return devices, _uneven(shares), f"{RANK_MAP_ENV}={spec}"
     load_device = getattr(model, "load_device", None)
     if getattr(load_device, "type", None) != "cuda":
-        return None, f"the model is on {load_device}, the split needs MiniMax H3 on CUDA"
+        return None, None, f"the model is on {load_device}, the split needs MiniMax H3 on CUDA"
     gpu_set = gpus if gpus is not None else GPUSet.legacy(int(second_gpu))
     plan = resolve_cuda(gpu_set, 0 if load_device.index is None else load_device.index)
     notes = "; ".join(plan.notes) if plan.notes else "no notes"
     if len(plan.devices) < 2:
-        return None, f"one usable GPU ({', '.join(plan.devices)}; {notes})"
-    return list(plan.devices), f"{gpu_set.describe()}; {notes}"
+        return None, None, f"one usable GPU ({', '.join(plan.devices)}; {notes})"
+    return list(plan.devices), _uneven(plan.shares), f"{plan.describe()}; {gpu_set.describe()}"
+
+
+def _uneven(shares: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    """None for equal shares, so that equal plans share one engine (its key includes the options)."""
+    if not shares or len(set(shares)) == 1:
+        return None
+    return tuple(float(s) for s in shares)

@@ -11,8 +11,9 @@ def interrupt_probe() -> Callable[[], bool]:
     return mm.processing_interrupted
 
 
-def raise_interrupted(cause: BaseException) -> NoReturn:
-    """Raise ComfyUI's interrupt exception for a split the cancel flag aborted; clears the flag like ComfyUI does."""
+def raise_interrupted(cause: BaseException | None = None) -> NoReturn:
+    """Raise ComfyUI's interrupt exception for a split the cancel flag aborted (``cause``) or stopped before it
+    started (None); clears the flag like ComfyUI does."""
     import comfy.model_management as mm
-    mm.throw_exception_if_processing_interrupted()
+    mm.interrupt_current_processing(False)
     raise mm.InterruptProcessingException() from cause

@@ -11,15 +11,17 @@ log = get_logger("Release")
 def action_release_workers() -> dict:
     """Stop every split engine's worker processes (their shared-memory weight store goes with them)."""
     from h3ms_async.split import release_all_engines
-    release_all_engines()
-    return {"message": "split workers released"}
+    n = release_all_engines()
+    return {"message": f"split workers released ({n} engine(s))" if n else "no split workers were running"}
 
 
 def action_clear_weights() -> dict:
-    """Drop the shared-memory weight store. It belongs to the split engine, so this releases the engines too."""
-    from h3ms_async.split import release_all_engines
-    release_all_engines()
-    return {"message": "weight store cleared (split engines released; the next step refills it)"}
+    """Drop the shared-memory weight store; the workers stay up and reload it on the next step."""
+    from h3ms_async.split import clear_weight_stores
+    n = clear_weight_stores()
+    if n == 0:
+        return {"message": "no weight store was held"}
+    return {"message": f"weight store cleared ({n} dropped; workers kept, the next step refills it)"}
 
 
 def action_detach_hooks() -> dict:
@@ -43,7 +45,8 @@ class H3MSReleaseResourcesAsync:
                 "release_workers": ("BOOLEAN", {"default": True, "tooltip": "Stop the split's worker processes "
                                     "(their VRAM is freed)."}),
                 "clear_weight_store": ("BOOLEAN", {"default": False, "tooltip": "Drop the shared-memory copy of the "
-                                       "block weights (RAM is freed; the next run refills it)."}),
+                                       "block weights (RAM is freed; the workers stay up and the next run "
+                                       "refills it)."}),
                 "detach_hooks": ("BOOLEAN", {"default": False, "tooltip": "Make models already patched by H3 "
                                  "MultiStream run unsplit until the node runs again."}),
             },
@@ -57,10 +60,10 @@ class H3MSReleaseResourcesAsync:
         lines = []
         if detach_hooks:
             lines.append(action_detach_hooks()["message"])
+        if clear_weight_store:  # before the release, which drops the store with the workers anyway
+            lines.append(action_clear_weights()["message"])
         if release_workers:
             lines.append(action_release_workers()["message"])
-        if clear_weight_store:
-            lines.append(action_clear_weights()["message"])
         if not lines:
             lines.append("nothing selected")
         from h3ms_async.status import ram_info

@@ -60,7 +60,7 @@ def models():
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("residency", ["resident", "stream"])
 def test_split_on_logical_ranks_is_exact(models, ranks, residency):
-    layouts = [layout_for_tokens(4096), layout_for_tokens(3000)]
+    layouts = [layout_for_tokens(4096), layout_for_tokens(6000)]
     eng = SplitEngine(["cuda:0"] * ranks, SplitOptions(vram_residency=residency))
     try:
         for kind, model in models.items():
@@ -78,6 +78,60 @@ def test_split_on_logical_ranks_is_exact(models, ranks, residency):
         eng.release()
 
 
+def test_too_short_sequence_is_refused_not_wrong(models):
+    """4 heads of 16 at 3000 tokens fall under FlashAttention's split-KV threshold: refused (SplitUnsafe), since the
+    result would differ from the unsplit run in the last bits (measured)."""
+    from h3ms_async.split import SplitUnsafe
+    eng = SplitEngine(["cuda:0"] * 4, SplitOptions())
+    try:
+        eng.load_weights(("cuda-test", "int8"), CFG, models["int8"].block_weights)
+        inp = make_step_inputs(CFG, layout_for_tokens(3000), 1, torch.bfloat16)
+        with pytest.raises(SplitUnsafe, match="too few"):
+            eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+    finally:
+        eng.release()
+
+
 def test_nccl_refuses_two_ranks_on_one_gpu():
     with pytest.raises(ValueError, match="one GPU"):
         SplitEngine(["cuda:0", "cuda:0"], SplitOptions(exchange="nccl"))
+
+
+_PARENT_SCRIPT = r"""
+import json, torch
+from h3ms_async.layout import layout_for_tokens
+from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
+from h3ms_async.split import SplitEngine, SplitOptions
+cfg = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
+model = ReferenceDiT(cfg, weights="int8", seed=3)            # weights on the host, like ComfyUI's offloaded DiT
+eng = SplitEngine(["cuda:0", "cuda:0"], SplitOptions())
+eng.load_weights(("vram",), cfg, model.block_weights)
+inp = make_step_inputs(cfg, layout_for_tokens(4096), 1, torch.bfloat16)
+for _ in range(2):
+    eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+peaks = [r["vram_peak_bytes"] for r in eng.last_rank_results]
+print(json.dumps({"parent_cuda_initialized": torch.cuda.is_initialized(), "rank_vram_peaks": peaks,
+                  "parent_allocated": torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0,
+                  "parent_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0}))
+eng.release()
+"""
+
+
+def test_parent_process_never_touches_the_gpu():
+    """The coordinator side of a split allocates nothing on any GPU (torch's allocator peak stays 0 in the parent),
+    so the split never leaves a second copy of the DiT in the model GPU's VRAM: the ranks hold the weights.
+    (comfy-kitchen's import may create a CUDA context in the parent; that holds no tensors.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _PARENT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    print(res)
+    assert res["parent_allocated"] == 0 and res["parent_peak"] == 0
+    assert all(p and p > 0 for p in res["rank_vram_peaks"])

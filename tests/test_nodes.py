@@ -1,19 +1,24 @@
 """The ComfyUI layer (nodes/) against the ComfyUI stand-in in tests/comfy_standin (see its README).
 
-Tests named ``test_integration_*`` need the lead's split engine (h3ms_async/split.py); they skip until it exists.
+Tests named ``test_integration_*`` run the real split engine on CPU rank workers (rank maps through the node's
+``H3MS_RANK_MAP`` hook) and check that nothing is left behind: no worker process, no shm segment, no run dir.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 STANDIN = Path(__file__).resolve().parent / "comfy_standin"
 
@@ -60,6 +65,7 @@ def sample(patcher, x, timestep, context):
     from comfy.patcher_extension import copy_nested_dicts
     options = copy_nested_dicts(patcher.model_options)
     prepare_model_patcher(patcher, None, options)
+    options["transformer_options"]["sigmas"] = timestep / 1000.0  # what ComfyUI's _calc_cond_batch puts there
     with torch.inference_mode():
         return patcher.model.apply_model(x, timestep, context, options["transformer_options"])
 
@@ -157,6 +163,20 @@ def test_model_off_cuda_runs_unsplit_without_wrapper(monkeypatch):
     patcher = h3_patcher()
     (out,) = H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto")
     assert out is patcher and out.wrappers == {} and "patches_replace" not in out.model_options["transformer_options"]
+
+
+def test_single_visible_gpu_runs_unsplit_without_wrapper(monkeypatch, caplog):
+    """One CUDA GPU (the machine is simulated: torch's device count answers 1) gives a one-rank plan: plain ComfyUI."""
+    from nodes.multistream_node import RANK_MAP_ENV, H3MultiStreamAsync
+    monkeypatch.delenv(RANK_MAP_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    patcher = h3_patcher()
+    patcher.load_device = torch.device("cuda", 0)
+    with caplog.at_level("INFO", logger="h3_multistream"):
+        (out,) = H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto")
+    assert out is patcher and out.wrappers == {}
+    assert any("running unsplit (one usable GPU (cuda:0" in r.getMessage() for r in caplog.records)
 
 
 def test_disabled_returns_model_untouched():
@@ -383,19 +403,38 @@ def test_detached_split_runs_plain_comfy():
     assert all(torch.equal(a, b) for a, b in zip(reference, out))
 
 
-# --- integration: needs the lead's split engine ----------------------------------------------------------------------
+# --- integration: the real split engine on CPU rank workers ----------------------------------------------------------
 
-def _engine_or_skip():
-    return pytest.importorskip("h3ms_async.split", reason="integration: needs h3ms_async/split.py (the lead's)")
+def _leftovers() -> list[str]:
+    """Worker processes, shm segments and run dirs this process still owns."""
+    kids = [k for k in psutil.Process().children(recursive=True)
+            if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+    mine = f"h3ms-{os.getpid()}-"
+    segments = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
+    run_dirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)]
+    return [f"pid {k.pid}" for k in kids] + segments + run_dirs
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """The split engine module; every engine is released afterwards and nothing may be left behind."""
+    from h3ms_async import split as split_module
+    monkeypatch.delenv("H3MS_RANK_MAP", raising=False)
+    yield split_module
+    split_module.release_all_engines()
+    deadline = time.monotonic() + 5.0
+    while (left := _leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"left behind: {left}"
 
 
 def _reference_patcher(weights: str, layers: int = 3):
     """A stand-in H3 model carrying ReferenceDiT block weights (int8 linears as QuantizedTensor, like ComfyUI)."""
     from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
     from h3ms_async.reference_dit import ReferenceDiT
+    from nodes.model_adapter import read_config
     patcher = h3_patcher(layers=layers)
     dm = patcher.model.diffusion_model
-    from nodes.model_adapter import read_config
     ref = ReferenceDiT(read_config(dm), weights, seed=5)
     for i, block in enumerate(dm.blocks):
         w = ref.block_weights(i)
@@ -412,46 +451,205 @@ def _reference_patcher(weights: str, layers: int = 3):
     return patcher
 
 
+def _patch_node(patcher, ranks: str, monkeypatch, gpus=None):
+    from nodes.multistream_node import RANK_MAP_ENV, H3MultiStreamAsync
+    monkeypatch.setenv(RANK_MAP_ENV, ranks)
+    (patched,) = H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", gpus)
+    assert patched is not patcher
+    return patched
+
+
+def _same(a, b) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 @pytest.mark.parametrize("ranks", ["cpu", "cpu,cpu", "cpu,cpu,cpu"])
-def test_integration_split_equals_unpatched_reference_bit_for_bit(weights, ranks, monkeypatch):
-    split = _engine_or_skip()
-    from nodes.multistream_node import RANK_MAP_ENV, H3MultiStreamAsync
+def test_integration_split_equals_unpatched_reference_bit_for_bit(split, weights, ranks, monkeypatch):
+    from h3ms_async.status import get_hub
     patcher = _reference_patcher(weights)
     inputs = h3_inputs()
     reference = sample(patcher, *inputs)
-    monkeypatch.setenv(RANK_MAP_ENV, ranks)
-    (patched,) = H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto")
-    assert patched is not patcher
-    try:
-        out = sample(patched, *inputs)
-        again = sample(patched, *inputs)  # second step: store already filled, same answer
-    finally:
-        split.release_all_engines()
-    for ref_t, got_t, again_t in zip(reference, out, again):
-        assert ref_t.dtype == got_t.dtype and torch.equal(ref_t, got_t) and torch.equal(ref_t, again_t)
+    patched = _patch_node(patcher, ranks, monkeypatch)
+    out = sample(patched, *inputs)
+    again = sample(patched, *inputs)  # second step: store already filled, same answer
+    assert _same(reference, out) and _same(reference, again)
+    rec = get_hub().recent_steps(1)[-1]
+    assert rec["devices"] == ranks.split(",") and rec["blocks"] == 3 and rec["sigma"] == pytest.approx(0.7)
 
 
-def test_integration_cancel_aborts_every_rank_within_two_seconds(monkeypatch):
-    split = _engine_or_skip()
-    import comfy.model_management as mm
-    from nodes.multistream_node import RANK_MAP_ENV, H3MultiStreamAsync
-    patcher = _reference_patcher("bf16", layers=12)
+def test_integration_gpu_set_shares_reach_the_engine(split, monkeypatch):
+    from h3ms_async.plans import GPUSelectionError, GPUSet
+    from h3ms_async.status import get_hub
+    patcher = _reference_patcher("int8")
     inputs = h3_inputs()
-    monkeypatch.setenv(RANK_MAP_ENV, "cpu,cpu")
-    (patched,) = H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto")
+    reference = sample(patcher, *inputs)
+    patched = _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1", "", "1,0.5"))
+    assert _same(reference, sample(patched, *inputs))
+    (engine,) = split.engines()
+    assert engine.options.shares == (1.0, 0.5)
+    tokens = [b - a for a, b in (r["tokens"] for r in get_hub().recent_steps(1)[-1]["ranks"])]
+    assert tokens[0] == 2 * tokens[1] or abs(tokens[0] - 2 * tokens[1]) <= 2, tokens
+    with pytest.raises(GPUSelectionError, match="shares: 3 value"):
+        _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1,2", "", "1,1,0.5"))
+
+
+def test_integration_lora_patched_weights_are_exact(split, monkeypatch):
+    """A LoRA-style weight patch reaches the workers through ComfyUI's patch path, the same value ComfyUI uses."""
+    patcher = _reference_patcher("bf16")
+    lora = patcher.clone()
+    lora.add_patches({"diffusion_model.blocks.1.mlp.fc1.weight": torch.full((2 * 96, 64), 0.03),
+                      "diffusion_model.blocks.2.attn.out_proj.weight": torch.full((64, 64), -0.02)})
+    inputs = h3_inputs()
+    lora.patch_model()  # plain ComfyUI computes with the patched live weights
     try:
-        sample(patched, *inputs)  # workers up and weights loaded
-        timer = threading.Timer(0.05, mm.interrupt_current_processing, (True,))
-        timer.start()
-        t0 = time.monotonic()
-        with pytest.raises(mm.InterruptProcessingException):
-            for _ in range(200):  # steps until the cancel lands
-                sample(patched, *inputs)
-        assert time.monotonic() - t0 < 2.0 + 0.05 + 1.0  # one step's slack on a 2-core runner
-        timer.join(5)
-        assert not mm.processing_interrupted()
-        reference = sample(patcher, *inputs)
-        assert all(torch.equal(a, b) for a, b in zip(reference, sample(patched, *inputs)))
+        reference = sample(lora, *inputs)
     finally:
-        split.release_all_engines()
+        lora.unpatch_model()
+    assert not _same(reference, sample(patcher, *inputs))  # the patch changes the result
+    assert _same(reference, sample(_patch_node(lora, "cpu,cpu", monkeypatch), *inputs))
+
+
+class _DeviceWatch(TorchFunctionMode):
+    """Records every device a torch call in this process names (``device=``, ``Tensor.to``/``cuda``).
+
+    ``redirect``: run a call that names a CUDA device on the CPU instead (there is no GPU here), so that a path
+    which is allowed a transient GPU tensor can still run to the end and be counted.
+    """
+
+    def __init__(self, redirect: bool = False):
+        super().__init__()
+        self.redirect = redirect
+        self.cuda_calls: list[str] = []
+
+    @staticmethod
+    def _is_cuda(v) -> bool:
+        return isinstance(v, (str, torch.device)) and torch.device(v).type == "cuda" or (
+            isinstance(v, int) and not isinstance(v, bool))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", str(func))
+        if name == "cuda":
+            self.cuda_calls.append(name)
+            raise AssertionError("Tensor.cuda() called in the ComfyUI process")
+        if self._is_cuda(kwargs.get("device")):
+            self.cuda_calls.append(f"{name}(device={kwargs['device']})")
+            kwargs["device"] = "cpu"
+        if name == "to":
+            found = [a for a in args[1:] if self._is_cuda(a)]
+            if found:
+                self.cuda_calls.append(f"to({found[0]})")
+                args = tuple("cpu" if self._is_cuda(a) else a for a in args)
+        if self.cuda_calls and not self.redirect:
+            raise AssertionError(f"the ComfyUI process named a CUDA device: {self.cuda_calls}")
+        return func(*args, **kwargs)
+
+
+def test_integration_fill_and_steps_never_put_block_weights_on_a_gpu(split, monkeypatch):
+    """The model GPU holds no second copy of the blocks: the ComfyUI process reads them from the ModelPatcher into
+    the host's shm store, ships steps through shm, and never names a CUDA device; only a patched weight is
+    computed on the model's device (as ComfyUI computes it), one tensor at a time, straight back to the host."""
+    patcher = _reference_patcher("int8")
+    inputs = h3_inputs()
+    reference = sample(patcher, *inputs)
+    patcher.load_device = torch.device("cuda", 0)  # what ComfyUI gives an H3 model; nothing may move there
+    patched = _patch_node(patcher, "cpu,cpu", monkeypatch)
+    with _DeviceWatch():
+        out = sample(patched, *inputs)
+    assert _same(reference, out)
+    (engine,) = split.engines()
+    store = engine.snapshot()["weight_store"]
+    assert store["state"] == "warm" and store["segment"].startswith(f"h3ms-{os.getpid()}-")
+
+    lora = patched.clone()
+    keys = ["diffusion_model.blocks.0.norm1.weight", "diffusion_model.blocks.2.attn.q_norm.weight"]
+    lora.add_patches({k: torch.full_like(patcher.model.state_dict()[k], 0.01, dtype=torch.float32)
+                      for k in keys})
+    watch = _DeviceWatch(redirect=True)
+    with watch:
+        sample(lora, *inputs)
+    assert watch.cuda_calls == ["to(cuda:0)"] * len(keys), watch.cuda_calls  # one transient per patched weight
+    assert all(t.device.type == "cpu" for i in range(3) for t in engine._loaded.store.block(i).values())
+
+
+@pytest.mark.parametrize("value, why", [(lambda *a: None, "to a callable"), ("sage", "no meaning on the rank")])
+def test_integration_block_option_the_workers_cannot_run_is_refused_first(split, value, why, monkeypatch):
+    from nodes.model_adapter import MultiStreamError
+
+    def set_option(args, extra):
+        to = dict(args["transformer_options"], optimized_attention_override=value)
+        return extra["original_block"](dict(args, transformer_options=to))
+    patcher = _reference_patcher("bf16")
+    patcher.set_model_patch_replace(set_option, "dit", "double_block", 1)
+    patched = _patch_node(patcher, "cpu,cpu", monkeypatch)
+    with pytest.raises(MultiStreamError, match=r"block 1: .*optimized_attention_override") as ei:
+        sample(patched, *h3_inputs())
+    msg = str(ei.value)
+    assert why in msg and "Remove" in msg and "disable H3 MultiStream" in msg  # the cause and what to do
+    assert split.engines() == []  # refused before a weight store or a worker existed
+
+
+def _long_inputs():
+    """4608 video tokens: a 12-block step takes over a second on two CPU ranks, so a cancel lands mid-step."""
+    g = torch.Generator().manual_seed(3)
+    return ([torch.randn(1, 4, 8, 48, 48, generator=g), torch.randn(1, 8, 2, 5, generator=g)],
+            torch.tensor([700.0]), torch.randn(1, 7, 64, generator=g).to(torch.bfloat16))
+
+
+def test_integration_cancel_aborts_every_rank_within_two_seconds(split, monkeypatch):
+    import comfy.model_management as mm
+    patcher = _reference_patcher("bf16", layers=12)
+    patched = _patch_node(patcher, "cpu,cpu", monkeypatch)
+    inputs = h3_inputs()
+    sample(patched, *inputs)  # workers up and weights loaded
+    (engine,) = split.engines()
+    fired: list[float] = []
+
+    def cancel_mid_step() -> None:
+        deadline = time.monotonic() + 30.0
+        while not engine.running and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.3)
+        fired.append(time.monotonic())
+        mm.interrupt_current_processing(True)
+
+    canceller = threading.Thread(target=cancel_mid_step)
+    canceller.start()
+    with pytest.raises(mm.InterruptProcessingException) as ei:
+        sample(patched, *_long_inputs())
+    took = time.monotonic() - fired[0]
+    canceller.join(5.0)
+    assert isinstance(ei.value.__cause__, split.SplitInterrupted)  # aborted inside the step, not after it
+    assert took < 2.0, f"cancel took {took:.2f}s"
+    assert not mm.processing_interrupted()
+    # every rank has stopped working on the step by then, and none was killed for it
+    while (states := [w["state"] for w in engine.pool.snapshot()]) != ["ready", "ready"]:
+        assert time.monotonic() < fired[0] + 2.0, f"ranks still {states} 2 s after the cancel"
+        time.sleep(0.01)
+
+    steps = engine.snapshot()["steps"]
+    mm.interrupt_current_processing(True)  # cancelled between steps: nothing is sent to the ranks
+    with pytest.raises(mm.InterruptProcessingException) as ei:
+        sample(patched, *inputs)
+    assert ei.value.__cause__ is None and engine.snapshot()["steps"] == steps
+    assert _same(sample(patcher, *inputs), sample(patched, *inputs))
+
+
+def test_integration_release_node_clears_store_keeps_workers_then_releases(split, monkeypatch):
+    from nodes.release_node import H3MSReleaseResourcesAsync
+    patcher = _reference_patcher("bf16")
+    patched = _patch_node(patcher, "cpu,cpu", monkeypatch)
+    inputs = h3_inputs()
+    reference = sample(patcher, *inputs)
+    sample(patched, *inputs)
+    (engine,) = split.engines()
+    pids = [w["pid"] for w in engine.pool.snapshot()]
+    text = H3MSReleaseResourcesAsync().run(False, True, False)["ui"]["text"]
+    assert "weight store cleared" in text[0] and engine.weight_state == "empty"
+    assert [w["pid"] for w in engine.pool.snapshot()] == pids  # workers kept
+    assert _same(reference, sample(patched, *inputs))  # refilled on the next step, same workers
+    assert [w["pid"] for w in engine.pool.snapshot()] == pids
+    text = H3MSReleaseResourcesAsync().run(True, False, False)["ui"]["text"]
+    assert "released (1 engine" in text[0] and split.engines() == []
+    assert _same(reference, sample(patched, *inputs))  # a new engine starts on demand

@@ -161,6 +161,9 @@ class DistExchange:
         self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
         return out
 
+    def close(self) -> None:
+        """Nothing to drop per object: the process group outlives it (``destroy_group`` ends that)."""
+
     def stats(self) -> dict:
         """Counters since construction or the last :meth:`reset_stats` (``wait_s`` = time inside collectives)."""
         return dict(self._stats)

@@ -78,7 +78,9 @@ def _load_cpu(ctx: WorkerContext, msg: dict) -> RankWeights:
 async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
     st = _state(ctx)
     if st.weights is not None and st.weights.key == msg["key"] and list(st.weights.heads) == list(msg["heads"]):
-        return {"loaded": False, "bytes": st.weights.nbytes}
+        sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
+            if ctx.device.startswith("cuda") else None
+        return {"loaded": False, "bytes": st.weights.nbytes, "sm_count": sms}
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg["config"].get("devices")
     t = time.perf_counter()
@@ -89,7 +91,9 @@ async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
         st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
     ctx.log.info("[dit] rank %d: weights %s loaded (%d blocks, heads %s) in %.2fs", ctx.rank, msg["key"],
                  len(st.weights.blocks), msg["heads"], time.perf_counter() - t)
-    return {"loaded": True, "bytes": st.weights.nbytes, "seconds": time.perf_counter() - t}
+    sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
+        if ctx.device.startswith("cuda") else None
+    return {"loaded": True, "bytes": st.weights.nbytes, "seconds": time.perf_counter() - t, "sm_count": sms}
 
 
 def _drop_weights(ctx: WorkerContext, st: RankState) -> None:

@@ -9,8 +9,9 @@ Facts followed (h3_dit_facts §3.1/§3.2/§6.3, node_surface_facts §1.6, and Co
 - ``add_wrapper_with_key`` appends to ``wrappers[type][key]``; ``pre_run`` sets ``model.current_patcher`` and calls the
   ON_PRE_RUN callbacks with the patcher;
 - ``add_patches`` records LoRA-style patches and gives the patcher a fresh ``patches_uuid``;
-- ``patch_weight_to_device(key, return_weight=True)`` returns the patched weight without touching the model; without
-  a patch for ``key`` it returns the live weight.  ``patch_model`` bakes patches into the live parameters, keeping the
+- ``patch_weight_to_device(key, device_to=None, return_weight=True)`` returns the patched weight, computed on
+  ``device_to`` (else where the weight lives), without touching the model; without a patch for ``key`` it returns the
+  live weight, wherever it is.  ``patch_model`` bakes patches into the live parameters, keeping the
   originals in ``backup`` and setting ``model.current_weight_patches_uuid`` (what a full load does).
 The only patch kind here is ComfyUI's plain ``"diff"`` (weight + strength * diff), computed in fp32 and rounded back
 to the weight's dtype; quantized weights go through the module's ``convert_weight``/``set_weight`` like ComfyUI.
@@ -138,7 +139,9 @@ class ModelPatcher:
             return weight
         convert = getattr(module, f"convert_{attr}", None)
         setter = getattr(module, f"set_{attr}", None)
-        work = convert(weight.detach()) if convert is not None else weight.detach()
+        # like ComfyUI: the patch math runs on device_to when given, else where the weight lives
+        work = weight.detach().to(weight.device if device_to is None else device_to, copy=True)
+        work = convert(work) if convert is not None else work
         work = work.to(torch.float32, copy=True)
         for strength, (kind, diff) in self.patches[key]:
             assert kind == "diff"

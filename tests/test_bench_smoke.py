@@ -1,0 +1,92 @@
+"""Benchmarks at minimal sizes: the split bench's JSON shape and bit-exactness on 2 CPU ranks, its input errors,
+and the exchange bench's report shape (the IPC bench has its smoke test in test_pool.py)."""
+from __future__ import annotations
+
+import glob
+import os
+
+import psutil
+import pytest
+
+from h3ms_async.bench_exchange import run_bench_exchange
+from h3ms_async.bench_split import main as bench_split_main
+from h3ms_async.bench_split import run_bench_split
+
+RANK_KEYS = {"rank", "device", "tokens", "heads", "compute_s", "exchange_copy_s", "wait_s", "moved_bytes",
+             "signals_per_step", "signals_per_block", "wait_per_block_ms", "signalling_per_block_us_est",
+             "vram_peak_bytes"}
+
+
+def _ours() -> set:
+    """This process's child pids, shm segments and run dirs (other tests in the session may hold some already, so
+    the tests compare before and after)."""
+    pid = os.getpid()
+    return ({c.pid for c in psutil.Process().children(recursive=True)}
+            | set(glob.glob(f"/dev/shm/h3ms-{pid}-*")) | set(glob.glob(f"/tmp/h3ms-{pid}-*")))
+
+
+@pytest.mark.timeout(120)
+def test_bench_split_tiny_two_cpu_ranks():
+    before = _ours()
+    rep = run_bench_split(ranks=["cpu", "cpu"], tokens=300, layers=2, hidden=64, heads=4, head_dim=16,
+                          weights="int8", steps=1, warmup=1, chunks=(0, 2), exchanges=("host", "nccl"),
+                          probe_rounds=5, print_json=False)
+    assert rep["bench"] == "split"
+    assert rep["bit_exact"] is True and rep["max_abs_diff"] == 0.0
+    assert rep["machine"]["cpu_count"] == os.cpu_count() and rep["machine"]["torch"]
+    assert rep["config"]["tokens"] == 300 and rep["config"]["ranks"] == ["cpu", "cpu"]
+    un = rep["unsplit"]
+    assert len(un["step_s"]) == 1 and un["block_mean_s"] == pytest.approx(un["step_mean_s"] / 2)
+
+    labels = [v["label"] for v in rep["split"]]
+    assert labels == ["host x1", "host x2", "gloo"]
+    by = {v["label"]: v for v in rep["split"]}
+    for v in rep["split"]:
+        assert v["bit_exact"] is True and len(v["step_s"]) == 1 and v["step_mean_s"] > 0
+        assert len(v["ranks"]) == 2 and all(set(r) == RANK_KEYS for r in v["ranks"])
+        assert [r["tokens"] for r in v["ranks"]] == [[0, 150], [150, 300]]
+        assert v["moved_bytes_per_step"] > 0
+    # Doorbells: more chunks, more signals per block; torch.distributed sends none of ours.
+    host1, host2 = by["host x1"]["ranks"][0], by["host x2"]["ranks"][0]
+    assert 0 < host1["signals_per_block"] < host2["signals_per_block"]
+    assert by["gloo"]["ranks"][0]["signals_per_block"] == 0
+    assert by["gloo"]["ranks"][0]["signalling_per_block_us_est"] is None
+    # The same bytes cross between ranks whatever the transport or chunking.
+    assert by["host x1"]["moved_bytes_per_step"] == by["host x2"]["moved_bytes_per_step"] \
+        == by["gloo"]["moved_bytes_per_step"]
+
+    probe = rep["signal_probe"]
+    assert probe["world"] == 2 and probe["signals_per_chunk_round_per_rank"] == pytest.approx(1.0)
+    assert probe["per_signal_us"] is not None
+    assert host2["signalling_per_block_us_est"] == pytest.approx(host2["signals_per_block"] * probe["per_signal_us"])
+    assert set(rep["comparisons"]["unsplit_over_split"]) == set(labels)
+    assert set(rep["comparisons"]["host_serial_over_chunked"]) == {"host x2"}
+    assert "host_serial_over_gloo" in rep["comparisons"]
+
+    assert _ours() <= before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunks", "40"], "exchange_chunks=40"),
+    (["--exchange", "tcp"], "exchange ['tcp']"),
+    (["--ranks", "cpu,cpu", "--tokens", "300", "--heads", "1"], "1 attention heads"),
+])
+def test_bench_split_rejects_bad_input_before_starting_anything(argv, message, capsys):
+    before = _ours()
+    assert bench_split_main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert _ours() <= before
+
+
+@pytest.mark.timeout(120)
+def test_bench_exchange_minimal_report():
+    before = _ours()
+    rep = run_bench_exchange(world=(2,), tokens=64, width=32, chunks=(0, 2), transport=("host", "gloo"), rounds=2)
+    assert rep["unix_msgpack_rtt_us"] > 0
+    assert {(r["transport"], r["chunks"]) for r in rep["results"]} == {("host", 0), ("host", 2), ("gloo", 0),
+                                                                       ("gloo", 2)}
+    for r in rep["results"]:
+        assert r["world"] == 2 and r["block_ms"] > 0 and r["bytes_per_block"] > 0
+    assert [s["mode"] for s in rep["signalling"]] == ["no spin", "spin 50 us"]
+    assert "Direct signalling" in rep["choice"]
+    assert _ours() <= before
