@@ -174,13 +174,13 @@ class ReferenceDiT:
         self._loaded = blocks
 
     def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[Segment],
-                       rope_freqs: torch.Tensor) -> torch.Tensor:
+                       rope_freqs: torch.Tensor, *, attention: str = "sdpa") -> torch.Tensor:
         """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned)."""
         c = self.config
         with torch.inference_mode():
             for i in range(c.layers):
                 x = dit_ops.block_forward_unsplit(x, self.block_weights(i), t_emb, segments, rope_freqs, c.heads,
-                                                  c.head_dim, c.eps)
+                                                  c.head_dim, c.eps, attention=attention)
         return x
 
 

@@ -65,6 +65,7 @@ class SplitOptions:
     weight_cache: bool = True
     cache_ram_reserve_gb: float = 0.0
     shares: tuple[float, ...] | None = None
+    attention: str = "sdpa"
     step_timeout_s: float = 600.0
     exchange_deadline_s: float = 120.0
 
@@ -75,6 +76,8 @@ class SplitOptions:
             raise ValueError(f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single shot)")
         if self.vram_residency not in dit_protocol.RESIDENCIES:
             raise ValueError(f"vram_residency={self.vram_residency!r} is not one of {dit_protocol.RESIDENCIES}")
+        if self.attention not in dit_ops.ATTENTION_BACKENDS:
+            raise ValueError(f"attention={self.attention!r} is not one of {dit_ops.ATTENTION_BACKENDS}")
         if self.cache_ram_reserve_gb < 0:
             raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
 
@@ -180,7 +183,8 @@ class SplitEngine:
         ld = self._loaded
         assert ld is not None
         cfg = {"hidden": ld.config.hidden, "heads": ld.config.heads, "head_dim": ld.config.head_dim,
-               "eps": ld.config.eps, "layers": len(ld.store.manifest), "devices": self.devices}
+               "eps": ld.config.eps, "layers": len(ld.store.manifest), "devices": self.devices,
+               "attention": self.options.attention}
         fields = [{"store": ld.store.segment.name, "manifest": ld.store.manifest, "config": cfg,
                    "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]], "residency": self.options.vram_residency,
                    "key": ld.store.key_text} for r in range(self.ranks)]
@@ -423,6 +427,7 @@ def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 def _options_dict(o: SplitOptions) -> dict:
     return {"exchange": o.exchange, "exchange_chunks": o.exchange_chunks, "vram_residency": o.vram_residency,
+            "attention": o.attention,
             "weight_cache": o.weight_cache, "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
             "shares": list(o.shares) if o.shares else None}
 

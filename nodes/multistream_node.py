@@ -77,7 +77,7 @@ class H3MultiStreamAsync:
         from h3ms_async.split import SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
                                weight_cache=bool(weight_cache), cache_ram_reserve_gb=float(cache_ram_reserve_gb),
-                               shares=shares)
+                               shares=shares, attention=_parent_attention())
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb))
         log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
@@ -85,6 +85,16 @@ class H3MultiStreamAsync:
                  ",".join(devices), why, exchange, exchange_chunks, "on" if weight_cache else "off",
                  cache_ram_reserve_gb, vram_residency)
         return (clone,)
+
+
+def _parent_attention() -> str:
+    """The ranks attend with the kernel ComfyUI itself uses: ``--use-ck-attention`` means comfy-kitchen INT8
+    attention (h3_dit_facts §5.1: that flag overrides every other attention choice), anything else PyTorch SDPA."""
+    try:
+        from comfy.cli_args import args
+    except ImportError:
+        return "sdpa"
+    return "ck_int8" if getattr(args, "use_ck_attention", False) else "sdpa"
 
 
 def _plan_devices(model: Any, gpus: Any,

@@ -78,6 +78,23 @@ def test_split_on_logical_ranks_is_exact(models, ranks, residency):
         eng.release()
 
 
+def test_ck_int8_attention_head_split_is_exact(models):
+    """--use-ck-attention parity: comfy-kitchen INT8 attention on 2 and 4 head groups equals the unsplit run."""
+    model = models["int8"]
+    inp = make_step_inputs(CFG, layout_for_tokens(6000), 7, torch.bfloat16)
+    refs = [model.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments, inp.rope_freqs.cuda(),
+                                 attention="ck_int8").cpu() for _ in range(2)]
+    for ranks in (2, 4):
+        eng = SplitEngine(["cuda:0"] * ranks, SplitOptions(attention="ck_int8"))
+        try:
+            eng.load_weights(("cuda-test", "int8-ck"), CFG, model.block_weights)
+            eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)  # warm
+            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, exchange_chunks=8)
+            assert torch.equal(out, refs[1]), f"{ranks} ranks: max |diff| {(out.float() - refs[1].float()).abs().max()}"
+        finally:
+            eng.release()
+
+
 def test_too_short_sequence_is_refused_not_wrong(models):
     """4 heads of 16 at 3000 tokens fall under FlashAttention's split-KV threshold: refused (SplitUnsafe), since the
     result would differ from the unsplit run in the last bits (measured)."""

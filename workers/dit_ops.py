@@ -258,9 +258,28 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
 
 
+#: Attention kernels a rank can use, mirroring the parent's choice: PyTorch SDPA (ComfyUI's default) or
+#: comfy-kitchen's INT8 attention (ComfyUI's ``--use-ck-attention``).
+ATTENTION_BACKENDS = ("sdpa", "ck_int8")
+
+
+def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen INT8 attention as ComfyUI's ``--use-ck-attention`` runs it: quantize, then attend.
+
+    Every scale is per head (v's per head over the whole sequence), so a head group over all tokens gives exactly
+    the unsplit result's heads (measured on the H200, gpu_facts.md).  q, k, v: ``[1, h, S, D]``.
+    """
+    if not ck.int8_attention_is_available(q.device):
+        raise RuntimeError(f"attention='ck_int8' needs comfy-kitchen's INT8 attention, unavailable on {q.device}; "
+                           "use attention='sdpa' (ComfyUI without --use-ck-attention)")
+    pq = ck.prequantize_int8_attention(q, k, v, scale=None, attn_mask=None)
+    return ck.int8_attention_from_prequantized(pq)
+
+
 def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch.Tensor | None,
                     q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, rope_freqs: torch.Tensor, n_heads_local: int,
-                    head_dim: int, eps: float, *, quant: QuantInfo = QuantInfo()) -> torch.Tensor:
+                    head_dim: int, eps: float, *, quant: QuantInfo = QuantInfo(),
+                    attention: str = "sdpa") -> torch.Tensor:
     """Attention of ``n_heads_local`` heads over all tokens: ``[S, H]`` modulated states → ``[S, h·D]`` (head-major).
 
     ``qkv_w``/``qkv_scale`` are the group's rows (``slice_qkv_weights``).  Like ComfyUI: q, k, v are strided views
@@ -285,7 +304,12 @@ def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch
     ck.rms_rope_split_half_(q4, k4, rope_freqs, qw, kw, epsilon=eps, rot_dim=2 * rope_freqs.shape[-3])
     q3, k3 = q4[0], k4[0]
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q3, k3, v))
-    out = sdpa(qh, kh, vh)
+    if attention == "sdpa":
+        out = sdpa(qh, kh, vh)
+    elif attention == "ck_int8":
+        out = ck_int8_attention(qh, kh, vh)
+    else:
+        raise ValueError(f"attention={attention!r} is not one of {ATTENTION_BACKENDS}")
     return out.transpose(1, 2).reshape(1, seq, inner).squeeze(0)
 
 
@@ -305,11 +329,12 @@ def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, to
 
 def block_forward_unsplit(x: torch.Tensor, weights: dict[str, torch.Tensor], t_emb: torch.Tensor,
                           segments: Sequence[Segment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
-                          eps: float) -> torch.Tensor:
+                          eps: float, *, attention: str = "sdpa") -> torch.Tensor:
     """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned, like ComfyUI."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln(weights, t_emb)
     n1 = norm_modulate(x, weights["norm1.weight"], shift_msa, scale_msa, segments, eps)
     qkv_w, qkv_s = slice_qkv_weights(weights, 0, heads, heads, head_dim)
     attn = attention_heads(n1, qkv_w, qkv_s, weights["attn.q_norm.weight"], weights["attn.k_norm.weight"],
-                           rope_freqs, heads, head_dim, eps, quant=quant_info(weights, "attn.qkv_proj"))
+                           rope_freqs, heads, head_dim, eps, quant=quant_info(weights, "attn.qkv_proj"),
+                           attention=attention)
     return out_mlp(x, attn, weights, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps)

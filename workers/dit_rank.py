@@ -236,6 +236,8 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
     b0, b1 = (int(v) for v in msg["blocks"])
     eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
     timer = w.provider.timer if w.provider is not None else None
+    per_block: list[list[float]] = []
+    mark = (time.perf_counter(), *_host_counters(ex))
     for i in range(b0, b1):
         if ctx.abort_generation() != int(msg["abort_gen"]):
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
@@ -245,11 +247,16 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
         n1 = dit_ops.norm_modulate(x_rows, bw["norm1.weight"], shift_msa, scale_msa, segs, eps)
         n1_full = ex.all_gather_rows(n1, chunks)
         attn = dit_ops.attention_heads(n1_full, q_w, q_s, bw["attn.q_norm.weight"], bw["attn.k_norm.weight"], rope,
-                                       heads_local, head_dim, eps, quant=w.quant[i])
+                                       heads_local, head_dim, eps, quant=w.quant[i],
+                                       attention=cfg.get("attention", "sdpa"))
         attn_rows = ex.all_to_all_cols(attn, chunks)
         dit_ops.out_mlp(x_rows, attn_rows, bw, gate_msa, shift_mlp, scale_mlp, gate_mlp, segs, eps)
         if w.provider is not None:
             w.provider.done(i)
+        now = (time.perf_counter(), *_host_counters(ex))
+        d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))
+        per_block.append([round(d_wall - d_copy - d_wait, 6), round(d_copy, 6), round(d_wait, 6)])
+        mark = now
     if cuda:
         x_full[t0:t1].copy_(x_rows)
         torch.cuda.current_stream(device).synchronize()
@@ -268,7 +275,17 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
         "copy_gpu_s": float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
         "compute_wait_s": float(xs.get("compute_wait_s", 0.0)),
         "weights": timer() if timer is not None else None,
+        # per block [compute, copy, wait] seconds on the host clock; on a CUDA rank the host waits for the block's
+        # compute before each exchange (cuda_rank), so "compute" is GPU time up to that point (the last block's
+        # tail shows in the step total)
+        "per_block": per_block,
     }
+
+
+def _host_counters(ex: Any) -> tuple[float, float]:
+    """(copy seconds, wait seconds) so far, without synchronising any CUDA event."""
+    st = (ex.inner if hasattr(ex, "inner") else ex).stats()
+    return float(st.get("copy_s", 0.0)), float(st.get("wait_s", 0.0))
 
 
 def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:
