@@ -11,7 +11,7 @@ import re
 import shutil
 import tempfile
 
-from workers.shm import pid_alive
+from workers.shm import dead_owner_entries
 
 from h3ms_async.log import get_logger
 
@@ -63,26 +63,9 @@ def remove(path: str) -> None:
 
 def sweep_dead(base: str | None = None) -> list[str]:
     """Remove ``h3ms-<pid>-*`` directories in ``base`` whose owner pid is dead and that belong to us."""
-    base = base or base_dir()
-    removed = []
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for name in names:
-        m = _NAME_RE.match(name)
-        if not m or pid_alive(int(m.group(1))):
-            continue
-        full = os.path.join(base, name)
-        try:
-            st = os.lstat(full)
-        except OSError:
-            continue
-        if st.st_uid != uid or not os.path.isdir(full) or os.path.islink(full):
-            continue
+    removed = [p for p in dead_owner_entries(base or base_dir(), _NAME_RE) if os.path.isdir(p)]
+    for full in removed:
         shutil.rmtree(full, ignore_errors=True)
-        removed.append(full)
     if removed:
         log.info("removed %d run dir(s) left by dead processes: %s", len(removed), removed[:8])
     return removed

@@ -13,6 +13,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import secrets
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -283,24 +284,36 @@ def owner_pid(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def sweep_dead_owners(path: str = SHM_DIR) -> list[str]:
-    """Unlink ``h3ms-<pid>-*`` segments whose owner process is gone; return their names."""
-    removed = []
+def dead_owner_entries(path: str, pattern: "re.Pattern[str]") -> list[str]:
+    """Full paths of entries in ``path`` named by ``pattern`` (group 1 = owner pid) whose owner is dead and that
+    belong to this user (never a link).  The one rule both the shm and the run-dir sweeps apply."""
     try:
         names = os.listdir(path)
-    except FileNotFoundError:
-        return removed
+    except OSError:
+        return []
     uid = os.getuid()
+    out = []
     for name in names:
-        pid = owner_pid(name)
-        if pid is None or pid_alive(pid):
+        m = pattern.match(name)
+        if not m or pid_alive(int(m.group(1))):
             continue
         full = os.path.join(path, name)
         try:
-            if os.stat(full).st_uid != uid:
-                continue
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if st.st_uid == uid and not os.path.islink(full):
+            out.append(full)
+    return out
+
+
+def sweep_dead_owners(path: str = SHM_DIR) -> list[str]:
+    """Unlink ``h3ms-<pid>-*`` segments whose owner process is gone; return their names."""
+    removed = []
+    for full in dead_owner_entries(path, SEGMENT_NAME_RE):
+        try:
             os.unlink(full)
-            removed.append(name)
+            removed.append(os.path.basename(full))
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 log.warning("could not remove stale segment %s: %s", full, exc)
