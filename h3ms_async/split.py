@@ -41,6 +41,8 @@ EXCHANGES = ("host", "nccl")
 #: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
 BASELINE_EXCHANGE = "none"
 _INTERRUPT_POLL_S = 0.05
+#: Smallest token shard a rank may get (see SplitEngine._check_exact_plan).
+MIN_SHARD_TOKENS = 4
 
 
 class SplitError(RuntimeError):
@@ -234,7 +236,7 @@ class SplitEngine:
         plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
         if tuple(plan.head_bounds) != ld.head_bounds:
             raise SplitError("head plan changed since the weights were loaded; call load_weights again")
-        self._check_attention_exact(plan, ld.config.heads)
+        self._check_exact_plan(plan, ld.config.heads)
         with self._lock:
             self._running = True
             try:
@@ -242,9 +244,16 @@ class SplitEngine:
             finally:
                 self._running = False
 
-    def _check_attention_exact(self, plan: plans.SplitPlan, heads: int) -> None:
-        """Refuse (``SplitUnsafe``) a sequence so short that a rank's CUDA attention would change its schedule."""
+    def _check_exact_plan(self, plan: plans.SplitPlan, heads: int) -> None:
+        """Refuse (``SplitUnsafe``) a plan whose shards would take other kernel paths than the unsplit run: fewer than
+        ``MIN_SHARD_TOKENS`` tokens on a rank (1-3 row GEMMs round differently: MKL's small-M path on CPU, kitchen's
+        GEMV kernels on CUDA), or a sequence so short that a rank's CUDA attention would change its schedule."""
         tokens = plan.token_bounds[-1]
+        small = min(plan.tokens_per_rank())
+        if self.ranks > 1 and small < MIN_SHARD_TOKENS:
+            raise SplitUnsafe(f"{tokens} tokens over {self.ranks} ranks leave a rank only {small} token(s); shards of "
+                              f"fewer than {MIN_SHARD_TOKENS} rows are not guaranteed bit-exact. Run this step unsplit "
+                              "or with fewer ranks")
         for r, sms in enumerate(self._sm_counts):
             if sms is None:
                 continue

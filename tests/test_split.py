@@ -17,7 +17,7 @@ import torch
 from h3ms_async.layout import build_layout, layout_for_tokens
 from h3ms_async.plans import GPUSelectionError
 from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions
+from h3ms_async.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions, SplitUnsafe
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 CFG_UNEVEN = DiTConfig(hidden=160, layers=2, heads=10, head_dim=32, ffn=224, t_dim=16, rope_pairs=12)
@@ -132,6 +132,10 @@ def test_fewer_tokens_than_ranks(engine_factory, int8_model):
     three = [(0, 3, inp.segments[0][2])]
     with pytest.raises(GPUSelectionError, match="cannot split 3 tokens across 4"):
         eng.run_blocks(inp.x[:3], inp.t_emb, three, inp.rope_freqs[:, :3])
+    # 12 tokens: one rank would get 3 rows, a GEMM shape that rounds differently -> refused, not silently wrong
+    twelve = [(0, 12, inp.segments[0][2])]
+    with pytest.raises(SplitUnsafe, match="only 3 token"):
+        eng.run_blocks(inp.x[:12], inp.t_emb, twelve, inp.rope_freqs[:, :12])
 
 
 BIG = DiTConfig(hidden=384, layers=8, heads=8, head_dim=48, ffn=1024, t_dim=32, rope_pairs=12)
