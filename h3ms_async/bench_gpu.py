@@ -125,7 +125,7 @@ def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) ->
 
 
 def run(tokens: Sequence[int], layers: int, kinds: Sequence[str], ranks_list: Sequence[int], steps: int,
-        seed: int = 1234) -> dict:
+        seed: int = 1234, residencies: Sequence[str] = ("resident", "stream")) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
     res: dict = {"machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                              "cuda": torch.version.cuda, "cpus": os.cpu_count()},
@@ -145,7 +145,7 @@ def run(tokens: Sequence[int], layers: int, kinds: Sequence[str], ranks_list: Se
             res["runs"].append({"kind": kind, "tokens": n, "mode": "unsplit", "step_wall_s": wall,
                                 "per_block_s": wall / layers})
             print(f"unsplit {kind} {n}: {wall / layers * 1e3:.1f} ms/block", file=sys.stderr)
-    for residency in ("resident", "stream"):
+    for residency in residencies:
         for nr in ranks_list:
             eng = SplitEngine(["cuda:0"] * nr, SplitOptions(vram_residency=residency))
             try:
@@ -215,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--weights", default="int8,bf16", help="comma-separated: int8,bf16")
     p.add_argument("--ranks", default="2,4", help="logical rank counts on cuda:0")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (best is kept)")
+    p.add_argument("--residency", default="resident,stream", help="comma-separated: resident,stream")
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -222,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         res = run([int(t) for t in a.tokens.split(",")], a.layers, a.weights.split(","),
-                  [int(r) for r in a.ranks.split(",")], a.steps)
+                  [int(r) for r in a.ranks.split(",")], a.steps, residencies=a.residency.split(","))
     finally:
         release_all_engines()
     for r in res["runs"]:
