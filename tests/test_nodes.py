@@ -653,3 +653,25 @@ def test_integration_release_node_clears_store_keeps_workers_then_releases(split
     text = H3MSReleaseResourcesAsync().run(True, False, False)["ui"]["text"]
     assert "released (1 engine" in text[0] and split.engines() == []
     assert _same(reference, sample(patched, *inputs))  # a new engine starts on demand
+
+
+def test_integration_step_too_short_to_split_exactly_runs_unsplit(split, monkeypatch, caplog):
+    """A sequence that would leave a rank fewer than 4 tokens is refused by the engine (SplitUnsafe, a real check,
+    not a stub) and the node runs that step in ComfyUI, unsplit: same bits as the unpatched model."""
+    from h3ms_async.status import get_hub
+    patcher = _reference_patcher("int8")
+    g = torch.Generator().manual_seed(3)
+    tiny = ([torch.randn(1, 4, 1, 2, 2, generator=g), torch.randn(1, 8, 2, 1, generator=g)], torch.tensor([700.0]),
+            torch.randn(1, 5, 64, generator=g).to(torch.bfloat16))
+    reference = sample(patcher, *tiny)
+    patched = _patch_node(patcher, "cpu,cpu,cpu", monkeypatch)
+    before = get_hub().next_seq()
+    with caplog.at_level("WARNING", logger="h3_multistream"):
+        out = sample(patched, *tiny)
+    assert _same(reference, out)
+    assert "running this step unsplit" in caplog.text and "fewer than 4" in caplog.text
+    assert get_hub().next_seq() == before  # no split step was recorded
+    # a normal-sized step on the same patched model still splits
+    inputs = h3_inputs()
+    assert _same(sample(patcher, *inputs), sample(patched, *inputs))
+    assert get_hub().next_seq() == before + 1
