@@ -516,6 +516,7 @@ def _register_status() -> None:
     hub.register_provider("weight_store", lambda: next(
         (e._loaded.store.summary() for e in engines() if e._loaded), {"state": "empty"}))
     hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in engines()]})
+    hub.add_busy_source(lambda: any(e.running for e in engines()))
     _STATUS_REGISTERED = True
 
 

@@ -418,6 +418,7 @@ class StatusHub:
         self._recorded = 0
         self._last_seq = -1
         self._listeners: list[Callable[[dict], None]] = []
+        self._busy_sources: list[Callable[[], bool]] = []
         self._providers: dict[str, Callable[[], Any]] = {}
         self._actions: dict[str, Callable[[], dict]] = {}
         self._busy_probe: Callable[[], bool] | None = None
@@ -505,16 +506,24 @@ class StatusHub:
         with self._lock:
             self._busy_probe = fn
 
+    def add_busy_source(self, fn: Callable[[], bool]) -> None:
+        """Another reason to be busy besides the probe (the split engine's running job, also standalone)."""
+        with self._lock:
+            if fn not in self._busy_sources:
+                self._busy_sources.append(fn)
+
     def busy(self) -> bool:
-        """The busy probe's answer; a probe that raises counts as not busy (and is logged), like the reference."""
-        probe = self._busy_probe
-        if probe is None:
-            return False
-        try:
-            return bool(probe())
-        except Exception:  # noqa: BLE001
-            _status_log.exception("busy probe failed; treating as not busy")
-            return False
+        """The busy probe's answer or any busy source's; one that raises counts as not busy (and is logged), like the
+        reference pack."""
+        with self._lock:
+            probes = ([self._busy_probe] if self._busy_probe is not None else []) + list(self._busy_sources)
+        for probe in probes:
+            try:
+                if probe():
+                    return True
+            except Exception:  # noqa: BLE001
+                _status_log.exception("busy probe failed; treating as not busy")
+        return False
 
     def section(self, section: str) -> Any:
         """One provider-filled section, validated; ``{"error": ...}`` when the provider fails or answers badly."""

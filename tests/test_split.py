@@ -180,14 +180,18 @@ def test_interrupt_aborts_every_rank(engine_factory, big_model):
     inp, step = _long_step(eng, big_model)
     step()
     fire = time.monotonic() + 0.4
+    from h3ms_async.status import get_hub
+    busy_seen = []
 
     def interrupt() -> bool:
+        busy_seen.append(get_hub().busy())  # the status routes see the running job (standalone too)
         return time.monotonic() > fire
 
     with pytest.raises(SplitInterrupted):
         eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, interrupt=interrupt)
     t = time.monotonic() - fire
     assert t < 2.0, f"interrupt took {t:.2f}s"
+    assert busy_seen and all(busy_seen) and not get_hub().busy()
     states = [w["state"] for w in eng.pool.snapshot()]
     assert all(st in ("ready", "busy") for st in states), states  # alive: nobody was killed for it
     ref = _reference(big_model, inp)
