@@ -18,6 +18,7 @@ import os
 import concurrent.futures as cf
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -129,6 +130,8 @@ class SplitEngine:
         self._steps = 0
         self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
         self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
+        _LIVE.add(self)
+        _register_status()
         #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
         #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``); benchmarks read it.
         self.last_rank_results: list[dict] = []
@@ -485,8 +488,17 @@ def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -
 
 
 def engines() -> list[SplitEngine]:
+    """The engines made by :func:`get_engine` (the node and CLI cache)."""
     with _ENGINES_LOCK:
         return list(_ENGINES.values())
+
+
+#: Every engine alive in this process (also ones made directly): what the status routes report.
+_LIVE: "weakref.WeakSet[SplitEngine]" = weakref.WeakSet()
+
+
+def live_engines() -> list[SplitEngine]:
+    return list(_LIVE)
 
 
 def release_all_engines() -> int:
@@ -512,11 +524,11 @@ def _register_status() -> None:
     if _STATUS_REGISTERED:
         return
     hub = get_hub()
-    hub.register_provider("workers", lambda: [w for e in engines() for w in _worker_rows(e)])
+    hub.register_provider("workers", lambda: [w for e in live_engines() if e.pool.running for w in _worker_rows(e)])
     hub.register_provider("weight_store", lambda: next(
-        (e._loaded.store.summary() for e in engines() if e._loaded), {"state": "empty"}))
-    hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in engines()]})
-    hub.add_busy_source(lambda: any(e.running for e in engines()))
+        (e._loaded.store.summary() for e in live_engines() if e._loaded), {"state": "empty"}))
+    hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in live_engines()]})
+    hub.add_busy_source(lambda: any(e.running for e in live_engines()))
     _STATUS_REGISTERED = True
 
 
