@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh [tests|bench|all] [extra bench args...]
-# comfy-kitchen travels in .ck/ (the cp312 wheel unpacked without its ROCm library, see kitchen_facts.md §7).
+# comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"; shift || true

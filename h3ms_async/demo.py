@@ -46,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(a: argparse.Namespace) -> DiTConfig:
-    if a.hidden % a.heads and a.hidden < 1:
-        raise SystemExit("--hidden must be positive")
     ffn = a.ffn or max(64, (a.hidden * 8 // 3) // 64 * 64)
     rope_pairs = min(48, (a.head_dim // 2) // 3 * 3)
     return DiTConfig(hidden=a.hidden, layers=a.layers, heads=a.heads, head_dim=a.head_dim, ffn=ffn,

@@ -524,16 +524,12 @@ def _register_status() -> None:
     if _STATUS_REGISTERED:
         return
     hub = get_hub()
-    hub.register_provider("workers", lambda: [w for e in live_engines() if e.pool.running for w in _worker_rows(e)])
+    hub.register_provider("workers", lambda: [w for e in live_engines() if e.pool.running for w in e.pool.snapshot()])
     hub.register_provider("weight_store", lambda: next(
         (e._loaded.store.summary() for e in live_engines() if e._loaded), {"state": "empty"}))
     hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in live_engines()]})
     hub.add_busy_source(lambda: any(e.running for e in live_engines()))
     _STATUS_REGISTERED = True
-
-
-def _worker_rows(eng: SplitEngine) -> list[dict]:
-    return eng.pool.snapshot()
 
 
 atexit.register(release_all_engines)
