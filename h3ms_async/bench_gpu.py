@@ -62,7 +62,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
         finally:
             seg.close()
             seg.unlink()
-    del buf
+    buf = None  # free the probe buffer before the runs
     torch.cuda.empty_cache()
     return out
 

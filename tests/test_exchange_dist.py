@@ -1,10 +1,7 @@
 """torch.distributed exchange (gloo on CPU) against the host exchange; the NCCL rank-map check."""
 from __future__ import annotations
 
-import glob
-import os
 
-import psutil
 import pytest
 
 from h3ms_async.bench_exchange import ProbeGroup, split_bounds
@@ -12,12 +9,7 @@ from workers.dist_exchange import check_nccl_rank_map, init_group
 from workers.exchange import ArenaLayout
 
 
-@pytest.fixture(autouse=True)
-def no_leaks():
-    yield
-    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
-    assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
-    assert not psutil.Process().children(recursive=True), "child processes left behind"
+pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -1,12 +1,10 @@
 """Host exchange: real rank subprocesses, real /dev/shm arenas, real eventfd doorbells."""
 from __future__ import annotations
 
-import glob
 import os
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -24,12 +22,7 @@ def _layout(world: int, tokens: int, heads: int, head_dim: int, dtype: str) -> A
     return ArenaLayout.plan(world, split_bounds(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype)
 
 
-@pytest.fixture(autouse=True)
-def no_leaks():
-    yield
-    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
-    assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
-    assert not psutil.Process().children(recursive=True), "child processes left behind"
+pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
 
 
 class _Local:

@@ -240,7 +240,7 @@ def _run_with_patch(patch, key=("double_block", 1)):
 ])
 def test_block_replacing_patch_is_refused_naming_the_block(patch, why):
     from nodes.model_adapter import MultiStreamError
-    with pytest.raises(MultiStreamError, match=rf"block 1 carries a patch that replaces the block computation") as ei:
+    with pytest.raises(MultiStreamError, match=r"block 1 carries a patch that replaces the block computation") as ei:
         _run_with_patch(patch)
     assert re.search(why, str(ei.value)), str(ei.value)
     assert "transformer_options" in str(ei.value)
