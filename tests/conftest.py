@@ -32,3 +32,16 @@ def no_exchange_leaks():
     assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
     assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
     assert not psutil.Process().children(recursive=True), "child processes left behind"
+
+
+def run_probe_cases(world: int, cases: list[dict], timeout_s: float = 120) -> list[dict]:
+    """Run exchange probe ranks (workers.exchange_probe) on ``cases``; every rank must finish without error and
+    with all its comparisons equal.  Returns the per-rank records."""
+    from h3ms_async.bench_exchange import ProbeGroup
+    with ProbeGroup(world, cases) as grp:
+        grp.start()
+        recs = grp.results(timeout_s=timeout_s)
+    for rec in recs:
+        assert rec["error"] is None, rec["error"]
+        assert rec["ok"], [c["failures"] for c in rec["cases"]]
+    return recs

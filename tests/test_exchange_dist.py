@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from h3ms_async.bench_exchange import ProbeGroup, split_bounds
+from conftest import run_probe_cases
+from h3ms_async.bench_exchange import split_bounds
 from workers.dist_exchange import check_nccl_rank_map, init_group
 from workers.exchange import ArenaLayout
 
@@ -22,12 +23,8 @@ def test_gloo_equals_host_bit_exact(world):
         # "both": every op runs on the host arena and on gloo with the same inputs; each result must be
         # torch.equal to the exact expected tensor, so host == gloo bit for bit
         cases.append({"transport": "both", "layout": lay, "chunks": [0, 3], "rounds": 2, "blocks": 2, "seed": 11})
-    with ProbeGroup(world, cases) as grp:
-        grp.start()
-        recs = grp.results(timeout_s=120)
+    recs = run_probe_cases(world, cases)
     for rec in recs:
-        assert rec["error"] is None, rec["error"]
-        assert rec["ok"], [c["failures"] for c in rec["cases"]]
         transports = [r["transport"] for r in rec["cases"][0]["runs"]]
         assert transports == ["host", "dist", "host", "dist"]
         dist_stats = rec["cases"][0]["runs"][1]["stats"]

@@ -59,6 +59,18 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
         transports = [("host", host), ("dist", dist_ex)]
     result: dict = {"name": case.get("name", ""), "ok": True, "failures": [], "runs": []}
     op_count = 0
+
+    def timed(op, data, chunks, times):
+        # every op counts for the stall hook (a test freezes one rank at op N), then is timed
+        nonlocal op_count
+        op_count += 1
+        if stall_hook:
+            stall_hook(op_count)
+        t = time.perf_counter()
+        out = op(data, chunks)
+        times.append(time.perf_counter() - t)
+        return out
+
     for chunks in case.get("chunks", [0]):
         for tname, ex in transports:
             ex.reset_stats()
@@ -69,18 +81,8 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                     x, y = patterns[(rnd * blocks + blk) % n_pat]
                     local_rows = x[r0:r1].clone()
                     local_cols = y[:, c0:c1].clone()
-                    op_count += 1
-                    if stall_hook:
-                        stall_hook(op_count)
-                    t = time.perf_counter()
-                    g = ex.all_gather_rows(local_rows, chunks)
-                    gather_s.append(time.perf_counter() - t)
-                    op_count += 1
-                    if stall_hook:
-                        stall_hook(op_count)
-                    t = time.perf_counter()
-                    a = ex.all_to_all_cols(local_cols, chunks)
-                    a2a_s.append(time.perf_counter() - t)
+                    g = timed(ex.all_gather_rows, local_rows, chunks, gather_s)
+                    a = timed(ex.all_to_all_cols, local_cols, chunks, a2a_s)
                     if not torch.equal(g, x):
                         result["failures"].append(f"{tname} chunks={chunks} round={rnd} block={blk}: gather differs")
                     if not torch.equal(a, y[r0:r1]):
