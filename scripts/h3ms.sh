@@ -25,6 +25,25 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The tests run the pack inside a real ComfyUI tree (the archive in ../shared/comfyui, unpacked into the git-ignored
+# .comfyui/) and drive ComfyUI's real frontend in a browser: they need ComfyUI's own requirements too.
+comfy_archive="$(ls "${H3MS_SHARED:-$root/../shared}"/comfyui/ComfyUI-*.tar.xz 2>/dev/null | head -n 1 || true)"
+comfy_stamp="$venv/.h3ms-comfy-installed"
+comfy_want="$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-16)"
+setup_comfy() {
+  if [ "$(cat "$comfy_stamp" 2>/dev/null)" != "$comfy_want" ]; then
+    "$venv/bin/python" -m pip install -q torchsde einops "transformers>=4.50.3" tokenizers sentencepiece \
+        safetensors scipy pyyaml Pillow tqdm psutil "av>=16" alembic "SQLAlchemy>=2" filelock requests simpleeval \
+        blake3 aiohttp yarl "pydantic~=2.0" "pydantic-settings~=2.0" kornia numpy "playwright>=1.40"
+    "$venv/bin/python" -m pip install -q --no-deps spandrel comfyui-frontend-package
+    echo "$comfy_want" > "$comfy_stamp"
+  fi
+  if [ -n "$comfy_archive" ] && [ ! -f "$root/.comfyui/main.py" ]; then
+    rm -rf "$root/.comfyui" && mkdir -p "$root/.comfyui"
+    tar -xJf "$comfy_archive" -C "$root/.comfyui"
+  fi
+}
+
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
   demo)  exec "$venv/bin/python" -m h3ms_async demo "$@" ;;
@@ -36,6 +55,7 @@ case "$cmd" in
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
         || echo "warning: could not install chromium; the browser test will be skipped" >&2
     fi
+    setup_comfy
     exec "$venv/bin/python" -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/h3ms.sh demo|test|bench|serve [options]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,96 @@
+"""The real ComfyUI tree the pack is tested in.
+
+The archive in ``../shared/comfyui`` (a real ComfyUI source tree with native MiniMax H3) is unpacked once into the
+git-ignored ``.comfyui/`` of the checkout; the pack is linked into its ``custom_nodes/``. ComfyUI keeps process-wide
+state (parsed command-line flags, the selected attention function, the model patcher class), so every configuration
+runs in a fresh Python process started here: :func:`run_comfy_script` for in-process use of ComfyUI's own functions,
+:func:`main_py_command` for a real ComfyUI server.
+
+The placeholder ``shims/`` (torchvision, torchaudio: ComfyUI imports them for other model families only) go LAST on
+``sys.path``, so a real package wins where installed.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("H3MS_SHARED", ROOT.parent / "shared"))
+COMFY_ROOT = Path(os.environ.get("H3MS_COMFY_ROOT", ROOT / ".comfyui"))
+PACK_NAME = "h3_multistream_async"
+
+
+def _archive() -> Path | None:
+    found = sorted((SHARED / "comfyui").glob("ComfyUI-*.tar.xz"))
+    return found[0] if found else None
+
+
+def shims_dir() -> Path:
+    """The placeholder packages that go last on ``sys.path``."""
+    return SHARED / "comfyui" / "shims"
+
+
+def skip_reason() -> str | None:
+    """Why the real-ComfyUI tests cannot run here, or None when they can (the tree is unpacked on demand)."""
+    if not (COMFY_ROOT / "main.py").is_file() and _archive() is None:
+        return (f"no real ComfyUI: neither {COMFY_ROOT}/main.py nor {SHARED}/comfyui/ComfyUI-*.tar.xz exists "
+                "(set H3MS_SHARED to the shared/ folder or H3MS_COMFY_ROOT to a ComfyUI checkout)")
+    for mod in ("torchsde", "transformers", "sqlalchemy", "av", "comfy_kitchen"):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"ComfyUI's requirement {mod!r} is not installed; run the tests through `bash scripts/h3ms.sh test`"
+    return None
+
+
+def ensure_tree() -> Path:
+    """Unpack the archive (once, under a lock) and link the pack into ``custom_nodes/``; returns the tree's root."""
+    COMFY_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(COMFY_ROOT.parent / ".comfyui.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (COMFY_ROOT / "main.py").is_file():
+            archive = _archive()
+            if archive is None:
+                raise RuntimeError(skip_reason() or "no ComfyUI archive")
+            with tarfile.open(archive) as tar:
+                tar.extractall(COMFY_ROOT, filter="data")
+        link = COMFY_ROOT / "custom_nodes" / PACK_NAME
+        if not link.is_symlink() or link.resolve() != ROOT:
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(ROOT, target_is_directory=True)
+    return COMFY_ROOT
+
+
+_PRELUDE = """\
+import sys
+sys.path.insert(0, {root!r})
+sys.path.append({shims!r})
+sys.argv = ["main.py"] + {argv!r}
+"""
+
+
+def main_py_command(comfy_args: list[str]) -> list[str]:
+    """The command that starts ComfyUI's ``main.py`` with ``comfy_args``, shims last on ``sys.path`` (cwd: the
+    tree's root)."""
+    root = ensure_tree()
+    code = _PRELUDE.format(root=str(root), shims=str(shims_dir()), argv=list(comfy_args)) + (
+        "import runpy\nrunpy.run_path('main.py', run_name='__main__')\n")
+    return [sys.executable, "-c", code]
+
+
+def run_comfy_script(body: str, comfy_args: list[str], env: dict[str, str] | None = None,
+                     timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """Run ``body`` in a fresh Python process inside the tree, after ComfyUI's flags are parsed from ``comfy_args``
+    (as ``main.py`` would get them). ``body`` imports what it needs (``comfy.*``, ``nodes``, ``execution``)."""
+    root = ensure_tree()
+    code = _PRELUDE.format(root=str(root), shims=str(shims_dir()), argv=list(comfy_args)) + (
+        "import comfy.options\ncomfy.options.enable_args_parsing()\n") + body
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
