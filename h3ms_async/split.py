@@ -33,7 +33,7 @@ from h3ms_async.status import get_hub, now_iso
 from h3ms_async.weight_store import BlockReader, WeightStore, fill
 from workers import dit_ops, dit_protocol
 from workers.dist_exchange import check_nccl_rank_map
-from workers.exchange import ArenaLayout, dtype_name
+from workers.exchange import ArenaLayout, decode_seq, dtype_name
 from workers.shm import Arena, Segment
 
 log = get_logger("MultiStream")
@@ -44,6 +44,11 @@ BASELINE_EXCHANGE = "none"
 _INTERRUPT_POLL_S = 0.05
 #: Smallest token shard a rank may get (see SplitEngine._check_exact_plan).
 MIN_SHARD_TOKENS = 4
+#: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has reached.
+EXCHANGE_OPS_PER_BLOCK = 2
+
+#: ``progress(blocks_done, blocks_total)``: called from the caller's thread while a step runs (progress bars).
+StepProgress = Callable[[int, int], None]
 
 
 class SplitError(RuntimeError):
@@ -217,12 +222,14 @@ class SplitEngine:
     def run_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
                    *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
                    sigma: float | None = None, exchange: str | None = None,
-                   exchange_chunks: int | None = None) -> torch.Tensor:
+                   exchange_chunks: int | None = None, progress: StepProgress | None = None) -> torch.Tensor:
         """Run every loaded block on the ranks; returns the new residual stream (a new tensor, ``x``'s dtype).
 
         ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
         is accepted (the workers cannot run ComfyUI callables).  ``exchange`` / ``exchange_chunks`` override the
         engine's options for this step (benchmarks compare transports and chunking on the same workers).
+        ``progress``: see :data:`StepProgress`; with the host exchange it follows the slowest rank block by block
+        (read from the arena's sequence words), otherwise it is called once, when the step is done.
         """
         opts = self.options
         if exchange is not None or exchange_chunks is not None:
@@ -243,7 +250,7 @@ class SplitEngine:
         with self._lock:
             self._running = True
             try:
-                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma)
+                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress)
             finally:
                 self._running = False
 
@@ -269,7 +276,8 @@ class SplitEngine:
                     "unsplit or with fewer ranks")
 
     def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
-              rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None) -> torch.Tensor:
+              rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None,
+              progress: StepProgress | None = None) -> torch.Tensor:
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
@@ -294,16 +302,41 @@ class SplitEngine:
             "chunks": opts.exchange_chunks, "abort_gen": 0,
             "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
         } for r in range(self.ranks)]
+        blocks = len(ld.store.manifest)
         try:
-            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt)
+            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt,
+                                self._block_probe(buf, blocks, progress))
         except BaseException:
             # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
             self._drop_buffers()
             raise
         out = step.tensor(buf.descs["x"]).clone()
         self.last_rank_results = [dict(r) for r in results]
-        self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], len(ld.store.manifest), sigma)
+        self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], blocks, sigma)
+        if progress is not None:
+            progress(blocks, blocks)
         return out
+
+    @staticmethod
+    def _block_probe(buf: _StepBuffers, blocks: int, progress: StepProgress | None) -> Callable[[], None] | None:
+        """A poll that reports the blocks every rank has reached, from the arena's sequence words.
+
+        The words are snapshotted before the job is sent: until a rank begins this job its word still shows the
+        previous job's last op, which must read as 0 blocks, not as a finished step."""
+        if progress is None or buf.arena is None:
+            return None
+        arena = buf.arena.base_tensor()
+        before = buf.layout.seq_words(arena)
+        last = -1
+
+        def poll() -> None:
+            nonlocal last
+            ops = [0 if w == b else decode_seq(w)[2] for w, b in zip(buf.layout.seq_words(arena), before)]
+            done = min(blocks - 1, min(ops) // EXCHANGE_OPS_PER_BLOCK)
+            if done > last:
+                last = done
+                progress(done, blocks)
+        return poll
 
     async def _dispatch(self, fields: list[dict]) -> list[dict]:
         # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
@@ -374,10 +407,13 @@ class SplitEngine:
         })
 
     # -- plumbing ---------------------------------------------------------------------------------------------
-    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None) -> Any:
-        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires."""
+    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None,
+             poll: Callable[[], None] | None = None) -> Any:
+        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires.
+
+        ``poll`` (progress) runs in this thread between the interrupt checks, so it never races buffer release."""
         coord = get_coordinator()
-        if interrupt is None:
+        if interrupt is None and poll is None:
             try:
                 return coord.run(coro, timeout, what)
             except WorkerError as exc:
@@ -391,7 +427,9 @@ class SplitEngine:
                 pass
             except WorkerError as exc:
                 raise SplitError(str(exc)) from exc
-            if interrupt():
+            if poll is not None:
+                poll()
+            if interrupt is not None and interrupt():
                 self.pool.abort()
                 coord.cancel(fut, wait=2.0)
                 raise SplitInterrupted(f"{what} interrupted; every rank was aborted")
