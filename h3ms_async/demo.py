@@ -11,22 +11,23 @@ import json
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
+# Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy 2-core box).
 from h3ms_async import plans, rundir
 from h3ms_async.cli import ArgParser, UsageError, port, positive_int
-from h3ms_async.layout import layout_for_tokens
 from h3ms_async.log import ensure_console_handler, get_logger
-from h3ms_async.reference_dit import WEIGHT_KINDS, DiTConfig, ReferenceDiT, make_step_inputs, quantize_rowwise
-from h3ms_async.split import SplitOptions, get_engine, release_all_engines
-from h3ms_async.weight_store import WeightStoreRefused
-from workers import dit_ops
+
+if TYPE_CHECKING:
+    import torch
+
+    from h3ms_async.reference_dit import DiTConfig
 
 log = get_logger("demo")
 
-MODEL_DTYPES = {"int8": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHT_KINDS = ("int8", "bf16", "fp32")  # reference_dit.WEIGHT_KINDS, which imports torch
+#: The model (compute) dtype of each weight format, by torch attribute name.
+MODEL_DTYPES = {"int8": "bfloat16", "bf16": "bfloat16", "fp32": "float32"}
 #: ``--weights auto`` keeps int8 (H3's own format) on a CPU unless its linears are this much slower than a float's.
 INT8_SLOWDOWN_TOLERATED = 1.25
 #: How often the bar redraws even when no block finished (a block can take seconds on a slow machine).
@@ -60,16 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _devices(flag: str, spec: str) -> list[str]:
-    """Parse a device list and check every CUDA index exists in this torch."""
+    """Parse a device list and check every CUDA index exists in this torch (imported only for CUDA devices)."""
     try:
         devices = plans.rank_map(spec)
     except plans.GPUSelectionError as exc:
         raise UsageError(f"{flag} {spec!r}: {exc}") from None
     cuda = [d for d in devices if d.startswith("cuda")]
-    if cuda and not torch.cuda.is_available():
+    if not cuda:
+        return devices
+    import torch
+    if not torch.cuda.is_available():
         raise UsageError(f"{flag} {spec!r}: this torch ({torch.__version__}) sees no CUDA GPU; use {flag} cpu,cpu,cpu "
                          "or install a CUDA build of torch (H3MS_TORCH_SPEC)")
-    n = torch.cuda.device_count() if cuda else 0
+    n = torch.cuda.device_count()
     missing = sorted({d for d in cuda if int(d.split(":")[1]) >= n})
     if missing:
         raise UsageError(f"{flag} {spec!r}: {', '.join(missing)} does not exist; this machine has {n} CUDA GPU(s), "
@@ -77,10 +81,8 @@ def _devices(flag: str, spec: str) -> list[str]:
     return devices
 
 
-def _config(a: argparse.Namespace) -> DiTConfig:
-    if a.head_dim < MIN_HEAD_DIM:
-        raise UsageError(f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 axes x "
-                         f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)")
+def _config(a: argparse.Namespace) -> "DiTConfig":
+    from h3ms_async.reference_dit import DiTConfig
     ffn = a.ffn or max(64, (a.hidden * 8 // 3) // 64 * 64)
     rope_pairs = min(48, (a.head_dim // 2) // 3 * 3)
     return DiTConfig(hidden=a.hidden, layers=a.layers, heads=a.heads, head_dim=a.head_dim, ffn=ffn,
@@ -88,9 +90,7 @@ def _config(a: argparse.Namespace) -> DiTConfig:
 
 
 def _layout(tokens: int) -> Any:
-    if tokens < 1:
-        raise UsageError(f"--tokens {tokens}: the packed sequence needs a positive number of tokens; use e.g. "
-                         "--tokens 3000")
+    from h3ms_async.layout import layout_for_tokens
     try:
         return layout_for_tokens(tokens)
     except ValueError:
@@ -100,6 +100,7 @@ def _layout(tokens: int) -> Any:
 
 
 def _layout_fits(tokens: int) -> bool:
+    from h3ms_async.layout import layout_for_tokens
     try:
         layout_for_tokens(tokens)
         return True
@@ -108,9 +109,11 @@ def _layout_fits(tokens: int) -> bool:
 
 
 def check_args(a: argparse.Namespace) -> dict:
-    """Every input checked before anything heavy starts; raises ``UsageError`` naming the input and the fix."""
+    """Every input checked before anything heavy starts; raises ``UsageError`` naming the input and the fix.
+
+    Only the CUDA-rank and token-layout checks import torch."""
     ranks = _devices("--ranks", a.ranks)
-    device = torch.device(_devices("--device", a.device)[0] if a.device else ranks[0])
+    device_name = _devices("--device", a.device)[0] if a.device else ranks[0]
     try:
         shares = plans.parse_shares(a.shares) or None
     except plans.GPUSelectionError as exc:
@@ -120,25 +123,31 @@ def check_args(a: argparse.Namespace) -> dict:
                          "rank or leave it out")
     if not 0 <= a.exchange_chunks <= 32:
         raise UsageError(f"--exchange-chunks {a.exchange_chunks}: use 0 to 32 (0/1: single shot, 8 recommended)")
-    cfg = _config(a)
-    layout = _layout(a.tokens)
+    if a.head_dim < MIN_HEAD_DIM:
+        raise UsageError(f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 axes x "
+                         f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)")
+    if a.tokens < 1:
+        raise UsageError(f"--tokens {a.tokens}: the packed sequence needs a positive number of tokens; use e.g. "
+                         "--tokens 3000")
     try:
-        plans.make_split_plan(ranks, shares, a.tokens, cfg.heads)
-        options = SplitOptions(exchange=a.exchange, exchange_chunks=a.exchange_chunks,
-                               vram_residency=a.vram_residency, shares=shares)
-    except (ValueError, plans.GPUSelectionError) as exc:
+        plans.make_split_plan(ranks, shares, a.tokens, a.heads)
+    except plans.GPUSelectionError as exc:
         raise UsageError(f"--ranks {a.ranks!r} with --heads {a.heads} and --tokens {a.tokens}: {exc}") from None
     try:
         rundir.check_base()
     except rundir.RunDirError as exc:
         raise UsageError(str(exc)) from None
-    return {"ranks": ranks, "device": device, "shares": shares, "config": cfg, "layout": layout, "options": options}
+    return {"ranks": ranks, "device": device_name, "shares": shares, "layout": _layout(a.tokens)}
 
 
-def _seconds_per_linear(kind: str, cfg: DiTConfig, device: torch.device) -> float:
+def _seconds_per_linear(kind: str, cfg: "DiTConfig", device: "torch.device") -> float:
     """Best of three timings of one qkv-sized linear over 512 rows in ``kind`` weights (dit_ops' own path)."""
+    import torch
+
+    from h3ms_async.reference_dit import quantize_rowwise
+    from workers import dit_ops
     gen = torch.Generator().manual_seed(0)
-    dtype = MODEL_DTYPES[kind]
+    dtype = getattr(torch, MODEL_DTYPES[kind])
     x = torch.randn(512, cfg.hidden, generator=gen).to(device, dtype)
     w = (0.02 * torch.randn(3 * cfg.heads * cfg.head_dim, cfg.hidden, generator=gen)).to(dtype)
     scale = None
@@ -156,7 +165,7 @@ def _seconds_per_linear(kind: str, cfg: DiTConfig, device: torch.device) -> floa
     return best
 
 
-def pick_weights(device: torch.device, cfg: DiTConfig) -> tuple[str, str]:
+def pick_weights(device: "torch.device", cfg: "DiTConfig") -> tuple[str, str]:
     """``--weights auto``: ``(kind, why)``. int8 on CUDA; on a CPU the fastest format measured here, int8 kept unless
     it is more than ``INT8_SLOWDOWN_TOLERATED`` times slower."""
     if device.type == "cuda":
@@ -175,7 +184,7 @@ class _Progress:
         from tqdm import tqdm
         self.bar = tqdm(total=total, desc="starting workers", unit="block", file=sys.stderr, disable=disable,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
-                        dynamic_ncols=True)
+                        dynamic_ncols=True, mininterval=0)  # blocks take seconds: draw every one
         self._base = 0
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="h3ms-demo-bar", daemon=True)
@@ -204,14 +213,19 @@ class _Progress:
 
 def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     """Run the demo; returns the result object (what ``--json`` prints)."""
+    import torch
+
+    from h3ms_async.reference_dit import ReferenceDiT, make_step_inputs
+    from h3ms_async.split import SplitOptions, get_engine
     c = checked or check_args(a)
-    ranks, device, cfg, layout = c["ranks"], c["device"], c["config"], c["layout"]
+    ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
     t_total = time.perf_counter()
     weights, why = (a.weights, "chosen") if a.weights != "auto" else pick_weights(device, cfg)
     log.info("weights %s (%s)", weights, why)
-    dtype = MODEL_DTYPES[weights]
+    dtype = getattr(torch, MODEL_DTYPES[weights])
     model = ReferenceDiT(cfg, weights=weights, seed=a.seed, device=device)
-    engine = get_engine(ranks, c["options"])
+    engine = get_engine(ranks, SplitOptions(exchange=a.exchange, exchange_chunks=a.exchange_chunks,
+                                            vram_residency=a.vram_residency, shares=c["shares"]))
     bar = _Progress(a.steps * 2 * cfg.layers, disable=a.json)
     steps = []
     try:
@@ -295,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m h3ms_async demo``; returns 0 when bit-exact, 1 when not, 2 on a bad input (one line on stderr)."""
     a = build_parser().parse_args(argv)
     checked = check_args(a)
+    from h3ms_async.split import release_all_engines
+    from h3ms_async.weight_store import WeightStoreRefused
     stop = None
     try:
         if a.serve is not None:  # before the console handler: a bind error is then the only line printed

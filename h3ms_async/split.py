@@ -174,7 +174,7 @@ class SplitEngine:
         head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
                                             "attention heads")) if self.ranks <= config.heads else None
         if head_bounds is None:
-            raise plans.GPUSelectionError(f"{self.ranks} GPU ranks but the model has only {config.heads} attention "
+            raise plans.GPUSelectionError(f"{self.ranks} ranks but the model has only {config.heads} attention "
                                           f"heads; use at most {config.heads} ranks")
         with self._lock:
             if self._loaded and self._loaded.store.key == key and self._loaded.head_bounds == head_bounds:

@@ -404,7 +404,7 @@ def _pack_version() -> str:
 # the hub
 
 _DEFAULTS: dict[str, Callable[[], Any]] = {
-    "plans": dict, "workers": list, "weight_store": lambda: {"state": "off"}, "caches": list, "hooks": list,
+    "plans": dict, "workers": list, "weight_store": lambda: {"state": "empty"}, "caches": list, "hooks": list,
     "log_dir": lambda: None,
 }
 
