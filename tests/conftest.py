@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-GOLDEN_DIR = Path(os.environ.get("H3MS_GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+#: The project's shared folder (ComfyUI archive, golden tensors): ``$H3MS_SHARED``, else ``../shared`` next to the clone.
+SHARED = Path(os.environ.get("H3MS_SHARED") or ROOT.parent / "shared")
+GOLDEN_DIR = Path(os.environ.get("H3MS_GOLDEN_DIR") or SHARED / "golden")
 
 
 import glob  # noqa: E402

@@ -187,3 +187,15 @@ def test_ctrl_c_during_the_demo_prints_one_line_and_leaves_nothing(tmp_path: Pat
     assert [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.startswith("interrupted")] == [
         "interrupted: stopping the workers and removing their shared memory and run dir"]
     _assert_nothing_left(proc, tmp_path, children)
+
+
+@pytest.mark.timeout(120)
+def test_golden_tests_say_why_they_skip_without_the_shared_folder(tmp_path: Path) -> None:
+    env = {**os.environ, "H3MS_SHARED": str(tmp_path / "no-shared")}
+    env.pop("H3MS_GOLDEN_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_dit_golden.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    skipped = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]
+    assert skipped and all("set H3MS_SHARED to the project's shared/ folder" in ln for ln in skipped), proc.stdout
+    assert str(tmp_path / "no-shared" / "golden") in skipped[0]
