@@ -86,7 +86,7 @@ class ProbeGroup:
     def __init__(self, world: int, cases: list[dict], *, stall: dict | None = None, gen: int = 0,
                  dist_timeout_s: float = 60.0) -> None:
         self.world = world
-        self.run_dir = tempfile.mkdtemp(prefix="h3ms-xch-")
+        self.run_dir = tempfile.mkdtemp(prefix=f"h3ms-xch-{os.getpid()}-")  # owner pid: a leak check can tell its own
         self._shm: list[ShmFile] = []
         self.doorbells: list[int] = []
         self.procs: list[subprocess.Popen] = []
