@@ -224,7 +224,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
         # The unsplit pass computes with a CPU rank's thread count: on a busy machine more OpenMP threads than
         # free cores stall on each other (the unsplit pass took 10x the split's on a loaded 2-core box).
         torch.set_num_threads(int(rank_threads))
-    weights, why = (a.weights, "chosen") if a.weights != "auto" else pick_weights(device, cfg)
+    weights, why = (a.weights, "given by --weights") if a.weights != "auto" else pick_weights(device, cfg)
     log.info("weights %s (%s)", weights, why)
     dtype = getattr(torch, MODEL_DTYPES[weights])
     model = ReferenceDiT(cfg, weights=weights, seed=a.seed, device=device)

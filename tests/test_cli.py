@@ -202,3 +202,9 @@ def test_golden_tests_say_why_they_skip_without_the_shared_folder(tmp_path: Path
     skipped = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert skipped and all("set H3MS_SHARED to the project's shared/ folder" in ln for ln in skipped), proc.stdout
     assert str(tmp_path / "no-shared" / "golden") in skipped[0]
+
+
+def test_demo_weight_formats_are_the_reference_models() -> None:
+    """The demo names the formats without importing torch; they must stay the reference model's."""
+    from h3ms_async import demo, reference_dit
+    assert demo.WEIGHT_KINDS == reference_dit.WEIGHT_KINDS and set(demo.MODEL_DTYPES) == set(demo.WEIGHT_KINDS)
