@@ -30,6 +30,7 @@ _NODES = (
     (".nodes.multistream_node", "H3MultiStreamAsync", "H3 MultiStream"),
     (".nodes.gpu_set_node", "H3MSGPUSetAsync", "H3 MS GPU Set"),
     (".nodes.release_node", "H3MSReleaseResourcesAsync", "H3 MS Release Resources"),
+    (".nodes.attention_parallel_node", "H3AttentionParallelAsync", "H3 Attention Parallel"),
 )
 
 

@@ -1,0 +1,122 @@
+"""H3 Attention Parallel's core on CPU helpers: kitchen's packed INT8 attention sliced by heads, shipped through shm to
+real helper processes, put back together bit-exact; status; restarts; no leaks.
+
+Kitchen has no CPU kernel for INT8 attention, so these tests run its split API through the pack's CPU test hook
+(``workers.ck_attention_cpu``, kitchen's own packed layout and dataclass); the helpers install it from the environment.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from h3ms_async import attention_parallel as ap
+from h3ms_async.status import get_hub, validate_section
+from workers import attn_ops, ck_attention_cpu
+
+ck_attention_cpu.install()
+os.environ[ck_attention_cpu.ENV] = "1"  # the helper processes install the hook too (H3MS_TEST_HOOKS=1: conftest)
+
+import comfy_kitchen as ck  # noqa: E402  (after the hook: the tests call kitchen's API as ComfyUI does)
+
+
+def packed(heads: int = 7, tokens: int = 200, keys: int | None = None, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, tokens, 128, generator=g).to(dtype)
+    k, v = (torch.randn(1, heads, keys or tokens, 128, generator=g).to(dtype) for _ in range(2))
+    return ck.prequantize_int8_attention(q, k, v)
+
+
+def no_leaks() -> None:
+    deadline = time.monotonic() + 5
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.Process().children(recursive=True), "helper processes left behind"
+    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
+
+
+@pytest.mark.parametrize("bounds", [[0, 4, 7], [0, 2, 4, 7], [0, 1, 3, 5, 7], [0, 6, 7]])
+def test_head_slices_equal_the_whole_call(bounds):
+    """Kitchen's packed layout, sliced by heads and rebuilt, attends to exactly the heads of the whole call."""
+    pq = packed(keys=300)  # Sq != Sk: q and k scales have different block counts
+    whole = ck.int8_attention_from_prequantized(pq)
+    fields = attn_ops.meta(pq)
+    for h0, h1 in zip(bounds, bounds[1:]):
+        part = {name: t.contiguous() for name, t in attn_ops.head_slice(pq, h0, h1).items()}
+        assert torch.equal(attn_ops.attend(part, fields), whole[:, h0:h1])
+
+
+def test_slicing_refuses_masks_and_grouped_query_heads():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 64, 128, generator=g)
+    k, v = (torch.randn(1, 2, 64, 128, generator=g) for _ in range(2))
+    with pytest.raises(ValueError, match="grouped-query"):
+        attn_ops.head_slice(ck.prequantize_int8_attention(q, k, v), 0, 2)
+    with pytest.raises(ValueError, match=r"head range \[3, 9\)"):
+        attn_ops.head_slice(packed(heads=4), 3, 9)
+
+
+@pytest.mark.parametrize("devices,shares,dtype", [
+    (["cpu", "cpu"], None, torch.bfloat16),
+    (["cpu", "cpu", "cpu"], None, torch.float32),
+    (["cpu", "cpu", "cpu", "cpu"], (1.0, 2.0, 1.0, 0.5), torch.bfloat16),
+])
+def test_engine_on_cpu_helpers_is_exact(devices, shares, dtype):
+    pq = packed(heads=9, tokens=150, dtype=dtype)
+    whole = ck.int8_attention_from_prequantized(pq)
+    eng = ap.AttentionParallelEngine(devices, shares)
+    try:
+        for _ in range(2):  # the first call starts the helpers; the second reuses them and the shm slots
+            out = eng.attend(pq)
+            assert out.dtype == whole.dtype and torch.equal(out, whole)
+        bounds = eng.head_bounds(9)
+        assert bounds == ap.plans.partition(9, shares or [1.0] * len(devices), "attention heads")
+        section = validate_section("attention", get_hub().status()["attention"])
+        mine = [e for e in section["engines"] if e["devices"] == devices and e["calls"] == 2]
+        assert len(mine) == 1 and len(mine[0]["helpers"]) == len(devices) - 1
+        last = mine[0]["recent_calls"][-1]
+        assert [r["heads"] for r in last["ranks"]] == [[a, b] for a, b in zip(bounds, bounds[1:])]
+        assert last["tokens"] == 150 and last["moved_bytes"] > 0 and all(r["compute_s"] > 0 for r in last["ranks"])
+        json.dumps(section, allow_nan=False)
+        # another sequence length: new slots, still exact
+        pq2 = packed(heads=9, tokens=70, dtype=dtype, seed=5)
+        assert torch.equal(eng.attend(pq2), ck.int8_attention_from_prequantized(pq2))
+    finally:
+        eng.release()
+    no_leaks()
+
+
+def test_killed_helper_restarts_on_the_next_call():
+    pq = packed(heads=4, tokens=96)
+    whole = ck.int8_attention_from_prequantized(pq)
+    eng = ap.AttentionParallelEngine(["cpu", "cpu", "cpu"])
+    try:
+        assert torch.equal(eng.attend(pq), whole)
+        victim = eng.pool.snapshot()[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while eng.pool.snapshot()[1]["state"] not in ("dead", "stopped") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert torch.equal(eng.attend(pq), whole)  # helpers hold no state: a fresh pool serves the call
+        assert victim not in [w["pid"] for w in eng.pool.snapshot()]
+    finally:
+        eng.release()
+    no_leaks()
+
+
+def test_bad_plans_fail_with_clear_errors():
+    with pytest.raises(ValueError, match="at least one helper"):
+        ap.AttentionParallelEngine(["cpu"])
+    with pytest.raises(ap.plans.GPUSelectionError, match="shares: 3 value"):
+        ap.AttentionParallelEngine(["cpu", "cpu"], (1.0, 1.0, 1.0))
+    eng = ap.AttentionParallelEngine(["cpu"] * 5)
+    with pytest.raises(ap.AttentionParallelError, match="cannot split 4 attention heads over 5 devices"):
+        eng.attend(packed(heads=4, tokens=32))
+    eng.release()
+    no_leaks()
