@@ -263,6 +263,7 @@ class AttentionParallelEngine:
         transfer_s = result["stage_s"] + result["return_s"]
         rec = {"at": now_iso(), "call": self._calls, "tokens": tokens, "heads": heads, "transport": self.transport,
                "wall_s": wall, "stage_s": result["stage_s"], "return_s": result["return_s"], "moved_bytes": moved,
+               "staged_bytes": result["staged"], "returned_bytes": result["returned"],
                "gb_per_s": moved / transfer_s / 1e9 if transfer_s > 0 else None, "ranks": ranks}
         self._recent.append(rec)
         log.debug("call %d: %d tokens x %d heads on %s in %.1f ms (%d MB moved)", self._calls, tokens, heads,

@@ -62,53 +62,6 @@ def test_slicing_refuses_masks_and_grouped_query_heads():
         attn_ops.head_slice(packed(heads=4), 3, 9)
 
 
-@pytest.mark.parametrize("devices,shares,dtype", [
-    (["cpu", "cpu", "cpu"], None, torch.float32),
-    (["cpu", "cpu", "cpu", "cpu"], (1.0, 2.0, 1.0, 0.5), torch.bfloat16),
-])
-def test_engine_on_cpu_helpers_is_exact(devices, shares, dtype):
-    pq = packed(heads=9, tokens=150, dtype=dtype)
-    whole = ck.int8_attention_from_prequantized(pq)
-    eng = ap.AttentionParallelEngine(devices, shares)
-    try:
-        for _ in range(2):  # the first call starts the helpers; the second reuses them and the shm slots
-            out = eng.attend(pq)
-            assert out.dtype == whole.dtype and torch.equal(out, whole)
-        bounds = eng.head_bounds(9)
-        assert bounds == ap.plans.partition(9, shares or [1.0] * len(devices), "attention heads")
-        section = validate_section("attention", get_hub().status()["attention"])
-        mine = [e for e in section["engines"] if e["devices"] == devices and e["calls"] == 2]
-        assert len(mine) == 1 and len(mine[0]["helpers"]) == len(devices) - 1
-        last = mine[0]["recent_calls"][-1]
-        assert [r["heads"] for r in last["ranks"]] == [[a, b] for a, b in zip(bounds, bounds[1:])]
-        assert last["tokens"] == 150 and last["moved_bytes"] > 0 and all(r["compute_s"] > 0 for r in last["ranks"])
-        json.dumps(section, allow_nan=False)
-        # another sequence length: new slots, still exact
-        pq2 = packed(heads=9, tokens=70, dtype=dtype, seed=5)
-        assert torch.equal(eng.attend(pq2), ck.int8_attention_from_prequantized(pq2))
-    finally:
-        eng.release()
-    no_leaks()
-
-
-def test_killed_helper_restarts_on_the_next_call():
-    pq = packed(heads=4, tokens=96)
-    whole = ck.int8_attention_from_prequantized(pq)
-    eng = ap.AttentionParallelEngine(["cpu", "cpu", "cpu"])
-    try:
-        assert torch.equal(eng.attend(pq), whole)
-        victim = eng.pool.snapshot()[1]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while eng.pool.snapshot()[1]["state"] not in ("dead", "stopped") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert torch.equal(eng.attend(pq), whole)  # helpers hold no state: a fresh pool serves the call
-        assert victim not in [w["pid"] for w in eng.pool.snapshot()]
-    finally:
-        eng.release()
-    no_leaks()
-
-
 def test_bad_plans_fail_with_clear_errors():
     with pytest.raises(ValueError, match="at least one helper"):
         ap.AttentionParallelEngine(["cpu"])
@@ -119,3 +72,65 @@ def test_bad_plans_fail_with_clear_errors():
         eng.attend(packed(heads=4, tokens=32))
     eng.release()
     no_leaks()
+
+
+def test_bench_attention_smoke(capsys):
+    """``bench attention`` end to end at a tiny shape on a CPU helper: exact, with bytes, rates and the N-GPU model."""
+    from h3ms_async import bench_attention
+    assert bench_attention.main(["--shape", "1,4,64,128", "--helpers", "1", "--reps", "1", "--device", "cpu"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    run = res["parallel_on_logical_helpers"][0]
+    assert run["bit_exact"] and run["bit_exact_first_call"] and run["heads"] == [2, 2]
+    assert run["staged_bytes"] > 0 and run["returned_bytes"] == 2 * 64 * 128 * 2 and run["stage_GBps"] > 0
+    pcie = res["model"]["pcie_host_staged"]
+    assert set(pcie) == {"N=2", "N=4"} and all(p["speedup"] > 0 and p["total_s"] > 0 for p in pcie.values())
+    assert pcie["N=4"]["heads"] == [1, 1, 1, 1]
+    assert res["model"]["nvlink_p2p"]["predicted"] is None
+    no_leaks()
+
+
+# The tests below share one engine; the ones above check for leaks with no engine alive.
+SHARES = (1.0, 2.0, 1.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """Three CPU helpers with uneven shares, shared by the tests below (each helper start costs seconds)."""
+    eng = ap.AttentionParallelEngine(["cpu"] * 4, SHARES)
+    yield eng
+    eng.release()
+    no_leaks()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_on_cpu_helpers_is_exact(engine, dtype):
+    pq = packed(heads=9, tokens=150, dtype=dtype)
+    whole = ck.int8_attention_from_prequantized(pq)
+    for _ in range(2):  # the first call may start the helpers; the second reuses them and the shm slots
+        out = engine.attend(pq)
+        assert out.dtype == whole.dtype and torch.equal(out, whole)
+    bounds = engine.head_bounds(9)
+    assert bounds == ap.plans.partition(9, SHARES, "attention heads") == [0, 2, 6, 8, 9]
+    section = validate_section("attention", get_hub().status()["attention"])
+    mine = [e for e in section["engines"] if e["devices"] == ["cpu"] * 4]
+    assert len(mine) == 1 and len(mine[0]["helpers"]) == 3 and mine[0]["calls"] >= 2
+    last = mine[0]["recent_calls"][-1]
+    assert [r["heads"] for r in last["ranks"]] == [[a, b] for a, b in zip(bounds, bounds[1:])]
+    assert last["tokens"] == 150 and last["moved_bytes"] > 0 and all(r["compute_s"] > 0 for r in last["ranks"])
+    json.dumps(section, allow_nan=False)
+    # another sequence length: new slots, still exact
+    pq2 = packed(heads=9, tokens=70, dtype=dtype, seed=5)
+    assert torch.equal(engine.attend(pq2), ck.int8_attention_from_prequantized(pq2))
+
+
+def test_killed_helper_restarts_on_the_next_call(engine):
+    pq = packed(heads=4, tokens=96)
+    whole = ck.int8_attention_from_prequantized(pq)
+    assert torch.equal(engine.attend(pq), whole)
+    victim = engine.pool.snapshot()[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while engine.pool.snapshot()[1]["state"] not in ("dead", "stopped") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert torch.equal(engine.attend(pq), whole)  # helpers hold no state: a fresh pool serves the call
+    assert victim not in [w["pid"] for w in engine.pool.snapshot()]

@@ -25,7 +25,9 @@ spec.loader.exec_module(hook)
 hook.install()  # before ComfyUI's attention module asks kitchen whether INT8 attention is available
 '''
 
-_MODEL = r'''
+#: Builds a tiny MiniMax H3 (H3MS_TEST_HEADS heads) through ComfyUI's own loader, loads the pack, and defines
+#: ``sample(model)`` (2 euler steps at cfg 2 on an H3MS_TEST_LATENT=width,height,length AV latent).
+MODEL_SCRIPT = r'''
 import asyncio, glob, json, os, sys, time
 import psutil, torch
 import comfy.ldm.modules.attention as attention
@@ -33,7 +35,8 @@ import comfy.model_patcher, comfy.ops, comfy.sd, nodes
 from comfy.ldm.minimax.model import MiniMaxH3Model
 from comfy_extras.nodes_minimax_h3 import _empty_av_latent
 
-cfg = dict(hidden_size=128, num_layers=2, token_refiner_num_layers=1, num_attention_heads=8, attention_head_dim=128,
+cfg = dict(hidden_size=128, num_layers=2, token_refiner_num_layers=1,
+           num_attention_heads=int(os.environ.get("H3MS_TEST_HEADS", "8")), attention_head_dim=128,
            ffn_hidden_size=256, text_dim=64, timestep_input_dim=256, time_embed_hidden_size=128, time_embed_dim=64,
            rope_inv_freq_len=16)
 shapes = MiniMaxH3Model(**cfg, dtype=torch.bfloat16, device="meta", operations=comfy.ops.disable_weight_init)
@@ -51,22 +54,22 @@ asyncio.run(nodes.load_custom_node(os.path.join("custom_nodes", "h3_multistream_
 AP = nodes.NODE_CLASS_MAPPINGS["H3AttentionParallelAsync"]
 MS = nodes.NODE_CLASS_MAPPINGS["H3MultiStreamAsync"]
 GPUSET = nodes.NODE_CLASS_MAPPINGS["H3MSGPUSetAsync"]
-'''
-
-_BODY = _HOOK + _MODEL + r'''
-res = {"ck_attention": attention.optimized_attention is attention.attention_comfy_kitchen_int8}
-import importlib
-ap = importlib.import_module("h3ms_async.attention_parallel")  # the pack loaded h3ms_async from its folder
-hub = importlib.import_module("h3ms_async.status").get_hub()
 
 def sample(m):
-    latent, _ = _empty_av_latent(64, 96, 5)
+    latent, _ = _empty_av_latent(*(int(x) for x in os.environ.get("H3MS_TEST_LATENT", "64,96,5").split(",")))
     g = torch.Generator().manual_seed(1)
     pos = [[torch.randn(1, 6, cfg["text_dim"], generator=g), {}]]
     neg = [[torch.randn(1, 6, cfg["text_dim"], generator=g), {}]]
     with torch.inference_mode():
         (out,) = nodes.common_ksampler(m, 7, 2, 2.0, "euler", "simple", pos, neg, latent)
     return out["samples"].unbind()
+'''
+
+_BODY = _HOOK + MODEL_SCRIPT + r'''
+res = {"ck_attention": attention.optimized_attention is attention.attention_comfy_kitchen_int8}
+import importlib
+ap = importlib.import_module("h3ms_async.attention_parallel")  # the pack loaded h3ms_async from its folder
+hub = importlib.import_module("h3ms_async.status").get_hub()
 
 def equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
