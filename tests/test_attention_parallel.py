@@ -134,3 +134,32 @@ def test_killed_helper_restarts_on_the_next_call(engine):
         time.sleep(0.05)
     assert torch.equal(engine.attend(pq), whole)  # helpers hold no state: a fresh pool serves the call
     assert victim not in [w["pid"] for w in engine.pool.snapshot()]
+
+
+@pytest.mark.browser
+def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
+    """The live panel (real headless chromium) lists every device of the engine with its last call's timings."""
+    import re
+
+    from h3ms_async.serve import start_background_server
+    from h3ms_async.status import StatusHub
+    from tests.test_web_panel import CHROMIUM, chromium
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed: apt-get install -y chromium")
+    engine.attend(packed(heads=9, tokens=40))
+    hub = StatusHub()
+    hub.register_provider("attention", lambda: {"engines": [engine.snapshot()]})
+    url, stop = start_background_server(0, hub=hub)
+    try:
+        dom = chromium(["--virtual-time-budget=2500", "--dump-dom", f"{url}/h3multistream/panel?feed=poll"],
+                       tmp_path / "profile")
+    finally:
+        stop()
+    rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r'<tr class="h3ms-attention-rank">(.*?)</tr>', dom, re.S)]
+    last = engine.recent_calls()[-1]
+    assert [r[1] for r in rows] == ["model", "helper 1", "helper 2", "helper 3"]
+    assert [r[2] for r in rows[1:]] == [str(h["pid"]) for h in engine.snapshot()["helpers"]]
+    assert [r[4] for r in rows] == [f"{a}–{b}" for a, b in (r["heads"] for r in last["ranks"])]
+    assert [r[5] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
+    assert "40 tokens × 9 heads" in dom
