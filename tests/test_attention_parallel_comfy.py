@@ -117,6 +117,13 @@ os.environ["H3MS_RANK_MAP"] = "cpu,cpu"
 (ms_model,) = MS().patch(model, True, -1, "host", 0, True, 0.0, "auto")
 res["ap_after_ms_error"] = error(lambda: AP().patch(ms_model, "2", 32768))
 res["disabled_is_identity"] = AP().patch(model, "disabled", 32768)[0] is model
+os.environ["H3MS_ATTN_HELPERS"] = "cpu"
+res["too_many_error"] = error(lambda: AP().patch(model, "4", 32768))
+spec = AP.INPUT_TYPES()
+res["inputs"] = {"required": list(spec["required"]), "optional": list(spec["optional"]),
+                 "devices": spec["required"]["devices"][0], "devices_default": spec["required"]["devices"][1]["default"],
+                 "min_seq": {k: spec["required"]["min_sequence_length"][1][k] for k in ("default", "min", "advanced")},
+                 "returns": list(AP.RETURN_TYPES), "display": nodes.NODE_DISPLAY_NAME_MAPPINGS["H3AttentionParallelAsync"]}
 import comfy.cli_args
 comfy.cli_args.args.use_ck_attention = False  # the node reads the flag when it runs, as after a restart without it
 res["no_flag_error"] = error(lambda: AP().patch(model, "2", 32768))
@@ -156,6 +163,11 @@ def test_sampling_equals_plain_comfyui_with_ck_attention():
     assert "keep one of the two" in res["ms_after_ap_error"]
     assert "keep one of the two" in res["ap_after_ms_error"]
     assert res["disabled_is_identity"]
+    assert "devices=4: found 2 suitable device(s)" in res["too_many_error"]
+    assert res["inputs"] == {"required": ["model", "devices", "min_sequence_length"], "optional": ["gpus"],
+                             "devices": ["disabled", "auto", "2", "3", "4", "5", "6", "7", "8"],
+                             "devices_default": "disabled", "min_seq": {"default": 32768, "min": 1, "advanced": True},
+                             "returns": ["MODEL"], "display": "H3 Attention Parallel"}
     assert "add --use-ck-attention to ComfyUI's command line" in res["no_flag_error"]
     assert res["children_left"] == 0 and res["shm_left"] == []
 
