@@ -63,4 +63,5 @@ def attend(tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> to
     """Kitchen's INT8 attention on one slice (looked up on the module at call time, so a test hook applies)."""
     import comfy_kitchen as ck
 
-    return ck.int8_attention_from_prequantized(rebuild(tensors, fields))
+    # a head slice of a batch > 1 is strided; kitchen's kernels take dense tensors (a no-op for batch 1 and shm views)
+    return ck.int8_attention_from_prequantized(rebuild({k: t.contiguous() for k, t in tensors.items()}, fields))
