@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import comfy_kitchen as ck
 import psutil
 import pytest
 import torch
@@ -20,10 +21,22 @@ from h3ms_async import attention_parallel as ap
 from h3ms_async.status import get_hub, validate_section
 from workers import attn_ops, ck_attention_cpu
 
-ck_attention_cpu.install()
-os.environ[ck_attention_cpu.ENV] = "1"  # the helper processes install the hook too (H3MS_TEST_HOOKS=1: conftest)
 
-import comfy_kitchen as ck  # noqa: E402  (after the hook: the tests call kitchen's API as ComfyUI does)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_int8_attention():
+    """The hook in this process and (through the environment; H3MS_TEST_HOOKS=1 from conftest) in the helpers, for
+    this module only: other modules' workers must see kitchen as it is (no INT8 attention on the CPU)."""
+    old = os.environ.get(ck_attention_cpu.ENV)
+    os.environ[ck_attention_cpu.ENV] = "1"
+    ck_attention_cpu.install()
+    yield
+    ck_attention_cpu.uninstall()
+    if old is None:
+        del os.environ[ck_attention_cpu.ENV]
+    else:
+        os.environ[ck_attention_cpu.ENV] = old
 
 
 def packed(heads: int = 7, tokens: int = 200, keys: int | None = None, dtype=torch.bfloat16, seed: int = 0):

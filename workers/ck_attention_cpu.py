@@ -126,6 +126,12 @@ def install() -> None:
     ck.int8_attention_is_available = int8_attention_is_available
 
 
+def uninstall() -> None:
+    """Put kitchen's own functions back (tests that install the hook undo it for the rest of the session)."""
+    for name, fn in _KITCHEN.items():
+        setattr(ck, name, fn)
+
+
 def install_if_requested() -> bool:
     """Install when the test-hook environment asks for it (``H3MS_TEST_HOOKS=1`` and ``H3MS_CK_ATTENTION_CPU=1``)."""
     if os.environ.get("H3MS_TEST_HOOKS") == "1" and os.environ.get(ENV) == "1":
