@@ -176,3 +176,17 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     assert [r[4] for r in rows] == [f"{a}–{b}" for a, b in (r["heads"] for r in last["ranks"])]
     assert [r[5] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
     assert "40 tokens × 9 heads" in dom
+
+
+def test_helper_error_fails_the_call_with_its_message(engine):
+    """A helper that raises fails the whole call (the others are aborted) with the helper's error; the next call is
+    fine again."""
+    pq = packed(heads=9, tokens=48)
+    whole = ck.int8_attention_from_prequantized(pq)
+    assert torch.equal(engine.attend(pq), whole)
+    desc = engine._buffers.out_descs[1]
+    desc["shape"] = [desc["shape"][0], desc["shape"][2], desc["shape"][1], desc["shape"][3]]  # a wrong output slot
+    with pytest.raises(ap.AttentionParallelError, match=r"attention helper failed: .*rank 1.*the output slot is"):
+        engine.attend(pq)
+    engine._drop_buffers()
+    assert torch.equal(engine.attend(pq), whole)
