@@ -189,6 +189,9 @@ def _plan(model: Any, gpus: Any, requested: int | None,
             "or newer and comfy-kitchen's CUDA build); set devices=disabled")
     if spec:
         helpers = rank_map(spec)
+        if helpers[0].split(":")[0] != root.split(":")[0]:
+            raise AttentionParallelError(f"{HELPERS_ENV}={spec}: the helpers must be the same kind of device as the "
+                                         f"model's ({root}); give e.g. {root},{root} or unset {HELPERS_ENV}")
         devices, shares, why = [root] + helpers, (tuple(gpus.shares) if gpus is not None and gpus.shares else None), \
             f"{HELPERS_ENV}={spec}"
         if shares is not None and len(shares) != len(devices):

@@ -117,6 +117,8 @@ os.environ["H3MS_RANK_MAP"] = "cpu,cpu"
 (ms_model,) = MS().patch(model, True, -1, "host", 0, True, 0.0, "auto")
 res["ap_after_ms_error"] = error(lambda: AP().patch(ms_model, "2", 32768))
 res["disabled_is_identity"] = AP().patch(model, "disabled", 32768)[0] is model
+os.environ["H3MS_ATTN_HELPERS"] = "cuda:0"
+res["kind_error"] = error(lambda: AP().patch(model, "2", 32768))
 os.environ["H3MS_ATTN_HELPERS"] = "cpu"
 res["too_many_error"] = error(lambda: AP().patch(model, "4", 32768))
 spec = AP.INPUT_TYPES()
@@ -164,6 +166,7 @@ def test_sampling_equals_plain_comfyui_with_ck_attention():
     assert "keep one of the two" in res["ap_after_ms_error"]
     assert res["disabled_is_identity"]
     assert "devices=4: found 2 suitable device(s)" in res["too_many_error"]
+    assert "the helpers must be the same kind of device as the model's (cpu)" in res["kind_error"]
     assert res["inputs"] == {"required": ["model", "devices", "min_sequence_length"], "optional": ["gpus"],
                              "devices": ["disabled", "auto", "2", "3", "4", "5", "6", "7", "8"],
                              "devices_default": "disabled", "min_seq": {"default": 32768, "min": 1, "advanced": True},
