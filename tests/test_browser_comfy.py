@@ -105,11 +105,12 @@ def wait_until(what: str, probe, timeout_s: float, server: ComfyServer, every: f
     raise AssertionError(f"{what} within {timeout_s:g} s\n--- ComfyUI log ---\n{server.log_tail()}")
 
 
-def shoot(page, name: str) -> Path:
+def shoot(page, name: str, docs: bool = False) -> Path:
+    """A full-page screenshot into OUT (and, with ``docs`` and H3MS_DOCS_SCREENSHOTS=1, into docs/ too)."""
     path = OUT / name
     page.screenshot(path=str(path), full_page=True)
     assert path.stat().st_size > 20_000, f"{path} is nearly empty"
-    if os.environ.get("H3MS_DOCS_SCREENSHOTS") == "1":
+    if docs and os.environ.get("H3MS_DOCS_SCREENSHOTS") == "1":
         shutil.copy(path, DOCS / name)
     return path
 
@@ -164,7 +165,7 @@ def test_pack_in_running_comfyui_frontend(comfy):
                 assert row[0] == str(rank) and row[1] == "cpu", row
                 assert all(re.fullmatch(NUM, v) for v in row[5:8]), f"compute/exchange/wait of rank {rank}: {row}"
             assert [r for r, _ in mid["lines"]] == ["0", "1"], mid["lines"]
-            shoot(panel, "panel_midrun.png")
+            shoot(panel, "panel_midrun.png", docs=True)
             assert server.wait_done(prompt_a, 120)["status"]["status_str"] == "success"
             final = wait_until("the panel showed every step", lambda: (
                 (st := panel.evaluate(PANEL_STATE)) and len(st["seqs"]) >= STEPS_A and st), 10, server)
@@ -209,7 +210,7 @@ def test_pack_in_running_comfyui_frontend(comfy):
                                     '.includes("split workers released (1 engine(s))")')
             panel.wait_for_selector("#h3ms-workers td:text('no workers running')")
             assert server.get("/h3multistream/status")["workers"] == []
-            shoot(panel, "panel_released.png")
+            shoot(panel, "panel_released.png", docs=True)
 
             # 6. Release Resources in a prompt of its own: nothing is left to free, and it says so
             prompt_c = server.queue(release_workflow(), client)
