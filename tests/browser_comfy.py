@@ -100,6 +100,7 @@ def release_workflow() -> dict:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -120,9 +121,11 @@ class ComfyServer:
                                      start_new_session=True)
 
     def log_tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of ComfyUI's output (for failure messages)."""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the pack's status route answers (ComfyUI has loaded the pack and serves)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -135,6 +138,7 @@ class ComfyServer:
         raise AssertionError(f"ComfyUI did not answer within {timeout_s:g} s:\n{self.log_tail()}")
 
     def request(self, path: str, body: Any = None, timeout: float = 10) -> Any:
+        """GET ``path`` (``body`` None) or POST ``body`` as JSON; returns the decoded JSON answer."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json"})
@@ -142,6 +146,7 @@ class ComfyServer:
             return json.loads(resp.read() or b"null")
 
     def get(self, path: str, timeout: float = 10) -> Any:
+        """GET ``path``; the decoded JSON answer."""
         return self.request(path, timeout=timeout)
 
     def queue(self, workflow: dict, client_id: str) -> str:
