@@ -30,6 +30,7 @@ _NODES = (
     (".nodes.multistream_node", "H3MultiStreamAsync", "H3 MultiStream"),
     (".nodes.gpu_set_node", "H3MSGPUSetAsync", "H3 MS GPU Set"),
     (".nodes.release_node", "H3MSReleaseResourcesAsync", "H3 MS Release Resources"),
+    (".nodes.vae_split_node", "H3MSVAESplitDecodeAsync", "H3 MS VAE Split Decode"),
 )
 
 

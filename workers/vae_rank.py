@@ -54,7 +54,7 @@ def import_comfy_vae(comfy: dict) -> Any:
     root = os.path.realpath(comfy["root"])
     loaded = sys.modules.get("comfy")
     if loaded is not None:
-        where = os.path.realpath(os.path.dirname(os.path.dirname(loaded.__file__)))
+        where = os.path.realpath(os.path.dirname(list(loaded.__path__)[0]))
         if where != root:
             raise RuntimeError(f"this worker already imported ComfyUI from {where}; it cannot switch to {root}")
         return importlib.import_module("comfy.ldm.minimax.vae")
@@ -84,7 +84,7 @@ def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype) -> Any:
     if ops_cls is None:
         raise ValueError(f"comfy.ops has no operations class {arch['operations']!r}; the parent's ComfyUI differs")
     model = vae_mod.MiniMaxH3VideoVAE(
-        ch=8, ch_mult=(1,) * 6, num_res_blocks=1, embed_dim=arch["embed_dim"], z_channels=arch["z_channels"],
+        ch=32, ch_mult=(1,) * 6, num_res_blocks=1, embed_dim=arch["embed_dim"], z_channels=arch["z_channels"],
         clip_length=arch["clip_length"], token_drop=arch["token_drop"], tile_size=arch["tile_size"],
         tile_overlap_min=arch["tile_overlap_min"], tiling=arch["tiling"])
     model.encoder = None
