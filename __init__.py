@@ -31,6 +31,8 @@ _NODES = (
     (".nodes.gpu_set_node", "H3MSGPUSetAsync", "H3 MS GPU Set"),
     (".nodes.release_node", "H3MSReleaseResourcesAsync", "H3 MS Release Resources"),
     (".nodes.vae_split_node", "H3MSVAESplitDecodeAsync", "H3 MS VAE Split Decode"),
+    (".nodes.vae_cache_node", "H3MSVAECacheAsync", "H3 MS VAE Cache"),
+    (".nodes.text_cache_node", "H3MSTextEncoderCacheAsync", "H3 MS Text Encoder Cache"),
 )
 
 
