@@ -32,7 +32,7 @@ from h3ms_async import vae_plan
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.plans import GPUSelectionError, rank_map
-from h3ms_async.pool import WorkerError, WorkerPool
+from h3ms_async.pool import WorkerError, WorkerPool, _env_seconds
 from h3ms_async.split import _cpu_thread_env
 from h3ms_async.status import get_hub, now_iso
 from h3ms_async.weight_store import fill
@@ -125,19 +125,6 @@ def _transport_choice() -> str:
     return value
 
 
-def _chunk_timeout() -> float:
-    raw = os.environ.get(CHUNK_TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_CHUNK_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{CHUNK_TIMEOUT_ENV}={raw!r} is not a number of seconds; unset it or give e.g. 900") from None
-    if value <= 0:
-        raise ValueError(f"{CHUNK_TIMEOUT_ENV}={raw!r} must be > 0 seconds")
-    return value
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -201,8 +188,13 @@ class VaeSplitEngine:
     def _decode(self, z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt) -> dict:
         t_start = time.perf_counter()
         coord = get_coordinator()
-        timeout = _chunk_timeout()
-        self._run(self._ensure_loaded(spec), self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
+        timeout = _env_seconds(CHUNK_TIMEOUT_ENV, DEFAULT_CHUNK_TIMEOUT_S)
+        load = coord.submit(self._ensure_loaded(spec))
+        try:
+            self._await(load, self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
+        except BaseException:
+            coord.cancel(load, wait=2.0)
+            raise
         t_load = time.perf_counter() - t_start
         self._jobs += 1
         job = self._jobs
@@ -259,7 +251,7 @@ class VaeSplitEngine:
                     local_s += took
                     chunks.append({"index": i, "rank": 0, "decode_s": round(took, 4)})
                 else:
-                    res, host = self._wait(futures[i], i, timeout, interrupt)
+                    res, host = self._await(futures[i], timeout, f"waiting for chunk {i}", interrupt)
                     if host is None:  # shm: the worker wrote the chunk into the output segment
                         host = segs[1].tensor(out_descs[i])
                     raw = host.to(dev0, copy=True)
@@ -342,23 +334,21 @@ class VaeSplitEngine:
         res["fetch_s"] = time.perf_counter() - t
         return res, host.view(dtype).view(shape)
 
-    def _wait(self, fut: cf.Future, i: int, timeout: float,
-              interrupt: Callable[[], bool] | None) -> tuple[dict, torch.Tensor | None]:
-        """A remote chunk's answer and its bytes (None: they are in the output segment), polling ``interrupt``."""
+    @staticmethod
+    def _await(fut: cf.Future, timeout: float, what: str, interrupt: Callable[[], bool] | None) -> Any:
+        """``fut``'s result, polling ``interrupt``; the caller cancels ``fut`` when this raises."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                res, host = fut.result(timeout=_POLL_S)
-                break
+                return fut.result(timeout=_POLL_S)
             except cf.TimeoutError:
                 pass
             except WorkerError as exc:
                 raise VaeSplitError(str(exc)) from exc
             if interrupt is not None and interrupt():
-                raise VaeSplitInterrupted(f"VAE decode interrupted while waiting for chunk {i}")
+                raise VaeSplitInterrupted(f"VAE decode interrupted while {what}")
             if time.monotonic() > deadline:
-                raise VaeSplitError(f"chunk {i} did not arrive within {timeout:g} s ({CHUNK_TIMEOUT_ENV})")
-        return res, host
+                raise VaeSplitError(f"{what} did not finish within {timeout:g} s ({CHUNK_TIMEOUT_ENV})")
 
     async def _ensure_loaded(self, spec: DecoderSpec) -> None:
         await self.pool.start()
@@ -389,22 +379,6 @@ class VaeSplitEngine:
             get_coordinator().run(drop(), 35.0, "ending the VAE decode")
         except Exception as exc:  # noqa: BLE001 - a dead worker is reported by the decode itself
             log.debug("vae_drop after job %d: %s", job, exc)
-
-    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None) -> Any:
-        fut = get_coordinator().submit(coro)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return fut.result(timeout=_POLL_S)
-            except cf.TimeoutError:
-                pass
-            except WorkerError as exc:
-                raise VaeSplitError(str(exc)) from exc
-            if (interrupt is not None and interrupt()) or time.monotonic() > deadline:
-                get_coordinator().cancel(fut, wait=2.0)
-                if interrupt is not None and interrupt():
-                    raise VaeSplitInterrupted(f"{what} interrupted")
-                raise VaeSplitError(f"{what} did not finish within {timeout:g} s")
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def release(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from typing import Any, Callable
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from h3ms_async.log import get_logger
 
 from . import method_hooks
+from .cache_hooks import file_key, object_key
 from .progress import interrupt_probe, raise_interrupted
 
 log = get_logger("VAE split")
@@ -34,19 +34,9 @@ def is_h3_video_vae(model: Any) -> bool:
 
 
 def weight_key(vae: Any) -> tuple:
-    """The VAE's weight key: its file (realpath, size, mtime) from the loader's reload factory, else a token
-    stored on the model object, which lives exactly as long as those weights."""
-    init = getattr(getattr(vae, "patcher", None), "cached_patcher_init", None)
-    try:
-        path = os.path.realpath(init[1][0])
-        st = os.stat(path)
-        return ("vae", path, st.st_size, st.st_mtime_ns)
-    except (TypeError, IndexError, KeyError, OSError):
-        model = vae.first_stage_model
-        token = model.__dict__.get("_h3ms_weight_token")
-        if token is None:
-            token = model._h3ms_weight_token = uuid.uuid4().hex
-        return ("vae-object", token)
+    """The VAE's weight key: its file from the loader's reload factory, else a token on the model object."""
+    fkey = file_key(getattr(vae, "patcher", None))
+    return ("vae", *fkey) if fkey is not None else ("vae", *object_key(vae.first_stage_model))
 
 
 def comfy_info() -> dict:
