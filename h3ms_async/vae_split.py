@@ -17,6 +17,7 @@ mount 64 MB) they come back over the worker's socket in pieces, with one warning
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures as cf
 import os
@@ -145,6 +146,7 @@ class VaeSplitEngine:
         self._jobs = 0
         self._running = False
         self._warned_socket = False
+        self._load_lock = asyncio.Lock()
         self.last_record: dict | None = None
         _LIVE.add(self)
         _register_status()
@@ -157,10 +159,10 @@ class VaeSplitEngine:
     def running(self) -> bool:
         return self._running
 
-    def prestart(self) -> None:
-        """Start the workers in the background (the node calls this when it executes); a failure is logged and the
-        next decode tries again."""
-        fut = get_coordinator().submit(self.pool.start())
+    def prestart(self, spec: DecoderSpec | None = None) -> None:
+        """Start the workers in the background, and ship ``spec``'s decoder when given (the node calls this when it
+        executes); a failure is logged and the next decode tries again."""
+        fut = get_coordinator().submit(self._ensure_loaded(spec) if spec is not None else self.pool.start())
 
         def _done(f: cf.Future) -> None:
             if not f.cancelled() and f.exception() is not None:
@@ -351,11 +353,17 @@ class VaeSplitEngine:
                 raise VaeSplitError(f"{what} did not finish within {timeout:g} s ({CHUNK_TIMEOUT_ENV})")
 
     async def _ensure_loaded(self, spec: DecoderSpec) -> None:
+        async with self._load_lock:
+            await self._load(spec)
+
+    async def _load(self, spec: DecoderSpec) -> None:
         await self.pool.start()
         if self._loaded_key == spec.key and self._loaded_starts == self.pool.starts:
             return
         t = time.perf_counter()
-        store = fill(spec.key, 1, lambda _i: spec.read_tensors())
+        # A thread: copying gigabytes must not stall the coordinator loop (other pools' heartbeats run on it).
+        store = await asyncio.get_running_loop().run_in_executor(None, fill, spec.key, 1,
+                                                                 lambda _i: spec.read_tensors())
         try:
             fields = {"store": store.segment.name, "manifest": store.manifest[0], "key": repr(spec.key),
                       "arch": spec.arch, "dtype": spec.dtype, "comfy": spec.comfy}
@@ -371,7 +379,6 @@ class VaeSplitEngine:
             return
 
         async def drop() -> None:
-            import asyncio
             await asyncio.gather(*(self.pool.request(r, "vae_drop", {"job": job}, 30.0)
                                    for r in range(self.ranks - 1)), return_exceptions=True)
 

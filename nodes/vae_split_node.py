@@ -67,13 +67,19 @@ def plan_devices(vae_device: torch.device, cfg: dict) -> tuple[list[str] | None,
     return list(plan.devices), plan.describe()
 
 
+def decoder_spec(model: Any, key: tuple, arch: dict, dtype: str) -> Any:
+    """What the workers need to rebuild ``model``'s decoder (``h3ms_async.vae_split.DecoderSpec``)."""
+    from h3ms_async.vae_split import DecoderSpec, decoder_tensors
+    return DecoderSpec(key=key + (dtype,), arch=arch, dtype=dtype, comfy=comfy_info(),
+                       read_tensors=lambda: decoder_tensors(model))
+
+
 def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]:
     model = original.__self__
 
     def split_decode_temporal(z: torch.Tensor, output_buffer: torch.Tensor | None = None) -> torch.Tensor:
         from h3ms_async import vae_plan
-        from h3ms_async.vae_split import (DecoderSpec, VaeSplitInterrupted, VaeSplitUnsupported, decoder_tensors,
-                                          describe_decoder, get_vae_engine)
+        from h3ms_async.vae_split import VaeSplitInterrupted, VaeSplitUnsupported, describe_decoder, get_vae_engine
         devices, why = plan_devices(z.device, cfg)
         if devices is None:
             if cfg.get("unsplit_note") != why:
@@ -96,8 +102,7 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
             import comfy.model_management as mm
             output_buffer = torch.empty(model.decode_output_shape(tuple(z.shape)), dtype=torch.float32,
                                         device=mm.intermediate_device())
-        spec = DecoderSpec(key=cfg["key"] + (dtype,), arch=arch, dtype=dtype, comfy=comfy_info(),
-                           read_tensors=lambda: decoder_tensors(model))
+        spec = decoder_spec(model, cfg["key"], arch, dtype)
         try:
             get_vae_engine(devices).decode(vae_plan.pad_latent(z, plan), plan, spec, model._adaptive_decode,
                                            output_buffer, model.blend, model._finalize_pixels, interrupt_probe())
@@ -156,9 +161,15 @@ class H3MSVAESplitDecodeAsync:
         device = torch.device(getattr(vae, "device", "cpu"))
         devices, why = plan_devices(device, cfg)
         if devices is not None:
-            from h3ms_async.vae_split import get_vae_engine
-            get_vae_engine(devices).prestart()
-            log.info("node configured: ranks %s (%s); workers starting in the background", ",".join(devices), why)
+            from h3ms_async.vae_split import VaeSplitUnsupported, describe_decoder, get_vae_engine
+            try:
+                spec = decoder_spec(model, cfg["key"], *describe_decoder(model))
+            except VaeSplitUnsupported as exc:
+                log.warning("node configured, but this VAE will decode unsplit: %s", exc)
+                return (vae,)
+            get_vae_engine(devices).prestart(spec)
+            log.info("node configured: ranks %s (%s); workers starting and loading the decoder in the background",
+                     ",".join(devices), why)
         else:
             log.info("node configured: decoding unsplit (%s)", why)
         return (vae,)

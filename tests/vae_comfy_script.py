@@ -4,7 +4,8 @@ Builds a small random H3 video VAE with real key names through ComfyUI's own loa
 constructors' size defaults are shrunk for the test), decodes every case's latent with plain ComfyUI (no hook), then
 through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
 case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
-"transport"}]``; ``transport`` "no_shm" makes the output segment fail as a full /dev/shm would.
+"transport"}]``; ``transport`` "no_shm" makes the output segment fail as a full /dev/shm would, "crash" makes a
+worker die in the middle of the decode (the decode must fail naming it, and the next one succeed).
 """
 import asyncio
 import glob
@@ -69,14 +70,25 @@ for c in cases:
     vae_split.Segment = NoRoomSegment if c["transport"] == "no_shm" else real_segment
     assert Split().patch(vae, True, -1)[0] is vae
     t = time.time()
+    crash_error = None
+    if c["transport"] == "crash":
+        with torch.inference_mode():
+            vae.decode(latents[(c["T"], c["h"])])  # workers up and loaded
+        open(os.environ["H3MS_TEST_VAE_CRASH_FILE"], "w").close()
+        try:
+            with torch.inference_mode():
+                vae.decode(latents[(c["T"], c["h"])])
+        except Exception as exc:  # noqa: BLE001 - the error text is what the test checks
+            crash_error = f"{type(exc).__name__}: {exc}"
     with torch.inference_mode():
         got = vae.decode(latents[(c["T"], c["h"])])
     ref = refs[((c["T"], c["h"]), c["dtype"])]
     rec = vae_split.get_vae_engine(["cpu"] * c["ranks"]).last_record
-    row = {**c, "equal": bool(torch.equal(got, ref)), "record": rec, "seconds": round(time.time() - t, 2),
+    row = {**c, "equal": bool(torch.equal(got, ref)), "record": rec, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
            "std": float(ref.float().std()), "saturated": float((ref == 0).float().mean() + (ref == 1).float().mean())}
     results.append(row)
-    print("CASE", json.dumps({k: v for k, v in row.items() if k != "record"}), "load", rec and rec["load_s"],
+    print("CASE", json.dumps({k: v for k, v in row.items() if k not in ("record", "crash_error")}), "load",
+          rec and rec["load_s"],
           flush=True)
 vae_split.Segment = real_segment
 

@@ -10,6 +10,7 @@ coordinator (``h3ms_async.vae_split``).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ import torch
 
 from workers import vae_protocol
 from workers.vae_protocol import DECODE_PREFIXES
-from workers.handlers import WorkerContext, handler
+from workers.handlers import TEST_HOOKS, WorkerContext, handler
 from workers.shm import _torch_dtype
 
 _STATE = "vae"
@@ -144,7 +145,28 @@ async def _vae_load(ctx: WorkerContext, msg: dict) -> dict:
             "import_s": res["import_s"]}
 
 
-def _decode(ctx: WorkerContext, st: VaeState, msg: dict) -> dict:
+#: Test hook (with H3MS_TEST_HOOKS=1): a worker that finds this file deletes it and dies at its next chunk.
+CRASH_FILE_ENV = "H3MS_TEST_VAE_CRASH_FILE"
+
+
+def _test_crash(ctx: WorkerContext) -> None:
+    path = os.environ.get(CRASH_FILE_ENV, "")
+    if not (TEST_HOOKS and path):
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    ctx.log.warning("test hook: dying in the middle of a chunk")
+    for h in ctx.log.handlers + logging.getLogger().handlers:
+        h.flush()
+    os._exit(7)
+
+
+def _decode(ctx: WorkerContext, st: VaeState, msg: dict, gen: int) -> dict:
+    if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
+        raise RuntimeError(f"chunk {msg['index']} of job {msg['job']} skipped: the coordinator aborted the decode")
+    _test_crash(ctx)
     names = st.segments.setdefault(msg["job"], set())
     names.add(msg["z"]["seg"])
     if msg["out"] is not None:
@@ -178,7 +200,7 @@ async def _vae_chunk(ctx: WorkerContext, msg: dict) -> dict:
     st = _state(ctx)
     if st.model is None:
         raise RuntimeError("vae_chunk before vae_load: this worker holds no VAE decoder")
-    res = await ctx.run_compute(_decode, ctx, st, msg)
+    res = await ctx.run_compute(_decode, ctx, st, msg, ctx.abort_generation())
     st.chunks_done += 1
     ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg["job"], msg["index"], res["dtype"],
                  res["shape"], res["seconds"], res["copy_s"], "held for fetch" if res["held"] else "shm")
