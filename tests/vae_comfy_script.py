@@ -66,7 +66,7 @@ results = []
 for c in cases:
     vae = vaes[c["dtype"]]
     os.environ["H3MS_VAE_RANK_MAP"] = ",".join(["cpu"] * c["ranks"])
-    os.environ["H3MS_VAE_TRANSPORT"] = "auto" if c["transport"] == "no_shm" else c["transport"]
+    os.environ["H3MS_VAE_TRANSPORT"] = "auto" if c["transport"] in ("no_shm", "crash") else c["transport"]
     vae_split.Segment = NoRoomSegment if c["transport"] == "no_shm" else real_segment
     assert Split().patch(vae, True, -1)[0] is vae
     t = time.time()
@@ -92,10 +92,12 @@ for c in cases:
           flush=True)
 vae_split.Segment = real_segment
 
-for vae in vaes.values():
-    Split().patch(vae, False, -1)
+# fp16 through the node's enabled=false, the rest through Release Resources (detach_hooks + release_vae_workers).
+if "fp16" in vaes:
+    Split().patch(vaes["fp16"], False, -1)
+release = nodes.NODE_CLASS_MAPPINGS["H3MSReleaseResourcesAsync"]().run(False, False, True, True, False)["ui"]["text"]
 hooked = [d for d, vae in vaes.items() if "decode_temporal" in vae.first_stage_model.__dict__]
-released, busy = vae_split.release_vae_engines()
+busy = sum("busy" in line for line in release)
 workers_alive = [p for e in vae_split.live_vae_engines() for p in e.pool.snapshot() if p["state"] != "stopped"]
 print("RESULT", json.dumps({"cases": results, "hooked_after_disable": hooked, "busy": busy,
                             "shm_left": glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"),
