@@ -77,20 +77,22 @@ def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype) -> Any:
     ``arch``: ``decoder`` (the ViT3DDecoder arguments), ``operations`` (name of the ``comfy.ops`` class the parent's
     decoder linears use), ``z_channels``, ``embed_dim``, and the tiling/temporal attributes ``tile_size``,
     ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``, ``clip_length``, ``token_drop``.  The encoder
-    is left out (None): a decode never touches it.
+    is left out (None): a decode never touches it.  The model is built on the meta device (no memory, no init):
+    ``to_empty`` places it, and every decode-path tensor is then copied in from the parent's.
     """
     import comfy.ops
 
     ops_cls = getattr(comfy.ops, arch["operations"], None)
     if ops_cls is None:
         raise ValueError(f"comfy.ops has no operations class {arch['operations']!r}; the parent's ComfyUI differs")
-    model = vae_mod.MiniMaxH3VideoVAE(
-        ch=32, ch_mult=(1,) * 6, num_res_blocks=1, embed_dim=arch["embed_dim"], z_channels=arch["z_channels"],
-        clip_length=arch["clip_length"], token_drop=arch["token_drop"], tile_size=arch["tile_size"],
-        tile_overlap_min=arch["tile_overlap_min"], tiling=arch["tiling"])
-    model.encoder = None
-    model.quant_conv = None
-    model.decoder = vae_mod.ViT3DDecoder(operations=ops_cls, **arch["decoder"])
+    with torch.device("meta"):
+        model = vae_mod.MiniMaxH3VideoVAE(
+            ch=32, ch_mult=(1,) * 6, num_res_blocks=1, embed_dim=arch["embed_dim"], z_channels=arch["z_channels"],
+            clip_length=arch["clip_length"], token_drop=arch["token_drop"], tile_size=arch["tile_size"],
+            tile_overlap_min=arch["tile_overlap_min"], tiling=arch["tiling"])
+        model.encoder = None
+        model.quant_conv = None
+        model.decoder = vae_mod.ViT3DDecoder(operations=ops_cls, **arch["decoder"])
     model.vae_ratio = int(arch["vae_ratio"])
     model.vae_ratio_t = int(arch["vae_ratio_t"])
     return model.to(dtype)
@@ -98,7 +100,8 @@ def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype) -> Any:
 
 def _copy_in(model: Any, tensors: dict[str, torch.Tensor]) -> int:
     """Copy every decode-path parameter and buffer from ``tensors``; refuse missing, extra or mismatched ones."""
-    targets = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n.startswith(DECODE_PREFIXES)}
+    targets = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if n.startswith(DECODE_PREFIXES)}
     missing = sorted(set(targets) - set(tensors))
     extra = sorted(set(tensors) - set(targets))
     if missing or extra:
@@ -119,13 +122,13 @@ def _load(ctx: WorkerContext, msg: dict) -> dict:
     vae_mod = import_comfy_vae(msg["comfy"])
     t_import = time.perf_counter() - t0
     dtype = _torch_dtype(msg["dtype"])
-    model = build_decoder(vae_mod, msg["arch"], dtype)
+    model = build_decoder(vae_mod, msg["arch"], dtype).to_empty(device=ctx.device)
     seg = ctx.segment(msg["store"])
     try:
         nbytes = _copy_in(model, {name: seg.tensor(d) for name, d in msg["manifest"].items()})
     finally:
         ctx.forget_segment(msg["store"])
-    model = model.to(ctx.device).eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
     return {"model": model, "dtype": dtype, "nbytes": nbytes, "import_s": t_import,
             "load_s": time.perf_counter() - t0}
 
