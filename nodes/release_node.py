@@ -10,10 +10,14 @@ log = get_logger("Release")
 
 
 def action_release_workers() -> dict:
-    """Stop every split engine's worker processes (their shared-memory weight store goes with them)."""
+    """Stop every split engine's worker processes (their shared-memory weight store goes with them) and every
+    attention-parallel engine's helpers."""
+    from h3ms_async import attention_parallel
     from h3ms_async.split import release_all_engines
     n = release_all_engines()
-    return {"message": f"split workers released ({n} engine(s))" if n else "no split workers were running"}
+    n_attn = attention_parallel.release_all_engines()
+    text = f"split workers released ({n} engine(s))" if n else "no split workers were running"
+    return {"message": text + (f"; attention helpers released ({n_attn} engine(s))" if n_attn else "")}
 
 
 def action_clear_weights() -> dict:

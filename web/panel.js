@@ -221,6 +221,7 @@ class Panel {
       tr.appendChild(logTd);
       tbody.appendChild(tr);
     }
+    this.renderAttention(st.attention);
     const show = (id, v) => { this.$(id).textContent = JSON.stringify(v, null, 1); };
     show("h3ms-plans", st.plans);
     show("h3ms-weight-store", st.weight_store);
@@ -230,6 +231,34 @@ class Panel {
     show("h3ms-vae-split", st.vae_split);
     show("h3ms-te-outputs", st.text_encoder_outputs);
     if (st.last_step && st.last_step.seq !== undefined) this.addSteps([st.last_step]);
+  }
+
+  // H3 Attention Parallel: one row per device of each engine (rank 0 = the model's device, in ComfyUI's process),
+  // with the heads and seconds of the engine's last call.
+  renderAttention(section) {
+    const tbody = this.$("h3ms-attention").tBodies[0];
+    const summary = this.$("h3ms-attention-summary");
+    tbody.replaceChildren();
+    summary.textContent = "";
+    if (!section) { summary.textContent = "not in use"; return; }
+    if (section.error) { summary.textContent = `unavailable: ${section.error}`; return; }
+    const lines = [];
+    for (const eng of section.engines) {
+      const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
+      eng.devices.forEach((device, r) => {
+        const helper = r > 0 ? eng.helpers[r - 1] : null;
+        const rank = last ? last.ranks[r] : null;
+        const tr = el("tr", null, { class: "h3ms-attention-rank" });
+        for (const text of [device, r === 0 ? "model" : `helper ${r}`, helper ? helper.pid ?? "" : "",
+          helper ? helper.state : "ComfyUI", rank ? `${rank.heads[0]}–${rank.heads[1]}` : ""]) tr.appendChild(el("td", text));
+        for (const k of ["compute_s", "h2d_s", "d2h_s"]) tr.appendChild(el("td", rank ? fmtSec(rank[k]) : "", { class: "num" }));
+        tr.appendChild(el("td", r === 0 ? eng.calls : helper ? helper.jobs_done ?? "" : "", { class: "num" }));
+        tbody.appendChild(tr);
+      });
+      if (last) lines.push(`last call: ${last.tokens} tokens × ${last.heads} heads in ${fmtSec(last.wall_s)} s, ` +
+        `${fmtBytes(last.moved_bytes)} moved (${last.transport}${last.gb_per_s ? `, ${last.gb_per_s.toFixed(1)} GB/s` : ""})`);
+    }
+    summary.textContent = section.engines.length ? lines.join(" · ") : "no engine";
   }
 
   async showLog(rank) {
