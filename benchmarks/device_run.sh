@@ -31,9 +31,10 @@ if [ "$what" = attention ]; then
 fi
 if [ "$what" = vae ]; then
   root=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.ensure_tree())")
-  shims=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.shims_dir())")
+  shims=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(' '.join('--extra-path ' + d for d in comfy_tree.shim_dirs()))")
   for dt in fp16 bf16; do
-    python3 -m h3ms_async bench vae --comfy-root "$root" --extra-path "$shims" --dtype "$dt" --ranks 2,4 \
+    # shellcheck disable=SC2086  # one --extra-path per shim folder
+    python3 -m h3ms_async bench vae --comfy-root "$root" $shims --dtype "$dt" --ranks 2,4 \
       --out "$out" "$@" 2>&1 | tee "$out/bench_vae_$dt.log" || rc=1
   done
   python3 -m h3ms_async bench caches --out "$out" 2>&1 | tee "$out/bench_caches.log" || rc=1

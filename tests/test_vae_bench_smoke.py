@@ -14,7 +14,8 @@ from h3ms_async.bench_vae import main as bench_vae_main
 @pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")
 def test_bench_vae_tiny_on_cpu_ranks(tmp_path, capsys) -> None:
     root = comfy_tree.ensure_tree()
-    rc = bench_vae_main(["--comfy-root", str(root), "--extra-path", str(comfy_tree.shims_dir()),
+    shims = [arg for d in comfy_tree.shim_dirs() for arg in ("--extra-path", d)]
+    rc = bench_vae_main(["--comfy-root", str(root), *shims,
                          "--comfy-args", "--cpu --disable-api-nodes", "--device", "cpu", "--dtype", "fp32",
                          "--ranks", "2", "--T", "12", "--height", "2", "--width", "3", "--layers", "1", "--heads", "2",
                          "--out", str(tmp_path)])
