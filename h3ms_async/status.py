@@ -32,7 +32,8 @@ _status_log = get_logger("Status")
 
 RING_SIZE = 256
 EXCHANGE_MODES = ("host", "nccl", "gloo", "none")
-SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir")
+SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir", "vae_workers", "vae_split",
+            "text_encoder_outputs")
 #: Sections present only while a module provides them: "attention" (H3 Attention Parallel: its engines, each with
 #: ``devices``, ``helpers`` as worker rows and ``recent_calls`` with per-device timings).
 OPTIONAL_SECTIONS = ("attention",)
@@ -227,7 +228,7 @@ def format_step_line(rec: Mapping) -> str:
 WORKER_FIELDS = ("rank", "device", "pid", "state")
 WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs_done", "log", "busy", "error")
 STATUS_FIELDS = ("version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store", "caches",
-                 "hooks", "ram", "log_dir")
+                 "hooks", "ram", "log_dir", "vae_workers", "vae_split", "text_encoder_outputs")
 
 
 def _is_error_section(v: Any) -> bool:
@@ -264,8 +265,9 @@ def validate_worker_entry(w: Any, path: str = "workers[i]") -> None:
 def validate_section(section: str, value: Any) -> Any:
     """Check one provider-filled section of the status JSON; raises :class:`SchemaError`.
 
-    ``plans`` and ``weight_store`` are objects, ``workers``, ``caches`` and ``hooks`` are lists (workers rows per
-    :func:`validate_worker_entry`, the others lists of objects), ``log_dir`` is a path string or None. Every section
+    ``plans``, ``weight_store``, ``vae_split`` and ``text_encoder_outputs`` are objects, ``workers``,
+    ``vae_workers``, ``caches`` and ``hooks`` are lists (worker rows per :func:`validate_worker_entry`, the others
+    lists of objects), ``log_dir`` is a path string or None. Every section
     must be JSON-serialisable, since it goes straight into the HTTP answer.
     """
     what = "status"
@@ -283,7 +285,7 @@ def validate_section(section: str, value: Any) -> Any:
                       ("shares", "transport", "running"))
             for j, w in enumerate(eng["helpers"]):
                 validate_worker_entry(w, f"attention.engines[{i}].helpers[{j}]")
-    elif section in ("plans", "weight_store"):
+    elif section in ("plans", "weight_store", "vae_split", "text_encoder_outputs"):
         if not isinstance(value, Mapping):
             _fail(what, section, f"must be an object, got {type(value).__name__}")
     elif section == "log_dir":
@@ -293,8 +295,8 @@ def validate_section(section: str, value: Any) -> Any:
         if not isinstance(value, list):
             _fail(what, section, f"must be a list, got {type(value).__name__}")
         for i, item in enumerate(value):
-            if section == "workers":
-                validate_worker_entry(item, f"workers[{i}]")
+            if section in ("workers", "vae_workers"):
+                validate_worker_entry(item, f"{section}[{i}]")
             elif not isinstance(item, Mapping):
                 _fail(what, f"{section}[{i}]", f"must be an object, got {type(item).__name__}")
     try:
@@ -418,7 +420,8 @@ def _pack_version() -> str:
 
 _DEFAULTS: dict[str, Callable[[], Any]] = {
     "plans": dict, "workers": list, "weight_store": lambda: {"state": "off"}, "caches": list, "hooks": list,
-    "log_dir": lambda: None,
+    "log_dir": lambda: None, "vae_workers": list, "vae_split": lambda: {"engines": []},
+    "text_encoder_outputs": lambda: {"entries": 0, "hits": 0, "misses": 0, "bytes": 0},
 }
 
 

@@ -260,6 +260,9 @@ class Panel {
     show("h3ms-weight-store", st.weight_store);
     show("h3ms-caches", st.caches);
     show("h3ms-hooks", st.hooks);
+    show("h3ms-vae-workers", st.vae_workers);
+    show("h3ms-vae-split", st.vae_split);
+    show("h3ms-te-outputs", st.text_encoder_outputs);
     if (st.last_step && st.last_step.seq !== undefined) this.addSteps([st.last_step]);
   }
 
