@@ -60,7 +60,10 @@ CASES = [
     ("bench-ipc-zero", ["bench", "ipc", "--pool-sizes", "0"], {}, ["--pool-sizes", ">= 1"]),
     ("bench-split-chunks", ["bench", "split", "--chunks", "x"], {}, ["--chunks", "'x'"]),
     ("bench-exchange-world", ["bench", "exchange", "--world", "1"], {}, ["--world", "at least 2"]),
-    ("bench-unknown", ["bench", "nope"], {}, ["'nope'", "bench {ipc|split|exchange|gpu}"]),
+    ("bench-attention-helpers", ["bench", "attention", "--helpers", "x"], {}, ["--helpers", "e.g."]),
+    ("bench-vae-ranks", ["bench", "vae", "--ranks", "9"], {}, ["--ranks", "2..8"]),
+    ("bench-caches-int", ["bench", "caches", "--te-layers", "x"], {}, ["--te-layers", "'x'"]),
+    ("bench-unknown", ["bench", "nope"], {}, ["'nope'", "bench {ipc|split|exchange|gpu|"]),
     ("command-unknown", ["nope"], {}, ["'nope'", "bench, demo, serve"]),
 ]
 if not torch.cuda.is_available():
