@@ -184,7 +184,7 @@ class _Progress:
         from tqdm import tqdm
         self.bar = tqdm(total=total, desc="starting workers", unit="block", file=sys.stderr, disable=disable,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
-                        dynamic_ncols=True, mininterval=0)  # blocks take seconds: draw every one
+                        dynamic_ncols=True, mininterval=0, miniters=1)  # blocks take seconds: draw every one
         self._base = 0
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="h3ms-demo-bar", daemon=True)
