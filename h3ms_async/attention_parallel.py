@@ -466,16 +466,17 @@ _ENGINES_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[AttentionParallelEngine]" = weakref.WeakSet()
 
 
-def get_engine(devices: Sequence[str], shares: Sequence[float] | None = None) -> AttentionParallelEngine:
-    """The engine for these devices and shares (made once; helpers start on the first call).  Engines for other
-    device lists are released first: their helpers hold GPU memory."""
-    key = (tuple(devices), tuple(shares) if shares else None)
+def get_engine(devices: Sequence[str], shares: Sequence[float] | None = None,
+               transport: str = "host") -> AttentionParallelEngine:
+    """The engine for these devices, shares and transport (made once; helpers start on the first call).  Engines for
+    other device lists are released first: their helpers hold GPU memory."""
+    key = (tuple(devices), tuple(shares) if shares else None, transport)
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
             for old in list(_ENGINES):
                 _ENGINES.pop(old).release()
-            eng = _ENGINES[key] = AttentionParallelEngine(devices, shares)
+            eng = _ENGINES[key] = AttentionParallelEngine(devices, shares, transport=transport)
         return eng
 
 

@@ -95,11 +95,16 @@ def test_bench_attention_smoke(capsys):
     assert bench_attention.main(["--shape", "1,4,64,128", "--helpers", "1", "--reps", "1", "--device", "cpu"]) == 0
     res = json.loads(capsys.readouterr().out)
     run = res["parallel_on_logical_helpers"][0]
-    assert run["bit_exact"] and run["bit_exact_first_call"] and run["heads"] == [2, 2]
-    assert run["staged_bytes"] > 0 and run["returned_bytes"] == 2 * 64 * 128 * 2 and run["stage_GBps"] > 0
-    pcie = res["model"]["pcie_host_staged"]
-    assert set(pcie) == {"N=2", "N=4"} and all(p["speedup"] > 0 and p["total_s"] > 0 for p in pcie.values())
-    assert pcie["N=4"]["heads"] == [1, 1, 1, 1]
+    assert run["bit_exact"] and run["bit_exact_first_call"] and run["transport"] == "host"
+    assert run["heads"] == run["tuned_split"][0]["heads"] and sum(run["heads"]) == 4  # the split tuned at call 2
+    assert run["staged_bytes"] > 0 and run["returned_bytes"] == run["heads"][1] * 64 * 128 * 2
+    assert run["stage_GBps"] > 0
+    for name in ("pcie_host_staged", "pcie_gen4_x16_assumed"):
+        model = res["model"][name]
+        assert {"N=2", "N=4"} <= set(model) and "links" in model
+        assert all(model[n]["speedup"] > 0 and model[n]["total_s"] > model[n]["quantize_s"] for n in ("N=2", "N=4"))
+        assert model["N=4"]["heads"] == [1, 1, 1, 1]
+        assert model["N=2"]["heads"][0] >= 2  # the model GPU pays no transfer: it never takes fewer heads
     assert res["model"]["nvlink_p2p"]["predicted"] is None
     no_leaks()
 
@@ -233,7 +238,8 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     assert [r[1] for r in rows] == ["model", "helper 1", "helper 2", "helper 3"]
     assert [r[2] for r in rows[1:]] == [str(h["pid"]) for h in engine.snapshot()["helpers"]]
     assert [r[4] for r in rows] == [f"{a}–{b}" for a, b in (r["heads"] for r in last["ranks"])]
-    assert [r[5] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
+    assert [r[5] for r in rows] == ["local", "host", "host", "host"]
+    assert [r[6] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
     assert "40 tokens × 9 heads" in dom
 
 
