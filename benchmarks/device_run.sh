@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh [tests|bench|all|attention] [extra bench args...]
-#   attention: H3 Attention Parallel's CUDA tests and `bench attention` (extra args go to the bench)
+#   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -150,6 +150,19 @@ class _IpcBuffers(_Buffers):
         self._out.clear()
 
 
+def cuda_ipc_unavailable(device: str) -> str:
+    """'' when this process can share memory of ``device`` by CUDA IPC, else why not (and the fix).  PyTorch's
+    ``backend:cudaMallocAsync`` (ComfyUI's default ``--cuda-malloc`` on recent GPUs) and pluggable allocators have no
+    IPC handles, so a real share is tried."""
+    try:
+        _ipc_handle(torch.empty(1, dtype=torch.uint8, device=device))
+    except Exception as exc:  # noqa: BLE001 - any failure means: no IPC here, with torch's own reason
+        return (f"this process cannot share {device} memory by CUDA IPC (allocator "
+                f"{torch.cuda.get_allocator_backend()}: {str(exc).splitlines()[0]}); start ComfyUI with "
+                "--disable-cuda-malloc for the GPU-direct path")
+    return ""
+
+
 def _ipc_handle(t: torch.Tensor) -> list:
     """The CUDA IPC handle of ``t``'s storage as it travels (device, handle, size, offset, ref counter, event)."""
     return list(t.untyped_storage()._share_cuda_())

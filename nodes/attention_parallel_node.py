@@ -175,8 +175,9 @@ def _ck_available(device: str) -> bool:
 
 def choose_transport(devices: list[str]) -> str:
     """How slices travel between ``devices[0]`` (the model's) and the helpers, from :data:`TRANSPORT_ENV`: CUDA IPC
-    where every helper GPU and the model's GPU reach each other both ways (a helper on the model's own GPU always
-    does), else host staging, with one INFO line naming the device pair that failed and why."""
+    where this process can share device memory and every helper GPU and the model's GPU reach each other both ways (a
+    helper on the model's own GPU always does), else host staging, with one INFO line saying which device pair (or the
+    allocator) failed and why."""
     from h3ms_async.attention_parallel import TRANSPORTS
     wanted = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
     if wanted not in ("auto",) + TRANSPORTS:
@@ -189,7 +190,8 @@ def choose_transport(devices: list[str]) -> str:
             raise AttentionParallelError(f"{TRANSPORT_ENV}=cuda_ipc needs CUDA devices, got {','.join(devices)}; "
                                          "unset it or use host")
         return "host"
-    failed = _peer_failures(devices)
+    from h3ms_async.attention_parallel import cuda_ipc_unavailable
+    failed = cuda_ipc_unavailable(devices[0]) or _peer_failures(devices)
     if not failed:
         return "cuda_ipc"
     if wanted == "cuda_ipc":
