@@ -127,8 +127,9 @@ class _IpcBuffers(_Buffers):
             for name, (dt, shp) in spec.items():
                 layout[name] = {"off": size, "dtype": dtype_name(dt), "shape": list(shp)}
                 size += _slot(dt, shp)
-            flat_in = torch.empty(size, dtype=torch.uint8, device=device)
-            flat_out = torch.empty(_slot(out_dt, out_shp), dtype=torch.uint8, device=device)
+            with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
+                flat_in = torch.empty(size, dtype=torch.uint8, device=device)
+                flat_out = torch.empty(_slot(out_dt, out_shp), dtype=torch.uint8, device=device)
             self._in.append(flat_in)
             self._out.append(flat_out)
             self._in_layout.append(layout)
@@ -408,6 +409,9 @@ class AttentionParallelEngine:
             return self._buffers
         self._drop_buffers()
         if self.transport == "cuda_ipc":
+            why = cuda_ipc_unavailable(str(device))
+            if why:
+                raise AttentionParallelError(f"transport cuda_ipc: {why}; or use transport host")
             index = [self.pool.local_index(r, str(device)) for r in range(len(self.devices) - 1)]
             self._buffers = _IpcBuffers(key, in_specs, out_specs, device, index)
         else:

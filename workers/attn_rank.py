@@ -34,8 +34,9 @@ def _ipc_storage(ctx: WorkerContext, handle: list, device: int) -> torch.Untyped
     if key not in opened:
         torch.cuda._lazy_init()
         _, h, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = handle
-        opened[key] = torch.UntypedStorage._new_shared_cuda(device, bytes(h), int(size), int(offset), bytes(rc_handle),
-                                                            int(rc_offset), bytes(ev_handle), bool(ev_sync))
+        opened[key] = torch.UntypedStorage._new_shared_cuda(
+            device, bytes(h), int(size), int(offset), bytes(rc_handle), int(rc_offset),
+            None if ev_handle is None else bytes(ev_handle), bool(ev_sync))
     return opened[key]
 
 
