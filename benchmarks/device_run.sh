@@ -26,5 +26,6 @@ if [ "$what" = attention ]; then
   python3 -m pytest -q -p no:cacheprovider -s tests/test_attention_parallel_cuda.py 2>&1 | tee "$out/pytest_attention_cuda.log"
   rc=${PIPESTATUS[0]}
   python3 -m h3ms_async bench attention --out "$out/bench_attention.json" "$@" 2>&1 | tee "$out/bench_attention.log" || rc=1
+  echo "attention: ${SECONDS} s wall (tests + bench)" | tee -a "$out/bench_attention.log"
 fi
 exit $rc
