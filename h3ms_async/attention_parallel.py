@@ -250,7 +250,7 @@ class AttentionParallelEngine:
                 self._record(result, bounds, sq, heads, time.perf_counter() - t_start)
                 key = _shape_key(pq)
                 if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
-                    self._tune(key, result, bounds, pq)
+                    self._tune(key, result, bounds)
                 return out
             finally:
                 self._running = False
@@ -377,7 +377,7 @@ class AttentionParallelEngine:
                 "helpers": results}
 
     # -- the split ----------------------------------------------------------------------------------------------------
-    def _tune(self, key: tuple, result: dict, bounds: list[int], pq: Any) -> None:
+    def _tune(self, key: tuple, result: dict, bounds: list[int]) -> None:
         """Choose this shape's split from this call's own timings (see ``attention_schedule``)."""
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         helpers = result["helpers"]
