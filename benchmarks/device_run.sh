@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh [tests|bench|all|attention|vae] [extra bench args...]
-#   attention: H3 Attention Parallel's CUDA tests and `bench attention` (extra args go to the bench)
+#   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: the VAE split decode (full-size H3 VAE, fp16 and bf16, 2 and 4 logical ranks) and the cache benchmarks; needs
 #   the ComfyUI tree (tests/comfy_tree.py unpacks it from shared/) and its imports.
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
@@ -28,6 +28,7 @@ if [ "$what" = attention ]; then
   python3 -m pytest -q -p no:cacheprovider -s tests/test_attention_parallel_cuda.py 2>&1 | tee "$out/pytest_attention_cuda.log"
   rc=${PIPESTATUS[0]}
   python3 -m h3ms_async bench attention --out "$out/bench_attention.json" "$@" 2>&1 | tee "$out/bench_attention.log" || rc=1
+  echo "attention: ${SECONDS} s wall (tests + bench)" | tee -a "$out/bench_attention.log"
 fi
 if [ "$what" = vae ]; then
   root=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.ensure_tree())")

@@ -35,7 +35,8 @@ EXCHANGE_MODES = ("host", "nccl", "gloo", "none")
 SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir", "vae_workers", "vae_split",
             "text_encoder_outputs")
 #: Sections present only while a module provides them: "attention" (H3 Attention Parallel: its engines, each with
-#: ``devices``, ``helpers`` as worker rows and ``recent_calls`` with per-device timings).
+#: ``devices``, ``helpers`` as worker rows, ``splits`` (the tuned head splits) and ``recent_calls`` with per-device
+#: transport and timings).
 OPTIONAL_SECTIONS = ("attention",)
 ACTIONS = ("release_workers", "clear_weights", "detach_hooks")
 GIB = 1024 ** 3
@@ -282,7 +283,7 @@ def validate_section(section: str, value: Any) -> Any:
             _fail(what, "attention.engines", f"must be a list, got {type(engines).__name__}")
         for i, eng in enumerate(engines):
             _req_keys(what, f"attention.engines[{i}]", eng, ("devices", "helpers", "calls", "recent_calls"),
-                      ("shares", "transport", "running"))
+                      ("shares", "transport", "running", "splits"))
             for j, w in enumerate(eng["helpers"]):
                 validate_worker_entry(w, f"attention.engines[{i}].helpers[{j}]")
     elif section in ("plans", "weight_store", "vae_split", "text_encoder_outputs"):

@@ -20,6 +20,9 @@ log = get_logger("AttentionParallel")
 
 HELPERS_ENV = "H3MS_ATTN_HELPERS"
 """Helper devices (e.g. ``cpu,cpu`` or ``cuda:0,cuda:0,cuda:0``) that replace the GPU plan: tests and verification."""
+TRANSPORT_ENV = "H3MS_ATTN_TRANSPORT"
+"""``auto`` (default: CUDA IPC where every helper GPU and the model's reach each other, else host staging), ``host`` or
+``cuda_ipc`` (fails where peer access is missing)."""
 DEVICE_CHOICES = ["disabled", "auto"] + [str(n) for n in range(2, 9)]
 MAX_DEVICES = 8
 
@@ -84,9 +87,10 @@ class H3AttentionParallelAsync:
         if plan is None:
             log.info("H3 Attention Parallel: running on one device (%s)", why)
             return (model,)
+        transport = choose_transport(plan)
         clone = model.clone()
-        clone.set_model_optimized_attention(ParallelAttention(plan, shares, auto, int(min_sequence_length)))
-        log.info("node configured: %d heads over %s (%s)%s", heads, ",".join(plan), why,
+        clone.set_model_optimized_attention(ParallelAttention(plan, shares, auto, int(min_sequence_length), transport))
+        log.info("node configured: %d heads over %s, transport %s (%s)%s", heads, ",".join(plan), transport, why,
                  f", calls under {min_sequence_length} tokens on {plan[0]} alone" if auto else "")
         return (clone,)
 
@@ -99,8 +103,9 @@ class ParallelAttention:
     """
 
     def __init__(self, devices: list[str], shares: tuple[float, ...] | None, auto: bool,
-                 min_sequence_length: int) -> None:
+                 min_sequence_length: int, transport: str = "host") -> None:
         self.devices = list(devices)
+        self.transport = transport
         self.shares = shares
         self.auto = auto
         self.min_sequence_length = min_sequence_length
@@ -137,7 +142,7 @@ class ParallelAttention:
         if self.auto and pq.q.shape[2] < self.min_sequence_length:
             out = ck.int8_attention_from_prequantized(pq)
         else:
-            out = get_engine(self.devices, self.shares).attend(pq)
+            out = get_engine(self.devices, self.shares, self.transport).attend(pq)
         if not skip_output_reshape:
             out = out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1])
         return out
@@ -166,6 +171,49 @@ def _require_ck_flag() -> None:
 def _ck_available(device: str) -> bool:
     import comfy_kitchen as ck
     return bool(ck.int8_attention_is_available(torch.device(device)))
+
+
+def choose_transport(devices: list[str]) -> str:
+    """How slices travel between ``devices[0]`` (the model's) and the helpers, from :data:`TRANSPORT_ENV`: CUDA IPC
+    where this process can share device memory and every helper GPU and the model's GPU reach each other both ways (a
+    helper on the model's own GPU always does), else host staging, with one INFO line saying which device pair (or the
+    allocator) failed and why."""
+    from h3ms_async.attention_parallel import TRANSPORTS
+    wanted = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+    if wanted not in ("auto",) + TRANSPORTS:
+        raise AttentionParallelError(f"{TRANSPORT_ENV}={wanted!r} is not one of auto, {', '.join(TRANSPORTS)}; "
+                                     "unset it for auto")
+    if wanted == "host":
+        return "host"
+    if not all(d.startswith("cuda") for d in devices):
+        if wanted == "cuda_ipc":
+            raise AttentionParallelError(f"{TRANSPORT_ENV}=cuda_ipc needs CUDA devices, got {','.join(devices)}; "
+                                         "unset it or use host")
+        return "host"
+    from h3ms_async.attention_parallel import cuda_ipc_unavailable
+    failed = cuda_ipc_unavailable(devices[0]) or _peer_failures(devices)
+    if not failed:
+        return "cuda_ipc"
+    if wanted == "cuda_ipc":
+        raise AttentionParallelError(f"{TRANSPORT_ENV}=cuda_ipc: {failed}; unset it to stage through host memory")
+    log.info("H3 Attention Parallel: %s; the helpers stage through host memory (transport host)", failed)
+    return "host"
+
+
+def _peer_failures(devices: list[str]) -> str:
+    """'' when every helper GPU and the model's GPU reach each other both ways, else which pair fails and why."""
+    root = torch.device(devices[0]).index or 0
+    problems = []
+    for d in dict.fromkeys(devices[1:]):
+        other = torch.device(d).index or 0
+        if other == root:
+            continue
+        there, back = (torch.cuda.can_device_access_peer(root, other), torch.cuda.can_device_access_peer(other, root))
+        if not (there and back):
+            problems.append(f"cuda:{root} and cuda:{other} have no peer access both ways (cuda:{root}->cuda:{other}: "
+                            f"{'yes' if there else 'no'}, cuda:{other}->cuda:{root}: {'yes' if back else 'no'}; "
+                            "torch.cuda.can_device_access_peer: no NVLink or PCIe P2P between them)")
+    return "; ".join(problems)
 
 
 def _plan(model: Any, gpus: Any, requested: int | None,

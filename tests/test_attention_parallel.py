@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from h3ms_async import attention_parallel as ap
+from h3ms_async import attention_schedule as sched
+from h3ms_async.pool import WorkerPool
 from h3ms_async.status import get_hub, validate_section
 from workers import attn_ops, ck_attention_cpu
 
@@ -93,13 +95,66 @@ def test_bench_attention_smoke(capsys):
     assert bench_attention.main(["--shape", "1,4,64,128", "--helpers", "1", "--reps", "1", "--device", "cpu"]) == 0
     res = json.loads(capsys.readouterr().out)
     run = res["parallel_on_logical_helpers"][0]
-    assert run["bit_exact"] and run["bit_exact_first_call"] and run["heads"] == [2, 2]
-    assert run["staged_bytes"] > 0 and run["returned_bytes"] == 2 * 64 * 128 * 2 and run["stage_GBps"] > 0
-    pcie = res["model"]["pcie_host_staged"]
-    assert set(pcie) == {"N=2", "N=4"} and all(p["speedup"] > 0 and p["total_s"] > 0 for p in pcie.values())
-    assert pcie["N=4"]["heads"] == [1, 1, 1, 1]
+    assert run["bit_exact"] and run["bit_exact_first_call"] and run["transport"] == "host"
+    assert run["heads"] == run["tuned_split"][0]["heads"] and sum(run["heads"]) == 4  # the split tuned at call 2
+    assert run["staged_bytes"] > 0 and run["returned_bytes"] == run["heads"][1] * 64 * 128 * 2
+    assert run["stage_GBps"] > 0
+    for name in ("pcie_host_staged", "pcie_gen4_x16_assumed"):
+        model = res["model"][name]
+        assert {"N=2", "N=4"} <= set(model) and "links" in model
+        assert all(model[n]["speedup"] > 0 and model[n]["total_s"] > model[n]["quantize_s"] for n in ("N=2", "N=4"))
+        assert model["N=4"]["heads"] == [1, 1, 1, 1]
+        assert model["N=2"]["heads"][0] >= 2  # the model GPU pays no transfer: it never takes fewer heads
     assert res["model"]["nvlink_p2p"]["predicted"] is None
     no_leaks()
+
+
+def test_schedule_pipelines_each_helper_and_favours_the_model_gpu():
+    """The time model: helpers start as their own slice is staged (in order), results return one at a time in
+    completion order; with free links the split follows compute, with costly links the model GPU takes more heads."""
+    legs = sched.Legs(stage=1.0, helper_in=0.0, helper_out=0.0, ret=0.5)
+    pred = sched.critical_path([2, 2, 1], [1.0, 1.0, 1.0], 1.0, 1.0, legs)
+    assert pred["staged_s"] == [2.0, 3.0]            # helper 2 waits for helper 1's slice, then its own
+    assert pred["helper_done_s"] == [4.0, 4.0]
+    assert pred["back_s"] == [5.0, 5.5]              # returns are serial; a tie returns the lower helper first
+    assert pred["total_s"] == 5.5 and pred["local_s"] == 2.0
+    free = sched.Legs(0.0, 0.0, 0.0, 0.0)
+    assert sched.best_split(12, [1.0] * 4, [1.0] * 3, 1.0, 1.0, free)["heads"] == [3, 3, 3, 3]
+    assert sched.best_split(12, [1.0, 2.0, 2.0], [1.0, 1.0], 1.0, 1.0, free)["heads"] == [6, 3, 3]
+    costly = sched.Legs(stage=0.2, helper_in=0.1, helper_out=0.1, ret=0.2)
+    best = sched.best_split(56, [1.0] * 4, [1.0] * 3, 1.0, 0.5, costly)
+    assert best["heads"][0] > 14 and sum(best["heads"]) == 56
+    assert best["total_s"] < sched.critical_path([14] * 4, [1.0] * 4, 1.0, 0.5, costly)["total_s"]
+    # helper shares still scale the helpers among themselves
+    assert sched.best_split(20, [1.0] * 3, [2.0, 1.0], 1.0, 1.0, free)["heads"] == [8, 8, 4]
+
+
+def test_pool_also_visible_devices_are_checked_and_indexed():
+    """A rank program may see more GPUs than its own: its own stays cuda:0, the others follow (no repeats)."""
+    with pytest.raises(ValueError, match="also_visible .* are not CUDA devices"):
+        WorkerPool(["cpu"], name="t", also_visible=["cpu"])
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "3,5,7"
+    try:
+        pool = WorkerPool(["cuda:1", "cuda:0"], name="t", also_visible=["cuda:0"])
+        assert pool._visible_entries("cuda:1") == ["5", "3"] and pool._visible_entries("cuda:0") == ["3"]
+        assert pool.local_index(0, "cuda:0") == 1 and pool.local_index(1, "cuda:0") == 0
+        with pytest.raises(ValueError, match="does not see cuda:2"):
+            pool.local_index(0, "cuda:2")
+        with pytest.raises(ValueError, match="not visible to this process"):
+            WorkerPool(["cuda:0"], name="t", also_visible=["cuda:4"])
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def test_cuda_ipc_transport_needs_cuda_devices():
+    with pytest.raises(ValueError, match="transport cuda_ipc needs CUDA devices"):
+        ap.AttentionParallelEngine(["cpu", "cpu"], transport="cuda_ipc")
+    with pytest.raises(ValueError, match="transport 'nvlink': use one of host, cuda_ipc"):
+        ap.AttentionParallelEngine(["cpu", "cpu"], transport="nvlink")
 
 
 # The tests below share one engine; the ones above check for leaks with no engine alive.
@@ -119,17 +174,26 @@ def engine():
 def test_engine_on_cpu_helpers_is_exact(engine, dtype):
     pq = packed(heads=9, tokens=150, dtype=dtype)
     whole = ck.int8_attention_from_prequantized(pq)
-    for _ in range(2):  # the first call may start the helpers; the second reuses them and the shm slots
+    # the first call may start the helpers; the first call with warm helpers tunes the split; then it is used
+    for _ in range(3):
         out = engine.attend(pq)
         assert out.dtype == whole.dtype and torch.equal(out, whole)
-    bounds = engine.head_bounds(9)
-    assert bounds == ap.plans.partition(9, SHARES, "attention heads") == [0, 2, 6, 8, 9]
+    assert engine.head_bounds(9) == ap.plans.partition(9, SHARES, "attention heads") == [0, 2, 6, 8, 9]
+    bounds = engine.split_for(pq)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    tuned = [t for t in engine.snapshot()["splits"] if t["shape"] == list(pq.q.shape)]
+    assert len(tuned) == 1 and tuned[0]["heads"] == sizes and sum(sizes) == 9 and min(sizes) >= 1
+    assert tuned[0]["predicted_s"] > 0 and all(c > 0 for c in tuned[0]["per_head_s"])
+    # the helpers keep their shares among themselves (1 : 2 : 0.5 of what the model GPU leaves)
+    helper_bounds = ap.plans.partition(9 - sizes[0], SHARES[1:], "attention heads")
+    assert sizes[1:] == [b - a for a, b in zip(helper_bounds, helper_bounds[1:])]
     section = validate_section("attention", get_hub().status()["attention"])
     mine = [e for e in section["engines"] if e["devices"] == ["cpu"] * 4]
     assert len(mine) == 1 and len(mine[0]["helpers"]) == 3 and mine[0]["calls"] >= 2
     last = mine[0]["recent_calls"][-1]
     assert [r["heads"] for r in last["ranks"]] == [[a, b] for a, b in zip(bounds, bounds[1:])]
     assert last["tokens"] == 150 and last["moved_bytes"] > 0 and all(r["compute_s"] > 0 for r in last["ranks"])
+    assert [r["transport"] for r in last["ranks"]] == ["local", "host", "host", "host"]
     json.dumps(section, allow_nan=False)
     # another sequence length: new slots, still exact
     pq2 = packed(heads=9, tokens=70, dtype=dtype, seed=5)
@@ -174,7 +238,8 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     assert [r[1] for r in rows] == ["model", "helper 1", "helper 2", "helper 3"]
     assert [r[2] for r in rows[1:]] == [str(h["pid"]) for h in engine.snapshot()["helpers"]]
     assert [r[4] for r in rows] == [f"{a}–{b}" for a, b in (r["heads"] for r in last["ranks"])]
-    assert [r[5] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
+    assert [r[5] for r in rows] == ["local", "host", "host", "host"]
+    assert [r[6] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
     assert "40 tokens × 9 heads" in dom
 
 

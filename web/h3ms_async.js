@@ -50,7 +50,7 @@ function statusLines(st) {
     ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}${w.busy ? " (busy)" : ""}`).join(", ") : "none"));
   for (const eng of (st.attention && st.attention.engines) || []) {
     const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
-    lines.push(`Attention parallel: ${eng.devices.join("+")}, ${eng.calls} call(s)` + (last ? `; last ` +
+    lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` + (last ? `; last ` +
       `${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s` : ""));
   }
   const ws = st.weight_store || {};
