@@ -15,6 +15,7 @@ import torch
 
 from h3ms_async import plans
 from h3ms_async.layout import layout_for_tokens
+from h3ms_async.lifetime import run_guarded
 from h3ms_async.log import ensure_console_handler
 from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.split import SplitOptions, get_engine, release_all_engines
@@ -127,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.json:
         ensure_console_handler()
     stop = None
-    try:
+
+    def body() -> int:
+        nonlocal stop
         if a.serve is not None:
             from h3ms_async.serve import start_background_server
             url, stop = start_background_server(port=a.serve)
@@ -142,7 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print_table(res)
         return 0 if res["bit_exact"] else 1
-    finally:
+
+    def release() -> None:
         release_all_engines()
         if stop is not None:
             stop()
+
+    return run_guarded(body, release, "demo")

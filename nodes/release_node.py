@@ -1,27 +1,13 @@
-"""The **H3 MS Release Resources** output node, and the release actions it shares with the menu and HTTP routes."""
+"""The **H3 MS Release Resources** output node, and the detach action it adds to the core release actions
+(``h3ms_async.http_routes``) that the menu and HTTP routes share."""
 from __future__ import annotations
 
+from h3ms_async.http_routes import action_clear_weights, action_release_workers
 from h3ms_async.log import get_logger
 
 from .model_adapter import detach_all
 
 log = get_logger("Release")
-
-
-def action_release_workers() -> dict:
-    """Stop every split engine's worker processes (their shared-memory weight store goes with them)."""
-    from h3ms_async.split import release_all_engines
-    n = release_all_engines()
-    return {"message": f"split workers released ({n} engine(s))" if n else "no split workers were running"}
-
-
-def action_clear_weights() -> dict:
-    """Drop the shared-memory weight store; the workers stay up and reload it on the next step."""
-    from h3ms_async.split import clear_weight_stores
-    n = clear_weight_stores()
-    if n == 0:
-        return {"message": "no weight store was held"}
-    return {"message": f"weight store cleared ({n} dropped; workers kept, the next step refills it)"}
 
 
 def action_detach_hooks() -> dict:

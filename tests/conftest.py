@@ -22,6 +22,7 @@ GOLDEN_DIR = Path(os.environ.get("H3MS_GOLDEN_DIR", ROOT.parent / "shared" / "go
 import glob  # noqa: E402
 
 import pytest  # noqa: E402
+from tests.shm_probe import held_shm  # noqa: E402
 
 
 @pytest.fixture
@@ -29,7 +30,8 @@ def no_exchange_leaks():
     """After an exchange test: none of this process's shm segments, no probe run dirs, no child processes."""
     import psutil
     yield
-    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
+    assert not held_shm(os.getpid()), "shm segments left behind"
+    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "named probe arenas left behind"
     assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
     assert not psutil.Process().children(recursive=True), "child processes left behind"
 

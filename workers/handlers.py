@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from workers import protocol
-from workers.shm import ABORT_WORD, Segment, register_cuda
+from workers.shm import ABORT_WORD, Segment, owner_holds, register_cuda
 
 Handler = Callable[["WorkerContext", dict], Awaitable[dict]]
 #: kind -> handler coroutine function.
@@ -66,6 +66,7 @@ class WorkerContext:
         """Attach a segment once (and register it with CUDA once when this worker's device is CUDA)."""
         seg = self._segments.get(name)
         if seg is None:
+            self._forget_released()
             seg = Segment.attach(name)
             try:
                 register_cuda(seg, self.device)
@@ -74,6 +75,12 @@ class WorkerContext:
                 raise
             self._segments[name] = seg
         return seg
+
+    def _forget_released(self) -> None:
+        # A new segment usually replaces an old one (new step buffers): drop the mappings whose owner has let go,
+        # or this worker would keep their memory for its whole life.
+        for name in [n for n in self._segments if not owner_holds(n)]:
+            self.forget_segment(name)
 
     def forget_segment(self, name: str) -> None:
         """Close a cached segment (e.g. after the coordinator released it)."""
