@@ -117,8 +117,8 @@ def request_refusal(request: web.Request) -> str | None:
       read and write; its ``Host`` header still names the attacker's domain.  A request that reached us over
       loopback must name a loopback host (localhost, 127.0.0.1, [::1]).
     * Cross-site writes: any page can POST to 127.0.0.1.  A state-changing request with an ``Origin`` must come
-      from this very origin; ``Origin: null`` (sandboxed iframes, data: URLs) is refused.  Clients that send no
-      Origin (curl, scripts) are not browsers and pass.
+      from this very origin; ``Origin: null`` (sandboxed iframes, data: URLs) and a ``Sec-Fetch-Site`` of
+      cross-site or same-site are refused.  Clients that send no Origin (curl, scripts) are not browsers and pass.
 
     Reads stay unreadable cross-site because no route sends CORS headers.
     """
@@ -135,6 +135,9 @@ def request_refusal(request: web.Request) -> str | None:
         if origin == "null":
             return ("Origin: null (a sandboxed frame or a local file) may not change state; use the panel served "
                     "by this server, or a client without an Origin header")
+        if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
+            return (f"a {request.headers['Sec-Fetch-Site']} {request.method} may not change state; use the panel "
+                    "served by this server")
         if origin is not None and urlsplit(origin).netloc != host:
             return (f"cross-origin {request.method} from {origin[:80]} refused; use the panel served by this "
                     "server, or a client without an Origin header")
