@@ -26,7 +26,8 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def run_guarded(body: Callable[[], int], release: Callable[[], None], what: str) -> int:
     """``body()``'s exit code; Ctrl-C gives 130 and SIGTERM 143, each with one line on stderr.  ``release`` runs
-    exactly once at the end with SIGINT and SIGTERM ignored, so a storm of Ctrl-C cannot cut it short.
+    exactly once at the end with SIGINT and SIGTERM ignored, so a storm of Ctrl-C cannot cut it short; after a
+    signal they stay ignored until the process exits.
 
     Off the main thread (where signals cannot be handled) it is a plain try/finally.
     """
@@ -48,7 +49,8 @@ def run_guarded(body: Callable[[], int], release: Callable[[], None], what: str)
         try:
             release()
         finally:
-            if main:
+            # After a signal the process is ending: a storm that goes on must not break interpreter shutdown.
+            if main and code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
                 signal.signal(signal.SIGINT, old_int)
                 signal.signal(signal.SIGTERM, previous)
     return code
