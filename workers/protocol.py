@@ -154,6 +154,7 @@ register_kind("hb", {"rss": "int", "vram": "int|None", "busy": "bool"})
 # core requests (coordinator -> worker)
 register_kind("ping", {})
 register_kind("echo", {"src": "desc", "dst": "desc"})
+register_kind("drop_released", {})
 register_kind("shutdown", {})
 # test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
 register_kind("sleep", {"seconds": "float"})
