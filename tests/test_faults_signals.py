@@ -5,6 +5,7 @@ reaper processes, run dirs, shared memory); an engine whose step was interrupted
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -77,6 +78,7 @@ def test_demo_ends_cleanly_on_signals(tmp_path, sig, every_s, code, line):
 
 INTERRUPTED_STEP = """
 import signal
+import socket
 from tests.shm_probe import held_shm
 presses = []
 
@@ -120,3 +122,30 @@ def test_an_interrupted_step_leaves_the_engine_usable(tmp_path):
     res = json.loads(out.strip().splitlines()[-1][7:])
     assert res["presses"] > 1 and res["ok"] is True and res["held"] == [] and res["kids"] == 0, res
     assert run_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_quietly_on_signals(sig):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "h3ms_async", "serve", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "serve did not listen within 60 s"
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
