@@ -60,7 +60,7 @@ def private_shm_refusal() -> str | None:
     return None
 
 
-def run_with_private_shm(script: str, size_mb: int, env: dict[str, str], timeout_s: float = 600) -> dict:
+def run_with_private_shm(script: str, size_mb: int, env: dict[str, str], timeout_s: float = 540) -> dict:
     """Run ``MODEL_PRELUDE + script`` with a fresh ``size_mb`` MiB tmpfs on /dev/shm; return its RESULT object."""
     body = MODEL_PRELUDE + textwrap.dedent(script)
     cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec "$0" -c "$1"',

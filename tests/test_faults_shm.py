@@ -12,7 +12,8 @@ import pytest
 
 from tests.faults_common import MODEL_PRELUDE, private_shm_refusal, run_dirs, run_with_private_shm
 
-pytestmark = pytest.mark.skipif(private_shm_refusal() is not None, reason=private_shm_refusal() or "")
+pytestmark = [pytest.mark.skipif(private_shm_refusal() is not None, reason=private_shm_refusal() or ""),
+              pytest.mark.timeout(600)]  # seconds on a quiet machine; generous for a shared, loaded one
 
 PRESSURE = """
 engine = make_engine()
