@@ -162,9 +162,11 @@ def action_release_workers() -> dict:
     """Release every split engine alive in this process (workers, weight store, step buffers)."""
     from h3ms_async.split import live_engines, release_all_engines
     n = release_all_engines()
-    for eng in live_engines():  # engines made directly, not through get_engine
+    # engines made directly (not through get_engine) that still hold workers or a weight store
+    direct = [e for e in live_engines() if e.pool.running or e.weight_state != "empty"]
+    for eng in direct:
         eng.release()
-        n += 1
+    n += len(direct)
     return {"message": f"split workers released ({n} engine(s))" if n else "no split workers were running"}
 
 
