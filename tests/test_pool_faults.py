@@ -13,10 +13,9 @@ import msgpack
 import psutil
 import pytest
 
-from h3ms_async import rundir
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import WorkerError, WorkerPool, WorkerTimeout
-from workers import auth, protocol, shm
+from workers import auth, protocol
 from tests.shm_probe import held_shm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
