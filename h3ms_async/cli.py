@@ -1,4 +1,4 @@
-"""Command line: ``python -m h3ms_async demo | bench ipc | bench split | bench exchange | serve``.
+"""Command line: ``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches} | serve``.
 
 Each sub-command lives in its own module and is imported only when chosen, so ``--help`` stays fast.
 """
@@ -33,7 +33,19 @@ def _bench(argv: Sequence[str]) -> int:
         from h3ms_async.bench_gpu import main as m
         return m(a)
 
-    benches.update(ipc=ipc, split=split, exchange=exchange, gpu=gpu)
+    def attention(a: Sequence[str]) -> int:
+        from h3ms_async.bench_attention import main as m
+        return m(a)
+
+    def vae(a: Sequence[str]) -> int:
+        from h3ms_async.bench_vae import main as m
+        return m(a)
+
+    def caches(a: Sequence[str]) -> int:
+        from h3ms_async.bench_caches import main as m
+        return m(a)
+
+    benches.update(ipc=ipc, split=split, exchange=exchange, gpu=gpu, attention=attention, vae=vae, caches=caches)
     if not argv or argv[0] not in benches:
         print(f"usage: python -m h3ms_async bench {{{'|'.join(benches)}}} [options]", file=sys.stderr)
         return 2
@@ -54,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m h3ms_async",
         description="H3 MultiStream (async), standalone: split a reference MiniMax H3 DiT across rank workers.")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="demo, bench {ipc,split,exchange,gpu} or serve")
+    parser.add_argument("command", choices=sorted(COMMANDS),
+                        help="demo, bench {ipc,split,exchange,gpu,attention,vae,caches} or serve")
     if not args or args[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if args else 2

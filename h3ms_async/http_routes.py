@@ -159,7 +159,9 @@ def guarded(handler: Handler) -> Handler:
 
 
 def action_release_workers() -> dict:
-    """Release every split engine alive in this process (workers, weight store, step buffers)."""
+    """Release every split engine alive in this process (workers, weight store, step buffers) and every
+    attention-parallel engine's helpers."""
+    from h3ms_async import attention_parallel
     from h3ms_async.split import live_engines, release_all_engines
     n = release_all_engines()
     # engines made directly (not through get_engine) that still hold workers or a weight store
@@ -167,7 +169,9 @@ def action_release_workers() -> dict:
     for eng in direct:
         eng.release()
     n += len(direct)
-    return {"message": f"split workers released ({n} engine(s))" if n else "no split workers were running"}
+    n_attn = attention_parallel.release_all_engines()
+    text = f"split workers released ({n} engine(s))" if n else "no split workers were running"
+    return {"message": text + (f"; attention helpers released ({n_attn} engine(s))" if n_attn else "")}
 
 
 def action_clear_weights() -> dict:

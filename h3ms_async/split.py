@@ -204,7 +204,9 @@ class SplitEngine:
         # dit_release closes the ranks' exchanges; a fresh exchange on the old arena would read its stale sequence
         # words as "ready", so the next step must get new step buffers.
         self._drop_buffers()
-        if self.pool.running:
+        # With a dead rank, pool.all would first restart the whole pool just to hear this; fresh workers hold no
+        # views, and the survivors' go with their pool (a release) or their restart (the next step).
+        if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
             try:
                 self._run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
             except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway

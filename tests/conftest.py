@@ -22,7 +22,7 @@ GOLDEN_DIR = Path(os.environ.get("H3MS_GOLDEN_DIR", ROOT.parent / "shared" / "go
 import glob  # noqa: E402
 
 import pytest  # noqa: E402
-from tests.shm_probe import held_shm  # noqa: E402
+from workers.shm import held_shm  # noqa: E402
 
 
 @pytest.fixture

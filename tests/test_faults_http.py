@@ -18,7 +18,7 @@ import pytest
 from h3ms_async.serve import start_background_server
 from h3ms_async.status import StatusHub
 from tests import comfy_tree
-from tests.shm_probe import held_shm
+from workers.shm import held_shm
 
 MUTATING = ("/h3multistream/workers/release", "/h3multistream/cache/clear_weights", "/h3multistream/hooks/detach")
 

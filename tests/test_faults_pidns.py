@@ -17,7 +17,7 @@ import pytest
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import WorkerPool
 from tests.faults_common import ROOT, run_dirs
-from tests.shm_probe import held_shm
+from workers.shm import held_shm
 from workers.shm import Arena
 
 

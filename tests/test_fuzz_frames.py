@@ -12,7 +12,7 @@ from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import WorkerPool
 from workers import protocol
 from workers.protocol import ProtocolError
-from tests.shm_probe import held_shm
+from workers.shm import held_shm
 
 KINDS = sorted(protocol.KINDS)
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 63), 2 ** 64 - 1), st.floats(allow_nan=True),

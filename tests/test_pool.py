@@ -13,7 +13,7 @@ from h3ms_async.bench_ipc import run_bench_ipc
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
 from workers.shm import Segment
-from tests.shm_probe import held_shm
+from workers.shm import held_shm
 
 MiB = 1 << 20
 

@@ -16,7 +16,7 @@ import pytest
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import WorkerError, WorkerPool, WorkerTimeout
 from workers import auth, protocol
-from tests.shm_probe import held_shm
+from workers.shm import held_shm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,8 +15,7 @@ MiB = 1 << 20
 
 def _ours() -> set:
     """Unnamed /dev/shm files this process holds open or mapped."""
-    from tests.shm_probe import held_shm
-    return held_shm(os.getpid())
+    return shm.held_shm(os.getpid())
 
 
 @pytest.fixture(autouse=True)

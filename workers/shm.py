@@ -303,3 +303,26 @@ def unregister_cuda(segment: Segment) -> None:
     code = int(getattr(rc, "value", rc))
     if code != 0:
         log.warning("cudaHostUnregister of %s failed with CUDA error %d", segment.name, code)
+
+
+def held_shm(pid: int) -> set[str]:
+    """The /dev/shm files (named, or unnamed ones as ``/dev/shm/#<inode> (deleted)``) that process ``pid`` has open
+    or mapped; empty when it is gone.  Leak checks and diagnostics: a segment's memory is in use exactly while
+    some process holds it."""
+    out: set[str] = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(SHM_DIR + "/"):
+                out.add(target)
+        with open(f"/proc/{pid}/maps") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
+                    out.add(parts[5].rstrip("\n"))
+    except (FileNotFoundError, ProcessLookupError):
+        return set()
+    return out
