@@ -306,9 +306,11 @@ def unregister_cuda(segment: Segment) -> None:
 
 
 def held_shm(pid: int) -> set[str]:
-    """The /dev/shm files (named, or unnamed ones as ``/dev/shm/#<inode> (deleted)``) that process ``pid`` has open
-    or mapped; empty when it is gone.  Leak checks and diagnostics: a segment's memory is in use exactly while
-    some process holds it."""
+    """This pack's /dev/shm files that process ``pid`` has open or mapped: unnamed segments (``/dev/shm/#<inode>
+    (deleted)``) and the named ``h3ms-*`` probe arenas of the exchange benchmark; empty when it is gone.  Leak checks
+    and diagnostics: a segment's memory is in use exactly while some process holds it.  (Other users of /dev/shm,
+    e.g. POSIX semaphores ``sem.*``, are not counted.)"""
+    ours = (SHM_DIR + "/#", SHM_DIR + "/h3ms-")
     out: set[str] = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -316,12 +318,12 @@ def held_shm(pid: int) -> set[str]:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if target.startswith(SHM_DIR + "/"):
+            if target.startswith(ours):
                 out.add(target)
         with open(f"/proc/{pid}/maps") as fh:
             for line in fh:
                 parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/"):
+                if len(parts) == 6 and parts[5].startswith(ours):
                     out.add(parts[5].rstrip("\n"))
     except (FileNotFoundError, ProcessLookupError):
         return set()
