@@ -17,6 +17,10 @@ from h3ms_async.log import get_logger
 
 log = get_logger("channel")
 
+#: Largest frame an unauthenticated peer may send (an ``auth`` answer is ~100 bytes): a stranger cannot make the
+#: coordinator buffer MAX_FRAME_BYTES per connection.
+AUTH_FRAME_MAX = 4096
+
 
 class ChannelClosed(ConnectionError):
     """The channel is closed (peer gone or protocol error); ``reason`` says which."""
@@ -48,7 +52,10 @@ async def authenticate(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     nonce = auth.new_nonce()
     writer.write(protocol.encode({"k": "challenge", "id": 0, "nonce": nonce}))
     await writer.drain()
-    msg = await asyncio.wait_for(protocol.read_message(reader), timeout)
+    try:
+        msg = await asyncio.wait_for(protocol.read_message(reader, AUTH_FRAME_MAX), timeout)
+    except asyncio.TimeoutError:
+        raise asyncio.TimeoutError(f"the peer sent no auth answer within {timeout:g} s") from None
     if msg["k"] != "auth":
         raise protocol.ProtocolError(f"expected 'auth' as the first message, got {msg['k']!r}")
     if not auth.verify(key, nonce, msg["rank"], msg["mac"]):

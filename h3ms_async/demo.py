@@ -311,13 +311,17 @@ def _released(action: Callable[[], Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m h3ms_async demo``; returns 0 when bit-exact, 1 when not, 2 on a bad input (one line on stderr)."""
+    """``python -m h3ms_async demo``; returns 0 when bit-exact, 1 when not, 2 on a bad input (one line on stderr),
+    130 / 143 when Ctrl-C / SIGTERM ended it (one line, everything released: ``lifetime.run_guarded``)."""
     a = build_parser().parse_args(argv)
     checked = check_args(a)
+    from h3ms_async.lifetime import run_guarded
     from h3ms_async.split import release_all_engines
     from h3ms_async.weight_store import WeightStoreRefused
     stop = None
-    try:
+
+    def body() -> int:
+        nonlocal stop
         if a.serve is not None:  # before the console handler: a bind error is then the only line printed
             from h3ms_async.serve import bind_error_text, start_background_server
             try:
@@ -331,17 +335,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             res = run(a, checked)
         except WeightStoreRefused as exc:
             raise UsageError(str(exc)) from None
-        except KeyboardInterrupt:
-            print("interrupted: stopping the workers and removing their shared memory and run dir", file=sys.stderr)
-            return 130
-    finally:
+        if a.json:
+            print(json.dumps(res, indent=2))
+        else:
+            print_table(res)
+        sys.stdout.flush()
+        return 0 if res["bit_exact"] else 1
+
+    def release() -> None:
         _released(release_all_engines)
         if stop is not None:
             _released(stop)
-    if a.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_table(res)
-    sys.stdout.flush()
-    return 0 if res["bit_exact"] else 1
 
+    return run_guarded(body, release, "demo")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from workers import auth, protocol
-from workers.shm import ABORT_WORD, CONTROL_SIZE, Segment, sweep_dead_owners
+from workers.shm import ABORT_WORD, CONTROL_SIZE, Segment
 
 from h3ms_async import rundir
 from h3ms_async.channel import Channel, ChannelClosed, RemoteError, authenticate, peer_credentials
@@ -39,6 +39,8 @@ DEFAULT_START_TIMEOUT = 300.0
 DEFAULT_HB_TIMEOUT = 10.0
 HB_INTERVAL = 1.0
 LOG_TAIL_LINES = 20
+#: Unauthenticated connections the pool serves at once, per rank; more are closed at once.
+MAX_HANDSHAKES_PER_RANK = 2
 _DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 
 
@@ -172,6 +174,7 @@ class WorkerPool:
         self._monitor: asyncio.Task | None = None
         self._life_lock = asyncio.Lock()
         self._jobs = 0
+        self._handshakes = 0
         self.starts = 0
 
     # -- properties -------------------------------------------------------------------------------------------
@@ -240,7 +243,6 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         self._state = "starting"
-        sweep_dead_owners()
         self._run_dir = rundir.create()
         try:
             self._socket_path = rundir.socket_path(self._run_dir, "ctl.sock")
@@ -330,6 +332,18 @@ class WorkerPool:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         workers = self._workers
+        if self._handshakes >= MAX_HANDSHAKES_PER_RANK * max(1, len(workers)):
+            log.error("pool %r refused a connection on %s: %d handshakes already pending", self.name,
+                      self._socket_path, self._handshakes)
+            writer.close()
+            return
+        self._handshakes += 1
+        try:
+            await self._admit(reader, writer, workers)
+        finally:
+            self._handshakes -= 1
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]) -> None:
         try:
             rank, _pid = await authenticate(reader, writer, self._key, timeout=10.0)
             if not 0 <= rank < len(workers):

@@ -1,17 +1,25 @@
 """The pool's private run directory: sockets and worker logs live there.
 
 ``<base>/h3ms-<owner pid>-<random>`` with mode 0700, where base is ``$H3MS_RUN_DIR`` or the temp dir (``$TMPDIR``).
-The owner pid in the name lets the next start remove directories of processes that died without cleaning up.
+It cannot outlive its owner:
+
+* a reaper (``/bin/sh``, a few hundred KiB, in its own session so a terminal's Ctrl-C does not reach it) waits for
+  EOF on a pipe whose only write end the owner holds, then removes the directory: the kernel closes that end when
+  the owner dies, however it dies (SIGKILL, the OOM killer), so the directory goes within moments;
+* the owner holds an ``flock`` on ``<dir>/owner.lock`` for the directory's life.  Should the reaper die too (a
+  container stop kills everything at once), the next :func:`create` removes directories whose lock it can take.
+  A lock, unlike a pid in the name, cannot be mistaken across PID namespaces (containers sharing a directory).
 """
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import re
 import shutil
+import subprocess
 import tempfile
-
-from workers.shm import dead_owner_entries
+from dataclasses import dataclass
 
 from h3ms_async.log import get_logger
 
@@ -19,8 +27,19 @@ log = get_logger("rundir")
 
 #: Longest socket path AF_UNIX accepts on Linux (sun_path is 108 bytes including the terminating NUL).
 MAX_SOCKET_PATH = 107
-_NAME_RE = re.compile(r"^h3ms-([0-9]+)-[A-Za-z0-9_]+$")
-_live: set[str] = set()
+LOCK_NAME = "owner.lock"
+_NAME_RE = re.compile(r"^h3ms-[0-9]+-[A-Za-z0-9_]+$")
+_REAPER_SCRIPT = 'read _ ; rm -rf -- "$1"'
+
+
+@dataclass
+class _Held:
+    lock_fd: int
+    reaper_pipe: int
+    reaper: subprocess.Popen
+
+
+_live: dict[str, _Held] = {}
 
 
 class RunDirError(RuntimeError):
@@ -53,12 +72,25 @@ def check_base() -> str:
 
 
 def create() -> str:
-    """Sweep dead owners' run dirs, then make a fresh private one; it is removed at exit if still there."""
+    """Sweep abandoned run dirs, then make a fresh private one, locked and watched by a reaper (module doc)."""
     base = check_base()
     sweep_dead(base)
     path = tempfile.mkdtemp(prefix=f"h3ms-{os.getpid()}-", dir=base)
     os.chmod(path, 0o700)
-    _live.add(path)
+    lock_fd = os.open(os.path.join(path, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    read_end, write_end = os.pipe()
+    try:
+        reaper = subprocess.Popen(["/bin/sh", "-c", _REAPER_SCRIPT, "h3ms-reaper", path], stdin=read_end,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        os.close(write_end)
+        os.close(lock_fd)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    finally:
+        os.close(read_end)
+    _live[path] = _Held(lock_fd, write_end, reaper)
     return path
 
 
@@ -74,16 +106,54 @@ def socket_path(run_dir: str, name: str) -> str:
 
 
 def remove(path: str) -> None:
-    """Delete a run dir made by :func:`create` (missing is fine)."""
-    _live.discard(path)
+    """Delete a run dir made by :func:`create` (missing is fine) and let its reaper go."""
     shutil.rmtree(path, ignore_errors=True)
+    held = _live.pop(path, None)
+    if held is None:
+        return
+    os.close(held.reaper_pipe)  # EOF: the reaper finds nothing left and exits
+    os.close(held.lock_fd)
+    try:
+        held.reaper.wait(5.0)
+    except subprocess.TimeoutExpired:
+        held.reaper.kill()
+        held.reaper.wait()
+
+
+def _abandoned(path: str) -> bool:
+    """Whether ``path``'s owner is gone: its lock can be taken.  No lock file: not ours to judge, keep it."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def sweep_dead(base: str | None = None) -> list[str]:
-    """Remove ``h3ms-<pid>-*`` directories in ``base`` whose owner pid is dead and that belong to us."""
-    removed = [p for p in dead_owner_entries(base or base_dir(), _NAME_RE) if os.path.isdir(p)]
-    for full in removed:
-        shutil.rmtree(full, ignore_errors=True)
+    """Remove this user's ``h3ms-*`` directories in ``base`` whose owner no longer holds their lock."""
+    base = base or base_dir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    uid = os.getuid()
+    removed = []
+    for name in names:
+        full = os.path.join(base, name)
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if _NAME_RE.match(name) and st.st_uid == uid and os.path.isdir(full) and not os.path.islink(full) \
+                and full not in _live and _abandoned(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(full)
     if removed:
         log.info("removed %d run dir(s) left by dead processes: %s", len(removed), removed[:8])
     return removed

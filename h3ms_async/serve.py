@@ -12,12 +12,12 @@ import json
 import logging
 import socket
 from typing import Any, Awaitable, Callable, Sequence
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from h3ms_async.cli import ArgParser, fail, port as port_type
-from h3ms_async.http_routes import PREFIX, LogTail, add_routes
+from h3ms_async.http_routes import (PREFIX, LogTail, action_clear_weights, action_release_workers, add_routes,
+                                    request_refusal)
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.status import RING_SIZE, StatusHub, get_hub
 
@@ -25,6 +25,7 @@ _log = get_logger("Serve")
 
 EVENTS_DEFAULT_S, EVENTS_MAX_S = 60, 300  # a stream closes after this; EventSource reconnects with ?after / Last-Event-ID
 HEARTBEAT_S = 15.0
+CLIENT_POLL_S = 1.0  # how soon a stream notices that its client left (and frees its slot)
 MAX_STREAMS = 16
 QUEUE_SIZE = 64  # per stream; on overflow the oldest record is dropped and the client sees a seq gap
 
@@ -93,12 +94,16 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
                     await resp.write(_sse(rec))
                     last = rec["seq"]
             deadline = loop.time() + timeout
+            next_beat = loop.time() + HEARTBEAT_S
             while (remaining := deadline - loop.time()) > 0:
+                if request.transport is None or request.transport.is_closing():
+                    break  # the client left: free the slot now, not at the next keepalive write
                 try:
-                    rec = await asyncio.wait_for(queue.get(), min(remaining, HEARTBEAT_S))
+                    rec = await asyncio.wait_for(queue.get(), min(remaining, CLIENT_POLL_S))
                 except asyncio.TimeoutError:
-                    if deadline - loop.time() > 0:
+                    if loop.time() >= next_beat and deadline - loop.time() > 0:
                         await resp.write(b": keepalive\n\n")
+                        next_beat = loop.time() + HEARTBEAT_S
                     continue
                 if rec is None:  # server shutdown
                     break
@@ -115,14 +120,26 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
 
 
 @web.middleware
-async def _same_origin_posts(request: web.Request,
-                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Refuse cross-site POSTs: any web page can POST to 127.0.0.1, and these routes stop workers."""
-    origin = request.headers.get("Origin")
-    if request.method == "POST" and origin not in (None, "null") and urlsplit(origin).netloc != request.host:
-        return web.json_response({"error": f"cross-origin POST from {origin} refused; use the panel served by this "
-                                  "server or a client without an Origin header"}, status=403)
-    return await handler(request)
+async def _guard_and_json_errors(request: web.Request,
+                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Every route behind ``http_routes.request_refusal`` (these routes stop workers; DNS rebinding and cross-site
+    writes are refused), and the framework's own 404/405 answered as JSON errors like every other reply."""
+    why = request_refusal(request)
+    if why is not None:
+        return web.json_response({"error": why}, status=403)
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405) or exc.content_type == "application/json":
+            raise
+        what = "no such route" if exc.status == 404 else f"{request.method} is not allowed here"
+        return web.json_response({"error": f"{what}: {request.method} {request.path[:200]}; the panel is at "
+                                  f"{PREFIX}/panel"}, status=exc.status, headers=_allow_header(exc))
+
+
+def _allow_header(exc: web.HTTPException) -> dict:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else {}
 
 
 async def _close_streams(app: web.Application) -> None:
@@ -132,10 +149,15 @@ async def _close_streams(app: web.Application) -> None:
 
 def build_app(*, hub: StatusHub | None = None, log_tail: LogTail | None = None) -> web.Application:
     """The standalone aiohttp application: :func:`h3ms_async.http_routes.add_routes` plus the event stream."""
-    app = web.Application(middlewares=[_same_origin_posts])
+    app = web.Application(middlewares=[_guard_and_json_errors])
     app[_STREAMS] = set()
+    the_hub = hub or get_hub()
+    # Outside ComfyUI nobody else registers the release actions: release what this process shows.
+    for name, fn in (("release_workers", action_release_workers), ("clear_weights", action_clear_weights)):
+        if the_hub.action(name) is None:
+            the_hub.register_action(name, fn)
     routes = web.RouteTableDef()
-    add_routes(routes, hub=hub, log_tail=log_tail)
+    add_routes(routes, hub=hub, log_tail=log_tail, guard=False)
     add_event_route(routes, hub=hub)
 
     @routes.get("/")

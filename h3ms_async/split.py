@@ -362,6 +362,7 @@ class SplitEngine:
         if self._buffers is not None and self._buffers.shape_key == key:
             return self._buffers
         self._drop_buffers()
+        self._unmap_released()
         specs = {"x": (x.dtype, x.shape), "t_emb": (t_emb.dtype, t_emb.shape), "rope": (rope.dtype, rope.shape)}
         specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
         size = sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
@@ -383,6 +384,15 @@ class SplitEngine:
             raise
         self._buffers = _StepBuffers(key, step, descs, arena_seg, layout)
         return self._buffers
+
+    def _unmap_released(self) -> None:
+        """Have the ranks unmap the buffers dropped so far, so that a tight /dev/shm gets their pages back before
+        new ones are reserved.  A rank that cannot answer is restarted by the step anyway."""
+        if self.pool.running:
+            try:
+                self._run(self.pool.all("drop_released", [{}] * self.ranks, 30.0), 60.0, "unmapping old buffers")
+            except (SplitError, TimeoutError) as exc:
+                log.warning("ranks could not unmap old step buffers (%s); the step restarts them if needed", exc)
 
     def _drop_buffers(self) -> None:
         if self._buffers is not None:

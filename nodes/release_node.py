@@ -1,32 +1,14 @@
-"""The **H3 MS Release Resources** output node, and the release actions it shares with the menu and HTTP routes."""
+"""The **H3 MS Release Resources** output node, and the release actions it adds to the core ones
+(``h3ms_async.http_routes``: workers, weight store) that the menu and HTTP routes share."""
 from __future__ import annotations
 
+from h3ms_async.http_routes import action_clear_weights, action_release_workers
 from h3ms_async.log import get_logger
 
 from . import method_hooks
 from .model_adapter import detach_all
 
 log = get_logger("Release")
-
-
-def action_release_workers() -> dict:
-    """Stop every split engine's worker processes (their shared-memory weight store goes with them) and every
-    attention-parallel engine's helpers."""
-    from h3ms_async import attention_parallel
-    from h3ms_async.split import release_all_engines
-    n = release_all_engines()
-    n_attn = attention_parallel.release_all_engines()
-    text = f"split workers released ({n} engine(s))" if n else "no split workers were running"
-    return {"message": text + (f"; attention helpers released ({n_attn} engine(s))" if n_attn else "")}
-
-
-def action_clear_weights() -> dict:
-    """Drop the shared-memory weight store; the workers stay up and reload it on the next step."""
-    from h3ms_async.split import clear_weight_stores
-    n = clear_weight_stores()
-    if n == 0:
-        return {"message": "no weight store was held"}
-    return {"message": f"weight store cleared ({n} dropped; workers kept, the next step refills it)"}
 
 
 def action_detach_hooks() -> dict:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from h3ms_async.http_routes import add_routes
+from h3ms_async.http_routes import action_clear_weights, action_release_workers, add_routes
 from h3ms_async.log import get_logger
 from h3ms_async.status import get_hub
 
 from . import method_hooks
 from .model_adapter import live_states
-from .release_node import action_clear_weights, action_detach_hooks, action_release_workers
+from .release_node import action_detach_hooks
 
 log = get_logger("Routes")
 

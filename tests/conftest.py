@@ -25,6 +25,7 @@ import glob  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
+from workers.shm import held_shm  # noqa: E402
 
 
 @pytest.fixture
@@ -32,7 +33,8 @@ def no_exchange_leaks():
     """After an exchange test: none of this process's shm segments, no probe run dirs, no child processes."""
     import psutil
     yield
-    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
+    assert not held_shm(os.getpid()), "shm segments left behind"
+    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "named probe arenas left behind"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"h3ms-xch-{os.getpid()}-*")), "run dirs left behind"
     assert not psutil.Process().children(recursive=True), "child processes left behind"
 

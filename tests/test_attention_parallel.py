@@ -6,7 +6,6 @@ Kitchen has no CPU kernel for INT8 attention, so these tests run its split API t
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from h3ms_async import attention_schedule as sched
 from h3ms_async.pool import WorkerPool
 from h3ms_async.status import get_hub, validate_section
 from workers import attn_ops, ck_attention_cpu
+from workers.shm import held_shm
 
 
 
@@ -53,7 +53,7 @@ def no_leaks() -> None:
     while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not psutil.Process().children(recursive=True), "helper processes left behind"
-    assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
+    assert not held_shm(os.getpid()), "shm segments left behind"
 
 
 @pytest.mark.parametrize("bounds", [[0, 4, 7], [0, 2, 4, 7], [0, 1, 3, 5, 7], [0, 6, 7]])

@@ -28,7 +28,7 @@ hook.install()  # before ComfyUI's attention module asks kitchen whether INT8 at
 #: Builds a tiny MiniMax H3 (H3MS_TEST_HEADS heads) through ComfyUI's own loader, loads the pack, and defines
 #: ``sample(model)`` (2 euler steps at cfg 2 on an H3MS_TEST_LATENT=width,height,length AV latent).
 MODEL_SCRIPT = r'''
-import asyncio, glob, json, os, sys, time
+import asyncio, json, os, sys, time
 import psutil, torch
 import comfy.ldm.modules.attention as attention
 import comfy.model_patcher, comfy.ops, comfy.sd, nodes
@@ -134,7 +134,7 @@ deadline = time.monotonic() + 5
 while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
     time.sleep(0.05)
 res["children_left"] = len(psutil.Process().children(recursive=True))
-res["shm_left"] = glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*")
+res["shm_left"] = sorted(importlib.import_module("workers.shm").held_shm(os.getpid()))
 print("RESULT " + json.dumps(res))
 '''
 

@@ -11,6 +11,7 @@ import pytest
 from h3ms_async.bench_exchange import run_bench_exchange
 from h3ms_async.bench_split import main as bench_split_main
 from h3ms_async.bench_split import run_bench_split
+from workers.shm import held_shm
 
 RANK_KEYS = {"rank", "device", "tokens", "heads", "compute_s", "exchange_copy_s", "wait_s", "moved_bytes",
              "signals_per_step", "signals_per_block", "wait_per_block_ms", "signalling_per_block_us_est",
@@ -22,7 +23,7 @@ def _ours() -> set:
     the tests compare before and after)."""
     pid = os.getpid()
     return ({c.pid for c in psutil.Process().children(recursive=True)}
-            | set(glob.glob(f"/dev/shm/h3ms-{pid}-*")) | set(glob.glob(f"/tmp/h3ms-{pid}-*")))
+            | held_shm(pid) | set(glob.glob(f"/tmp/h3ms-{pid}-*")))
 
 
 @pytest.mark.timeout(120)

@@ -1,5 +1,4 @@
 """Property tests: decode never raises anything but ProtocolError, and a live pool survives 1000+ random frames."""
-import glob
 import os
 import socket
 import struct
@@ -13,6 +12,7 @@ from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import WorkerPool
 from workers import protocol
 from workers.protocol import ProtocolError
+from workers.shm import held_shm
 
 KINDS = sorted(protocol.KINDS)
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 63), 2 ** 64 - 1), st.floats(allow_nan=True),
@@ -63,7 +63,7 @@ def live_pool():
     get_coordinator().run(pool.start(), 120)
     yield pool
     get_coordinator().run(pool.release(), 60)
-    assert glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*") == []
+    assert held_shm(os.getpid()) == set()
 
 
 flat_messages = st.fixed_dictionaries(

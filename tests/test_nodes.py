@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from workers.shm import held_shm
 
 STANDIN = Path(__file__).resolve().parent / "comfy_standin"
 
@@ -411,7 +412,7 @@ def _leftovers() -> list[str]:
     kids = [k for k in psutil.Process().children(recursive=True)
             if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
     mine = f"h3ms-{os.getpid()}-"
-    segments = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
+    segments = sorted(held_shm(os.getpid()))
     run_dirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)]
     return [f"pid {k.pid}" for k in kids] + segments + run_dirs
 

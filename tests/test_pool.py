@@ -1,5 +1,4 @@
 """WorkerPool with real worker processes on the CPU: start, ping, 64 MiB through shm, errors, release, no leaks."""
-import glob
 import hashlib
 import os
 import threading
@@ -14,6 +13,7 @@ from h3ms_async.bench_ipc import run_bench_ipc
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
 from workers.shm import Segment
+from workers.shm import held_shm
 
 MiB = 1 << 20
 
@@ -34,7 +34,7 @@ def assert_released(pool, run_dir, pids):
         time.sleep(0.05)
     assert worker_children() == []
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
-    assert glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*") == []
+    assert held_shm(os.getpid()) == set()
     assert all(w["state"] == "stopped" for w in pool.snapshot())
 
 
@@ -84,7 +84,7 @@ def pool2():
     run(pool.start(), 120)
     yield pool
     run(pool.release(), 60)
-    assert glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*") == []
+    assert held_shm(os.getpid()) == set()
 
 
 def test_worker_error_carries_traceback_and_log(pool2):
@@ -168,43 +168,51 @@ def test_start_timeout_from_env_and_deadline(monkeypatch):
     with pytest.raises(ValueError, match="H3MS_WORKER_START_TIMEOUT"):
         WorkerPool(["cpu"])
     monkeypatch.delenv("H3MS_WORKER_START_TIMEOUT")
-    segs_before = set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"))
+    segs_before = held_shm(os.getpid())
     pool = WorkerPool(["cpu"], start_timeout=0.05)
     with pytest.raises(WorkerTimeout, match="did not start within 0.05 s") as ei:
         run(pool.start())
     assert ei.value.rank == 0
     assert pool.snapshot()[0]["pid"] not in [p.pid for p in worker_children()]
-    assert pool.run_dir is None and set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*")) == segs_before
+    assert pool.run_dir is None and held_shm(os.getpid()) == segs_before
 
 
 def test_socket_path_limit_names_the_fix(monkeypatch, tmp_path):
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
     monkeypatch.setenv("H3MS_RUN_DIR", str(deep))
-    segs_before = set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"))
+    segs_before = held_shm(os.getpid())
     pool = WorkerPool(["cpu"])
     with pytest.raises(rundir.RunDirError, match="H3MS_RUN_DIR"):
         run(pool.start())
-    assert os.listdir(deep) == [] and set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*")) == segs_before
+    assert os.listdir(deep) == [] and held_shm(os.getpid()) == segs_before
 
 
-def test_rundir_sweep_removes_dead_owners_only(tmp_path, monkeypatch):
-    import subprocess
-    import sys
+def test_rundir_sweep_removes_unlocked_dirs_only(tmp_path, monkeypatch):
+    import fcntl
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True).stdout)
-    (tmp_path / f"h3ms-{dead}-abc").mkdir()
-    (tmp_path / f"h3ms-{dead}-abc" / "rank0.log").write_text("x")
-    (tmp_path / f"h3ms-{os.getpid()}-live").mkdir()
+    abandoned = tmp_path / "h3ms-1-abc"  # its owner's lock is free: the owner is gone, whatever its pid
+    abandoned.mkdir()
+    (abandoned / rundir.LOCK_NAME).write_text("")
+    (abandoned / "rank0.log").write_text("x")
+    held = tmp_path / f"h3ms-{os.getpid() + 1}-live"  # a live owner, maybe in another PID namespace
+    held.mkdir()
+    fd = os.open(held / rundir.LOCK_NAME, os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    (tmp_path / "h3ms-2-nolock").mkdir()  # no lock file: not ours to judge
     (tmp_path / "unrelated").mkdir()
     monkeypatch.setenv("H3MS_RUN_DIR", str(tmp_path))
-    made = rundir.create()
     try:
-        assert sorted(os.listdir(tmp_path)) == sorted([f"h3ms-{os.getpid()}-live", "unrelated",
-                                                       os.path.basename(made)])
+        made = rundir.create()
+        try:
+            assert sorted(os.listdir(tmp_path)) == sorted([held.name, "h3ms-2-nolock", "unrelated",
+                                                           os.path.basename(made)])
+            assert rundir.sweep_dead(str(tmp_path)) == []  # our own dir is locked by us
+        finally:
+            rundir.remove(made)
+        assert not os.path.exists(made)
     finally:
-        rundir.remove(made)
+        os.close(fd)
 
 
 def test_bench_ipc_smoke():

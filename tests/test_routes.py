@@ -284,7 +284,7 @@ async def test_standalone_refuses_cross_origin_posts(aiohttp_client):
     assert r.status == 403 and "cross-origin POST" in (await r.json())["error"]
     host = f"{client.host}:{client.port}"
     r = await client.post("/h3multistream/workers/release", headers={"Origin": f"http://{host}"})
-    assert r.status == 200 and "nothing to do" in (await r.json())["message"]
+    assert r.status == 200 and "no split workers were running" in (await r.json())["message"]
 
 
 def test_panel_files_exist_and_are_whitelisted():

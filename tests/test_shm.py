@@ -1,5 +1,4 @@
-"""Shared-memory segments (workers/shm.py): real /dev/shm files, real mappings."""
-import glob
+"""Shared-memory segments (workers/shm.py): real unnamed /dev/shm files, real mappings."""
 import os
 import stat
 import subprocess
@@ -15,7 +14,8 @@ MiB = 1 << 20
 
 
 def _ours() -> set:
-    return set(glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"))
+    """Unnamed /dev/shm files this process holds open or mapped."""
+    return shm.held_shm(os.getpid())
 
 
 @pytest.fixture(autouse=True)
@@ -28,10 +28,10 @@ def no_leaks():
 def test_create_attach_share_bytes():
     with Segment.create(10_000, "t") as seg:
         assert seg.size == 12288  # rounded up to 4 KiB
-        assert shm.owner_pid(seg.name) == os.getpid()
         assert seg.name.startswith(f"h3ms-{os.getpid()}-") and seg.name.endswith("-t")
-        st = os.stat(seg.path)
-        assert stat.S_IMODE(st.st_mode) == 0o600
+        st = os.stat(f"/proc/self/fd/{int(seg.name.split('-')[2][:8], 16)}")
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_blocks * 512 >= seg.size  # pages reserved
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]  # no name, ever
         other = Segment.attach(seg.name)
         try:
             assert other.size == seg.size and not other.owner
@@ -41,7 +41,23 @@ def test_create_attach_share_bytes():
                 assert bytes(mv) == b"abcd"
         finally:
             other.close()
-    assert not os.path.exists(seg.path)
+        assert shm.owner_holds(seg.name)
+    assert not shm.owner_holds(seg.name)
+    with pytest.raises(ShmError, match="does not exist"):
+        Segment.attach(seg.name)
+
+
+def test_another_process_attaches_through_the_owner():
+    with Segment.create(4096, "xproc") as seg:
+        with seg.buffer(0, 5) as mv:
+            mv[:] = b"hello"
+        code = ("import sys; from workers.shm import Segment; s = Segment.attach(sys.argv[1]); "
+                "b = s.buffer(0, 5); print(bytes(b).decode()); b[:] = b'HELLO'; b.release(); s.close()")
+        out = subprocess.run([sys.executable, "-c", code, seg.name], capture_output=True, text=True, timeout=60,
+                             cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert out.returncode == 0 and out.stdout.strip() == "hello", out.stderr
+        with seg.buffer(0, 5) as mv:
+            assert bytes(mv) == b"HELLO"
 
 
 def test_tensor_views_are_zero_copy_for_every_dtype():
@@ -71,7 +87,7 @@ def test_tensor_desc_errors():
         with pytest.raises(ShmError, match="outside segment"):
             seg.tensor({"seg": seg.name, "off": 4096, "dtype": "float32", "shape": [1025]})
         with pytest.raises(ShmError, match="points into segment h3ms-9-"):
-            seg.tensor({"seg": "h3ms-9-0123456789abcdef-x", "off": 0, "dtype": "uint8", "shape": [1]})
+            seg.tensor({"seg": "h3ms-9-000000030123456789abcdef-x", "off": 0, "dtype": "uint8", "shape": [1]})
         with pytest.raises(ShmError, match="dtype"):
             seg.tensor({"seg": seg.name, "off": 0, "dtype": "complex64", "shape": [1]})
         empty = seg.tensor({"seg": seg.name, "off": 0, "dtype": "float32", "shape": [0, 4]})
@@ -81,8 +97,12 @@ def test_tensor_desc_errors():
 def test_attach_refuses_foreign_and_missing_names():
     with pytest.raises(ShmError, match="not a segment name"):
         Segment.attach("../../etc/passwd")
+    with pytest.raises(ShmError, match="not a segment name"):
+        Segment.attach(f"h3ms-{os.getpid()}-00000000deadbeef-gone")  # the old named form
     with pytest.raises(ShmError, match="does not exist"):
-        Segment.attach(f"h3ms-{os.getpid()}-00000000deadbeef-gone")
+        Segment.attach(f"h3ms-{os.getpid()}-000003e70000000000000001-gone")
+    with pytest.raises(ShmError, match="does not exist"):  # fd 0 is not a tmpfs file of that inode
+        Segment.attach(f"h3ms-{os.getpid()}-000000000000000000000001-stdin")
     with pytest.raises(ShmError, match="tag"):
         Segment.create(4096, "bad/tag")
     with pytest.raises(ShmError, match="> 0"):
@@ -114,30 +134,12 @@ def test_close_with_live_views_and_double_unlink():
     del t
 
 
-def test_check_free_space_names_shm_size():
-    free = shm.check_free_space(4096)
-    assert free >= 4096
-    with pytest.raises(ShmError, match="--shm-size"):
-        shm.check_free_space(1 << 62)
-    with pytest.raises(ShmError, match="--shm-size"):
-        Segment.create(1 << 62, "huge")
+def test_too_large_names_shm_size():
+    with pytest.raises(ShmError, match=r"/dev/shm is too small: .* MiB free of .* --shm-size"):
+        Segment.create(1 << 50, "huge")
 
 
 def test_register_cuda_is_a_noop_on_cpu():
     with Segment.create(4096, "cpu") as seg:
         assert shm.register_cuda(seg, "cpu") is False
         shm.unregister_cuda(seg)
-
-
-def test_sweep_dead_owners_removes_only_dead():
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(proc.stdout)
-    assert not shm.pid_alive(dead)
-    dead_path = f"/dev/shm/h3ms-{dead}-0123456789abcdef-stale"
-    with open(dead_path, "wb") as fh:
-        fh.write(b"x")
-    with Segment.create(4096, "alive") as live:
-        removed = shm.sweep_dead_owners()
-        assert os.path.basename(dead_path) in removed
-        assert not os.path.exists(dead_path)
-        assert os.path.exists(live.path)

@@ -8,7 +8,6 @@ case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ran
 worker die in the middle of the decode (the decode must fail naming it, and the next one succeed).
 """
 import asyncio
-import glob
 import json
 import os
 import time
@@ -42,7 +41,7 @@ vaes = {d: comfy.sd.VAE(sd=sd, dtype={"fp32": torch.float32, "fp16": torch.float
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 Split = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]
 from h3ms_async import vae_split  # noqa: E402  (loaded by the pack above)
-from workers.shm import ShmError  # noqa: E402
+from workers.shm import ShmError, held_shm  # noqa: E402
 
 torch.manual_seed(7)
 latents = {(c["T"], c["h"]): torch.randn(1, 24, c["T"], c["h"], 3) for c in cases}
@@ -100,5 +99,5 @@ hooked = [d for d, vae in vaes.items() if "decode_temporal" in vae.first_stage_m
 busy = sum("busy" in line for line in release)
 workers_alive = [p for e in vae_split.live_vae_engines() for p in e.pool.snapshot() if p["state"] != "stopped"]
 print("RESULT", json.dumps({"cases": results, "hooked_after_disable": hooked, "busy": busy,
-                            "shm_left": glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"),
+                            "shm_left": sorted(held_shm(os.getpid())),
                             "workers_alive": workers_alive, "total_s": round(time.time() - t0, 1)}), flush=True)

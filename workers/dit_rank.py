@@ -23,7 +23,7 @@ import torch
 
 from workers import dit_ops, dit_protocol
 from workers.exchange import ArenaLayout, ExchangeAborted, HostExchange
-from workers.handlers import WorkerContext, handler
+from workers.handlers import WorkerContext, handler, on_release
 
 _STATE = "dit"
 
@@ -120,6 +120,14 @@ async def _dit_release(ctx: WorkerContext, msg: dict) -> dict:
     if store is not None:
         ctx.forget_segment(store)
     return {"released": True}
+
+
+@on_release
+def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
+    # A host exchange keeps its arena mapped; one over a released arena is never used again.
+    st = _state(ctx)
+    for key in [k for k in st.exchanges if k[0] == "host" and k[1] in names]:
+        st.exchanges.pop(key).close()
 
 
 class NoExchange:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from workers import protocol
-from workers.shm import ABORT_WORD, Segment, register_cuda
+from workers.shm import ABORT_WORD, Segment, owner_holds, register_cuda
 
 Handler = Callable[["WorkerContext", dict], Awaitable[dict]]
 #: kind -> handler coroutine function.
@@ -39,6 +39,18 @@ def handler(kind: str) -> Callable[[Handler], Handler]:
         return fn
 
     return deco
+
+
+#: Called with (ctx, names) right before the segments ``names`` are unmapped because their owner let go of them:
+#: an extension module drops what it built on them (an exchange over an old arena), so the unmap really happens.
+RELEASE_HOOKS: list[Callable[["WorkerContext", set[str]], None]] = []
+
+
+def on_release(fn: Callable[["WorkerContext", set[str]], None]) -> Callable[["WorkerContext", set[str]], None]:
+    """Register ``fn`` in :data:`RELEASE_HOOKS`."""
+    if fn not in RELEASE_HOOKS:
+        RELEASE_HOOKS.append(fn)
+    return fn
 
 
 @dataclass
@@ -66,6 +78,7 @@ class WorkerContext:
         """Attach a segment once (and register it with CUDA once when this worker's device is CUDA)."""
         seg = self._segments.get(name)
         if seg is None:
+            self.forget_released()
             seg = Segment.attach(name)
             try:
                 register_cuda(seg, self.device)
@@ -74,6 +87,18 @@ class WorkerContext:
                 raise
             self._segments[name] = seg
         return seg
+
+    def forget_released(self) -> int:
+        """Close the cached segments whose owner has let go of them; returns how many.  Done before every new
+        attach (a new segment usually replaces an old one) and on ``drop_released``, or this worker would keep
+        their memory for its whole life."""
+        gone = {n for n in self._segments if not owner_holds(n)}
+        if gone:
+            for hook in RELEASE_HOOKS:
+                hook(self, gone)
+        for name in gone:
+            self.forget_segment(name)
+        return len(gone)
 
     def forget_segment(self, name: str) -> None:
         """Close a cached segment (e.g. after the coordinator released it)."""
@@ -136,6 +161,13 @@ async def _echo(ctx: WorkerContext, msg: dict) -> dict:
     digest, seconds = await ctx.run_compute(_copy_and_hash, src, dst, ctx.device)
     return {"bytes": n_src, "sha256": digest, "seconds": seconds,
             "registered": ctx.segment(src_d["seg"]).registered}
+
+
+@handler("drop_released")
+async def _drop_released(ctx: WorkerContext, msg: dict) -> dict:
+    """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a tight
+    /dev/shm has the old ones' pages back first)."""
+    return {"dropped": ctx.forget_released()}
 
 
 @handler("shutdown")

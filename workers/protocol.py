@@ -154,6 +154,7 @@ register_kind("hb", {"rss": "int", "vram": "int|None", "busy": "bool"})
 # core requests (coordinator -> worker)
 register_kind("ping", {})
 register_kind("echo", {"src": "desc", "dst": "desc"})
+register_kind("drop_released", {})
 register_kind("shutdown", {})
 # test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
 register_kind("sleep", {"seconds": "float"})
@@ -171,7 +172,7 @@ DTYPE_SIZES: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
-#: h3ms-<owner pid>-<random hex>-<tag>
+#: h3ms-<owner pid>-<owner fd, 8 hex><inode, 16 hex>-<tag> (see workers/shm.py)
 SEGMENT_NAME_RE = re.compile(r"^h3ms-([0-9]{1,10})-([0-9a-f]{8,64})-([A-Za-z0-9_.]{1,48})$")
 _DESC_KEYS = frozenset({"seg", "off", "dtype", "shape"})
 MAX_DIMS = 8
@@ -291,9 +292,11 @@ def encode(msg: Mapping[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-async def read_message(reader: asyncio.StreamReader) -> dict:
-    """Read and decode one frame.  EOF exactly at a frame boundary raises ``EOFError``; anything else that is
-    wrong (over-long length, truncated frame, bad body) raises :class:`ProtocolError`."""
+async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> dict:
+    """Read and decode one frame of at most ``max_bytes`` (default ``MAX_FRAME_BYTES``).  EOF exactly at a frame
+    boundary raises ``EOFError``; anything else that is wrong (over-long length, truncated frame, bad body) raises
+    :class:`ProtocolError`."""
+    limit, name = (MAX_FRAME_BYTES, "MAX_FRAME_BYTES") if max_bytes is None else (max_bytes, "the pre-auth limit")
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -301,8 +304,8 @@ async def read_message(reader: asyncio.StreamReader) -> dict:
             raise EOFError("peer closed the channel") from None
         raise ProtocolError(f"truncated frame header ({len(exc.partial)} of {HEADER.size} bytes)") from None
     (length,) = HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame length {length} exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+    if length > limit:
+        raise ProtocolError(f"frame length {length} exceeds {name}={limit}")
     if length == 0:
         raise ProtocolError("empty frame")
     try:

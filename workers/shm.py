@@ -1,11 +1,21 @@
 """POSIX shared-memory segments, used by the coordinator (owner) and the workers (attach) alike.
 
-A segment is a file in /dev/shm named ``h3ms-<owner pid>-<random hex>-<tag>``, created O_EXCL with mode 0600 and
-mapped with mmap.  We do not use ``multiprocessing.shared_memory``: its resource tracker unlinks segments that
-another process still uses and warns at exit.  Tensors are zero-copy views described by
-``{seg, off, dtype, shape}`` (see ``protocol.check_tensor_desc``); offsets handed out by :class:`Arena` are
-4096-byte aligned so that a worker can register a whole segment with CUDA once (:func:`register_cuda`), which
-is what makes host<->device copies from it fast.
+A segment is an *unnamed* tmpfs file: ``open("/dev/shm", O_TMPFILE)``, mode 0600, its pages reserved at creation
+(``posix_fallocate``), mapped with mmap.  It never has a name in /dev/shm, so nothing can be left there when any
+process dies, however it dies: the memory goes back when the last descriptor and mapping of it are gone.  Another
+process maps it through the owner's descriptor, ``/proc/<owner pid>/fd/<fd>`` (same user only), which works for a
+worker that starts late too (a restarted rank); once the owner closes the segment nobody new can attach.
+
+Why this and not a name unlinked after every user has mapped it, with the descriptor passed over the channel
+(SCM_RIGHTS) to late starters: the descriptor is already reachable through /proc, so no fd passing has to be woven
+into the msgpack channel, and there is no window at all in which a name exists.  Why not
+``multiprocessing.shared_memory``: its resource tracker unlinks segments that another process still uses.
+
+The segment's id, ``h3ms-<owner pid>-<fd, 8 hex><inode, 16 hex>-<tag>``, travels in tensor descriptors
+``{seg, off, dtype, shape}`` (see ``protocol.check_tensor_desc``); attaching checks that the descriptor behind
+``/proc/<pid>/fd/<fd>`` is still the same tmpfs inode.  Offsets handed out by :class:`Arena` are 4096-byte aligned
+so that a worker can register a whole segment with CUDA once (:func:`register_cuda`), which is what makes
+host<->device copies from it fast.
 """
 from __future__ import annotations
 
@@ -13,8 +23,7 @@ import errno
 import logging
 import mmap
 import os
-import re
-import secrets
+import stat
 from typing import TYPE_CHECKING, Any, Sequence
 
 from workers.protocol import DTYPE_SIZES, SEGMENT_NAME_RE, ProtocolError, check_tensor_desc, desc_nbytes
@@ -41,24 +50,6 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (a zombie counts as dead)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
-
-
 def _torch_dtype(name: str) -> "torch.dtype":
     import torch
 
@@ -68,29 +59,60 @@ def _torch_dtype(name: str) -> "torch.dtype":
     return dt
 
 
-def check_free_space(nbytes: int, path: str = SHM_DIR) -> int:
-    """Raise :class:`ShmError` unless ``path`` has room for ``nbytes`` more; return the free byte count.
+def _shm_size_hint(nbytes: int) -> str:
+    return (f"give the machine more shared memory: in Docker start the container with --shm-size "
+            f"(e.g. --shm-size={max(1, -(-2 * nbytes // 2**30))}g; Docker's default is 64m), or free space in "
+            f"{SHM_DIR}")
 
-    /dev/shm is a tmpfs: creating a segment larger than its free space succeeds, and the process dies of SIGBUS
-    when it touches the missing pages, so we check first.
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate every page of the file now, so that a full tmpfs fails here and not as a SIGBUS on first touch.
+
+    tmpfs gives a too-large file without complaint and only runs out when a page is written; statvfs cannot see
+    files that exist but are not written yet, so a free-space check before creating is not enough.
     """
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc}") from None
+        st = os.statvfs(SHM_DIR)
         raise ShmError(
-            f"{path} has {free / 2**20:.1f} MiB free but {nbytes / 2**20:.1f} MiB are needed. "
-            f"Give the machine more shared memory: in Docker start the container with --shm-size "
-            f"(e.g. --shm-size={max(1, -(-2 * nbytes // 2**30))}g), or free space in {path}.")
-    return free
+            f"{SHM_DIR} is too small: {nbytes / 2**20:.1f} MiB are needed but it has "
+            f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB; "
+            + _shm_size_hint(nbytes)) from None
+
+
+def _split_id(name: Any) -> tuple[int, int, int]:
+    """(owner pid, owner fd, inode) from a segment id; :class:`ShmError` if it is not one."""
+    m = SEGMENT_NAME_RE.match(name) if isinstance(name, str) else None
+    if not m or len(m.group(2)) != 24:
+        raise ShmError(f"{name!r} is not a segment name of this pack (h3ms-<pid>-<fd><inode hex>-<tag>)")
+    return int(m.group(1)), int(m.group(2)[:8], 16), int(m.group(2)[8:], 16)
+
+
+def _handle_path(name: str) -> tuple[str, int]:
+    pid, fd, ino = _split_id(name)
+    return f"/proc/{pid}/fd/{fd}", ino
+
+
+def owner_holds(name: str) -> bool:
+    """Whether the owner of segment ``name`` still holds it (so it can still be attached)."""
+    path, ino = _handle_path(name)
+    try:
+        return os.stat(path).st_ino == ino
+    except OSError:
+        return False
 
 
 class Segment:
     """One mapped shm segment.  The owner creates and finally unlinks it; other processes attach by name."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, fd: int | None = None) -> None:
         self.name = name
         self.size = size
         self.owner = owner
+        self._fd = fd  # the owner's handle, through which others attach
         self._mm: mmap.mmap | None = mm
         self._base: "torch.Tensor | None" = None
         self._cuda_ptr: int | None = None
@@ -100,48 +122,53 @@ class Segment:
         """Whether this mapping is registered with CUDA as pinned host memory."""
         return self._cuda_ptr is not None
 
-    @property
-    def path(self) -> str:
-        return os.path.join(SHM_DIR, self.name)
-
     @classmethod
     def create(cls, size: int, tag: str) -> "Segment":
-        """Create a new segment of at least ``size`` bytes (rounded up to 4096) owned by this process."""
+        """Create a new segment of at least ``size`` bytes (rounded up to 4096) owned by this process.
+
+        Every page is reserved now: a /dev/shm too small for it raises :class:`ShmError` naming its size and
+        ``--shm-size``.
+        """
         if size <= 0:
             raise ShmError(f"segment size must be > 0, got {size}")
         size = _align(size)
-        name = f"h3ms-{os.getpid()}-{secrets.token_hex(8)}-{tag}"
-        if not SEGMENT_NAME_RE.match(name):
+        if not SEGMENT_NAME_RE.match(f"h3ms-1-{'0' * 24}-{tag}"):
             raise ShmError(f"segment tag {tag!r} must be 1-48 chars of letters, digits, '_' or '.'")
-        check_free_space(size)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ShmError(f"cannot create a shared-memory segment in {SHM_DIR}: {exc} (it must be a tmpfs the "
+                           "current user can write; in Docker it always is)") from None
+        try:
+            _reserve(fd, size)
+            name = f"h3ms-{os.getpid()}-{fd:08x}{os.fstat(fd).st_ino:016x}-{tag}"
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.unlink(os.path.join(SHM_DIR, name))
-            raise
-        finally:
             os.close(fd)
-        return cls(name, size, mm, owner=True)
+            raise
+        return cls(name, size, mm, owner=True, fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
-        """Map an existing segment by name."""
-        if not isinstance(name, str) or not SEGMENT_NAME_RE.match(name):
-            raise ShmError(f"{name!r} is not a segment name of this pack (h3ms-<pid>-<hex>-<tag>)")
+        """Map an existing segment by its id (through its owner's descriptor)."""
+        path, ino = _handle_path(name)
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ShmError(f"shared-memory segment {name} does not exist (released, or its owner died)") from None
+        except PermissionError:
+            raise ShmError(f"cannot open shared-memory segment {name} through {path}: permission denied (the "
+                           "owner must run as the same user and stay dumpable)") from None
         try:
-            size = os.fstat(fd).st_size
-            if size <= 0:
+            st = os.fstat(fd)
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
+                raise ShmError(f"shared-memory segment {name} does not exist (released, or its owner died)")
+            if st.st_size <= 0:
                 raise ShmError(f"shared-memory segment {name} is empty")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(name, size, mm, owner=False)
+        return cls(name, st.st_size, mm, owner=False)
 
     def _mapping(self) -> mmap.mmap:
         if self._mm is None:
@@ -185,7 +212,8 @@ class Segment:
         return flat.view(dt).view(tuple(desc["shape"]))
 
     def close(self) -> None:
-        """Unmap (after CUDA unregistration).  Tensor views that are still alive keep the mapping until freed."""
+        """Unmap (after CUDA unregistration) and, for the owner, drop the handle others attach through.  Tensor
+        views that are still alive keep the mapping until freed; the memory goes when every process let go."""
         if self._cuda_ptr is not None:
             unregister_cuda(self)
         self._base = None
@@ -196,21 +224,20 @@ class Segment:
             except BufferError:
                 # Views still exported: the mapping goes away with the last of them.
                 log.debug("segment %s: views still alive at close; unmapped when they are freed", self.name)
+        self.unlink()
 
     def unlink(self) -> None:
-        """Remove the name from /dev/shm (mappings stay valid until closed).  Missing is fine."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Stop new attaches: close the owner's handle (our own mapping stays valid).  Idempotent; a no-op for
+        an attached segment.  (There is no name in /dev/shm to remove: segments are unnamed.)"""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> "Segment":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-        if self.owner:
-            self.unlink()
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, size={self.size}, owner={self.owner})"
@@ -278,45 +305,26 @@ def unregister_cuda(segment: Segment) -> None:
         log.warning("cudaHostUnregister of %s failed with CUDA error %d", segment.name, code)
 
 
-def owner_pid(name: str) -> int | None:
-    """The owner pid carried by a segment name, or None if it is not one of ours."""
-    m = SEGMENT_NAME_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def dead_owner_entries(path: str, pattern: "re.Pattern[str]") -> list[str]:
-    """Full paths of entries in ``path`` named by ``pattern`` (group 1 = owner pid) whose owner is dead and that
-    belong to this user (never a link).  The one rule both the shm and the run-dir sweeps apply."""
+def held_shm(pid: int) -> set[str]:
+    """This pack's /dev/shm files that process ``pid`` has open or mapped: unnamed segments (``/dev/shm/#<inode>
+    (deleted)``) and the named ``h3ms-*`` probe arenas of the exchange benchmark; empty when it is gone.  Leak checks
+    and diagnostics: a segment's memory is in use exactly while some process holds it.  (Other users of /dev/shm,
+    e.g. POSIX semaphores ``sem.*``, are not counted.)"""
+    ours = (SHM_DIR + "/#", SHM_DIR + "/h3ms-")
+    out: set[str] = set()
     try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    uid = os.getuid()
-    out = []
-    for name in names:
-        m = pattern.match(name)
-        if not m or pid_alive(int(m.group(1))):
-            continue
-        full = os.path.join(path, name)
-        try:
-            st = os.lstat(full)
-        except OSError:
-            continue
-        if st.st_uid == uid and not os.path.islink(full):
-            out.append(full)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(ours):
+                out.add(target)
+        with open(f"/proc/{pid}/maps") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith(ours):
+                    out.add(parts[5].rstrip("\n"))
+    except (FileNotFoundError, ProcessLookupError):
+        return set()
     return out
-
-
-def sweep_dead_owners(path: str = SHM_DIR) -> list[str]:
-    """Unlink ``h3ms-<pid>-*`` segments whose owner process is gone; return their names."""
-    removed = []
-    for full in dead_owner_entries(path, SEGMENT_NAME_RE):
-        try:
-            os.unlink(full)
-            removed.append(os.path.basename(full))
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("could not remove stale segment %s: %s", full, exc)
-    if removed:
-        log.info("removed %d shared-memory segment(s) left by dead processes: %s", len(removed), removed[:8])
-    return removed

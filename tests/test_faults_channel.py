@@ -1,0 +1,87 @@
+"""Fault family: hostile or vanished peers.  Strangers flooding the pool's socket with silent connections, a log
+with no newlines, an event-stream client that leaves: each costs a bounded amount, briefly, and says why."""
+import asyncio
+import logging
+import socket
+import time
+
+import pytest
+
+from h3ms_async import serve
+from h3ms_async.coordinator import get_coordinator
+from h3ms_async.http_routes import tail_file
+from h3ms_async.pool import MAX_HANDSHAKES_PER_RANK, WorkerPool
+from h3ms_async.status import StatusHub
+from workers import protocol
+
+
+def _connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(15)
+    s.connect(path)
+    return s
+
+
+def _first_frame(s: socket.socket) -> dict | None:
+    """The coordinator's first frame (its challenge), or None when it closed the connection instead."""
+    head = s.recv(4)
+    if not head:
+        return None
+    (n,) = protocol.HEADER.unpack(head)
+    body = b""
+    while len(body) < n:
+        body += s.recv(n - len(body))
+    return protocol.decode(body)
+
+
+def test_silent_strangers_get_bounded_slots_and_a_reason(caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv("H3MS_RUN_DIR", str(tmp_path))
+    caplog.set_level(logging.ERROR, logger="h3_multistream")
+    coord = get_coordinator()
+    pool = WorkerPool(["cpu"], name="flood")
+    coord.run(pool.start(), 120)
+    try:
+        silent = [_connect(pool.socket_path) for _ in range(MAX_HANDSHAKES_PER_RANK)]
+        assert all(_first_frame(s)["k"] == "challenge" for s in silent)
+        extra = _connect(pool.socket_path)
+        assert _first_frame(extra) is None  # over the limit: closed at once, nothing buffered for it
+        extra.close()
+        assert coord.run(pool.request(0, "ping", {}, timeout=30), 60)["pong"] is True  # the pool serves on
+        t0 = time.monotonic()
+        for s in silent:  # each silent stranger is dropped after the 10 s auth deadline, with the reason
+            answer = _first_frame(s)
+            assert answer["k"] == "refused" and "no auth answer within 10 s" in answer["error"]
+            assert s.recv(1) == b"" and time.monotonic() - t0 < 15
+            s.close()
+        logged = [r.getMessage() for r in caplog.records]
+        assert sum("TimeoutError: the peer sent no auth answer within 10 s" in m for m in logged) == len(silent)
+        assert any("handshakes already pending" in m for m in logged)
+        again = _connect(pool.socket_path)  # the slots are free again
+        assert _first_frame(again)["k"] == "challenge"
+        again.close()
+    finally:
+        coord.run(pool.release(force=True), 60)
+
+
+def test_tail_of_a_huge_log_without_newlines_is_quick_and_not_empty(tmp_path):
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"x" * 50_000_000 + b"END")
+    t = time.perf_counter()
+    lines = tail_file(log, 200)
+    assert time.perf_counter() - t < 1.0
+    assert len(lines) == 1 and lines[0].endswith("xEND") and len(lines[0]) == 64 * 1024
+    log.write_bytes(b"a\n" * 10 + b"last")
+    assert tail_file(log, 3) == ["a", "a", "last"]
+
+
+@pytest.mark.asyncio
+async def test_an_event_stream_slot_is_freed_soon_after_its_client_leaves(aiohttp_client):
+    app = serve.build_app(hub=StatusHub())
+    client = await aiohttp_client(app)
+    resp = await client.get("/h3multistream/events?timeout=60")
+    assert resp.status == 200 and len(app[serve._STREAMS]) == 1
+    resp.close()
+    t0 = time.monotonic()
+    while app[serve._STREAMS]:
+        assert time.monotonic() - t0 < 3.0, "the stream slot stayed taken after its client left"
+        await asyncio.sleep(0.05)
