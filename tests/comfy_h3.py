@@ -121,7 +121,8 @@ def ksample(model: Any, steps: int = 2, seed: int = 5, cfg: float = 2.0, **input
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[bool, float]:
     """(bit-identical, max abs difference) of two lists of streams."""
     eq = len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
-    diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b)) if len(a) == len(b) else float("inf")
+    diff = max((float((x.float() - y.float()).abs().max()) for x, y in zip(a, b)), default=0.0) \
+        if len(a) == len(b) else float("inf")
     return eq, diff
 
 
