@@ -292,7 +292,7 @@ def test_block_tensors_follow_patches_without_double_applying():
     dm = patcher.model.diffusion_model
     cfg = read_config(dm)
     assert cfg == DiTConfig(hidden=64, layers=2, heads=4, head_dim=16, ffn=96, t_dim=32, rope_pairs=6, eps=1e-5)
-    plain = block_tensors(patcher, 1)
+    plain = block_tensors(patcher, 1, torch.bfloat16)
     assert {k: tuple(v.shape) for k, v in plain.items()} == cfg.block_shapes()
     assert torch.equal(plain["mlp.fc1.weight"], dm.blocks[1].mlp.fc1.weight)
 
@@ -301,16 +301,16 @@ def test_block_tensors_follow_patches_without_double_applying():
     lora.add_patches({"diffusion_model.blocks.1.mlp.fc1.weight": diff})
     lora.add_weight_wrapper("diffusion_model.blocks.1.norm1.weight", lambda w: w * 2)
     expected = (dm.blocks[1].mlp.fc1.weight.float() + diff).to(torch.bfloat16)
-    got = block_tensors(lora, 1)
+    got = block_tensors(lora, 1, torch.bfloat16)
     assert torch.equal(got["mlp.fc1.weight"], expected)
     assert torch.equal(got["norm1.weight"], dm.blocks[1].norm1.weight * 2)
     lora.patch_model()  # a full load bakes the patch in; reading again must not add it twice
     try:
-        assert torch.equal(block_tensors(lora, 1)["mlp.fc1.weight"], expected)
-        assert torch.equal(block_tensors(patcher, 1)["mlp.fc1.weight"], plain["mlp.fc1.weight"])  # from backup
+        assert torch.equal(block_tensors(lora, 1, torch.bfloat16)["mlp.fc1.weight"], expected)
+        assert torch.equal(block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])  # from backup
     finally:
         lora.unpatch_model()
-    assert torch.equal(block_tensors(patcher, 1)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
+    assert torch.equal(block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
 
 
 def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
@@ -324,7 +324,7 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
                                          convrot=True, convrot_groupsize=256)
     block.attn.qkv_proj.weight = torch.nn.Parameter(QuantizedTensor(q, "TensorWiseINT8Layout", params),
                                                     requires_grad=False)
-    got = block_tensors(patcher, 0)
+    got = block_tensors(patcher, 0, torch.bfloat16)
     assert got["attn.qkv_proj.weight"].dtype == torch.int8 and torch.equal(got["attn.qkv_proj.weight"], q)
     assert torch.equal(got["attn.qkv_proj.weight_scale"], scale)
     assert json.loads(bytes(got["attn.qkv_proj.comfy_quant"].numpy())) == {
