@@ -25,6 +25,11 @@ PACK_NAME = "h3_multistream_async"
 
 
 def _archive() -> Path | None:
+    """``H3MS_COMFY_ARCHIVE`` (e.g. a copy carried to a GPU machine in the git-ignored ``.carry/``), else the one in
+    ``../shared/comfyui``."""
+    given = os.environ.get("H3MS_COMFY_ARCHIVE")
+    if given:
+        return Path(given) if Path(given).is_file() else None
     found = sorted((SHARED / "comfyui").glob("ComfyUI-*.tar.xz"))
     return found[0] if found else None
 
