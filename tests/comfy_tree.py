@@ -25,18 +25,19 @@ PACK_NAME = "h3_multistream_async"
 
 
 def _archive() -> Path | None:
-    """``H3MS_COMFY_ARCHIVE`` (e.g. a copy carried to a GPU machine in the git-ignored ``.carry/``), else the one in
-    ``../shared/comfyui``."""
-    given = os.environ.get("H3MS_COMFY_ARCHIVE")
-    if given:
-        return Path(given) if Path(given).is_file() else None
+    if os.environ.get("H3MS_COMFY_ARCHIVE"):  # the GPU machine: the archive travels inside the checkout
+        return Path(os.environ["H3MS_COMFY_ARCHIVE"])
     found = sorted((SHARED / "comfyui").glob("ComfyUI-*.tar.xz"))
     return found[0] if found else None
 
 
-def shims_dir() -> Path:
-    """The placeholder packages that go last on ``sys.path``."""
-    return SHARED / "comfyui" / "shims"
+def shim_dirs() -> list[str]:
+    """The folders of placeholder packages that go last on ``sys.path`` (``H3MS_EXTRA_SHIMS`` adds one: the GPU
+    machine lacks PyAV, whose wheel is too big to carry)."""
+    dirs = [str(SHARED / "comfyui" / "shims")]
+    if os.environ.get("H3MS_EXTRA_SHIMS"):
+        dirs.append(os.environ["H3MS_EXTRA_SHIMS"])
+    return dirs
 
 
 def skip_reason() -> str | None:
@@ -44,7 +45,7 @@ def skip_reason() -> str | None:
     if not (COMFY_ROOT / "main.py").is_file() and _archive() is None:
         return (f"no real ComfyUI: neither {COMFY_ROOT}/main.py nor {SHARED}/comfyui/ComfyUI-*.tar.xz exists "
                 "(set H3MS_SHARED to the shared/ folder or H3MS_COMFY_ROOT to a ComfyUI checkout)")
-    for mod in ("torchsde", "transformers", "sqlalchemy", "av", "comfy_kitchen"):
+    for mod in ("torchsde", "transformers", "sqlalchemy", "comfy_kitchen"):
         try:
             __import__(mod)
         except ImportError:
@@ -74,7 +75,7 @@ def ensure_tree() -> Path:
 _PRELUDE = """\
 import sys
 sys.path.insert(0, {root!r})
-sys.path.append({shims!r})
+sys.path.extend({shims!r})
 sys.argv = ["main.py"] + {argv!r}
 """
 
@@ -83,7 +84,7 @@ def main_py_command(comfy_args: list[str]) -> list[str]:
     """The command that starts ComfyUI's ``main.py`` with ``comfy_args``, shims last on ``sys.path`` (cwd: the
     tree's root)."""
     root = ensure_tree()
-    code = _PRELUDE.format(root=str(root), shims=str(shims_dir()), argv=list(comfy_args)) + (
+    code = _PRELUDE.format(root=str(root), shims=shim_dirs(), argv=list(comfy_args)) + (
         "import runpy\nrunpy.run_path('main.py', run_name='__main__')\n")
     return [sys.executable, "-c", code]
 
@@ -93,7 +94,7 @@ def run_comfy_script(body: str, comfy_args: list[str], env: dict[str, str] | Non
     """Run ``body`` in a fresh Python process inside the tree, after ComfyUI's flags are parsed from ``comfy_args``
     (as ``main.py`` would get them). ``body`` imports what it needs (``comfy.*``, ``nodes``, ``execution``)."""
     root = ensure_tree()
-    code = _PRELUDE.format(root=str(root), shims=str(shims_dir()), argv=list(comfy_args)) + (
+    code = _PRELUDE.format(root=str(root), shims=shim_dirs(), argv=list(comfy_args)) + (
         "import comfy.options\ncomfy.options.enable_args_parsing()\n") + body
     full_env = dict(os.environ)
     full_env.update(env or {})

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Source this on the GPU device machine (no internet) before a run that needs real ComfyUI:
+#   carry [".ck", ".whl", ".carry"]: comfy-kitchen's CUDA build (benchmarks/fetch_kitchen.sh), the wheels ComfyUI
+#   needs that the image lacks, and .carry/ComfyUI-*.tar.xz (+ .carry/shims: a PyAV placeholder, PyAV is too big).
+# It installs the wheels into /tmp/site, puts comfy-kitchen on PYTHONPATH, unpacks ComfyUI into .comfyui/ and points
+# the test harness at the shims (appended last to sys.path, as on CPU).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+export PYTHONPATH="/tmp/site:$PWD/.ck:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export H3MS_COMFY_ARCHIVE="$(ls "$PWD"/.carry/ComfyUI-*.tar.xz | head -n 1)" H3MS_EXTRA_SHIMS="$PWD/.carry/shims"
