@@ -145,11 +145,11 @@ def effective_weight(patcher: Any, key: str, compute_dtype: torch.dtype) -> Any:
     """
     backup = getattr(patcher, "backup", {})
     weight = _on_the_fly_patch(patcher, key, compute_dtype) if key in patcher.patches else None
-    if weight is None and key not in backup:
+    if weight is not None:
+        pass  # ModelPatcherDynamic's on-the-fly patch: what ComfyUI computes with
+    elif key not in backup:
         device = patcher.load_device if key in patcher.patches else None
         weight = patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
-    elif weight is not None:
-        pass  # the on-the-fly patch above
     elif getattr(patcher.model, "current_weight_patches_uuid", None) == patcher.patches_uuid:
         path, attr = key.rsplit(".", 1)
         weight = getattr(patcher.get_model_object(path), attr)
