@@ -7,10 +7,11 @@ ComfyUI starts as ``main.py`` starts (``import main``: DynamicVRAM on), loads th
 H3's real block stack (5376 wide, 56 heads x 128, MLP 14336, int8 linears; ``tests/comfy_h3.FULL``) with 4 blocks
 from a state dict through ``comfy.sd.load_diffusion_model_state_dict``. Each model call's block-stack time is taken
 between two forward hooks on ComfyUI's own modules (after ``time_embedder``, the last module before the block loop,
-and before ``final_layer``; each syncs the GPU): plain ComfyUI (unsplit, one GPU) and the node (ComfyUI -> shm -> ranks -> back to the GPU). The ratio the issue
-bounds (<= 2 %) is the node's block-stack time over the engine's own step time on the same ranks, chunks and token
-count (``bench gpu``: split2, resident, host exchange, 8 chunks). Steps after the first are compared (the first
-includes the weight-store fill and the workers' start). JSON: ``$OUT/comfy_node_cost.json``.
+and before ``final_layer``; each syncs the GPU): plain ComfyUI (unsplit, one GPU) and the node (ComfyUI -> shm ->
+ranks -> back to the GPU). The ratio the issue bounds (<= 2 %) is the node's block-stack time over the engine's own
+step time on the same ranks, chunks and token count (``bench gpu``: split2, resident, host exchange, 8 chunks).
+Steps after the first are compared (the first includes the weight-store fill and the workers' start).
+JSON: ``$OUT/comfy_node_cost.json``.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     body = _BODY.format(tests=os.path.join(ROOT, "tests"), tokens=a.tokens, layers=a.layers, steps=a.steps)
     with tempfile.TemporaryDirectory() as web_root:  # ComfyUI's frontend package is not on the GPU machine
-        r = comfy_tree.run_comfy_script(body, ["--disable-api-nodes", "--front-end-root", web_root], timeout_s=420)
+        r = comfy_tree.run_comfy_script(body, ["--disable-api-nodes", "--front-end-root", web_root], timeout_s=170)
     with open(os.path.join(a.out, "comfy_node_cost_comfyui.log"), "w") as fh:
         fh.write(r.stdout + "\n" + r.stderr)
     found = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
@@ -92,8 +93,8 @@ def main() -> int:
     engine_dir = os.path.join(a.out, "engine")
     bench = subprocess.run([sys.executable, "-m", "h3ms_async", "bench", "gpu", "--tokens", str(res["tokens"]),
                             "--layers", str(a.layers), "--weights", "int8", "--ranks", "2", "--residency",
-                            "resident", "--steps", str(a.steps), "--out", engine_dir],
-                           cwd=ROOT, capture_output=True, text=True, timeout=420)
+                            "resident", "--steps", "2", "--out", engine_dir],
+                           cwd=ROOT, capture_output=True, text=True, timeout=150)
     with open(os.path.join(a.out, "comfy_node_cost_bench_gpu.log"), "w") as fh:
         fh.write(bench.stdout + "\n" + bench.stderr)
     if bench.returncode != 0:

@@ -74,7 +74,8 @@ def state_dict(layers: int = 3, dtype: torch.dtype = torch.float32, int8: bool =
         "rope.inv_freq": 1.0 / (100.0 ** (torch.arange(d.rope, dtype=torch.float32) / d.rope)),
         "token_refiner.final_norm.weight": 1 + r(d.hidden),
         "final_layer.norm.weight": 1 + r(d.hidden),
-        "final_layer.adaln_proj.linear.weight": r(2 * d.hidden, d.t_dim), "final_layer.adaln_proj.linear.bias": r(2 * d.hidden),
+        "final_layer.adaln_proj.linear.weight": r(2 * d.hidden, d.t_dim),
+        "final_layer.adaln_proj.linear.bias": r(2 * d.hidden),
         "final_layer.video_out.weight": r(96, d.hidden), "final_layer.video_out.bias": r(96),
         "final_layer.audio_out.weight": r(32, d.hidden), "final_layer.audio_out.bias": r(32),
     }

@@ -214,7 +214,8 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
     sd = comfy_h3.state_dict(layers=1, int8=True)
     patcher = comfy_h3.model(layers=1, int8=True)
     got = MA.block_tensors(patcher, 0, torch.float32)
-    assert got["mlp.fc1.weight"].dtype == torch.int8 and torch.equal(got["mlp.fc1.weight"], sd["blocks.0.mlp.fc1.weight"])
+    assert got["mlp.fc1.weight"].dtype == torch.int8
+    assert torch.equal(got["mlp.fc1.weight"], sd["blocks.0.mlp.fc1.weight"])
     assert torch.equal(got["mlp.fc1.weight_scale"].flatten(), sd["blocks.0.mlp.fc1.weight_scale"].flatten())
     assert "mlp.fc1.comfy_quant" not in got  # a plain tensorwise layer needs no tag
     assert "norm1.weight_scale" not in got and got["norm1.weight"].dtype == torch.float32
