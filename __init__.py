@@ -30,6 +30,10 @@ _NODES = (
     (".nodes.multistream_node", "H3MultiStreamAsync", "H3 MultiStream"),
     (".nodes.gpu_set_node", "H3MSGPUSetAsync", "H3 MS GPU Set"),
     (".nodes.release_node", "H3MSReleaseResourcesAsync", "H3 MS Release Resources"),
+    (".nodes.vae_split_node", "H3MSVAESplitDecodeAsync", "H3 MS VAE Split Decode"),
+    (".nodes.vae_cache_node", "H3MSVAECacheAsync", "H3 MS VAE Cache"),
+    (".nodes.text_cache_node", "H3MSTextEncoderCacheAsync", "H3 MS Text Encoder Cache"),
+    (".nodes.attention_parallel_node", "H3AttentionParallelAsync", "H3 Attention Parallel"),
 )
 
 

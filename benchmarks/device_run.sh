@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all] [extra bench args...]
+#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae] [extra bench args...]
+#   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
+#   vae: the VAE split decode (full-size H3 VAE, fp16 and bf16, 2 and 4 logical ranks) and the cache benchmarks; needs
+#   the ComfyUI tree (tests/comfy_tree.py unpacks it from shared/) and its imports.
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +23,21 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m h3ms_async bench gpu --out "$out" "$@" 2>&1 | tee "$out/bench_gpu.log" || rc=1
+fi
+if [ "$what" = attention ]; then
+  python3 -m pytest -q -p no:cacheprovider -s tests/test_attention_parallel_cuda.py 2>&1 | tee "$out/pytest_attention_cuda.log"
+  rc=${PIPESTATUS[0]}
+  python3 -m h3ms_async bench attention --out "$out/bench_attention.json" "$@" 2>&1 | tee "$out/bench_attention.log" || rc=1
+  echo "attention: ${SECONDS} s wall (tests + bench)" | tee -a "$out/bench_attention.log"
+fi
+if [ "$what" = vae ]; then
+  root=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.ensure_tree())")
+  shims=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(' '.join('--extra-path ' + d for d in comfy_tree.shim_dirs()))")
+  for dt in fp16 bf16; do
+    # shellcheck disable=SC2086  # one --extra-path per shim folder
+    python3 -m h3ms_async bench vae --comfy-root "$root" $shims --dtype "$dt" --ranks 2,4 \
+      --out "$out" "$@" 2>&1 | tee "$out/bench_vae_$dt.log" || rc=1
+  done
+  python3 -m h3ms_async bench caches --out "$out" 2>&1 | tee "$out/bench_caches.log" || rc=1
 fi
 exit $rc

@@ -5,7 +5,6 @@ everything) is shared with the tests.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -25,6 +24,7 @@ import torch
 
 from workers.exchange import ArenaLayout
 
+from .cli import ArgParser, int_list, positive_int
 from .log import ensure_console_handler, get_logger
 
 log = get_logger("bench")
@@ -86,7 +86,7 @@ class ProbeGroup:
     def __init__(self, world: int, cases: list[dict], *, stall: dict | None = None, gen: int = 0,
                  dist_timeout_s: float = 60.0) -> None:
         self.world = world
-        self.run_dir = tempfile.mkdtemp(prefix="h3ms-xch-")
+        self.run_dir = tempfile.mkdtemp(prefix=f"h3ms-xch-{os.getpid()}-")  # owner pid: a leak check can tell its own
         self._shm: list[ShmFile] = []
         self.doorbells: list[int] = []
         self.procs: list[subprocess.Popen] = []
@@ -317,19 +317,23 @@ def _choice(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m h3ms_async.bench_exchange", description=__doc__)
-    ap.add_argument("--world", default="2,4,8")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--chunks", default="0,8")
-    ap.add_argument("--transport", default="host,gloo")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--spin-us", type=float, default=50.0)
+    ap = ArgParser(prog="python -m h3ms_async bench exchange", description=__doc__)
+    ap.add_argument("--world", type=int_list, default=[2, 4, 8], help="rank counts to compare (default 2,4,8)")
+    ap.add_argument("--tokens", type=positive_int, default=4096, help="rows exchanged (default 4096)")
+    ap.add_argument("--width", type=positive_int, default=1024, help="row width (default 1024)")
+    ap.add_argument("--chunks", type=int_list, default=[0, 8], help="chunk counts to compare (default 0,8)")
+    ap.add_argument("--transport", default="host,gloo", help="transports to compare: host, gloo (default both)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ap.add_argument("--rounds", type=positive_int, default=10, help="timed rounds per case (default 10)")
+    ap.add_argument("--spin-us", type=float, default=50.0, help="spin before sleeping, microseconds (default 50)")
     args = ap.parse_args(argv)
+    transports = tuple(t.strip() for t in args.transport.split(",") if t.strip())
+    if not transports or set(transports) - {"host", "gloo"}:
+        ap.error(f"argument --transport: {args.transport!r}; use host, gloo or host,gloo")
+    if min(args.world) < 2:
+        ap.error(f"argument --world: {min(args.world)} ranks; an exchange needs at least 2 (e.g. 2,4,8)")
     ensure_console_handler()
-    rep = run_bench_exchange(tuple(int(x) for x in args.world.split(",")), args.tokens, args.width,
-                             tuple(int(x) for x in args.chunks.split(",")), tuple(args.transport.split(",")),
+    rep = run_bench_exchange(tuple(args.world), args.tokens, args.width, tuple(args.chunks), transports,
                              args.dtype, args.rounds, args.spin_us)
     print(json.dumps(rep, indent=1))
     return 0

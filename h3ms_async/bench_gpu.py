@@ -18,7 +18,6 @@ step, the first included, is compared with ``torch.equal``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from h3ms_async.cli import ArgParser, int_list
 from h3ms_async.layout import layout_for_tokens
 from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.split import SplitEngine, SplitOptions, release_all_engines
@@ -209,21 +209,19 @@ def summarize(res: dict) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h3ms_async bench gpu", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="39975,75794", help="comma-separated packed sequence lengths")
+    p = ArgParser(prog="python -m h3ms_async bench gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int_list, default=[39975, 75794], help="comma-separated packed sequence lengths")
     p.add_argument("--layers", type=int, default=4, help="blocks (>= 4 for the parity claim)")
     p.add_argument("--weights", default="int8,bf16", help="comma-separated: int8,bf16")
-    p.add_argument("--ranks", default="2,4", help="logical rank counts on cuda:0")
+    p.add_argument("--ranks", type=int_list, default=[2, 4], help="logical rank counts on cuda:0")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant (best is kept)")
     p.add_argument("--residency", default="resident,stream", help="comma-separated: resident,stream")
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench gpu needs a CUDA GPU", file=sys.stderr)
-        return 2
+        p.error(f"bench gpu needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it on a GPU machine")
     try:
-        res = run([int(t) for t in a.tokens.split(",")], a.layers, a.weights.split(","),
-                  [int(r) for r in a.ranks.split(",")], a.steps, residencies=a.residency.split(","))
+        res = run(a.tokens, a.layers, a.weights.split(","), a.ranks, a.steps, residencies=a.residency.split(","))
     finally:
         release_all_engines()
     text = json.dumps(res, indent=1, default=str)

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -12,6 +11,7 @@ import sys
 import time
 from typing import Sequence
 
+from h3ms_async.cli import ArgParser, int_list, positive_int
 from h3ms_async.coordinator import get_coordinator
 from h3ms_async.pool import WorkerPool
 
@@ -100,16 +100,16 @@ def run_bench_ipc(samples: int = 2000, messages: int = 20000, window: int = 256,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="h3ms_async bench ipc", description=__doc__)
-    p.add_argument("--samples", type=int, default=2000, help="sequential pings timed (default 2000)")
-    p.add_argument("--messages", type=int, default=20000, help="pipelined pings (default 20000)")
-    p.add_argument("--window", type=int, default=256, help="pipelined pings in flight (default 256)")
-    p.add_argument("--copy-mib", type=int, default=64, help="shm->tensor copy size in MiB (default 64)")
-    p.add_argument("--pool-sizes", default="1,4,8", help="worker counts whose start time is measured")
+    p = ArgParser(prog="python -m h3ms_async bench ipc", description=__doc__)
+    p.add_argument("--samples", type=positive_int, default=2000, help="sequential pings timed (default 2000)")
+    p.add_argument("--messages", type=positive_int, default=20000, help="pipelined pings (default 20000)")
+    p.add_argument("--window", type=positive_int, default=256, help="pipelined pings in flight (default 256)")
+    p.add_argument("--copy-mib", type=positive_int, default=64, help="shm->tensor copy size in MiB (default 64)")
+    p.add_argument("--pool-sizes", type=int_list, default=[1, 4, 8], help="worker counts whose start time is measured")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.pool_sizes.split(",") if s.strip()]
-    if args.samples < 1 or args.messages < 1 or args.copy_mib < 1 or not sizes or min(sizes) < 1:
-        p.error("counts and sizes must be >= 1")
+    sizes = args.pool_sizes
+    if min(sizes) < 1:
+        p.error(f"argument --pool-sizes: {min(sizes)} workers; every pool size must be >= 1 (e.g. 1,4,8)")
     run_bench_ipc(samples=args.samples, messages=args.messages, window=args.window, copy_mib=args.copy_mib,
                   pool_sizes=sizes)
     return 0

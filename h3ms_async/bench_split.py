@@ -14,7 +14,6 @@ Warm-up steps are excluded from timing.  The defaults finish in about a minute o
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -27,6 +26,7 @@ from typing import Sequence
 import torch
 
 from h3ms_async import plans
+from h3ms_async.cli import ArgParser, int_list
 from h3ms_async.bench_exchange import ProbeGroup, split_bounds
 from h3ms_async.layout import layout_for_tokens
 from h3ms_async.log import ensure_console_handler, get_logger
@@ -317,15 +317,8 @@ def run_bench_split(ranks: Sequence[str] = ("cpu", "cpu"), device: str | None = 
     return report
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 0,8)") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h3ms_async bench split", description=__doc__.splitlines()[0])
+    p = ArgParser(prog="python -m h3ms_async bench split", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="cpu,cpu", help="one device per rank, e.g. cpu,cpu,cpu or cuda:0,cuda:1")
     p.add_argument("--device", default=None, help="device of the unsplit run (default: the first rank's device)")
     p.add_argument("--tokens", type=int, default=2048, help="packed sequence length (H3 benchmarks: 39975, 75794)")
@@ -337,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--weights", choices=WEIGHT_KINDS, default="int8", help="block weight format")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed (but checked) steps before the timed ones")
-    p.add_argument("--chunks", type=_int_list, default=[0, 8], help="host exchange chunk counts to compare (0/1: single shot)")
+    p.add_argument("--chunks", type=int_list, default=[0, 8], help="host exchange chunk counts to compare (0/1: single shot)")
     p.add_argument("--exchange", default="host,nccl", help="transports to compare: host, nccl (gloo on CPU ranks)")
     p.add_argument("--probe-rounds", type=int, default=50, help="tiny-payload signal probe rounds (0: skip)")
     p.add_argument("--seed", type=int, default=1234)

@@ -308,10 +308,10 @@ def make_split_plan(devices: Sequence[str], shares: Sequence[float] | None, toke
     if len(shares) != n:
         raise GPUSelectionError(_shares_mismatch_ranks(shares, devices))
     if n > heads:
-        raise GPUSelectionError(f"{n} GPU ranks but the model has only {heads} attention heads; "
+        raise GPUSelectionError(f"{n} ranks but the model has only {heads} attention heads; "
                                 f"use at most {heads} ranks")
     if tokens < n:
-        raise GPUSelectionError(f"cannot split {tokens} tokens across {n} GPU ranks; use at most {tokens} ranks")
+        raise GPUSelectionError(f"cannot split {tokens} tokens across {n} ranks; use at most {tokens} ranks")
     return SplitPlan(tuple(devices), tuple(partition(tokens, shares, "tokens")),
                      tuple(partition(heads, shares, "attention heads")))
 

@@ -137,7 +137,9 @@ class WorkerPool:
     """One worker process per rank; see the module doc."""
 
     def __init__(self, devices: Sequence[str], *, name: str = "dit", start_timeout: float | None = None,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, also_visible: Sequence[str] = ()) -> None:
+        """``also_visible``: CUDA devices every worker sees besides its own (after it, as cuda:1, cuda:2, ...; its own
+        device stays cuda:0), for rank programs that reach another GPU's memory (e.g. through CUDA IPC)."""
         if isinstance(devices, str) or not devices:
             raise ValueError(f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
                              f"got {devices!r}")
@@ -148,9 +150,12 @@ class WorkerPool:
             raise ValueError(f"pool name {name!r} must be 1-24 letters, digits or '_'")
         self.name = name
         self._devices = [("cuda:0" if d == "cuda" else d) for d in devices]
-        if self._cuda_devices():
-            for d in self._cuda_devices():  # fail on a bad device list now, not in a worker
-                cuda_visible_for(d, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self._also_visible = [("cuda:0" if d == "cuda" else d) for d in also_visible]
+        bad = [d for d in self._also_visible if not d.startswith("cuda") or not _DEVICE_RE.match(d)]
+        if bad:
+            raise ValueError(f"also_visible {bad!r} are not CUDA devices 'cuda' or 'cuda:N'")
+        for d in self._cuda_devices() + self._also_visible:  # fail on a bad device list now, not in a worker
+            cuda_visible_for(d, os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.start_timeout = float(start_timeout) if start_timeout else _env_seconds(
             ENV_START_TIMEOUT, DEFAULT_START_TIMEOUT)
         self.hb_timeout = _env_seconds(ENV_HB_TIMEOUT, DEFAULT_HB_TIMEOUT)
@@ -265,8 +270,27 @@ class WorkerPool:
         env["PYTHONPATH"] = PACK_ROOT + (os.pathsep + old if old else "")
         env["PYTHONUNBUFFERED"] = "1"
         if w.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_for(w.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._visible_entries(w.device))
         return env
+
+    def _visible_entries(self, device: str) -> list[str]:
+        """CUDA_VISIBLE_DEVICES entries of a worker on ``device``: its own first, then ``also_visible`` (no repeats)."""
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+        entries: list[str] = []
+        for d in [device] + self._also_visible:
+            entry = cuda_visible_for(d, parent)
+            if entry not in entries:
+                entries.append(entry)
+        return entries
+
+    def local_index(self, rank: int, device: str) -> int:
+        """The index under which the worker of ``rank`` sees ``device`` (its own device or one of ``also_visible``)."""
+        own = self._devices[rank]
+        entries = self._visible_entries(own)
+        entry = cuda_visible_for(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if not own.startswith("cuda") or entry not in entries:
+            raise ValueError(f"rank {rank} on {own} does not see {device}; add it to the pool's also_visible")
+        return entries.index(entry)
 
     def _spawn(self, w: _Worker) -> None:
         local_device = "cuda:0" if w.device.startswith("cuda") else "cpu"

@@ -9,7 +9,7 @@ one process with real slicing, to check the split's exactness without processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -176,13 +176,18 @@ class ReferenceDiT:
         self._loaded = blocks
 
     def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[Segment],
-                       rope_freqs: torch.Tensor, *, attention: str = "sdpa") -> torch.Tensor:
-        """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned)."""
+                       rope_freqs: torch.Tensor, *, attention: str = "sdpa",
+                       on_block: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned).
+
+        ``on_block(i)`` is called after block ``i`` (progress bars)."""
         c = self.config
         with torch.inference_mode():
             for i in range(c.layers):
                 x = dit_ops.block_forward_unsplit(x, self.block_weights(i), t_emb, segments, rope_freqs, c.heads,
                                                   c.head_dim, c.eps, attend=dit_ops.builtin_attend(attention))
+                if on_block is not None:
+                    on_block(i)
         return x
 
 

@@ -32,11 +32,29 @@ def base_dir() -> str:
     return os.environ.get("H3MS_RUN_DIR") or tempfile.gettempdir()
 
 
+def check_base() -> str:
+    """The base dir, checked: it exists, is a directory we can write, and leaves room for a socket path.
+
+    Raises ``RunDirError`` naming the variable and the fix, so a bad setting fails before any worker starts."""
+    base = base_dir()
+    var = "H3MS_RUN_DIR" if os.environ.get("H3MS_RUN_DIR") else "TMPDIR (the temp dir)"
+    if not os.path.isdir(base):
+        raise RunDirError(f"{var}={base!r} is not an existing directory; set H3MS_RUN_DIR to a writable directory "
+                          "such as /tmp")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise RunDirError(f"{var}={base!r} is not writable by this user; set H3MS_RUN_DIR to a writable directory "
+                          "such as /tmp")
+    # the socket the pool makes in its run dir: h3ms-<pid>-<8 random chars>/ctl.sock
+    longest = len(os.fsencode(os.path.join(base, f"h3ms-{os.getpid()}-xxxxxxxx", "ctl.sock")))
+    if longest > MAX_SOCKET_PATH:
+        raise RunDirError(f"{var}={base!r} is too long for AF_UNIX socket paths ({longest} > {MAX_SOCKET_PATH} "
+                          "bytes); set H3MS_RUN_DIR to a short path such as /tmp")
+    return base
+
+
 def create() -> str:
     """Sweep dead owners' run dirs, then make a fresh private one; it is removed at exit if still there."""
-    base = base_dir()
-    if not os.path.isdir(base):
-        raise RunDirError(f"run dir base {base!r} does not exist; set H3MS_RUN_DIR (or TMPDIR) to a directory")
+    base = check_base()
     sweep_dead(base)
     path = tempfile.mkdtemp(prefix=f"h3ms-{os.getpid()}-", dir=base)
     os.chmod(path, 0o700)

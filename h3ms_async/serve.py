@@ -6,15 +6,17 @@ Inside ComfyUI the routes ride on ComfyUI's own server and steps reach the front
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import errno
 import json
 import logging
+import socket
 from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from h3ms_async.cli import ArgParser, fail, port as port_type
 from h3ms_async.http_routes import PREFIX, LogTail, add_routes
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.status import RING_SIZE, StatusHub, get_hub
@@ -145,15 +147,32 @@ def build_app(*, hub: StatusHub | None = None, log_tail: LogTail | None = None) 
     return app
 
 
+def bind_error_text(flag: str, host: str, port: int, exc: OSError) -> str:
+    """One line for a failed bind: which input, why, and what to do (port taken, no permission, bad host)."""
+    if exc.errno == errno.EADDRINUSE:
+        why = f"port {port} on {host} is already in use (another server, or an earlier run still up)"
+        fix = f"choose another {flag} or stop what holds it (ss -ltnp | grep :{port})"
+    elif exc.errno == errno.EACCES:
+        why = f"port {port} needs privileges on this machine"
+        fix = f"use a {flag} above 1023"
+    elif exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+        why = f"{host!r} is not an address of this machine"
+        fix = "use --host 127.0.0.1 (or another local address)"
+    else:
+        why = f"cannot listen on {host}:{port} ({exc.strerror or exc})"
+        fix = f"choose another {flag}"
+    return f"{flag} {port}: {why}; {fix}"
+
+
 def serve(host: str = "127.0.0.1", port: int = 8189, *, hub: StatusHub | None = None,
           log_tail: LogTail | None = None) -> None:
     """Run the standalone server in the calling thread until interrupted (Ctrl-C)."""
     if host not in ("127.0.0.1", "localhost", "::1"):
         _log.warning("serving on %s: these routes have no authentication and can stop workers; "
                      "prefer 127.0.0.1 behind an SSH tunnel", host)
-    _log.info("live panel on http://%s:%d%s/panel", host, port, PREFIX)
-    web.run_app(build_app(hub=hub, log_tail=log_tail), host=host, port=port, print=None,
-                shutdown_timeout=5.0)
+    # logged once the socket is bound (run_app's print hook), so a bind error is the only line a user sees
+    web.run_app(build_app(hub=hub, log_tail=log_tail), host=host, port=port, shutdown_timeout=5.0,
+                print=lambda _: _log.info("live panel on http://%s:%d%s/panel", host, port, PREFIX))
 
 
 RunOnLoop = Callable[[Awaitable[Any], float], Any]
@@ -199,11 +218,13 @@ def start_background_server(port: int = 0, host: str = "127.0.0.1", *, hub: Stat
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m h3ms_async serve [--host H] [--port P]``."""
-    p = argparse.ArgumentParser(prog="python -m h3ms_async serve",
-                                description="Serve the H3 MultiStream status routes and live panel.")
+    p = ArgParser(prog="python -m h3ms_async serve", description="Serve the H3 MultiStream status routes and live panel.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8189, help="TCP port (default 8189)")
+    p.add_argument("--port", type=port_type, default=8189, help="TCP port (default 8189; 0: any free port)")
     args = p.parse_args(list(argv) if argv is not None else None)
     ensure_console_handler(logging.INFO)
-    serve(args.host, args.port)
+    try:
+        serve(args.host, args.port)
+    except OSError as exc:
+        fail(bind_error_text("--port", args.host, args.port, exc))
     return 0

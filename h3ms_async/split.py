@@ -34,7 +34,7 @@ from h3ms_async.weight_store import BlockReader, WeightStore, fill
 from workers import dit_ops, dit_protocol
 from workers.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.dist_exchange import check_nccl_rank_map
-from workers.exchange import ArenaLayout, dtype_name
+from workers.exchange import ArenaLayout, decode_seq, dtype_name
 from workers.shm import Arena, Segment, register_cuda
 
 log = get_logger("MultiStream")
@@ -45,6 +45,11 @@ BASELINE_EXCHANGE = "none"
 _INTERRUPT_POLL_S = 0.05
 #: Smallest token shard a rank may get (see SplitEngine._check_exact_plan).
 MIN_SHARD_TOKENS = 4
+#: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has reached.
+EXCHANGE_OPS_PER_BLOCK = 2
+
+#: ``progress(blocks_done, blocks_total)``: called from the caller's thread while a step runs (progress bars).
+StepProgress = Callable[[int, int], None]
 
 
 class SplitError(RuntimeError):
@@ -191,7 +196,7 @@ class SplitEngine:
         head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
                                             "attention heads")) if self.ranks <= config.heads else None
         if head_bounds is None:
-            raise plans.GPUSelectionError(f"{self.ranks} GPU ranks but the model has only {config.heads} attention "
+            raise plans.GPUSelectionError(f"{self.ranks} ranks but the model has only {config.heads} attention "
                                           f"heads; use at most {config.heads} ranks")
         with self._lock:
             if self._loaded and self._loaded.store.key == key and self._loaded.head_bounds == head_bounds:
@@ -227,7 +232,9 @@ class SplitEngine:
         # dit_release closes the ranks' exchanges; a fresh exchange on the old arena would read its stale sequence
         # words as "ready", so the next step must get new step buffers.
         self._drop_buffers()
-        if self.pool.running:
+        # With a dead rank, pool.all would first restart the whole pool just to hear this; fresh workers hold no
+        # views, and the survivors' go with their pool (a release) or their restart (the next step).
+        if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
             try:
                 self._run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
             except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway
@@ -240,12 +247,15 @@ class SplitEngine:
     def run_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
                    *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
                    sigma: float | None = None, exchange: str | None = None,
-                   exchange_chunks: int | None = None, in_place: bool = False) -> torch.Tensor:
+                   exchange_chunks: int | None = None, progress: StepProgress | None = None,
+                   in_place: bool = False) -> torch.Tensor:
         """Run every loaded block on the ranks; returns the new residual stream on ``x``'s device, in its dtype.
 
         ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
         is accepted (the workers cannot run ComfyUI callables).  ``exchange`` / ``exchange_chunks`` override the
         engine's options for this step (benchmarks compare transports and chunking on the same workers).
+        ``progress``: see :data:`StepProgress`; with the host exchange it follows the slowest rank block by block
+        (read from the arena's sequence words), otherwise it is called once, when the step is done.
         ``in_place``: write the result into ``x`` and return ``x`` (H3's blocks update the stream in place too), so
         a CUDA stream gets one host-to-device copy from the step segment and no new tensor; otherwise a new tensor.
         """
@@ -268,7 +278,8 @@ class SplitEngine:
         with self._lock:
             self._running = True
             try:
-                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, in_place)
+                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress,
+                                  in_place)
             finally:
                 self._running = False
 
@@ -295,7 +306,7 @@ class SplitEngine:
 
     def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
               rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None,
-              in_place: bool) -> torch.Tensor:
+              progress: StepProgress | None, in_place: bool) -> torch.Tensor:
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
@@ -321,8 +332,10 @@ class SplitEngine:
             "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
             "residency": opts.vram_residency,
         } for r in range(self.ranks)]
+        blocks = len(ld.store.manifest)
         try:
-            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt)
+            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt,
+                                self._block_probe(buf, blocks, progress))
         except BaseException:
             # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
             self._drop_buffers()
@@ -334,8 +347,31 @@ class SplitEngine:
         out = x if in_place else torch.empty_like(x)
         out.copy_(result, non_blocking=buf.pinned)
         self.last_rank_results = [dict(r) for r in results]
-        self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], len(ld.store.manifest), sigma)
+        self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], blocks, sigma)
+        if progress is not None:
+            progress(blocks, blocks)
         return out
+
+    @staticmethod
+    def _block_probe(buf: _StepBuffers, blocks: int, progress: StepProgress | None) -> Callable[[], None] | None:
+        """A poll that reports the blocks every rank has reached, from the arena's sequence words.
+
+        The words are snapshotted before the job is sent: until a rank begins this job its word still shows the
+        previous job's last op, which must read as 0 blocks, not as a finished step."""
+        if progress is None or buf.arena is None:
+            return None
+        arena = buf.arena.base_tensor()
+        before = buf.layout.seq_words(arena)
+        last = -1
+
+        def poll() -> None:
+            nonlocal last
+            ops = [0 if w == b else decode_seq(w)[2] for w, b in zip(buf.layout.seq_words(arena), before)]
+            done = min(blocks - 1, min(ops) // EXCHANGE_OPS_PER_BLOCK)
+            if done > last:
+                last = done
+                progress(done, blocks)
+        return poll
 
     async def _dispatch(self, fields: list[dict]) -> list[dict]:
         # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
@@ -407,10 +443,13 @@ class SplitEngine:
         })
 
     # -- plumbing ---------------------------------------------------------------------------------------------
-    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None) -> Any:
-        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires."""
+    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None,
+             poll: Callable[[], None] | None = None) -> Any:
+        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires.
+
+        ``poll`` (progress) runs in this thread between the interrupt checks, so it never races buffer release."""
         coord = get_coordinator()
-        if interrupt is None:
+        if interrupt is None and poll is None:
             try:
                 return coord.run(coro, timeout, what)
             except WorkerError as exc:
@@ -424,7 +463,9 @@ class SplitEngine:
                 pass
             except WorkerError as exc:
                 raise SplitError(str(exc)) from exc
-            if interrupt():
+            if poll is not None:
+                poll()
+            if interrupt is not None and interrupt():
                 self.pool.abort()
                 coord.cancel(fut, wait=2.0)
                 raise SplitInterrupted(f"{what} interrupted; every rank was aborted")

@@ -32,7 +32,12 @@ _status_log = get_logger("Status")
 
 RING_SIZE = 256
 EXCHANGE_MODES = ("host", "nccl", "gloo", "none")
-SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir")
+SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir", "vae_workers", "vae_split",
+            "text_encoder_outputs")
+#: Sections present only while a module provides them: "attention" (H3 Attention Parallel: its engines, each with
+#: ``devices``, ``helpers`` as worker rows, ``splits`` (the tuned head splits) and ``recent_calls`` with per-device
+#: transport and timings).
+OPTIONAL_SECTIONS = ("attention",)
 ACTIONS = ("release_workers", "clear_weights", "detach_hooks")
 GIB = 1024 ** 3
 
@@ -224,7 +229,7 @@ def format_step_line(rec: Mapping) -> str:
 WORKER_FIELDS = ("rank", "device", "pid", "state")
 WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs_done", "log", "busy", "error")
 STATUS_FIELDS = ("version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store", "caches",
-                 "hooks", "ram", "log_dir")
+                 "hooks", "ram", "log_dir", "vae_workers", "vae_split", "text_encoder_outputs")
 
 
 def _is_error_section(v: Any) -> bool:
@@ -261,16 +266,27 @@ def validate_worker_entry(w: Any, path: str = "workers[i]") -> None:
 def validate_section(section: str, value: Any) -> Any:
     """Check one provider-filled section of the status JSON; raises :class:`SchemaError`.
 
-    ``plans`` and ``weight_store`` are objects, ``workers``, ``caches`` and ``hooks`` are lists (workers rows per
-    :func:`validate_worker_entry`, the others lists of objects), ``log_dir`` is a path string or None. Every section
+    ``plans``, ``weight_store``, ``vae_split`` and ``text_encoder_outputs`` are objects, ``workers``,
+    ``vae_workers``, ``caches`` and ``hooks`` are lists (worker rows per :func:`validate_worker_entry`, the others
+    lists of objects), ``log_dir`` is a path string or None. Every section
     must be JSON-serialisable, since it goes straight into the HTTP answer.
     """
     what = "status"
-    if section not in SECTIONS:
-        raise SchemaError(f"status: unknown section {section!r}; known sections: {', '.join(SECTIONS)}")
+    if section not in SECTIONS + OPTIONAL_SECTIONS:
+        raise SchemaError(f"status: unknown section {section!r}; known sections: "
+                          f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
     if _is_error_section(value):
         return value
-    if section in ("plans", "weight_store"):
+    if section == "attention":
+        engines = _req_keys(what, section, value, ("engines",))["engines"]
+        if not isinstance(engines, list):
+            _fail(what, "attention.engines", f"must be a list, got {type(engines).__name__}")
+        for i, eng in enumerate(engines):
+            _req_keys(what, f"attention.engines[{i}]", eng, ("devices", "helpers", "calls", "recent_calls"),
+                      ("shares", "transport", "running", "splits"))
+            for j, w in enumerate(eng["helpers"]):
+                validate_worker_entry(w, f"attention.engines[{i}].helpers[{j}]")
+    elif section in ("plans", "weight_store", "vae_split", "text_encoder_outputs"):
         if not isinstance(value, Mapping):
             _fail(what, section, f"must be an object, got {type(value).__name__}")
     elif section == "log_dir":
@@ -280,8 +296,8 @@ def validate_section(section: str, value: Any) -> Any:
         if not isinstance(value, list):
             _fail(what, section, f"must be a list, got {type(value).__name__}")
         for i, item in enumerate(value):
-            if section == "workers":
-                validate_worker_entry(item, f"workers[{i}]")
+            if section in ("workers", "vae_workers"):
+                validate_worker_entry(item, f"{section}[{i}]")
             elif not isinstance(item, Mapping):
                 _fail(what, f"{section}[{i}]", f"must be an object, got {type(item).__name__}")
     try:
@@ -294,14 +310,14 @@ def validate_section(section: str, value: Any) -> Any:
 def validate_status(st: Any) -> dict:
     """Check a whole status object (what ``GET /h3multistream/status`` answers) and return it."""
     what = "status"
-    _req_keys(what, "<status>", st, STATUS_FIELDS)
+    _req_keys(what, "<status>", st, STATUS_FIELDS, OPTIONAL_SECTIONS)
     _req_str(what, "version", st["version"])
     if not isinstance(st["running"], bool):
         _fail(what, "running", f"must be a bool, got {st['running']!r}")
     if st["last_step"] != {}:
         validate_step_record(st["last_step"])
     _req_int(what, "steps_recorded", st["steps_recorded"])
-    for s in SECTIONS:
+    for s in SECTIONS + tuple(s for s in OPTIONAL_SECTIONS if s in st):
         validate_section(s, st[s])
     ram = _req_keys(what, "ram", st["ram"], ("available_bytes", "total_bytes", "text"), ("container_limit",))
     for k in ("available_bytes", "total_bytes"):
@@ -404,8 +420,9 @@ def _pack_version() -> str:
 # the hub
 
 _DEFAULTS: dict[str, Callable[[], Any]] = {
-    "plans": dict, "workers": list, "weight_store": lambda: {"state": "off"}, "caches": list, "hooks": list,
-    "log_dir": lambda: None,
+    "plans": dict, "workers": list, "weight_store": lambda: {"state": "empty"}, "caches": list, "hooks": list,
+    "log_dir": lambda: None, "vae_workers": list, "vae_split": lambda: {"engines": []},
+    "text_encoder_outputs": lambda: {"entries": 0, "hits": 0, "misses": 0, "bytes": 0},
 }
 
 
@@ -478,8 +495,8 @@ class StatusHub:
 
     def register_provider(self, section: str, fn: Callable[[], Any]) -> None:
         """Let another module fill one section of the status JSON (last registration wins)."""
-        if section not in SECTIONS:
-            raise ValueError(f"unknown status section {section!r}; use one of {', '.join(SECTIONS)}")
+        if section not in SECTIONS + OPTIONAL_SECTIONS:
+            raise ValueError(f"unknown status section {section!r}; use one of {', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
         with self._lock:
             self._providers[section] = fn
 
@@ -559,6 +576,10 @@ class StatusHub:
             "ram": ram_info(),
         }
         for s in SECTIONS:
+            st[s] = self.section(s)
+        with self._lock:
+            optional = [s for s in OPTIONAL_SECTIONS if s in self._providers]
+        for s in optional:
             st[s] = self.section(s)
         return validate_status(st)
 

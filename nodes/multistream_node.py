@@ -7,7 +7,8 @@ from typing import Any
 
 from h3ms_async.log import get_logger
 
-from .model_adapter import diffusion_model_of, install_split, is_h3
+from .attention_parallel_node import has_parallel_attention
+from .model_adapter import MultiStreamError, diffusion_model_of, install_split, is_h3
 
 log = get_logger("MultiStream")
 
@@ -71,6 +72,11 @@ class H3MultiStreamAsync:
             log.warning("H3 MultiStream: the model is %s, not MiniMax H3; passing it through unsplit",
                         type(dm).__name__ if dm is not None else type(model).__name__)
             return (model,)
+        if has_parallel_attention(model):
+            raise MultiStreamError(
+                "H3 Attention Parallel is already on this model; keep one of the two: H3 MultiStream when the model "
+                "does not fit on one GPU (it splits whole blocks), H3 Attention Parallel when it does (only attention "
+                "moves). Remove the other node from the model chain")
         devices, shares, why = _plan_devices(model, gpus, second_gpu)
         if devices is None:
             log.info("H3 MultiStream: running unsplit (%s)", why)

@@ -3,16 +3,21 @@ from __future__ import annotations
 
 from h3ms_async.log import get_logger
 
+from . import method_hooks
 from .model_adapter import detach_all
 
 log = get_logger("Release")
 
 
 def action_release_workers() -> dict:
-    """Stop every split engine's worker processes (their shared-memory weight store goes with them)."""
+    """Stop every split engine's worker processes (their shared-memory weight store goes with them) and every
+    attention-parallel engine's helpers."""
+    from h3ms_async import attention_parallel
     from h3ms_async.split import release_all_engines
     n = release_all_engines()
-    return {"message": f"split workers released ({n} engine(s))" if n else "no split workers were running"}
+    n_attn = attention_parallel.release_all_engines()
+    text = f"split workers released ({n} engine(s))" if n else "no split workers were running"
+    return {"message": text + (f"; attention helpers released ({n_attn} engine(s))" if n_attn else "")}
 
 
 def action_clear_weights() -> dict:
@@ -25,9 +30,30 @@ def action_clear_weights() -> dict:
 
 
 def action_detach_hooks() -> dict:
-    """Make every installed split run unsplit until its H3 MultiStream node runs again."""
+    """Make every installed split run unsplit until its H3 MultiStream node runs again, and remove the VAE split,
+    VAE cache and text-encoder cache hooks."""
     n = detach_all()
-    return {"message": f"detached {n} split wrapper(s); re-run H3 MultiStream to attach again"}
+    hooks, kept = method_hooks.detach_all()
+    msg = f"detached {n} split wrapper(s) and {hooks} VAE/text-encoder hook(s); re-run the nodes to attach again"
+    if kept:
+        msg += f"; {kept} hook(s) kept: another wrapper sits on top of them (see the log)"
+    return {"message": msg}
+
+
+def action_release_vae_workers() -> dict:
+    """Stop the VAE split's worker processes, unless a decode is running (they restart at the next decode)."""
+    from h3ms_async.vae_split import release_vae_engines
+    released, busy = release_vae_engines()
+    if busy:
+        return {"message": f"VAE workers busy decoding: {busy} engine(s) kept, {released} released", "busy": True}
+    return {"message": f"VAE workers released ({released} engine(s))" if released else "no VAE workers were running",
+            "busy": False}
+
+
+def action_clear_text_cache() -> dict:
+    """Drop every cached text-encoder output (the hit/miss counters stay)."""
+    from h3ms_async.caches import output_cache
+    return {"message": f"text-encoder output cache cleared ({output_cache().clear()} entries)"}
 
 
 class H3MSReleaseResourcesAsync:
@@ -48,7 +74,12 @@ class H3MSReleaseResourcesAsync:
                                        "block weights (RAM is freed; the workers stay up and the next run "
                                        "refills it)."}),
                 "detach_hooks": ("BOOLEAN", {"default": False, "tooltip": "Make models already patched by H3 "
-                                 "MultiStream run unsplit until the node runs again."}),
+                                 "MultiStream run unsplit until the node runs again, and remove the VAE split, VAE "
+                                 "cache and text-encoder cache hooks."}),
+                "release_vae_workers": ("BOOLEAN", {"default": True, "tooltip": "Stop the VAE split's worker "
+                                        "processes (refused while a decode runs; they restart at the next one)."}),
+                "clear_text_cache": ("BOOLEAN", {"default": False, "tooltip": "Drop the cached text-encoder "
+                                     "outputs."}),
             },
         }
 
@@ -56,10 +87,15 @@ class H3MSReleaseResourcesAsync:
     def IS_CHANGED(cls, **kwargs) -> float:
         return float("nan")  # never equal to itself, so ComfyUI never serves this node from its cache
 
-    def run(self, release_workers: bool, clear_weight_store: bool, detach_hooks: bool) -> dict:
+    def run(self, release_workers: bool, clear_weight_store: bool, detach_hooks: bool,
+            release_vae_workers: bool = False, clear_text_cache: bool = False) -> dict:
         lines = []
         if detach_hooks:
             lines.append(action_detach_hooks()["message"])
+        if release_vae_workers:
+            lines.append(action_release_vae_workers()["message"])
+        if clear_text_cache:
+            lines.append(action_clear_text_cache()["message"])
         if clear_weight_store:  # before the release, which drops the store with the workers anyway
             lines.append(action_clear_weights()["message"])
         if release_workers:

@@ -12,6 +12,7 @@ from h3ms_async.http_routes import add_routes
 from h3ms_async.log import get_logger
 from h3ms_async.status import get_hub
 
+from . import method_hooks
 from .model_adapter import live_states
 from .release_node import action_clear_weights, action_detach_hooks, action_release_workers
 
@@ -37,7 +38,7 @@ def register(server: Any) -> bool:
     hub.register_action("release_workers", action_release_workers)
     hub.register_action("clear_weights", action_clear_weights)
     hub.register_action("detach_hooks", action_detach_hooks)
-    hooks = lambda: [s.describe() for s in live_states()]  # noqa: E731
+    hooks = lambda: [s.describe() for s in live_states()] + method_hooks.installed()  # noqa: E731
     hub.register_provider("hooks", hooks)
     remove_listener = hub.add_listener(lambda rec: server.send_sync(STEP_EVENT, rec))
     add_routes(server.routes, hub=hub)

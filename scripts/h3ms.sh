@@ -2,7 +2,7 @@
 # One entry point for a fresh Linux machine: sets up .venv (once) and runs the demo, the tests or a benchmark.
 #   bash scripts/h3ms.sh demo [demo options]     the standalone demo (unsplit vs split across 3 CPU ranks)
 #   bash scripts/h3ms.sh test [pytest options]   the test suite
-#   bash scripts/h3ms.sh bench ipc|split|exchange
+#   bash scripts/h3ms.sh bench ipc|split|exchange|gpu|attention
 # Environment: H3MS_VENV (default .venv), H3MS_TORCH_SPEC (default torch==2.13.0), H3MS_PYTHON (default python3).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

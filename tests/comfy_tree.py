@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("H3MS_SHARED", ROOT.parent / "shared"))
+SHARED = Path(os.environ.get("H3MS_SHARED") or ROOT.parent / "shared")
 COMFY_ROOT = Path(os.environ.get("H3MS_COMFY_ROOT", ROOT / ".comfyui"))
 PACK_NAME = "h3_multistream_async"
 

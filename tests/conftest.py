@@ -16,10 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-GOLDEN_DIR = Path(os.environ.get("H3MS_GOLDEN_DIR", ROOT.parent / "shared" / "golden"))
+#: The project's shared folder (ComfyUI archive, golden tensors): ``$H3MS_SHARED``, else ``../shared`` next to the clone.
+SHARED = Path(os.environ.get("H3MS_SHARED") or ROOT.parent / "shared")
+GOLDEN_DIR = Path(os.environ.get("H3MS_GOLDEN_DIR") or SHARED / "golden")
 
 
 import glob  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -30,7 +33,7 @@ def no_exchange_leaks():
     import psutil
     yield
     assert not glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"), "shm segments left behind"
-    assert not glob.glob("/tmp/h3ms-xch-*"), "run dirs left behind"
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"h3ms-xch-{os.getpid()}-*")), "run dirs left behind"
     assert not psutil.Process().children(recursive=True), "child processes left behind"
 
 

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: run these on a GPU machine with a CUDA "
+                                                                     "build of torch (H3MS_TORCH_SPEC), e.g. "
+                                                                     "benchmarks/device_run.sh")]
 
 from h3ms_async.coordinator import get_coordinator  # noqa: E402
 from h3ms_async.layout import layout_for_tokens  # noqa: E402

@@ -54,7 +54,8 @@ print("REPORT " + json.dumps(report))
 def _golden(case: str):
     path = GOLDEN_DIR / f"dit_{case}.pt"
     if not path.is_file():
-        pytest.skip(f"golden file {path} missing; set H3MS_GOLDEN_DIR to the shared/golden directory")
+        pytest.skip(f"golden tensors not found ({path} is missing): set H3MS_SHARED to the project's shared/ folder "
+                    "(or H3MS_GOLDEN_DIR to its golden/ directory) to run the bit-exactness checks against ComfyUI")
     return path
 
 

@@ -115,8 +115,10 @@ def test_dead_rank_aborts_the_others_quickly():
         grp.kill(1)
         time.sleep(0.3)  # the survivors are asleep on their doorbells by now
         t_abort = grp.abort()
+        # The abort latency is the error's own timestamp (asserted below). A survivor's exit afterwards is torch's
+        # interpreter teardown: about a second of CPU that took 5-10 s on a loaded 2-core box, so it is not timed.
         for r in (0, 2):
-            grp.procs[r].wait(timeout=5)
+            grp.procs[r].wait(timeout=60)
         survivors = [grp.record(r) for r in (0, 2)]
     for rec in survivors:
         assert rec["error"] and rec["error"]["type"] == "ExchangeAborted", rec

@@ -154,9 +154,9 @@ def test_make_split_plan() -> None:
     assert plan.head_bounds == (0, 21, 42, 56) and plan.heads_per_rank() == [21, 21, 14]
     assert plan.token_bounds[-1] == 1000 and plan.ranks == 3 and sum(plan.tokens_per_rank()) == 1000
     assert make_split_plan(["cpu"] * 2, None, 7, 8).token_bounds == (0, 3, 7)
-    with pytest.raises(GPUSelectionError, match="9 GPU ranks but the model has only 8 attention heads"):
+    with pytest.raises(GPUSelectionError, match="9 ranks but the model has only 8 attention heads"):
         make_split_plan(["cpu"] * 9, None, 100, 8)
-    with pytest.raises(GPUSelectionError, match="cannot split 2 tokens across 3 GPU ranks"):
+    with pytest.raises(GPUSelectionError, match="cannot split 2 tokens across 3 ranks"):
         make_split_plan(["cpu"] * 3, None, 2, 8)
     with pytest.raises(GPUSelectionError, match="shares: 2 value\\(s\\) for 3 rank\\(s\\)"):
         make_split_plan(["cpu"] * 3, (1, 1), 20, 8)

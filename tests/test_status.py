@@ -118,8 +118,10 @@ def test_status_defaults_shape_and_json():
     hub = StatusHub()
     st = hub.status()
     assert set(st) == {"version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store",
-                       "caches", "hooks", "ram", "log_dir"}
+                       "caches", "hooks", "ram", "log_dir", "vae_workers", "vae_split", "text_encoder_outputs"}
     assert st["running"] is False and st["last_step"] == {} and st["workers"] == [] and st["plans"] == {}
+    assert st["vae_workers"] == [] and st["vae_split"] == {"engines": []}
+    assert st["text_encoder_outputs"] == {"entries": 0, "hits": 0, "misses": 0, "bytes": 0}
     assert st["version"] != "unknown"
     json.dumps(st, allow_nan=False)
     hub.record_step(make_record(0), log=False)

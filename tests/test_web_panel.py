@@ -84,7 +84,11 @@ def test_panel_shows_ranks_history_and_workers(served, tmp_path):
     assert r1[5:8] == ["0.987", "0.211", "0.402"]
     assert "step 3 · sigma 0.9375 · 1000 tokens × 50 blocks on cuda:0+cuda:1 · 1.625 s" in dom
     assert re.findall(r'data-seq="(\d+)"', dom) == ["3", "2", "1", "0"]
-    assert "<polyline" in dom  # the sparkline
+    # the per-rank chart: one line per rank with a point per step, and the dashed wall-time line
+    lines = re.findall(r'<polyline ([^>]*)>', dom)
+    ranks = {re.search(r'data-rank="(\d+)"', a).group(1): a for a in lines if "h3ms-chart-rank" in a}
+    assert sorted(ranks) == ["0", "1"] and sum("h3ms-chart-wall" in a for a in lines) == 1
+    assert all(len(re.search(r'points="([^"]*)"', a).group(1).split()) == 4 for a in ranks.values())
     w0 = re.search(r'<tr id="h3ms-worker-0">(.*?)</tr>', dom, re.S).group(1)
     assert "5151" in w0 and "2m05s" in w0 and "12.00 GiB" in w0 and "/h3multistream/workers/0/log?lines=200" in w0
     assert ">idle<" in dom and "polling" in dom
@@ -210,5 +214,5 @@ def test_comfyui_extension_commands_and_docked_panel(tmp_path):
     assert detach["severity"] == "warn" and "hooks left attached" in detach["detail"]
     # the docked panel: one bar per rank, from the websocket event
     dock = re.search(r'<div id="h3ms-dock".*', dom, re.S).group(0)
-    assert dock.count('class="h3ms-compact-rank"') == 2 and "r1 cuda:1" in dock and "h3ms-sparkline" in dock
+    assert dock.count('class="h3ms-compact-rank"') == 2 and "r1 cuda:1" in dock and dock.count('class="h3ms-chart-rank"') == 2
     assert "step 0 · sigma 0.9375 · 1000 tokens × 50 blocks" in dock

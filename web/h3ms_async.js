@@ -2,18 +2,19 @@
 //
 // Main-menu entry "H3 MultiStream" with the status toast, the live panel, and the release/clear/detach actions,
 // plus a small docked panel fed by the "h3multistream.step" websocket event (per-rank compute / exchange / wait bars
-// of the latest step and a sparkline of step wall times).
+// of the latest step and the per-rank chart of step times), and a toast naming the rank and its log when a prompt
+// fails in a worker.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { renderCompact, fmtBytes, fmtSec } from "./panel.js";
 
 const EXT = "H3MultiStreamAsync";
-const WALLS_KEPT = 60;
+const STEPS_KEPT = 60;
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager && app.extensionManager.toast;
   if (t && typeof t.add === "function") {
-    t.add({ severity, summary, detail, life: severity === "error" ? 8000 : 5000 });
+    t.add({ severity, summary, detail, life: severity === "error" ? undefined : 5000 }); // errors stay until closed
     return;
   }
   // older frontends have no toast API
@@ -47,6 +48,11 @@ function statusLines(st) {
   if (!Array.isArray(st.workers)) lines.push(`Workers: ${st.workers.error}`);
   else lines.push("Workers: " + (st.workers.length
     ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}${w.busy ? " (busy)" : ""}`).join(", ") : "none"));
+  for (const eng of (st.attention && st.attention.engines) || []) {
+    const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
+    lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` + (last ? `; last ` +
+      `${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s` : ""));
+  }
   const ws = st.weight_store || {};
   lines.push("Weight store: " + (ws.error || ws.text || ws.state || JSON.stringify(ws)));
   const list = (v, f) => (!Array.isArray(v) ? v.error : v.length ? v.map(f).join(", ") : "none");
@@ -56,9 +62,35 @@ function statusLines(st) {
   return lines;
 }
 
+const FAILURE_LOG_LINES = 3;
+const FAILURE_LINE_CHARS = 140;
+
+// What a failed prompt's ComfyUI "execution_error" detail says about the pack: null when the pack did not raise it,
+// else { summary, detail }. A worker failure's message is "worker rank R on DEV (pid P, STATE) WHAT",
+// then "--- last lines of LOG ---" and the log's tail (h3ms_async/pool.py words it so); the summary names the rank,
+// the detail the log file and its last lines.
+function packFailure(err) {
+  if (!err || typeof err.exception_message !== "string") return null;
+  const msg = err.exception_message;
+  const worker = msg.match(/worker rank (\d+) on (\S+) \(([^)]*)\) ([^\n]*)/);
+  if (!worker && !String(err.exception_type || "").startsWith("h3ms_async.")) return null;
+  const first = msg.split("\n", 1)[0];
+  if (!worker) return { summary: "H3 MultiStream failed", detail: first };
+  const [, rank, device, state, what] = worker;
+  const log = msg.match(/--- last lines of (.+?) ---\n?([\s\S]*)$/);
+  const lines = [`rank ${rank} on ${device} (${state}) ${what}`];
+  if (log) {
+    lines.push(`log: ${log[1]}`);
+    const tail = log[2].replace(/\s+$/, "").split("\n").filter((l) => l.trim()).slice(-FAILURE_LOG_LINES);
+    const cut = (l) => (l.length > FAILURE_LINE_CHARS ? l.slice(0, FAILURE_LINE_CHARS - 1) + "…" : l);
+    lines.push(...tail.map(cut));
+  }
+  return { summary: `H3 MultiStream: worker rank ${rank} failed`, detail: lines.join("\n") };
+}
+
 // ---- docked live panel
 
-const dock = { el: null, body: null, walls: [], last: null, dismissed: false };
+const dock = { el: null, body: null, steps: [], dismissed: false };
 
 function ensureDock() {
   if (dock.el) return dock.el;
@@ -81,18 +113,17 @@ function ensureDock() {
   el.append(head, dock.body);
   document.body.appendChild(el);
   dock.el = el;
-  renderCompact(dock.body, dock.last, dock.walls);
+  renderCompact(dock.body, dock.steps);
   return el;
 }
 
 function onStep(rec) {
   if (!rec || !Array.isArray(rec.ranks)) return;
-  dock.last = rec;
-  dock.walls.push(rec.wall_s);
-  if (dock.walls.length > WALLS_KEPT) dock.walls.splice(0, dock.walls.length - WALLS_KEPT);
+  dock.steps.push(rec);
+  if (dock.steps.length > STEPS_KEPT) dock.steps.splice(0, dock.steps.length - STEPS_KEPT);
   if (dock.dismissed) return;
   ensureDock().style.display = "";
-  renderCompact(dock.body, dock.last, dock.walls);
+  renderCompact(dock.body, dock.steps);
 }
 
 function toggleDock() {
@@ -145,5 +176,10 @@ app.registerExtension({
   menuCommands: [{ path: ["H3 MultiStream"], commands: commands.map((c) => c.id) }],
   setup() {
     api.addEventListener("h3multistream.step", (e) => onStep(e.detail));
+    // ComfyUI's own error dialog shows the whole traceback; this toast says which rank failed and where its log is
+    api.addEventListener("execution_error", (e) => {
+      const failure = packFailure(e.detail);
+      if (failure) toast("error", failure.summary, failure.detail);
+    });
   },
 });

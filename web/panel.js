@@ -2,7 +2,8 @@
 //
 // An ES module with two uses:
 //  - on web/panel.html (standalone server, or /api/h3multistream/panel inside ComfyUI) it finds #h3ms-panel and runs
-//    the full page: step history, per-rank bars, workers, plans/caches/hooks;
+//    the full page: step history with the per-rank chart, per-rank bars, workers and their logs, plans/caches/hooks,
+//    fed live by the standalone server's event stream or ComfyUI's websocket;
 //  - ComfyUI loads every .js of the pack's web/ as an extension module, so on ComfyUI's page this file is imported
 //    too: it then only exports the renderers (the docked panel of h3ms_async.js uses them) and starts nothing.
 // All data goes into the DOM through textContent, never innerHTML: worker states and paths are not trusted markup.
@@ -55,29 +56,60 @@ export function barScale(rec) {
   return Math.max(rec.wall_s || 0, ...rec.ranks.map((r) => r.compute_s + r.exchange_s + r.wait_s));
 }
 
-// An SVG sparkline of step wall times (oldest left).
-export function sparkline(walls, width = 300, height = 48) {
-  const svg = document.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
-  svg.setAttribute("preserveAspectRatio", "none");
-  svg.setAttribute("class", "h3ms-sparkline");
-  if (walls.length === 0) return svg;
-  // min..max, not 0..max: step-to-step variation is what the sparkline is for
-  const max = Math.max(...walls), min = Math.min(...walls);
-  const span = max - min || 1;
-  const dx = walls.length > 1 ? width / (walls.length - 1) : 0;
-  const y = (w) => (max === min ? height / 2 : height - 4 - ((w - min) / span) * (height - 8));
-  const pts = walls.map((w, i) => `${(i * dx).toFixed(1)},${y(w).toFixed(1)}`);
-  const line = document.createElementNS(SVG_NS, "polyline");
-  line.setAttribute("points", pts.join(" "));
-  line.setAttribute("fill", "none");
-  line.setAttribute("stroke", COLORS.compute);
-  line.setAttribute("stroke-width", "2");
-  line.setAttribute("vector-effect", "non-scaling-stroke");
-  svg.appendChild(line);
-  const title = document.createElementNS(SVG_NS, "title");
-  title.textContent = `last ${walls.length} steps, ${min.toFixed(3)}–${max.toFixed(3)} s, latest ${walls[walls.length - 1].toFixed(3)} s`;
-  svg.appendChild(title);
+// Line colours of ranks 0..7 (then they repeat).
+export const RANK_COLORS = ["#4e9af1", "#f0a53a", "#3fb37f", "#d16ba5", "#a98bf5", "#e0653a", "#5fc9d3", "#c9c35f"];
+const CHART_STEPS = 60;
+
+function svgEl(tag, attrs, text) {
+  const e = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// Per-step time per rank, oldest left: one solid line per rank (its compute + exchange seconds: the time it worked)
+// and a dashed line for the step's wall time, so the gap under the wall line is that rank's wait. The y axis starts
+// at 0. Plain SVG, no chart library.
+export function stepChart(steps, width = 600, height = 150) {
+  const svg = svgEl("svg", { viewBox: `0 0 ${width} ${height}`, class: "h3ms-chart", role: "img" });
+  const shown = steps.slice(-CHART_STEPS);
+  if (shown.length === 0) {
+    svg.appendChild(svgEl("text", { x: 8, y: height / 2, class: "h3ms-chart-label" }, "no split step yet"));
+    return svg;
+  }
+  const pad = { l: 46, r: 8, t: 18, b: 18 };
+  const worked = (r) => r.compute_s + r.exchange_s;
+  const top = Math.max(...shown.map((s) => Math.max(s.wall_s, ...s.ranks.map(worked)))) * 1.1 || 1;
+  const dx = shown.length > 1 ? (width - pad.l - pad.r) / (shown.length - 1) : 0;
+  const x = (i) => (pad.l + i * dx).toFixed(1);
+  const y = (v) => (height - pad.b - (v / top) * (height - pad.t - pad.b)).toFixed(1);
+  const axis = { class: "h3ms-chart-axis", stroke: "rgba(128,128,128,.5)", "stroke-width": 1 };
+  svg.appendChild(svgEl("line", { ...axis, x1: pad.l, y1: pad.t, x2: pad.l, y2: height - pad.b }));
+  svg.appendChild(svgEl("line", { ...axis, x1: pad.l, y1: height - pad.b, x2: width - pad.r, y2: height - pad.b }));
+  const label = (attrs, text) => svg.appendChild(svgEl("text", { class: "h3ms-chart-label", fill: "currentColor",
+    "font-size": 10, ...attrs }, text));
+  label({ x: pad.l - 4, y: pad.t + 4, "text-anchor": "end" }, `${top.toFixed(3)} s`);
+  label({ x: pad.l - 4, y: height - pad.b, "text-anchor": "end" }, "0");
+  label({ x: pad.l, y: height - 4 }, `step ${shown[0].seq}`);
+  label({ x: width - pad.r, y: height - 4, "text-anchor": "end" }, `step ${shown[shown.length - 1].seq}`);
+  const line = (pts, attrs) => svg.appendChild(svgEl("polyline", { points: pts.join(" "), fill: "none",
+    "stroke-width": 2, "stroke-linejoin": "round", ...attrs }));
+  line(shown.map((s, i) => `${x(i)},${y(s.wall_s)}`), { class: "h3ms-chart-wall", stroke: "#8a8f99",
+    "stroke-dasharray": "4 3" });
+  const ranks = Math.max(...shown.map((s) => s.ranks.length));
+  let legendX = pad.l + 6;
+  for (let r = 0; r < ranks; r++) {
+    const color = RANK_COLORS[r % RANK_COLORS.length];
+    const pts = [];
+    shown.forEach((s, i) => { if (s.ranks[r]) pts.push(`${x(i)},${y(worked(s.ranks[r]))}`); });
+    const pl = line(pts, { class: "h3ms-chart-rank", "data-rank": r, stroke: color });
+    const last = shown.filter((s) => s.ranks[r]).pop().ranks[r];
+    pl.appendChild(svgEl("title", {}, `rank ${r}: compute + exchange per step (latest ${fmtSec(worked(last))} s, ` +
+      `wait ${fmtSec(last.wait_s)} s)`));
+    label({ x: legendX, y: 11, fill: color }, `r${r}`);
+    legendX += 26;
+  }
+  label({ x: legendX, y: 11 }, "─ compute+exchange   ╌ wall");
   return svg;
 }
 
@@ -89,8 +121,9 @@ export function stepSummary(rec) {
     `weight store ${rec.weight_store}`;
 }
 
-// Compact view for the docked panel inside ComfyUI: one bar per rank + the sparkline.
-export function renderCompact(container, rec, walls) {
+// Compact view for the docked panel inside ComfyUI: one bar per rank of the latest step + the per-rank chart.
+export function renderCompact(container, steps) {
+  const rec = steps[steps.length - 1];
   container.replaceChildren();
   if (!rec) {
     container.appendChild(el("div", "no split step yet"));
@@ -105,7 +138,7 @@ export function renderCompact(container, rec, walls) {
     row.appendChild(rankBar(r, scale));
     container.appendChild(row);
   }
-  container.appendChild(sparkline(walls, 300, 36));
+  container.appendChild(stepChart(steps, 340, 110));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -168,8 +201,8 @@ class Panel {
       tr.appendChild(el("td", fmtBytes(r.vram_peak_bytes), { class: "num" }));
       tbody.appendChild(tr);
     }
-    const spark = this.$("h3ms-spark");
-    spark.replaceChildren(sparkline(this.steps.map((s) => s.wall_s), 600, 60));
+    const chart = this.$("h3ms-chart");
+    chart.replaceChildren(stepChart(this.steps, chart.clientWidth || 1000, 170));
     const hist = this.$("h3ms-history").tBodies[0];
     hist.replaceChildren();
     for (const s of this.steps.slice(-20).reverse()) {
@@ -221,12 +254,45 @@ class Panel {
       tr.appendChild(logTd);
       tbody.appendChild(tr);
     }
+    this.renderAttention(st.attention);
     const show = (id, v) => { this.$(id).textContent = JSON.stringify(v, null, 1); };
     show("h3ms-plans", st.plans);
     show("h3ms-weight-store", st.weight_store);
     show("h3ms-caches", st.caches);
     show("h3ms-hooks", st.hooks);
+    show("h3ms-vae-workers", st.vae_workers);
+    show("h3ms-vae-split", st.vae_split);
+    show("h3ms-te-outputs", st.text_encoder_outputs);
     if (st.last_step && st.last_step.seq !== undefined) this.addSteps([st.last_step]);
+  }
+
+  // H3 Attention Parallel: one row per device of each engine (rank 0 = the model's device, in ComfyUI's process),
+  // with the heads, transport and seconds of the engine's last call.
+  renderAttention(section) {
+    const tbody = this.$("h3ms-attention").tBodies[0];
+    const summary = this.$("h3ms-attention-summary");
+    tbody.replaceChildren();
+    summary.textContent = "";
+    if (!section) { summary.textContent = "not in use"; return; }
+    if (section.error) { summary.textContent = `unavailable: ${section.error}`; return; }
+    const lines = [];
+    for (const eng of section.engines) {
+      const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
+      eng.devices.forEach((device, r) => {
+        const helper = r > 0 ? eng.helpers[r - 1] : null;
+        const rank = last ? last.ranks[r] : null;
+        const tr = el("tr", null, { class: "h3ms-attention-rank" });
+        for (const text of [device, r === 0 ? "model" : `helper ${r}`, helper ? helper.pid ?? "" : "",
+          helper ? helper.state : "ComfyUI", rank ? `${rank.heads[0]}–${rank.heads[1]}` : "",
+          rank ? rank.transport : (r === 0 ? "local" : eng.transport)]) tr.appendChild(el("td", text));
+        for (const k of ["compute_s", "h2d_s", "d2h_s"]) tr.appendChild(el("td", rank ? fmtSec(rank[k]) : "", { class: "num" }));
+        tr.appendChild(el("td", r === 0 ? eng.calls : helper ? helper.jobs_done ?? "" : "", { class: "num" }));
+        tbody.appendChild(tr);
+      });
+      if (last) lines.push(`last call: ${last.tokens} tokens × ${last.heads} heads in ${fmtSec(last.wall_s)} s, ` +
+        `${fmtBytes(last.moved_bytes)} moved (${last.transport}${last.gb_per_s ? `, ${last.gb_per_s.toFixed(1)} GB/s` : ""})`);
+    }
+    summary.textContent = section.engines.length ? lines.join(" · ") : "no engine";
   }
 
   async showLog(rank) {
@@ -260,6 +326,44 @@ class Panel {
     }
   }
 
+  // A ComfyUI websocket message: step records as they happen, and queue changes (a prompt that starts or ends may
+  // start or release workers). ComfyUI sends both to every client; a prompt's errors go only to the page that
+  // queued it (h3ms_async.js toasts them there).
+  onComfyMessage(type, data) {
+    if (type === "h3multistream.step") this.addSteps([data]);
+    else if (type === "status") this.refreshStatus();
+  }
+
+  // Inside ComfyUI there is no event stream; ComfyUI's own websocket carries the step records instead. Without it
+  // (or while it reconnects) the page polls.
+  startSocket() {
+    let ws;
+    try {
+      ws = new WebSocket(new URL("../ws", this.base).href.replace(/^http/, "ws"));
+    } catch {
+      this.startPolling();
+      return;
+    }
+    let opened = false;
+    ws.addEventListener("open", () => {
+      opened = true;
+      clearInterval(this.pollTimer);
+      this.pollTimer = null;
+      this.$("h3ms-feed").textContent = "live (websocket)";
+      this.pollSteps(); // steps recorded before this connection
+    });
+    ws.addEventListener("message", (ev) => {
+      if (typeof ev.data !== "string") return; // previews arrive as binary frames
+      let msg;
+      try { msg = JSON.parse(ev.data); } catch { return; }
+      this.onComfyMessage(msg.type, msg.data);
+    });
+    ws.addEventListener("close", () => {
+      this.startPolling();
+      if (opened) setTimeout(() => this.startSocket(), 2000); // it worked before: ComfyUI restarted, try again
+    });
+  }
+
   async pollSteps() {
     const q = this.lastSeq === null ? "steps?n=50" : `steps?n=256&after=${this.lastSeq}`;
     try {
@@ -275,7 +379,7 @@ class Panel {
     if (!this.pollTimer) this.pollTimer = setInterval(() => this.pollSteps(), 1000);
   }
 
-  // Server-Sent Events where the server has them (standalone); ComfyUI answers 404 there, so fall back to polling.
+  // Server-Sent Events where the server has them (standalone); ComfyUI answers 404 there: its websocket instead.
   startEvents(streamSeconds) {
     const q = new URLSearchParams();
     if (this.lastSeq !== null) q.set("after", String(this.lastSeq));
@@ -286,7 +390,7 @@ class Panel {
     es.addEventListener("step", (ev) => this.addSteps([JSON.parse(ev.data)]));
     es.addEventListener("error", () => {
       // before the first open: no event route here; afterwards EventSource reconnects by itself (Last-Event-ID)
-      if (!opened) { es.close(); this.startPolling(); }
+      if (!opened) { es.close(); this.startSocket(); }
     });
   }
 

@@ -22,7 +22,7 @@ log = logging.getLogger("h3_multistream.worker")
 
 #: Modules whose import registers handlers; the optional ones may not be installed yet.
 CORE_MODULES = ("workers.handlers",)
-OPTIONAL_MODULES = ("workers.dit_rank",)
+OPTIONAL_MODULES = ("workers.dit_rank", "workers.attn_rank", "workers.vae_rank")
 PR_SET_PDEATHSIG = 1
 
 

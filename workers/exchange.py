@@ -224,6 +224,11 @@ class ArenaLayout:
         self._check_arena(arena)
         return arena.numpy()[: self.header_bytes].view(np.int64)
 
+    def seq_words(self, arena: torch.Tensor) -> list[int]:
+        """Every rank's current sequence word (a progress probe for the coordinator; read-only)."""
+        words = self.header_words(arena)
+        return [int(words[_seq_index(r)]) for r in range(self.world)]
+
     def g_view(self, arena: torch.Tensor) -> torch.Tensor:
         n = self.tokens * self.row_width * self.torch_dtype.itemsize
         return arena[self.g_offset: self.g_offset + n].view(self.torch_dtype).view(self.tokens, self.row_width)

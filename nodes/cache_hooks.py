@@ -1,0 +1,79 @@
+"""What the two cache nodes share: weight keys from the loaders' reload factories, and staging a model's weights
+through the pinned-RAM weight cache (h3ms_async/caches.py).
+
+Staging, before every hooked call: the first call fills the group's pinned copy (the RAM reserve may refuse it, with
+one warning, and the call runs without the cache); a later call that finds the model's weights dropped (ComfyUI
+evicted them to the ``meta`` device) puts them back from the pinned copy on the model's device instead of reading
+the file again.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import torch
+
+from h3ms_async.caches import CacheRefused, named_tensors, weight_cache
+from h3ms_async.log import get_logger
+
+log = get_logger("Caches")
+
+
+def file_key(patcher: Any, *extra: Any) -> tuple | None:
+    """``(realpath, size, mtime_ns, *extra)`` of the single file the loader's reload factory names, or None."""
+    init = getattr(patcher, "cached_patcher_init", None)
+    try:
+        paths = init[1][0]
+        if isinstance(paths, (list, tuple)):
+            if len(paths) != 1:
+                return None
+            paths = paths[0]
+        path = os.path.realpath(paths)
+        st = os.stat(path)
+    except (TypeError, IndexError, KeyError, OSError):
+        return None
+    return (path, st.st_size, st.st_mtime_ns, *extra)
+
+
+def object_key(model: Any) -> tuple:
+    """A key for a model object without a reload factory: a token stored on it, living as long as its weights."""
+    token = model.__dict__.get("_h3ms_weight_token")
+    if token is None:
+        token = model._h3ms_weight_token = uuid.uuid4().hex
+    return ("object", token)
+
+
+def _device_of(model: torch.nn.Module, fallback: Any) -> torch.device:
+    for t in named_tensors(model).values():
+        if not t.is_meta:
+            return t.device
+    return torch.device(fallback if fallback is not None else "cpu")
+
+
+def stage_weights(model: torch.nn.Module, group: str, key: tuple, reserve_gb: float, cfg: dict,
+                  load_device: Any = None) -> str:
+    """Fill or use ``group``'s pinned copy for ``model``; returns what happened ("filled", "restored", "warm",
+    "refused", "empty")."""
+    wc = weight_cache()
+    entry = wc.get(group, key)
+    tensors = named_tensors(model)
+    evicted = any(t.is_meta for t in tensors.values())
+    if entry is None:
+        if evicted or not tensors:
+            return "empty"
+        try:
+            wc.fill(group, key, tensors, reserve_gb)
+        except CacheRefused as exc:
+            if not cfg.get("refused_note"):
+                log.warning("%s", exc)
+                cfg["refused_note"] = True
+            return "refused"
+        cfg["refused_note"] = False
+        return "filled"
+    if not evicted:
+        return "warm"
+    model.to_empty(device=_device_of(model, load_device))
+    wc.restore(entry, model)
+    log.info("weight cache %s: restored %.2f GiB from pinned RAM", group, entry.nbytes / 2**30)
+    return "restored"

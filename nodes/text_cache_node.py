@@ -1,0 +1,114 @@
+"""The **H3 MS Text Encoder Cache** node (CLIP → CLIP): encoder outputs cached by content, weights in pinned RAM.
+
+It hooks ``encode_token_weights`` on ``clip.cond_stage_model``, the encoder object every CLIP clone shares (so the
+hook survives Select CLIP Device and LoRA clones).  The output-cache key covers everything that changes an encoding
+(node_surface_facts §1.6): the encoder's identity (its file, type and options, or the object), the weight-patch
+state ComfyUI applied (LoRAs), every sub-encoder's layer options, and the tokens with their weights.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from h3ms_async.caches import digest, output_cache, register_status
+from h3ms_async.log import get_logger
+
+from . import method_hooks
+from .cache_hooks import file_key, object_key, stage_weights
+
+log = get_logger("TextEncoder")
+
+HOOK_ATTR = "encode_token_weights"
+HOOK_LABEL = "TextEncoder"
+
+
+def encoder_options(cond_model: Any) -> list:
+    """The layer options of every sub-encoder (what CLIP Set Last Layer and ``projected_pooled`` change)."""
+    return [(name, repr(getattr(m, "layer", None)), repr(getattr(m, "layer_idx", None)),
+             repr(getattr(m, "return_projected_pooled", None)))
+            for name, m in cond_model.named_modules() if hasattr(m, "layer_idx")]
+
+
+def encoder_key(clip: Any) -> tuple:
+    """The encoder's identity: its file, CLIP type and load options from the loader's reload factory
+    (``(factory, (paths, embeddings, clip_type, options))``), else a token on the encoder object."""
+    patcher = getattr(clip, "patcher", None)
+    fkey = file_key(patcher)
+    if fkey is None:
+        return ("te", *object_key(clip.cond_stage_model))
+    args = patcher.cached_patcher_init[1]
+    clip_type = repr(args[2]) if len(args) > 2 else None
+    options = repr(sorted(args[3].items(), key=str)) if len(args) > 3 and isinstance(args[3], dict) else None
+    return ("te", *fkey, clip_type, options)
+
+
+def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]:
+    cond_model = original.__self__
+
+    def cached_encode_token_weights(token_weight_pairs: Any) -> Any:
+        if cfg["weight_cache"]:
+            stage_weights(cond_model, "te", cfg["weight_key"], cfg["reserve_gb"], cfg, cfg["load_device"])
+        if cfg["entries"] < 1:
+            return original(token_weight_pairs)
+        t = time.perf_counter()
+        key = digest(cfg["base_key"], getattr(cond_model, "current_weight_patches_uuid", None),
+                     encoder_options(cond_model), token_weight_pairs)
+        cache = output_cache()
+        hit = cache.get(key)
+        if hit is not None:
+            st = cache.stats()
+            log.info("output cache HIT %s: encoder skipped (%.3f s incl. hashing); %d entries, %d hits / %d misses",
+                     key[:12], time.perf_counter() - t, st["entries"], st["hits"], st["misses"])
+            return hit
+        out = original(token_weight_pairs)
+        cache.put(key, out, cfg["entries"], cfg["reserve_gb"])
+        log.info("encoded in %.2f s (output cache MISS %s, %d/%d entries)", time.perf_counter() - t, key[:12],
+                 cache.stats()["entries"], cfg["entries"])
+        return out
+
+    return cached_encode_token_weights
+
+
+class H3MSTextEncoderCacheAsync:
+    """CLIP → CLIP (a clone; the hook sits on the shared encoder)."""
+
+    CATEGORY = "advanced/conditioning"
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "patch"
+    DESCRIPTION = ("Caches text-encoder outputs (a re-queued or repeated prompt skips the encoder) and keeps the "
+                   "encoder's weights in pinned RAM. The hook lives on the encoder shared by all CLIP clones: "
+                   "enabled=false removes it; bypassing or muting the node cannot.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:
+        return {
+            "required": {
+                "clip": ("CLIP",),
+                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hook (bypassing the node "
+                            "leaves an installed hook in place)."}),
+                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the encoder "
+                                 "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder)."}),
+                "cond_cache_entries": ("INT", {"default": 64, "min": 0, "max": 4096, "tooltip": "How many encoder "
+                                       "outputs to keep (least recently used go first); 0 = output cache off."}),
+                "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
+                                         "tooltip": "Cache only while at least this much RAM stays available."}),
+            },
+        }
+
+    def patch(self, clip: Any, enabled: bool, weight_cache: bool, cond_cache_entries: int,
+              cache_ram_reserve_gb: float) -> tuple:
+        cond_model = clip.cond_stage_model
+        if not enabled:
+            method_hooks.uninstall(cond_model, HOOK_ATTR)
+            return (clip.clone(),)
+        patcher = getattr(clip, "patcher", None)
+        base = encoder_key(clip)
+        cfg = {"base_key": base, "weight_key": base, "weight_cache": bool(weight_cache),
+               "entries": int(cond_cache_entries), "reserve_gb": float(cache_ram_reserve_gb),
+               "load_device": getattr(patcher, "load_device", None)}
+        method_hooks.install(cond_model, HOOK_ATTR, HOOK_LABEL, _make_wrapper, cfg)
+        register_status()
+        log.info("node configured: output cache %s, weight cache %s, RAM reserve %g GiB",
+                 f"{cond_cache_entries} entries" if cond_cache_entries else "off", "on" if weight_cache else "off",
+                 cache_ram_reserve_gb)
+        return (clip.clone(),)

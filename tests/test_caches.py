@@ -1,0 +1,79 @@
+"""The weight cache and the text-encoder output cache (h3ms_async/caches.py), on real tensors and modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3ms_async import caches
+from h3ms_async.caches import CacheRefused, OutputCache, WeightCache, digest
+from h3ms_async.status import StatusHub, get_hub
+
+
+def test_digest_covers_dtype_shape_bytes_order_and_keys() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    base = digest([[(t, 1.0)]], {"a": 1, "b": 2})
+    assert base == digest([[(t.clone(), 1.0)]], {"b": 2, "a": 1})  # map order does not matter
+    assert base != digest([[(t.double(), 1.0)]], {"a": 1, "b": 2})
+    assert base != digest([[(t.reshape(3, 2), 1.0)]], {"a": 1, "b": 2})
+    t2 = t.clone()
+    t2[1, 2] = 5.000001
+    assert base != digest([[(t2, 1.0)]], {"a": 1, "b": 2})
+    assert base != digest([[(t, 1.0)]], {"a": 1, "b": 3})
+    assert digest([1, 2]) != digest((1, 2)) and digest([1, 2]) != digest([2, 1])
+
+
+def test_output_cache_hit_is_an_equal_copy_and_lru_bounded() -> None:
+    c = OutputCache()
+    out = (torch.randn(1, 7, 16), torch.randn(1, 16), {"pooled_output": torch.randn(1, 16), "n": 3})
+    assert c.get("k1") is None
+    assert c.put("k1", out, max_entries=2)
+    hit = c.get("k1")
+    assert all(torch.equal(a, b) for a, b in zip(hit[:2], out[:2])) and torch.equal(hit[2]["pooled_output"],
+                                                                                     out[2]["pooled_output"])
+    hit[0].zero_()  # a caller editing its result must not change the cache
+    assert torch.equal(c.get("k1")[0], out[0])
+    c.put("k2", out, max_entries=2)
+    c.put("k3", out, max_entries=2)
+    assert c.get("k1") is None and c.get("k2") is not None
+    st = c.stats()
+    assert st["entries"] == 2 and st["hits"] == 3 and st["misses"] == 2 and st["bytes"] == 2 * caches._nbytes(out)
+    assert c.clear() == 2 and c.stats()["entries"] == 0 and c.stats()["hits"] == 3
+    assert not c.put("k4", out, max_entries=0)  # 0 entries: the cache is off
+    assert c.stats()["entries"] == 0
+
+
+def test_output_cache_honours_the_ram_reserve() -> None:
+    c = OutputCache()
+    c.put("a", torch.zeros(10), max_entries=8)
+    assert not c.put("b", torch.zeros(10), max_entries=8, reserve_gb=1e6)  # no machine keeps 1 PB free
+    assert c.stats()["entries"] == 0  # the reserve also evicted what was there
+
+
+def test_weight_cache_restores_evicted_weights_exactly_and_keeps_one_key_per_group() -> None:
+    torch.manual_seed(0)
+    mod = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    want = {n: t.clone() for n, t in caches.named_tensors(mod).items()}
+    wc = WeightCache()
+    entry = wc.fill("te", ("te", "file-a", 1), caches.named_tensors(mod))
+    assert wc.fill("te", ("te", "file-a", 1), {}) is entry  # same key: no refill
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.zero_()  # evicted
+    assert wc.restore(entry, mod) == entry.nbytes
+    assert all(torch.equal(t, want[n]) for n, t in caches.named_tensors(mod).items())
+    other = wc.fill("te", ("te", "file-b", 1), caches.named_tensors(mod))
+    assert wc.get("te", ("te", "file-a", 1)) is None and wc.get("te", other.key) is other
+    [row] = wc.summaries()
+    assert row["group"] == "te" and row["bytes"] == entry.nbytes and row["restores"] == 0
+    with pytest.raises(ValueError, match="no longer matches"):
+        wc.restore(other, torch.nn.Linear(8, 4))
+    with pytest.raises(CacheRefused, match="cache_ram_reserve_gb"):
+        wc.fill("vae:x", ("vae", "x"), caches.named_tensors(mod), reserve_gb=1e6)
+    assert wc.clear() == other.nbytes and wc.summaries() == []
+
+
+def test_caches_report_to_the_status_route() -> None:
+    caches.register_status()
+    st = get_hub().status()
+    assert isinstance(st["caches"], list) and set(st["text_encoder_outputs"]) >= {"entries", "hits", "misses"}
+    assert "text_encoder_outputs" in StatusHub().status()

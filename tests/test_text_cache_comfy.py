@@ -1,0 +1,91 @@
+"""H3 MS Text Encoder Cache and H3 MS VAE Cache through the real ComfyUI tree: a hit equals the miss bit for bit, the
+key sees the prompt and the layer option, evicted weights come back from the pinned copy exactly, the status counts
+hits and misses, Release Resources clears the outputs and removes the hooks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import comfy_tree
+
+pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")
+
+SCRIPT = r'''
+import asyncio, json, os, time, torch
+import comfy.sd, comfy.sd1_clip, comfy.supported_models_base, nodes
+assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
+M = nodes.NODE_CLASS_MAPPINGS
+from h3ms_async.caches import output_cache, weight_cache
+from h3ms_async.status import get_hub
+import sys
+method_hooks = next(m for n, m in sys.modules.items() if n.endswith("nodes.method_hooks"))
+
+# A real SD1-type CLIP (ComfyUI's tokenizer and encoder classes), shrunk to 2 layers of 64, seeded random weights.
+config = json.load(open("comfy/sd1_clip_config.json"))
+config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, projection_dim=64)
+config_path = os.path.join(os.environ["TMP_DIR"], "small_clip.json")
+json.dump(config, open(config_path, "w"))
+
+class SmallClip(comfy.sd1_clip.SDClipModel):
+    def __init__(self, device="cpu", dtype=None, model_options={}):
+        super().__init__(device=device, dtype=dtype, model_options=model_options, textmodel_json_config=config_path,
+                         return_projected_pooled=False)
+
+target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
+clip = comfy.sd.CLIP(target, model_options={"clip_l_class": SmallClip})
+gen = torch.Generator().manual_seed(3)
+with torch.no_grad():
+    for name, p in sorted(clip.cond_stage_model.named_parameters()):
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if name.endswith("layer_norm1.weight") else 0.0))
+
+def encode(c, text):
+    t = time.perf_counter()
+    with torch.inference_mode():
+        cond = M["CLIPTextEncode"]().encode(c, text)[0]
+    return cond[0][0], cond[0][1]["pooled_output"], time.perf_counter() - t
+
+def same(a, b):
+    return bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+
+last2 = M["CLIPSetLastLayer"]().set_last_layer(clip, -2)[0]
+ref_a, ref_b, ref_a2 = encode(clip, "a red fox"), encode(clip, "a blue bird"), encode(last2, "a red fox")
+node = M["H3MSTextEncoderCacheAsync"]()
+cached = node.patch(clip, True, True, 8, 0.0)[0]
+miss = encode(cached, "a red fox")
+hit = encode(cached, "a red fox")
+hit_other_clone = encode(clip, "a red fox")          # the hook sits on the shared encoder
+layer2 = encode(M["CLIPSetLastLayer"]().set_last_layer(cached, -2)[0], "a red fox")
+stats_before_evict = output_cache().stats()
+clip.cond_stage_model.to_empty(device="meta")         # ComfyUI dropped the weights
+after_evict = encode(cached, "a blue bird")
+[te_row] = [r for r in weight_cache().summaries() if r["group"] == "te"]
+status = get_hub().status()
+hooks = method_hooks.installed()
+release = M["H3MSReleaseResourcesAsync"]().run(False, False, True, True, True)["ui"]["text"]
+plain = encode(clip, "a red fox")
+print("RESULT", json.dumps({
+    "miss_equal": same(miss, ref_a), "hit_equal": same(hit, ref_a), "clone_hit_equal": same(hit_other_clone, ref_a),
+    "layer2_equal": same(layer2, ref_a2), "layer2_differs": not same(ref_a2, ref_a),
+    "evict_equal": same(after_evict, ref_b), "stats": stats_before_evict, "te_row": te_row,
+    "status_outputs": status["text_encoder_outputs"], "hooks": hooks,
+    "entries_after_release": output_cache().stats()["entries"], "release": release,
+    "hooked_after": "encode_token_weights" in clip.cond_stage_model.__dict__, "plain_equal": same(plain, ref_a),
+    "miss_s": miss[2], "hit_s": hit[2]}))
+'''
+
+
+def test_text_encoder_cache_hit_equals_miss_and_restores_evicted_weights(tmp_path) -> None:
+    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"], env={"TMP_DIR": str(tmp_path)},
+                                       timeout_s=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["miss_equal"] and r["hit_equal"] and r["clone_hit_equal"], r
+    assert r["layer2_differs"] and r["layer2_equal"], "the layer option must be part of the key"
+    assert r["stats"]["hits"] == 2 and r["stats"]["misses"] == 2 and r["stats"]["entries"] == 2, r["stats"]
+    assert r["evict_equal"] and r["te_row"]["restores"] == 1 and r["te_row"]["bytes"] > 6 * 2**20, r["te_row"]
+    assert r["status_outputs"]["hits"] == 2 and r["status_outputs"]["misses"] == 3
+    assert any(h["hook"] == "TextEncoder" and h["methods"] == ["encode_token_weights"] for h in r["hooks"])
+    assert r["entries_after_release"] == 0 and not r["hooked_after"] and r["plain_equal"], r["release"]
+    assert any("text-encoder output cache cleared" in ln for ln in r["release"])

@@ -1,0 +1,60 @@
+"""VAE split decode through the real ComfyUI tree: bit-exact to ComfyUI's own single-device decode.
+
+One ComfyUI process (tests/vae_comfy_script.py) decodes with plain ComfyUI, then through the H3 MS VAE Split Decode
+node at 2, 3, 4 and 8 CPU ranks (real worker processes running ComfyUI's own H3 decoder), with T values whose plans
+pad and deal uneven chunk counts, a latent tall enough for two spatial tiles, fp16 as well as fp32, the shared-memory
+return and both socket returns (forced, and /dev/shm without room); a worker that dies in the middle of a decode
+fails it with its last log lines, and the next decode restarts the pool and is exact again.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import comfy_tree
+
+pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")
+
+CASES = [
+    {"ranks": 2, "T": 20, "h": 2, "dtype": "fp32", "transport": "auto"},    # 4 chunks, 2 pad tokens
+    {"ranks": 2, "T": 10, "h": 18, "dtype": "fp32", "transport": "shm"},    # 2 chunks x 2 spatial tiles
+    {"ranks": 2, "T": 20, "h": 2, "dtype": "fp32", "transport": "crash"},   # a worker dies mid-decode, then restart
+    {"ranks": 3, "T": 23, "h": 2, "dtype": "fp32", "transport": "socket"},  # 4 chunks on 3 ranks: 2/1/1
+    {"ranks": 3, "T": 23, "h": 2, "dtype": "fp32", "transport": "no_shm"},  # auto falls back to the socket
+    {"ranks": 4, "T": 27, "h": 2, "dtype": "fp32", "transport": "auto"},    # 5 chunks on 4 ranks: 2/1/1/1
+    {"ranks": 4, "T": 13, "h": 2, "dtype": "fp16", "transport": "auto"},    # fp16 decoder, 3 chunks on 4 ranks
+    {"ranks": 8, "T": 52, "h": 2, "dtype": "fp32", "transport": "auto"},    # 10 chunks on 8 ranks: 2/2/1/.../1
+]
+
+
+def test_split_decode_equals_comfyui_at_2_3_4_8_ranks_shm_and_socket(tmp_path) -> None:
+    script = (Path(__file__).parent / "vae_comfy_script.py").read_text()
+    env = {"H3MS_TEST_VAE_CRASH_FILE": str(tmp_path / "crash-now"), "H3MS_TEST_HOOKS": "1","VAE_CASES": json.dumps(CASES), "H3MS_MAX_FRAME_BYTES": str(256 * 1024),  # several fetch pieces/chunk
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = comfy_tree.run_comfy_script(script, ["--cpu", "--disable-api-nodes"], env=env, timeout_s=800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    for case in res["cases"]:
+        rec = case["record"]
+        what = f"{case['ranks']} ranks, T={case['T']}, h={case['h']}, {case['dtype']}, {case['transport']}"
+        assert case["equal"], f"split decode differs from ComfyUI's: {what}"
+        assert case["std"] > 0.01 and case["saturated"] < 0.5, f"degenerate test output: {what}"
+        assert rec is not None and rec["ranks"] == case["ranks"], what
+        assert sum(rec["chunks_per_rank"]) == rec["chunks"] and min(rec["chunks_per_rank"]) >= (
+            1 if rec["chunks"] >= case["ranks"] else 0), what
+        if case["transport"] == "crash":
+            err = case["crash_error"] or ""
+            assert err.startswith("VaeSplitError") and "worker rank 0 on cpu" in err and "exited with code 7" in err
+            assert "last lines of" in err and "test hook: dying in the middle of a chunk" in err, err
+        want = {"auto": "shm", "shm": "shm", "socket": "socket", "no_shm": "socket", "crash": "shm"}[case["transport"]]
+        assert rec["transport"] == want, what
+        remote = [c for c in rec["per_chunk"] if c["rank"] != 0]
+        assert remote and all(c["bytes"] > 0 for c in remote), what
+    assert {c["ranks"] for c in res["cases"]} == {2, 3, 4, 8}
+    assert proc.stderr.count("return over the worker sockets instead of shared memory") == 1
+    assert res["hooked_after_disable"] == [] and res["busy"] == 0
+    assert res["shm_left"] == [] and res["workers_alive"] == []

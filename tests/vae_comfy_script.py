@@ -1,0 +1,104 @@
+"""Body run inside the real ComfyUI tree by tests/test_vae_split_comfy.py (``comfy_tree.run_comfy_script``).
+
+Builds a small random H3 video VAE with real key names through ComfyUI's own loader (``comfy.sd.VAE``; the two
+constructors' size defaults are shrunk for the test), decodes every case's latent with plain ComfyUI (no hook), then
+through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
+case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
+"transport"}]``; ``transport`` "no_shm" makes the output segment fail as a full /dev/shm would, "crash" makes a
+worker die in the middle of the decode (the decode must fail naming it, and the next one succeed).
+"""
+import asyncio
+import glob
+import json
+import os
+import time
+
+import torch
+
+import comfy.ldm.minimax.vae as V
+import comfy.sd
+import nodes
+
+t0 = time.time()
+defaults = list(V.MiniMaxH3VideoVAE.__init__.__defaults__)
+defaults[2], defaults[5], defaults[6] = 32, (1,) * 6, 1  # ch, ch_mult, num_res_blocks
+V.MiniMaxH3VideoVAE.__init__.__defaults__ = tuple(defaults)
+defaults = list(V.ViT3DDecoder.__init__.__defaults__)
+defaults[4], defaults[5] = 2, 2  # num_layers, heads
+V.ViT3DDecoder.__init__.__defaults__ = tuple(defaults)
+
+gen = torch.Generator().manual_seed(4321)
+sd = {}
+for name, t in sorted(V.MiniMaxH3VideoVAE().state_dict().items()):
+    if name in ("latents_mean", "latents_std"):
+        sd[name] = t.clone()
+        continue
+    x = torch.randn(t.shape, generator=gen) * 0.05
+    sd[name] = x + 1 if name.endswith(("norm1.weight", "norm2.weight", "norm_out.weight")) else x
+
+cases = json.loads(os.environ["VAE_CASES"])
+vaes = {d: comfy.sd.VAE(sd=sd, dtype={"fp32": torch.float32, "fp16": torch.float16}[d])
+        for d in sorted({c["dtype"] for c in cases})}
+assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
+Split = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]
+from h3ms_async import vae_split  # noqa: E402  (loaded by the pack above)
+from workers.shm import ShmError  # noqa: E402
+
+torch.manual_seed(7)
+latents = {(c["T"], c["h"]): torch.randn(1, 24, c["T"], c["h"], 3) for c in cases}
+with torch.inference_mode():
+    refs = {(k, d): vae.decode(z) for k, z in latents.items() for d, vae in vaes.items()}
+print("references decoded in", round(time.time() - t0, 1), "s", flush=True)
+
+
+class NoRoomSegment(vae_split.Segment):
+    """/dev/shm without room for the chunk outputs (as in a container mounting 64 MB)."""
+
+    @classmethod
+    def create(cls, size, tag):
+        if tag == "vae_out":
+            raise ShmError(f"/dev/shm has 64.0 MiB free but {size / 2**20:.1f} MiB are needed (test)")
+        return super().create(size, tag)
+
+
+real_segment = vae_split.Segment
+results = []
+for c in cases:
+    vae = vaes[c["dtype"]]
+    os.environ["H3MS_VAE_RANK_MAP"] = ",".join(["cpu"] * c["ranks"])
+    os.environ["H3MS_VAE_TRANSPORT"] = "auto" if c["transport"] in ("no_shm", "crash") else c["transport"]
+    vae_split.Segment = NoRoomSegment if c["transport"] == "no_shm" else real_segment
+    assert Split().patch(vae, True, -1)[0] is vae
+    t = time.time()
+    crash_error = None
+    if c["transport"] == "crash":
+        with torch.inference_mode():
+            vae.decode(latents[(c["T"], c["h"])])  # workers up and loaded
+        open(os.environ["H3MS_TEST_VAE_CRASH_FILE"], "w").close()
+        try:
+            with torch.inference_mode():
+                vae.decode(latents[(c["T"], c["h"])])
+        except Exception as exc:  # noqa: BLE001 - the error text is what the test checks
+            crash_error = f"{type(exc).__name__}: {exc}"
+    with torch.inference_mode():
+        got = vae.decode(latents[(c["T"], c["h"])])
+    ref = refs[((c["T"], c["h"]), c["dtype"])]
+    rec = vae_split.get_vae_engine(["cpu"] * c["ranks"]).last_record
+    row = {**c, "equal": bool(torch.equal(got, ref)), "record": rec, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
+           "std": float(ref.float().std()), "saturated": float((ref == 0).float().mean() + (ref == 1).float().mean())}
+    results.append(row)
+    print("CASE", json.dumps({k: v for k, v in row.items() if k not in ("record", "crash_error")}), "load",
+          rec and rec["load_s"],
+          flush=True)
+vae_split.Segment = real_segment
+
+# fp16 through the node's enabled=false, the rest through Release Resources (detach_hooks + release_vae_workers).
+if "fp16" in vaes:
+    Split().patch(vaes["fp16"], False, -1)
+release = nodes.NODE_CLASS_MAPPINGS["H3MSReleaseResourcesAsync"]().run(False, False, True, True, False)["ui"]["text"]
+hooked = [d for d, vae in vaes.items() if "decode_temporal" in vae.first_stage_model.__dict__]
+busy = sum("busy" in line for line in release)
+workers_alive = [p for e in vae_split.live_vae_engines() for p in e.pool.snapshot() if p["state"] != "stopped"]
+print("RESULT", json.dumps({"cases": results, "hooked_after_disable": hooked, "busy": busy,
+                            "shm_left": glob.glob(f"/dev/shm/h3ms-{os.getpid()}-*"),
+                            "workers_alive": workers_alive, "total_s": round(time.time() - t0, 1)}), flush=True)
