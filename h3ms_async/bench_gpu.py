@@ -11,8 +11,10 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
 * where the time goes per rank (compute / copy / wait) and the host exchange's achieved bandwidth;
 * streamed vs resident step time.
 
-Every process (this one and each worker) is warmed with one pass per shape first: on the H200 the first pass of a
-process differs in the last bits from later passes (benchmarks/diag_parity.py), on both sides alike.
+This process (the stand-in for ComfyUI's, which is long warm when a split starts) runs one unsplit pass per shape
+first; the workers are not warmed by the benchmark: they warm their attention up themselves when they load weights
+(a fresh CUDA process's first SDPA call can take cuDNN's kernel and later calls FlashAttention's), so every split
+step, the first included, is compared with ``torch.equal``.
 """
 from __future__ import annotations
 
@@ -103,7 +105,6 @@ def _unsplit(model: CachedModel, inp, steps: int) -> tuple[torch.Tensor, float]:
 
 
 def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) -> dict:
-    eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw)  # warm this shape (and transport)
     best = None
     exact = True
     diff = 0.0

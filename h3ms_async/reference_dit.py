@@ -100,6 +100,8 @@ class ReferenceDiT:
     def __init__(self, config: DiTConfig, weights: str, seed: int, *, device: torch.device | str = "cpu") -> None:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"weights={weights!r}; use one of {', '.join(WEIGHT_KINDS)}")
+        # the reference runs standalone only (CLI, tests), with the kernels the pack's workers use there
+        dit_ops.apply_kitchen_policy()
         self.config = config
         self.weights = weights
         self.seed = int(seed)
@@ -183,7 +185,7 @@ class ReferenceDiT:
         with torch.inference_mode():
             for i in range(c.layers):
                 x = dit_ops.block_forward_unsplit(x, self.block_weights(i), t_emb, segments, rope_freqs, c.heads,
-                                                  c.head_dim, c.eps, attention=attention)
+                                                  c.head_dim, c.eps, attend=dit_ops.builtin_attend(attention))
                 if on_block is not None:
                     on_block(i)
         return x

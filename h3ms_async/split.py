@@ -32,9 +32,10 @@ from h3ms_async.reference_dit import DiTConfig
 from h3ms_async.status import get_hub, now_iso
 from h3ms_async.weight_store import BlockReader, WeightStore, fill
 from workers import dit_ops, dit_protocol
+from workers.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.dist_exchange import check_nccl_rank_map
 from workers.exchange import ArenaLayout, decode_seq, dtype_name
-from workers.shm import Arena, Segment
+from workers.shm import Arena, Segment, register_cuda
 
 log = get_logger("MultiStream")
 
@@ -63,17 +64,26 @@ class SplitUnsafe(SplitError):
     """This step cannot be split bit-exactly on these ranks (the caller should run it unsplit, or use fewer ranks)."""
 
 
+#: The attention name that means "the parent ComfyUI's selected function" (``SplitOptions.comfy_host``).
+COMFY_ATTENTION = "comfy"
+
+
 @dataclass(frozen=True)
 class SplitOptions:
-    """What the node (or the CLI) chose.  ``shares`` = relative speed per rank (None: equal)."""
+    """What the node (or the CLI) chose.  ``shares`` = relative speed per rank (None: equal).
+
+    Only ``shares``, ``attention`` and ``comfy_host`` need other worker processes (:func:`process_key`); exchange,
+    chunks and residency travel with every step, and the RAM reserve applies when the store is filled.
+    ``attention="comfy"`` runs ``comfy_host.attention`` (ComfyUI's selected function) on the ranks.
+    """
 
     exchange: str = "host"
     exchange_chunks: int = 0
     vram_residency: str = "auto"
-    weight_cache: bool = True
     cache_ram_reserve_gb: float = 0.0
     shares: tuple[float, ...] | None = None
     attention: str = "sdpa"
+    comfy_host: ComfyHost | None = None
     step_timeout_s: float = 600.0
     exchange_deadline_s: float = 120.0
 
@@ -84,8 +94,12 @@ class SplitOptions:
             raise ValueError(f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single shot)")
         if self.vram_residency not in dit_protocol.RESIDENCIES:
             raise ValueError(f"vram_residency={self.vram_residency!r} is not one of {dit_protocol.RESIDENCIES}")
-        if self.attention not in dit_ops.ATTENTION_BACKENDS:
-            raise ValueError(f"attention={self.attention!r} is not one of {dit_ops.ATTENTION_BACKENDS}")
+        if self.attention not in dit_ops.ATTENTION_BACKENDS + (COMFY_ATTENTION,):
+            raise ValueError(f"attention={self.attention!r} is not one of {dit_ops.ATTENTION_BACKENDS} or "
+                             f"{COMFY_ATTENTION!r}")
+        if (self.attention == COMFY_ATTENTION) != (self.comfy_host is not None):
+            raise ValueError("attention='comfy' and comfy_host go together: the ranks need the parent ComfyUI to run "
+                             "its attention function")
         if self.cache_ram_reserve_gb < 0:
             raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
 
@@ -99,6 +113,7 @@ class _StepBuffers:
     descs: dict[str, dict]
     arena: Segment | None
     layout: ArenaLayout
+    pinned: bool = False
 
     def close(self) -> None:
         for seg in (self.step, self.arena):
@@ -112,6 +127,7 @@ class _Loaded:
     store: WeightStore
     config: DiTConfig
     head_bounds: tuple[int, ...]
+    compute_dtype: str
 
 
 class SplitEngine:
@@ -127,7 +143,10 @@ class SplitEngine:
             check_nccl_rank_map(list(devices))
         self.devices = list(devices)
         self.options = options
-        self.pool = WorkerPool(self.devices, name="dit", env=_cpu_thread_env(self.devices))
+        env = _cpu_thread_env(self.devices)
+        if options.comfy_host is not None:
+            env.update(options.comfy_host.to_env())
+        self.pool = WorkerPool(self.devices, name="dit", env=env)
         self._loaded: _Loaded | None = None
         self._buffers: _StepBuffers | None = None
         self._lock = threading.Lock()
@@ -165,10 +184,13 @@ class SplitEngine:
         return "nccl" if self.devices[0].startswith("cuda") else "gloo"
 
     # -- weights ----------------------------------------------------------------------------------------------
-    def load_weights(self, key: tuple, config: DiTConfig, block_weights: BlockReader, n_blocks: int | None = None) -> bool:
+    def load_weights(self, key: tuple, config: DiTConfig, block_weights: BlockReader, n_blocks: int | None = None,
+                     *, compute_dtype: torch.dtype | None = None) -> bool:
         """Fill the weight store for ``key`` (no-op when it already holds ``key``) and load every rank.
 
-        Returns whether anything was (re)loaded.  Raises ``WeightStoreRefused`` when the RAM reserve forbids it.
+        ``compute_dtype``: the residual stream's dtype (ranks warm their attention up in it before the first step);
+        default: the stored norm weights' dtype. Returns whether anything was (re)loaded.  Raises
+        ``WeightStoreRefused`` when the RAM reserve forbids it.
         """
         n = config.layers if n_blocks is None else n_blocks
         head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
@@ -181,7 +203,8 @@ class SplitEngine:
                 return False
             self._drop_store()
             store = fill(key, n, block_weights, reserve_gb=self.options.cache_ram_reserve_gb)
-            self._loaded = _Loaded(store, config, head_bounds)
+            dtype = compute_dtype or store.block(0)["norm1.weight"].dtype
+            self._loaded = _Loaded(store, config, head_bounds, dtype_name(dtype))
             try:
                 self._run(self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks")
             except BaseException:
@@ -194,9 +217,9 @@ class SplitEngine:
         assert ld is not None
         cfg = {"hidden": ld.config.hidden, "heads": ld.config.heads, "head_dim": ld.config.head_dim,
                "eps": ld.config.eps, "layers": len(ld.store.manifest), "devices": self.devices,
-               "attention": self.options.attention}
+               "attention": self.options.attention, "compute_dtype": ld.compute_dtype}
         fields = [{"store": ld.store.segment.name, "manifest": ld.store.manifest, "config": cfg,
-                   "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]], "residency": self.options.vram_residency,
+                   "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]],
                    "key": ld.store.key_text} for r in range(self.ranks)]
         await self.pool.start()
         results = await self.pool.all("dit_load", fields, self.options.step_timeout_s)
@@ -224,21 +247,24 @@ class SplitEngine:
     def run_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
                    *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
                    sigma: float | None = None, exchange: str | None = None,
-                   exchange_chunks: int | None = None, progress: StepProgress | None = None) -> torch.Tensor:
-        """Run every loaded block on the ranks; returns the new residual stream (a new tensor, ``x``'s dtype).
+                   exchange_chunks: int | None = None, progress: StepProgress | None = None,
+                   in_place: bool = False) -> torch.Tensor:
+        """Run every loaded block on the ranks; returns the new residual stream on ``x``'s device, in its dtype.
 
         ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
         is accepted (the workers cannot run ComfyUI callables).  ``exchange`` / ``exchange_chunks`` override the
         engine's options for this step (benchmarks compare transports and chunking on the same workers).
         ``progress``: see :data:`StepProgress`; with the host exchange it follows the slowest rank block by block
         (read from the arena's sequence words), otherwise it is called once, when the step is done.
+        ``in_place``: write the result into ``x`` and return ``x`` (H3's blocks update the stream in place too), so
+        a CUDA stream gets one host-to-device copy from the step segment and no new tensor; otherwise a new tensor.
         """
         opts = self.options
         if exchange is not None or exchange_chunks is not None:
             opts = replace(opts, exchange=opts.exchange if exchange is None else exchange,
                            exchange_chunks=opts.exchange_chunks if exchange_chunks is None else exchange_chunks)
-            if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
-                check_nccl_rank_map(self.devices)
+        if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
+            check_nccl_rank_map(self.devices)
         ld = self._loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
@@ -252,7 +278,8 @@ class SplitEngine:
         with self._lock:
             self._running = True
             try:
-                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress)
+                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress,
+                                  in_place)
             finally:
                 self._running = False
 
@@ -279,7 +306,7 @@ class SplitEngine:
 
     def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
               rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None,
-              progress: StepProgress | None = None) -> torch.Tensor:
+              progress: StepProgress | None, in_place: bool) -> torch.Tensor:
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
@@ -303,6 +330,7 @@ class SplitEngine:
             "exchange": {"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
             "chunks": opts.exchange_chunks, "abort_gen": 0,
             "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
+            "residency": opts.vram_residency,
         } for r in range(self.ranks)]
         blocks = len(ld.store.manifest)
         try:
@@ -312,7 +340,12 @@ class SplitEngine:
             # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
             self._drop_buffers()
             raise
-        out = step.tensor(buf.descs["x"]).clone()
+        result = step.tensor(buf.descs["x"])
+        # The step segment is registered pinned memory when x lives on a GPU: the copy back is queued on x's
+        # stream (ordered before H3's final layer) without a host-side sync; the segment is next written only
+        # after the next step's device-to-host copy of its input, which that stream orders after this one.
+        out = x if in_place else torch.empty_like(x)
+        out.copy_(result, non_blocking=buf.pinned)
         self.last_rank_results = [dict(r) for r in results]
         self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], blocks, sigma)
         if progress is not None:
@@ -358,7 +391,7 @@ class SplitEngine:
         ld = self._loaded
         assert ld is not None
         key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(t_emb.shape), t_emb.dtype, tuple(rope.shape),
-               rope.dtype, rows, opts.exchange)
+               rope.dtype, rows, opts.exchange, str(x.device))
         if self._buffers is not None and self._buffers.shape_key == key:
             return self._buffers
         self._drop_buffers()
@@ -382,7 +415,8 @@ class SplitEngine:
                     seg.close()
                     seg.unlink()
             raise
-        self._buffers = _StepBuffers(key, step, descs, arena_seg, layout)
+        pinned = x.is_cuda and register_cuda(step, str(x.device))
+        self._buffers = _StepBuffers(key, step, descs, arena_seg, layout, pinned)
         return self._buffers
 
     def _unmap_released(self) -> None:
@@ -489,8 +523,8 @@ def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 def _options_dict(o: SplitOptions) -> dict:
     return {"exchange": o.exchange, "exchange_chunks": o.exchange_chunks, "vram_residency": o.vram_residency,
-            "attention": o.attention,
-            "weight_cache": o.weight_cache, "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
+            "attention": o.comfy_host.attention if o.comfy_host else o.attention,
+            "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
             "shares": list(o.shares) if o.shares else None}
 
 
@@ -520,13 +554,19 @@ _ENGINES: dict[tuple, SplitEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -> SplitEngine:
-    """The engine for this rank map and these options (created once; its workers start on first use).
+def process_key(devices: Sequence[str], options: SplitOptions) -> tuple:
+    """What needs other worker processes: the rank devices, the shares (head groups) and the attention function."""
+    return tuple(devices), options.shares, options.attention, options.comfy_host
 
-    Engines for other rank maps or options are released first: one split runs at a time, and each engine's
-    workers and weight store hold memory.
+
+def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -> SplitEngine:
+    """The engine for this rank map (created once; its workers start on first use).
+
+    An engine is keyed on :func:`process_key`; other options (exchange, chunks, residency, RAM reserve, deadlines)
+    are replaced in place, so switching them keeps the workers and the filled weight store. Engines for another
+    process key are released first: one split runs at a time, and each engine's workers and store hold memory.
     """
-    key = (tuple(devices), options)
+    key = process_key(devices, options)
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
@@ -534,6 +574,8 @@ def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -
                 _ENGINES.pop(old_key).release()
             eng = _ENGINES[key] = SplitEngine(devices, options)
             _register_status()
+        else:
+            eng.options = options
         return eng
 
 

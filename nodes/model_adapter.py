@@ -103,22 +103,51 @@ def _is_quantized(t: Any) -> bool:
     return hasattr(t, "_qdata") and hasattr(t, "_params")
 
 
-def effective_weight(patcher: Any, key: str) -> Any:
+def _on_the_fly_patch(patcher: Any, key: str, compute_dtype: torch.dtype) -> Any:
+    """The weight ``ModelPatcherDynamic`` computes with, through ComfyUI's own code for it, or None when ``key``'s
+    module has no on-the-fly patch.
+
+    That patcher never patches weights in place: it sets ``<param>_lowvram_function`` (a ``LowVramPatch``) on the
+    module, and ``comfy.ops``' cast applies it at every call to the weight cast to the compute dtype (dequantized
+    first when int8; an int8 layer then re-quantizes the result with the module's seed, as ``want_requant`` does).
+    """
+    path, param = key.rsplit(".", 1)
+    module = patcher.get_model_object(path)
+    patch_fn = getattr(module, f"{param}_lowvram_function", None)
+    if patch_fn is None:
+        return None
+    import comfy.utils
+    orig = getattr(module, param)
+    x = orig.to(dtype=compute_dtype)
+    if _is_quantized(x):
+        x = x.dequantize()
+    x = patch_fn(x)
+    if _is_quantized(orig):
+        x = orig.requantize_from_float(x, scale="recalculate",
+                                       stochastic_rounding=comfy.utils.string_to_seed(module.seed_key))
+    return x
+
+
+def effective_weight(patcher: Any, key: str, compute_dtype: torch.dtype) -> Any:
     """The tensor ComfyUI computes with for state-dict ``key``: LoRA/weight patches and weight wrappers applied.
 
-    A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
-    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are, never patched twice;
-    when the live weight holds another clone's patches, the original comes from ``backup``. Otherwise
-    ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching the model: an unpatched
-    key is the live tensor as it is (no device work); a patched key is computed on ``patcher.load_device``, because
-    ComfyUI computes patches there, in that device's patch dtype (``lora_compute_dtype``), and the split must
-    match it bit for bit (quantized layers re-quantize through their ``set_weight``, §6.3). That is one transient
-    tensor at a time, moved to the host by :func:`block_tensors` before the next is made: the ComfyUI process never
-    holds a second copy of the blocks on a GPU. Weight wrappers (``add_weight_wrapper``) run last, in order, as
-    ``cast_bias_weight`` runs a module's ``weight_function`` list.
+    Under ``ModelPatcherDynamic`` (DynamicVRAM, ComfyUI's default on NVIDIA) a patched weight is what its
+    on-the-fly patch gives (:func:`_on_the_fly_patch`). A fully loaded model already holds its patched weights
+    (originals in ``patcher.backup``, and ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are
+    taken as they are, never patched twice; when the live weight holds another clone's patches, the original comes
+    from ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching
+    the model: an unpatched key is the live tensor as it is (no device work); a patched key is computed on
+    ``patcher.load_device``, because ComfyUI computes patches there, in that device's patch dtype
+    (``lora_compute_dtype``), and the split must match it bit for bit (quantized layers re-quantize through their
+    ``set_weight``, §6.3). That is one transient tensor at a time, moved to the host by :func:`block_tensors` before
+    the next is made. Weight wrappers (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a
+    module's ``weight_function`` list.
     """
     backup = getattr(patcher, "backup", {})
-    if key not in backup:
+    weight = _on_the_fly_patch(patcher, key, compute_dtype) if key in patcher.patches else None
+    if weight is not None:
+        pass  # ModelPatcherDynamic's on-the-fly patch: what ComfyUI computes with
+    elif key not in backup:
         device = patcher.load_device if key in patcher.patches else None
         weight = patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
     elif getattr(patcher.model, "current_weight_patches_uuid", None) == patcher.patches_uuid:
@@ -142,7 +171,8 @@ def _convrot_tag(params: Any) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(json.dumps(conf).encode("utf-8")), dtype=torch.uint8).clone()
 
 
-def block_tensors(patcher: Any, block_index: int, prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+def block_tensors(patcher: Any, block_index: int, compute_dtype: torch.dtype,
+                  prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
     """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight store takes them.
 
     An int8 ``QuantizedTensor`` becomes ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``, fp32)
@@ -154,7 +184,7 @@ def block_tensors(patcher: Any, block_index: int, prefix: str = "diffusion_model
     block = dm.blocks[block_index]
     out: dict[str, torch.Tensor] = {}
     for name, _ in block.named_parameters():
-        w = effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}")
+        w = effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}", compute_dtype)
         if _is_quantized(w):
             out[name] = w._qdata.detach().to("cpu").contiguous()
             out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
@@ -180,7 +210,7 @@ def available_ram() -> int:
     return int(ram_info()["available_bytes"])
 
 
-def block_reader(patcher: Any, reserve_gb: float,
+def block_reader(patcher: Any, reserve_gb: float, compute_dtype: torch.dtype,
                  ram: Callable[[], int] = available_ram) -> Callable[[int], dict[str, torch.Tensor]]:
     """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into the RAM reserve."""
     dm = patcher.get_model_object("diffusion_model")
@@ -195,7 +225,7 @@ def block_reader(patcher: Any, reserve_gb: float,
                 f"and cache_ram_reserve_gb keeps {reserve_gb:g} GiB free; lower cache_ram_reserve_gb, free RAM, or "
                 "run the model unsplit")
         with torch.inference_mode():
-            return block_tensors(patcher, i)
+            return block_tensors(patcher, i, compute_dtype)
     return read
 
 
@@ -309,14 +339,29 @@ def capture_block_options(user_patches: Mapping[int, Any], args: Mapping, n_bloc
 class SplitState:
     """What one node instance configured; shared by every clone that inherits its wrapper."""
 
-    def __init__(self, devices: list[str], options: Any, reserve_gb: float, patcher: Any):
+    def __init__(self, devices: list[str], options: Any, reserve_gb: float, patcher: Any,
+                 weight_cache: bool = True):
         self.devices = list(devices)
         self.options = options
         self.reserve_gb = reserve_gb
+        self.weight_cache = weight_cache
         self.detached = False
         self._patcher = weakref.ref(patcher)
         self._lock = threading.Lock()
-        self.warned_key = False
+        self.warned: set[str] = set()
+
+    def warn_once(self, what: str, message: str, *args: Any) -> None:
+        """Log ``message`` the first time ``what`` happens for this node's configuration."""
+        if what not in self.warned:
+            self.warned.add(what)
+            log.warning(message, *args)
+
+    def after_sampling(self, patcher: Any) -> None:
+        """ComfyUI's ON_CLEANUP: with ``weight_cache`` off, the store goes when sampling ends (workers stay)."""
+        if not self.weight_cache:
+            from h3ms_async.split import clear_weight_stores
+            if clear_weight_stores():
+                log.info("weight_cache is off: weight store released after sampling")
 
     def set_patcher(self, patcher: Any) -> None:
         with self._lock:
@@ -378,17 +423,23 @@ class _RunStack:
             check_block_options(block_options)
         except SplitError as exc:
             raise MultiStreamError(str(exc)) from None
+        unsafe = self._attention_unsafe(args["img"])
+        if unsafe:
+            self.state.warn_once("attention", "%s; running this model's steps unsplit", unsafe)
+            self.unsplit = True
+            return self.run_unsplit(0, args, extra)
         patcher = self.state.patcher()
         key, warning = weight_key(patcher)
-        if warning and not self.state.warned_key:
-            self.state.warned_key = True
-            log.warning(warning)
+        if warning:
+            self.state.warn_once("key", warning)
         engine = get_engine(self.state.devices, self.state.options)
-        engine.load_weights(key + (repr(self.state.options),), read_config(self.dm),
-                            block_reader(patcher, self.state.reserve_gb), n)
+        dtype = args["img"].dtype
+        engine.load_weights(key, read_config(self.dm), block_reader(patcher, self.state.reserve_gb, dtype), n,
+                            compute_dtype=dtype)
         try:
             out = engine.run_blocks(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
-                                    block_options=block_options, interrupt=interrupt, sigma=_sigma(args))
+                                    block_options=block_options, interrupt=interrupt, sigma=_sigma(args),
+                                    in_place=True)
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
         except SplitUnsafe as exc:
@@ -398,6 +449,25 @@ class _RunStack:
             self.unsplit = True
             return self.run_unsplit(0, args, extra)
         return {"img": out}
+
+    def _attention_unsafe(self, img: torch.Tensor) -> str | None:
+        """Why ComfyUI's sub-quadratic attention could chunk this call otherwise on a rank, or None.
+
+        Its chunk sizes follow free memory; when the unsplit call takes the largest chunks, every rank (fewer heads,
+        less memory) takes them too (``workers.comfy_host.subquad_unchunked``).
+        """
+        host = getattr(self.state.options, "comfy_host", None)
+        if host is None or host.attention != "attention_sub_quad":
+            return None
+        from comfy import model_management
+        from h3ms_async.split import subquad_unchunked
+        heads = int(self.dm.blocks[0].attn.heads)
+        free = model_management.get_free_memory(img.device, True)[0]
+        if subquad_unchunked(heads, img.shape[0], img.element_size(), free):
+            return None
+        return (f"ComfyUI's sub-quadratic attention would chunk {img.shape[0]} tokens x {heads} heads by free memory "
+                f"({free / GIB:.1f} GiB), which the head-split ranks cannot reproduce exactly; start ComfyUI with "
+                "--use-pytorch-cross-attention to split such steps")
 
 
 def _sigma(args: Mapping) -> float | None:
@@ -423,7 +493,14 @@ class SplitWrapper:
         user = collect_user_patches(transformer_options, n)
         to = dict(transformer_options)
         to["patches_replace"] = dict(to.get("patches_replace", {}))
-        if self.state.detached:  # plain ComfyUI: the user's own patches only
+        override = to.get("optimized_attention_override")
+        if override is not None:
+            self.state.warn_once(
+                "override", "the model carries a whole-model attention override (%s, set with "
+                "set_model_optimized_attention / transformer_options['optimized_attention_override']); the rank "
+                "workers cannot run it, so this model runs unsplit. Remove the node that sets it to split the model",
+                getattr(override, "__name__", type(override).__name__))
+        if self.state.detached or override is not None:  # plain ComfyUI: the user's own patches only
             to["patches_replace"]["dit"] = {("double_block", i): p for i, p in user.items()}
             return executor(x, timestep, context, to, *args, **kwargs)
         stack = _RunStack(self.state, dm, user)
@@ -434,11 +511,13 @@ class SplitWrapper:
         return executor(x, timestep, context, to, *args, **kwargs)
 
 
-def install_split(clone: Any, devices: list[str], options: Any, reserve_gb: float) -> SplitState:
-    """Put the wrapper, the block patches and the pre-run callback on ``clone`` (a fresh clone); returns the state."""
+def install_split(clone: Any, devices: list[str], options: Any, reserve_gb: float,
+                  weight_cache: bool = True) -> SplitState:
+    """Put the wrapper, the block patches and the pre-run / cleanup callbacks on ``clone`` (a fresh clone); returns
+    the state."""
     from comfy.patcher_extension import CallbacksMP, WrappersMP
     dm = clone.get_model_object("diffusion_model")
-    state = SplitState(devices, options, reserve_gb, clone)
+    state = SplitState(devices, options, reserve_gb, clone, weight_cache)
     _STATES.add(state)
     dit = clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
     for i in range(len(dm.blocks)):
@@ -450,6 +529,8 @@ def install_split(clone: Any, devices: list[str], options: Any, reserve_gb: floa
     # a second H3 MultiStream node in the chain replaces the first one's wrapper and callback instead of stacking
     clone.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     clone.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, WRAPPER_KEY)
+    clone.remove_callbacks_with_key(CallbacksMP.ON_CLEANUP, WRAPPER_KEY)
     clone.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, SplitWrapper(state))
     clone.add_callback_with_key(CallbacksMP.ON_PRE_RUN, WRAPPER_KEY, state.set_patcher)
+    clone.add_callback_with_key(CallbacksMP.ON_CLEANUP, WRAPPER_KEY, state.after_sampling)
     return state

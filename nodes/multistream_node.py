@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from h3ms_async.log import get_logger
@@ -47,9 +48,9 @@ class H3MultiStreamAsync:
                 "exchange_chunks": ("INT", {"default": 0, "min": 0, "max": 32, "tooltip": "Pipeline the host "
                                     "exchange in this many chunks so device-to-host and host-to-device copies overlap; "
                                     "0 or 1 = one shot. 8 is recommended for host. Ignored by nccl."}),
-                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep the block weights in shared memory "
-                                 "for the life of ComfyUI (about 18.5 GB for H3 int8), so the next prompt starts "
-                                 "without refilling them."}),
+                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "On: keep the block weights in shared "
+                                 "memory after sampling (about 18.5 GB for H3 int8), so the next prompt starts "
+                                 "without refilling them. Off: release them when sampling ends (the workers stay)."}),
                 "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
                                          "tooltip": "Fill the weight store only while at least this much RAM stays "
                                          "available; the split refuses to start rather than eat into it."}),
@@ -80,12 +81,16 @@ class H3MultiStreamAsync:
         if devices is None:
             log.info("H3 MultiStream: running unsplit (%s)", why)
             return (model,)
-        from h3ms_async.split import SplitOptions
+        host, unsafe = _comfy_host()
+        if unsafe:
+            log.warning("H3 MultiStream: running unsplit: %s", unsafe)
+            return (model,)
+        from h3ms_async.split import COMFY_ATTENTION, SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
-                               weight_cache=bool(weight_cache), cache_ram_reserve_gb=float(cache_ram_reserve_gb),
-                               shares=shares, attention=_parent_attention())
+                               cache_ram_reserve_gb=float(cache_ram_reserve_gb), shares=shares,
+                               attention=COMFY_ATTENTION, comfy_host=host)
         clone = model.clone()
-        install_split(clone, devices, options, float(cache_ram_reserve_gb))
+        install_split(clone, devices, options, float(cache_ram_reserve_gb), bool(weight_cache))
         log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
                  "%g GiB, vram residency %s", type(dm).__name__, getattr(model, "load_device", "?"),
                  ",".join(devices), why, exchange, exchange_chunks, "on" if weight_cache else "off",
@@ -93,14 +98,28 @@ class H3MultiStreamAsync:
         return (clone,)
 
 
-def _parent_attention() -> str:
-    """The ranks attend with the kernel ComfyUI itself uses: ``--use-ck-attention`` means comfy-kitchen INT8
-    attention (h3_dit_facts §5.1: that flag overrides every other attention choice), anything else PyTorch SDPA."""
-    try:
-        from comfy.cli_args import args
-    except ImportError:
-        return "sdpa"
-    return "ck_int8" if getattr(args, "use_ck_attention", False) else "sdpa"
+#: The flag that selects each attention function ComfyUI may pick (for the unsplit warning).
+_ATTENTION_FLAGS = {"attention_split": "--use-split-cross-attention", "attention_sage": "--use-sage-attention",
+                    "attention3_sage": "--use-sage-attention", "attention_flash": "--use-flash-attention",
+                    "attention_xformers": "xformers (installed, not --disable-xformers)"}
+
+
+def _comfy_host() -> tuple[Any, str | None]:
+    """``(host, why_unsplit)``: this ComfyUI (root, argv) and the attention function it selected, which the ranks
+    import and run (``workers.comfy_host``); ``why_unsplit`` names the flag when that function is not head-split
+    safe."""
+    import sys
+
+    import comfy.ldm.modules.attention as attention
+    from h3ms_async.split import HEAD_SPLIT_SAFE, ComfyHost
+    name = attention.optimized_attention.__name__
+    root = str(Path(attention.__file__).resolve().parents[3])  # <root>/comfy/ldm/modules/attention.py
+    host = ComfyHost(root, tuple(sys.argv[1:]), name)
+    if name in HEAD_SPLIT_SAFE:
+        return host, None
+    flag = _ATTENTION_FLAGS.get(name, "an attention flag")
+    return host, (f"ComfyUI attends with {name} ({flag}), which the split cannot run head-split bit-exactly; start "
+                  f"ComfyUI without {flag} (e.g. with --use-pytorch-cross-attention) to split H3")
 
 
 def _plan_devices(model: Any, gpus: Any,
@@ -133,7 +152,7 @@ def _plan_devices(model: Any, gpus: Any,
 
 
 def _uneven(shares: tuple[float, ...] | None) -> tuple[float, ...] | None:
-    """None for equal shares, so that equal plans share one engine (its key includes the options)."""
+    """None for equal shares, so that equal plans share one engine (its key includes the shares)."""
     if not shares or len(set(shares)) == 1:
         return None
     return tuple(float(s) for s in shares)

@@ -20,6 +20,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build onto a CPU-only machine.
   "$venv/bin/python" -m pip install -q "$torch_spec"
+  # ComfyUI's own packages, which requirements.txt (what a ComfyUI install adds) must not list
+  "$venv/bin/python" -m pip install -q "comfy-kitchen>=0.2.36" "comfy-aimdo>=0.5.5"
   "$venv/bin/python" -m pip install -q -r requirements.txt \
       "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3"
   echo "$want" > "$stamp"

@@ -74,7 +74,9 @@ class CudaWeights:
         self.store = msg["store"]
         self.config = msg["config"]
         self.heads = tuple(int(v) for v in msg["heads"])
-        self.residency = msg["residency"]
+        self.residency: str | None = None  # chosen per step (dit_step's "residency")
+        self.log = ctx.log
+        self.rank = ctx.rank
         seg = ctx.segment(self.store)
         self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg["manifest"]]
         self.quant = [dit_ops.quant_info(b, "attn.qkv_proj") for b in self.host]
@@ -112,26 +114,37 @@ class CudaWeights:
         return int(1.25 * (full + local))
 
     # -- residency ------------------------------------------------------------------------------------------------
-    def prepare(self, tokens: int, local_tokens: int) -> None:
-        """Decide (once) how many blocks stay resident and upload them; allocate the two streaming slots."""
-        if self.n_resident is not None:
+    def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
+        """Decide how many blocks stay resident and upload them, and allocate the two streaming slots: at the first
+        step and whenever the step asks for another residency (the store and the process stay)."""
+        if self.n_resident is not None and residency == self.residency:
             return
+        self.resident.clear()
+        self.slots.clear()
+        self.slot_block = [-1, -1]
+        self.freed = [None, None]
         n = len(self.host)
-        if self.residency == "resident":
+        why = residency
+        if residency == "resident":
             k = n
-        elif self.residency == "stream":
+        elif residency == "stream":
             k = 0
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
             reserve = int(_env_gb("H3MS_VRAM_RESERVE_GB", 2.0) * GIB)
             budget = free - self.working_set_bytes(tokens, local_tokens) - reserve - 2 * self.block_bytes
             k = max(0, min(n, budget // max(1, self.block_bytes)))
+            why = (f"auto: {free / GIB:.1f} GiB free, {self.block_bytes / GIB:.2f} GiB per block, "
+                   f"{reserve / GIB:.1f} GiB reserve (H3MS_VRAM_RESERVE_GB)")
         for i in range(k):
             self.resident.append(self._to_device(i))
         if k < n:
             self.slots = [self._empty_like_block(), self._empty_like_block()]
         torch.cuda.synchronize(self.device)
         self.n_resident = k
+        self.residency = residency
+        self.log.info("[dit] rank %d: %d of %d blocks resident in VRAM, %d streamed with prefetch (%s)", self.rank,
+                      k, n, n - k, why)
 
     def _empty_like_block(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,9 @@ INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
 def apply_kitchen_policy() -> None:
-    """Enable comfy-kitchen's backends as ComfyUI does, so every rank computes with the parent's kernels.
+    """Enable comfy-kitchen's backends as ComfyUI does, for standalone use (the CLI's reference, workers started
+    without a ComfyUI parent). Never called in ComfyUI's process: there ComfyUI's own ``comfy.quant_ops`` sets the
+    policy, and a worker started from ComfyUI imports that module instead (``workers.comfy_host``).
 
     ComfyUI (comfy/quant_ops.py) disables kitchen's ``cuda`` backend unless torch was built with CUDA >= 13, and its
     ``triton`` backend unless ``--enable-triton-backend`` was given (here: ``H3MS_ENABLE_TRITON_BACKEND=1``).
@@ -47,8 +49,6 @@ def apply_kitchen_policy() -> None:
     if os.environ.get("H3MS_ENABLE_TRITON_BACKEND") != "1":
         ck.disable_backend("triton")
 
-
-apply_kitchen_policy()
 
 # ComfyUI puts SDPA under an explicit backend priority only for large inputs on CUDA (comfy/ops.py).
 _SDPA_PRIORITY_MIN_ELEMENTS = 1024 * 128
@@ -128,6 +128,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         x = F.silu(x[..., :half]).mul_(x[..., half:])
     elif input_act is not None:
         raise ValueError(f"input_act {input_act!r} is not used by H3 blocks; only 'swiglu' is supported")
+    # ComfyUI's cast_bias_weight: weight and bias go to the activation (compute) dtype per layer, e.g. bf16 weights
+    # computed in fp32 on CPU or with --force-fp32.
+    if weight.dtype != x.dtype:
+        weight = weight.to(dtype=x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(dtype=x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -258,9 +264,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
 
 
-#: Attention kernels a rank can use, mirroring the parent's choice: PyTorch SDPA (ComfyUI's default) or
-#: comfy-kitchen's INT8 attention (ComfyUI's ``--use-ck-attention``).
+#: Attention kernels of standalone use, mirroring ComfyUI's two H3 choices: PyTorch SDPA (ComfyUI's default on
+#: NVIDIA) or comfy-kitchen's INT8 attention (``--use-ck-attention``). Under ComfyUI the ranks run ComfyUI's own
+#: selected function instead (``workers.comfy_host``).
 ATTENTION_BACKENDS = ("sdpa", "ck_int8")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``attend(q, k, v, heads) -> [S, h·D]`` from q, k, v ``[1, h, S, D]`` views (see ``workers.comfy_host``)."""
 
 
 def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -276,15 +286,42 @@ def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return ck.int8_attention_from_prequantized(pq)
 
 
+def builtin_attend(attention: str) -> Attend:
+    """The standalone kernel ``attention`` (one of ``ATTENTION_BACKENDS``) as an :data:`Attend`."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention={attention!r} is not one of {ATTENTION_BACKENDS}")
+    kernel = sdpa if attention == "sdpa" else ck_int8_attention
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+        out = kernel(q, k, v)
+        return out.transpose(1, 2).reshape(q.shape[2], heads * q.shape[3])
+    return attend
+
+
+def warm_up(attend: Attend, device: torch.device, dtypes: Sequence[torch.dtype]) -> None:
+    """One attention call per dtype, large enough for ComfyUI's CUDA SDPA backend priority (>= 128k elements).
+
+    On the H200 a fresh process's first call under that priority returns cuDNN attention's result and every later
+    call FlashAttention's; ComfyUI's own process is long warm when the split starts, so a rank must be too.
+    """
+    for dt in dtypes:
+        q = torch.full((1, 1, 1024, 128), 0.01, dtype=dt, device=device)
+        with torch.inference_mode():
+            attend(q, q.clone(), q.clone(), 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch.Tensor | None,
                     q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, rope_freqs: torch.Tensor, n_heads_local: int,
                     head_dim: int, eps: float, *, quant: QuantInfo = QuantInfo(),
-                    attention: str = "sdpa") -> torch.Tensor:
+                    attend: Attend | None = None) -> torch.Tensor:
     """Attention of ``n_heads_local`` heads over all tokens: ``[S, H]`` modulated states → ``[S, h·D]`` (head-major).
 
     ``qkv_w``/``qkv_scale`` are the group's rows (``slice_qkv_weights``).  Like ComfyUI: q, k, v are strided views
     of one packed projection buffer; the fused per-head RMSNorm + split-half rope runs in place on q and k (both
-    with the q-norm epsilon); SDPA sees ``[1, h, S, D]`` transposed views.
+    with the q-norm epsilon); v is cloned; attention sees ``[1, h, S, D]`` transposed views. ``attend`` defaults
+    to SDPA (``builtin_attend("sdpa")``).
     """
     seq = n1_full.shape[0]
     inner = n_heads_local * head_dim
@@ -303,14 +340,8 @@ def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch
     kw = k_norm_w.to(device=n1_full.device)
     ck.rms_rope_split_half_(q4, k4, rope_freqs, qw, kw, epsilon=eps, rot_dim=2 * rope_freqs.shape[-3])
     q3, k3 = q4[0], k4[0]
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q3, k3, v))
-    if attention == "sdpa":
-        out = sdpa(qh, kh, vh)
-    elif attention == "ck_int8":
-        out = ck_int8_attention(qh, kh, vh)
-    else:
-        raise ValueError(f"attention={attention!r} is not one of {ATTENTION_BACKENDS}")
-    return out.transpose(1, 2).reshape(1, seq, inner).squeeze(0)
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q3, k3, v.clone()))
+    return (attend or _SDPA)(qh, kh, vh, n_heads_local)
 
 
 def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, torch.Tensor], gate_msa: torch.Tensor,
@@ -329,12 +360,15 @@ def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, to
 
 def block_forward_unsplit(x: torch.Tensor, weights: dict[str, torch.Tensor], t_emb: torch.Tensor,
                           segments: Sequence[Segment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
-                          eps: float, *, attention: str = "sdpa") -> torch.Tensor:
+                          eps: float, *, attend: Attend | None = None) -> torch.Tensor:
     """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned, like ComfyUI."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln(weights, t_emb)
     n1 = norm_modulate(x, weights["norm1.weight"], shift_msa, scale_msa, segments, eps)
     qkv_w, qkv_s = slice_qkv_weights(weights, 0, heads, heads, head_dim)
     attn = attention_heads(n1, qkv_w, qkv_s, weights["attn.q_norm.weight"], weights["attn.k_norm.weight"],
                            rope_freqs, heads, head_dim, eps, quant=quant_info(weights, "attn.qkv_proj"),
-                           attention=attention)
+                           attend=attend)
     return out_mlp(x, attn, weights, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps)
+
+
+_SDPA = builtin_attend("sdpa")

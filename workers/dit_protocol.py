@@ -6,9 +6,10 @@ serve.  Field meanings:
 ``dit_load``    map the shared-memory weight store and prepare this rank's weights.
     store       name of the weight-store segment
     manifest    list, one map per block: parameter name (as inside a ComfyUI block) -> tensor descriptor
-    config      {hidden, heads, head_dim, eps, layers}
+    config      {hidden, heads, head_dim, eps, layers, devices, attention, compute_dtype}; attention is "sdpa",
+                "ck_int8" or "comfy" (the parent ComfyUI's selected function, ``workers.comfy_host``); the rank
+                warms that attention up in compute_dtype before its first step
     heads       [g0, g1]: this rank's head group
-    residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm)
     key         the store's key as text (logged, and a load with the same key is a no-op)
 
 ``dit_step``    run every block on this rank's token range, exchanging with the other ranks.
@@ -25,6 +26,8 @@ serve.  Field meanings:
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
+    residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm);
+                a change between steps re-places the weights from the same store
 
 ``dit_release`` drop this rank's weights, exchange objects and process group.
 """
@@ -33,12 +36,12 @@ from __future__ import annotations
 from workers import protocol
 
 protocol.register_kind("dit_load", {
-    "store": "str", "manifest": "list", "config": "dict", "heads": "list", "residency": "str", "key": "str",
+    "store": "str", "manifest": "list", "config": "dict", "heads": "list", "key": "str",
 })
 protocol.register_kind("dit_step", {
     "job": "int", "x": "desc", "t_emb": "desc", "rope": "desc", "segments": "list", "tokens": "list",
     "arena": "str", "layout": "dict", "exchange": "str", "chunks": "int", "abort_gen": "int",
-    "deadline_s": "float", "blocks": "list",
+    "deadline_s": "float", "blocks": "list", "residency": "str",
 })
 protocol.register_kind("dit_release", {})
 

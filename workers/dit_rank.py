@@ -21,11 +21,33 @@ from typing import Any
 
 import torch
 
-from workers import dit_ops, dit_protocol
+from workers import comfy_host, dit_ops, dit_protocol
 from workers.exchange import ArenaLayout, ExchangeAborted, HostExchange
 from workers.handlers import WorkerContext, handler, on_release
 
 _STATE = "dit"
+
+#: The ComfyUI this worker was started from (None: standalone). Importing its attention module applies ComfyUI's
+#: own comfy-kitchen backend policy; standalone workers apply the pack's copy of it.
+_HOST = comfy_host.ComfyHost.from_env()
+if _HOST is None:
+    dit_ops.apply_kitchen_policy()
+_ATTEND: dict[str, dit_ops.Attend] = {}
+
+
+def _attend(name: str) -> dit_ops.Attend:
+    """The attention function ``dit_load`` names: ``comfy`` = the parent ComfyUI's selected one, else a builtin."""
+    fn = _ATTEND.get(name)
+    if fn is None:
+        if name == "comfy":
+            if _HOST is None:
+                raise RuntimeError(f"attention 'comfy' needs the parent ComfyUI in {comfy_host.ENV}; the worker was "
+                                   "started without it")
+            fn = comfy_host.comfy_attend(_HOST)
+        else:
+            fn = dit_ops.builtin_attend(name)
+        _ATTEND[name] = fn
+    return fn
 
 
 @dataclass
@@ -83,14 +105,22 @@ async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
         return {"loaded": False, "bytes": st.weights.nbytes, "sm_count": sms}
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg["config"].get("devices")
+    attend = _attend(msg["config"]["attention"])
+    dtype = getattr(torch, msg["config"]["compute_dtype"])
+    if ctx.state.get("warm") != (msg["config"]["attention"], dtype):
+        # before the first step, under the very function and dtype the steps use (see dit_ops.warm_up)
+        await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
+        ctx.state["warm"] = (msg["config"]["attention"], dtype)
     t = time.perf_counter()
     if ctx.device.startswith("cuda"):
         from workers import cuda_rank
         st.weights = await ctx.run_compute(cuda_rank.load_weights, ctx, msg)
     else:
         st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
-    ctx.log.info("[dit] rank %d: weights %s loaded (%d blocks, heads %s) in %.2fs", ctx.rank, msg["key"],
-                 len(st.weights.blocks), msg["heads"], time.perf_counter() - t)
+    ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
+                 ctx.rank, msg["key"], len(msg["manifest"]), msg["heads"],
+                 _HOST.attention if msg["config"]["attention"] == "comfy" and _HOST else msg["config"]["attention"],
+                 time.perf_counter() - t)
     sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
         if ctx.device.startswith("cuda") else None
     return {"loaded": True, "bytes": st.weights.nbytes, "seconds": time.perf_counter() - t, "sm_count": sms}
@@ -236,13 +266,14 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
     segs = dit_ops.clip_segments(_segments(ctx, msg["segments"], device), t0, t1)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        w.provider.prepare(x_full.shape[0], t1 - t0)
+        w.provider.prepare(x_full.shape[0], t1 - t0, msg["residency"])
     ex = _exchange(ctx, st, msg)
     ex.reset_stats()
     ex.begin(int(msg["abort_gen"]))
     chunks = int(msg["chunks"])
     b0, b1 = (int(v) for v in msg["blocks"])
     eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
+    attend = _attend(cfg["attention"])
     timer = w.provider.timer if w.provider is not None else None
     per_block: list[list[float]] = []
     mark = (time.perf_counter(), *_host_counters(ex))
@@ -255,8 +286,7 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
         n1 = dit_ops.norm_modulate(x_rows, bw["norm1.weight"], shift_msa, scale_msa, segs, eps)
         n1_full = ex.all_gather_rows(n1, chunks)
         attn = dit_ops.attention_heads(n1_full, q_w, q_s, bw["attn.q_norm.weight"], bw["attn.k_norm.weight"], rope,
-                                       heads_local, head_dim, eps, quant=w.quant[i],
-                                       attention=cfg.get("attention", "sdpa"))
+                                       heads_local, head_dim, eps, quant=w.quant[i], attend=attend)
         attn_rows = ex.all_to_all_cols(attn, chunks)
         dit_ops.out_mlp(x_rows, attn_rows, bw, gate_msa, shift_mlp, scale_mlp, gate_mlp, segs, eps)
         if w.provider is not None:
@@ -306,4 +336,6 @@ def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:
 async def _dit_step(ctx: WorkerContext, msg: dict) -> dict:
     if msg["exchange"] not in dit_protocol.EXCHANGES:
         raise ValueError(f"dit_step: exchange {msg['exchange']!r} is not one of {dit_protocol.EXCHANGES}")
+    if msg["residency"] not in dit_protocol.RESIDENCIES:
+        raise ValueError(f"dit_step: residency {msg['residency']!r} is not one of {dit_protocol.RESIDENCIES}")
     return await ctx.run_compute(_run_step_inference, ctx, msg)

@@ -1,1 +1,0 @@
-"""Stand-in for the ``comfy`` package (tests only; see ../README.md)."""

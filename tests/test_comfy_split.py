@@ -1,0 +1,177 @@
+"""The split inside the real ComfyUI tree (``tests/comfy_tree.py``), on CPU ranks: every output ``torch.equal`` to
+plain ComfyUI.
+
+Two ComfyUI processes (flags and the attention choice are process-wide): ``--cpu`` (ComfyUI's default CPU attention,
+sub-quadratic) and ``--cpu --use-pytorch-cross-attention`` (SDPA). Each starts a real ``PromptServer``, loads the pack
+with ComfyUI's own custom-node loader (``comfy_h3.start``), writes tiny 2-block H3 ``.safetensors`` files
+(``tests/comfy_h3.py``; ~25 tokens, just over the 3-rank split's minimum) and samples them plain and through the node,
+with ``nodes.common_ksampler`` and, once, an ``execution.PromptExecutor`` graph from ``UNETLoader``. Ranks come from
+``H3MS_RANK_MAP``; shares from the H3 MS GPU Set node.
+
+Weights: fp32; bf16 computed in fp32 (what CPU ComfyUI does: ``model_management.should_use_bf16`` is False for every
+CPU device whatever the flags, so ``--bf16-unet`` / ``--force-fp16`` still give fp32 compute on CPU; bf16 compute
+runs in ``tests/test_cuda_comfy.py`` and in the engine's own tests); int8.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import comfy_tree  # noqa: E402
+
+pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=str(comfy_tree.skip_reason()))
+
+_PRELUDE = r'''
+import glob, json, os, sys, torch
+sys.path.insert(0, {tests!r})
+import comfy_h3, nodes, comfy.sd
+import comfy.ldm.modules.attention as A
+SERVER = comfy_h3.start(extras=("nodes_minimax_h3.py", "nodes_lotus.py"))
+N = nodes.NODE_CLASS_MAPPINGS
+from h3ms_async import split as S
+CKPT = comfy_h3.checkpoint_dir()
+
+def report(case, a, b, **extra):
+    eq, diff = comfy_h3.same(a, b)
+    print("CASE " + json.dumps(dict(case=case, equal=eq, max_diff=diff, **extra)), flush=True)
+
+def node(model, ranks, shares="", exchange="host", chunks=0, residency="auto", cache=True):
+    os.environ["H3MS_RANK_MAP"] = ",".join(["cpu"] * ranks)
+    gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
+    return N["H3MultiStreamAsync"]().patch(model, True, -1, exchange, chunks, cache, 0.0, residency, gpus)[0]
+
+def write(tag, **kw):
+    name = f"h3tiny-{{os.getpid()}}-{{tag}}.safetensors"
+    names.append(name)
+    comfy_h3.write_checkpoint(os.path.join(CKPT, name), layers=2, **kw)
+    return name
+
+def pids():
+    return sorted(w["pid"] for e in S.engines() for w in e.pool.snapshot())
+
+def store():
+    return [e._loaded.store.segment.name if e._loaded else None for e in S.engines()]
+
+def ksample(model):
+    return comfy_h3.ksample(model, steps=1)
+
+names = []
+try:
+'''
+
+_EPILOGUE = r'''
+finally:
+    S.release_all_engines()
+    for n in names:
+        os.unlink(os.path.join(CKPT, n))
+    from workers.shm import held_shm
+    print("LEFT " + json.dumps(sorted(held_shm(os.getpid()))), flush=True)
+'''
+
+
+def _run(cases: str, comfy_args: list[str]) -> dict[str, dict]:
+    body = _PRELUDE.format(tests=os.path.dirname(__file__)) + cases + _EPILOGUE
+    r = comfy_tree.run_comfy_script(body, ["--cpu", "--disable-api-nodes", *comfy_args], timeout_s=400)
+    lines = r.stdout.splitlines()
+    out = [json.loads(line[5:]) for line in lines if line.startswith("CASE ")]
+    left = [json.loads(line[5:]) for line in lines if line.startswith("LEFT ")]
+    assert r.returncode == 0, f"ComfyUI run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    assert left == [[]], f"shm segments left behind: {left}"
+    for case in out:
+        assert case["equal"], f"{case} differs from plain ComfyUI\n{r.stderr[-4000:]}"
+    return {c["case"]: c for c in out}
+
+
+def test_default_cpu_attention():
+    """ComfyUI's default CPU attention (sub-quadratic), which the ranks import and run themselves: a PromptExecutor
+    graph from UNETLoader; fp32 / bf16->fp32 / int8; LoRA before and after the node; the settings switch keeping
+    pids and store; a whole-model attention override (unsplit); 3 ranks with shares; the release node."""
+    cases = r'''
+    assert A.optimized_attention.__name__ == "attention_sub_quad", A.optimized_attention.__name__
+    import execution
+    graph_ckpt = write("lotus", text_dim=comfy_h3.LOTUS_TEXT_DIM)
+    def graph(split):
+        model = ["ms", 0] if split else ["unet", 0]
+        g = {"unet": {"class_type": "UNETLoader", "inputs": {"unet_name": graph_ckpt, "weight_dtype": "default"}},
+             "pos": {"class_type": "LotusConditioning", "inputs": {}},
+             "neg": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["pos", 0]}},
+             "lat": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
+             "ks": {"class_type": "KSampler", "inputs": {"model": model, "seed": 5, "steps": 2, "cfg": 2.0,
+                    "sampler_name": "euler", "scheduler": "simple", "positive": ["pos", 0],
+                    "negative": ["neg", 0], "latent_image": ["lat", 0], "denoise": 1.0}}}
+        if split:
+            g["ms"] = {"class_type": "H3MultiStreamAsync", "inputs": {"model": ["unet", 0], "enabled": True,
+                       "second_gpu": -1, "exchange": "host", "exchange_chunks": 0, "weight_cache": True,
+                       "cache_ram_reserve_gb": 0.0, "vram_residency": "auto"}}
+        return g
+    os.environ["H3MS_RANK_MAP"] = "cpu,cpu"
+    executor = execution.PromptExecutor(SERVER, cache_type=execution.CacheType.CLASSIC,
+                                        cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
+    got = {}
+    for split in (False, True):
+        executor.execute(graph(split), f"prompt-{split}", {}, ["ks"])
+        assert executor.success, executor.status_messages[-3:]
+        entry = SERVER.loop.run_until_complete(executor.caches.outputs.get("ks"))
+        got[split] = [t.clone() for t in entry.outputs[0][0]["samples"].unbind()]
+    report("PromptExecutor graph UNETLoader -> node -> KSampler, 2 ranks", got[False], got[True],
+           engines=len(S.engines()))
+    fp32 = comfy_h3.load(write("fp32"))
+    plain = ksample(fp32)
+    split = node(fp32, 2)
+    first_pids = pids()
+    report("fp32 2 ranks", plain, ksample(split))
+    first_store = store()
+    # per-step settings switched between two prompts: same processes, same filled store
+    report("fp32 2 ranks chunks 4 stream", plain, ksample(node(fp32, 2, chunks=4, residency="stream")))
+    report("fp32 2 ranks gloo", plain, ksample(node(fp32, 2, exchange="nccl", chunks=2)),
+           same_pids=pids() == first_pids, same_store=store() == first_store)
+    bf16 = comfy_h3.load(write("bf16", dtype=torch.bfloat16), dtype=torch.bfloat16)
+    assert bf16.model.manual_cast_dtype == torch.float32  # bf16 weights, fp32 compute: cast per layer on the ranks
+    report("bf16->fp32 2 ranks", ksample(bf16), ksample(node(bf16, 2)))
+    int8 = comfy_h3.load(write("int8", int8=True))
+    report("int8 2 ranks", ksample(int8), ksample(node(int8, 2)))
+    lora = comfy_h3.lora_state_dict(2)
+    with torch.inference_mode():
+        before = comfy.sd.load_lora_for_models(fp32, None, lora, 0.8, 0)[0]
+    plain_lora = ksample(before)
+    report("lora before node", plain_lora, ksample(node(before, 2)))
+    with torch.inference_mode():
+        after = comfy.sd.load_lora_for_models(node(fp32, 2), None, lora, 0.8, 0)[0]
+    report("lora after node", plain_lora, ksample(after))
+    # a whole-model attention override: the model runs unsplit (with one warning), as plain ComfyUI with it
+    over = fp32.clone(); over.set_model_optimized_attention(A.attention_basic)
+    over_split = node(fp32, 2).clone(); over_split.set_model_optimized_attention(A.attention_basic)
+    report("attention override unsplit", ksample(over), ksample(over_split))
+    report("bf16->fp32 3 ranks shares 1,2,1", ksample(bf16), ksample(node(bf16, 3, "1,2,1")),
+           shares=S.engines()[0].options.shares)
+    three = pids()
+    N["H3MSReleaseResourcesAsync"]().run(True, True, False)
+    report("after release", [], [], engines=len(S.engines()),
+           pids_gone=all(not os.path.exists(f"/proc/{p}") for p in three))
+'''
+    out = _run(cases, [])
+    assert len(out) == 11, list(out)
+    assert out["PromptExecutor graph UNETLoader -> node -> KSampler, 2 ranks"]["engines"] == 1
+    assert out["fp32 2 ranks gloo"]["same_pids"] and out["fp32 2 ranks gloo"]["same_store"]
+    assert out["bf16->fp32 3 ranks shares 1,2,1"]["shares"] == [1.0, 2.0, 1.0]
+    assert out["after release"]["engines"] == 0 and out["after release"]["pids_gone"]
+
+
+def test_pytorch_attention():
+    """``--use-pytorch-cross-attention`` (SDPA): fp32 / bf16->fp32 / int8 on 2 ranks, int8 on 3 ranks with shares."""
+    cases = r'''
+    assert A.optimized_attention.__name__ == "attention_pytorch", A.optimized_attention.__name__
+    fp32 = comfy_h3.load(write("fp32"))
+    report("fp32 2 ranks", ksample(fp32), ksample(node(fp32, 2)))
+    bf16 = comfy_h3.load(write("bf16", dtype=torch.bfloat16), dtype=torch.bfloat16)
+    report("bf16->fp32 2 ranks", ksample(bf16), ksample(node(bf16, 2)))
+    int8 = comfy_h3.load(write("int8", int8=True))
+    plain8 = ksample(int8)
+    report("int8 2 ranks", plain8, ksample(node(int8, 2)))
+    report("int8 3 ranks shares 1,2,1", plain8, ksample(node(int8, 3, "1,2,1")))
+'''
+    assert len(_run(cases, ["--use-pytorch-cross-attention"])) == 4

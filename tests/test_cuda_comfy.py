@@ -1,0 +1,100 @@
+"""The split inside real ComfyUI on CUDA, started as ``main.py`` starts: every output ``torch.equal`` to plain ComfyUI,
+including the first call after the workers start, with no warm-up anywhere in the test.
+
+``import main`` runs ComfyUI's own start-up code (up to its ``__main__`` guards): comfy-aimdo is initialised and the
+patcher class becomes ``ModelPatcherDynamic`` (DynamicVRAM, ComfyUI's default on NVIDIA) unless
+``--disable-dynamic-vram``; the test asserts which patcher ComfyUI really used. One ComfyUI process per flag set
+(flags are process-wide); inside it each case patches the model with ``H3MS_RANK_MAP`` set to its logical ranks on
+``cuda:0`` (a new rank map starts new workers, so every case's first split call is a fresh worker's first step).
+Tiny width, 2 blocks, >= 8000 packed tokens; bf16 weights compute in bf16 on the H200, int8 in bf16 too.
+
+On the GPU machine: ``source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh`` (JSON + logs to
+``$OUT``), or ``python -m pytest -q -m cuda tests/test_cuda_comfy.py`` after the set-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import comfy_tree  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=str(comfy_tree.skip_reason()))]
+
+_BODY = r'''
+import json, os, sys, torch
+sys.path.insert(0, {tests!r})
+import main  # noqa: F401  (ComfyUI's start-up: comfy-aimdo and the ModelPatcherDynamic swap)
+import comfy_h3, nodes, comfy.sd, comfy.model_patcher
+comfy_h3.start()
+N = nodes.NODE_CLASS_MAPPINGS
+from h3ms_async import split as S
+from h3ms_async.status import get_hub
+KW = dict(width=1280, height=768, length=56, steps=2)  # 8,7xx packed tokens
+for cid, ranks, shares, int8, lora in {cases!r}:
+    name = f"h3cuda-{{os.getpid()}}-{{cid}}.safetensors"
+    path = os.path.join(comfy_h3.checkpoint_dir(), name)
+    comfy_h3.write_checkpoint(path, layers=2, int8=int8, dtype=torch.bfloat16)
+    try:
+        model = comfy_h3.load(name)
+        if lora:
+            with torch.inference_mode():
+                model = comfy.sd.load_lora_for_models(model, None, comfy_h3.lora_state_dict(2, rank=16), 0.8, 0)[0]
+        os.environ["H3MS_RANK_MAP"] = ranks
+        gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
+        split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus)[0]
+        first = comfy_h3.ksample(split, **KW)   # the first calls after this rank map's workers start
+        rec = get_hub().recent_steps(1)[-1]
+        plain = comfy_h3.ksample(model, **KW)
+        second = comfy_h3.ksample(split, **KW)
+        r = dict(case=cid, ranks=ranks, shares=shares, int8=int8, lora=lora, patcher=type(model).__name__,
+                 core_patcher=comfy.model_patcher.CoreModelPatcher.__name__,
+                 compute_dtype=str(model.model.get_dtype() if model.model.manual_cast_dtype is None
+                                   else model.model.manual_cast_dtype),
+                 tokens=rec["tokens"], devices=rec["devices"], first=comfy_h3.same(plain, first),
+                 second=comfy_h3.same(plain, second))
+        print("CASE " + json.dumps(r), flush=True)
+    finally:
+        os.unlink(path)
+S.release_all_engines()
+'''
+
+GROUPS = [
+    # (id, ComfyUI flags, [(case id, rank map, shares, int8, lora)], the patcher ComfyUI must use)
+    ("sdpa-dynamic", [], [("bf16-lora-2ranks", "cuda:0,cuda:0", "", False, True),
+                          ("int8-3ranks-121", "cuda:0,cuda:0,cuda:0", "1,2,1", True, False)], "ModelPatcherDynamic"),
+    ("sdpa-nodynamic", ["--disable-dynamic-vram"], [("bf16-lora-2ranks", "cuda:0,cuda:0", "", False, True)],
+     "ModelPatcher"),
+    ("ck-dynamic", ["--use-ck-attention"], [("int8-2ranks", "cuda:0,cuda:0", "", True, False),
+                                            ("bf16-3ranks-121", "cuda:0,cuda:0,cuda:0", "1,2,1", False, False)],
+     "ModelPatcherDynamic"),
+]
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=[g[0] for g in GROUPS])
+def test_split_equals_comfyui_on_cuda(group):
+    gid, flags, cases, patcher = group
+    body = _BODY.format(tests=os.path.dirname(os.path.abspath(__file__)), cases=cases)
+    with tempfile.TemporaryDirectory() as web_root:  # ComfyUI's frontend package is not on the GPU machine
+        r = comfy_tree.run_comfy_script(body, ["--disable-api-nodes", "--front-end-root", web_root, *flags],
+                                        timeout_s=300)
+    out = [json.loads(x[5:]) for x in r.stdout.splitlines() if x.startswith("CASE ")]
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"cuda_comfy-{gid}.json"), "w") as fh:
+            json.dump({"group": gid, "flags": flags, "results": out, "rc": r.returncode}, fh, indent=1)
+        with open(os.path.join(os.environ["OUT"], f"cuda_comfy-{gid}.log"), "w") as fh:
+            fh.write(r.stdout + "\n" + r.stderr)
+    assert r.returncode == 0 and len(out) == len(cases), r.stderr[-4000:]
+    for case in out:
+        assert case["patcher"] == patcher and case["core_patcher"] == patcher, case  # DynamicVRAM really on/off
+        assert case["tokens"] >= 8000, case
+        assert case["int8"] or case["compute_dtype"] == "torch.bfloat16", case  # bf16 weights compute in bf16
+        assert case["devices"] == case["ranks"].split(","), case
+        assert case["first"][0] and case["second"][0], case
