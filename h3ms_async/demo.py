@@ -32,6 +32,9 @@ MODEL_DTYPES = {"int8": "bfloat16", "bf16": "bfloat16", "fp32": "float32"}
 INT8_SLOWDOWN_TOLERATED = 1.25
 #: How often the bar redraws even when no block finished (a block can take seconds on a slow machine).
 TICK_S = 1.0
+CPU_DEFAULT_TOKENS = 3000
+#: Enough for 3 ranks of the demo's 8 heads on an H200 to stay on FlashAttention's exact schedule (split.py).
+CUDA_DEFAULT_TOKENS = 8000
 MIN_HEAD_DIM = 6  # the rope rotates 3 axes, each needs at least one cos/sin pair
 
 
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="python -m h3ms_async demo", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="cpu,cpu,cpu", help="one device per rank, e.g. cpu,cpu,cpu or cuda:0,cuda:0,cuda:1")
     p.add_argument("--device", default=None, help="device of the unsplit run (default: the first rank's device)")
-    p.add_argument("--tokens", type=int, default=3000, help="packed sequence length S (at least a few hundred)")
+    p.add_argument("--tokens", type=int, default=None, help="packed sequence length S (default 3000 on CPU ranks, "
+                   f"{CUDA_DEFAULT_TOKENS} with a CUDA rank: fewer make CUDA attention's schedule depend on the head "
+                   "count, so the split refuses them)")
     p.add_argument("--layers", type=positive_int, default=6, help="number of DiT blocks")
     p.add_argument("--hidden", type=positive_int, default=512, help="hidden size H (full H3: 5376)")
     p.add_argument("--heads", type=positive_int, default=8, help="attention heads (full H3: 56)")
@@ -126,6 +131,8 @@ def check_args(a: argparse.Namespace) -> dict:
     if a.head_dim < MIN_HEAD_DIM:
         raise UsageError(f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 axes x "
                          f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)")
+    if a.tokens is None:
+        a.tokens = CUDA_DEFAULT_TOKENS if any(r.startswith("cuda") for r in ranks) else CPU_DEFAULT_TOKENS
     if a.tokens < 1:
         raise UsageError(f"--tokens {a.tokens}: the packed sequence needs a positive number of tokens; use e.g. "
                          "--tokens 3000")
@@ -217,7 +224,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     import torch
 
     from h3ms_async.reference_dit import ReferenceDiT, make_step_inputs
-    from h3ms_async.split import SplitOptions, _cpu_thread_env, get_engine
+    from h3ms_async.split import SplitOptions, SplitUnsafe, _cpu_thread_env, get_engine
     c = checked or check_args(a)
     ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
     if device.type == "cpu" and (rank_threads := _cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
@@ -228,6 +235,10 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     log.info("weights %s (%s)", weights, why)
     dtype = getattr(torch, MODEL_DTYPES[weights])
     model = ReferenceDiT(cfg, weights=weights, seed=a.seed, device=device)
+    # The unsplit pass stands in for ComfyUI, whose process is long warm when a split starts; the ranks warm up at
+    # load (dit_ops.warm_up), so must this side, or its first CUDA attention call rounds differently.
+    from workers import dit_ops
+    dit_ops.warm_up(dit_ops.builtin_attend("sdpa"), device, [dtype])
     engine = get_engine(ranks, SplitOptions(exchange=a.exchange, exchange_chunks=a.exchange_chunks,
                                             vram_residency=a.vram_residency, shares=c["shares"]))
     bar = _Progress(a.steps * 2 * cfg.layers, disable=a.json)
@@ -245,8 +256,11 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             unsplit_s = time.perf_counter() - t
             bar.phase(f"step {s + 1}/{a.steps} split on {len(ranks)} ranks")
             t = time.perf_counter()
-            out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=0.7,
-                                    progress=lambda done, total: bar.blocks(done))
+            try:
+                out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=0.7,
+                                        progress=lambda done, total: bar.blocks(done))
+            except SplitUnsafe as exc:
+                raise UsageError(f"--tokens {a.tokens} / --ranks {a.ranks}: {exc} (e.g. --tokens 8000)") from None
             split_s = time.perf_counter() - t
             diff = float((out.float() - ref.float()).abs().max())
             steps.append({"step": s, "unsplit_s": unsplit_s, "split_s": split_s,
