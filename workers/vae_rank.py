@@ -37,6 +37,8 @@ class VaeState:
     #: job -> names of the segments its chunks used (forgotten at ``vae_drop``)
     segments: dict[int, set[str]] = field(default_factory=dict)
     chunks_done: int = 0
+    #: latent chunk shapes this CUDA worker has decoded once with its current decoder (see ``_decode``)
+    warm_shapes: set[tuple[int, ...]] = field(default_factory=set)
 
 
 def _state(ctx: WorkerContext) -> VaeState:
@@ -142,6 +144,7 @@ async def _vae_load(ctx: WorkerContext, msg: dict) -> dict:
     st.key = None
     res = await ctx.run_compute(_load, ctx, msg)
     st.model, st.dtype, st.key = res["model"], res["dtype"], msg["key"]
+    st.warm_shapes.clear()
     ctx.log.info("VAE decoder loaded: %.1f MiB %s in %.2f s (ComfyUI import %.2f s), key %s",
                  res["nbytes"] / 2**20, msg["dtype"], res["load_s"], res["import_s"], msg["key"])
     return {"loaded": True, "key": st.key, "bytes": res["nbytes"], "seconds": res["load_s"],
@@ -178,6 +181,12 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: dict, gen: int) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         z = seg.tensor(msg["z"]).to(ctx.device, copy=True)
+        if ctx.device.startswith("cuda") and tuple(z.shape) not in st.warm_shapes:
+            # Measured on the H200: a fresh worker's first split decode differed from ComfyUI's, every later one
+            # was equal (docs/performance.md). ComfyUI's process is warm by then, so the worker decodes each new
+            # chunk shape once and discards it, as it warms its DiT attention (workers/dit_ops.py warm_up).
+            st.model._adaptive_decode(z.clone())
+            st.warm_shapes.add(tuple(z.shape))
         raw = st.model._adaptive_decode(z)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
