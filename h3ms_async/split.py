@@ -421,12 +421,13 @@ class SplitEngine:
 
     def _unmap_released(self) -> None:
         """Have the ranks unmap the buffers dropped so far, so that a tight /dev/shm gets their pages back before
-        new ones are reserved.  A rank that cannot answer is restarted by the step anyway."""
+        new ones are reserved.  A rank that dies or stops answering here fails the step, as it would mid-step (the
+        next step restarts the pool)."""
         if self.pool.running:
             try:
                 self._run(self.pool.all("drop_released", [{}] * self.ranks, 30.0), 60.0, "unmapping old buffers")
-            except (SplitError, TimeoutError) as exc:
-                log.warning("ranks could not unmap old step buffers (%s); the step restarts them if needed", exc)
+            except TimeoutError as exc:
+                raise SplitError(f"the ranks did not unmap their old step buffers: {exc}") from exc
 
     def _drop_buffers(self) -> None:
         if self._buffers is not None:

@@ -96,7 +96,8 @@ def sample_workflow(steps: int, seed: int, *, width: int = 256, height: int = 25
 def release_workflow() -> dict:
     """API workflow: H3 MS Release Resources alone (an output node)."""
     return {"1": {"class_type": "H3MSReleaseResourcesAsync", "inputs": {
-        "release_workers": True, "clear_weight_store": True, "detach_hooks": False}}}
+        "release_workers": True, "clear_weight_store": True, "detach_hooks": False,
+        "release_vae_workers": True, "clear_text_cache": False}}}
 
 
 def free_port() -> int:
