@@ -32,7 +32,7 @@ sys.path.insert(0, {tests!r})
 import main  # noqa: F401  (ComfyUI's start-up: DynamicVRAM on)
 import comfy_h3, nodes, comfy.sd, comfy.model_patcher
 from comfy_extras.nodes_minimax_h3 import temporal_shape
-from h3ms_async.status import get_hub
+from h3ms_async.observability.status import get_hub
 comfy_h3.start()
 N = nodes.NODE_CLASS_MAPPINGS
 W, H, TEXT = 1344, 768, 9

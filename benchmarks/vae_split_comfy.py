@@ -23,7 +23,7 @@ pack = importlib.util.module_from_spec(spec)
 sys.modules["h3ms_pack"] = pack
 spec.loader.exec_module(pack)
 Split = pack.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]
-from h3ms_async import vae_split  # noqa: E402  (loaded by the pack)
+from h3ms_async.vae import split as vae_split  # noqa: E402  (loaded by the pack)
 
 import comfy.ldm.minimax.vae as V  # noqa: E402
 import comfy.model_management as mm  # noqa: E402

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.status import get_hub, ram_info
+from h3ms_async.observability.status import get_hub, ram_info
 
 log = get_logger("Caches")
 GIB = 1 << 30

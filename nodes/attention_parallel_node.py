@@ -2,7 +2,7 @@
 
 The model stays whole on its GPU; a clone gets an attention override (``set_model_optimized_attention``) that
 quantizes Q/K/V once with comfy-kitchen, exactly as ComfyUI's ``--use-ck-attention`` does, and runs the INT8 attention
-of each head range on one device (``h3ms_async.attention_parallel``).  The result equals plain ComfyUI with
+of each head range on one device (``h3ms_async.attention.engine``).  The result equals plain ComfyUI with
 ``--use-ck-attention`` bit for bit.  See docs/attention_parallel.md.
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ class ParallelAttention:
                 skip_output_reshape: bool, scale: float | None) -> torch.Tensor:
         import comfy_kitchen as ck
 
-        from h3ms_async.attention_parallel import get_engine
+        from h3ms_async.attention.engine import get_engine
         if mask is not None:
             raise AttentionParallelError("H3 Attention Parallel does not split masked attention (by design: H3 "
                                          "attends without masks); set devices=disabled for this model")
@@ -178,7 +178,7 @@ def choose_transport(devices: list[str]) -> str:
     where this process can share device memory and every helper GPU and the model's GPU reach each other both ways (a
     helper on the model's own GPU always does), else host staging, with one INFO line saying which device pair (or the
     allocator) failed and why."""
-    from h3ms_async.attention_parallel import TRANSPORTS
+    from h3ms_async.attention.engine import TRANSPORTS
     wanted = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
     if wanted not in ("auto",) + TRANSPORTS:
         raise AttentionParallelError(f"{TRANSPORT_ENV}={wanted!r} is not one of auto, {', '.join(TRANSPORTS)}; "
@@ -190,7 +190,7 @@ def choose_transport(devices: list[str]) -> str:
             raise AttentionParallelError(f"{TRANSPORT_ENV}=cuda_ipc needs CUDA devices, got {','.join(devices)}; "
                                          "unset it or use host")
         return "host"
-    from h3ms_async.attention_parallel import cuda_ipc_unavailable
+    from h3ms_async.attention.engine import cuda_ipc_unavailable
     failed = cuda_ipc_unavailable(devices[0]) or _peer_failures(devices)
     if not failed:
         return "cuda_ipc"
@@ -220,7 +220,7 @@ def _plan(model: Any, gpus: Any, requested: int | None,
           heads: int) -> tuple[list[str] | None, tuple[float, ...] | None, str]:
     """``(devices, shares, why)``: the model's device first, then the helpers; None (with the reason) when auto finds
     a single device.  ``requested`` is the explicit device count, None for auto."""
-    from h3ms_async.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
+    from h3ms_async.runtime.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
     load_device = getattr(model, "load_device", None)
     root = str(load_device)
     if root == "cuda" or (getattr(load_device, "type", None) == "cuda" and load_device.index is None):

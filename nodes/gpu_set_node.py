@@ -37,7 +37,7 @@ class H3MSGPUSetAsync:
         }
 
     def build(self, gpus: str, exclude: str, shares: str, min_free_vram_gb: float, max_gpus: int) -> tuple[Any]:
-        from h3ms_async.plans import GPUSet
+        from h3ms_async.runtime.plans import GPUSet
         gpu_set = GPUSet.parse(gpus, exclude, shares, float(min_free_vram_gb), int(max_gpus))
         log.info("GPU set: %s", gpu_set.describe())
         return (gpu_set,)

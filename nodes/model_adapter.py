@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.status import ram_info
+from h3ms_async.observability.status import ram_info
 
 from . import progress
 
@@ -56,7 +56,7 @@ def is_h3(diffusion_model: Any) -> bool:
 
 def read_config(dm: Any):
     """The block-stack config read from the live modules, never from defaults (pruned checkpoints differ; §1.1)."""
-    from h3ms_async.reference_dit import DiTConfig
+    from h3ms_async.dit.reference import DiTConfig
     b0 = dm.blocks[0]
     head_dim = int(b0.attn.q_norm.weight.shape[0])
     return DiTConfig(
@@ -359,7 +359,7 @@ class SplitState:
     def after_sampling(self, patcher: Any) -> None:
         """ComfyUI's ON_CLEANUP: with ``weight_cache`` off, the store goes when sampling ends (workers stay)."""
         if not self.weight_cache:
-            from h3ms_async.split import clear_weight_stores
+            from h3ms_async.dit.split import clear_weight_stores
             if clear_weight_stores():
                 log.info("weight_cache is off: weight store released after sampling")
 
@@ -412,7 +412,7 @@ class _RunStack:
         return patch(args, extra) if patch is not None else extra["original_block"](args)
 
     def __call__(self, args: dict, extra: dict) -> dict:
-        from h3ms_async.split import SplitError, SplitInterrupted, SplitUnsafe, check_block_options, get_engine
+        from h3ms_async.dit.split import SplitError, SplitInterrupted, SplitUnsafe, check_block_options, get_engine
         interrupt = progress.interrupt_probe()
         if interrupt():  # cancelled between steps: start nothing
             progress.raise_interrupted()
@@ -454,13 +454,13 @@ class _RunStack:
         """Why ComfyUI's sub-quadratic attention could chunk this call otherwise on a rank, or None.
 
         Its chunk sizes follow free memory; when the unsplit call takes the largest chunks, every rank (fewer heads,
-        less memory) takes them too (``workers.comfy_host.subquad_unchunked``).
+        less memory) takes them too (``workers.runtime.comfy_host.subquad_unchunked``).
         """
         host = getattr(self.state.options, "comfy_host", None)
         if host is None or host.attention != "attention_sub_quad":
             return None
         from comfy import model_management
-        from h3ms_async.split import subquad_unchunked
+        from h3ms_async.dit.split import subquad_unchunked
         heads = int(self.dm.blocks[0].attn.heads)
         free = model_management.get_free_memory(img.device, True)[0]
         if subquad_unchunked(heads, img.shape[0], img.element_size(), free):

@@ -85,7 +85,7 @@ class H3MultiStreamAsync:
         if unsafe:
             log.warning("H3 MultiStream: running unsplit: %s", unsafe)
             return (model,)
-        from h3ms_async.split import COMFY_ATTENTION, SplitOptions
+        from h3ms_async.dit.split import COMFY_ATTENTION, SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
                                cache_ram_reserve_gb=float(cache_ram_reserve_gb), shares=shares,
                                attention=COMFY_ATTENTION, comfy_host=host)
@@ -106,12 +106,12 @@ _ATTENTION_FLAGS = {"attention_split": "--use-split-cross-attention", "attention
 
 def _comfy_host() -> tuple[Any, str | None]:
     """``(host, why_unsplit)``: this ComfyUI (root, argv) and the attention function it selected, which the ranks
-    import and run (``workers.comfy_host``); ``why_unsplit`` names the flag when that function is not head-split
+    import and run (``workers.runtime.comfy_host``); ``why_unsplit`` names the flag when that function is not head-split
     safe."""
     import sys
 
     import comfy.ldm.modules.attention as attention
-    from h3ms_async.split import HEAD_SPLIT_SAFE, ComfyHost
+    from h3ms_async.dit.split import HEAD_SPLIT_SAFE, ComfyHost
     name = attention.optimized_attention.__name__
     root = str(Path(attention.__file__).resolve().parents[3])  # <root>/comfy/ldm/modules/attention.py
     host = ComfyHost(root, tuple(sys.argv[1:]), name)
@@ -131,7 +131,7 @@ def _plan_devices(model: Any, gpus: Any,
     still apply, one per rank. Otherwise the model must be on CUDA, and the resolved plan (the model's GPU is rank 0)
     needs at least two ranks.
     """
-    from h3ms_async.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
+    from h3ms_async.runtime.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
     spec = os.environ.get(RANK_MAP_ENV, "").strip()
     if spec:
         devices = rank_map(spec)

@@ -1,8 +1,8 @@
 """The **H3 MS Release Resources** output node, and the release actions it adds to the core ones
-(``h3ms_async.http_routes``: workers, weight store) that the menu and HTTP routes share."""
+(``h3ms_async.observability.routes``: workers, weight store) that the menu and HTTP routes share."""
 from __future__ import annotations
 
-from h3ms_async.http_routes import action_clear_weights, action_release_workers
+from h3ms_async.observability.routes import action_clear_weights, action_release_workers
 from h3ms_async.log import get_logger
 
 from . import method_hooks
@@ -24,7 +24,7 @@ def action_detach_hooks() -> dict:
 
 def action_release_vae_workers() -> dict:
     """Stop the VAE split's worker processes, unless a decode is running (they restart at the next decode)."""
-    from h3ms_async.vae_split import release_vae_engines
+    from h3ms_async.vae.split import release_vae_engines
     released, busy = release_vae_engines()
     if busy:
         return {"message": f"VAE workers busy decoding: {busy} engine(s) kept, {released} released", "busy": True}
@@ -84,7 +84,7 @@ class H3MSReleaseResourcesAsync:
             lines.append(action_release_workers()["message"])
         if not lines:
             lines.append("nothing selected")
-        from h3ms_async.status import ram_info
+        from h3ms_async.observability.status import ram_info
         lines.append(ram_info()["text"])
         log.info(" | ".join(lines))
         return {"ui": {"text": lines}}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from h3ms_async.http_routes import action_clear_weights, action_release_workers, add_routes
+from h3ms_async.observability.routes import action_clear_weights, action_release_workers, add_routes
 from h3ms_async.log import get_logger
-from h3ms_async.status import get_hub
+from h3ms_async.observability.status import get_hub
 
 from . import method_hooks
 from .model_adapter import live_states

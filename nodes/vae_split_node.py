@@ -4,7 +4,7 @@ The node hooks ``decode_temporal`` on the VAE's ``first_stage_model`` (below the
 buffer ComfyUI preallocates, so every decode path reaches it: VAE Decode, its OOM fallback, VAE Decode Tiled).
 The hooked call pads the latent, deals the chunks (rank 0 = ComfyUI's process on the VAE's own device, one worker
 process per other GPU running ComfyUI's own decoder) and replays the ordered blend and write with the VAE's own
-``blend`` and ``_finalize_pixels`` (h3ms_async/vae_split.py; docs/architecture.md).
+``blend`` and ``_finalize_pixels`` (h3ms_async/vae/split.py; docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def comfy_info() -> dict:
 
 def plan_devices(vae_device: torch.device, cfg: dict) -> tuple[list[str] | None, str]:
     """``(devices, why)``: rank 0 = the VAE's device, then one worker device per rank; None when unsplit."""
-    from h3ms_async.plans import GPUSet, resolve_cuda
-    from h3ms_async.vae_split import RANK_MAP_ENV, forced_devices
+    from h3ms_async.runtime.plans import GPUSet, resolve_cuda
+    from h3ms_async.vae.split import RANK_MAP_ENV, forced_devices
     forced = forced_devices(vae_device)
     if forced is not None:
         if len(forced) < 2:
@@ -68,8 +68,8 @@ def plan_devices(vae_device: torch.device, cfg: dict) -> tuple[list[str] | None,
 
 
 def decoder_spec(model: Any, key: tuple, arch: dict, dtype: str) -> Any:
-    """What the workers need to rebuild ``model``'s decoder (``h3ms_async.vae_split.DecoderSpec``)."""
-    from h3ms_async.vae_split import DecoderSpec, decoder_tensors
+    """What the workers need to rebuild ``model``'s decoder (``h3ms_async.vae.split.DecoderSpec``)."""
+    from h3ms_async.vae.split import DecoderSpec, decoder_tensors
     return DecoderSpec(key=key + (dtype,), arch=arch, dtype=dtype, comfy=comfy_info(),
                        read_tensors=lambda: decoder_tensors(model))
 
@@ -78,8 +78,8 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
     model = original.__self__
 
     def split_decode_temporal(z: torch.Tensor, output_buffer: torch.Tensor | None = None) -> torch.Tensor:
-        from h3ms_async import vae_plan
-        from h3ms_async.vae_split import VaeSplitInterrupted, VaeSplitUnsupported, describe_decoder, get_vae_engine
+        from h3ms_async.vae import plan as vae_plan
+        from h3ms_async.vae.split import VaeSplitInterrupted, VaeSplitUnsupported, describe_decoder, get_vae_engine
         devices, why = plan_devices(z.device, cfg)
         if devices is None:
             if cfg.get("unsplit_note") != why:
@@ -153,7 +153,7 @@ class H3MSVAESplitDecodeAsync:
             return (vae,)
         if not enabled:
             if method_hooks.uninstall(model, HOOK_ATTR):
-                from h3ms_async.vae_split import release_vae_engines
+                from h3ms_async.vae.split import release_vae_engines
                 release_vae_engines()
             return (vae,)
         cfg = {"second_gpu": int(second_gpu), "max_gpus": int(max_gpus), "gpus": gpus, "key": weight_key(vae)}
@@ -161,7 +161,7 @@ class H3MSVAESplitDecodeAsync:
         device = torch.device(getattr(vae, "device", "cpu"))
         devices, why = plan_devices(device, cfg)
         if devices is not None:
-            from h3ms_async.vae_split import VaeSplitUnsupported, describe_decoder, get_vae_engine
+            from h3ms_async.vae.split import VaeSplitUnsupported, describe_decoder, get_vae_engine
             try:
                 spec = decoder_spec(model, cfg["key"], *describe_decoder(model))
             except VaeSplitUnsupported as exc:

@@ -345,7 +345,7 @@ def test_release_node_detaches_and_a_detached_split_runs_plain_comfyui():
 def _leftovers() -> list[str]:
     kids = [k for k in psutil.Process().children(recursive=True)
             if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
-    from workers.shm import held_shm  # the pack's own module, loaded by ComfyUI's custom-node loader
+    from workers.runtime.shm import held_shm  # the pack's own module, loaded by ComfyUI's custom-node loader
     mine = f"h3ms-{os.getpid()}-"
     segments = sorted(held_shm(os.getpid()))
     run_dirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)]
@@ -355,7 +355,7 @@ def _leftovers() -> list[str]:
 @pytest.fixture
 def split(monkeypatch):
     """The split engine module; every engine is released afterwards and nothing may be left behind."""
-    from h3ms_async import split as split_module
+    from h3ms_async.dit import split as split_module
     monkeypatch.delenv(NODE.RANK_MAP_ENV, raising=False)
     yield split_module
     split_module.release_all_engines()
@@ -373,8 +373,8 @@ def _patch_node(patcher, ranks: str, monkeypatch, gpus=None):
 
 
 def test_split_step_is_recorded_and_gpu_set_shares_reach_the_engine(split, monkeypatch):
-    from h3ms_async.plans import GPUSelectionError, GPUSet
-    from h3ms_async.status import get_hub
+    from h3ms_async.runtime.plans import GPUSelectionError, GPUSet
+    from h3ms_async.observability.status import get_hub
     patcher = comfy_h3.model(layers=3, int8=True)
     reference = sample(patcher)
     patched = _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1", "", "1,0.5"))
@@ -462,8 +462,8 @@ def test_step_too_short_to_split_exactly_runs_unsplit(split, monkeypatch, caplog
     """A plan that would leave a rank fewer than 4 tokens is refused by the engine (SplitUnsafe) and the node runs
     that step in ComfyUI, unsplit: same bits as the unpatched model. (The smallest H3 latent packs 19 tokens; shares
     1 : 0.15 leave the second rank 2 of them.)"""
-    from h3ms_async.plans import GPUSet
-    from h3ms_async.status import get_hub
+    from h3ms_async.runtime.plans import GPUSet
+    from h3ms_async.observability.status import get_hub
     patcher = comfy_h3.model(layers=2, int8=True)
     tiny = dict(width=32, height=32, length=5, text_len=1)
     reference = sample(patcher, **tiny)
@@ -500,7 +500,7 @@ def _ours(instance) -> list[tuple[str, str]]:
 
 
 def test_loader_registered_routes_once_and_busy_follows_the_prompt_queue(prompt_server):
-    from h3ms_async.status import get_hub
+    from h3ms_async.observability.status import get_hub
     got = _ours(prompt_server)
     assert set(got) == OUR_ROUTES and len(got) == len(OUR_ROUTES)
     assert ROUTES.register(prompt_server) is False and len(_ours(prompt_server)) == len(OUR_ROUTES)
@@ -539,7 +539,7 @@ def test_routes_over_a_running_split(prompt_server, split, monkeypatch):
     sample(patched)
     sample(patched)
     pushed = _drain_steps(prompt_server)  # one record per split model call (cond and uncond: one call each here)
-    from h3ms_async.status import get_hub
+    from h3ms_async.observability.status import get_hub
     assert len(pushed) >= 2 and [r["seq"] for r in pushed] == [r["seq"] for r in get_hub().recent_steps(len(pushed))]
     assert all(rec["kind"] == "dit" and rec["devices"] == ["cpu", "cpu"] for rec in pushed)
     q = prompt_server.prompt_queue

@@ -25,7 +25,7 @@ import glob  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
-from workers.shm import held_shm  # noqa: E402
+from workers.runtime.shm import held_shm  # noqa: E402
 
 
 @pytest.fixture
@@ -40,9 +40,9 @@ def no_exchange_leaks():
 
 
 def run_probe_cases(world: int, cases: list[dict], timeout_s: float = 120) -> list[dict]:
-    """Run exchange probe ranks (workers.exchange_probe) on ``cases``; every rank must finish without error and
+    """Run exchange probe ranks (workers.transports.probe) on ``cases``; every rank must finish without error and
     with all its comparisons equal.  Returns the per-rank records."""
-    from h3ms_async.bench_exchange import ProbeGroup
+    from h3ms_async.tools.bench.exchange import ProbeGroup
     with ProbeGroup(world, cases) as grp:
         grp.start()
         recs = grp.results(timeout_s=timeout_s)

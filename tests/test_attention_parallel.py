@@ -2,7 +2,7 @@
 real helper processes, put back together bit-exact; status; restarts; no leaks.
 
 Kitchen has no CPU kernel for INT8 attention, so these tests run its split API through the pack's CPU test hook
-(``workers.ck_attention_cpu``, kitchen's own packed layout and dataclass); the helpers install it from the environment.
+(``workers.attention.ck_cpu``, kitchen's own packed layout and dataclass); the helpers install it from the environment.
 """
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ import psutil
 import pytest
 import torch
 
-from h3ms_async import attention_parallel as ap
-from h3ms_async import attention_schedule as sched
-from h3ms_async.pool import WorkerPool
-from h3ms_async.status import get_hub, validate_section
-from workers import attn_ops, ck_attention_cpu
-from workers.shm import held_shm
+from h3ms_async.attention import engine as ap
+from h3ms_async.attention import schedule as sched
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.observability.status import get_hub, validate_section
+from workers.attention import ops as attn_ops
+from workers.attention import ck_cpu as ck_attention_cpu
+from workers.runtime.shm import held_shm
 
 
 
@@ -95,7 +96,7 @@ def test_bad_plans_fail_with_clear_errors():
 
 def test_bench_attention_smoke(capsys):
     """``bench attention`` end to end at a tiny shape on a CPU helper: exact, with bytes, rates and the N-GPU model."""
-    from h3ms_async import bench_attention
+    from h3ms_async.tools.bench import attention as bench_attention
     assert bench_attention.main(["--shape", "1,4,64,128", "--helpers", "1", "--reps", "1", "--device", "cpu"]) == 0
     res = json.loads(capsys.readouterr().out)
     run = res["parallel_on_logical_helpers"][0]
@@ -222,8 +223,8 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     """The live panel (real headless chromium) lists every device of the engine with its last call's timings."""
     import re
 
-    from h3ms_async.serve import start_background_server
-    from h3ms_async.status import StatusHub
+    from h3ms_async.observability.serve import start_background_server
+    from h3ms_async.observability.status import StatusHub
     from tests.test_web_panel import CHROMIUM, chromium
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed: apt-get install -y chromium")

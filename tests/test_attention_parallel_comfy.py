@@ -1,7 +1,7 @@
 """H3 Attention Parallel inside the real ComfyUI tree (tests/comfy_tree.py), on CPU helpers.
 
 ComfyUI runs with ``--cpu --use-ck-attention``; kitchen has no CPU kernel for INT8 attention, so the pack's CPU test
-hook (``workers/ck_attention_cpu.py``: kitchen's packed layout and dataclass) is installed before ComfyUI imports its
+hook (``workers/attention/ck_cpu.py``: kitchen's packed layout and dataclass) is installed before ComfyUI imports its
 attention module, in ComfyUI's process and (through ``H3MS_CK_ATTENTION_CPU=1``) in the helpers.  Plain ComfyUI and the
 node then sample the same tiny MiniMax H3 (random weights, real ComfyUI loader, sampler and H3 code) with that same
 attention, and the latents must be equal bit for bit, with 2-4 devices (1-3 CPU helpers through ``H3MS_ATTN_HELPERS``).
@@ -68,8 +68,8 @@ def sample(m):
 _BODY = _HOOK + MODEL_SCRIPT + r'''
 res = {"ck_attention": attention.optimized_attention is attention.attention_comfy_kitchen_int8}
 import importlib
-ap = importlib.import_module("h3ms_async.attention_parallel")  # the pack loaded h3ms_async from its folder
-hub = importlib.import_module("h3ms_async.status").get_hub()
+ap = importlib.import_module("h3ms_async.attention.engine")  # the pack loaded h3ms_async from its folder
+hub = importlib.import_module("h3ms_async.observability.status").get_hub()
 
 def equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
@@ -134,7 +134,7 @@ deadline = time.monotonic() + 5
 while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
     time.sleep(0.05)
 res["children_left"] = len(psutil.Process().children(recursive=True))
-res["shm_left"] = sorted(importlib.import_module("workers.shm").held_shm(os.getpid()))
+res["shm_left"] = sorted(importlib.import_module("workers.runtime.shm").held_shm(os.getpid()))
 print("RESULT " + json.dumps(res))
 '''
 

@@ -26,7 +26,7 @@ def _exact_calls(devices: list[str], transport: str, seed: int) -> None:
     """Three calls (helpers start; split tuned; tuned split used), each ``torch.equal`` to the unsplit call."""
     import comfy_kitchen as ck
 
-    from h3ms_async.attention_parallel import AttentionParallelEngine
+    from h3ms_async.attention.engine import AttentionParallelEngine
     if not ck.int8_attention_is_available(torch.device("cuda:0")):
         pytest.skip("comfy-kitchen's INT8 attention is not available on cuda:0 (needs its CUDA build, SM >= 7.5)")
     g = torch.Generator(device="cuda:0").manual_seed(seed)
@@ -61,7 +61,7 @@ def test_engine_with_a_helper_on_another_gpu_by_cuda_ipc():
 
 _BODY = MODEL_SCRIPT + r'''
 import importlib
-ap = importlib.import_module("h3ms_async.attention_parallel")
+ap = importlib.import_module("h3ms_async.attention.engine")
 print("load device", model.load_device, flush=True)
 plain = sample(model)
 res = {"load_device": str(model.load_device), "runs": {}, "ipc_unavailable": ap.cuda_ipc_unavailable("cuda:0"),

@@ -8,10 +8,10 @@ import os
 import psutil
 import pytest
 
-from h3ms_async.bench_exchange import run_bench_exchange
-from h3ms_async.bench_split import main as bench_split_main
-from h3ms_async.bench_split import run_bench_split
-from workers.shm import held_shm
+from h3ms_async.tools.bench.exchange import run_bench_exchange
+from h3ms_async.tools.bench.split import main as bench_split_main
+from h3ms_async.tools.bench.split import run_bench_split
+from workers.runtime.shm import held_shm
 
 RANK_KEYS = {"rank", "device", "tokens", "heads", "compute_s", "exchange_copy_s", "wait_s", "moved_bytes",
              "signals_per_step", "signals_per_block", "wait_per_block_ms", "signalling_per_block_us_est",

@@ -6,7 +6,7 @@ import torch
 
 from h3ms_async import caches
 from h3ms_async.caches import CacheRefused, OutputCache, WeightCache, digest
-from h3ms_async.status import StatusHub, get_hub
+from h3ms_async.observability.status import StatusHub, get_hub
 
 
 def test_digest_covers_dtype_shape_bytes_order_and_keys() -> None:

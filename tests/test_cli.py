@@ -210,5 +210,6 @@ def test_golden_tests_say_why_they_skip_without_the_shared_folder(tmp_path: Path
 
 def test_demo_weight_formats_are_the_reference_models() -> None:
     """The demo names the formats without importing torch; they must stay the reference model's."""
-    from h3ms_async import demo, reference_dit
+    from h3ms_async.tools import demo
+    from h3ms_async.dit import reference as reference_dit
     assert demo.WEIGHT_KINDS == reference_dit.WEIGHT_KINDS and set(demo.MODEL_DTYPES) == set(demo.WEIGHT_KINDS)

@@ -32,7 +32,7 @@ import comfy_h3, nodes, comfy.sd
 import comfy.ldm.modules.attention as A
 SERVER = comfy_h3.start(extras=("nodes_minimax_h3.py", "nodes_lotus.py"))
 N = nodes.NODE_CLASS_MAPPINGS
-from h3ms_async import split as S
+from h3ms_async.dit import split as S
 CKPT = comfy_h3.checkpoint_dir()
 
 def report(case, a, b, **extra):
@@ -68,7 +68,7 @@ finally:
     S.release_all_engines()
     for n in names:
         os.unlink(os.path.join(CKPT, n))
-    from workers.shm import held_shm
+    from workers.runtime.shm import held_shm
     print("LEFT " + json.dumps(sorted(held_shm(os.getpid()))), flush=True)
 '''
 

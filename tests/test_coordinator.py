@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from h3ms_async.coordinator import Coordinator, get_coordinator
+from h3ms_async.runtime.coordinator import Coordinator, get_coordinator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,8 +112,8 @@ def test_shutdown_stops_the_thread():
 EXITER = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import WorkerPool
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerPool
 pool = WorkerPool(["cpu", "cpu"], name="atexit")
 get_coordinator().run(pool.start(), 120)
 print(json.dumps({"pids": [w["pid"] for w in pool.snapshot()], "run_dir": pool.run_dir}), flush=True)

@@ -20,12 +20,12 @@ pytestmark = [pytest.mark.cuda,
                                                                      "build of torch (H3MS_TORCH_SPEC), e.g. "
                                                                      "benchmarks/device_run.sh")]
 
-from h3ms_async.coordinator import get_coordinator  # noqa: E402
-from h3ms_async.layout import layout_for_tokens  # noqa: E402
-from h3ms_async.pool import WorkerPool  # noqa: E402
-from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
-from h3ms_async.split import SplitEngine, SplitOptions  # noqa: E402
-from workers.shm import Arena, Segment  # noqa: E402
+from h3ms_async.runtime.coordinator import get_coordinator  # noqa: E402
+from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
+from h3ms_async.runtime.pool import WorkerPool  # noqa: E402
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
+from h3ms_async.dit.split import SplitEngine, SplitOptions  # noqa: E402
+from workers.runtime.shm import Arena, Segment  # noqa: E402
 
 CFG = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
 
@@ -99,7 +99,7 @@ def test_ck_int8_attention_head_split_is_exact(models):
 def test_too_short_sequence_is_refused_not_wrong(models):
     """4 heads of 16 at 3000 tokens fall under FlashAttention's split-KV threshold: refused (SplitUnsafe), since the
     result would differ from the unsplit run in the last bits (measured)."""
-    from h3ms_async.split import SplitUnsafe
+    from h3ms_async.dit.split import SplitUnsafe
     eng = SplitEngine(["cuda:0"] * 4, SplitOptions())
     try:
         eng.load_weights(("cuda-test", "int8"), CFG, models["int8"].block_weights)
@@ -117,9 +117,9 @@ def test_nccl_refuses_two_ranks_on_one_gpu():
 
 _PARENT_SCRIPT = r"""
 import json, torch
-from h3ms_async.layout import layout_for_tokens
-from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.split import SplitEngine, SplitOptions
+from h3ms_async.dit.layout import layout_for_tokens
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
+from h3ms_async.dit.split import SplitEngine, SplitOptions
 cfg = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
 model = ReferenceDiT(cfg, weights="int8", seed=3)            # weights on the host, like ComfyUI's offloaded DiT
 eng = SplitEngine(["cuda:0", "cuda:0"], SplitOptions())

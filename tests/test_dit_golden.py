@@ -19,14 +19,14 @@ import torch
 
 from conftest import GOLDEN_DIR, ROOT
 
-from h3ms_async.layout import build_layout
-from h3ms_async.reference_dit import DiTConfig
+from h3ms_async.dit.layout import build_layout
+from h3ms_async.dit.reference import DiTConfig
 
 CASES = {"fp32": None, "bf16": "AVX2", "int8": None}  # case -> ONEDNN_MAX_CPU_ISA (None: the CPU's best)
 
 _CHILD = r"""
 import json, sys, torch
-from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, rope_table
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, rope_table
 g = torch.load(sys.argv[1], weights_only=True)
 cfg = DiTConfig.from_golden(g["config"]["model_kwargs"], eps=g["config"]["norm_eps"])
 model = ReferenceDiT(cfg, g["config"]["weights"], seed=0)
@@ -36,7 +36,7 @@ segs = [tuple(s) for s in inp["mod_segments"]]
 rope = rope_table(g["model"]["position_ids"], cfg.rope_pairs, inp["rope_freqs"].dtype)
 report = {"rope_equal": torch.equal(rope, inp["rope_freqs"]), "blocks": [],
           "isa": torch.backends.cpu.get_cpu_capability()}
-from workers import dit_ops
+from workers.dit import ops as dit_ops
 h = inp["h"].clone()
 with torch.inference_mode():
     for i in range(cfg.layers):
@@ -89,7 +89,7 @@ def test_golden_layout_reproduced() -> None:
 
 
 def test_golden_int8_weights_are_rowwise_quantized_bf16() -> None:
-    from h3ms_async.reference_dit import quantize_rowwise
+    from h3ms_async.dit.reference import quantize_rowwise
 
     q8 = torch.load(_golden("int8"), weights_only=True)["state_dict"]
     bf = torch.load(_golden("bf16"), weights_only=True)["state_dict"]

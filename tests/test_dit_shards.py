@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from h3ms_async.layout import build_layout
-from h3ms_async.plans import make_split_plan
-from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, SimulatedSplit, make_step_inputs
-from workers import dit_ops
-from workers.dit_ops import Shard
+from h3ms_async.dit.layout import build_layout
+from h3ms_async.runtime.plans import make_split_plan
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, SimulatedSplit, make_step_inputs
+from workers.dit import ops as dit_ops
+from workers.dit.ops import Shard
 
 CFG = DiTConfig(hidden=256, layers=2, heads=10, head_dim=32, ffn=320, t_dim=16, rope_pairs=12)
 TAGS = [1, 1, 0, 0, 1, 2, 1, 1, 1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_probe_cases
-from h3ms_async.bench_exchange import split_bounds
-from workers.dist_exchange import check_nccl_rank_map, init_group
-from workers.exchange import ArenaLayout
+from h3ms_async.tools.bench.exchange import split_bounds
+from workers.transports.dist import check_nccl_rank_map, init_group
+from workers.transports.host import ArenaLayout
 
 
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import run_probe_cases
-from h3ms_async.bench_exchange import ProbeGroup, ShmFile, split_bounds
-from workers.exchange import (ArenaLayout, ExchangeAborted, ExchangeChunkMismatch, ExchangeTimeout, HostExchange,
+from h3ms_async.tools.bench.exchange import ProbeGroup, ShmFile, split_bounds
+from workers.transports.host import (ArenaLayout, ExchangeAborted, ExchangeChunkMismatch, ExchangeTimeout, HostExchange,
                               decode_seq, encode_seq)
-from workers.exchange_probe import run_case
+from workers.transports.probe import run_case
 
 SHARES = [1.0, 1.0, 0.7]
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from h3ms_async import serve
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.http_routes import tail_file
-from h3ms_async.pool import MAX_HANDSHAKES_PER_RANK, WorkerPool
-from h3ms_async.status import StatusHub
-from workers import protocol
+from h3ms_async.observability import serve
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.observability.routes import tail_file
+from h3ms_async.runtime.pool import MAX_HANDSHAKES_PER_RANK, WorkerPool
+from h3ms_async.observability.status import StatusHub
+from workers.runtime import protocol
 
 
 def _connect(path: str) -> socket.socket:

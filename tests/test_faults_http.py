@@ -15,10 +15,10 @@ import urllib.request
 import psutil
 import pytest
 
-from h3ms_async.serve import start_background_server
-from h3ms_async.status import StatusHub
+from h3ms_async.observability.serve import start_background_server
+from h3ms_async.observability.status import StatusHub
 from tests import comfy_tree
-from workers.shm import held_shm
+from workers.runtime.shm import held_shm
 
 MUTATING = ("/h3multistream/workers/release", "/h3multistream/cache/clear_weights", "/h3multistream/hooks/detach")
 
@@ -81,8 +81,8 @@ def test_standalone_refuses_cross_site_writes_and_rebound_reads(standalone):
 
 def test_standalone_release_routes_release_the_engines_it_shows(tmp_path, monkeypatch):
     """``serve`` / ``demo --serve``: the release routes act on this process's engines (also ones made directly)."""
-    from h3ms_async.reference_dit import DiTConfig, ReferenceDiT
-    from h3ms_async.split import SplitEngine, SplitOptions
+    from h3ms_async.dit.reference import DiTConfig, ReferenceDiT
+    from h3ms_async.dit.split import SplitEngine, SplitOptions
     monkeypatch.setenv("H3MS_RUN_DIR", str(tmp_path))
     cfg = DiTConfig(hidden=128, layers=1, heads=2, head_dim=64, ffn=320, t_dim=64, rope_pairs=30)
     engine = SplitEngine(["cpu"], SplitOptions())

@@ -14,11 +14,10 @@ import time
 
 import pytest
 
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import WorkerPool
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerPool
 from tests.faults_common import ROOT, run_dirs
-from workers.shm import held_shm
-from workers.shm import Arena
+from workers.runtime.shm import held_shm, Arena
 
 
 def _pidns_refusal() -> str | None:
@@ -35,9 +34,9 @@ pytestmark = pytest.mark.skipif(_pidns_refusal() is not None, reason=_pidns_refu
 OTHER_NAMESPACE = """
 import json, os, sys
 sys.path.insert(0, {root!r})
-from h3ms_async import rundir
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import WorkerPool
+from h3ms_async.runtime import rundir
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerPool
 removed = rundir.sweep_dead()
 pool = WorkerPool(["cpu"], name="otherns")
 coord = get_coordinator()

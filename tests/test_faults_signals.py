@@ -79,7 +79,7 @@ def test_demo_ends_cleanly_on_signals(tmp_path, sig, every_s, code, line):
 INTERRUPTED_STEP = """
 import signal
 import socket
-from workers.shm import held_shm
+from workers.runtime.shm import held_shm
 presses = []
 
 def on_sigint(signum, frame):

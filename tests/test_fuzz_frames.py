@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import WorkerPool
-from workers import protocol
-from workers.protocol import ProtocolError
-from workers.shm import held_shm
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerPool
+from workers.runtime import protocol
+from workers.runtime.protocol import ProtocolError
+from workers.runtime.shm import held_shm
 
 KINDS = sorted(protocol.KINDS)
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 63), 2 ** 64 - 1), st.floats(allow_nan=True),

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3ms_async.layout import build_layout, layout_for_tokens, time_shift_sigma
-from h3ms_async.reference_dit import rope_table
+from h3ms_async.dit.layout import build_layout, layout_for_tokens, time_shift_sigma
+from h3ms_async.dit.reference import rope_table
 
 
 def _covers(segs, seq_len) -> bool:

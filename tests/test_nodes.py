@@ -74,7 +74,7 @@ def test_gpu_set_and_release_node_inputs():
 
 
 def test_gpu_set_node_validates():
-    from h3ms_async.plans import GPUSelectionError
+    from h3ms_async.runtime.plans import GPUSelectionError
     from nodes.gpu_set_node import H3MSGPUSetAsync
     (gs,) = H3MSGPUSetAsync().build("0,1,3", "", "1,1,0.7", 4.0, 3)
     assert gs.gpus == (0, 1, 3) and gs.shares == (1.0, 1.0, 0.7) and gs.max_gpus == 3

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from h3ms_async.plans import (GPUSelectionError, GPUSet, RankPlan, make_split_plan, parse_index_list, parse_shares,
+from h3ms_async.runtime.plans import (GPUSelectionError, GPUSet, RankPlan, make_split_plan, parse_index_list, parse_shares,
                               partition, rank_map, resolve)
 
 GIB = 1024 ** 3

@@ -8,12 +8,11 @@ import psutil
 import pytest
 import torch
 
-from h3ms_async import rundir
-from h3ms_async.bench_ipc import run_bench_ipc
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
-from workers.shm import Segment
-from workers.shm import held_shm
+from h3ms_async.runtime import rundir
+from h3ms_async.tools.bench.ipc import run_bench_ipc
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
+from workers.runtime.shm import Segment, held_shm
 
 MiB = 1 << 20
 

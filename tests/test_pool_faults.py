@@ -13,10 +13,10 @@ import msgpack
 import psutil
 import pytest
 
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import WorkerError, WorkerPool, WorkerTimeout
-from workers import auth, protocol
-from workers.shm import held_shm
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerError, WorkerPool, WorkerTimeout
+from workers.runtime import auth, protocol
+from workers.runtime.shm import held_shm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,8 +99,8 @@ def test_missing_heartbeats_mark_a_worker_dead(monkeypatch):
 PARENT = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from h3ms_async.coordinator import get_coordinator
-from h3ms_async.pool import WorkerPool
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerPool
 pool = WorkerPool(["cpu", "cpu"], name="orphans")
 get_coordinator().run(pool.start(), 120)
 print(json.dumps({"pids": [w["pid"] for w in pool.snapshot()], "run_dir": pool.run_dir}), flush=True)

@@ -1,4 +1,4 @@
-"""Unit tests of the wire protocol (workers/protocol.py) and the key/challenge helpers (workers/auth.py)."""
+"""Unit tests of the wire protocol (workers/runtime/protocol.py) and the key/challenge helpers (workers/runtime/auth.py)."""
 import asyncio
 import io
 import struct
@@ -6,8 +6,8 @@ import struct
 import msgpack
 import pytest
 
-from workers import auth, protocol
-from workers.protocol import ProtocolError, decode, encode
+from workers.runtime import auth, protocol
+from workers.runtime.protocol import ProtocolError, decode, encode
 
 SEG = "h3ms-123-0123456789abcdef-x"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from h3ms_async.http_routes import LINES_MAX, add_routes, tail_file
-from h3ms_async.serve import build_app
-from h3ms_async.status import StatusHub
+from h3ms_async.observability.routes import LINES_MAX, add_routes, tail_file
+from h3ms_async.observability.serve import build_app
+from h3ms_async.observability.status import StatusHub
 from tests.test_status import make_record
 
 
@@ -148,7 +148,7 @@ def test_tail_file_reads_from_the_end(tmp_path, monkeypatch):
         w = CountingReads(real_open(path, mode, *a, **kw))
         opened.append(w)
         return w
-    import h3ms_async.http_routes as hr
+    import h3ms_async.observability.routes as hr
     monkeypatch.setattr(hr, "open", counting_open, raising=False)
     lines = tail_file(big, 10)
     assert lines == [f"worker line {i:07d}" for i in range(399_990, 400_000)]
@@ -288,7 +288,7 @@ async def test_standalone_refuses_cross_origin_posts(aiohttp_client):
 
 
 def test_panel_files_exist_and_are_whitelisted():
-    from h3ms_async.http_routes import PANEL_FILES, WEB_DIR
+    from h3ms_async.observability.routes import PANEL_FILES, WEB_DIR
     for name in PANEL_FILES:
         assert (WEB_DIR / name).is_file(), name
     assert Path(WEB_DIR, "h3ms_async.js").is_file()

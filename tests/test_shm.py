@@ -1,4 +1,4 @@
-"""Shared-memory segments (workers/shm.py): real unnamed /dev/shm files, real mappings."""
+"""Shared-memory segments (workers/runtime/shm.py): real unnamed /dev/shm files, real mappings."""
 import os
 import stat
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from workers import shm
-from workers.shm import Arena, Segment, ShmError
+from workers.runtime import shm
+from workers.runtime.shm import Arena, Segment, ShmError
 
 MiB = 1 << 20
 
@@ -51,7 +51,7 @@ def test_another_process_attaches_through_the_owner():
     with Segment.create(4096, "xproc") as seg:
         with seg.buffer(0, 5) as mv:
             mv[:] = b"hello"
-        code = ("import sys; from workers.shm import Segment; s = Segment.attach(sys.argv[1]); "
+        code = ("import sys; from workers.runtime.shm import Segment; s = Segment.attach(sys.argv[1]); "
                 "b = s.buffer(0, 5); print(bytes(b).decode()); b[:] = b'HELLO'; b.release(); s.close()")
         out = subprocess.run([sys.executable, "-c", code, seg.name], capture_output=True, text=True, timeout=60,
                              cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -14,10 +14,10 @@ import psutil
 import pytest
 import torch
 
-from h3ms_async.layout import build_layout, layout_for_tokens
-from h3ms_async.plans import GPUSelectionError
-from h3ms_async.reference_dit import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions, SplitUnsafe
+from h3ms_async.dit.layout import build_layout, layout_for_tokens
+from h3ms_async.runtime.plans import GPUSelectionError
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
+from h3ms_async.dit.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions, SplitUnsafe
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 CFG_UNEVEN = DiTConfig(hidden=160, layers=2, heads=10, head_dim=32, ffn=224, t_dim=16, rope_pairs=12)
@@ -98,7 +98,7 @@ def test_shares_and_uneven_heads(engine_factory):
     eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7))
     eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
     _check_exact(eng, model, _layouts(), exchange_chunks=2)
-    from h3ms_async.status import get_hub
+    from h3ms_async.observability.status import get_hub
     heads = [r["heads"] for r in get_hub().recent_steps(1)[0]["ranks"]]
     assert heads == [[0, 4], [4, 8], [8, 10]]
 
@@ -181,7 +181,7 @@ def test_interrupt_aborts_every_rank(engine_factory, big_model):
     inp, step = _long_step(eng, big_model)
     step()
     fire = time.monotonic() + 0.4
-    from h3ms_async.status import get_hub
+    from h3ms_async.observability.status import get_hub
     busy_seen = []
 
     def interrupt() -> bool:

@@ -8,7 +8,7 @@ import logging
 import psutil
 import pytest
 
-from h3ms_async.status import (RING_SIZE, SchemaError, StatusHub, format_step_line, now_iso, ram_info,
+from h3ms_async.observability.status import (RING_SIZE, SchemaError, StatusHub, format_step_line, now_iso, ram_info,
                                validate_status, validate_step_record)
 
 GIB = 1024 ** 3

@@ -17,7 +17,7 @@ import comfy.sd, comfy.sd1_clip, comfy.supported_models_base, nodes
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 M = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.caches import output_cache, weight_cache
-from h3ms_async.status import get_hub
+from h3ms_async.observability.status import get_hub
 import sys
 method_hooks = next(m for n, m in sys.modules.items() if n.endswith("nodes.method_hooks"))
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import comfy_tree
-from h3ms_async.bench_caches import main as bench_caches_main
-from h3ms_async.bench_vae import main as bench_vae_main
+from h3ms_async.tools.bench.caches import main as bench_caches_main
+from h3ms_async.tools.bench.vae import main as bench_vae_main
 
 
 @pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from h3ms_async.http_routes import WEB_DIR, add_routes
-from h3ms_async.serve import start_background_server
-from h3ms_async.status import StatusHub
+from h3ms_async.observability.routes import WEB_DIR, add_routes
+from h3ms_async.observability.serve import start_background_server
+from h3ms_async.observability.status import StatusHub
 from tests.test_status import make_record
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -180,7 +180,7 @@ def test_comfyui_extension_commands_and_docked_panel(tmp_path):
         return app
 
     # reuse the standalone server's loop plumbing: serve this app on the coordinator loop
-    from h3ms_async.coordinator import get_coordinator
+    from h3ms_async.runtime.coordinator import get_coordinator
     coord = get_coordinator()
 
     async def up():

@@ -40,8 +40,8 @@ vaes = {d: comfy.sd.VAE(sd=sd, dtype={"fp32": torch.float32, "fp16": torch.float
         for d in sorted({c["dtype"] for c in cases})}
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 Split = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]
-from h3ms_async import vae_split  # noqa: E402  (loaded by the pack above)
-from workers.shm import ShmError, held_shm  # noqa: E402
+from h3ms_async.vae import split as vae_split  # noqa: E402  (loaded by the pack above)
+from workers.runtime.shm import ShmError, held_shm  # noqa: E402
 
 torch.manual_seed(7)
 latents = {(c["T"], c["h"]): torch.randn(1, 24, c["T"], c["h"], 3) for c in cases}

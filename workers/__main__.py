@@ -1,6 +1,6 @@
 """Worker entry: ``python -m workers --rank R --world-size N --socket PATH --parent-pid P --device DEV``.
 
-Started only by ``h3ms_async.pool.WorkerPool``: the pool key arrives on stdin, stdout/stderr are the worker's log
+Started only by ``h3ms_async.runtime.pool.WorkerPool``: the pool key arrives on stdin, stdout/stderr are the worker's log
 file.  Order matters: die-with-parent first, then pin the device (before any CUDA call), read the key, import the
 handler modules, connect, authenticate, serve until shutdown or EOF.
 """
@@ -16,13 +16,13 @@ import signal
 import sys
 import traceback
 
-from workers import auth, protocol
+from workers.runtime import auth, protocol
 
 log = logging.getLogger("h3_multistream.worker")
 
 #: Modules whose import registers handlers; the optional ones may not be installed yet.
-CORE_MODULES = ("workers.handlers",)
-OPTIONAL_MODULES = ("workers.dit_rank", "workers.attn_rank", "workers.vae_rank")
+CORE_MODULES = ("workers.runtime.handlers",)
+OPTIONAL_MODULES = ("workers.dit.rank", "workers.attention.rank", "workers.vae.rank")
 PR_SET_PDEATHSIG = 1
 
 
@@ -76,8 +76,8 @@ async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 
 def _make_context(args: argparse.Namespace, welcome: dict):
-    from workers.handlers import WorkerContext
-    from workers.shm import Segment
+    from workers.runtime.handlers import WorkerContext
+    from workers.runtime.shm import Segment
 
     control = Segment.attach(welcome["control"])
     import torch
@@ -90,7 +90,7 @@ def _make_context(args: argparse.Namespace, welcome: dict):
 
 
 async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hb_interval: float) -> str:
-    from workers.handlers import HANDLERS
+    from workers.runtime.handlers import HANDLERS
 
     ctx.state["_writer"] = writer
     tasks: set[asyncio.Task] = set()

@@ -1,0 +1,530 @@
+"""H3 Attention Parallel, coordinator side: one attention call's heads split across the model's device and helpers.
+
+The model stays whole on its device (rank 0 of the plan); only attention moves.  Per call (docs/attention_parallel.md):
+
+1. the caller has quantized Q/K/V once, for all heads, with comfy-kitchen (``prequantize_int8_attention``);
+2. the heads are split: at a call shape's first call by shares (``plans.partition``, largest remainder); from then on
+   by the split that minimises the predicted critical path (``attention_schedule.best_split``), from the per-head
+   compute times and link rates measured in that first call (with helpers already running) — the model GPU pays no
+   transfer, so it takes more heads; the helpers keep their shares among themselves;
+3. each helper's packed INT8 slice is staged, in helper order, into its slot: one shm segment (registered with CUDA,
+   transport ``host``) or a buffer in the model GPU's memory that the helper opened by CUDA IPC (``cuda_ipc``); the
+   helper gets ``attn_call`` the moment its own slice is staged;
+4. rank 0 attends its own range meanwhile (on CUDA on the caller's stream, concurrently with the copies);
+5. each helper writes its BF16 (input-dtype) result into its output slot; rank 0 copies each one into the right head
+   slots of the output as soon as that helper answers, while the others still compute.
+
+Heads are independent and the quantization happened once on the full tensors, so the result equals the unsplit
+call bit for bit, whatever the split.  The engine owns its :class:`WorkerPool` (one helper process per helper device)
+and its buffers; a helper that dies or errs fails the call with its last log lines, and the call has a deadline.
+"""
+from __future__ import annotations
+
+import abc
+import atexit
+import collections
+import concurrent.futures as cf
+import threading
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from h3ms_async.attention import schedule as attention_schedule
+from h3ms_async.runtime import plans
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.log import get_logger
+from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.observability.status import get_hub, now_iso
+from workers.attention import ops as attn_ops
+from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds sent here
+from workers.transports.host import dtype_name
+from workers.runtime.shm import Arena, Segment, register_cuda
+
+log = get_logger("AttentionParallel")
+
+#: Calls kept per engine for the status route and the panel.
+RECENT_CALLS = 32
+#: How slices and results travel: through shared memory, or device to device by CUDA IPC (CUDA devices only).
+TRANSPORTS = ("host", "cuda_ipc")
+
+
+class AttentionParallelError(RuntimeError):
+    """A parallel attention call failed (a helper died, erred or missed the deadline); the message says which."""
+
+
+class _Buffers(abc.ABC):
+    """One call shape's transfer slots, per helper its packed input slice and its output; reused while shapes match."""
+
+    key: tuple
+
+    @abc.abstractmethod
+    def inputs(self, r: int) -> dict[str, torch.Tensor]:
+        """Helper ``r``'s (0-based) input slots by name, where the coordinator stages its slice."""
+
+    @abc.abstractmethod
+    def output(self, r: int) -> torch.Tensor:
+        """Helper ``r``'s output slot."""
+
+    @abc.abstractmethod
+    def fields(self, r: int) -> dict:
+        """The ``attn_call`` fields that point helper ``r`` at its slots."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the slots."""
+
+
+class _ShmBuffers(_Buffers):
+    """Slots in two shm segments (inputs, outputs), registered with CUDA when the model is on a GPU."""
+
+    def __init__(self, key: tuple, in_specs: list[dict], out_specs: list[tuple], device: torch.device) -> None:
+        self.key = key
+        self.inputs_seg = Segment.create(sum(_slot(dt, shp) for s in in_specs for dt, shp in s.values()), "attn_in")
+        try:
+            self.outputs_seg = Segment.create(sum(_slot(dt, shp) for dt, shp in out_specs), "attn_out")
+        except BaseException:
+            self.inputs_seg.close()
+            self.inputs_seg.unlink()
+            raise
+        try:
+            a_in, a_out = Arena(self.inputs_seg), Arena(self.outputs_seg)
+            self.in_descs = [{name: a_in.alloc(dtype_name(dt), shp) for name, (dt, shp) in s.items()}
+                             for s in in_specs]
+            self.out_descs = [a_out.alloc(dtype_name(dt), shp) for dt, shp in out_specs]
+            if device.type == "cuda":
+                register_cuda(self.inputs_seg, str(device))
+                register_cuda(self.outputs_seg, str(device))
+        except BaseException:
+            self.close()
+            raise
+
+    def inputs(self, r: int) -> dict[str, torch.Tensor]:
+        return {name: self.inputs_seg.tensor(d) for name, d in self.in_descs[r].items()}
+
+    def output(self, r: int) -> torch.Tensor:
+        return self.outputs_seg.tensor(self.out_descs[r])
+
+    def fields(self, r: int) -> dict:
+        return {"tensors": self.in_descs[r], "out": self.out_descs[r]}
+
+    def close(self) -> None:
+        for seg in (self.inputs_seg, getattr(self, "outputs_seg", None)):
+            if seg is not None:
+                seg.close()
+                seg.unlink()
+
+
+class _IpcBuffers(_Buffers):
+    """Slots in the model GPU's memory, one input and one output buffer per helper, shared by CUDA IPC handles
+    (``UntypedStorage._share_cuda_``); ``local_index[r]`` is the index under which helper r sees the model's GPU."""
+
+    def __init__(self, key: tuple, in_specs: list[dict], out_specs: list[tuple], device: torch.device,
+                 local_index: list[int]) -> None:
+        self.key = key
+        self._in, self._out, self._in_layout, self._out_layout, self._handles = [], [], [], [], []
+        for spec, (out_dt, out_shp), index in zip(in_specs, out_specs, local_index):
+            layout, size = {}, 0
+            for name, (dt, shp) in spec.items():
+                layout[name] = {"off": size, "dtype": dtype_name(dt), "shape": list(shp)}
+                size += _slot(dt, shp)
+            with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
+                flat_in = torch.empty(size, dtype=torch.uint8, device=device)
+                flat_out = torch.empty(_slot(out_dt, out_shp), dtype=torch.uint8, device=device)
+            self._in.append(flat_in)
+            self._out.append(flat_out)
+            self._in_layout.append(layout)
+            self._out_layout.append({"off": 0, "dtype": dtype_name(out_dt), "shape": list(out_shp)})
+            self._handles.append({"device": index, "in": _ipc_handle(flat_in), "out": _ipc_handle(flat_out)})
+
+    def inputs(self, r: int) -> dict[str, torch.Tensor]:
+        return {name: _view(self._in[r], d) for name, d in self._in_layout[r].items()}
+
+    def output(self, r: int) -> torch.Tensor:
+        return _view(self._out[r], self._out_layout[r])
+
+    def fields(self, r: int) -> dict:
+        return {"tensors": {}, "out": None,
+                "ipc": dict(self._handles[r], tensors=self._in_layout[r], result=self._out_layout[r])}
+
+    def close(self) -> None:
+        self._in.clear()
+        self._out.clear()
+
+
+def cuda_ipc_unavailable(device: str) -> str:
+    """'' when this process can share memory of ``device`` by CUDA IPC, else why not (and the fix).  PyTorch's
+    ``backend:cudaMallocAsync`` (ComfyUI's default ``--cuda-malloc`` on recent GPUs) and pluggable allocators have no
+    IPC handles, so a real share is tried."""
+    try:
+        _ipc_handle(torch.empty(1, dtype=torch.uint8, device=device))
+    except Exception as exc:  # noqa: BLE001 - any failure means: no IPC here, with torch's own reason
+        return (f"this process cannot share {device} memory by CUDA IPC (allocator "
+                f"{torch.cuda.get_allocator_backend()}: {str(exc).splitlines()[0]}); start ComfyUI with "
+                "--disable-cuda-malloc for the GPU-direct path")
+    return ""
+
+
+def _ipc_handle(t: torch.Tensor) -> list:
+    """The CUDA IPC handle of ``t``'s storage as it travels (device, handle, size, offset, ref counter, event)."""
+    return list(t.untyped_storage()._share_cuda_())
+
+
+def _view(flat: torch.Tensor, d: dict) -> torch.Tensor:
+    dtype = getattr(torch, d["dtype"])
+    n = torch.Size(d["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
+    return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
+
+
+class AttentionParallelEngine:
+    """Head-parallel INT8 attention over ``devices``: ``devices[0]`` is the model's device (this process), the rest
+    are helper devices, one worker process each (a device may repeat: logical helpers on one GPU).  ``transport`` is
+    one of :data:`TRANSPORTS`; ``cuda_ipc`` needs CUDA devices that reach the model's GPU (the node checks)."""
+
+    def __init__(self, devices: Sequence[str], shares: Sequence[float] | None = None,
+                 call_timeout_s: float = 120.0, transport: str = "host") -> None:
+        if len(devices) < 2:
+            raise ValueError(f"devices: attention parallel needs the model's device and at least one helper, got "
+                             f"{list(devices)!r}")
+        if shares is not None and len(shares) != len(devices):
+            raise plans.GPUSelectionError(f"shares: {len(shares)} value(s) for {len(devices)} device(s); give one "
+                                          "share per device, the model's first")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
+        if transport == "cuda_ipc" and not all(str(d).startswith("cuda") for d in devices):
+            raise ValueError(f"transport cuda_ipc needs CUDA devices, got {list(devices)!r}; use transport host")
+        self.devices = list(devices)
+        self.shares = tuple(float(s) for s in shares) if shares else None
+        self.transport = transport
+        self.call_timeout_s = float(call_timeout_s)
+        self.pool = WorkerPool(self.devices[1:], name="attn",
+                               also_visible=[self.devices[0]] if transport == "cuda_ipc" else ())
+        self._buffers: _Buffers | None = None
+        self._splits: dict[tuple, list[int]] = {}
+        self._tuning: dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+        self._running = False
+        self._calls = 0
+        self._recent: collections.deque[dict] = collections.deque(maxlen=RECENT_CALLS)
+        self._streams: tuple[Any, Any] | None = None
+        _LIVE.add(self)
+        _register_status()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def head_bounds(self, heads: int) -> list[int]:
+        """Cumulative head bounds of a shape's first call, one range per device (largest remainder by shares; ties to
+        later devices)."""
+        if heads < len(self.devices):
+            raise AttentionParallelError(f"cannot split {heads} attention heads over {len(self.devices)} devices; "
+                                         f"use at most {heads}")
+        return plans.partition(heads, self.shares or [1.0] * len(self.devices), "attention heads")
+
+    def split_for(self, pq: Any) -> list[int]:
+        """The head bounds the next call of ``pq``'s shape runs: the tuned split once measured, else
+        :meth:`head_bounds`."""
+        return self._splits.get(_shape_key(pq)) or self.head_bounds(pq.q.shape[1])
+
+    # -- one call -------------------------------------------------------------------------------------------------
+    def attend(self, pq: Any) -> torch.Tensor:
+        """``int8_attention_from_prequantized(pq)`` with the heads split over the devices: ``[B, H, Sq, D]`` in
+        ``pq.input_dtype`` on ``pq.q``'s device, equal to the unsplit call."""
+        fields = attn_ops.meta(pq)
+        b, heads, sq, _ = pq.q.shape
+        bounds = self.split_for(pq)
+        device = pq.q.device
+        with self._lock:
+            self._running = True
+            try:
+                t_start = time.perf_counter()
+                starts = self.pool.starts
+                # a helper that died since the last call restarts the pool (helpers hold no state)
+                get_coordinator().run(self.pool.start(), self.pool.start_timeout + 10.0, "starting helpers")
+                buf = self._buffers_for(pq, bounds, device)
+                slices = [attn_ops.head_slice(pq, bounds[r], bounds[r + 1]) for r in range(len(self.devices))]
+                out = torch.empty((b, heads, sq, fields["original_head_dim"]), dtype=pq.input_dtype, device=device)
+                self._calls += 1
+                run = self._call_cuda if device.type == "cuda" else self._call_cpu
+                result = run(buf, slices, dict(fields), out, bounds)
+                self._record(result, bounds, sq, heads, time.perf_counter() - t_start)
+                key = _shape_key(pq)
+                if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
+                    self._tune(key, result, bounds)
+                return out
+            finally:
+                self._running = False
+
+    def _submit(self, buf: _Buffers, r: int, fields: dict) -> "cf.Future[dict]":
+        """Send helper ``r`` (1-based) its call now."""
+        msg = {"job": self._calls, "meta": fields, **buf.fields(r - 1)}
+        return get_coordinator().submit(self.pool.request(r - 1, "attn_call", msg, self.call_timeout_s))
+
+    def _gather(self, futs: dict["cf.Future[dict]", int], on_result: Callable[[int], None]) -> list[dict]:
+        """Each helper's answer as it comes (``on_result(r)`` takes its result in at once), in rank order; any
+        failure or the deadline aborts every helper and fails the call."""
+        results: list[dict] = [{}] * len(futs)
+        deadline = time.monotonic() + self.call_timeout_s + 5.0
+        pending = set(futs)
+        try:
+            while pending:
+                done, pending = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                        return_when=cf.FIRST_COMPLETED)
+                if not done:
+                    raise AttentionParallelError(
+                        f"attention helpers on {','.join(self.devices[1:])} did not answer within "
+                        f"{self.call_timeout_s:g} s; every helper was aborted")
+                for fut in done:
+                    r = futs[fut]
+                    results[r - 1] = fut.result()
+                    on_result(r)
+        except WorkerError as exc:
+            self._abandon(futs)
+            raise AttentionParallelError(f"attention helper failed: {exc}") from exc
+        except BaseException:
+            self._abandon(futs)
+            raise
+        return results
+
+    def _abandon(self, futs: dict["cf.Future[dict]", int]) -> None:
+        if any(not f.done() for f in futs):
+            self.pool.abort()
+            for fut in futs:
+                get_coordinator().cancel(fut, wait=2.0)
+
+    def _call_cpu(self, buf: _Buffers, slices: list, fields: dict, out: torch.Tensor, bounds: list[int]) -> dict:
+        n = len(self.devices)
+        stage_s, return_s = [0.0] * (n - 1), [0.0] * (n - 1)
+        futs: dict[cf.Future[dict], int] = {}
+        try:
+            for r in range(1, n):  # each helper starts as soon as its own slice is staged
+                t = time.perf_counter()
+                for name, dst in buf.inputs(r - 1).items():
+                    dst.copy_(slices[r][name])
+                stage_s[r - 1] = time.perf_counter() - t
+                futs[self._submit(buf, r, fields)] = r
+            t = time.perf_counter()
+            out[:, :bounds[1]].copy_(attn_ops.attend(slices[0], fields))
+            local_s = time.perf_counter() - t
+        except BaseException:
+            self._abandon(futs)
+            raise
+
+        def take(r: int) -> None:
+            t0 = time.perf_counter()
+            out[:, bounds[r]:bounds[r + 1]].copy_(buf.output(r - 1))
+            return_s[r - 1] = time.perf_counter() - t0
+
+        results = self._gather(futs, take)
+        return self._result(buf, local_s, stage_s, return_s, results)
+
+    def _call_cuda(self, buf: _Buffers, slices: list, fields: dict, out: torch.Tensor, bounds: list[int]) -> dict:
+        device = out.device
+        main = torch.cuda.current_stream(device)
+        if self._streams is None or self._streams[0].device != device:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        copy, back = self._streams
+        ready = torch.cuda.Event()
+        ready.record(main)
+        copy.wait_event(ready)
+        back.wait_event(ready)
+        n = len(self.devices)
+        marks = []
+        # Stage every slice in helper order on a side stream, concurrently with rank 0's own heads on the caller's.
+        with torch.cuda.stream(copy):
+            for r in range(1, n):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(copy)
+                for name, dst in buf.inputs(r - 1).items():
+                    dst.copy_(slices[r][name], non_blocking=True)
+                e1.record(copy)
+                marks.append((e0, e1))
+        local = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        local[0].record(main)
+        out[:, :bounds[1]].copy_(attn_ops.attend(slices[0], fields))
+        local[1].record(main)
+        back_marks: dict[int, tuple] = {}
+
+        def take(r: int) -> None:
+            with torch.cuda.stream(back):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(back)
+                out[:, bounds[r]:bounds[r + 1]].copy_(buf.output(r - 1), non_blocking=True)
+                e1.record(back)
+            back_marks[r] = (e0, e1)
+
+        futs: dict[cf.Future[dict], int] = {}
+        try:
+            for r, (_, staged) in enumerate(marks, start=1):
+                staged.synchronize()
+                futs[self._submit(buf, r, fields)] = r
+            results = self._gather(futs, take)
+        except BaseException:
+            self._abandon(futs)
+            main.synchronize()
+            raise
+        main.wait_stream(back)
+        main.synchronize()
+        return self._result(buf, local[0].elapsed_time(local[1]) / 1e3,
+                            [a.elapsed_time(b) / 1e3 for a, b in marks],
+                            [back_marks[r][0].elapsed_time(back_marks[r][1]) / 1e3 for r in range(1, n)], results)
+
+    def _result(self, buf: _Buffers, local_s: float, stage_s: list[float], return_s: list[float],
+                results: list[dict]) -> dict:
+        staged = [sum(t.numel() * t.element_size() for t in buf.inputs(r).values()) for r in range(len(results))]
+        returned = [buf.output(r).numel() * buf.output(r).element_size() for r in range(len(results))]
+        return {"local_s": local_s, "stage_s": stage_s, "return_s": return_s, "staged": staged, "returned": returned,
+                "helpers": results}
+
+    # -- the split ----------------------------------------------------------------------------------------------------
+    def _tune(self, key: tuple, result: dict, bounds: list[int]) -> None:
+        """Choose this shape's split from this call's own timings (see ``attention_schedule``)."""
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        helpers = result["helpers"]
+        per_head = [result["local_s"] / sizes[0]] + [h["compute_s"] / s for h, s in zip(helpers, sizes[1:])]
+        in_bytes, out_bytes = sum(result["staged"]), sum(result["returned"])
+        legs = attention_schedule.Legs(
+            stage=sum(result["stage_s"]) / in_bytes, helper_in=sum(h["h2d_s"] for h in helpers) / in_bytes,
+            helper_out=sum(h["d2h_s"] for h in helpers) / out_bytes, ret=sum(result["return_s"]) / out_bytes)
+        heads = sum(sizes)
+        best = attention_schedule.best_split(heads, per_head, (self.shares or [1.0] * len(sizes))[1:],
+                                             in_bytes / sum(sizes[1:]), out_bytes / sum(sizes[1:]), legs)
+        self._splits[key] = [0] + [sum(best["heads"][:i + 1]) for i in range(len(sizes))]
+        self._tuning[key] = {"shape": list(key[0]), "measured_heads": sizes, "heads": best["heads"],
+                             "per_head_s": per_head, "s_per_byte": vars(legs), "predicted_s": best["total_s"]}
+        log.info("attention split for %s: heads %s (was %s); predicted %.1f ms from measured per-head %s ms and "
+                 "links %s GB/s", list(key[0]), best["heads"], sizes, best["total_s"] * 1e3,
+                 [round(c * 1e3, 2) for c in per_head],
+                 {k: round(1e-9 / v, 1) if v > 0 else "in place" for k, v in vars(legs).items()})
+
+    # -- buffers ----------------------------------------------------------------------------------------------------
+    def _buffers_for(self, pq: Any, bounds: list[int], device: torch.device) -> _Buffers:
+        in_specs = [{name: (t.dtype, tuple(t.shape)) for name, t in attn_ops.head_slice(pq, bounds[r], bounds[r + 1])
+                     .items()} for r in range(1, len(self.devices))]
+        b, _, sq, _ = pq.q.shape
+        out_specs = [(pq.input_dtype, (b, bounds[r + 1] - bounds[r], sq, int(pq.original_head_dim)))
+                     for r in range(1, len(self.devices))]
+        key = (repr(in_specs), repr(out_specs), str(device))
+        if self._buffers is not None and self._buffers.key == key:
+            return self._buffers
+        self._drop_buffers()
+        if self.transport == "cuda_ipc":
+            why = cuda_ipc_unavailable(str(device))
+            if why:
+                raise AttentionParallelError(f"transport cuda_ipc: {why}; or use transport host")
+            index = [self.pool.local_index(r, str(device)) for r in range(len(self.devices) - 1)]
+            self._buffers = _IpcBuffers(key, in_specs, out_specs, device, index)
+        else:
+            self._buffers = _ShmBuffers(key, in_specs, out_specs, device)
+        return self._buffers
+
+    def _drop_buffers(self) -> None:
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
+
+    # -- records, status, release -------------------------------------------------------------------------------------
+    def _record(self, result: dict, bounds: list[int], tokens: int, heads: int, wall: float) -> None:
+        ranks = [{"rank": 0, "device": self.devices[0], "heads": [bounds[0], bounds[1]], "transport": "local",
+                  "compute_s": result["local_s"], "stage_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "return_s": 0.0,
+                  "wall_s": result["local_s"], "vram_peak_bytes": None}]
+        for r, res in enumerate(result["helpers"], start=1):
+            ranks.append({"rank": r, "device": self.devices[r], "heads": [bounds[r], bounds[r + 1]],
+                          "transport": self.transport, "stage_s": result["stage_s"][r - 1],
+                          **{k: float(res[k]) for k in ("compute_s", "h2d_s", "d2h_s", "wall_s")},
+                          "return_s": result["return_s"][r - 1], "vram_peak_bytes": res.get("vram_peak_bytes")})
+        staged, returned = sum(result["staged"]), sum(result["returned"])
+        stage_s, return_s = sum(result["stage_s"]), sum(result["return_s"])
+        transfer_s = stage_s + return_s
+        rec = {"at": now_iso(), "call": self._calls, "tokens": tokens, "heads": heads, "transport": self.transport,
+               "wall_s": wall, "stage_s": stage_s, "return_s": return_s, "moved_bytes": staged + returned,
+               "staged_bytes": staged, "returned_bytes": returned,
+               "gb_per_s": (staged + returned) / transfer_s / 1e9 if transfer_s > 0 else None, "ranks": ranks}
+        self._recent.append(rec)
+        log.debug("call %d: %d tokens x %d heads on %s in %.1f ms (%d MB moved)", self._calls, tokens, heads,
+                  ",".join(self.devices), wall * 1e3, (staged + returned) // 1_000_000)
+
+    def recent_calls(self) -> list[dict]:
+        """The last calls' records (oldest first): per device its heads, transport and compute / copy seconds."""
+        return list(self._recent)
+
+    def snapshot(self) -> dict:
+        """This engine for the status route: devices, shares, transport, helpers (worker rows), call count, the tuned
+        splits and recent calls."""
+        return {"devices": list(self.devices), "shares": list(self.shares) if self.shares else None,
+                "transport": self.transport, "running": self._running, "calls": self._calls,
+                "helpers": self.pool.snapshot(), "splits": list(self._tuning.values()),
+                "recent_calls": self.recent_calls()[-8:]}
+
+    def release(self) -> None:
+        """Stop the helpers and free the buffers."""
+        with self._lock:
+            if self.pool.running:
+                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing attention helpers")
+            self._drop_buffers()
+
+
+def _shape_key(pq: Any) -> tuple:
+    """What a tuned split is kept for: the packed shapes and the device."""
+    return (tuple(pq.q.shape), tuple(pq.k.shape), str(pq.q.device))
+
+
+def _slot(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes an :class:`Arena` takes for one tensor (4 KiB aligned)."""
+    n = torch.empty((), dtype=dtype).element_size()
+    for s in shape:
+        n *= int(s)
+    return -(-max(n, 1) // 4096) * 4096
+
+
+# -- engine registry ------------------------------------------------------------------------------------------------
+_ENGINES: dict[tuple, AttentionParallelEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+_LIVE: "weakref.WeakSet[AttentionParallelEngine]" = weakref.WeakSet()
+
+
+def get_engine(devices: Sequence[str], shares: Sequence[float] | None = None,
+               transport: str = "host") -> AttentionParallelEngine:
+    """The engine for these devices, shares and transport (made once; helpers start on the first call).  Engines for
+    other device lists are released first: their helpers hold GPU memory."""
+    key = (tuple(devices), tuple(shares) if shares else None, transport)
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            for old in list(_ENGINES):
+                _ENGINES.pop(old).release()
+            eng = _ENGINES[key] = AttentionParallelEngine(devices, shares, transport=transport)
+        return eng
+
+
+def release_all_engines() -> int:
+    """Release every engine made by :func:`get_engine`; returns how many there were."""
+    with _ENGINES_LOCK:
+        items = list(_ENGINES.values())
+        _ENGINES.clear()
+    for eng in items:
+        eng.release()
+    return len(items)
+
+
+def live_engines() -> list[AttentionParallelEngine]:
+    """Every engine alive in this process (also ones made directly)."""
+    return list(_LIVE)
+
+
+_STATUS_REGISTERED = False
+
+
+def _register_status() -> None:
+    global _STATUS_REGISTERED
+    if _STATUS_REGISTERED:
+        return
+    hub = get_hub()
+    hub.register_provider("attention", lambda: {"engines": [e.snapshot() for e in live_engines()]})
+    hub.add_busy_source(lambda: any(e.running for e in live_engines()))
+    _STATUS_REGISTERED = True
+
+
+atexit.register(release_all_engines)

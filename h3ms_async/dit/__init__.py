@@ -1,0 +1,1 @@
+"""The DiT split's coordinator side: packed layouts, the reference block stack, the step engine."""

@@ -1,0 +1,279 @@
+"""Reference MiniMax H3 DiT block stack: ComfyUI's parameter names and shapes, seeded weights, the unsplit loop.
+
+The block math is ``workers.dit.ops`` (the same functions the rank processes run).  This module adds the model
+around it: a config of any size (tiny for tests, full width for benchmarks), deterministic weights generated block
+by block (so a 50-block full-width model never needs all weights at once), int8 quantization as H3's int8
+checkpoints store it, step inputs (residual, t_emb, mod segments, rope table), and ``simulate_split``: R ranks run in
+one process with real slicing, to check the split's exactness without processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+import comfy_kitchen as ck
+
+from workers.dit import ops as dit_ops
+from workers.dit.ops import Segment, Shard
+
+from h3ms_async.dit.layout import Layout
+
+WEIGHT_KINDS = ("int8", "bf16", "fp32")
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Block-stack hyper-parameters (defaults: the full H3 model)."""
+
+    hidden: int = 5376
+    layers: int = 50
+    heads: int = 56
+    head_dim: int = 128
+    ffn: int = 14336
+    t_dim: int = 2688
+    rope_pairs: int = 48
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "heads", "head_dim", "ffn", "t_dim", "rope_pairs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DiTConfig.{name} must be a positive integer, got {value!r}")
+        if self.rope_pairs % 3:
+            raise ValueError(f"DiTConfig.rope_pairs={self.rope_pairs} must be a multiple of 3 (t, h, w axes)")
+        if 2 * self.rope_pairs > self.head_dim:
+            raise ValueError(f"DiTConfig.rope_pairs={self.rope_pairs} rotates {2 * self.rope_pairs} dims but "
+                             f"head_dim is {self.head_dim}; use rope_pairs <= head_dim/2")
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter shapes inside one block, by ComfyUI name."""
+        h, i, f, t = self.hidden, self.inner, self.ffn, self.t_dim
+        return {
+            "adaln_proj.linear.bias": (18 * h,),
+            "adaln_proj.linear.weight": (18 * h, t),
+            "attn.k_norm.weight": (self.head_dim,),
+            "attn.out_proj.weight": (h, i),
+            "attn.q_norm.weight": (self.head_dim,),
+            "attn.qkv_proj.weight": (3 * i, h),
+            "mlp.fc1.weight": (2 * f, h),
+            "mlp.fc2.weight": (h, f),
+            "norm1.weight": (h,),
+            "norm2.weight": (h,),
+        }
+
+    @classmethod
+    def from_golden(cls, model_kwargs: dict, eps: float = 1e-5) -> "DiTConfig":
+        """The config of a golden file's ``config.model_kwargs`` (ComfyUI's MiniMaxH3Model arguments)."""
+        return cls(hidden=model_kwargs["hidden_size"], layers=model_kwargs["num_layers"],
+                   heads=model_kwargs["num_attention_heads"], head_dim=model_kwargs["attention_head_dim"],
+                   ffn=model_kwargs["ffn_hidden_size"], t_dim=model_kwargs["time_embed_dim"],
+                   rope_pairs=3 * model_kwargs["rope_inv_freq_len"], eps=eps)
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("_norm.weight")
+
+
+def quantize_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``[N, K]`` and fp32 ``[N, 1]`` scale of a weight, as H3's int8 checkpoints hold it: the stored
+    (bf16) weight upcast to fp32, scale = row absmax / 127, round to nearest (kitchen's per-row quantizer, equal to
+    ``TensorWiseINT8Layout.quantize(per_channel=True)``)."""
+    return ck.quantize_int8_rowwise(weight.float())
+
+
+class ReferenceDiT:
+    """Seeded H3 DiT block stack.
+
+    Block i's weights come from their own ``torch.Generator(seed * 1_000_003 + i)`` walking the block's parameters
+    in sorted-name order: fp32 draws of ``0.02*N(0,1)`` (``1 + 0.02*N(0,1)`` for norm weights), cast to the stored
+    dtype.  ``int8`` stores the bf16 weights of the four block linears quantized per row.  So any block can be made
+    on its own, and the same seed gives the same weights whatever the order of requests.
+    """
+
+    def __init__(self, config: DiTConfig, weights: str, seed: int, *, device: torch.device | str = "cpu") -> None:
+        if weights not in WEIGHT_KINDS:
+            raise ValueError(f"weights={weights!r}; use one of {', '.join(WEIGHT_KINDS)}")
+        # the reference runs standalone only (CLI, tests), with the kernels the pack's workers use there
+        dit_ops.apply_kitchen_policy()
+        self.config = config
+        self.weights = weights
+        self.seed = int(seed)
+        self.device = torch.device(device)
+        self._loaded: dict[int, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model (compute) dtype: the residual stream and activations."""
+        return torch.float32 if self.weights == "fp32" else torch.bfloat16
+
+    def _generate_block(self, i: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in sorted(self.config.block_shapes().items()):
+            w = INIT_STD * torch.randn(shape, generator=gen, dtype=torch.float32)
+            if _is_norm(name):
+                w = 1.0 + w
+            out[name] = w.to(self.dtype)
+        if self.weights == "int8":
+            for lin in dit_ops.INT8_LINEARS:
+                q, s = quantize_rowwise(out[f"{lin}.weight"])
+                out[f"{lin}.weight"], out[f"{lin}.weight_scale"] = q, s
+        return out
+
+    def block_weights(self, i: int) -> dict[str, torch.Tensor]:
+        """Weights of block ``i`` by in-block name (``norm1.weight``, ...), on the model's device."""
+        if not 0 <= i < self.config.layers:
+            raise IndexError(f"block {i} does not exist; the model has {self.config.layers} blocks")
+        block = self._loaded[i] if self._loaded is not None else self._generate_block(i)
+        return {k: v.to(self.device) for k, v in block.items()}
+
+    def materialize(self) -> "ReferenceDiT":
+        """Generate every block once and keep it on the model's device; returns ``self``.
+
+        Afterwards :meth:`block_weights` is a lookup instead of a fresh seeded draw (and, on CUDA, no host->device
+        copy), so benchmarks time the blocks rather than the weight generator.  Costs all blocks' memory at once;
+        weights set by :meth:`load_state_dict` are moved to the device too.  The values are the same either way.
+        """
+        if self._loaded is None:
+            self._loaded = {i: self._generate_block(i) for i in range(self.config.layers)}
+        self._loaded = {i: {k: v.to(self.device) for k, v in block.items()} for i, block in self._loaded.items()}
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All block weights as ``blocks.{i}.<name>`` (for small models: it materialises every block)."""
+        return {f"blocks.{i}.{k}": v for i in range(self.config.layers) for k, v in self.block_weights(i).items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Replace the seeded weights with ``blocks.{i}.<name>`` tensors (e.g. a golden file's ``state_dict``).
+
+        ``.comfy_quant`` entries are kept (they carry ConvRot settings); every expected tensor must be present with
+        its ComfyUI shape."""
+        shapes = self.config.block_shapes()
+        blocks: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(self.config.layers)}
+        for key, value in sd.items():
+            parts = key.split(".", 2)
+            if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
+                raise ValueError(f"state dict key {key!r} is not a block parameter (blocks.<i>.<name>)")
+            i = int(parts[1])
+            if i not in blocks:
+                raise ValueError(f"state dict has block {i} but the config has {self.config.layers} blocks")
+            blocks[i][parts[2]] = value
+        for i, block in blocks.items():
+            for name, shape in shapes.items():
+                if name not in block:
+                    raise ValueError(f"state dict lacks blocks.{i}.{name}")
+                if tuple(block[name].shape) != shape:
+                    raise ValueError(f"blocks.{i}.{name} has shape {tuple(block[name].shape)}, config expects {shape}")
+                if dit_ops.is_int8(block[name]) and f"{name}_scale" not in block:
+                    raise ValueError(f"blocks.{i}.{name} is int8 but blocks.{i}.{name}_scale is missing")
+        self._loaded = blocks
+
+    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[Segment],
+                       rope_freqs: torch.Tensor, *, attention: str = "sdpa",
+                       on_block: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned).
+
+        ``on_block(i)`` is called after block ``i`` (progress bars)."""
+        c = self.config
+        with torch.inference_mode():
+            for i in range(c.layers):
+                x = dit_ops.block_forward_unsplit(x, self.block_weights(i), t_emb, segments, rope_freqs, c.heads,
+                                                  c.head_dim, c.eps, attend=dit_ops.builtin_attend(attention))
+                if on_block is not None:
+                    on_block(i)
+        return x
+
+
+def rope_inv_freq(n: int) -> torch.Tensor:
+    """``1/10000**(arange(n)/n)`` in fp32 (the value the golden files assume for ``rope.inv_freq``)."""
+    return 1.0 / (10000.0 ** (torch.arange(n) / n))
+
+
+def rope_table(position_ids: torch.Tensor, rope_pairs: int, dtype: torch.dtype) -> torch.Tensor:
+    """The rotation table the blocks consume, ``[1, S, 1, rope_pairs, 2, 2]`` of ``[[cos, -sin], [sin, cos]]``.
+
+    As H3's ``rope_freqs``: positions to fp32, per-axis angles ``pos * inv_freq``, the three axes concatenated, cos
+    and sin in fp32, then the table cast to ``dtype``."""
+    if position_ids.dim() != 2 or position_ids.shape[1] != 3:
+        raise ValueError(f"position_ids must be [S, 3] (t, h, w), got {tuple(position_ids.shape)}")
+    if rope_pairs % 3:
+        raise ValueError(f"rope_pairs={rope_pairs} must be a multiple of 3")
+    n = rope_pairs // 3
+    pos = position_ids.to(torch.float32)
+    angles = (pos[:, :, None] * rope_inv_freq(n)).reshape(pos.shape[0], 3 * n)
+    c, s = torch.cos(angles), torch.sin(angles)
+    table = torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
+    return table[None, :, None].to(dtype)
+
+
+@dataclass
+class StepInputs:
+    """What the block loop consumes in one denoising step."""
+
+    x: torch.Tensor          # [S, H] residual stream, model dtype
+    t_emb: torch.Tensor      # [M, t_dim], model dtype
+    segments: list[Segment]  # mod segments (a, b, row)
+    rope_freqs: torch.Tensor  # [1, S, 1, rope_pairs, 2, 2], model dtype
+
+
+def make_step_inputs(config: DiTConfig, layout: Layout, seed: int, dtype: torch.dtype) -> StepInputs:
+    """Seeded inputs for one step on ``layout``: N(0,1) residual and t_emb rows, the layout's mod segments and the
+    rope table of its positions."""
+    gen = torch.Generator().manual_seed(int(seed))
+    x = torch.randn(layout.seq_len, config.hidden, generator=gen).to(dtype)
+    t_emb = torch.randn(len(layout.t_values), config.t_dim, generator=gen).to(dtype)
+    return StepInputs(x, t_emb, list(layout.mod_segments), rope_table(layout.position_ids, config.rope_pairs, dtype))
+
+
+class SimulatedSplit:
+    """R ranks of the split run in one process, with the real slicing and exchanges done by ``torch.cat``.
+
+    Per block, rank r: norm1 + modulation on its tokens; all-gather of the modulated rows; qkv/rope/attention for its
+    head group over all tokens (weights sliced once here); all-to-all so it gets every head's output for its tokens;
+    out_proj + MLP on its tokens.  The result is each rank's rows concatenated.
+    """
+
+    def __init__(self, model: ReferenceDiT, head_bounds: Sequence[int]) -> None:
+        c = model.config
+        if len(head_bounds) < 2 or head_bounds[0] != 0 or head_bounds[-1] != c.heads or any(
+                b <= a for a, b in zip(head_bounds, head_bounds[1:])):
+            raise ValueError(f"head_bounds {list(head_bounds)} must rise strictly from 0 to {c.heads}")
+        self.model = model
+        self.head_bounds = list(head_bounds)
+        self.ranks = len(head_bounds) - 1
+        self._qkv = [[dit_ops.slice_qkv_weights(model.block_weights(i), g0, g1, c.heads, c.head_dim)
+                      for g0, g1 in zip(head_bounds, head_bounds[1:])] for i in range(c.layers)]
+
+    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[Segment],
+                       rope_freqs: torch.Tensor, token_bounds: Sequence[int]) -> torch.Tensor:
+        """Run all blocks split over the ranks; returns a new ``[S, H]`` tensor (``x`` is not modified)."""
+        c = self.model.config
+        seq = x.shape[0]
+        if len(token_bounds) != self.ranks + 1 or token_bounds[0] != 0 or token_bounds[-1] != seq:
+            raise ValueError(f"token_bounds {list(token_bounds)} must have {self.ranks + 1} entries from 0 to {seq}")
+        shards = [Shard(t0, t1, g0, g1) for (t0, t1), (g0, g1) in
+                  zip(zip(token_bounds, token_bounds[1:]), zip(self.head_bounds, self.head_bounds[1:]))]
+        local = [dit_ops.clip_segments(segments, s.t0, s.t1) for s in shards]
+        rows = [x[s.tokens].clone() for s in shards]
+        with torch.inference_mode():
+            for i in range(c.layers):
+                w = self.model.block_weights(i)
+                shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
+                n1_parts = [dit_ops.norm_modulate(rows[r], w["norm1.weight"], shift_msa, scale_msa, local[r], c.eps)
+                            for r in range(self.ranks)]
+                n1_full = torch.cat(n1_parts)  # all-gather
+                quant = dit_ops.quant_info(w, "attn.qkv_proj")
+                heads_out = [dit_ops.attention_heads(n1_full, *self._qkv[i][r], w["attn.q_norm.weight"],
+                                                     w["attn.k_norm.weight"], rope_freqs, s.n_heads, c.head_dim,
+                                                     c.eps, quant=quant) for r, s in enumerate(shards)]
+                for r, s in enumerate(shards):
+                    attn_rows = torch.cat([h[s.tokens] for h in heads_out], dim=1)  # all-to-all
+                    dit_ops.out_mlp(rows[r], attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, local[r], c.eps)
+        return torch.cat(rows)

@@ -1,0 +1,629 @@
+"""The step driver: runs H3's block stack split across the rank workers, once per denoising step.
+
+Synchronous callers (ComfyUI's prompt thread, the demo) use :class:`SplitEngine`; the engine's work runs as
+coroutines on the coordinator loop.  Per step the engine
+
+1. plans token and head ranges (largest remainder by shares, ``plans.make_split_plan``);
+2. writes the residual stream, t_emb, rope table and any per-token mod rows into the step segment (shm) once;
+3. sends ``dit_step`` to every rank (``workers.dit.rank``): each runs all blocks on its shard, exchanging through the
+   arena (``exchange="host"``) or torch.distributed (``"nccl"``; gloo on CPU ranks);
+4. reads the new residual stream back (each rank wrote its own rows) and records a step record for the status hub.
+
+Any rank's failure fails the step on every rank at once (``WorkerPool.all``); an interrupt aborts every rank's waits.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import concurrent.futures as cf
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from h3ms_async.runtime import plans
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.log import get_logger
+from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.dit.reference import DiTConfig
+from h3ms_async.observability.status import get_hub, now_iso
+from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
+from workers.dit import ops as dit_ops
+from workers.dit import protocol as dit_protocol
+from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
+from workers.transports.dist import check_nccl_rank_map
+from workers.transports.host import ArenaLayout, decode_seq, dtype_name
+from workers.runtime.shm import Arena, Segment, register_cuda
+
+log = get_logger("MultiStream")
+
+EXCHANGES = ("host", "nccl")
+#: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
+BASELINE_EXCHANGE = "none"
+_INTERRUPT_POLL_S = 0.05
+#: Smallest token shard a rank may get (see SplitEngine._check_exact_plan).
+MIN_SHARD_TOKENS = 4
+#: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has reached.
+EXCHANGE_OPS_PER_BLOCK = 2
+
+#: ``progress(blocks_done, blocks_total)``: called from the caller's thread while a step runs (progress bars).
+StepProgress = Callable[[int, int], None]
+
+
+class SplitError(RuntimeError):
+    """A split step failed (a worker died, reported an error or missed its deadline)."""
+
+
+class SplitInterrupted(SplitError):
+    """The caller's interrupt probe turned true; every rank was aborted."""
+
+
+class SplitUnsafe(SplitError):
+    """This step cannot be split bit-exactly on these ranks (the caller should run it unsplit, or use fewer ranks)."""
+
+
+#: The attention name that means "the parent ComfyUI's selected function" (``SplitOptions.comfy_host``).
+COMFY_ATTENTION = "comfy"
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """What the node (or the CLI) chose.  ``shares`` = relative speed per rank (None: equal).
+
+    Only ``shares``, ``attention`` and ``comfy_host`` need other worker processes (:func:`process_key`); exchange,
+    chunks and residency travel with every step, and the RAM reserve applies when the store is filled.
+    ``attention="comfy"`` runs ``comfy_host.attention`` (ComfyUI's selected function) on the ranks.
+    """
+
+    exchange: str = "host"
+    exchange_chunks: int = 0
+    vram_residency: str = "auto"
+    cache_ram_reserve_gb: float = 0.0
+    shares: tuple[float, ...] | None = None
+    attention: str = "sdpa"
+    comfy_host: ComfyHost | None = None
+    step_timeout_s: float = 600.0
+    exchange_deadline_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES + (BASELINE_EXCHANGE,):
+            raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
+        if not 0 <= self.exchange_chunks <= 32:
+            raise ValueError(f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single shot)")
+        if self.vram_residency not in dit_protocol.RESIDENCIES:
+            raise ValueError(f"vram_residency={self.vram_residency!r} is not one of {dit_protocol.RESIDENCIES}")
+        if self.attention not in dit_ops.ATTENTION_BACKENDS + (COMFY_ATTENTION,):
+            raise ValueError(f"attention={self.attention!r} is not one of {dit_ops.ATTENTION_BACKENDS} or "
+                             f"{COMFY_ATTENTION!r}")
+        if (self.attention == COMFY_ATTENTION) != (self.comfy_host is not None):
+            raise ValueError("attention='comfy' and comfy_host go together: the ranks need the parent ComfyUI to run "
+                             "its attention function")
+        if self.cache_ram_reserve_gb < 0:
+            raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
+
+
+@dataclass
+class _StepBuffers:
+    """The step segment (inputs/outputs) and the exchange arena, reused while shapes stay the same."""
+
+    shape_key: tuple
+    step: Segment
+    descs: dict[str, dict]
+    arena: Segment | None
+    layout: ArenaLayout
+    pinned: bool = False
+
+    def close(self) -> None:
+        for seg in (self.step, self.arena):
+            if seg is not None:
+                seg.close()
+                seg.unlink()
+
+
+@dataclass
+class _Loaded:
+    store: WeightStore
+    config: DiTConfig
+    head_bounds: tuple[int, ...]
+    compute_dtype: str
+
+
+class SplitEngine:
+    """One rank map's workers, weight store and step buffers."""
+
+    def __init__(self, devices: Sequence[str], options: SplitOptions = SplitOptions()) -> None:
+        if not devices:
+            raise ValueError("devices: the split needs at least one rank device (e.g. ['cpu','cpu'] or ['cuda:0','cuda:1'])")
+        if options.shares is not None and len(options.shares) != len(devices):
+            raise plans.GPUSelectionError(
+                f"shares: {len(options.shares)} value(s) for {len(devices)} rank(s); give one share per rank")
+        if options.exchange == "nccl" and all(d.startswith("cuda") for d in devices):
+            check_nccl_rank_map(list(devices))
+        self.devices = list(devices)
+        self.options = options
+        env = _cpu_thread_env(self.devices)
+        if options.comfy_host is not None:
+            env.update(options.comfy_host.to_env())
+        self.pool = WorkerPool(self.devices, name="dit", env=env)
+        self._loaded: _Loaded | None = None
+        self._buffers: _StepBuffers | None = None
+        self._lock = threading.Lock()
+        self._running = False
+        self._steps = 0
+        self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
+        self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
+        _LIVE.add(self)
+        _register_status()
+        #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
+        #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``); benchmarks read it.
+        self.last_rank_results: list[dict] = []
+
+    # -- properties -------------------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> int:
+        return len(self.devices)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def weight_state(self) -> str:
+        return self._loaded.store.describe() if self._loaded else "empty"
+
+    @property
+    def transport(self) -> str:
+        """The configured transport as it runs here: host, nccl, or gloo (nccl on CPU ranks)."""
+        return self._transport(self.options.exchange)
+
+    def _transport(self, exchange: str) -> str:
+        if exchange in ("host", BASELINE_EXCHANGE):
+            return exchange
+        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def load_weights(self, key: tuple, config: DiTConfig, block_weights: BlockReader, n_blocks: int | None = None,
+                     *, compute_dtype: torch.dtype | None = None) -> bool:
+        """Fill the weight store for ``key`` (no-op when it already holds ``key``) and load every rank.
+
+        ``compute_dtype``: the residual stream's dtype (ranks warm their attention up in it before the first step);
+        default: the stored norm weights' dtype. Returns whether anything was (re)loaded.  Raises
+        ``WeightStoreRefused`` when the RAM reserve forbids it.
+        """
+        n = config.layers if n_blocks is None else n_blocks
+        head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
+                                            "attention heads")) if self.ranks <= config.heads else None
+        if head_bounds is None:
+            raise plans.GPUSelectionError(f"{self.ranks} ranks but the model has only {config.heads} attention "
+                                          f"heads; use at most {config.heads} ranks")
+        with self._lock:
+            if self._loaded and self._loaded.store.key == key and self._loaded.head_bounds == head_bounds:
+                return False
+            self._drop_store()
+            store = fill(key, n, block_weights, reserve_gb=self.options.cache_ram_reserve_gb)
+            dtype = compute_dtype or store.block(0)["norm1.weight"].dtype
+            self._loaded = _Loaded(store, config, head_bounds, dtype_name(dtype))
+            try:
+                self._run(self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks")
+            except BaseException:
+                self._drop_store()
+                raise
+            return True
+
+    async def _load_ranks(self) -> None:
+        ld = self._loaded
+        assert ld is not None
+        cfg = {"hidden": ld.config.hidden, "heads": ld.config.heads, "head_dim": ld.config.head_dim,
+               "eps": ld.config.eps, "layers": len(ld.store.manifest), "devices": self.devices,
+               "attention": self.options.attention, "compute_dtype": ld.compute_dtype}
+        fields = [{"store": ld.store.segment.name, "manifest": ld.store.manifest, "config": cfg,
+                   "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]],
+                   "key": ld.store.key_text} for r in range(self.ranks)]
+        await self.pool.start()
+        results = await self.pool.all("dit_load", fields, self.options.step_timeout_s)
+        self._rank_starts = self.pool.starts
+        self._sm_counts = [r.get("sm_count") for r in results]
+
+    def _drop_store(self) -> None:
+        if self._loaded is None:
+            return
+        # dit_release closes the ranks' exchanges; a fresh exchange on the old arena would read its stale sequence
+        # words as "ready", so the next step must get new step buffers.
+        self._drop_buffers()
+        # With a dead rank, pool.all would first restart the whole pool just to hear this; fresh workers hold no
+        # views, and the survivors' go with their pool (a release) or their restart (the next step).
+        if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
+            try:
+                self._run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
+            except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway
+                log.warning("releasing rank weights failed (%s); unlinking the store anyway", exc)
+        self._loaded.store.release()
+        self._loaded = None
+        log.info("weight store released")
+
+    # -- steps ------------------------------------------------------------------------------------------------
+    def run_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
+                   *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
+                   sigma: float | None = None, exchange: str | None = None,
+                   exchange_chunks: int | None = None, progress: StepProgress | None = None,
+                   in_place: bool = False) -> torch.Tensor:
+        """Run every loaded block on the ranks; returns the new residual stream on ``x``'s device, in its dtype.
+
+        ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
+        is accepted (the workers cannot run ComfyUI callables).  ``exchange`` / ``exchange_chunks`` override the
+        engine's options for this step (benchmarks compare transports and chunking on the same workers).
+        ``progress``: see :data:`StepProgress`; with the host exchange it follows the slowest rank block by block
+        (read from the arena's sequence words), otherwise it is called once, when the step is done.
+        ``in_place``: write the result into ``x`` and return ``x`` (H3's blocks update the stream in place too), so
+        a CUDA stream gets one host-to-device copy from the step segment and no new tensor; otherwise a new tensor.
+        """
+        opts = self.options
+        if exchange is not None or exchange_chunks is not None:
+            opts = replace(opts, exchange=opts.exchange if exchange is None else exchange,
+                           exchange_chunks=opts.exchange_chunks if exchange_chunks is None else exchange_chunks)
+        if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
+            check_nccl_rank_map(self.devices)
+        ld = self._loaded
+        if ld is None:
+            raise SplitError("run_blocks before load_weights: fill the weight store first")
+        check_block_options(block_options)
+        if x.dim() != 2 or x.shape[1] != ld.config.hidden:
+            raise ValueError(f"x must be [S, {ld.config.hidden}] (the residual stream), got {tuple(x.shape)}")
+        plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
+        if tuple(plan.head_bounds) != ld.head_bounds:
+            raise SplitError("head plan changed since the weights were loaded; call load_weights again")
+        self._check_exact_plan(plan, ld.config.heads)
+        with self._lock:
+            self._running = True
+            try:
+                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress,
+                                  in_place)
+            finally:
+                self._running = False
+
+    def _check_exact_plan(self, plan: plans.SplitPlan, heads: int) -> None:
+        """Refuse (``SplitUnsafe``) a plan whose shards would take other kernel paths than the unsplit run: fewer than
+        ``MIN_SHARD_TOKENS`` tokens on a rank (1-3 row GEMMs round differently: MKL's small-M path on CPU, kitchen's
+        GEMV kernels on CUDA), or a sequence so short that a rank's CUDA attention would change its schedule."""
+        tokens = plan.token_bounds[-1]
+        small = min(plan.tokens_per_rank())
+        if self.ranks > 1 and small < MIN_SHARD_TOKENS:
+            raise SplitUnsafe(f"{tokens} tokens over {self.ranks} ranks leave a rank only {small} token(s); shards of "
+                              f"fewer than {MIN_SHARD_TOKENS} rows are not guaranteed bit-exact. Run this step unsplit "
+                              "or with fewer ranks")
+        for r, sms in enumerate(self._sm_counts):
+            if sms is None:
+                continue
+            h = plan.head_bounds[r + 1] - plan.head_bounds[r]
+            if not dit_ops.flash_tiles_ok(h, heads, tokens, sms):
+                raise SplitUnsafe(
+                    f"{tokens} tokens are too few for {self.ranks} ranks to stay bit-exact on {self.devices[r]}: rank "
+                    f"{r} would attend with {h} of {heads} heads ({h * -(-tokens // 64)} query tiles, under the "
+                    f"{int(1.6 * sms)} at which CUDA attention switches to a split-KV schedule). Run this step "
+                    "unsplit or with fewer ranks")
+
+    def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
+              rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None,
+              progress: StepProgress | None, in_place: bool) -> torch.Tensor:
+        ld = self._loaded
+        assert ld is not None
+        t_wall = time.perf_counter()
+        buf = self._buffers_for(plan, opts, x, t_emb, rope_freqs, mod_segments)
+        step = buf.step
+        step.tensor(buf.descs["x"]).copy_(x)
+        step.tensor(buf.descs["t_emb"]).copy_(t_emb)
+        step.tensor(buf.descs["rope"]).copy_(rope_freqs)
+        segments = []
+        for i, (a, b, row) in enumerate(mod_segments):
+            if isinstance(row, torch.Tensor):
+                d = buf.descs[f"row{i}"]
+                step.tensor(d).copy_(row.to(torch.int64))
+                row = d
+            segments.append([int(a), int(b), row])
+        self._steps += 1
+        fields = [{
+            "job": self._steps, "x": buf.descs["x"], "t_emb": buf.descs["t_emb"], "rope": buf.descs["rope"],
+            "segments": segments, "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
+            "arena": buf.arena.name if buf.arena is not None else "", "layout": buf.layout.to_dict(),
+            "exchange": {"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
+            "chunks": opts.exchange_chunks, "abort_gen": 0,
+            "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
+            "residency": opts.vram_residency,
+        } for r in range(self.ranks)]
+        blocks = len(ld.store.manifest)
+        try:
+            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt,
+                                self._block_probe(buf, blocks, progress))
+        except BaseException:
+            # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
+            self._drop_buffers()
+            raise
+        result = step.tensor(buf.descs["x"])
+        # The step segment is registered pinned memory when x lives on a GPU: the copy back is queued on x's
+        # stream (ordered before H3's final layer) without a host-side sync; the segment is next written only
+        # after the next step's device-to-host copy of its input, which that stream orders after this one.
+        out = x if in_place else torch.empty_like(x)
+        out.copy_(result, non_blocking=buf.pinned)
+        self.last_rank_results = [dict(r) for r in results]
+        self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], blocks, sigma)
+        if progress is not None:
+            progress(blocks, blocks)
+        return out
+
+    @staticmethod
+    def _block_probe(buf: _StepBuffers, blocks: int, progress: StepProgress | None) -> Callable[[], None] | None:
+        """A poll that reports the blocks every rank has reached, from the arena's sequence words.
+
+        The words are snapshotted before the job is sent: until a rank begins this job its word still shows the
+        previous job's last op, which must read as 0 blocks, not as a finished step."""
+        if progress is None or buf.arena is None:
+            return None
+        arena = buf.arena.base_tensor()
+        before = buf.layout.seq_words(arena)
+        last = -1
+
+        def poll() -> None:
+            nonlocal last
+            ops = [0 if w == b else decode_seq(w)[2] for w, b in zip(buf.layout.seq_words(arena), before)]
+            done = min(blocks - 1, min(ops) // EXCHANGE_OPS_PER_BLOCK)
+            if done > last:
+                last = done
+                progress(done, blocks)
+        return poll
+
+    async def _dispatch(self, fields: list[dict]) -> list[dict]:
+        # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
+        await self.pool.start()
+        if self._rank_starts != self.pool.starts:
+            await self._load_ranks()
+        # The abort generation is read on the loop right before the job is sent, so an abort between steps
+        # cannot leave ranks disagreeing about it.
+        gen = self.pool.abort_generation
+        for f in fields:
+            f["abort_gen"] = gen
+        return await self.pool.all("dit_step", fields, self.options.step_timeout_s)
+
+    def _buffers_for(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
+                     mod_segments: Sequence[tuple]) -> _StepBuffers:
+        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments) if isinstance(r, torch.Tensor))
+        ld = self._loaded
+        assert ld is not None
+        key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(t_emb.shape), t_emb.dtype, tuple(rope.shape),
+               rope.dtype, rows, opts.exchange, str(x.device))
+        if self._buffers is not None and self._buffers.shape_key == key:
+            return self._buffers
+        self._drop_buffers()
+        self._unmap_released()
+        specs = {"x": (x.dtype, x.shape), "t_emb": (t_emb.dtype, t_emb.shape), "rope": (rope.dtype, rope.shape)}
+        specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
+        size = sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
+        step = Segment.create(size, "step")
+        arena_seg = None
+        try:
+            a = Arena(step)
+            descs = {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
+            col_bounds = [g * ld.config.head_dim for g in ld.head_bounds]
+            layout = ArenaLayout.plan(self.ranks, list(plan.token_bounds), col_bounds, ld.config.hidden, x.dtype)
+            if opts.exchange == "host":
+                arena_seg = Segment.create(layout.nbytes, "arena")
+                layout.init_header(arena_seg.base_tensor())
+        except BaseException:
+            for seg in (step, arena_seg):
+                if seg is not None:
+                    seg.close()
+                    seg.unlink()
+            raise
+        pinned = x.is_cuda and register_cuda(step, str(x.device))
+        self._buffers = _StepBuffers(key, step, descs, arena_seg, layout, pinned)
+        return self._buffers
+
+    def _unmap_released(self) -> None:
+        """Have the ranks unmap the buffers dropped so far, so that a tight /dev/shm gets their pages back before
+        new ones are reserved.  A rank that dies or stops answering here fails the step, as it would mid-step (the
+        next step restarts the pool)."""
+        if self.pool.running:
+            try:
+                self._run(self.pool.all("drop_released", [{}] * self.ranks, 30.0), 60.0, "unmapping old buffers")
+            except TimeoutError as exc:
+                raise SplitError(f"the ranks did not unmap their old step buffers: {exc}") from exc
+
+    def _drop_buffers(self) -> None:
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
+
+    def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dict], wall: float, tokens: int, blocks: int,
+                sigma: float | None) -> None:
+        hub = get_hub()
+        ranks = [{
+            "rank": r, "device": self.devices[r],
+            "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
+            "heads": [plan.head_bounds[r], plan.head_bounds[r + 1]],
+            "compute_s": float(res["compute_s"]), "exchange_s": float(res["exchange_s"]),
+            "wait_s": float(res["wait_s"]), "moved_bytes": int(res["moved_bytes"]),
+            "vram_peak_bytes": res.get("vram_peak_bytes"),
+        } for r, res in enumerate(results)]
+        chunks = opts.exchange_chunks if opts.exchange == "host" else 0
+        hub.record_step({
+            "at": now_iso(), "seq": hub.next_seq(), "kind": "dit", "sigma": sigma, "tokens": tokens,
+            "blocks": blocks, "devices": list(self.devices), "exchange": self._transport(opts.exchange),
+            "chunks": max(chunks, 1), "wall_s": wall, "moved_bytes": sum(r["moved_bytes"] for r in ranks),
+            "weight_store": self.weight_state, "ranks": ranks,
+        })
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None,
+             poll: Callable[[], None] | None = None) -> Any:
+        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires.
+
+        ``poll`` (progress) runs in this thread between the interrupt checks, so it never races buffer release."""
+        coord = get_coordinator()
+        if interrupt is None and poll is None:
+            try:
+                return coord.run(coro, timeout, what)
+            except WorkerError as exc:
+                raise SplitError(str(exc)) from exc
+        fut = coord.submit(coro)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(timeout=_INTERRUPT_POLL_S)
+            except cf.TimeoutError:
+                pass
+            except WorkerError as exc:
+                raise SplitError(str(exc)) from exc
+            if poll is not None:
+                poll()
+            if interrupt is not None and interrupt():
+                self.pool.abort()
+                coord.cancel(fut, wait=2.0)
+                raise SplitInterrupted(f"{what} interrupted; every rank was aborted")
+            if time.monotonic() > deadline:
+                self.pool.abort()
+                coord.cancel(fut, wait=2.0)
+                raise SplitError(f"{what} did not finish within {timeout:g} s; every rank was aborted")
+
+    def release(self) -> None:
+        """Stop the workers, unlink the store and the step buffers."""
+        with self._lock:
+            self._drop_store()
+            self._drop_buffers()
+            if self.pool.running:
+                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing workers")
+
+    def release_weights(self) -> bool:
+        """Drop only the weight store (the workers stay up).  Returns whether one was held."""
+        with self._lock:
+            held = self._loaded is not None
+            self._drop_store()
+            return held
+
+    def snapshot(self) -> dict:
+        """Plans/weights summary for the status route."""
+        return {"devices": list(self.devices), "options": _options_dict(self.options),
+                "weight_store": self._loaded.store.summary() if self._loaded else {"state": "empty"},
+                "running": self._running, "steps": self._steps}
+
+
+def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
+    """CPU ranks share the machine's cores: more intra-op threads than cores make OpenMP spin against itself."""
+    n_cpu = sum(1 for d in devices if d == "cpu")
+    if not n_cpu or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n_cpu))}
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _options_dict(o: SplitOptions) -> dict:
+    return {"exchange": o.exchange, "exchange_chunks": o.exchange_chunks, "vram_residency": o.vram_residency,
+            "attention": o.comfy_host.attention if o.comfy_host else o.attention,
+            "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
+            "shares": list(o.shares) if o.shares else None}
+
+
+def check_block_options(block_options: list[dict] | None) -> None:
+    """Per-block option patches travel to the workers as data; a callable (e.g. an attention override) cannot.
+
+    Raises :class:`SplitError` naming the block, the key and the fix.  Public so that a caller (the ComfyUI layer)
+    can refuse a patch before it fills the weight store or starts workers.
+    """
+    for i, opts in enumerate(block_options or []):
+        for k, v in (opts or {}).items():
+            if callable(v):
+                raise SplitError(
+                    f"block {i}: the patch sets transformer_options[{k!r}] to a callable ({type(v).__name__}); the "
+                    "rank workers cannot run ComfyUI callables. Remove that patch, or disable H3 MultiStream for it")
+            if k not in _WORKER_OPTIONS:
+                raise SplitError(
+                    f"block {i}: transformer_options[{k!r}] set by a block patch has no meaning on the rank workers; "
+                    f"supported keys: {sorted(_WORKER_OPTIONS) or 'none'}. Remove the patch or disable H3 MultiStream")
+
+
+#: transformer_options keys a per-block patch may set that the workers honour (none change H3's math today).
+_WORKER_OPTIONS: frozenset[str] = frozenset({"block_index"})
+
+# -- engine registry ------------------------------------------------------------------------------------------------
+_ENGINES: dict[tuple, SplitEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def process_key(devices: Sequence[str], options: SplitOptions) -> tuple:
+    """What needs other worker processes: the rank devices, the shares (head groups) and the attention function."""
+    return tuple(devices), options.shares, options.attention, options.comfy_host
+
+
+def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -> SplitEngine:
+    """The engine for this rank map (created once; its workers start on first use).
+
+    An engine is keyed on :func:`process_key`; other options (exchange, chunks, residency, RAM reserve, deadlines)
+    are replaced in place, so switching them keeps the workers and the filled weight store. Engines for another
+    process key are released first: one split runs at a time, and each engine's workers and store hold memory.
+    """
+    key = process_key(devices, options)
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            for old_key in list(_ENGINES):
+                _ENGINES.pop(old_key).release()
+            eng = _ENGINES[key] = SplitEngine(devices, options)
+            _register_status()
+        else:
+            eng.options = options
+        return eng
+
+
+def engines() -> list[SplitEngine]:
+    """The engines made by :func:`get_engine` (the node and CLI cache)."""
+    with _ENGINES_LOCK:
+        return list(_ENGINES.values())
+
+
+#: Every engine alive in this process (also ones made directly): what the status routes report.
+_LIVE: "weakref.WeakSet[SplitEngine]" = weakref.WeakSet()
+
+
+def live_engines() -> list[SplitEngine]:
+    return list(_LIVE)
+
+
+def release_all_engines() -> int:
+    """Release every engine (workers, weight stores, buffers); returns how many there were."""
+    with _ENGINES_LOCK:
+        items = list(_ENGINES.values())
+        _ENGINES.clear()
+    for eng in items:
+        eng.release()
+    return len(items)
+
+
+def clear_weight_stores() -> int:
+    """Drop every engine's weight store, keeping the workers; returns how many stores were dropped."""
+    return sum(eng.release_weights() for eng in engines())
+
+
+_STATUS_REGISTERED = False
+
+
+def _register_status() -> None:
+    global _STATUS_REGISTERED
+    if _STATUS_REGISTERED:
+        return
+    hub = get_hub()
+    hub.register_provider("workers", lambda: [w for e in live_engines() if e.pool.running for w in e.pool.snapshot()])
+    hub.register_provider("weight_store", lambda: next(
+        (e._loaded.store.summary() for e in live_engines() if e._loaded), {"state": "empty"}))
+    hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in live_engines()]})
+    hub.add_busy_source(lambda: any(e.running for e in live_engines()))
+    _STATUS_REGISTERED = True
+
+
+atexit.register(release_all_engines)

@@ -1,0 +1,1 @@
+"""Status JSON, HTTP routes and the standalone server."""

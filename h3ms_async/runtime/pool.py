@@ -1,0 +1,630 @@
+"""WorkerPool: one ``python -m workers`` subprocess per rank, driven from the coordinator loop.
+
+A rank map (``["cpu", "cpu"]``, ``["cuda:0", "cuda:0", "cuda:1"]``) gives each rank its device.  Workers start in
+parallel, authenticate on the pool's socket, and then serve requests until released.  Liveness: a worker that
+exits, closes its channel, breaks the protocol, misses heartbeats or misses a request deadline is marked dead (and
+killed); the job it was part of fails at once with its last log lines, and the next job restarts the whole pool.
+
+Every public coroutine must run on the coordinator loop (``get_coordinator().run(pool.start(), timeout=...)``).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+from workers.runtime import auth, protocol
+from workers.runtime.shm import ABORT_WORD, CONTROL_SIZE, Segment
+
+from h3ms_async.runtime import rundir
+from h3ms_async.runtime.channel import Channel, ChannelClosed, RemoteError, authenticate, peer_credentials
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async import PACK_ROOT
+from h3ms_async.log import get_logger
+
+log = get_logger("pool")
+
+ENV_START_TIMEOUT = "H3MS_WORKER_START_TIMEOUT"
+ENV_HB_TIMEOUT = "H3MS_HEARTBEAT_TIMEOUT"
+DEFAULT_START_TIMEOUT = 300.0
+DEFAULT_HB_TIMEOUT = 10.0
+HB_INTERVAL = 1.0
+LOG_TAIL_LINES = 20
+#: Unauthenticated connections the pool serves at once, per rank; more are closed at once.
+MAX_HANDSHAKES_PER_RANK = 2
+_DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
+
+
+class WorkerError(RuntimeError):
+    """A worker failed (error, death, deadline); the message names rank and device and quotes its log."""
+
+    def __init__(self, message: str, rank: int, device: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.device = device
+
+
+class WorkerTimeout(WorkerError, TimeoutError):
+    """A worker did not answer (or start) within its deadline."""
+
+
+class PoolBusy(RuntimeError):
+    """The pool is running a job and cannot be released now."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; unset it or give e.g. {default:g}") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+    return value
+
+
+def cuda_visible_for(device: str, parent_visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES a worker on ``device`` gets: the parent's own entry for that index."""
+    m = _DEVICE_RE.match(device)
+    if not m or not device.startswith("cuda"):
+        raise ValueError(f"{device!r} is not a CUDA device (cuda or cuda:N)")
+    index = int(m.group(2) or 0)
+    if parent_visible is None:
+        return str(index)
+    entries = [e.strip() for e in parent_visible.split(",") if e.strip()]
+    if index >= len(entries):
+        raise ValueError(
+            f"device {device} is not visible to this process: CUDA_VISIBLE_DEVICES={parent_visible!r} lists "
+            f"{len(entries)} device(s); use cuda:0..cuda:{max(len(entries) - 1, 0)} or widen CUDA_VISIBLE_DEVICES")
+    return entries[index]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def tail_lines(path: str, n: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
+    """The last ``n`` lines of a text file (bounded read); empty if it is missing."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-n:])
+
+
+@dataclass
+class _Worker:
+    rank: int
+    device: str
+    log_path: str
+    proc: subprocess.Popen | None = None
+    channel: Channel | None = None
+    state: str = "starting"  # starting | ready | dead | stopping | stopped
+    death: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    last_hb: float = field(default_factory=time.monotonic)
+    rss: int | None = None
+    vram: int | None = None
+    inflight: int = 0
+    jobs_done: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+class WorkerPool:
+    """One worker process per rank; see the module doc."""
+
+    def __init__(self, devices: Sequence[str], *, name: str = "dit", start_timeout: float | None = None,
+                 env: dict | None = None, also_visible: Sequence[str] = ()) -> None:
+        """``also_visible``: CUDA devices every worker sees besides its own (after it, as cuda:1, cuda:2, ...; its own
+        device stays cuda:0), for rank programs that reach another GPU's memory (e.g. through CUDA IPC)."""
+        if isinstance(devices, str) or not devices:
+            raise ValueError(f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
+                             f"got {devices!r}")
+        bad = [d for d in devices if not isinstance(d, str) or not _DEVICE_RE.match(d)]
+        if bad:
+            raise ValueError(f"devices {bad!r} are not 'cpu', 'cuda' or 'cuda:N'")
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,24}", name):
+            raise ValueError(f"pool name {name!r} must be 1-24 letters, digits or '_'")
+        self.name = name
+        self._devices = [("cuda:0" if d == "cuda" else d) for d in devices]
+        self._also_visible = [("cuda:0" if d == "cuda" else d) for d in also_visible]
+        bad = [d for d in self._also_visible if not d.startswith("cuda") or not _DEVICE_RE.match(d)]
+        if bad:
+            raise ValueError(f"also_visible {bad!r} are not CUDA devices 'cuda' or 'cuda:N'")
+        for d in self._cuda_devices() + self._also_visible:  # fail on a bad device list now, not in a worker
+            cuda_visible_for(d, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.start_timeout = float(start_timeout) if start_timeout else _env_seconds(
+            ENV_START_TIMEOUT, DEFAULT_START_TIMEOUT)
+        self.hb_timeout = _env_seconds(ENV_HB_TIMEOUT, DEFAULT_HB_TIMEOUT)
+        self._env = dict(env or {})
+        self._workers: list[_Worker] = []
+        self._state = "stopped"  # stopped | starting | running | stopping
+        self._run_dir: str | None = None
+        self._socket_path: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._key: bytes | None = None
+        self._doorbells: list[int] = []
+        self._control: Segment | None = None
+        self._owned: list[Segment] = []
+        self._monitor: asyncio.Task | None = None
+        self._life_lock = asyncio.Lock()
+        self._jobs = 0
+        self._handshakes = 0
+        self.starts = 0
+
+    # -- properties -------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self._devices)
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self._devices)
+
+    @property
+    def run_dir(self) -> str | None:
+        return self._run_dir
+
+    @property
+    def socket_path(self) -> str | None:
+        return self._socket_path
+
+    @property
+    def busy(self) -> bool:
+        return self._jobs > 0
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
+
+    def __repr__(self) -> str:
+        return f"WorkerPool({self.name!r}, {self._devices}, state={self._state})"
+
+    def log_path(self, rank: int) -> str:
+        """The log file of ``rank`` (in the run dir; gone after release)."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is not in 0..{self.world_size - 1}")
+        if self._run_dir is None:
+            raise RuntimeError(f"pool {self.name!r} is not started: it has no run dir and no logs")
+        return os.path.join(self._run_dir, f"rank{rank}.log")
+
+    def _cuda_devices(self) -> list[str]:
+        return [d for d in self._devices if d.startswith("cuda")]
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def _check_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not get_coordinator().loop:
+            raise RuntimeError("WorkerPool runs on the coordinator loop: use get_coordinator().run(pool.<call>, timeout)")
+        return loop
+
+    async def start(self) -> None:
+        """Start every worker (no-op if all are ready; restarts the pool if one is dead)."""
+        self._check_loop()
+        async with self._life_lock:
+            if self._state == "running":
+                dead = [w for w in self._workers if w.state == "dead"]
+                if not dead:
+                    return
+                if self.busy:
+                    w = dead[0]
+                    raise self._error(w, f"is dead ({w.death}); the pool restarts when the running job ends")
+                log.warning("restarting pool %r (%d ranks): %s", self.name, self.world_size,
+                            "; ".join(f"rank {w.rank} {w.death}" for w in dead))
+                await self._stop(grace=1.0, final=False)
+            await self._start()
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self._state = "starting"
+        self._run_dir = rundir.create()
+        try:
+            self._socket_path = rundir.socket_path(self._run_dir, "ctl.sock")
+            self._key = auth.new_key()
+            self._control = Segment.create(CONTROL_SIZE, f"{self.name}_ctl")
+            self._doorbells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in self._devices]
+            self._server = await asyncio.start_unix_server(self._on_connect, path=self._socket_path, limit=1 << 20)
+            os.chmod(self._socket_path, 0o600)
+            self._workers = [_Worker(r, d, self.log_path(r)) for r, d in enumerate(self._devices)]
+            for w in self._workers:
+                self._spawn(w)
+            await self._wait_ready(t0 + self.start_timeout)
+        except BaseException:
+            await self._stop(grace=0.5, final=False)
+            raise
+        self._state = "running"
+        self.starts += 1
+        self._monitor = loop.create_task(self._monitor_loop(), name=f"h3ms-monitor-{self.name}")
+        get_coordinator().register_pool(self)
+        log.info("pool %r started: %d worker(s) on %s in %.2f s (run dir %s)", self.name, self.world_size,
+                 ",".join(self._devices), loop.time() - t0, self._run_dir)
+
+    def _worker_env(self, w: _Worker) -> dict:
+        env = dict(os.environ)
+        env.update(self._env)
+        old = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(PACK_ROOT) + (os.pathsep + old if old else "")
+        env["PYTHONUNBUFFERED"] = "1"
+        if w.device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._visible_entries(w.device))
+        return env
+
+    def _visible_entries(self, device: str) -> list[str]:
+        """CUDA_VISIBLE_DEVICES entries of a worker on ``device``: its own first, then ``also_visible`` (no repeats)."""
+        parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+        entries: list[str] = []
+        for d in [device] + self._also_visible:
+            entry = cuda_visible_for(d, parent)
+            if entry not in entries:
+                entries.append(entry)
+        return entries
+
+    def local_index(self, rank: int, device: str) -> int:
+        """The index under which the worker of ``rank`` sees ``device`` (its own device or one of ``also_visible``)."""
+        own = self._devices[rank]
+        entries = self._visible_entries(own)
+        entry = cuda_visible_for(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if not own.startswith("cuda") or entry not in entries:
+            raise ValueError(f"rank {rank} on {own} does not see {device}; add it to the pool's also_visible")
+        return entries.index(entry)
+
+    def _spawn(self, w: _Worker) -> None:
+        local_device = "cuda:0" if w.device.startswith("cuda") else "cpu"
+        cmd = [sys.executable, "-m", "workers", "--rank", str(w.rank), "--world-size", str(self.world_size),
+               "--socket", self._socket_path, "--parent-pid", str(os.getpid()), "--device", local_device]
+        with open(w.log_path, "ab") as logf:
+            logf.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} coordinator: starting rank {w.rank} on {w.device} "
+                       f"(pool {self.name!r}, parent pid {os.getpid()})\n".encode())
+            logf.flush()
+            # New session: a terminal's Ctrl-C goes to the parent, which stops the workers itself.
+            w.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
+                                      env=self._worker_env(w), cwd=self._run_dir, pass_fds=self._doorbells,
+                                      start_new_session=True)
+        w.started_at = time.monotonic()
+        try:
+            w.proc.stdin.write(auth.key_line(self._key))
+            w.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: _wait_ready reports its exit and log
+
+    async def _wait_ready(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if all(w.state == "ready" for w in self._workers):
+                return
+            for w in self._workers:
+                if w.state == "dead" or (w.state == "starting" and w.proc.poll() is not None):
+                    self._mark_dead(w, w.death or f"{_exit_text(w.proc.poll())} during start")
+                    raise self._error(w, f"failed to start: {w.death}")
+            if loop.time() > deadline:
+                w = next(w for w in self._workers if w.state != "ready")
+                self._mark_dead(w, "did not start in time")
+                raise self._error(
+                    w, f"did not start within {self.start_timeout:g} s (set {ENV_START_TIMEOUT} to allow longer)",
+                    cls=WorkerTimeout)
+            await asyncio.sleep(0.02)
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        workers = self._workers
+        if self._handshakes >= MAX_HANDSHAKES_PER_RANK * max(1, len(workers)):
+            log.error("pool %r refused a connection on %s: %d handshakes already pending", self.name,
+                      self._socket_path, self._handshakes)
+            writer.close()
+            return
+        self._handshakes += 1
+        try:
+            await self._admit(reader, writer, workers)
+        finally:
+            self._handshakes -= 1
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]) -> None:
+        try:
+            rank, _pid = await authenticate(reader, writer, self._key, timeout=10.0)
+            if not 0 <= rank < len(workers):
+                raise auth.AuthError(f"rank {rank} is not in this pool of {len(workers)}")
+            w = workers[rank]
+            peer_pid = peer_credentials(writer)[0]
+            if w.proc is None or peer_pid != w.proc.pid:
+                raise auth.AuthError(f"rank {rank} connected from pid {peer_pid}, but its worker is pid {w.pid}")
+            if w.state != "starting" or w.channel is not None:
+                raise auth.AuthError(f"rank {rank} is already connected")
+        except (protocol.ProtocolError, auth.AuthError, EOFError, asyncio.TimeoutError, OSError) as exc:
+            log.error("pool %r refused a connection on %s: %s: %s", self.name, self._socket_path,
+                      type(exc).__name__, exc)
+            try:
+                writer.write(protocol.encode({"k": "refused", "id": 0, "error": f"{type(exc).__name__}: {exc}"[:400]}))
+            except Exception:  # noqa: BLE001 - the peer may already be gone
+                pass
+            writer.close()
+            return
+        ch = Channel(reader, writer, f"rank {rank} ({w.device})",
+                     on_heartbeat=partial(self._on_heartbeat, w), on_close=partial(self._on_channel_close, w))
+        w.channel = ch
+        ch.start()
+        try:
+            await ch.send({"k": "welcome", "id": 0, "world_size": self.world_size,
+                           "device": "cuda:0" if w.device.startswith("cuda") else "cpu",
+                           "run_dir": self._run_dir, "doorbell_fds": list(self._doorbells),
+                           "control": self._control.name, "hb_interval": HB_INTERVAL})
+            await ch.request("ping", {}, timeout=self.start_timeout)
+        except (ChannelClosed, RemoteError, TimeoutError, OSError) as exc:
+            self._mark_dead(w, f"failed its first ping: {exc}")
+            return
+        if w.state == "starting":
+            w.state = "ready"
+            w.last_hb = time.monotonic()
+
+    def _on_heartbeat(self, w: _Worker, msg: dict) -> None:
+        w.last_hb = time.monotonic()
+        w.rss = msg["rss"]
+        w.vram = msg["vram"]
+
+    def _on_channel_close(self, w: _Worker, reason: str) -> None:
+        if w.state in ("starting", "ready"):
+            self._mark_dead(w, f"channel closed: {reason}")
+
+    def _note(self, w: _Worker, text: str) -> None:
+        try:
+            with open(w.log_path, "a", encoding="utf-8") as fh:
+                fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} coordinator: {text}\n")
+        except OSError:
+            pass
+
+    def _mark_dead(self, w: _Worker, reason: str) -> None:
+        if w.state in ("dead", "stopping", "stopped"):
+            return
+        w.state = "dead"
+        w.death = reason
+        if w.proc is not None and w.proc.poll() is None:
+            w.proc.kill()
+        if w.channel is not None:
+            w.channel.close(reason)
+        log.error("pool %r: rank %d on %s (pid %s) is dead: %s", self.name, w.rank, w.device, w.pid, reason)
+        self._note(w, f"rank {w.rank} marked dead: {reason}")
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for w in self._workers:
+                if w.state != "ready":
+                    continue
+                code = w.proc.poll()
+                if code is not None:
+                    self._mark_dead(w, _exit_text(code))
+                elif now - w.last_hb > self.hb_timeout:
+                    self._mark_dead(w, f"no heartbeat for {now - w.last_hb:.1f} s ({ENV_HB_TIMEOUT}="
+                                       f"{self.hb_timeout:g}); killed it")
+
+    async def release(self, grace: float = 5.0, force: bool = False) -> None:
+        """Stop every worker (shutdown, then kill after ``grace`` s), remove the run dir, unlink segments.
+
+        Raises :class:`PoolBusy` while a job runs, unless ``force``.
+        """
+        self._check_loop()
+        if self.busy and not force:
+            raise PoolBusy(f"pool {self.name!r} is running a job; wait for it to finish or release with force=True")
+        async with self._life_lock:
+            await self._stop(grace, final=True)
+        get_coordinator().unregister_pool(self)
+
+    async def _stop(self, grace: float, final: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if self._state != "stopped" or self._workers:
+            self._state = "stopping"
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+        live = [w for w in self._workers if w.state == "ready" and w.channel is not None]
+        for w in self._workers:
+            if w.state != "dead":
+                w.state = "stopping"
+
+        async def _ask(w: _Worker) -> None:
+            try:
+                await w.channel.request("shutdown", {}, timeout=grace)
+            except (ChannelClosed, RemoteError, TimeoutError, OSError):
+                pass
+
+        if live:
+            await asyncio.gather(*(_ask(w) for w in live))
+        deadline = loop.time() + grace
+        while any(w.proc is not None and w.proc.poll() is None for w in self._workers) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for w in self._workers:
+            if w.proc is not None and w.proc.poll() is None:
+                log.warning("pool %r: rank %d (pid %d) did not exit within %g s; killing it", self.name, w.rank,
+                            w.pid, grace)
+                w.proc.kill()
+        deadline = loop.time() + 5.0
+        while any(w.proc is not None and w.proc.poll() is None for w in self._workers) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for w in self._workers:
+            if w.channel is not None:
+                w.channel.close("pool released")
+            w.state = "stopped"
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for fd in self._doorbells:
+            os.close(fd)
+        self._doorbells = []
+        if self._control is not None:
+            self._control.close()
+            self._control.unlink()
+            self._control = None
+        if final:
+            for seg in self._owned:
+                seg.close()
+                seg.unlink()
+            self._owned.clear()
+        if self._run_dir is not None:
+            rundir.remove(self._run_dir)
+            self._run_dir = None
+            self._socket_path = None
+        self._state = "stopped"
+
+    # -- control block ----------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Tell every rank to stop its current exchange: bump the abort generation, ring every doorbell.
+
+        Thread-safe and cheap; a no-op on a stopped pool.
+        """
+        ctl, bells = self._control, list(self._doorbells)
+        if ctl is None:
+            return
+        with ctl.buffer(ABORT_WORD * 8, 8) as word:
+            (gen,) = struct.unpack("=q", word)
+            struct.pack_into("=q", word, 0, gen + 1)
+        for fd in bells:
+            try:
+                os.eventfd_write(fd, 1)
+            except OSError:  # counter full or fd closed by a concurrent release: the generation word still tells
+                pass
+        log.info("pool %r: abort (generation %d)", self.name, gen + 1)
+
+    @property
+    def abort_generation(self) -> int:
+        """Current abort generation (0 before the first abort of this start)."""
+        if self._control is None:
+            return 0
+        with self._control.buffer(ABORT_WORD * 8, 8) as word:
+            return struct.unpack("=q", word)[0]
+
+    def create_segment(self, size: int, tag: str) -> Segment:
+        """A shm segment owned by this pool: unlinked when the pool is released."""
+        seg = Segment.create(size, tag)
+        self._owned.append(seg)
+        return seg
+
+    # -- jobs -------------------------------------------------------------------------------------------------
+    def _error(self, w: _Worker, what: str, cls: type[WorkerError] = WorkerError, tb: str = "") -> WorkerError:
+        status = _exit_text(w.proc.poll()) if w.proc is not None else "not started"
+        msg = f"worker rank {w.rank} on {w.device} (pid {w.pid}, {status}) {what}"
+        if tb:
+            msg += f"\n--- worker traceback ---\n{tb.rstrip()}"
+        msg += f"\n--- last lines of {w.log_path} ---\n{tail_lines(w.log_path)}"
+        return cls(msg, w.rank, w.device)
+
+    async def _ensure_ready(self) -> None:
+        self._check_loop()
+        if self._state != "running" or any(w.state == "dead" for w in self._workers):
+            await self.start()
+
+    async def _request(self, w: _Worker, kind: str, fields: dict | None, timeout: float) -> dict:
+        if w.state != "ready" or w.channel is None:
+            raise self._error(w, f"cannot take {kind!r}: it is {w.state}" + (f" ({w.death})" if w.death else ""))
+        w.inflight += 1
+        try:
+            result = await w.channel.request(kind, fields, timeout)
+        except RemoteError as exc:
+            raise self._error(w, f"failed {kind!r}: {exc.error}", tb=exc.tb) from None
+        except ChannelClosed as exc:
+            # Give the process a moment to be reaped so the message carries its exit status.
+            for _ in range(50):
+                if w.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.02)
+            self._mark_dead(w, f"channel closed ({exc})")
+            raise self._error(w, f"died during {kind!r}: {w.death}") from None
+        except TimeoutError:
+            self._mark_dead(w, f"no answer to {kind!r} within {timeout:g} s; killed it")
+            raise self._error(w, f"did not answer {kind!r} within {timeout:g} s", cls=WorkerTimeout) from None
+        finally:
+            w.inflight -= 1
+        w.jobs_done += 1
+        return result
+
+    async def request(self, rank: int, kind: str, fields: dict | None = None, timeout: float = 60.0) -> dict:
+        """Send one request to one rank; return its result map or raise :class:`WorkerError`."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is not in 0..{self.world_size - 1}")
+        await self._ensure_ready()
+        self._jobs += 1
+        try:
+            return await self._request(self._workers[rank], kind, fields, timeout)
+        finally:
+            self._jobs -= 1
+
+    async def all(self, kind: str, fields_per_rank: Sequence[dict], timeout: float) -> list[dict]:
+        """Send ``kind`` to every rank (``fields_per_rank[r]`` to rank r); return the results in rank order.
+
+        Fail fast: the first error or death aborts the other ranks (:meth:`abort`) and raises its
+        :class:`WorkerError` at once; cancellation aborts them too.
+        """
+        if len(fields_per_rank) != self.world_size:
+            raise ValueError(f"{kind}: got {len(fields_per_rank)} field maps for {self.world_size} ranks")
+        await self._ensure_ready()
+        self._jobs += 1
+        tasks = [asyncio.ensure_future(self._request(w, kind, f, timeout))
+                 for w, f in zip(self._workers, fields_per_rank)]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
+            if not failed:
+                return [t.result() for t in tasks]
+            self.abort()
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+            # A dead worker is the cause; another rank's error may just be the abort it caused.
+            failed.sort(key=lambda t: (self._workers[getattr(t.exception(), "rank", 0)].state != "dead",))
+            raise failed[0].exception()
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()  # retrieved: no "never retrieved" warnings for the ranks we did not report
+            self._jobs -= 1
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Per worker: rank, device, pid, state, uptime_s, rss_bytes, vram_bytes, log, jobs_done."""
+        now = time.monotonic()
+        if not self._workers:
+            return [{"rank": r, "device": d, "pid": None, "state": "stopped", "uptime_s": 0.0, "rss_bytes": None,
+                     "vram_bytes": None, "log": None, "jobs_done": 0} for r, d in enumerate(self._devices)]
+        out = []
+        for w in self._workers:
+            state = {"stopping": "stopped"}.get(w.state, w.state)
+            if state == "ready" and w.inflight > 0:
+                state = "busy"
+            alive = state in ("starting", "ready", "busy")
+            out.append({
+                "rank": w.rank, "device": w.device, "pid": w.pid, "state": state,
+                "uptime_s": round(now - w.started_at, 3) if alive else 0.0,
+                "rss_bytes": w.rss if alive else None,
+                "vram_bytes": w.vram if alive and w.device.startswith("cuda") else None,
+                "log": w.log_path if self._run_dir else None, "jobs_done": w.jobs_done,
+            })
+        return out

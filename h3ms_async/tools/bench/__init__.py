@@ -1,0 +1,1 @@
+"""Benchmarks; each prints JSON (results in docs/performance.md)."""

@@ -1,0 +1,119 @@
+"""IPC benchmark: control round trip, pipelined message rate, shm->tensor copy, pool start time (CPU workers).
+
+``python -m h3ms_async bench ipc`` (through the CLI) or ``run_bench_ipc()`` print one JSON object.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+from h3ms_async.tools.cli import ArgParser, int_list, positive_int
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.pool import WorkerPool
+
+
+async def _rtt(pool: WorkerPool, samples: int) -> list[float]:
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        await pool.request(0, "ping", {}, timeout=10)
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+async def _pipelined(pool: WorkerPool, messages: int, window: int) -> float:
+    sem = asyncio.Semaphore(window)
+
+    async def one() -> None:
+        async with sem:
+            await pool.request(0, "ping", {}, timeout=30)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(messages)))
+    return messages / (time.perf_counter() - t0)
+
+
+def _shm_copy_gb_s(copy_mib: int, reps: int) -> float:
+    import torch
+
+    from workers.runtime.shm import Segment
+
+    nbytes = copy_mib << 20
+    with Segment.create(nbytes, "bench") as seg:
+        src = seg.tensor({"seg": seg.name, "off": 0, "dtype": "uint8", "shape": [nbytes]})
+        src.fill_(1)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault in both sides before timing
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        dt = time.perf_counter() - t0
+        del src
+    return nbytes * reps / dt / 1e9
+
+
+async def _start_seconds(n: int) -> float:
+    pool = WorkerPool(["cpu"] * n, name=f"bench{n}")
+    t0 = time.perf_counter()
+    await pool.start()
+    dt = time.perf_counter() - t0
+    await pool.release()
+    return dt
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_bench_ipc(samples: int = 2000, messages: int = 20000, window: int = 256, copy_mib: int = 64,
+                  copy_reps: int = 5, pool_sizes: Sequence[int] = (1, 4, 8), timeout: float = 600.0) -> dict:
+    """Run every measurement, print the JSON result on stdout and return it."""
+    coord = get_coordinator()
+    pool = WorkerPool(["cpu"], name="benchipc")
+    coord.run(pool.start(), timeout, what="starting the bench worker")
+    try:
+        coord.run(_rtt(pool, 50), timeout, what="warm-up pings")
+        rtt = coord.run(_rtt(pool, samples), timeout, what=f"{samples} pings")
+        rate = coord.run(_pipelined(pool, messages, window), timeout, what=f"{messages} pipelined pings")
+    finally:
+        coord.run(pool.release(), timeout, what="releasing the bench worker")
+    starts = {str(n): round(coord.run(_start_seconds(n), timeout, what=f"starting {n} workers"), 3)
+              for n in pool_sizes}
+    result = {
+        "bench": "ipc",
+        "loop": coord.backend,
+        "control_rtt_us": {"samples": samples, "p50": round(_pct(rtt, 0.50), 1), "p99": round(_pct(rtt, 0.99), 1),
+                           "mean": round(statistics.fmean(rtt), 1)},
+        "messages_per_s": round(rate, 1),
+        "pipeline_window": window,
+        "shm_copy_gb_s": round(_shm_copy_gb_s(copy_mib, copy_reps), 2),
+        "shm_copy_mib": copy_mib,
+        "pool_start_s": starts,
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = ArgParser(prog="python -m h3ms_async bench ipc", description=__doc__)
+    p.add_argument("--samples", type=positive_int, default=2000, help="sequential pings timed (default 2000)")
+    p.add_argument("--messages", type=positive_int, default=20000, help="pipelined pings (default 20000)")
+    p.add_argument("--window", type=positive_int, default=256, help="pipelined pings in flight (default 256)")
+    p.add_argument("--copy-mib", type=positive_int, default=64, help="shm->tensor copy size in MiB (default 64)")
+    p.add_argument("--pool-sizes", type=int_list, default=[1, 4, 8], help="worker counts whose start time is measured")
+    args = p.parse_args(argv)
+    sizes = args.pool_sizes
+    if min(sizes) < 1:
+        p.error(f"argument --pool-sizes: {min(sizes)} workers; every pool size must be >= 1 (e.g. 1,4,8)")
+    run_bench_ipc(samples=args.samples, messages=args.messages, window=args.window, copy_mib=args.copy_mib,
+                  pool_sizes=sizes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

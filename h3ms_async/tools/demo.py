@@ -1,0 +1,364 @@
+"""``python -m h3ms_async demo``: the reference H3 DiT unsplit, then split across rank workers, compared bit for bit.
+
+The default model finishes in well under two minutes on 2 CPU cores.  ``--weights auto`` (the default) picks what
+this machine computes fast: int8 on CUDA; on a CPU the fastest of int8 / bf16 / fp32 linears, timed here (int8
+GEMMs are slow on CPUs without VNNI).  Every size is an option, up to the full H3 width on CUDA ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+# Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy 2-core box).
+from h3ms_async.runtime import plans, rundir
+from h3ms_async.tools.cli import ArgParser, UsageError, port, positive_int
+from h3ms_async.log import ensure_console_handler, get_logger
+
+if TYPE_CHECKING:
+    import torch
+
+    from h3ms_async.dit.reference import DiTConfig
+
+log = get_logger("demo")
+
+WEIGHT_KINDS = ("int8", "bf16", "fp32")  # reference_dit.WEIGHT_KINDS, which imports torch
+#: The model (compute) dtype of each weight format, by torch attribute name.
+MODEL_DTYPES = {"int8": "bfloat16", "bf16": "bfloat16", "fp32": "float32"}
+#: ``--weights auto`` keeps int8 (H3's own format) on a CPU unless its linears are this much slower than a float's.
+INT8_SLOWDOWN_TOLERATED = 1.25
+#: How often the bar redraws even when no block finished (a block can take seconds on a slow machine).
+TICK_S = 1.0
+CPU_DEFAULT_TOKENS = 3000
+#: Enough for 3 ranks of the demo's 8 heads on an H200 to stay on FlashAttention's exact schedule (split.py).
+CUDA_DEFAULT_TOKENS = 8000
+MIN_HEAD_DIM = 6  # the rope rotates 3 axes, each needs at least one cos/sin pair
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgParser(prog="python -m h3ms_async demo", description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="cpu,cpu,cpu", help="one device per rank, e.g. cpu,cpu,cpu or cuda:0,cuda:0,cuda:1")
+    p.add_argument("--device", default=None, help="device of the unsplit run (default: the first rank's device)")
+    p.add_argument("--tokens", type=int, default=None, help="packed sequence length S (default 3000 on CPU ranks, "
+                   f"{CUDA_DEFAULT_TOKENS} with a CUDA rank: fewer make CUDA attention's schedule depend on the head "
+                   "count, so the split refuses them)")
+    p.add_argument("--layers", type=positive_int, default=6, help="number of DiT blocks")
+    p.add_argument("--hidden", type=positive_int, default=512, help="hidden size H (full H3: 5376)")
+    p.add_argument("--heads", type=positive_int, default=8, help="attention heads (full H3: 56)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (full H3: 128)")
+    p.add_argument("--ffn", type=positive_int, default=None,
+                   help="MLP width (default: 8/3 of hidden, rounded to 64; H3: 14336)")
+    p.add_argument("--weights", choices=("auto",) + WEIGHT_KINDS, default="auto",
+                   help="block weight format; auto: int8 on CUDA, on a CPU the fastest format on this machine")
+    p.add_argument("--exchange", choices=["host", "nccl"], default="host", help="rank exchange transport")
+    p.add_argument("--exchange-chunks", type=int, default=0, help="pipelined chunks per exchange, 0-32 (0/1: single shot)")
+    p.add_argument("--shares", default="", help="relative speed per rank, e.g. 1,1,0.7 (default: equal)")
+    p.add_argument("--vram-residency", choices=["auto", "resident", "stream"], default="auto")
+    p.add_argument("--steps", type=positive_int, default=2, help="denoising steps to run (each compared)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--serve", type=port, default=None, metavar="PORT",
+                   help="serve the status routes and live panel on 127.0.0.1:PORT while running (0: any free port)")
+    return p
+
+
+def _devices(flag: str, spec: str) -> list[str]:
+    """Parse a device list and check every CUDA index exists in this torch (imported only for CUDA devices)."""
+    try:
+        devices = plans.rank_map(spec)
+    except plans.GPUSelectionError as exc:
+        raise UsageError(f"{flag} {spec!r}: {exc}") from None
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if not cuda:
+        return devices
+    import torch
+    if not torch.cuda.is_available():
+        raise UsageError(f"{flag} {spec!r}: this torch ({torch.__version__}) sees no CUDA GPU; use {flag} cpu,cpu,cpu "
+                         "or install a CUDA build of torch (H3MS_TORCH_SPEC)")
+    n = torch.cuda.device_count()
+    missing = sorted({d for d in cuda if int(d.split(":")[1]) >= n})
+    if missing:
+        raise UsageError(f"{flag} {spec!r}: {', '.join(missing)} does not exist; this machine has {n} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{n - 1}")
+    return devices
+
+
+def _config(a: argparse.Namespace) -> "DiTConfig":
+    from h3ms_async.dit.reference import DiTConfig
+    ffn = a.ffn or max(64, (a.hidden * 8 // 3) // 64 * 64)
+    rope_pairs = min(48, (a.head_dim // 2) // 3 * 3)
+    return DiTConfig(hidden=a.hidden, layers=a.layers, heads=a.heads, head_dim=a.head_dim, ffn=ffn,
+                     t_dim=max(16, a.hidden // 2), rope_pairs=rope_pairs)
+
+
+def _layout(tokens: int) -> Any:
+    from h3ms_async.dit.layout import layout_for_tokens
+    try:
+        return layout_for_tokens(tokens)
+    except ValueError:
+        least = next(n for n in range(tokens + 1, 1 << 20) if _layout_fits(n))
+        raise UsageError(f"--tokens {tokens}: too few for the demo's text+audio+video layout; use --tokens {least} "
+                         "or more") from None
+
+
+def _layout_fits(tokens: int) -> bool:
+    from h3ms_async.dit.layout import layout_for_tokens
+    try:
+        layout_for_tokens(tokens)
+        return True
+    except ValueError:
+        return False
+
+
+def check_args(a: argparse.Namespace) -> dict:
+    """Every input checked before anything heavy starts; raises ``UsageError`` naming the input and the fix.
+
+    Only the CUDA-rank and token-layout checks import torch."""
+    ranks = _devices("--ranks", a.ranks)
+    device_name = _devices("--device", a.device)[0] if a.device else ranks[0]
+    try:
+        shares = plans.parse_shares(a.shares) or None
+    except plans.GPUSelectionError as exc:
+        raise UsageError(f"--shares {a.shares!r}: {exc}") from None
+    if shares is not None and len(shares) != len(ranks):
+        raise UsageError(f"--shares {a.shares!r} gives {len(shares)} value(s) for {len(ranks)} ranks; give one per "
+                         "rank or leave it out")
+    if not 0 <= a.exchange_chunks <= 32:
+        raise UsageError(f"--exchange-chunks {a.exchange_chunks}: use 0 to 32 (0/1: single shot, 8 recommended)")
+    if a.head_dim < MIN_HEAD_DIM:
+        raise UsageError(f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 axes x "
+                         f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)")
+    if a.tokens is None:
+        a.tokens = CUDA_DEFAULT_TOKENS if any(r.startswith("cuda") for r in ranks) else CPU_DEFAULT_TOKENS
+    if a.tokens < 1:
+        raise UsageError(f"--tokens {a.tokens}: the packed sequence needs a positive number of tokens; use e.g. "
+                         "--tokens 3000")
+    try:
+        plans.make_split_plan(ranks, shares, a.tokens, a.heads)
+    except plans.GPUSelectionError as exc:
+        raise UsageError(f"--ranks {a.ranks!r} with --heads {a.heads} and --tokens {a.tokens}: {exc}") from None
+    try:
+        rundir.check_base()
+    except rundir.RunDirError as exc:
+        raise UsageError(str(exc)) from None
+    return {"ranks": ranks, "device": device_name, "shares": shares, "layout": _layout(a.tokens)}
+
+
+def _seconds_per_linear(kind: str, cfg: "DiTConfig", device: "torch.device") -> float:
+    """Best of three timings of one qkv-sized linear over 512 rows in ``kind`` weights (dit_ops' own path)."""
+    import torch
+
+    from h3ms_async.dit.reference import quantize_rowwise
+    from workers.dit import ops as dit_ops
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, MODEL_DTYPES[kind])
+    x = torch.randn(512, cfg.hidden, generator=gen).to(device, dtype)
+    w = (0.02 * torch.randn(3 * cfg.heads * cfg.head_dim, cfg.hidden, generator=gen)).to(dtype)
+    scale = None
+    if kind == "int8":
+        w, scale = quantize_rowwise(w)
+        scale = scale.to(device)
+    w = w.to(device)
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(4):
+            t = time.perf_counter()
+            dit_ops.linear(x, w, scale)
+            if i:  # the first call warms the kernels up
+                best = min(best, time.perf_counter() - t)
+    return best
+
+
+def pick_weights(device: "torch.device", cfg: "DiTConfig") -> tuple[str, str]:
+    """``--weights auto``: ``(kind, why)``. int8 on CUDA; on a CPU the fastest format measured here, int8 kept unless
+    it is more than ``INT8_SLOWDOWN_TOLERATED`` times slower."""
+    if device.type == "cuda":
+        return "int8", "int8 on CUDA"
+    times = {k: _seconds_per_linear(k, cfg, device) for k in WEIGHT_KINDS}
+    fastest = min(times, key=times.__getitem__)
+    kind = "int8" if times["int8"] <= INT8_SLOWDOWN_TOLERATED * times[fastest] else fastest
+    measured = ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in times.items())
+    return kind, f"fastest on this CPU (one linear: {measured}); --weights int8 forces H3's int8 format"
+
+
+class _Progress:
+    """One bar over every block of every pass; redrawn each second so the clock moves even inside a slow block."""
+
+    def __init__(self, total: int, disable: bool) -> None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, desc="starting workers", unit="block", file=sys.stderr, disable=disable,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
+                        dynamic_ncols=True, mininterval=0, miniters=1)  # blocks take seconds: draw every one
+        self._base = 0
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="h3ms-demo-bar", daemon=True)
+        if not disable:
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self.bar.refresh()
+
+    def phase(self, desc: str) -> None:
+        """A new pass starts; its blocks count from the bar's current position."""
+        self._base = self.bar.n
+        self.bar.set_description_str(desc)
+
+    def blocks(self, done: int) -> None:
+        """``done`` blocks of the current pass are finished."""
+        self.bar.update(self._base + done - self.bar.n)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker.is_alive():
+            self._ticker.join()
+        self.bar.close()
+
+
+def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
+    """Run the demo; returns the result object (what ``--json`` prints)."""
+    import psutil
+    import torch
+
+    from h3ms_async.dit.reference import ReferenceDiT, make_step_inputs
+    from h3ms_async.dit.split import SplitOptions, SplitUnsafe, _cpu_thread_env, get_engine
+    c = checked or check_args(a)
+    ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
+    if device.type == "cpu" and (rank_threads := _cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
+        # The unsplit pass computes with a CPU rank's thread count: on a busy machine more OpenMP threads than
+        # free cores stall on each other (the unsplit pass took 10x the split's on a loaded 2-core box).
+        torch.set_num_threads(int(rank_threads))
+    weights, why = (a.weights, "given by --weights") if a.weights != "auto" else pick_weights(device, cfg)
+    log.info("weights %s (%s)", weights, why)
+    dtype = getattr(torch, MODEL_DTYPES[weights])
+    model = ReferenceDiT(cfg, weights=weights, seed=a.seed, device=device)
+    # The unsplit pass stands in for ComfyUI, whose process is long warm when a split starts; the ranks warm up at
+    # load (dit_ops.warm_up), so must this side, or its first CUDA attention call rounds differently.
+    from workers.dit import ops as dit_ops
+    dit_ops.warm_up(dit_ops.builtin_attend("sdpa"), device, [dtype])
+    engine = get_engine(ranks, SplitOptions(exchange=a.exchange, exchange_chunks=a.exchange_chunks,
+                                            vram_residency=a.vram_residency, shares=c["shares"]))
+    bar = _Progress(a.steps * 2 * cfg.layers, disable=a.json)
+    steps = []
+    try:
+        t = time.perf_counter()
+        engine.load_weights(("demo", a.seed, weights, cfg), cfg, model.block_weights)
+        start_s = time.perf_counter() - t
+        for s in range(a.steps):
+            inp = make_step_inputs(cfg, layout, a.seed + s, dtype)
+            bar.phase(f"step {s + 1}/{a.steps} unsplit")
+            t = time.perf_counter()
+            ref = model.forward_blocks(inp.x.clone().to(device), inp.t_emb.to(device), inp.segments,
+                                       inp.rope_freqs.to(device), on_block=lambda i: bar.blocks(i + 1)).cpu()
+            unsplit_s = time.perf_counter() - t
+            bar.phase(f"step {s + 1}/{a.steps} split on {len(ranks)} ranks")
+            t = time.perf_counter()
+            try:
+                out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=0.7,
+                                        progress=lambda done, total: bar.blocks(done))
+            except SplitUnsafe as exc:
+                raise UsageError(f"--tokens {a.tokens} / --ranks {a.ranks}: {exc} (e.g. --tokens 8000)") from None
+            split_s = time.perf_counter() - t
+            diff = float((out.float() - ref.float()).abs().max())
+            steps.append({"step": s, "unsplit_s": unsplit_s, "split_s": split_s,
+                          "bit_exact": bool(torch.equal(out, ref)), "max_abs_diff": diff})
+    finally:
+        bar.close()
+    from h3ms_async.observability.status import get_hub
+    last = get_hub().recent_steps(1)[-1]
+    return {
+        "config": {"tokens": layout.seq_len, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
+                   "head_dim": cfg.head_dim, "ffn": cfg.ffn, "weights": weights, "ranks": ranks,
+                   "exchange": engine.transport, "exchange_chunks": a.exchange_chunks, "shares": c["shares"],
+                   "unsplit_device": str(device)},
+        "worker_start_and_load_s": start_s,
+        "steps": steps,
+        "ranks": last["ranks"],
+        "bit_exact": all(s["bit_exact"] for s in steps),
+        "max_abs_diff": max(s["max_abs_diff"] for s in steps),
+        # from the process start: what a user waits for, imports and worker start included
+        "total_s": time.time() - psutil.Process().create_time(),
+    }
+
+
+def summary_line(res: dict) -> str:
+    """The demo's last line (the README quotes it): equal or not, and the mean step times."""
+    n = len(res["steps"])
+    unsplit = sum(s["unsplit_s"] for s in res["steps"]) / n
+    split = sum(s["split_s"] for s in res["steps"]) / n
+    verdict = "equal" if res["bit_exact"] else f"DIFFERENT (max abs difference {res['max_abs_diff']:g})"
+    return (f"bit-exact: {'yes' if res['bit_exact'] else 'no'} - split vs unsplit {verdict} on all {n} steps; "
+            f"unsplit {unsplit:.2f} s/step, split {split:.2f} s/step on {len(res['config']['ranks'])} ranks; "
+            f"demo {res['total_s']:.0f} s")
+
+
+def print_table(res: dict) -> None:
+    c = res["config"]
+    print(f"\nreference H3 DiT: {c['tokens']} tokens x {c['layers']} blocks, hidden {c['hidden']}, "
+          f"{c['heads']} heads x {c['head_dim']}, ffn {c['ffn']}, {c['weights']} weights")
+    print(f"split over {len(c['ranks'])} ranks ({','.join(c['ranks'])}), exchange {c['exchange']}"
+          f"{' x' + str(c['exchange_chunks']) if c['exchange_chunks'] > 1 else ''}; "
+          f"workers started and weights loaded in {res['worker_start_and_load_s']:.1f}s\n")
+    for s in res["steps"]:
+        print(f"step {s['step']}: unsplit {s['unsplit_s']:.3f}s   split {s['split_s']:.3f}s   "
+              f"{'equal' if s['bit_exact'] else 'DIFFERENT'}")
+    print("\nlast split step, per rank:")
+    print(f"{'rank':>4} {'device':>8} {'tokens':>13} {'heads':>7} {'compute s':>10} {'exchange s':>11} "
+          f"{'wait s':>8} {'MB moved':>9}")
+    for r in res["ranks"]:
+        print(f"{r['rank']:>4} {r['device']:>8} {r['tokens'][0]:>6}-{r['tokens'][1]:<6} "
+              f"{r['heads'][0]:>3}-{r['heads'][1]:<3} {r['compute_s']:>10.3f} {r['exchange_s']:>11.3f} "
+              f"{r['wait_s']:>8.3f} {r['moved_bytes'] / 1e6:>9.2f}")
+    print()
+    print(summary_line(res))
+
+
+def _released(action: Callable[[], Any]) -> None:
+    """Run a release step; one failing (already gone) must not hide the demo's own outcome."""
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - reported, and the other release steps still run
+        log.warning("release: %s", exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m h3ms_async demo``; returns 0 when bit-exact, 1 when not, 2 on a bad input (one line on stderr),
+    130 / 143 when Ctrl-C / SIGTERM ended it (one line, everything released: ``lifetime.run_guarded``)."""
+    a = build_parser().parse_args(argv)
+    checked = check_args(a)
+    from h3ms_async.tools.lifetime import run_guarded
+    from h3ms_async.dit.split import release_all_engines
+    from h3ms_async.runtime.weight_store import WeightStoreRefused
+    stop = None
+
+    def body() -> int:
+        nonlocal stop
+        if a.serve is not None:  # before the console handler: a bind error is then the only line printed
+            from h3ms_async.observability.serve import bind_error_text, start_background_server
+            try:
+                url, stop = start_background_server(port=a.serve)
+            except OSError as exc:
+                raise UsageError(bind_error_text("--serve", "127.0.0.1", a.serve, exc)) from None
+            print(f"live panel: {url}/h3multistream/panel", file=sys.stderr)
+        if not a.json:
+            ensure_console_handler()
+        try:
+            res = run(a, checked)
+        except WeightStoreRefused as exc:
+            raise UsageError(str(exc)) from None
+        if a.json:
+            print(json.dumps(res, indent=2))
+        else:
+            print_table(res)
+        sys.stdout.flush()
+        return 0 if res["bit_exact"] else 1
+
+    def release() -> None:
+        _released(release_all_engines)
+        if stop is not None:
+            _released(stop)
+
+    return run_guarded(body, release, "demo")

@@ -1,0 +1,475 @@
+"""The VAE split decode engine: H3 video-VAE temporal chunks dealt across worker processes, blended in order here.
+
+Rank 0 is the calling process (ComfyUI's, which decodes on the VAE's own device); ranks 1..N-1 are the workers of
+this engine's :class:`~h3ms_async.runtime.pool.WorkerPool` (``workers.vae.rank``).  Chunk i goes to rank ``i mod N``
+(``vae_plan.deal``).  Per decode the engine
+
+1. ships the decoder's weights once per weight key (a one-block shared-memory weight store, dropped once every
+   worker has copied it in; a restarted pool gets them again);
+2. writes the remote chunks' latent slices into one input segment and asks each worker for its chunks, all at once
+   (a worker decodes them in order on its compute thread);
+3. decodes its own chunks meanwhile, and feeds every chunk to the ordered blend/write (``vae_plan.Assembler``) in
+   chunk order, waiting for a remote chunk only when its turn comes.
+
+Remote chunks come back through one output segment in POSIX shared memory; when /dev/shm has no room (containers
+mount 64 MB) they come back over the worker's socket in pieces, with one warning.  ``H3MS_VAE_TRANSPORT`` forces
+``shm`` or ``socket`` (default ``auto``).  Any worker's failure fails the decode at once with its last log lines.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures as cf
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from h3ms_async.vae import plan as vae_plan
+from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.log import get_logger
+from h3ms_async.runtime.plans import GPUSelectionError, rank_map
+from h3ms_async.runtime.pool import WorkerError, WorkerPool, _env_seconds
+from h3ms_async.dit.split import _cpu_thread_env
+from h3ms_async.observability.status import get_hub, now_iso
+from h3ms_async.runtime.weight_store import fill
+from workers.vae import protocol as vae_protocol
+from workers.transports.host import dtype_name
+from workers.runtime.shm import Arena, Segment, ShmError
+
+log = get_logger("VAE split")
+
+TRANSPORT_ENV = "H3MS_VAE_TRANSPORT"
+TRANSPORTS = ("auto", "shm", "socket")
+CHUNK_TIMEOUT_ENV = "H3MS_VAE_CHUNK_TIMEOUT"
+DEFAULT_CHUNK_TIMEOUT_S = 900.0
+#: Most ranks a VAE split uses (the node's max_gpus cap).
+VAE_MAX_RANKS = 8
+_POLL_S = 0.05
+
+
+class VaeSplitError(RuntimeError):
+    """A split decode failed (a worker died, reported an error, or missed its deadline)."""
+
+
+class VaeSplitInterrupted(VaeSplitError):
+    """The caller's interrupt probe turned true; the workers' outstanding chunks were abandoned."""
+
+
+class VaeSplitUnsupported(VaeSplitError):
+    """This VAE cannot be split exactly (the caller decodes it unsplit); the message says why."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What a worker needs to rebuild the VAE's decoder: weight key, architecture, dtype, ComfyUI to import."""
+
+    key: tuple
+    arch: dict
+    dtype: str
+    comfy: dict
+    read_tensors: Callable[[], dict[str, torch.Tensor]]
+
+
+def describe_decoder(model: Any) -> tuple[dict, str]:
+    """``(arch, dtype)`` of a live ``MiniMaxH3VideoVAE`` for ``workers.vae.rank.build_decoder``.
+
+    Raises :class:`VaeSplitUnsupported` when the decoder's linears are not a plain ``comfy.ops`` class or hold
+    non-plain tensors (a quantized decoder): the workers could not rebuild it bit for bit.
+    """
+    dec = model.decoder
+    blk = dec.transformer_blocks[0]
+    lin = type(blk.attn.to_qkv)
+    qual = lin.__qualname__
+    if lin.__module__ != "comfy.ops" or qual.count(".") != 1 or "<locals>" in qual:
+        raise VaeSplitUnsupported(f"the decoder's linears are {lin.__module__}.{qual} (quantized or custom "
+                                  "operations); only plain comfy.ops decoders split exactly")
+    tensors = decoder_tensors(model)
+    odd = sorted(n for n, t in tensors.items() if type(t.data) is not torch.Tensor)
+    if odd:
+        raise VaeSplitUnsupported(f"decoder tensors {odd[:3]} are {type(tensors[odd[0]].data).__name__}, not plain "
+                                  "tensors (a quantized decoder)")
+    dtypes = {t.dtype for n, t in tensors.items() if n.startswith("decoder.transformer_blocks.")}
+    if len(dtypes) != 1:
+        raise VaeSplitUnsupported(f"the decoder's blocks mix dtypes {sorted(map(str, dtypes))}")
+    arch = {
+        "decoder": {
+            "patch_size": int(dec.patch_size), "patch_size_t": int(dec.patch_size_t),
+            "in_channels": int(dec.x_embedder.in_features), "out_channels": int(dec.out_channels),
+            "num_layers": len(dec.transformer_blocks), "heads": int(blk.attn.heads),
+            "dim_head": int(blk.attn.dim_head), "bias": blk.attn.to_qkv.bias is not None,
+            "eps": float(blk.norm1.eps), "num_register_tokens": int(dec.num_register_tokens),
+        },
+        "operations": qual.split(".")[0],
+        "z_channels": int(model.post_quant_conv.out_channels), "embed_dim": int(model.post_quant_conv.in_channels),
+        "tile_size": int(model.tile_size), "tile_overlap_min": int(model.tile_overlap_min),
+        "tiling": bool(model.tiling), "vae_ratio": int(model.vae_ratio), "vae_ratio_t": int(model.vae_ratio_t),
+        "clip_length": int(model.clip_length), "token_drop": int(model.token_drop),
+    }
+    return arch, dtype_name(next(iter(dtypes)))
+
+
+def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones included) of the decode path, by name."""
+    return {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if n.startswith(vae_protocol.DECODE_PREFIXES)}
+
+
+def _transport_choice() -> str:
+    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r} is not one of {TRANSPORTS}; unset it for auto")
+    return value
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class VaeSplitEngine:
+    """Rank 0 = this process on ``devices[0]``; a worker per other device.  See the module doc."""
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        if len(devices) < 2:
+            raise ValueError(f"a VAE split needs at least 2 ranks (this process + a worker), got {list(devices)}")
+        if len(devices) > VAE_MAX_RANKS:
+            raise GPUSelectionError(f"{len(devices)} VAE ranks; at most {VAE_MAX_RANKS} are supported")
+        self.devices = list(devices)
+        self.pool = WorkerPool(self.devices[1:], name="vae", env=_cpu_thread_env(self.devices))
+        self._lock = threading.Lock()
+        self._loaded_key: tuple | None = None
+        self._loaded_starts = -1
+        self._jobs = 0
+        self._running = False
+        self._warned_socket = False
+        self._load_lock = asyncio.Lock()
+        self.last_record: dict | None = None
+        _LIVE.add(self)
+        _register_status()
+
+    @property
+    def ranks(self) -> int:
+        return len(self.devices)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def prestart(self, spec: DecoderSpec | None = None) -> None:
+        """Start the workers in the background, and ship ``spec``'s decoder when given (the node calls this when it
+        executes); a failure is logged and the next decode tries again."""
+        fut = get_coordinator().submit(self._ensure_loaded(spec) if spec is not None else self.pool.start())
+
+        def _done(f: cf.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("background start of the VAE workers failed (retried at decode): %s", f.exception())
+
+        fut.add_done_callback(_done)
+
+    # -- the decode ---------------------------------------------------------------------------------------------
+    def decode(self, z_padded: torch.Tensor, plan: vae_plan.ChunkPlan, spec: DecoderSpec,
+               decode_local: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor,
+               blend_fn: vae_plan.BlendFn, finalize_fn: vae_plan.FinalizeFn,
+               interrupt: Callable[[], bool] | None = None) -> dict:
+        """Decode ``z_padded`` (already padded per ``plan``) into ``out``; returns the decode record.
+
+        ``decode_local(z_slice)`` decodes one chunk in this process (the VAE's own method); ``blend_fn`` and
+        ``finalize_fn`` are the ordered part's math (see ``vae_plan.Assembler``).
+        """
+        with self._lock:
+            self._running = True
+            try:
+                return self._decode(z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt)
+            finally:
+                self._running = False
+
+    def _decode(self, z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt) -> dict:
+        t_start = time.perf_counter()
+        coord = get_coordinator()
+        timeout = _env_seconds(CHUNK_TIMEOUT_ENV, DEFAULT_CHUNK_TIMEOUT_S)
+        load = coord.submit(self._ensure_loaded(spec))
+        try:
+            self._await(load, self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
+        except BaseException:
+            coord.cancel(load, wait=2.0)
+            raise
+        t_load = time.perf_counter() - t_start
+        self._jobs += 1
+        job = self._jobs
+        owners = vae_plan.deal(plan.num_chunks, self.ranks)
+        remote = [i for i, r in enumerate(owners) if r != 0]
+        dev0 = z_padded.device
+        dtype = z_padded.dtype
+        b, _, _, h, w = z_padded.shape
+        out_ch = spec.arch["decoder"]["out_channels"]
+        ratio = spec.arch["vae_ratio"]
+
+        def raw_shape(i: int) -> list[int]:
+            return [b, out_ch, plan.raw_frames(i), h * ratio, w * ratio]
+
+        segs: list[Segment] = []
+        futures: dict[int, cf.Future] = {}
+        chunks: list[dict] = []
+        transport = "none"
+        moved = 0
+        try:
+            in_descs: dict[int, dict] = {}
+            out_descs: dict[int, dict | None] = {i: None for i in remote}
+            if remote:
+                z_cpu = z_padded.to("cpu")
+                sizes = [_nbytes(z_cpu[:, :, a:b_]) for a, b_ in (plan.spans[i] for i in remote)]
+                seg_in = Segment.create(sum(-(-s // 4096) * 4096 for s in sizes), "vae_in")
+                segs.append(seg_in)
+                arena = Arena(seg_in)
+                for i in remote:
+                    a, e = plan.spans[i]
+                    piece = z_cpu[:, :, a:e]
+                    desc = arena.alloc(dtype_name(dtype), list(piece.shape))
+                    seg_in.tensor(desc).copy_(piece)
+                    in_descs[i] = desc
+                    moved += _nbytes(piece)
+                transport, seg_out = self._output_segment(remote, raw_shape, dtype)
+                if seg_out is not None:
+                    segs.append(seg_out)
+                    arena = Arena(seg_out)
+                    for i in remote:
+                        out_descs[i] = arena.alloc(dtype_name(dtype), raw_shape(i))
+                for i in remote:
+                    futures[i] = coord.submit(self._remote_chunk(job, i, owners[i] - 1, in_descs[i], out_descs[i],
+                                                                 raw_shape(i), dtype, timeout))
+            asm = vae_plan.Assembler(plan, out, blend_fn, finalize_fn)
+            local_s = wait_s = assemble_s = 0.0
+            for i, (a, e) in enumerate(plan.spans):
+                if interrupt is not None and interrupt():
+                    raise VaeSplitInterrupted(f"VAE decode interrupted before chunk {i}")
+                t = time.perf_counter()
+                if owners[i] == 0:
+                    raw = decode_local(z_padded[:, :, a:e])
+                    took = time.perf_counter() - t
+                    local_s += took
+                    chunks.append({"index": i, "rank": 0, "decode_s": round(took, 4)})
+                else:
+                    res, host = self._await(futures[i], timeout, f"waiting for chunk {i}", interrupt)
+                    if host is None:  # shm: the worker wrote the chunk into the output segment
+                        host = segs[1].tensor(out_descs[i])
+                    raw = host.to(dev0, copy=True)
+                    waited = time.perf_counter() - t
+                    wait_s += waited
+                    moved += res["nbytes"]
+                    chunks.append({"index": i, "rank": owners[i], "decode_s": round(res["seconds"], 4),
+                                   "copy_s": round(res["copy_s"] + res.get("fetch_s", 0.0), 4),
+                                   "waited_s": round(waited, 4), "bytes": res["nbytes"]})
+                t = time.perf_counter()
+                asm.add(raw)
+                del raw
+                assemble_s += time.perf_counter() - t
+        except BaseException:
+            if any(not f.done() for f in futures.values()):
+                self.pool.abort()
+                for f in futures.values():
+                    coord.cancel(f, wait=2.0)
+            raise
+        finally:
+            self._drop_job(job)
+            for seg in segs:
+                seg.close()
+                seg.unlink()
+        record = {
+            "at": now_iso(), "T": plan.T, "chunks": plan.num_chunks, "ranks": self.ranks,
+            "devices": list(self.devices), "transport": transport, "dtype": dtype_name(dtype),
+            "chunks_per_rank": [owners.count(r) for r in range(self.ranks)],
+            "wall_s": round(time.perf_counter() - t_start, 4), "load_s": round(t_load, 4),
+            "local_decode_s": round(local_s, 4), "wait_s": round(wait_s, 4), "assemble_s": round(assemble_s, 4),
+            "moved_bytes": moved, "per_chunk": chunks,
+        }
+        self.last_record = record
+        log.info("decoded T=%d: %d chunks on %d ranks %s (%s), %.2f s: own decode %.2f s, waited %.2f s for "
+                 "workers, blend/write %.2f s, %.1f MiB moved", plan.T, plan.num_chunks, self.ranks,
+                 record["chunks_per_rank"], transport, record["wall_s"], local_s, wait_s, assemble_s, moved / 2**20)
+        return record
+
+    def _output_segment(self, remote: list[int], raw_shape: Callable[[int], list[int]],
+                        dtype: torch.dtype) -> tuple[str, Segment | None]:
+        """``(transport, segment)``: one segment for every remote chunk's output, or None for the socket path."""
+        choice = _transport_choice()
+        if choice == "socket":
+            return "socket", None
+        elem = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for i in remote:
+            n = elem
+            for d in raw_shape(i):
+                n *= d
+            total += -(-n // 4096) * 4096
+        try:
+            return "shm", Segment.create(total, "vae_out")
+        except ShmError as exc:
+            if choice == "shm":
+                raise VaeSplitError(f"{TRANSPORT_ENV}=shm but the chunk outputs do not fit: {exc}") from None
+            if not self._warned_socket:
+                log.warning("decoded chunks return over the worker sockets instead of shared memory (slower, "
+                            "still exact): %s", exc)
+                self._warned_socket = True
+            return "socket", None
+
+    async def _remote_chunk(self, job: int, i: int, worker: int, z_desc: dict, out_desc: dict | None,
+                            shape: list[int], dtype: torch.dtype,
+                            timeout: float) -> tuple[dict, torch.Tensor | None]:
+        res = await self.pool.request(worker, "vae_chunk", {"job": job, "index": i, "z": z_desc, "out": out_desc},
+                                      timeout)
+        if list(res["shape"]) != shape or res["dtype"] != dtype_name(dtype):
+            raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res['dtype']} {res['shape']}; "
+                                f"expected {dtype_name(dtype)} {shape} (does it run another ComfyUI?)")
+        if out_desc is not None:
+            return res, None
+        t = time.perf_counter()
+        host = torch.empty(res["nbytes"], dtype=torch.uint8)
+        piece = vae_protocol.FETCH_PIECE_BYTES
+        for off in range(0, res["nbytes"], piece):
+            n = min(piece, res["nbytes"] - off)
+            got = await self.pool.request(worker, "vae_fetch", {"job": job, "index": i, "off": off, "n": n}, timeout)
+            host[off:off + n].copy_(torch.frombuffer(bytearray(got["data"]), dtype=torch.uint8))
+        res["fetch_s"] = time.perf_counter() - t
+        return res, host.view(dtype).view(shape)
+
+    @staticmethod
+    def _await(fut: cf.Future, timeout: float, what: str, interrupt: Callable[[], bool] | None) -> Any:
+        """``fut``'s result, polling ``interrupt``; the caller cancels ``fut`` when this raises."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(timeout=_POLL_S)
+            except cf.TimeoutError:
+                pass
+            except WorkerError as exc:
+                raise VaeSplitError(str(exc)) from exc
+            if interrupt is not None and interrupt():
+                raise VaeSplitInterrupted(f"VAE decode interrupted while {what}")
+            if time.monotonic() > deadline:
+                raise VaeSplitError(f"{what} did not finish within {timeout:g} s ({CHUNK_TIMEOUT_ENV})")
+
+    async def _ensure_loaded(self, spec: DecoderSpec) -> None:
+        async with self._load_lock:
+            await self._load(spec)
+
+    async def _load(self, spec: DecoderSpec) -> None:
+        await self.pool.start()
+        if self._loaded_key == spec.key and self._loaded_starts == self.pool.starts:
+            return
+        t = time.perf_counter()
+        # A thread: copying gigabytes must not stall the coordinator loop (other pools' heartbeats run on it).
+        store = await asyncio.get_running_loop().run_in_executor(None, fill, spec.key, 1,
+                                                                 lambda _i: spec.read_tensors())
+        try:
+            fields = {"store": store.segment.name, "manifest": store.manifest[0], "key": repr(spec.key),
+                      "arch": spec.arch, "dtype": spec.dtype, "comfy": spec.comfy}
+            await self.pool.all("vae_load", [fields] * (self.ranks - 1), self.pool.start_timeout)
+        finally:
+            store.release()
+        self._loaded_key, self._loaded_starts = spec.key, self.pool.starts
+        log.info("VAE decoder shipped to %d worker(s): %.1f MiB in %.2f s (key %s)", self.ranks - 1,
+                 store.nbytes / 2**20, time.perf_counter() - t, spec.key)
+
+    def _drop_job(self, job: int) -> None:
+        if not self.pool.running:
+            return
+
+        async def drop() -> None:
+            await asyncio.gather(*(self.pool.request(r, "vae_drop", {"job": job}, 30.0)
+                                   for r in range(self.ranks - 1)), return_exceptions=True)
+
+        try:
+            get_coordinator().run(drop(), 35.0, "ending the VAE decode")
+        except Exception as exc:  # noqa: BLE001 - a dead worker is reported by the decode itself
+            log.debug("vae_drop after job %d: %s", job, exc)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Stop the workers (they drop their decoder with them)."""
+        with self._lock:
+            if self.pool.running:
+                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing VAE workers")
+            self._loaded_key = None
+
+    def snapshot(self) -> dict:
+        """The status route's view of this engine."""
+        return {"devices": list(self.devices), "weights": "loaded" if self._loaded_key else "none",
+                "key": [str(k) for k in self._loaded_key] if self._loaded_key else None,
+                "running": self._running, "decodes": self._jobs, "last_decode": self.last_record}
+
+
+# -- the rank plan ---------------------------------------------------------------------------------------------------
+RANK_MAP_ENV = "H3MS_VAE_RANK_MAP"
+"""A rank map for the VAE split (e.g. ``cpu,cpu,cpu``): rank 0 is the VAE's own device, each other entry a worker.
+It replaces the GPU plan: for tests and verification (several logical ranks on one GPU)."""
+
+
+def forced_devices(vae_device: torch.device) -> list[str] | None:
+    """The ranks ``H3MS_VAE_RANK_MAP`` asks for (None when unset); its rank 0 must be the VAE's device."""
+    spec = os.environ.get(RANK_MAP_ENV, "").strip()
+    if not spec:
+        return None
+    devices = rank_map(spec)
+    here = "cpu" if vae_device.type == "cpu" else f"cuda:{vae_device.index or 0}"
+    if devices[0] != here:
+        raise GPUSelectionError(f"{RANK_MAP_ENV}={spec}: rank 0 is {devices[0]} but the VAE decodes on {here}; "
+                                f"start the map with {here}")
+    return devices
+
+
+# -- engine registry ---------------------------------------------------------------------------------------------------
+_ENGINES: dict[tuple, VaeSplitEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+_LIVE: "weakref.WeakSet[VaeSplitEngine]" = weakref.WeakSet()
+
+
+def get_vae_engine(devices: Sequence[str]) -> VaeSplitEngine:
+    """The engine for this rank map (made once); an engine for another map is released first."""
+    key = tuple(devices)
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            for old in list(_ENGINES):
+                _ENGINES.pop(old).release()
+            eng = _ENGINES[key] = VaeSplitEngine(devices)
+        return eng
+
+
+def release_vae_engines(force: bool = False) -> tuple[int, int]:
+    """Release every VAE engine that is not decoding (all of them with ``force``); returns (released, busy)."""
+    with _ENGINES_LOCK:
+        items = list(_ENGINES.items())
+        busy = [k for k, e in items if e.running and not force]
+        for k, _ in items:
+            if k not in busy:
+                _ENGINES.pop(k)
+    for k, eng in items:
+        if k not in busy:
+            eng.release()
+    return len(items) - len(busy), len(busy)
+
+
+def live_vae_engines() -> list[VaeSplitEngine]:
+    return list(_LIVE)
+
+
+_STATUS_REGISTERED = False
+
+
+def _register_status() -> None:
+    global _STATUS_REGISTERED
+    if _STATUS_REGISTERED:
+        return
+    hub = get_hub()
+    hub.register_provider("vae_workers", lambda: [
+        {**w, "rank": w["rank"] + 1} for e in live_vae_engines() if e.pool.running for w in e.pool.snapshot()])
+    hub.register_provider("vae_split", lambda: {"engines": [e.snapshot() for e in live_vae_engines()]})
+    hub.add_busy_source(lambda: any(e.running for e in live_vae_engines()))
+    _STATUS_REGISTERED = True
+
+
+atexit.register(lambda: release_vae_engines(force=True))

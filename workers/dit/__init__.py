@@ -1,0 +1,1 @@
+"""The DiT split's rank program: block ops, messages, the rank executor and its CUDA side."""

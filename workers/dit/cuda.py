@@ -1,0 +1,327 @@
+"""CUDA specifics of a rank: weight residency and prefetch, and the exchange's copies on their own streams.
+
+Weights.  The shared-memory weight store is mapped once per worker and registered with CUDA as pinned host memory
+(``WorkerContext.segment``), so host->device copies from it run at full PCIe/C2C speed.  At the first step (when
+the sequence length, and so the working set, is known) the rank decides how many leading blocks stay resident in
+VRAM: ``resident`` = all, ``stream`` = none, ``auto`` = as many as fit in free VRAM minus the step's working set
+minus a reserve (``H3MS_VRAM_RESERVE_GB``, default 2).  The rest stream through two device slots: while block i
+computes, block i+1 is copied into the other slot on a side stream; the compute stream waits on the slot's
+"loaded" event, the side stream on the "freed" event the compute stream recorded after the slot's previous block.
+
+Exchange copies.  A D2H copy of outgoing rows runs on a dedicated stream and the host waits for that copy's event
+only (the exchange may publish the rows only once they are in shared memory); H2D copies of incoming rows run on a
+second stream and are not waited for by the host: the compute stream waits on that stream after the op.  Before
+each op the host waits for the compute that produced the op's input (one event), which is what a rank would do
+anyway before it can publish, and it makes the compute / copy / wait split of the timings exact.  The argument why
+arena memory may be reused despite asynchronous H2D reads: every publish synchronises a D2H copy that, in stream
+order, follows all H2D copies of earlier ops (the D2H stream waits on the compute stream, which waited on the H2D
+stream), and each op starts by waiting for the previous op's H2D copies (``_reads_done``), so a rank never signals
+progress while one of its reads of an arena region is still in flight.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from workers.dit import ops as dit_ops
+from workers.runtime.handlers import WorkerContext
+
+GIB = 1 << 30
+
+
+def _env_gb(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of GiB; unset it or give e.g. {default}") from None
+
+
+class StreamTimer:
+    """Copy durations measured with CUDA events on the copy streams, read once per step."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self, what: str, stream: torch.cuda.Stream) -> tuple:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        return what, a, b
+
+    def stop(self, token: tuple, stream: torch.cuda.Stream) -> None:
+        token[2].record(stream)
+        self.pairs.append(token)
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per copy kind since the last collect (synchronises the recorded events)."""
+        out: dict[str, float] = {}
+        for what, a, b in self.pairs:
+            b.synchronize()
+            out[what] = out.get(what, 0.0) + a.elapsed_time(b) / 1000.0
+        self.pairs.clear()
+        return out
+
+
+class CudaWeights:
+    """Block weights of one CUDA rank: resident blocks in VRAM, the rest streamed through two prefetched slots."""
+
+    def __init__(self, ctx: WorkerContext, msg: dict) -> None:
+        self.device = torch.device(ctx.device)
+        self.key = msg["key"]
+        self.store = msg["store"]
+        self.config = msg["config"]
+        self.heads = tuple(int(v) for v in msg["heads"])
+        self.residency: str | None = None  # chosen per step (dit_step's "residency")
+        self.log = ctx.log
+        self.rank = ctx.rank
+        seg = ctx.segment(self.store)
+        self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg["manifest"]]
+        self.quant = [dit_ops.quant_info(b, "attn.qkv_proj") for b in self.host]
+        g0, g1 = self.heads
+        rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])
+        self._qkv_rows = [(r.start, r.stop) for r in rows]
+        self.block_bytes = sum(self._device_bytes(n, t) for n, t in self.host[0].items())
+        self.n_resident: int | None = None
+        self.resident: list[dict[str, torch.Tensor]] = []
+        self.slots: list[dict[str, torch.Tensor]] = []
+        self.slot_block = [-1, -1]
+        self.side = torch.cuda.Stream(self.device)
+        self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
+        self.freed: list[torch.cuda.Event | None] = [None, None]
+        self.fetch_s = 0.0
+        self.wait_s = 0.0
+        self.timer_events = StreamTimer()
+
+    # -- sizes --------------------------------------------------------------------------------------------------
+    def _device_bytes(self, name: str, t: torch.Tensor) -> int:
+        if name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale") and t.dim() >= 1 and t.numel() > 1:
+            rows = sum(b - a for a, b in self._qkv_rows)
+            return rows * (t.numel() // t.shape[0]) * t.element_size()
+        return t.numel() * t.element_size()
+
+    def working_set_bytes(self, tokens: int, local_tokens: int) -> int:
+        """A generous estimate of one step's activations on this rank (bf16/fp32 model dtype)."""
+        c = self.config
+        e = 4 if self.host[0]["norm1.weight"].dtype == torch.float32 else 2
+        h_local = self.heads[1] - self.heads[0]
+        hid, hd = c["hidden"], c["head_dim"]
+        ffn = self.host[0]["mlp.fc2.weight"].shape[1]
+        full = tokens * (hid + 3 * h_local * hd + 2 * h_local * hd) * e
+        local = local_tokens * (4 * hid + c["heads"] * hd + 3 * ffn) * e
+        return int(1.25 * (full + local))
+
+    # -- residency ------------------------------------------------------------------------------------------------
+    def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
+        """Decide how many blocks stay resident and upload them, and allocate the two streaming slots: at the first
+        step and whenever the step asks for another residency (the store and the process stay)."""
+        if self.n_resident is not None and residency == self.residency:
+            return
+        self.resident.clear()
+        self.slots.clear()
+        self.slot_block = [-1, -1]
+        self.freed = [None, None]
+        n = len(self.host)
+        why = residency
+        if residency == "resident":
+            k = n
+        elif residency == "stream":
+            k = 0
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            reserve = int(_env_gb("H3MS_VRAM_RESERVE_GB", 2.0) * GIB)
+            budget = free - self.working_set_bytes(tokens, local_tokens) - reserve - 2 * self.block_bytes
+            k = max(0, min(n, budget // max(1, self.block_bytes)))
+            why = (f"auto: {free / GIB:.1f} GiB free, {self.block_bytes / GIB:.2f} GiB per block, "
+                   f"{reserve / GIB:.1f} GiB reserve (H3MS_VRAM_RESERVE_GB)")
+        for i in range(k):
+            self.resident.append(self._to_device(i))
+        if k < n:
+            self.slots = [self._empty_like_block(), self._empty_like_block()]
+        torch.cuda.synchronize(self.device)
+        self.n_resident = k
+        self.residency = residency
+        self.log.info("[dit] rank %d: %d of %d blocks resident in VRAM, %d streamed with prefetch (%s)", self.rank,
+                      k, n, n - k, why)
+
+    def _empty_like_block(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.host[0].items():
+            shape = list(t.shape)
+            if name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale") and t.numel() > 1:
+                shape[0] = sum(b - a for a, b in self._qkv_rows)
+            out[name] = torch.empty(shape, dtype=t.dtype, device=self.device)
+        return out
+
+    def _copy_block(self, dst: dict[str, torch.Tensor], i: int) -> None:
+        for name, src in self.host[i].items():
+            d = dst[name]
+            if name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale") and src.numel() > 1:
+                at = 0
+                for a, b in self._qkv_rows:  # the head group's q, k and v rows, packed as in the full weight
+                    d[at:at + b - a].copy_(src[a:b], non_blocking=True)
+                    at += b - a
+            else:
+                d.copy_(src, non_blocking=True)
+
+    def _to_device(self, i: int) -> dict[str, torch.Tensor]:
+        dst = self._empty_like_block()
+        self._copy_block(dst, i)
+        return dst
+
+    def _fetch(self, i: int) -> None:
+        slot = (i - self.n_resident) % 2
+        if self.slot_block[slot] == i:
+            return
+        t = time.perf_counter()
+        with torch.cuda.stream(self.side):
+            if self.freed[slot] is not None:
+                self.side.wait_event(self.freed[slot])
+            tok = self.timer_events.start("prefetch", self.side)
+            self._copy_block(self.slots[slot], i)
+            self.timer_events.stop(tok, self.side)
+            self.loaded[slot].record(self.side)
+        self.slot_block[slot] = i
+        self.fetch_s += time.perf_counter() - t
+
+    # -- what dit_rank calls ------------------------------------------------------------------------------------
+    def block(self, i: int) -> dict[str, torch.Tensor]:
+        if i < self.n_resident:
+            nxt = self.n_resident
+            if i == self.n_resident - 1 and nxt < len(self.host):
+                self._fetch(nxt)  # the first streamed block loads while the last resident one computes
+            return self.resident[i]
+        self._fetch(i)
+        slot = (i - self.n_resident) % 2
+        torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
+        if i + 1 < len(self.host):
+            self._fetch(i + 1)
+        return self.slots[slot]
+
+    def qkv(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b = self.resident[i] if i < self.n_resident else self.slots[(i - self.n_resident) % 2]
+        w = b["attn.qkv_proj.weight"]
+        return w, (b.get("attn.qkv_proj.weight_scale") if dit_ops.is_int8(w) else None)
+
+    def done(self, i: int) -> None:
+        if i >= self.n_resident:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.freed[(i - self.n_resident) % 2] = ev
+
+    def timer(self) -> dict:
+        """Residency summary and prefetch timings of the step just run."""
+        copies = self.timer_events.collect()
+        return {"resident_blocks": self.n_resident or 0, "streamed_blocks": len(self.host) - (self.n_resident or 0),
+                "block_bytes": self.block_bytes, "prefetch_copy_s": copies.get("prefetch", 0.0),
+                "prefetch_issue_s": self.fetch_s}
+
+    def close(self) -> None:
+        self.resident.clear()
+        self.slots.clear()
+        self.host.clear()
+
+
+def load_weights(ctx: WorkerContext, msg: dict) -> Any:
+    """``dit_load`` on a CUDA rank: returns a RankWeights whose provider streams/holds the blocks."""
+    from workers.dit.rank import RankWeights
+    prov = CudaWeights(ctx, msg)
+    return RankWeights(msg["key"], msg["store"], msg["config"], prov.heads, [], [], prov.quant, provider=prov,
+                       nbytes=prov.block_bytes * len(prov.host))
+
+
+class CudaExchange:
+    """Wraps a HostExchange or DistExchange for a CUDA rank: copy streams, compute/copy/wait accounting."""
+
+    def __init__(self, device: torch.device, host: bool) -> None:
+        self.inner: Any = None
+        self.device = device
+        self.host = host
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.timer = StreamTimer()
+        self._reads: torch.cuda.Event | None = None
+        self.compute_wait_s = 0.0
+        self.sync_s = 0.0
+
+    def bind(self, inner: Any) -> "CudaExchange":
+        """Wrap ``inner`` (built with ``to_host=self.to_host, to_device=self.to_device`` for the host exchange)."""
+        self.inner = inner
+        return self
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.d2h):
+            tok = self.timer.start("d2h", self.d2h)
+            dst.copy_(src, non_blocking=True)
+            self.timer.stop(tok, self.d2h)
+        tok[2].synchronize()
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.h2d):
+            tok = self.timer.start("h2d", self.h2d)
+            dst.copy_(src, non_blocking=True)
+            self.timer.stop(tok, self.h2d)
+
+    def _pre(self) -> torch.cuda.Stream:
+        cur = torch.cuda.current_stream(self.device)
+        t = time.perf_counter()
+        ev = torch.cuda.Event()
+        ev.record(cur)
+        ev.synchronize()  # the op's input is computed: from here on the rank only moves data
+        if self._reads is not None:
+            self._reads.synchronize()  # the previous op's H2D reads of the arena are complete
+        self.compute_wait_s += time.perf_counter() - t
+        self.d2h.wait_stream(cur)
+        self.h2d.wait_stream(cur)
+        return cur
+
+    def _post(self, cur: torch.cuda.Stream, out: torch.Tensor) -> torch.Tensor:
+        if self.host:
+            self._reads = torch.cuda.Event()
+            self._reads.record(self.h2d)
+            cur.wait_stream(self.h2d)
+        else:
+            t = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.sync_s += time.perf_counter() - t
+        return out
+
+    def begin(self, gen: int) -> None:
+        self.inner.begin(gen)
+
+    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        cur = self._pre()
+        lay = self.inner.layout
+        out = torch.empty((lay.tokens, lay.row_width), dtype=local.dtype, device=self.device)
+        out.record_stream(self.h2d)
+        return self._post(cur, self.inner.all_gather_rows(local, chunks, out=out))
+
+    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        cur = self._pre()
+        lay = self.inner.layout
+        t0, t1 = lay.rows(self.inner.rank)
+        out = torch.empty((t1 - t0, lay.columns), dtype=local.dtype, device=self.device)
+        out.record_stream(self.h2d)
+        return self._post(cur, self.inner.all_to_all_cols(local, chunks, out=out))
+
+    def reset_stats(self) -> None:
+        self.inner.reset_stats()
+        self.timer.collect()
+        self.compute_wait_s = 0.0
+        self.sync_s = 0.0
+
+    def stats(self) -> dict:
+        s = dict(self.inner.stats())
+        copies = self.timer.collect()
+        s["d2h_gpu_s"] = copies.get("d2h", 0.0)
+        s["h2d_gpu_s"] = copies.get("h2d", 0.0)
+        if not self.host:  # a collective's host time is only its launch; its GPU time shows at the sync
+            s["wait_s"] = float(s.get("wait_s", 0.0)) + self.sync_s
+        s["compute_wait_s"] = self.compute_wait_s
+        return s
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()

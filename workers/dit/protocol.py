@@ -1,0 +1,51 @@
+"""Message kinds of the transformer split, declared in the one validated table of ``workers.runtime.protocol``.
+
+Both sides import this module: the coordinator (``h3ms_async.dit.split``) to send, the worker (``workers.dit.rank``) to
+serve.  Field meanings:
+
+``dit_load``    map the shared-memory weight store and prepare this rank's weights.
+    store       name of the weight-store segment
+    manifest    list, one map per block: parameter name (as inside a ComfyUI block) -> tensor descriptor
+    config      {hidden, heads, head_dim, eps, layers, devices, attention, compute_dtype}; attention is "sdpa",
+                "ck_int8" or "comfy" (the parent ComfyUI's selected function, ``workers.runtime.comfy_host``); the rank
+                warms that attention up in compute_dtype before its first step
+    heads       [g0, g1]: this rank's head group
+    key         the store's key as text (logged, and a load with the same key is a no-op)
+
+``dit_step``    run every block on this rank's token range, exchanging with the other ranks.
+    job         step number (logs)
+    x           descriptor of the residual stream [S, H]; rank r reads and finally writes rows [t0, t1)
+    t_emb       descriptor [M, T];  rope: descriptor [1, S, 1, P, 2, 2]
+    segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row index
+    tokens      [t0, t1]
+    arena       exchange arena segment name ("" for exchange "dist"); layout: ArenaLayout.to_dict()
+    exchange    "host" | "dist" | "none";  chunks: pipelined chunks per exchange (0/1 = single shot).
+                "none" is the benchmark baseline: each rank computes its shard with no exchange at all (the other
+                ranks' rows are zeros), which measures what the ranks' compute costs on their own, e.g. two CUDA
+                contexts time-slicing one GPU.  Its output is wrong by design and never returned to a caller.
+    abort_gen   the pool's abort generation when the step was submitted
+    deadline_s  per-exchange deadline
+    blocks      [b0, b1): the blocks to run (normally all)
+    residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm);
+                a change between steps re-places the weights from the same store
+
+``dit_release`` drop this rank's weights, exchange objects and process group.
+"""
+from __future__ import annotations
+
+from workers.runtime import protocol
+
+protocol.register_kind("dit_load", {
+    "store": "str", "manifest": "list", "config": "dict", "heads": "list", "key": "str",
+})
+protocol.register_kind("dit_step", {
+    "job": "int", "x": "desc", "t_emb": "desc", "rope": "desc", "segments": "list", "tokens": "list",
+    "arena": "str", "layout": "dict", "exchange": "str", "chunks": "int", "abort_gen": "int",
+    "deadline_s": "float", "blocks": "list", "residency": "str",
+})
+protocol.register_kind("dit_release", {})
+
+#: Exchange transports a step may name.
+EXCHANGES = ("host", "dist", "none")
+#: Weight residency choices of a CUDA rank.
+RESIDENCIES = ("auto", "resident", "stream")

@@ -1,0 +1,343 @@
+"""What one rank executes for the transformer split: its weights (views of the shared-memory weight store) and a
+step (every block on its token range and head group, with the per-block all-gather and all-to-all).
+
+Per block, rank r with tokens [t0, t1) and heads [g0, g1) (DESIGN.md §5):
+
+1. adaln of t_emb (same GEMM shape on every rank, so the same numbers); norm1 + modulation of its tokens;
+2. all-gather of the modulated rows -> [S, H];
+3. qkv of its head rows over all tokens, fused RMSNorm + rope, attention over the whole sequence;
+4. all-to-all -> every head's attention output for its own tokens [n_r, heads*D];
+5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as ComfyUI).
+
+The math is ``workers.dit.ops``, the same code the unsplit reference runs.  Device specifics (CUDA streams, weight
+residency, pinned staging) live in ``workers.dit.cuda``; this module is device-neutral.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.runtime import comfy_host
+from workers.dit import ops as dit_ops
+from workers.dit import protocol as dit_protocol
+from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
+from workers.runtime.handlers import WorkerContext, handler, on_release
+
+_STATE = "dit"
+
+#: The ComfyUI this worker was started from (None: standalone). Importing its attention module applies ComfyUI's
+#: own comfy-kitchen backend policy; standalone workers apply the pack's copy of it.
+_HOST = comfy_host.ComfyHost.from_env()
+if _HOST is None:
+    dit_ops.apply_kitchen_policy()
+_ATTEND: dict[str, dit_ops.Attend] = {}
+
+
+def _attend(name: str) -> dit_ops.Attend:
+    """The attention function ``dit_load`` names: ``comfy`` = the parent ComfyUI's selected one, else a builtin."""
+    fn = _ATTEND.get(name)
+    if fn is None:
+        if name == "comfy":
+            if _HOST is None:
+                raise RuntimeError(f"attention 'comfy' needs the parent ComfyUI in {comfy_host.ENV}; the worker was "
+                                   "started without it")
+            fn = comfy_host.comfy_attend(_HOST)
+        else:
+            fn = dit_ops.builtin_attend(name)
+        _ATTEND[name] = fn
+    return fn
+
+
+@dataclass
+class RankWeights:
+    """This rank's block weights: every parameter as a tensor on the rank's device (or a view of the store)."""
+
+    key: str
+    store: str
+    config: dict
+    heads: tuple[int, int]
+    blocks: list[dict[str, torch.Tensor]]
+    #: per block: the head group's fused qkv rows (and scale), contiguous
+    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]
+    quant: list[dit_ops.QuantInfo]
+    provider: Any = None  # a CUDA streaming provider (workers.dit.cuda) when weights are not all resident
+    nbytes: int = 0
+
+
+@dataclass
+class RankState:
+    weights: RankWeights | None = None
+    exchanges: dict[tuple, Any] = field(default_factory=dict)
+    dist_backend: str | None = None
+
+
+def _state(ctx: WorkerContext) -> RankState:
+    st = ctx.state.get(_STATE)
+    if st is None:
+        st = ctx.state[_STATE] = RankState()
+    return st
+
+
+def _load_cpu(ctx: WorkerContext, msg: dict) -> RankWeights:
+    """CPU rank: block weights are zero-copy views of the store; the head group's qkv rows are copied once."""
+    seg = ctx.segment(msg["store"])
+    cfg = msg["config"]
+    g0, g1 = (int(v) for v in msg["heads"])
+    blocks, qkv, quant, nbytes = [], [], [], 0
+    for entry in msg["manifest"]:
+        w = {name: seg.tensor(desc) for name, desc in entry.items()}
+        q_w, q_s = dit_ops.slice_qkv_weights(w, g0, g1, cfg["heads"], cfg["head_dim"])
+        nbytes += q_w.numel() * q_w.element_size() if (g0, g1) != (0, cfg["heads"]) else 0
+        blocks.append(w)
+        qkv.append((q_w, q_s))
+        quant.append(dit_ops.quant_info(w, "attn.qkv_proj"))
+    return RankWeights(msg["key"], msg["store"], cfg, (g0, g1), blocks, qkv, quant, nbytes=nbytes)
+
+
+@handler("dit_load")
+async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    if st.weights is not None and st.weights.key == msg["key"] and list(st.weights.heads) == list(msg["heads"]):
+        sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
+            if ctx.device.startswith("cuda") else None
+        return {"loaded": False, "bytes": st.weights.nbytes, "sm_count": sms}
+    _drop_weights(ctx, st)
+    ctx.state["devices"] = msg["config"].get("devices")
+    attend = _attend(msg["config"]["attention"])
+    dtype = getattr(torch, msg["config"]["compute_dtype"])
+    if ctx.state.get("warm") != (msg["config"]["attention"], dtype):
+        # before the first step, under the very function and dtype the steps use (see dit_ops.warm_up)
+        await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
+        ctx.state["warm"] = (msg["config"]["attention"], dtype)
+    t = time.perf_counter()
+    if ctx.device.startswith("cuda"):
+        from workers.dit import cuda as cuda_rank
+        st.weights = await ctx.run_compute(cuda_rank.load_weights, ctx, msg)
+    else:
+        st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
+    ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
+                 ctx.rank, msg["key"], len(msg["manifest"]), msg["heads"],
+                 _HOST.attention if msg["config"]["attention"] == "comfy" and _HOST else msg["config"]["attention"],
+                 time.perf_counter() - t)
+    sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
+        if ctx.device.startswith("cuda") else None
+    return {"loaded": True, "bytes": st.weights.nbytes, "seconds": time.perf_counter() - t, "sm_count": sms}
+
+
+def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
+    if st.weights is not None:
+        if st.weights.provider is not None:
+            st.weights.provider.close()
+        st.weights = None
+        if ctx.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+@handler("dit_release")
+async def _dit_release(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    store = st.weights.store if st.weights is not None else None
+    _drop_weights(ctx, st)
+    for ex in st.exchanges.values():
+        ex.close()
+    st.exchanges.clear()
+    if st.dist_backend is not None:
+        from workers.transports.dist import destroy_group
+        await ctx.run_compute(destroy_group)
+        st.dist_backend = None
+    if store is not None:
+        ctx.forget_segment(store)
+    return {"released": True}
+
+
+@on_release
+def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
+    # A host exchange keeps its arena mapped; one over a released arena is never used again.
+    st = _state(ctx)
+    for key in [k for k in st.exchanges if k[0] == "host" and k[1] in names]:
+        st.exchanges.pop(key).close()
+
+
+class NoExchange:
+    """The "none" benchmark baseline (see ``dit_protocol``): same shapes as an exchange, no data from peers."""
+
+    def __init__(self, rank: int, layout: ArenaLayout, device: torch.device) -> None:
+        self.rank, self.layout = rank, layout
+        dt = layout.torch_dtype
+        t0, t1 = layout.rows(rank)
+        self._g = torch.zeros((layout.tokens, layout.row_width), dtype=dt, device=device)
+        self._a = torch.zeros((t1 - t0, layout.columns), dtype=dt, device=device)
+
+    def begin(self, gen: int) -> None:
+        pass
+
+    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        t0, t1 = self.layout.rows(self.rank)
+        self._g[t0:t1].copy_(local)
+        return self._g
+
+    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        t0, t1 = self.layout.rows(self.rank)
+        c0, c1 = self.layout.cols(self.rank)
+        self._a[:, c0:c1].copy_(local[t0:t1])
+        return self._a
+
+    def reset_stats(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"transport": "none"}
+
+    def close(self) -> None:
+        pass
+
+
+def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
+    """The exchange object for this step's arena or process group (created once, reused while it matches)."""
+    layout = ArenaLayout.from_dict(msg["layout"])
+    cuda = ctx.device.startswith("cuda")
+    if msg["exchange"] == "none":
+        key0 = ("none", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
+        if key0 not in st.exchanges:
+            st.exchanges[key0] = NoExchange(ctx.rank, layout, torch.device(ctx.device))
+        return st.exchanges[key0]
+    if msg["exchange"] == "host":
+        key: tuple = ("host", msg["arena"])
+        ex = st.exchanges.get(key)
+        if ex is None:
+            for old in [k for k in st.exchanges if k[0] == "host"]:
+                st.exchanges.pop(old).close()
+            arena = ctx.segment(msg["arena"]).base_tensor()
+            wrap = copies = None
+            if cuda:
+                from workers.dit.cuda import CudaExchange
+                wrap = CudaExchange(torch.device(ctx.device), host=True)
+                copies = {"to_host": wrap.to_host, "to_device": wrap.to_device}
+            ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
+                              msg["deadline_s"], **(copies or {}))
+            ex = wrap.bind(ex) if wrap is not None else ex
+            st.exchanges[key] = ex
+        return ex
+    from workers.transports.dist import DistExchange, init_group
+    if st.dist_backend is None:
+        backend = "nccl" if cuda else "gloo"
+        init_group(ctx.rank, ctx.world_size, backend, os.path.join(ctx.run_dir, "dist-rendezvous"),
+                   msg["deadline_s"], devices=ctx.state.get("devices"), local_device=ctx.device)
+        st.dist_backend = backend
+    key = ("dist", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
+    ex = st.exchanges.get(key)
+    if ex is None:
+        ex = DistExchange(ctx.rank, ctx.world_size, layout, control=ctx.control)
+        if cuda:
+            from workers.dit.cuda import CudaExchange
+            ex = CudaExchange(torch.device(ctx.device), host=False).bind(ex)
+        st.exchanges[key] = ex
+    return ex
+
+
+def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.Segment]:
+    out: list[dit_ops.Segment] = []
+    for a, b, row in raw:
+        if isinstance(row, dict):
+            row = ctx.segment(row["seg"]).tensor(row).to(device)
+        out.append((int(a), int(b), row))
+    return out
+
+
+def run_step(ctx: WorkerContext, msg: dict) -> dict:
+    """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank timings."""
+    st = _state(ctx)
+    w = st.weights
+    if w is None:
+        raise RuntimeError(f"rank {ctx.rank}: dit_step before dit_load; the coordinator must load weights first")
+    cfg = w.config
+    t_start = time.perf_counter()
+    device = torch.device(ctx.device)
+    cuda = device.type == "cuda"
+    t0, t1 = (int(v) for v in msg["tokens"])
+    g0, g1 = w.heads
+    step_seg = ctx.segment(msg["x"]["seg"])
+    x_full = step_seg.tensor(msg["x"])
+    x_rows = x_full[t0:t1].to(device, non_blocking=True) if cuda else x_full[t0:t1]
+    t_emb = step_seg.tensor(msg["t_emb"]).to(device)
+    rope = step_seg.tensor(msg["rope"]).to(device)
+    segs = dit_ops.clip_segments(_segments(ctx, msg["segments"], device), t0, t1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        w.provider.prepare(x_full.shape[0], t1 - t0, msg["residency"])
+    ex = _exchange(ctx, st, msg)
+    ex.reset_stats()
+    ex.begin(int(msg["abort_gen"]))
+    chunks = int(msg["chunks"])
+    b0, b1 = (int(v) for v in msg["blocks"])
+    eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
+    attend = _attend(cfg["attention"])
+    timer = w.provider.timer if w.provider is not None else None
+    per_block: list[list[float]] = []
+    mark = (time.perf_counter(), *_host_counters(ex))
+    for i in range(b0, b1):
+        if ctx.abort_generation() != int(msg["abort_gen"]):
+            raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
+        bw = w.provider.block(i) if w.provider is not None else w.blocks[i]
+        q_w, q_s = w.provider.qkv(i) if w.provider is not None else w.qkv[i]
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(bw, t_emb)
+        n1 = dit_ops.norm_modulate(x_rows, bw["norm1.weight"], shift_msa, scale_msa, segs, eps)
+        n1_full = ex.all_gather_rows(n1, chunks)
+        attn = dit_ops.attention_heads(n1_full, q_w, q_s, bw["attn.q_norm.weight"], bw["attn.k_norm.weight"], rope,
+                                       heads_local, head_dim, eps, quant=w.quant[i], attend=attend)
+        attn_rows = ex.all_to_all_cols(attn, chunks)
+        dit_ops.out_mlp(x_rows, attn_rows, bw, gate_msa, shift_mlp, scale_mlp, gate_mlp, segs, eps)
+        if w.provider is not None:
+            w.provider.done(i)
+        now = (time.perf_counter(), *_host_counters(ex))
+        d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))
+        per_block.append([round(d_wall - d_copy - d_wait, 6), round(d_copy, 6), round(d_wait, 6)])
+        mark = now
+    if cuda:
+        x_full[t0:t1].copy_(x_rows)
+        torch.cuda.current_stream(device).synchronize()
+    wall = time.perf_counter() - t_start
+    xs = ex.stats()
+    exchange_s = float(xs.get("copy_s", 0.0)) + float(xs.get("wait_s", 0.0))
+    return {
+        "wall_s": wall,
+        "compute_s": max(0.0, wall - exchange_s),
+        "exchange_s": float(xs.get("copy_s", 0.0)),
+        "wait_s": float(xs.get("wait_s", 0.0)),
+        "moved_bytes": int(xs.get("bytes_written", 0)) + int(xs.get("bytes_read", 0)),
+        "signals": int(xs.get("signals_sent", 0)),
+        "vram_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        # CUDA ranks: the copies' own durations from events on the copy streams, and the host's waits for compute
+        "copy_gpu_s": float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
+        "compute_wait_s": float(xs.get("compute_wait_s", 0.0)),
+        "weights": timer() if timer is not None else None,
+        # per block [compute, copy, wait] seconds on the host clock; on a CUDA rank the host waits for the block's
+        # compute before each exchange (cuda_rank), so "compute" is GPU time up to that point (the last block's
+        # tail shows in the step total)
+        "per_block": per_block,
+    }
+
+
+def _host_counters(ex: Any) -> tuple[float, float]:
+    """(copy seconds, wait seconds) so far, without synchronising any CUDA event."""
+    st = (ex.inner if hasattr(ex, "inner") else ex).stats()
+    return float(st.get("copy_s", 0.0)), float(st.get("wait_s", 0.0))
+
+
+def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:
+    # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another code path).
+    with torch.inference_mode():
+        return run_step(ctx, msg)
+
+
+@handler("dit_step")
+async def _dit_step(ctx: WorkerContext, msg: dict) -> dict:
+    if msg["exchange"] not in dit_protocol.EXCHANGES:
+        raise ValueError(f"dit_step: exchange {msg['exchange']!r} is not one of {dit_protocol.EXCHANGES}")
+    if msg["residency"] not in dit_protocol.RESIDENCIES:
+        raise ValueError(f"dit_step: residency {msg['residency']!r} is not one of {dit_protocol.RESIDENCIES}")
+    return await ctx.run_compute(_run_step_inference, ctx, msg)

@@ -1,0 +1,237 @@
+"""What a worker serves: the handler registry, the per-worker context, and the core commands.
+
+A handler is ``async def fn(ctx: WorkerContext, msg: dict) -> dict`` registered with ``@handler("kind")`` for a
+kind declared in ``workers.runtime.protocol``; the returned map is the ``r`` of the ``ok`` answer, an exception becomes an
+``err`` answer carrying its traceback.  Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps
+answering (heartbeats, aborts) while it runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from workers.runtime import protocol
+from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
+
+Handler = Callable[["WorkerContext", dict], Awaitable[dict]]
+#: kind -> handler coroutine function.
+HANDLERS: dict[str, Handler] = {}
+
+TEST_HOOKS = os.environ.get("H3MS_TEST_HOOKS") == "1"
+
+
+def handler(kind: str) -> Callable[[Handler], Handler]:
+    """Register ``fn`` as the worker's handler for requests of ``kind`` (which protocol.py must declare)."""
+    if not protocol.is_known(kind):
+        raise ValueError(f"cannot register a handler for {kind!r}: declare it first with protocol.register_kind")
+
+    def deco(fn: Handler) -> Handler:
+        if kind in HANDLERS and HANDLERS[kind] is not fn:
+            raise ValueError(f"a handler for {kind!r} is already registered ({HANDLERS[kind].__qualname__})")
+        HANDLERS[kind] = fn
+        return fn
+
+    return deco
+
+
+#: Called with (ctx, names) right before the segments ``names`` are unmapped because their owner let go of them:
+#: an extension module drops what it built on them (an exchange over an old arena), so the unmap really happens.
+RELEASE_HOOKS: list[Callable[["WorkerContext", set[str]], None]] = []
+
+
+def on_release(fn: Callable[["WorkerContext", set[str]], None]) -> Callable[["WorkerContext", set[str]], None]:
+    """Register ``fn`` in :data:`RELEASE_HOOKS`."""
+    if fn not in RELEASE_HOOKS:
+        RELEASE_HOOKS.append(fn)
+    return fn
+
+
+@dataclass
+class WorkerContext:
+    """Everything a handler may use in this worker process."""
+
+    rank: int
+    world_size: int
+    device: str
+    run_dir: str
+    log: logging.Logger
+    #: eventfd numbers of every rank's doorbell, index = rank (inherited from the coordinator).
+    doorbell_fds: list[int]
+    #: int64 view of the pool's control block; word ``shm.ABORT_WORD`` is the abort generation.
+    control: Any
+    #: free-form state for extension modules (weights, exchange arenas, ...).
+    state: dict = field(default_factory=dict)
+    control_segment: Segment | None = None
+    _segments: dict[str, Segment] = field(default_factory=dict)
+    _compute: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3ms-compute"))
+    inflight: int = 0
+
+    def segment(self, name: str) -> Segment:
+        """Attach a segment once (and register it with CUDA once when this worker's device is CUDA)."""
+        seg = self._segments.get(name)
+        if seg is None:
+            self.forget_released()
+            seg = Segment.attach(name)
+            try:
+                register_cuda(seg, self.device)
+            except BaseException:
+                seg.close()
+                raise
+            self._segments[name] = seg
+        return seg
+
+    def forget_released(self) -> int:
+        """Close the cached segments whose owner has let go of them; returns how many.  Done before every new
+        attach (a new segment usually replaces an old one) and on ``drop_released``, or this worker would keep
+        their memory for its whole life."""
+        gone = {n for n in self._segments if not owner_holds(n)}
+        if gone:
+            for hook in RELEASE_HOOKS:
+                hook(self, gone)
+        for name in gone:
+            self.forget_segment(name)
+        return len(gone)
+
+    def forget_segment(self, name: str) -> None:
+        """Close a cached segment (e.g. after the coordinator released it)."""
+        seg = self._segments.pop(name, None)
+        if seg is not None:
+            seg.close()
+
+    def abort_generation(self) -> int:
+        """The pool's current abort generation; a change since a job started means: stop it."""
+        return int(self.control[ABORT_WORD])
+
+    async def run_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on this worker's single compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def close(self) -> None:
+        """Drop cached segments and the control block; leave the compute thread to die with the process."""
+        for name in list(self._segments):
+            self.forget_segment(name)
+        self.control = None
+        if self.control_segment is not None:
+            self.control_segment.close()
+            self.control_segment = None
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+
+# -- core commands ----------------------------------------------------------------------------------------------
+@handler("ping")
+async def _ping(ctx: WorkerContext, msg: dict) -> dict:
+    return {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
+
+
+def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
+    """Copy ``src`` to ``dst`` through this worker's device (a round trip host->GPU->host on a CUDA rank, from and
+    into CUDA-registered shm); returns the sha256 of ``dst`` and the seconds the copies took."""
+    import torch
+
+    t = time.perf_counter()
+    if device.startswith("cuda"):
+        staged = src.to(device, non_blocking=True)
+        dst.copy_(staged, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        dst.copy_(src)
+    seconds = time.perf_counter() - t
+    return hashlib.sha256(dst.numpy()).hexdigest(), seconds
+
+
+@handler("echo")
+async def _echo(ctx: WorkerContext, msg: dict) -> dict:
+    """Copy the bytes of ``src`` to ``dst`` (both shm descriptors of equal byte size); return their sha256."""
+    import torch
+
+    src_d, dst_d = msg["src"], msg["dst"]
+    n_src, n_dst = protocol.desc_nbytes(src_d), protocol.desc_nbytes(dst_d)
+    if n_src != n_dst:
+        raise ValueError(f"echo: src has {n_src} bytes but dst has {n_dst}; give descriptors of equal size")
+    src = ctx.segment(src_d["seg"]).tensor(src_d).reshape(-1).view(torch.uint8)
+    dst = ctx.segment(dst_d["seg"]).tensor(dst_d).reshape(-1).view(torch.uint8)
+    digest, seconds = await ctx.run_compute(_copy_and_hash, src, dst, ctx.device)
+    return {"bytes": n_src, "sha256": digest, "seconds": seconds,
+            "registered": ctx.segment(src_d["seg"]).registered}
+
+
+@handler("drop_released")
+async def _drop_released(ctx: WorkerContext, msg: dict) -> dict:
+    """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a tight
+    /dev/shm has the old ones' pages back first)."""
+    return {"dropped": ctx.forget_released()}
+
+
+@handler("shutdown")
+async def _shutdown(ctx: WorkerContext, msg: dict) -> dict:
+    # The serve loop stops after sending this answer.
+    return {"pid": os.getpid()}
+
+
+# -- test hooks (only with H3MS_TEST_HOOKS=1) ------------------------------------------------------------------
+if TEST_HOOKS:
+    @handler("sleep")
+    async def _sleep(ctx: WorkerContext, msg: dict) -> dict:
+        """Sleep, but stop early with an error when the pool aborts (doorbell + abort generation)."""
+        seconds = float(msg["seconds"])
+        gen = ctx.abort_generation()
+        loop = asyncio.get_running_loop()
+        rung = asyncio.Event()
+        fd = ctx.doorbell_fds[ctx.rank]
+
+        def _ring() -> None:
+            try:
+                os.eventfd_read(fd)
+            except BlockingIOError:
+                return
+            rung.set()
+
+        loop.add_reader(fd, _ring)
+        try:
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                rung.clear()
+                try:
+                    await asyncio.wait_for(rung.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+                if ctx.abort_generation() != gen:
+                    raise RuntimeError(f"rank {ctx.rank}: sleep aborted by the pool")
+        finally:
+            loop.remove_reader(fd)
+        return {"slept": seconds}
+
+    @handler("crash")
+    async def _crash(ctx: WorkerContext, msg: dict) -> dict:
+        how = msg.get("how", "kill")
+        ctx.log.warning("test hook: crashing (%s)", how)
+        for h in ctx.log.handlers + logging.getLogger().handlers:
+            h.flush()
+        if how == "exit":
+            os._exit(int(msg.get("code", 3)))
+        os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+    @handler("hang")
+    async def _hang(ctx: WorkerContext, msg: dict) -> dict:
+        ctx.log.warning("test hook: blocking the loop for %.1f s", msg["seconds"])
+        time.sleep(float(msg["seconds"]))  # on purpose: the loop (and its heartbeats) stop
+        return {}
+
+    @handler("inject")
+    async def _inject(ctx: WorkerContext, msg: dict) -> dict:
+        """Write raw bytes on this worker's channel (to test the coordinator's protocol checks)."""
+        writer = ctx.state["_writer"]
+        writer.write(bytes(msg["raw"]))
+        if msg.get("close"):
+            writer.write_eof()
+        await writer.drain()
+        return {}

@@ -1,0 +1,1 @@
+"""Exchanges between ranks: host shared memory, torch.distributed, and the exchange probe."""

@@ -1,0 +1,158 @@
+"""A rank program for the exchange tests and benchmark: ``python -m workers.transports.probe --rank R --world W ...``.
+
+It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or ``both``), an arena
+file in /dev/shm with its layout (host), the chunk counts to run, and rounds x blocks of (all_gather_rows,
+all_to_all_cols).  Every rank generates every rank's inputs from the case seed, so it checks its own results against
+the exact expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed one.
+Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a /dev/shm file
+(``--control``).  Output: one JSON line on stdout with per-case results, per-op timings and the exchange stats;
+exit status 0 when every check passed, 1 when a check failed, 3 when an exchange raised.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from workers.transports.host import ArenaLayout, ExchangeError, HostExchange
+
+
+def attach_file(path: str) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map a /dev/shm file created by the spawner; the mmap must outlive every view of the tensor."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full ``[S, W]`` rows and ``[S, C]`` columns of pattern ``index`` (identical on every rank)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    dt = layout.torch_dtype
+    shapes = ((layout.tokens, layout.row_width), (layout.tokens, layout.columns))
+    if dt.is_floating_point:
+        return tuple(torch.randn(s, generator=gen).to(dt) for s in shapes)  # type: ignore[return-value]
+    return tuple(torch.randint(-100, 100, s, generator=gen).to(dt) for s in shapes)  # type: ignore[return-value]
+
+
+def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_hook=None) -> dict:
+    """Run one case on this rank; returns its result record."""
+    layout = ArenaLayout.from_dict(case["layout"])
+    rounds, blocks = int(case.get("rounds", 2)), int(case.get("blocks", 2))
+    n_pat = int(case.get("patterns", rounds * blocks))
+    seed = int(case.get("seed", 1))
+    gen = int(case.get("gen", 0))
+    patterns = [case_inputs(layout, seed, k) for k in range(n_pat)]
+    r0, r1 = layout.rows(rank)
+    c0, c1 = layout.cols(rank)
+    transports = [("host", host)] if case["transport"] == "host" else [("dist", dist_ex)]
+    if case["transport"] == "both":
+        transports = [("host", host), ("dist", dist_ex)]
+    result: dict = {"name": case.get("name", ""), "ok": True, "failures": [], "runs": []}
+    op_count = 0
+
+    def timed(op, data, chunks, times):
+        # every op counts for the stall hook (a test freezes one rank at op N), then is timed
+        nonlocal op_count
+        op_count += 1
+        if stall_hook:
+            stall_hook(op_count)
+        t = time.perf_counter()
+        out = op(data, chunks)
+        times.append(time.perf_counter() - t)
+        return out
+
+    for chunks in case.get("chunks", [0]):
+        for tname, ex in transports:
+            ex.reset_stats()
+            gather_s, a2a_s = [], []
+            for rnd in range(rounds):
+                ex.begin(gen)
+                for blk in range(blocks):
+                    x, y = patterns[(rnd * blocks + blk) % n_pat]
+                    local_rows = x[r0:r1].clone()
+                    local_cols = y[:, c0:c1].clone()
+                    g = timed(ex.all_gather_rows, local_rows, chunks, gather_s)
+                    a = timed(ex.all_to_all_cols, local_cols, chunks, a2a_s)
+                    if not torch.equal(g, x):
+                        result["failures"].append(f"{tname} chunks={chunks} round={rnd} block={blk}: gather differs")
+                    if not torch.equal(a, y[r0:r1]):
+                        result["failures"].append(f"{tname} chunks={chunks} round={rnd} block={blk}: all_to_all "
+                                                  "differs")
+            result["runs"].append({"transport": tname, "chunks": chunks, "gather_s": gather_s, "a2a_s": a2a_s,
+                                   "stats": ex.stats()})
+    result["ok"] = not result["failures"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workers.transports.probe")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--doorbells", default="", help="comma-separated eventfd numbers, one per rank (pass_fds)")
+    ap.add_argument("--control", default="", help="/dev/shm file whose int64 word 0 is the abort generation")
+    ap.add_argument("--spec", required=True, help="JSON: {cases: [...], init_file, dist_timeout_s}")
+    args = ap.parse_args(argv)
+    spec = json.loads(args.spec)
+    out: dict = {"rank": args.rank, "pid": os.getpid(), "ok": False, "cases": [], "error": None}
+    maps = []
+    dist_ex = None
+    try:
+        doorbells = [int(x) for x in args.doorbells.split(",") if x]
+        control = None
+        if args.control:
+            mm, raw = attach_file(args.control)
+            maps.append(mm)
+            control = raw.view(torch.int64)
+        needs_dist = any(c["transport"] in ("gloo", "both") for c in spec["cases"])
+        if needs_dist:
+            from workers.transports.dist import init_group
+            init_group(args.rank, args.world, "gloo", spec["init_file"], float(spec.get("dist_timeout_s", 60)))
+        stall = spec.get("stall") or {}
+
+        def stall_hook(op: int) -> None:
+            if stall.get("rank") == args.rank and stall.get("op") == op:
+                print(json.dumps({"rank": args.rank, "stalled": op}), flush=True)
+                time.sleep(float(stall.get("sleep_s", 30)))
+
+        for case in spec["cases"]:
+            layout = ArenaLayout.from_dict(case["layout"])
+            host = None
+            if case["transport"] in ("host", "both"):
+                mm, arena = attach_file(case["arena"])
+                maps.append(mm)
+                host = HostExchange(args.rank, args.world, arena[: layout.nbytes], layout, doorbells, control,
+                                    float(case.get("deadline_s", 30)), spin_us=float(case.get("spin_us", 0)))
+            if needs_dist and case["transport"] != "host":
+                from workers.transports.dist import DistExchange
+                dist_ex = DistExchange(args.rank, args.world, layout, control=control)
+            out["cases"].append(run_case(args.rank, case, host, dist_ex, stall_hook if stall else None))
+            if host is not None:
+                host.close()
+        out["ok"] = all(c["ok"] for c in out["cases"])
+        rc = 0 if out["ok"] else 1
+    except ExchangeError as e:
+        out["error"] = {"type": type(e).__name__, "message": str(e), "t": time.monotonic()}
+        rc = 3
+    except Exception as e:  # noqa: BLE001 - reported to the spawner, which fails the test with the traceback
+        out["error"] = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        rc = 2
+    finally:
+        if dist_ex is not None or any(c["transport"] != "host" for c in spec.get("cases", [])):
+            from workers.transports.dist import destroy_group
+            destroy_group()
+    print(json.dumps(out), flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The VAE split decode's rank program: messages and the chunk decoder."""

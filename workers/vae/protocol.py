@@ -1,0 +1,44 @@
+"""Message kinds of the VAE split decode, declared in the one validated table of ``workers.runtime.protocol``.
+
+Both sides import this module: the coordinator (``h3ms_async.vae.split``) to send, the worker (``workers.vae.rank``)
+to serve.  Field meanings:
+
+``vae_load``    build the video VAE's decoder in this worker and copy its weights in (once per weight key).
+    store       name of the weight-store segment holding the decoder's parameters and buffers
+    manifest    parameter/buffer name (as in ``MiniMaxH3VideoVAE``) -> tensor descriptor
+    key         the weight key as text; a load with the key already loaded is a no-op
+    arch        the decoder's architecture (see ``workers.vae.rank.build_decoder``)
+    dtype       the VAE's compute dtype ("float16", "float32", ...)
+    comfy       {root, sys_path, argv}: the ComfyUI root whose ``comfy`` package runs the decode, the parent's
+                ``sys.path`` entries to add, and ComfyUI's command-line flags (attention choice, precision flags)
+
+``vae_chunk``   decode one temporal chunk.
+    job         decode number (logs, and the key of chunks held for ``vae_fetch``)
+    index       chunk index
+    z           descriptor of the chunk's padded, denormalised latent slice [B, C, t, h, w] in the VAE dtype
+    out         descriptor where the raw decoder output goes (shm return), or None: the worker keeps the output
+                and the coordinator reads it with ``vae_fetch`` (socket return)
+    -> {index, seconds, shape, dtype, nbytes, held}
+
+``vae_fetch``   read ``n`` bytes at ``off`` of a held chunk output (socket return); the last read frees it.
+    -> {data}
+
+``vae_drop``    end of ``job``: forget its held chunk outputs (an abandoned decode) and unmap its segments.
+``vae_release`` drop the decoder (the worker stays up).
+"""
+from __future__ import annotations
+
+from workers.runtime import protocol
+
+protocol.register_kind("vae_load", {
+    "store": "str", "manifest": "dict", "key": "str", "arch": "dict", "dtype": "str", "comfy": "dict",
+})
+protocol.register_kind("vae_chunk", {"job": "int", "index": "int", "z": "desc", "out": "desc|None"})
+protocol.register_kind("vae_fetch", {"job": "int", "index": "int", "off": "int", "n": "int"})
+protocol.register_kind("vae_drop", {"job": "int"})
+protocol.register_kind("vae_release", {})
+
+#: The parameter/buffer prefixes of ``MiniMaxH3VideoVAE`` that a decode uses; the encoder never travels.
+DECODE_PREFIXES = ("decoder.", "post_quant_conv.")
+#: Largest piece one ``vae_fetch`` answer carries (well under the frame limit, leaving room for the envelope).
+FETCH_PIECE_BYTES = min(8 * 1024 * 1024, protocol.MAX_FRAME_BYTES // 2)

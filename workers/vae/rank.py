@@ -1,0 +1,257 @@
+"""What a VAE-split worker executes: ComfyUI's own H3 video-VAE decoder on the temporal chunks dealt to it.
+
+The worker imports ``comfy`` from the ComfyUI root the coordinator names (with ComfyUI's command-line flags, so the
+attention function and precision choices are the parent's), builds ``MiniMaxH3VideoVAE``'s decoder with the parent's
+architecture and operations class, and copies the parent's decoder tensors in from the weight-store segment: the
+same code on the same weights, so a chunk decoded here equals the chunk decoded in ComfyUI's process.  Each chunk
+answer carries the raw, untrimmed decoder output (decoder dtype); the ordered blend and write stay with the
+coordinator (``h3ms_async.vae.split``).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.vae import protocol as vae_protocol
+from workers.vae.protocol import DECODE_PREFIXES
+from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
+from workers.runtime.shm import _torch_dtype
+
+_STATE = "vae"
+
+
+@dataclass
+class VaeState:
+    key: str | None = None
+    model: Any = None
+    dtype: torch.dtype | None = None
+    #: (job, index) -> flat uint8 CPU copy of a decoded chunk waiting for ``vae_fetch``
+    held: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    #: job -> names of the segments its chunks used (forgotten at ``vae_drop``)
+    segments: dict[int, set[str]] = field(default_factory=dict)
+    chunks_done: int = 0
+    #: latent chunk shapes this CUDA worker has decoded once with its current decoder (see ``_decode``)
+    warm_shapes: set[tuple[int, ...]] = field(default_factory=set)
+
+
+def _state(ctx: WorkerContext) -> VaeState:
+    st = ctx.state.get(_STATE)
+    if st is None:
+        st = ctx.state[_STATE] = VaeState()
+    return st
+
+
+def import_comfy_vae(comfy: dict) -> Any:
+    """Import ``comfy.ldm.minimax.vae`` from ``comfy["root"]`` after ComfyUI's flags ``comfy["argv"]`` are parsed.
+
+    ``comfy["argv"]`` is None when the parent never parsed flags (ComfyUI embedded without its CLI): the defaults
+    then hold here too.  A second call must name the same root (a process holds one ComfyUI).
+    """
+    root = os.path.realpath(comfy["root"])
+    loaded = sys.modules.get("comfy")
+    if loaded is not None:
+        where = os.path.realpath(os.path.dirname(list(loaded.__path__)[0]))
+        if where != root:
+            raise RuntimeError(f"this worker already imported ComfyUI from {where}; it cannot switch to {root}")
+        return importlib.import_module("comfy.ldm.minimax.vae")
+    if not os.path.isfile(os.path.join(root, "comfy", "ldm", "minimax", "vae.py")):
+        raise FileNotFoundError(f"{root} is not a ComfyUI root with MiniMax H3 (comfy/ldm/minimax/vae.py is missing)")
+    sys.path.insert(0, root)
+    for p in comfy.get("sys_path") or []:
+        if p not in sys.path:
+            sys.path.append(p)
+    if comfy.get("argv") is not None:
+        sys.argv = ["main.py", *comfy["argv"]]
+        importlib.import_module("comfy.options").enable_args_parsing()
+    return importlib.import_module("comfy.ldm.minimax.vae")
+
+
+def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype) -> Any:
+    """A ``MiniMaxH3VideoVAE`` whose decode path (``post_quant_conv`` + ``ViT3DDecoder``) has ``arch``'s shape.
+
+    ``arch``: ``decoder`` (the ViT3DDecoder arguments), ``operations`` (name of the ``comfy.ops`` class the parent's
+    decoder linears use), ``z_channels``, ``embed_dim``, and the tiling/temporal attributes ``tile_size``,
+    ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``, ``clip_length``, ``token_drop``.  The encoder
+    is left out (None): a decode never touches it.  The model is built on the meta device (no memory, no init):
+    ``to_empty`` places it, and every decode-path tensor is then copied in from the parent's.
+    """
+    import comfy.ops
+
+    ops_cls = getattr(comfy.ops, arch["operations"], None)
+    if ops_cls is None:
+        raise ValueError(f"comfy.ops has no operations class {arch['operations']!r}; the parent's ComfyUI differs")
+    with torch.device("meta"):
+        model = vae_mod.MiniMaxH3VideoVAE(
+            ch=32, ch_mult=(1,) * 6, num_res_blocks=1, embed_dim=arch["embed_dim"], z_channels=arch["z_channels"],
+            clip_length=arch["clip_length"], token_drop=arch["token_drop"], tile_size=arch["tile_size"],
+            tile_overlap_min=arch["tile_overlap_min"], tiling=arch["tiling"])
+        model.encoder = None
+        model.quant_conv = None
+        model.decoder = vae_mod.ViT3DDecoder(operations=ops_cls, **arch["decoder"])
+    model.vae_ratio = int(arch["vae_ratio"])
+    model.vae_ratio_t = int(arch["vae_ratio_t"])
+    return model.to(dtype)
+
+
+def _copy_in(model: Any, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy every decode-path parameter and buffer from ``tensors``; refuse missing, extra or mismatched ones."""
+    targets = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if n.startswith(DECODE_PREFIXES)}
+    missing = sorted(set(targets) - set(tensors))
+    extra = sorted(set(tensors) - set(targets))
+    if missing or extra:
+        raise ValueError(f"decoder tensors do not match the built decoder: missing {missing[:5]}, extra {extra[:5]}")
+    nbytes = 0
+    with torch.no_grad():
+        for name, dst in targets.items():
+            src = tensors[name]
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(f"{name}: shipped {src.dtype} {list(src.shape)}, built {dst.dtype} {list(dst.shape)}")
+            dst.copy_(src)
+            nbytes += src.numel() * src.element_size()
+    return nbytes
+
+
+def _load(ctx: WorkerContext, msg: dict) -> dict:
+    t0 = time.perf_counter()
+    vae_mod = import_comfy_vae(msg["comfy"])
+    t_import = time.perf_counter() - t0
+    dtype = _torch_dtype(msg["dtype"])
+    model = build_decoder(vae_mod, msg["arch"], dtype).to_empty(device=ctx.device)
+    seg = ctx.segment(msg["store"])
+    try:
+        nbytes = _copy_in(model, {name: seg.tensor(d) for name, d in msg["manifest"].items()})
+    finally:
+        ctx.forget_segment(msg["store"])
+    model = model.eval().requires_grad_(False)
+    return {"model": model, "dtype": dtype, "nbytes": nbytes, "import_s": t_import,
+            "load_s": time.perf_counter() - t0}
+
+
+@handler("vae_load")
+async def _vae_load(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    if st.key == msg["key"] and st.model is not None:
+        return {"loaded": False, "key": st.key}
+    st.model = None
+    st.key = None
+    res = await ctx.run_compute(_load, ctx, msg)
+    st.model, st.dtype, st.key = res["model"], res["dtype"], msg["key"]
+    st.warm_shapes.clear()
+    ctx.log.info("VAE decoder loaded: %.1f MiB %s in %.2f s (ComfyUI import %.2f s), key %s",
+                 res["nbytes"] / 2**20, msg["dtype"], res["load_s"], res["import_s"], msg["key"])
+    return {"loaded": True, "key": st.key, "bytes": res["nbytes"], "seconds": res["load_s"],
+            "import_s": res["import_s"]}
+
+
+#: Test hook (with H3MS_TEST_HOOKS=1): a worker that finds this file deletes it and dies at its next chunk.
+CRASH_FILE_ENV = "H3MS_TEST_VAE_CRASH_FILE"
+
+
+def _test_crash(ctx: WorkerContext) -> None:
+    path = os.environ.get(CRASH_FILE_ENV, "")
+    if not (TEST_HOOKS and path):
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    ctx.log.warning("test hook: dying in the middle of a chunk")
+    for h in ctx.log.handlers + logging.getLogger().handlers:
+        h.flush()
+    os._exit(7)
+
+
+def _decode(ctx: WorkerContext, st: VaeState, msg: dict, gen: int) -> dict:
+    if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
+        raise RuntimeError(f"chunk {msg['index']} of job {msg['job']} skipped: the coordinator aborted the decode")
+    _test_crash(ctx)
+    names = st.segments.setdefault(msg["job"], set())
+    names.add(msg["z"]["seg"])
+    if msg["out"] is not None:
+        names.add(msg["out"]["seg"])
+    seg = ctx.segment(msg["z"]["seg"])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        z = seg.tensor(msg["z"]).to(ctx.device, copy=True)
+        if ctx.device.startswith("cuda") and tuple(z.shape) not in st.warm_shapes:
+            # Measured on the H200: a fresh worker's first split decode differed from ComfyUI's, every later one
+            # was equal (docs/performance.md). ComfyUI's process is warm by then, so the worker decodes each new
+            # chunk shape once and discards it, as it warms its DiT attention (workers/dit/ops.py warm_up).
+            st.model._adaptive_decode(z.clone())
+            st.warm_shapes.add(tuple(z.shape))
+        raw = st.model._adaptive_decode(z)
+        if ctx.device.startswith("cuda"):
+            torch.cuda.synchronize(ctx.device)
+        t_decode = time.perf_counter() - t0
+        out = msg["out"]
+        if out is not None:
+            dst = ctx.segment(out["seg"]).tensor(out)
+            if tuple(dst.shape) != tuple(raw.shape) or dst.dtype != raw.dtype:
+                raise ValueError(f"chunk {msg['index']}: decoded {raw.dtype} {list(raw.shape)}, the coordinator "
+                                 f"expects {dst.dtype} {list(dst.shape)}")
+            dst.copy_(raw)
+        else:
+            st.held[(msg["job"], msg["index"])] = raw.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if ctx.device.startswith("cuda"):
+            torch.cuda.synchronize(ctx.device)
+    return {"index": msg["index"], "seconds": t_decode, "copy_s": time.perf_counter() - t0 - t_decode,
+            "shape": list(raw.shape), "dtype": str(raw.dtype).removeprefix("torch."),
+            "nbytes": raw.numel() * raw.element_size(), "held": out is None}
+
+
+@handler("vae_chunk")
+async def _vae_chunk(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    if st.model is None:
+        raise RuntimeError("vae_chunk before vae_load: this worker holds no VAE decoder")
+    res = await ctx.run_compute(_decode, ctx, st, msg, ctx.abort_generation())
+    st.chunks_done += 1
+    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg["job"], msg["index"], res["dtype"],
+                 res["shape"], res["seconds"], res["copy_s"], "held for fetch" if res["held"] else "shm")
+    return res
+
+
+@handler("vae_fetch")
+async def _vae_fetch(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    key = (msg["job"], msg["index"])
+    flat = st.held.get(key)
+    if flat is None:
+        raise KeyError(f"no decoded chunk {msg['index']} of job {msg['job']} is held here")
+    off, n = int(msg["off"]), int(msg["n"])
+    if off < 0 or n < 1 or n > vae_protocol.FETCH_PIECE_BYTES or off + n > flat.numel():
+        raise ValueError(f"fetch [{off}, {off + n}) of a {flat.numel()}-byte chunk; pieces are at most "
+                         f"{vae_protocol.FETCH_PIECE_BYTES} bytes")
+    data = flat[off:off + n].numpy().tobytes()
+    if off + n == flat.numel():
+        del st.held[key]
+    return {"data": data}
+
+
+@handler("vae_drop")
+async def _vae_drop(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    keys = [k for k in st.held if k[0] == msg["job"]]
+    for k in keys:
+        del st.held[k]
+    for name in st.segments.pop(msg["job"], ()):
+        ctx.forget_segment(name)
+    return {"dropped": len(keys)}
+
+
+@handler("vae_release")
+async def _vae_release(ctx: WorkerContext, msg: dict) -> dict:
+    st = _state(ctx)
+    had = st.model is not None
+    ctx.state.pop(_STATE, None)
+    if had and ctx.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"released": had}
