@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=str
 _HOOK = r'''
 import importlib.util, os
 spec = importlib.util.spec_from_file_location("h3ms_ck_cpu_hook", os.path.join(os.environ["H3MS_PACK"], "workers",
-                                                                               "ck_attention_cpu.py"))
+                                                                               "attention", "ck_cpu.py"))
 hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 hook.install()  # before ComfyUI's attention module asks kitchen whether INT8 attention is available
