@@ -24,6 +24,6 @@ from __future__ import annotations
 
 from workers.runtime import protocol
 
-protocol.register_kind("attn_call", {"job": "int", "first": "bool", "tensors": "dict", "meta": "dict", "out": "desc|None",
-                                     "ipc": "dict|None?"})
+protocol.register_kind("attn_call", {"job": "int", "first": "bool", "tensors": "dict", "meta": "dict",
+                                     "out": "desc|None", "ipc": "dict|None?"})
 protocol.register_kind("attn_release", {})

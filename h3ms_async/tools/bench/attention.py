@@ -12,8 +12,9 @@ In one run (JSON to stdout and ``--out``), at ``--shape`` (default ``1,56,93312,
   the helpers start included), the split the engine tuned, and per phase (stage copy, helper copy in, compute,
   helper copy out, take-back) its seconds, bytes and GB/s, plus one message's round trip to a helper;
 * the predicted time and speedup at N = 2, 4, 8 GPUs of the schedule the engine runs (``attention_schedule``, pieces
-  of ``--chunk-heads`` heads; the same with whole slices beside it), from the quantities above: PCIe host-staged at the measured host rates and at an assumed PCIe Gen4 x16 rate, NVLink by
-  CUDA IPC at the measured P2P rate (two GPUs) or an assumed NVLink rate (formula and links in ``model``).
+  of ``--chunk-heads`` heads; beside it whole slices and every smaller piece size), from the quantities above: PCIe
+  host-staged at the measured host rates and at an assumed PCIe Gen4 x16 rate, NVLink by CUDA IPC at the measured
+  P2P rate (two GPUs) or an assumed NVLink rate (formula and links in ``model``).
 
 On a CPU (CI smoke test) it runs with the pack's CPU test hook (``H3MS_TEST_HOOKS=1 H3MS_CK_ATTENTION_CPU=1``).
 """
@@ -110,8 +111,9 @@ def _phases(calls: list[dict]) -> dict:
     def med(key: str, ranks: bool = True) -> float:
         return statistics.median(sum(r[key] for r in c["ranks"][1:]) if ranks else c[key] for c in calls)
 
-    legs = {"stage": ("stage_s", "staged_bytes"), "helper_in": ("h2d_s", "staged_bytes"), "compute": ("compute_s", None),
-            "helper_out": ("d2h_s", "returned_bytes"), "take_back": ("return_s", "returned_bytes")}
+    legs = {"stage": ("stage_s", "staged_bytes"), "helper_in": ("h2d_s", "staged_bytes"),
+            "compute": ("compute_s", None), "helper_out": ("d2h_s", "returned_bytes"),
+            "take_back": ("return_s", "returned_bytes")}
     out = {}
     for name, (key, nbytes) in legs.items():
         secs = med(key)
@@ -226,9 +228,16 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
                            attention_schedule.Pipeline(chunk_heads, ipc, rtt / 2))
             whole = predict(n, heads, quant_s, per_head, per_head, in_per_head, out_per_head, legs,
                             attention_schedule.Pipeline(0, ipc, rtt / 2))
+            # smaller pieces than the engine ran, each at the measured cost of its slice sizes
+            smaller = {str(c): unsplit / predict(n, heads, quant_s, per_head,
+                                                 max(slice_s[h] / h for h in range(1, c + 1)), in_per_head,
+                                                 out_per_head, legs, attention_schedule.Pipeline(c, ipc, rtt / 2)
+                                                 )["total_s"] for c in sorted(pieces)[:-1]}
             models[name][f"N={n}"] = dict(pred, speedup=unsplit / pred["total_s"],
                                           whole_slices={"heads": whole["heads"], "total_s": whole["total_s"],
-                                                        "speedup": unsplit / whole["total_s"]})
+                                                        "speedup": unsplit / whole["total_s"]},
+                                          speedup_by_chunk_heads=dict(smaller, **{str(chunk_heads): unsplit /
+                                                                                  pred["total_s"]}) if pieces else {})
     if "nvlink_p2p" not in models:
         models["nvlink_p2p"] = {"predicted": None, "why": p2p["why"] if ipc_runs else
                                 "no cuda_ipc run to measure the model GPU's staging rate"}
