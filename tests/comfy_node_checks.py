@@ -491,6 +491,22 @@ def test_release_node_clears_store_keeps_workers_then_releases(split, monkeypatc
     assert same(reference, sample(patched))  # a new engine starts on demand
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["weight_cache-on", "weight_cache-off"])
+def test_weight_cache_keeps_or_releases_the_store_after_sampling(split, monkeypatch, cache):
+    """What weight_cache's tooltip says: on, the filled store outlives the prompt; off, it is released when sampling
+    ends (ComfyUI's ON_CLEANUP). The workers stay either way, and the next prompt is still exact."""
+    patcher = comfy_h3.model(layers=2)
+    reference = sample(patcher)
+    monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
+    (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, cache, 0.0, "auto", None)
+    assert same(reference, sample(patched))
+    (engine,) = split.engines()
+    pids = [w["pid"] for w in engine.pool.snapshot()]
+    assert engine.weight_state.startswith("warm") if cache else engine.weight_state == "empty"
+    assert same(reference, sample(patched))
+    assert [w["pid"] for w in engine.pool.snapshot()] == pids
+
+
 def test_step_too_short_to_split_exactly_runs_unsplit(split, monkeypatch, caplog):
     """A plan that would leave a rank fewer than 4 tokens is refused by the engine (SplitUnsafe) and the node runs
     that step in ComfyUI, unsplit: same bits as the unpatched model. (The smallest H3 latent packs 19 tokens; shares

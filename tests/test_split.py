@@ -204,3 +204,17 @@ def test_ck_int8_attention_unavailable_on_cpu_is_a_clear_error(engine_factory, i
     eng = engine_factory(["cpu"], attention="ck_int8")
     with pytest.raises(SplitError, match="attention='sdpa'"):  # the ranks warm their attention up at load
         eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+
+
+def test_auto_residency_keeps_what_fits_in_the_ranks_share_of_the_gpu():
+    """``vram_residency auto`` (workers.cuda_rank): every block when all fit (no streaming slots then), else as many
+    as fit next to two streaming slots; ranks on one GPU split its free memory (they measure it at the same time)."""
+    from workers.cuda_rank import auto_resident_blocks
+    gib = 1 << 30
+    assert auto_resident_blocks(4, gib, 20 * gib, 8 * gib, 2 * gib) == 4
+    assert auto_resident_blocks(4, gib, 14 * gib, 8 * gib, 2 * gib) == 4  # exactly fits: no slots needed
+    assert auto_resident_blocks(4, gib, 13 * gib, 8 * gib, 2 * gib) == 1  # 3 GiB left: 2 slots + 1 block
+    assert auto_resident_blocks(4, gib, 40 * gib, 8 * gib, 2 * gib, sharing=2) == 4
+    assert auto_resident_blocks(4, gib, 24 * gib, 8 * gib, 2 * gib, sharing=2) == 0  # 12 GiB each: 2 left = slots
+    assert auto_resident_blocks(60, gib, 140 * gib, 12 * gib, 2 * gib, sharing=2) == 54
+    assert auto_resident_blocks(4, gib, gib, 8 * gib, 2 * gib) == 0
