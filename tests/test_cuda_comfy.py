@@ -3,7 +3,8 @@ including the first call after the workers start, with no warm-up anywhere in th
 
 ``import main`` runs ComfyUI's own start-up code (up to its ``__main__`` guards): comfy-aimdo is initialised and the
 patcher class becomes ``ModelPatcherDynamic`` (DynamicVRAM, ComfyUI's default on NVIDIA) unless
-``--disable-dynamic-vram``; the test asserts which patcher ComfyUI really used. One ComfyUI process per flag set
+``--disable-dynamic-vram`` (or ``--novram``, which also leaves every layer offloaded, so the classic patcher applies a
+LoRA in ``comfy.ops``' cast); the test asserts which patcher ComfyUI really used. One ComfyUI process per flag set
 (flags are process-wide); inside it each case patches the model with ``H3MS_RANK_MAP`` set to its logical ranks on
 ``cuda:0`` (a new rank map starts new workers, so every case's first split call is a fresh worker's first step).
 Tiny width, 2 blocks, >= 8000 packed tokens; bf16 weights compute in bf16 on the H200, int8 in bf16 too.
