@@ -5,6 +5,11 @@ Staging, before every hooked call: the first call fills the group's pinned copy 
 one warning, and the call runs without the cache); a later call that finds the model's weights dropped (ComfyUI
 evicted them to the ``meta`` device) puts them back from the pinned copy on the model's device instead of reading
 the file again.
+
+Under DynamicVRAM (ComfyUI's ``ModelPatcherDynamic`` with comfy-aimdo, its default on NVIDIA) the weights are never
+evicted that way: they stay host tensors that ComfyUI pins and faults into VRAM itself, through comfy.ops' cast path.
+A second pinned copy would only double the RAM, so the weight cache stands aside for such a model
+(:func:`weights_managed_by_comfy`, one log line); the text-encoder output cache works the same either way.
 """
 from __future__ import annotations
 
@@ -34,6 +39,17 @@ def file_key(patcher: Any, *extra: Any) -> tuple | None:
     except (TypeError, IndexError, KeyError, OSError):
         return None
     return (path, st.st_size, st.st_mtime_ns, *extra)
+
+
+DYNAMIC_NOTE = ("weight cache off for this model: ComfyUI runs it under DynamicVRAM (ModelPatcherDynamic), which "
+                "keeps its weights in host RAM, pins them and streams them to the GPU itself, so there is nothing to "
+                "restore; start ComfyUI with --disable-dynamic-vram to use the weight cache")
+
+
+def weights_managed_by_comfy(patcher: Any) -> bool:
+    """Whether ``patcher`` is ComfyUI's dynamic-VRAM patcher (``is_dynamic()``), which owns the weights' host copy."""
+    probe = getattr(patcher, "is_dynamic", None)
+    return bool(probe()) if callable(probe) else False
 
 
 def object_key(model: Any) -> tuple:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from h3ms_async import caches
 from h3ms_async.caches import output_cache, register_status
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .cache_hooks import file_key, object_key, stage_weights
+from .cache_hooks import DYNAMIC_NOTE, file_key, object_key, stage_weights, weights_managed_by_comfy
 
 log = get_logger("TextEncoder")
 
@@ -95,7 +96,9 @@ class H3MSTextEncoderCacheAsync:
                 "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hook (bypassing the node "
                             "leaves an installed hook in place)."}),
                 "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the encoder "
-                                 "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder)."}),
+                                 "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder). Stands aside under "
+                                 "DynamicVRAM (ComfyUI's default on NVIDIA), which keeps and pins the weights "
+                                 "itself; use --disable-dynamic-vram to get it."}),
                 "cond_cache_entries": ("INT", {"default": 64, "min": 0, "max": 4096, "tooltip": "How many encoder "
                                        "outputs to keep (least recently used go first); 0 = output cache off."}),
                 "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
@@ -111,6 +114,10 @@ class H3MSTextEncoderCacheAsync:
             return (clip.clone(),)
         patcher = getattr(clip, "patcher", None)
         base = encoder_key(clip)
+        if weight_cache and weights_managed_by_comfy(patcher):
+            log.info("%s", DYNAMIC_NOTE)
+            weight_cache = False
+            caches.weight_cache().release("te")
         cfg = {"base_key": base, "weight_key": base, "weight_cache": bool(weight_cache),
                "entries": int(cond_cache_entries), "reserve_gb": float(cache_ram_reserve_gb),
                "load_device": getattr(patcher, "load_device", None)}
