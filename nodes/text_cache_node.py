@@ -115,7 +115,7 @@ class H3MSTextEncoderCacheAsync:
         patcher = getattr(clip, "patcher", None)
         base = encoder_key(clip)
         if weight_cache and weights_managed_by_comfy(patcher):
-            log.info("%s", DYNAMIC_NOTE)
+            log.warning("%s", DYNAMIC_NOTE)
             weight_cache = False
             caches.weight_cache().release("te")
         cfg = {"base_key": base, "weight_key": base, "weight_cache": bool(weight_cache),

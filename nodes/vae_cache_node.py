@@ -50,7 +50,7 @@ class H3MSVAECacheAsync:
                 "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hooks and the VAE's cache "
                             "group."}),
                 "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the weights "
-                                 "(2.95 GB for the H3 video VAE int8, 0.56 GB for the audio VAE). Under "
+                                 "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one warning). Under "
                                  "DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins the weights "
                                  "itself and this node does nothing; use --disable-dynamic-vram to get it."}),
                 "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
@@ -66,7 +66,7 @@ class H3MSVAECacheAsync:
         group = f"vae:{os.path.basename(fkey[0]) if fkey is not None else type(model).__name__}"
         managed = enabled and weight_cache and weights_managed_by_comfy(getattr(vae, "patcher", None))
         if managed:
-            log.info("%s: %s", group, DYNAMIC_NOTE)
+            log.warning("%s: %s", group, DYNAMIC_NOTE)
         if not enabled or not weight_cache or managed:
             # the weights are this node's only job: without them an installed hook would keep filling the cache
             for attr in HOOK_ATTRS:
