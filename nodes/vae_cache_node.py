@@ -50,9 +50,10 @@ class H3MSVAECacheAsync:
                 "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hooks and the VAE's cache "
                             "group."}),
                 "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the weights "
-                                 "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one warning). Under "
-                                 "DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins the weights "
-                                 "itself and this node does nothing; use --disable-dynamic-vram to get it."}),
+                                 "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one "
+                                 "warning). Under DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins "
+                                 "the weights itself and this node does nothing; use --disable-dynamic-vram to get "
+                                 "it."}),
                 "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
                                          "tooltip": "Fill the cache only while at least this much RAM stays "
                                          "available."}),

@@ -188,7 +188,8 @@ def test_pack_in_running_comfyui_frontend(comfy):
             # 3b. the panel's cache, VAE-worker and text-encoder-output sections are the status route's own
             panel.wait_for_function('JSON.parse(document.getElementById("h3ms-te-outputs").textContent || "null")')
             shown_sections = panel.evaluate("""() => Object.fromEntries(["h3ms-caches", "h3ms-vae-workers",
-                "h3ms-vae-split", "h3ms-te-outputs"].map((id) => [id, JSON.parse(document.getElementById(id).textContent)]))""")
+                "h3ms-vae-split", "h3ms-te-outputs"].map((id) =>
+                [id, JSON.parse(document.getElementById(id).textContent)]))""")
             route = server.get("/h3multistream/status")
             assert shown_sections == {"h3ms-caches": route["caches"], "h3ms-vae-workers": route["vae_workers"],
                                       "h3ms-vae-split": route["vae_split"],

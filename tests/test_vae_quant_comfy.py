@@ -46,8 +46,9 @@ from h3ms_async.caches import weight_cache
 cache_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAECacheAsync"]().patch(split_vae, True, True, 0.0)[0]
 with torch.inference_mode():
     outs += [cache_vae.decode(z) for _ in range(2)]
-print("RESULT", json.dumps({"cache_rows": weight_cache().summaries(), "linear": lin.__qualname__, "equal": [bool(torch.equal(o, ref)) for o in outs],
-                            "std": float(ref.std()), "engines": len(vae_split.live_vae_engines())}))
+print("RESULT", json.dumps({"cache_rows": weight_cache().summaries(), "linear": lin.__qualname__,
+                            "equal": [bool(torch.equal(o, ref)) for o in outs], "std": float(ref.std()),
+                            "engines": len(vae_split.live_vae_engines())}))
 '''
 
 

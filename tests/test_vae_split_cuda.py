@@ -4,7 +4,8 @@ bit, and so does the next one.
 Runs ``python -m h3ms_async bench vae`` (ComfyUI's own H3 VAE code in a child started in the real tree) at a reduced
 size: 2 decoder layers of the real width (32 heads of 64, so every attention call is large enough for ComfyUI's SDPA
 backend priority), logical ranks on ``cuda:0``.  Nothing in the test warms the workers: each rank count starts fresh
-workers and its first decode is compared.  On the GPU machine: ``python -m pytest -q -m cuda tests/test_vae_split_cuda.py``.
+workers and its first decode is compared.  On the GPU machine:
+``python -m pytest -q -m cuda tests/test_vae_split_cuda.py``.
 """
 from __future__ import annotations
 

@@ -92,9 +92,9 @@ def bench_outputs(device: torch.device, layers: int, hidden: int, tokens: int, r
     miss_s, hit_s, key_s = (sorted(v)[len(v) // 2] for v in (misses, hits, keys))
     stats = cache.stats()
     return {"encoder": f"{layers} x {hidden} transformer, {dtype}, weights {'streamed from host' if stream else 'on'} "
-                       f"{device}", "tokens": tokens, "output_bytes": stats["bytes"] // max(1, stats["entries"]), "miss_s": round(miss_s, 6),
-            "hit_s": round(hit_s, 6), "hit_key_s": round(key_s, 6), "hit_fraction_of_miss": round(hit_s / miss_s, 6),
-            "hit_equals_miss": equal, "stats": stats}
+                       f"{device}", "tokens": tokens, "output_bytes": stats["bytes"] // max(1, stats["entries"]),
+            "miss_s": round(miss_s, 6), "hit_s": round(hit_s, 6), "hit_key_s": round(key_s, 6),
+            "hit_fraction_of_miss": round(hit_s / miss_s, 6), "hit_equals_miss": equal, "stats": stats}
 
 
 def bench_weights(device: torch.device, gib: float, dtype: torch.dtype) -> dict:
