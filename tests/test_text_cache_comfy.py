@@ -5,6 +5,7 @@ aside and the output cache still hits exactly."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=com
 
 SCRIPT = r'''
 import asyncio, json, os, time, torch
-import comfy.sd, comfy.sd1_clip, comfy.supported_models_base, nodes
+import nodes
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 M = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.caches import output_cache, weight_cache
@@ -22,23 +23,9 @@ from h3ms_async.observability.status import get_hub
 import sys
 method_hooks = next(m for n, m in sys.modules.items() if n.endswith("nodes.method_hooks"))
 
-# A real SD1-type CLIP (ComfyUI's tokenizer and encoder classes), shrunk to 2 layers of 64, seeded random weights.
-config = json.load(open("comfy/sd1_clip_config.json"))
-config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, projection_dim=64)
-config_path = os.path.join(os.environ["TMP_DIR"], "small_clip.json")
-json.dump(config, open(config_path, "w"))
-
-class SmallClip(comfy.sd1_clip.SDClipModel):
-    def __init__(self, device="cpu", dtype=None, model_options={}):
-        super().__init__(device=device, dtype=dtype, model_options=model_options, textmodel_json_config=config_path,
-                         return_projected_pooled=False)
-
-target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
-clip = comfy.sd.CLIP(target, model_options={"clip_l_class": SmallClip})
-gen = torch.Generator().manual_seed(3)
-with torch.no_grad():
-    for name, p in sorted(clip.cond_stage_model.named_parameters()):
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if name.endswith("layer_norm1.weight") else 0.0))
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from small_clip import small_clip
+clip = small_clip(os.environ["TMP_DIR"])
 
 def encode(c, text):
     t = time.perf_counter()
@@ -91,8 +78,8 @@ print("RESULT", json.dumps({"dynamic": dyn,
 
 
 def test_text_encoder_cache_hit_equals_miss_and_restores_evicted_weights(tmp_path) -> None:
-    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"], env={"TMP_DIR": str(tmp_path)},
-                                       timeout_s=600)
+    env = {"TMP_DIR": str(tmp_path), "H3MS_TESTS_DIR": str(Path(__file__).parent)}
+    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"], env=env, timeout_s=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
