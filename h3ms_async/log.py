@@ -7,8 +7,9 @@ newline goes to stderr first when a bar is live, since tqdm redraws without one.
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from workers.runtime import config
 
 LOGGER_NAME = "h3_multistream"
 PREFIX = "[H3 MultiStream] "
@@ -55,7 +56,7 @@ class _BarSafeHandler(logging.StreamHandler):
 _logger = logging.getLogger(LOGGER_NAME)
 if not any(isinstance(f, _PrefixFilter) for f in _logger.filters):
     _logger.addFilter(_PrefixFilter())
-if os.environ.get("H3MS_DEBUG") == "1":
+if config.DEBUG.get():
     _logger.setLevel(logging.DEBUG)
 
 

@@ -15,13 +15,14 @@ plain ComfyUI against the pack with the same attention on both sides.
 from __future__ import annotations
 
 import math
-import os
 
 import comfy_kitchen as ck
 import torch
 from comfy_kitchen.sage_attention import PrequantizedInt8Attention
 
-ENV = "H3MS_CK_ATTENTION_CPU"
+from workers.runtime import config
+
+ENV = config.CK_ATTENTION_CPU.name
 _KITCHEN = {name: getattr(ck, name) for name in (
     "int8_attention_is_available", "prequantize_int8_attention", "int8_attention_from_prequantized", "int8_attention")}
 _Q_BLOCK, _Q_SCALES = 128, 32
@@ -134,7 +135,7 @@ def uninstall() -> None:
 
 def install_if_requested() -> bool:
     """Install when the test-hook environment asks for it (``H3MS_TEST_HOOKS=1`` and ``H3MS_CK_ATTENTION_CPU=1``)."""
-    if os.environ.get("H3MS_TEST_HOOKS") == "1" and os.environ.get(ENV) == "1":
+    if config.TEST_HOOKS.get() and config.CK_ATTENTION_CPU.get():
         install()
         return True
     return False

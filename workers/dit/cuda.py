@@ -20,24 +20,16 @@ progress while one of its reads of an arena region is still in flight.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
 
 GIB = 1 << 30
-
-
-def _env_gb(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of GiB; unset it or give e.g. {default}") from None
 
 
 class StreamTimer:
@@ -131,7 +123,7 @@ class CudaWeights:
             k = 0
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
-            reserve = int(_env_gb("H3MS_VRAM_RESERVE_GB", 2.0) * GIB)
+            reserve = int(config.VRAM_RESERVE_GB.get() * GIB)
             budget = free - self.working_set_bytes(tokens, local_tokens) - reserve - 2 * self.block_bytes
             k = max(0, min(n, budget // max(1, self.block_bytes)))
             why = (f"auto: {free / GIB:.1f} GiB free, {self.block_bytes / GIB:.2f} GiB per block, "

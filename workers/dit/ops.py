@@ -41,12 +41,12 @@ def apply_kitchen_policy() -> None:
     ComfyUI (comfy/quant_ops.py) disables kitchen's ``cuda`` backend unless torch was built with CUDA >= 13, and its
     ``triton`` backend unless ``--enable-triton-backend`` was given (here: ``H3MS_ENABLE_TRITON_BACKEND=1``).
     """
-    import os
+    from workers.runtime import config
 
     cuda = torch.version.cuda
     if cuda is None or int(cuda.split(".")[0]) < 13:
         ck.disable_backend("cuda")
-    if os.environ.get("H3MS_ENABLE_TRITON_BACKEND") != "1":
+    if not config.ENABLE_TRITON_BACKEND.get():
         ck.disable_backend("triton")
 
 

@@ -21,6 +21,7 @@ import torch
 
 from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
+from workers.runtime import config
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
 from workers.runtime.shm import _torch_dtype
 
@@ -151,12 +152,8 @@ async def _vae_load(ctx: WorkerContext, msg: dict) -> dict:
             "import_s": res["import_s"]}
 
 
-#: Test hook (with H3MS_TEST_HOOKS=1): a worker that finds this file deletes it and dies at its next chunk.
-CRASH_FILE_ENV = "H3MS_TEST_VAE_CRASH_FILE"
-
-
 def _test_crash(ctx: WorkerContext) -> None:
-    path = os.environ.get(CRASH_FILE_ENV, "")
+    path = config.TEST_VAE_CRASH_FILE.get()
     if not (TEST_HOOKS and path):
         return
     try:
