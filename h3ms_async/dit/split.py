@@ -35,8 +35,8 @@ from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import ArenaLayout, decode_seq, dtype_name
-from workers.runtime.shm import Arena, Segment, register_cuda
+from workers.transports.host import ArenaLayout, decode_seq
+from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("MultiStream")
 
@@ -399,7 +399,7 @@ class SplitEngine:
         self._unmap_released()
         specs = {"x": (x.dtype, x.shape), "t_emb": (t_emb.dtype, t_emb.shape), "rope": (rope.dtype, rope.shape)}
         specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
-        size = sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
+        size = sum(align(max(1, _nbytes(dt, shp))) for dt, shp in specs.values())
         step = Segment.create(size, "step")
         arena_seg = None
         try:

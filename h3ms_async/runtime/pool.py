@@ -29,7 +29,7 @@ from h3ms_async.runtime import rundir
 from h3ms_async.runtime.channel import Channel, ChannelClosed, RemoteError, authenticate, peer_credentials
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async import PACK_ROOT
-from h3ms_async.log import get_logger
+from h3ms_async.log import get_logger, tail_file
 
 log = get_logger("pool")
 
@@ -82,19 +82,6 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def tail_lines(path: str, n: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
-    """The last ``n`` lines of a text file (bounded read); empty if it is missing."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            data = fh.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-n:])
 
 
 @dataclass
@@ -511,7 +498,8 @@ class WorkerPool:
         msg = f"worker rank {w.rank} on {w.device} (pid {w.pid}, {status}) {what}"
         if tb:
             msg += f"\n--- worker traceback ---\n{tb.rstrip()}"
-        msg += f"\n--- last lines of {w.log_path} ---\n{tail_lines(w.log_path)}"
+        log_tail = "\n".join(tail_file(w.log_path, LOG_TAIL_LINES))
+        msg += f"\n--- last lines of {w.log_path} ---\n{log_tail}"
         return cls(msg, w.rank, w.device)
 
     async def _ensure_ready(self) -> None:

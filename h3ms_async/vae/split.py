@@ -38,8 +38,7 @@ from h3ms_async.observability.status import get_hub, now_iso
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime import config
 from workers.vae import protocol as vae_protocol
-from workers.transports.host import dtype_name
-from workers.runtime.shm import Arena, Segment, ShmError
+from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
 
 log = get_logger("VAE split")
 
@@ -213,7 +212,7 @@ class VaeSplitEngine:
             if remote:
                 z_cpu = z_padded.to("cpu")
                 sizes = [_nbytes(z_cpu[:, :, a:b_]) for a, b_ in (plan.spans[i] for i in remote)]
-                seg_in = Segment.create(sum(-(-s // 4096) * 4096 for s in sizes), "vae_in")
+                seg_in = Segment.create(sum(align(s) for s in sizes), "vae_in")
                 segs.append(seg_in)
                 arena = Arena(seg_in)
                 for i in remote:
@@ -295,7 +294,7 @@ class VaeSplitEngine:
             n = elem
             for d in raw_shape(i):
                 n *= d
-            total += -(-n // 4096) * 4096
+            total += align(n)
         try:
             return "shm", Segment.create(total, "vae_out")
         except ShmError as exc:

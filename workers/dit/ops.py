@@ -27,7 +27,8 @@ import comfy_kitchen as ck
 
 Row = Union[int, torch.Tensor]
 """A mod-segment row: an int, or a LongTensor of per-token rows (masked segments)."""
-Segment = tuple[int, int, Row]
+ModSegment = tuple[int, int, Row]
+"""A modulation segment: tokens [a, b) take the modulation row ``Row`` (not a shared-memory segment)."""
 
 # Names of the four linears that int8 checkpoints quantize; everything else stays in model dtype.
 INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -159,7 +160,7 @@ def adaln(weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: 
     return y.view(m * 3, -1).chunk(6, dim=-1)
 
 
-def clip_segments(segments: Sequence[Segment], t0: int, t1: int) -> list[Segment]:
+def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModSegment]:
     """Mod segments restricted to tokens [t0, t1) and shifted to shard coordinates (row tensors sliced alike).
 
     Each element gets exactly one sequence of ops whatever the segment boundaries (facts §6.2), so clipping is
@@ -167,7 +168,7 @@ def clip_segments(segments: Sequence[Segment], t0: int, t1: int) -> list[Segment
     """
     if t0 < 0 or t1 <= t0:
         raise ValueError(f"clip_segments: token range [{t0}, {t1}) is empty or negative")
-    out: list[Segment] = []
+    out: list[ModSegment] = []
     for a, b, row in segments:
         lo, hi = max(a, t0), min(b, t1)
         if lo >= hi:
@@ -184,7 +185,7 @@ def _mod_vec(vec: torch.Tensor, row: Row, dtype: torch.dtype) -> torch.Tensor:
 
 
 def norm_modulate(x_rows: torch.Tensor, norm_w: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                  segments: Sequence[Segment], eps: float) -> torch.Tensor:
+                  segments: Sequence[ModSegment], eps: float) -> torch.Tensor:
     """``rms_norm(x)`` then, per segment in order and in place, ``mul_(1 + scale[row])`` and ``add_(shift[row])``.
 
     ``1 + scale`` is its own op in the stream dtype (rounded before the multiply), as in ComfyUI.  ``segments``
@@ -199,7 +200,7 @@ def norm_modulate(x_rows: torch.Tensor, norm_w: torch.Tensor, shift: torch.Tenso
 
 
 def gated_residual_(x_rows: torch.Tensor, y_rows: torch.Tensor, gate: torch.Tensor,
-                    segments: Sequence[Segment]) -> torch.Tensor:
+                    segments: Sequence[ModSegment]) -> torch.Tensor:
     """``x[a:b].addcmul_(y[a:b], gate[row])`` per segment: one fused rounding, in place on ``x_rows``."""
     for a, b, row in segments:
         x_rows[a:b].addcmul_(y_rows[a:b], _mod_vec(gate, row, x_rows.dtype))
@@ -346,7 +347,7 @@ def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch
 
 def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, torch.Tensor], gate_msa: torch.Tensor,
             shift_mlp: torch.Tensor, scale_mlp: torch.Tensor, gate_mlp: torch.Tensor,
-            segments_local: Sequence[Segment], eps: float) -> torch.Tensor:
+            segments_local: Sequence[ModSegment], eps: float) -> torch.Tensor:
     """Rest of the block on a token range: out_proj, gated residual, norm2 + modulation, fc1, swiglu fc2, gated
     residual.  ``attn_rows`` holds all heads (``[n, h·D]``, head-major) for these tokens.  Mutates and returns
     ``x_rows``."""
@@ -359,7 +360,7 @@ def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, to
 
 
 def block_forward_unsplit(x: torch.Tensor, weights: dict[str, torch.Tensor], t_emb: torch.Tensor,
-                          segments: Sequence[Segment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
+                          segments: Sequence[ModSegment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
                           eps: float, *, attend: Attend | None = None) -> torch.Tensor:
     """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned, like ComfyUI."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln(weights, t_emb)

@@ -239,8 +239,8 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
     return ex
 
 
-def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.Segment]:
-    out: list[dit_ops.Segment] = []
+def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.ModSegment]:
+    out: list[dit_ops.ModSegment] = []
     for a, b, row in raw:
         if isinstance(row, dict):
             row = ctx.segment(row["seg"]).tensor(row).to(device)

@@ -29,34 +29,21 @@ def _flag(raw: str) -> bool:
     return raw == "1"
 
 
-def _seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError("must be > 0 seconds")
-    return value
+def _number(cast: Callable[[str], Any], what: str, ok: Callable[[Any], bool], bound: str) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        try:
+            value = cast(raw)
+        except ValueError:
+            raise ValueError(f"is not {what}") from None
+        if not ok(value):  # NaN fails every bound
+            raise ValueError(bound)
+        return value
+    return parse
 
 
-def _gib(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("is not a number of GiB") from None
-    if not value >= 0:
-        raise ValueError("must be >= 0 GiB")
-    return value
-
-
-def _frame_bytes(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("is not an integer byte count") from None
-    if value < 1024:
-        raise ValueError("is below 1024 bytes")
-    return value
+_seconds = _number(float, "a number of seconds", lambda v: v > 0, "must be > 0 seconds")
+_gib = _number(float, "a number of GiB", lambda v: v >= 0, "must be >= 0 GiB")
+_frame_bytes = _number(int, "an integer byte count", lambda v: v >= 1024, "is below 1024 bytes")
 
 
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")

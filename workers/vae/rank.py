@@ -23,7 +23,7 @@ from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
 from workers.runtime import config
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
-from workers.runtime.shm import _torch_dtype
+from workers.runtime.shm import torch_dtype
 
 _STATE = "vae"
 
@@ -124,7 +124,7 @@ def _load(ctx: WorkerContext, msg: dict) -> dict:
     t0 = time.perf_counter()
     vae_mod = import_comfy_vae(msg["comfy"])
     t_import = time.perf_counter() - t0
-    dtype = _torch_dtype(msg["dtype"])
+    dtype = torch_dtype(msg["dtype"])
     model = build_decoder(vae_mod, msg["arch"], dtype).to_empty(device=ctx.device)
     seg = ctx.segment(msg["store"])
     try:
