@@ -3,16 +3,16 @@
 One implementation serves the unsplit reference (``h3ms_async.dit.reference``) and the rank processes
 (``workers.dit.rank``), so a split can only differ from the reference through what it slices, never through how
 it computes.  Every op mirrors ComfyUI's ``DiTBlock`` (comfy/ldm/minimax/model.py): the same dtypes, the same
-rounding points, in place where ComfyUI is in place.  See ``shared/research/h3_dit_facts.md`` §2.3, §2.4, §6.2.
+rounding points, in place where ComfyUI is in place.  See ``docs/comfyui_facts.md`` §1, §2.
 
 Weights are plain tensors in a dict keyed as ComfyUI's state dict inside one block (``norm1.weight``,
 ``attn.qkv_proj.weight``, ...).  A linear is int8 when its ``.weight`` is ``torch.int8``; it then carries
 ``.weight_scale`` (fp32, one value or one per output row) and optionally ``.comfy_quant`` (uint8 bytes of the
 checkpoint's JSON, read for ConvRot).
 
-Exactness of a split rests on three facts (facts §4.3, §5.5): int8 linears are exact under token (row of x) and
-output-row slicing; rms_norm, modulation, gating and the fused rms+rope kernel are per row; attention heads are
-independent.  Float GEMMs under sliced shapes are *not* guaranteed exact; tests measure them.
+Exactness of a split rests on three facts (``docs/comfyui_facts.md`` §2.3, §4.1): int8 linears are exact under
+token (row of x) and output-row slicing; rms_norm, modulation, gating and the fused rms+rope kernel are per row;
+attention heads are independent.  Float GEMMs under sliced shapes are *not* guaranteed exact; tests measure them.
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def adaln(weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: 
 def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModSegment]:
     """Mod segments restricted to tokens [t0, t1) and shifted to shard coordinates (row tensors sliced alike).
 
-    Each element gets exactly one sequence of ops whatever the segment boundaries (facts §6.2), so clipping is
+    Each element gets exactly one sequence of ops whatever the segment boundaries (comfyui_facts §1.3), so clipping is
     exact.
     """
     if t0 < 0 or t1 <= t0:
@@ -278,7 +278,8 @@ def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     """comfy-kitchen INT8 attention as ComfyUI's ``--use-ck-attention`` runs it: quantize, then attend.
 
     Every scale is per head (v's per head over the whole sequence), so a head group over all tokens gives exactly
-    the unsplit result's heads (measured on the H200, gpu_facts.md).  q, k, v: ``[1, h, S, D]``.
+    the unsplit result's heads (comfyui_facts §4.3; measured on the H200, ``docs/device_runs/``).
+    q, k, v: ``[1, h, S, D]``.
     """
     if not ck.int8_attention_is_available(q.device):
         raise RuntimeError(f"attention='ck_int8' needs comfy-kitchen's INT8 attention, unavailable on {q.device}; "
