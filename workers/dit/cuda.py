@@ -216,14 +216,6 @@ class CudaWeights:
         self.host.clear()
 
 
-def load_weights(ctx: WorkerContext, msg: dict) -> Any:
-    """``dit_load`` on a CUDA rank: returns a RankWeights whose provider streams/holds the blocks."""
-    from workers.dit.rank import RankWeights
-    prov = CudaWeights(ctx, msg)
-    return RankWeights(msg["key"], msg["store"], msg["config"], prov.heads, [], [], prov.quant, provider=prov,
-                       nbytes=prov.block_bytes * len(prov.host))
-
-
 class CudaExchange:
     """Wraps a HostExchange or DistExchange for a CUDA rank: copy streams, compute/copy/wait accounting."""
 
