@@ -20,9 +20,9 @@ import comfy_kitchen as ck
 import torch
 from comfy_kitchen.sage_attention import PrequantizedInt8Attention
 
-from workers.runtime import config
-
-ENV = config.CK_ATTENTION_CPU.name
+# The name only: tests load this file alone by its path (before the pack), so it imports no package at module
+# level; the variable is declared in workers/runtime/config.py.
+ENV = "H3MS_CK_ATTENTION_CPU"
 _KITCHEN = {name: getattr(ck, name) for name in (
     "int8_attention_is_available", "prequantize_int8_attention", "int8_attention_from_prequantized", "int8_attention")}
 _Q_BLOCK, _Q_SCALES = 128, 32
@@ -135,6 +135,7 @@ def uninstall() -> None:
 
 def install_if_requested() -> bool:
     """Install when the test-hook environment asks for it (``H3MS_TEST_HOOKS=1`` and ``H3MS_CK_ATTENTION_CPU=1``)."""
+    from workers.runtime import config
     if config.TEST_HOOKS.get() and config.CK_ATTENTION_CPU.get():
         install()
         return True
