@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare .ck/: comfy-kitchen for the GPU device machine (Python 3.12, no internet there), small enough to carry.
 # The cp312 wheel is 64.7 MiB, over the 64 MiB carry limit; unpacked without its ROCm library it is ~41 MiB
-# (kitchen_facts.md §7).  Then: device run with carry [".ck"] and `bash benchmarks/device_run.sh`.
+# (the unpacked package minus backends/hip).  Then: device run with carry [".ck"] and `bash benchmarks/device_run.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-0.2.40}"

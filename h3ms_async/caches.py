@@ -1,4 +1,4 @@
-"""Pinned-RAM weight caches and the text-encoder output cache (node_surface_facts §1.1.3, §1.1.4, §1.6).
+"""Pinned-RAM weight caches and the text-encoder output cache (``docs/comfyui_facts.md`` §9).
 
 * :class:`WeightCache` keeps a copy of a model's weights in page-locked host memory (plain RAM without CUDA), one
   checkpoint per *group* (``te``, ``vae:<file>``): when ComfyUI has dropped the weights (evicted the model), they come

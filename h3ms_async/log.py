@@ -10,7 +10,11 @@ import logging
 import os
 import sys
 
+from workers.runtime import config
+
 LOGGER_NAME = "h3_multistream"
+_TAIL_BLOCK = 64 * 1024
+_TAIL_MAX_BYTES = 8 * 1024 * 1024  # 2000 lines of 4 KiB each; a log with longer lines is cut at this many bytes
 PREFIX = "[H3 MultiStream] "
 
 
@@ -55,7 +59,7 @@ class _BarSafeHandler(logging.StreamHandler):
 _logger = logging.getLogger(LOGGER_NAME)
 if not any(isinstance(f, _PrefixFilter) for f in _logger.filters):
     _logger.addFilter(_PrefixFilter())
-if os.environ.get("H3MS_DEBUG") == "1":
+if config.DEBUG.get():
     _logger.setLevel(logging.DEBUG)
 
 
@@ -72,3 +76,38 @@ def ensure_console_handler(level: int = logging.INFO) -> None:
         _logger.addHandler(handler)
     if _logger.level == logging.NOTSET or _logger.level > level:
         _logger.setLevel(level)
+
+
+def tail_file(path: str | os.PathLike, lines: int) -> list[str]:
+    """The last ``lines`` lines of a text file, read backwards in blocks from the end (never the whole file).
+
+    At most 8 MiB are read, so a pathological file costs a bounded read; when those 8 MiB hold no line start, the
+    last line is returned cut to its final 64 KiB rather than nothing. A missing file (a worker that has not
+    written yet) gives an empty list. Undecodable bytes are replaced, not fatal.
+    """
+    if lines <= 0:
+        return []
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return []
+    chunks: list[bytes] = []
+    newlines = 0
+    with f:
+        pos = f.seek(0, os.SEEK_END)
+        read = 0
+        # lines + 1 newlines guarantee `lines` complete lines (the last line may lack its newline)
+        while pos > 0 and newlines <= lines and read < _TAIL_MAX_BYTES:
+            step = min(_TAIL_BLOCK, pos, _TAIL_MAX_BYTES - read)
+            pos -= step
+            f.seek(pos)
+            chunk = f.read(step)
+            chunks.append(chunk)
+            newlines += chunk.count(b"\n")
+            read += step
+    out = b"".join(reversed(chunks)).decode("utf-8", errors="replace").splitlines()
+    if pos > 0 and len(out) > 1:
+        out = out[1:]  # the first line is cut at a block boundary
+    elif pos > 0 and out:
+        out = [out[0][-_TAIL_BLOCK:]]  # one huge line: its end is what there is to show
+    return out[-lines:]

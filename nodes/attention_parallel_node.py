@@ -7,22 +7,19 @@ of each head range on one device (``h3ms_async.attention.engine``).  The result 
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from h3ms_async.log import get_logger
+from workers.runtime import config
 
 from .model_adapter import WRAPPER_KEY, diffusion_model_of, is_h3
 
 log = get_logger("AttentionParallel")
 
-HELPERS_ENV = "H3MS_ATTN_HELPERS"
-"""Helper devices (e.g. ``cpu,cpu`` or ``cuda:0,cuda:0,cuda:0``) that replace the GPU plan: tests and verification."""
-TRANSPORT_ENV = "H3MS_ATTN_TRANSPORT"
-"""``auto`` (default: CUDA IPC where every helper GPU and the model's reach each other, else host staging), ``host`` or
-``cuda_ipc`` (fails where peer access is missing)."""
+HELPERS_ENV = config.ATTN_HELPERS.name
+TRANSPORT_ENV = config.ATTN_TRANSPORT.name
 DEVICE_CHOICES = ["disabled", "auto"] + [str(n) for n in range(2, 9)]
 MAX_DEVICES = 8
 
@@ -178,11 +175,7 @@ def choose_transport(devices: list[str]) -> str:
     where this process can share device memory and every helper GPU and the model's GPU reach each other both ways (a
     helper on the model's own GPU always does), else host staging, with one INFO line saying which device pair (or the
     allocator) failed and why."""
-    from h3ms_async.attention.engine import TRANSPORTS
-    wanted = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
-    if wanted not in ("auto",) + TRANSPORTS:
-        raise AttentionParallelError(f"{TRANSPORT_ENV}={wanted!r} is not one of auto, {', '.join(TRANSPORTS)}; "
-                                     "unset it for auto")
+    wanted = config.ATTN_TRANSPORT.get()
     if wanted == "host":
         return "host"
     if not all(d.startswith("cuda") for d in devices):
@@ -225,7 +218,7 @@ def _plan(model: Any, gpus: Any, requested: int | None,
     root = str(load_device)
     if root == "cuda" or (getattr(load_device, "type", None) == "cuda" and load_device.index is None):
         root = f"cuda:{torch.cuda.current_device()}"
-    spec = os.environ.get(HELPERS_ENV, "").strip()
+    spec = config.ATTN_HELPERS.raw()
     if not spec and getattr(load_device, "type", None) != "cuda":
         if requested is None:
             return None, None, f"the model is on {load_device}; attention parallelism needs the model on CUDA"
@@ -236,7 +229,7 @@ def _plan(model: Any, gpus: Any, requested: int | None,
             f"Comfy Kitchen INT8 attention is unavailable on {root} (it needs an NVIDIA GPU of compute capability 7.5 "
             "or newer and comfy-kitchen's CUDA build); set devices=disabled")
     if spec:
-        helpers = rank_map(spec)
+        helpers = config.ATTN_HELPERS.get(rank_map)
         if helpers[0].split(":")[0] != root.split(":")[0]:
             raise AttentionParallelError(f"{HELPERS_ENV}={spec}: the helpers must be the same kind of device as the "
                                          f"model's ({root}); give e.g. {root},{root} or unset {HELPERS_ENV}")

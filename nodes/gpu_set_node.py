@@ -1,4 +1,4 @@
-"""The **H3 MS GPU Set** node: which GPUs the split uses (validated right away, node_surface_facts §1.1.1, §1.4)."""
+"""The **H3 MS GPU Set** node: which GPUs the split uses (validated right away, ``docs/comfyui_facts.md`` §7)."""
 from __future__ import annotations
 
 from typing import Any

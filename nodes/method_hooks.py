@@ -1,5 +1,5 @@
 """Method hooks on ComfyUI model objects shared by every clone (the VAE's ``first_stage_model``, the CLIP's
-``cond_stage_model``), held through weak references (node_surface_facts §1.6).
+``cond_stage_model``), held through weak references (``docs/comfyui_facts.md`` §9).
 
 A hook replaces one instance attribute (e.g. ``decode_temporal``) with a wrapper built around the original bound
 method; the wrapper reads its live config from the hook, so running the node again only updates the config, never

@@ -1,6 +1,6 @@
 """ComfyUI ModelPatcher ↔ core: H3 detection, config, weight key and weight reading, patch capture, wrapper install.
 
-How the split sits on a ModelPatcher (facts: h3_dit_facts §3.1, §3.2; node_surface_facts §1.7):
+How the split sits on a ModelPatcher (``docs/comfyui_facts.md`` §8):
 - a DIFFUSION_MODEL wrapper under ``WRAPPER_KEY`` (:class:`SplitWrapper`) and one ``("double_block", i)`` patch per
   block: block 0's runs the whole stack on the workers, the others hand the stream back untouched, so H3's own
   ``_forward`` keeps the preamble and the final layer;
@@ -77,8 +77,8 @@ def weight_key(patcher: Any) -> tuple[tuple, str | None]:
     """``(key, warning)``: the shm weight-store key of what ``patcher`` would run.
 
     From the loader's reload factory (``cached_patcher_init = (factory, (path, model_options, ...))``,
-    node_surface_facts §1.6): ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it the key
-    is tied to this model object (``id``), with a warning: the store is then refilled for every reloaded model.
+    ``docs/comfyui_facts.md`` §9): ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it
+    the key is tied to this model object (``id``), with a warning: the store is then refilled for every reloaded model.
     """
     patches = str(getattr(patcher, "patches_uuid", ""))
     init = getattr(patcher, "cached_patcher_init", None)

@@ -1,19 +1,18 @@
 """The **H3 MultiStream** node: splits MiniMax H3's transformer blocks across GPU worker processes, bit-exact."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from h3ms_async.log import get_logger
+from workers.runtime import config
 
 from .attention_parallel_node import has_parallel_attention
 from .model_adapter import MultiStreamError, diffusion_model_of, install_split, is_h3
 
 log = get_logger("MultiStream")
 
-RANK_MAP_ENV = "H3MS_RANK_MAP"
-"""A rank map (e.g. ``cpu,cpu`` or ``cuda:0,cuda:0,cuda:1``) that replaces the GPU plan: for tests and verification."""
+RANK_MAP_ENV = config.RANK_MAP.name
 
 _DESCRIPTION = (
     "Splits every denoising step of MiniMax H3's transformer blocks across GPUs (tokens and attention heads), one "
@@ -132,9 +131,9 @@ def _plan_devices(model: Any, gpus: Any,
     needs at least two ranks.
     """
     from h3ms_async.runtime.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
-    spec = os.environ.get(RANK_MAP_ENV, "").strip()
-    if spec:
-        devices = rank_map(spec)
+    if config.RANK_MAP.is_set():
+        spec = config.RANK_MAP.raw()
+        devices = config.RANK_MAP.get(rank_map)
         shares = tuple(gpus.shares) if gpus is not None and gpus.shares else None
         if shares is not None and len(shares) != len(devices):
             raise GPUSelectionError(f"shares: {len(shares)} value(s) from the H3 MS GPU Set for {len(devices)} "

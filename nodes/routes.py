@@ -1,4 +1,4 @@
-"""Wire the core's status hub and HTTP routes into ComfyUI's PromptServer (node_surface_facts §1.0, §1.3).
+"""Wire the core's status hub and HTTP routes into ComfyUI's PromptServer (``docs/comfyui_facts.md`` §9).
 
 Routes go on ``PromptServer.instance.routes`` (ComfyUI adds that table to its app after loading custom nodes);
 "busy" is ComfyUI's prompt queue having a running item; each step record is pushed to the frontend over ComfyUI's

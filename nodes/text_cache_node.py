@@ -2,7 +2,7 @@
 
 It hooks ``encode_token_weights`` on ``clip.cond_stage_model``, the encoder object every CLIP clone shares (so the
 hook survives Select CLIP Device and LoRA clones).  The output-cache key covers everything that changes an encoding
-(node_surface_facts §1.6): the encoder's identity (its file, type and options, or the object), the weight-patch
+(``docs/comfyui_facts.md`` §9): the encoder's identity (its file, type and options, or the object), the weight-patch
 state ComfyUI applied (LoRAs), every sub-encoder's layer options, and the tokens with their weights.
 """
 from __future__ import annotations

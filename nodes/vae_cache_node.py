@@ -1,4 +1,4 @@
-"""The **H3 MS VAE Cache** node (VAE → VAE): the VAE's weights in pinned RAM (node_surface_facts §1.1.4).
+"""The **H3 MS VAE Cache** node (VAE → VAE): the VAE's weights in pinned RAM (``docs/comfyui_facts.md`` §9).
 
 It hooks ``decode``, ``encode``, ``decode_tiled`` and ``encode_tiled`` on ``vae.first_stage_model`` (shared by the
 VAE's clones, e.g. Select VAE Device's shallow copy; place the node after that one).  Each VAE file has its own cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_probe_cases
-from h3ms_async.tools.bench.exchange import split_bounds
+from h3ms_async.runtime.plans import partition
 from workers.transports.dist import check_nccl_rank_map, init_group
 from workers.transports.host import ArenaLayout
 
@@ -18,7 +18,7 @@ def test_gloo_equals_host_bit_exact(world):
     shares = [1.0, 1.0, 0.7, 1.0][:world]
     cases = []
     for dt in ("bfloat16", "float32"):
-        lay = ArenaLayout.plan(world, split_bounds(19 + world, shares), [h * 4 for h in split_bounds(6, shares)],
+        lay = ArenaLayout.plan(world, partition(19 + world, shares), [h * 4 for h in partition(6, shares)],
                                24, dt)
         # "both": every op runs on the host arena and on gloo with the same inputs; each result must be
         # torch.equal to the exact expected tensor, so host == gloo bit for bit

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import run_probe_cases
-from h3ms_async.tools.bench.exchange import ProbeGroup, ShmFile, split_bounds
+from h3ms_async.runtime.plans import partition
+from h3ms_async.tools.bench.exchange import ProbeGroup
+from workers.runtime.shm import Segment
 from workers.transports.host import (ArenaLayout, ExchangeAborted, ExchangeChunkMismatch, ExchangeTimeout, HostExchange,
                               decode_seq, encode_seq)
 from workers.transports.probe import run_case
@@ -19,8 +21,9 @@ SHARES = [1.0, 1.0, 0.7]
 
 def _layout(world: int, tokens: int, heads: int, head_dim: int, dtype: str) -> ArenaLayout:
     shares = [SHARES[i % len(SHARES)] for i in range(world)]
-    hb = split_bounds(heads, shares)
-    return ArenaLayout.plan(world, split_bounds(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype)
+    # The plan gives every rank a head; fewer heads than ranks (ranks with no columns) checks the exchange's edge.
+    hb = partition(heads, shares) if heads >= world else [min(r, heads) for r in range(world + 1)]
+    return ArenaLayout.plan(world, partition(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype)
 
 
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
@@ -31,9 +34,9 @@ class _Local:
 
     def __init__(self, layout: ArenaLayout) -> None:
         self.layout = layout
-        self.shm = ShmFile(layout.nbytes + 4096)
-        self.arena = self.shm.tensor[: layout.nbytes]
-        self.control = self.shm.tensor[layout.nbytes:].view(torch.int64)
+        self.shm = Segment.create(layout.nbytes + 4096, "xtest")
+        self.arena = self.shm.base_tensor()[: layout.nbytes]
+        self.control = self.shm.base_tensor()[layout.nbytes:].view(torch.int64)
         layout.init_header(self.arena)
         self.fds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(layout.world)]
 

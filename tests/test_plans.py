@@ -1,4 +1,4 @@
-"""GPU-set parsing, rank-plan resolution and the largest-remainder partition (node_surface_facts §1.4)."""
+"""GPU-set parsing, rank-plan resolution and the largest-remainder partition (docs/comfyui_facts.md §7)."""
 from __future__ import annotations
 
 import pytest

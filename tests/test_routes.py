@@ -148,8 +148,8 @@ def test_tail_file_reads_from_the_end(tmp_path, monkeypatch):
         w = CountingReads(real_open(path, mode, *a, **kw))
         opened.append(w)
         return w
-    import h3ms_async.observability.routes as hr
-    monkeypatch.setattr(hr, "open", counting_open, raising=False)
+    import h3ms_async.log as log_module  # where tail_file lives
+    monkeypatch.setattr(log_module, "open", counting_open, raising=False)
     lines = tail_file(big, 10)
     assert lines == [f"worker line {i:07d}" for i in range(399_990, 400_000)]
     assert opened[0].read_bytes <= 64 * 1024

@@ -16,7 +16,7 @@ import signal
 import sys
 import traceback
 
-from workers.runtime import auth, protocol
+from workers.runtime import auth, config, protocol
 
 log = logging.getLogger("h3_multistream.worker")
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     logging.basicConfig(
-        stream=sys.stderr, level=logging.DEBUG if os.environ.get("H3MS_DEBUG") == "1" else logging.INFO,
+        stream=sys.stderr, level=logging.DEBUG if config.DEBUG.get() else logging.INFO,
         format=f"%(asctime)s.%(msecs)03d rank{args.rank} %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     _die_with_parent(args.parent_pid)
     if args.device.startswith("cuda"):

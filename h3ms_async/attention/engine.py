@@ -43,8 +43,7 @@ from h3ms_async.runtime.pool import WorkerError, WorkerPool
 from h3ms_async.observability.status import get_hub, now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds sent here
-from workers.transports.host import dtype_name
-from workers.runtime.shm import Arena, Segment, register_cuda
+from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("AttentionParallel")
 
@@ -560,7 +559,7 @@ def _slot(dtype: torch.dtype, shape: Sequence[int]) -> int:
     n = torch.empty((), dtype=dtype).element_size()
     for s in shape:
         n *= int(s)
-    return -(-max(n, 1) // 4096) * 4096
+    return align(max(n, 1))
 
 
 # -- engine registry ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Packed token layouts of the H3 DiT: which rows are text, keyframe conditions, audio and video, and what each
 row's modulation row, timestep value and 3-D position are.
 
-Packed order (facts §2.2): ``[text | cond (+cond_audio) per keyframe | audio | video]``.  Modulation rows are
+Packed order (``docs/comfyui_facts.md`` §1.4): ``[text | cond (+cond_audio) per keyframe | audio | video]``.  Modulation rows are
 ``t_row*3 + tag`` with tag 0 = video modality (video, cond), 1 = text, 2 = audio modality (audio, cond_audio);
 text tag runs split the text span.  Timestep values per kind: text = video = t_v, audio = t_a,
 cond = max(t_v, 0.999), cond_audio = max(t_a, 1.0), with t_v = 1 - sigma and t_a = 1 - shift(sigma, 12 → 3)

@@ -16,7 +16,7 @@ import torch
 import comfy_kitchen as ck
 
 from workers.dit import ops as dit_ops
-from workers.dit.ops import Segment, Shard
+from workers.dit.ops import ModSegment, Shard
 
 from h3ms_async.dit.layout import Layout
 
@@ -175,7 +175,7 @@ class ReferenceDiT:
                     raise ValueError(f"blocks.{i}.{name} is int8 but blocks.{i}.{name}_scale is missing")
         self._loaded = blocks
 
-    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[Segment],
+    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[ModSegment],
                        rope_freqs: torch.Tensor, *, attention: str = "sdpa",
                        on_block: Callable[[int], None] | None = None) -> torch.Tensor:
         """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned).
@@ -219,7 +219,7 @@ class StepInputs:
 
     x: torch.Tensor          # [S, H] residual stream, model dtype
     t_emb: torch.Tensor      # [M, t_dim], model dtype
-    segments: list[Segment]  # mod segments (a, b, row)
+    segments: list[ModSegment]  # mod segments (a, b, row)
     rope_freqs: torch.Tensor  # [1, S, 1, rope_pairs, 2, 2], model dtype
 
 
@@ -251,7 +251,7 @@ class SimulatedSplit:
         self._qkv = [[dit_ops.slice_qkv_weights(model.block_weights(i), g0, g1, c.heads, c.head_dim)
                       for g0, g1 in zip(head_bounds, head_bounds[1:])] for i in range(c.layers)]
 
-    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[Segment],
+    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[ModSegment],
                        rope_freqs: torch.Tensor, token_bounds: Sequence[int]) -> torch.Tensor:
         """Run all blocks split over the ranks; returns a new ``[S, H]`` tensor (``x`` is not modified)."""
         c = self.model.config

@@ -36,8 +36,8 @@ from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import ArenaLayout, decode_seq, dtype_name
-from workers.runtime.shm import Arena, Segment, register_cuda
+from workers.transports.host import ArenaLayout, decode_seq
+from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("MultiStream")
 
@@ -569,7 +569,7 @@ def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
 
 def _segment_bytes(specs: dict[str, tuple[torch.dtype, Sequence[int]]]) -> int:
     """Bytes of a segment holding one 4 KiB-aligned tensor per ``name: (dtype, shape)``."""
-    return sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
+    return sum(align(max(1, _nbytes(dt, shp))) for dt, shp in specs.values())
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

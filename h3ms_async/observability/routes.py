@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from h3ms_async import PACK_ROOT
-from h3ms_async.log import get_logger
+from h3ms_async.log import get_logger, tail_file
 from h3ms_async.observability.status import RING_SIZE, StatusHub, get_hub
 
 _log = get_logger("Status")
@@ -36,8 +36,6 @@ PANEL_FILES = {
 }
 STEPS_DEFAULT, STEPS_MAX = 50, RING_SIZE
 LINES_DEFAULT, LINES_MAX = 200, 2000
-_TAIL_BLOCK = 64 * 1024
-_TAIL_MAX_BYTES = 8 * 1024 * 1024  # 2000 lines of 4 KiB each; a log with longer lines is cut at this many bytes
 
 LogTail = Callable[[int, int], list[str]]
 
@@ -47,41 +45,6 @@ MUTATING = (
     ("/cache/clear_weights", "clear_weights", "a prompt is running; weight store left in place"),
     ("/hooks/detach", "detach_hooks", "a prompt is running; hooks left attached"),
 )
-
-
-def tail_file(path: str | os.PathLike, lines: int) -> list[str]:
-    """The last ``lines`` lines of a text file, read backwards in blocks from the end (never the whole file).
-
-    At most 8 MiB are read, so a pathological file costs a bounded read; when those 8 MiB hold no line start, the
-    last line is returned cut to its final 64 KiB rather than nothing. A missing file (a worker that has not
-    written yet) gives an empty list. Undecodable bytes are replaced, not fatal.
-    """
-    if lines <= 0:
-        return []
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return []
-    chunks: list[bytes] = []
-    newlines = 0
-    with f:
-        pos = f.seek(0, os.SEEK_END)
-        read = 0
-        # lines + 1 newlines guarantee `lines` complete lines (the last line may lack its newline)
-        while pos > 0 and newlines <= lines and read < _TAIL_MAX_BYTES:
-            step = min(_TAIL_BLOCK, pos, _TAIL_MAX_BYTES - read)
-            pos -= step
-            f.seek(pos)
-            chunk = f.read(step)
-            chunks.append(chunk)
-            newlines += chunk.count(b"\n")
-            read += step
-    out = b"".join(reversed(chunks)).decode("utf-8", errors="replace").splitlines()
-    if pos > 0 and len(out) > 1:
-        out = out[1:]  # the first line is cut at a block boundary
-    elif pos > 0 and out:
-        out = [out[0][-_TAIL_BLOCK:]]  # one huge line: its end is what there is to show
-    return out[-lines:]
 
 
 def log_tail_from_paths(path_of: Callable[[int], str | os.PathLike | None]) -> LogTail:

@@ -1,6 +1,6 @@
 """Which GPUs take part in a split, in which order, with which shares; how tokens and heads are apportioned.
 
-Rules as the node surface specifies them (``shared/research/node_surface_facts.md`` §1.4): the model's device is
+Rules as the node surface specifies them (``docs/comfyui_facts.md`` §7): the model's device is
 always rank 0; explicit lists keep their order, ``auto`` takes ascending indices; excluded GPUs, GPUs below the free
 VRAM floor and GPUs past ``max_gpus`` drop out with a note; shares default to 1.0.  Every error names the input and
 how to fix it.  Resolution is a pure function of the visible device count and a free-memory probe, so it is tested

@@ -22,21 +22,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
-from workers.runtime import auth, protocol
+from workers.runtime import auth, config, protocol
 from workers.runtime.shm import ABORT_WORD, CONTROL_SIZE, Segment
 
 from h3ms_async.runtime import rundir
 from h3ms_async.runtime.channel import Channel, ChannelClosed, RemoteError, authenticate, peer_credentials
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async import PACK_ROOT
-from h3ms_async.log import get_logger
+from h3ms_async.log import get_logger, tail_file
 
 log = get_logger("pool")
 
-ENV_START_TIMEOUT = "H3MS_WORKER_START_TIMEOUT"
-ENV_HB_TIMEOUT = "H3MS_HEARTBEAT_TIMEOUT"
-DEFAULT_START_TIMEOUT = 300.0
-DEFAULT_HB_TIMEOUT = 10.0
 HB_INTERVAL = 1.0
 LOG_TAIL_LINES = 20
 #: Unauthenticated connections the pool serves at once, per rank; more are closed at once.
@@ -59,19 +55,6 @@ class WorkerTimeout(WorkerError, TimeoutError):
 
 class PoolBusy(RuntimeError):
     """The pool is running a job and cannot be released now."""
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds; unset it or give e.g. {default:g}") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
-    return value
 
 
 def cuda_visible_for(device: str, parent_visible: str | None) -> str:
@@ -99,19 +82,6 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def tail_lines(path: str, n: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
-    """The last ``n`` lines of a text file (bounded read); empty if it is missing."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            data = fh.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-n:])
 
 
 @dataclass
@@ -158,9 +128,8 @@ class WorkerPool:
             raise ValueError(f"also_visible {bad!r} are not CUDA devices 'cuda' or 'cuda:N'")
         for d in self._cuda_devices() + self._also_visible:  # fail on a bad device list now, not in a worker
             cuda_visible_for(d, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self.start_timeout = float(start_timeout) if start_timeout else _env_seconds(
-            ENV_START_TIMEOUT, DEFAULT_START_TIMEOUT)
-        self.hb_timeout = _env_seconds(ENV_HB_TIMEOUT, DEFAULT_HB_TIMEOUT)
+        self.start_timeout = float(start_timeout) if start_timeout else config.WORKER_START_TIMEOUT.get()
+        self.hb_timeout = config.HEARTBEAT_TIMEOUT.get()
         self._env = dict(env or {})
         self._workers: list[_Worker] = []
         self._state = "stopped"  # stopped | starting | running | stopping
@@ -326,7 +295,7 @@ class WorkerPool:
                 w = next(w for w in self._workers if w.state != "ready")
                 self._mark_dead(w, "did not start in time")
                 raise self._error(
-                    w, f"did not start within {self.start_timeout:g} s (set {ENV_START_TIMEOUT} to allow longer)",
+                    w, f"did not start within {self.start_timeout:g} s (set {config.WORKER_START_TIMEOUT.name} to allow longer)",
                     cls=WorkerTimeout)
             await asyncio.sleep(0.02)
 
@@ -419,7 +388,7 @@ class WorkerPool:
                 if code is not None:
                     self._mark_dead(w, _exit_text(code))
                 elif now - w.last_hb > self.hb_timeout:
-                    self._mark_dead(w, f"no heartbeat for {now - w.last_hb:.1f} s ({ENV_HB_TIMEOUT}="
+                    self._mark_dead(w, f"no heartbeat for {now - w.last_hb:.1f} s ({config.HEARTBEAT_TIMEOUT.name}="
                                        f"{self.hb_timeout:g}); killed it")
 
     async def release(self, grace: float = 5.0, force: bool = False) -> None:
@@ -529,7 +498,8 @@ class WorkerPool:
         msg = f"worker rank {w.rank} on {w.device} (pid {w.pid}, {status}) {what}"
         if tb:
             msg += f"\n--- worker traceback ---\n{tb.rstrip()}"
-        msg += f"\n--- last lines of {w.log_path} ---\n{tail_lines(w.log_path)}"
+        log_tail = "\n".join(tail_file(w.log_path, LOG_TAIL_LINES))
+        msg += f"\n--- last lines of {w.log_path} ---\n{log_tail}"
         return cls(msg, w.rank, w.device)
 
     async def _ensure_ready(self) -> None:

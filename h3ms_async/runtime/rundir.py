@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 
 from h3ms_async.log import get_logger
+from workers.runtime import config
 
 log = get_logger("rundir")
 
@@ -48,7 +49,7 @@ class RunDirError(RuntimeError):
 
 def base_dir() -> str:
     """Where run dirs are made: ``$H3MS_RUN_DIR`` if set, else the system temp dir."""
-    return os.environ.get("H3MS_RUN_DIR") or tempfile.gettempdir()
+    return config.RUN_DIR.get() or tempfile.gettempdir()
 
 
 def check_base() -> str:
@@ -56,7 +57,7 @@ def check_base() -> str:
 
     Raises ``RunDirError`` naming the variable and the fix, so a bad setting fails before any worker starts."""
     base = base_dir()
-    var = "H3MS_RUN_DIR" if os.environ.get("H3MS_RUN_DIR") else "TMPDIR (the temp dir)"
+    var = "H3MS_RUN_DIR" if config.RUN_DIR.is_set() else "TMPDIR (the temp dir)"
     if not os.path.isdir(base):
         raise RunDirError(f"{var}={base!r} is not an existing directory; set H3MS_RUN_DIR to a writable directory "
                           "such as /tmp")

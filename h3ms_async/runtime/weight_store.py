@@ -16,8 +16,8 @@ import torch
 
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import ram_info
-from workers.runtime.protocol import DTYPE_SIZES, desc_nbytes
-from workers.runtime.shm import Arena, Segment, ShmError
+from workers.runtime.protocol import desc_nbytes
+from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
 
 log = get_logger("Weights")
 GIB = 1 << 30
@@ -29,15 +29,8 @@ class WeightStoreRefused(RuntimeError):
     """Filling the store would break the RAM reserve (or /dev/shm is too small); the split must not run."""
 
 
-def _dtype_name(dt: torch.dtype) -> str:
-    name = str(dt).removeprefix("torch.")
-    if name not in DTYPE_SIZES:
-        raise ValueError(f"weight dtype {dt} cannot be stored; supported: {sorted(DTYPE_SIZES)}")
-    return name
-
-
 def _block_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
+    return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
 
 
 @dataclass
@@ -86,7 +79,7 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     t = time.perf_counter()
     first = read_block(0)
     layout = _block_layout(first)
-    per_block = sum(-(-desc_nbytes({"dtype": d, "shape": list(s)}) // 4096) * 4096 for d, s in layout.values())
+    per_block = sum(align(desc_nbytes({"dtype": d, "shape": list(s)})) for d, s in layout.values())
     total = per_block * n_blocks
     ram = ram_info()
     if ram["available_bytes"] - total < reserve_gb * GIB:

@@ -1,12 +1,10 @@
-"""Command line: ``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches} | serve``.
-
-Each sub-command lives in its own module and is imported only when chosen, so ``--help`` stays fast.
-"""
+"""What every sub-command of ``python -m h3ms_async`` parses its arguments with (the dispatch is
+``h3ms_async/__main__.py``): one ``error: ...`` line on stderr naming the input and the fix, exit status 2."""
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import NoReturn
 
 #: Exit status of every command-line mistake (argparse's own convention).
 USAGE_EXIT = 2
@@ -60,73 +58,3 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
     return value
-
-
-def _demo(argv: Sequence[str]) -> int:
-    from h3ms_async.tools.demo import main as demo_main
-    return demo_main(argv)
-
-
-def _bench(argv: Sequence[str]) -> int:
-    benches: dict[str, Callable[[Sequence[str]], int]] = {}
-
-    def ipc(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.ipc import main as m
-        return m(a)
-
-    def split(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.split import main as m
-        return m(a)
-
-    def exchange(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.exchange import main as m
-        return m(a)
-
-    def gpu(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.gpu import main as m
-        return m(a)
-
-    def attention(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.attention import main as m
-        return m(a)
-
-    def vae(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.vae import main as m
-        return m(a)
-
-    def caches(a: Sequence[str]) -> int:
-        from h3ms_async.tools.bench.caches import main as m
-        return m(a)
-
-    benches.update(ipc=ipc, split=split, exchange=exchange, gpu=gpu, attention=attention, vae=vae, caches=caches)
-    if not argv or argv[0] not in benches:
-        got = f"unknown benchmark {argv[0]!r}" if argv else "no benchmark given"
-        fail(f"{got}; use python -m h3ms_async bench {{{'|'.join(benches)}}} [options]")
-    return benches[argv[0]](argv[1:])
-
-
-def _serve(argv: Sequence[str]) -> int:
-    from h3ms_async.observability.serve import main as serve_main
-    return serve_main(argv)
-
-
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"demo": _demo, "bench": _bench, "serve": _serve}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch to a sub-command; returns the process exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    parser = ArgParser(
-        prog="python -m h3ms_async",
-        description="H3 MultiStream (async), standalone: split a reference MiniMax H3 DiT across rank workers.")
-    parser.add_argument("command", choices=sorted(COMMANDS),
-                        help="demo, bench {ipc,split,exchange,gpu,attention,vae,caches} or serve")
-    if not args or args[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0 if args else 2
-    if args[0] not in COMMANDS:
-        parser.error(f"unknown command {args[0]!r}; choose one of {', '.join(sorted(COMMANDS))}")
-    try:
-        return COMMANDS[args[0]](args[1:])
-    except UsageError as exc:
-        fail(str(exc))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures as cf
-import os
 import threading
 import time
 import weakref
@@ -33,20 +32,18 @@ from h3ms_async.vae import plan as vae_plan
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
-from h3ms_async.runtime.pool import WorkerError, WorkerPool, _env_seconds
+from h3ms_async.runtime.pool import WorkerError, WorkerPool
 from h3ms_async.dit.split import _cpu_thread_env
 from h3ms_async.observability.status import get_hub, now_iso
 from h3ms_async.runtime.weight_store import fill
+from workers.runtime import config
 from workers.vae import protocol as vae_protocol
-from workers.transports.host import dtype_name
-from workers.runtime.shm import Arena, Segment, ShmError
+from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
 
 log = get_logger("VAE split")
 
-TRANSPORT_ENV = "H3MS_VAE_TRANSPORT"
-TRANSPORTS = ("auto", "shm", "socket")
-CHUNK_TIMEOUT_ENV = "H3MS_VAE_CHUNK_TIMEOUT"
-DEFAULT_CHUNK_TIMEOUT_S = 900.0
+TRANSPORT_ENV = config.VAE_TRANSPORT.name
+CHUNK_TIMEOUT_ENV = config.VAE_CHUNK_TIMEOUT.name
 #: Most ranks a VAE split uses (the node's max_gpus cap).
 VAE_MAX_RANKS = 8
 _POLL_S = 0.05
@@ -123,13 +120,6 @@ def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
             if n.startswith(vae_protocol.DECODE_PREFIXES)}
 
 
-def _transport_choice() -> str:
-    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
-    if value not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV}={value!r} is not one of {TRANSPORTS}; unset it for auto")
-    return value
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -194,7 +184,7 @@ class VaeSplitEngine:
     def _decode(self, z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt) -> dict:
         t_start = time.perf_counter()
         coord = get_coordinator()
-        timeout = _env_seconds(CHUNK_TIMEOUT_ENV, DEFAULT_CHUNK_TIMEOUT_S)
+        timeout = config.VAE_CHUNK_TIMEOUT.get()
         load = coord.submit(self._ensure_loaded(spec))
         try:
             self._await(load, self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
@@ -226,7 +216,7 @@ class VaeSplitEngine:
             if remote:
                 z_cpu = z_padded.to("cpu")
                 sizes = [_nbytes(z_cpu[:, :, a:b_]) for a, b_ in (plan.spans[i] for i in remote)]
-                seg_in = Segment.create(sum(-(-s // 4096) * 4096 for s in sizes), "vae_in")
+                seg_in = Segment.create(sum(align(s) for s in sizes), "vae_in")
                 segs.append(seg_in)
                 arena = Arena(seg_in)
                 for i in remote:
@@ -299,7 +289,7 @@ class VaeSplitEngine:
     def _output_segment(self, remote: list[int], raw_shape: Callable[[int], list[int]],
                         dtype: torch.dtype) -> tuple[str, Segment | None]:
         """``(transport, segment)``: one segment for every remote chunk's output, or None for the socket path."""
-        choice = _transport_choice()
+        choice = config.VAE_TRANSPORT.get()
         if choice == "socket":
             return "socket", None
         elem = torch.empty((), dtype=dtype).element_size()
@@ -308,7 +298,7 @@ class VaeSplitEngine:
             n = elem
             for d in raw_shape(i):
                 n *= d
-            total += -(-n // 4096) * 4096
+            total += align(n)
         try:
             return "shm", Segment.create(total, "vae_out")
         except ShmError as exc:
@@ -407,17 +397,15 @@ class VaeSplitEngine:
 
 
 # -- the rank plan ---------------------------------------------------------------------------------------------------
-RANK_MAP_ENV = "H3MS_VAE_RANK_MAP"
-"""A rank map for the VAE split (e.g. ``cpu,cpu,cpu``): rank 0 is the VAE's own device, each other entry a worker.
-It replaces the GPU plan: for tests and verification (several logical ranks on one GPU)."""
+RANK_MAP_ENV = config.VAE_RANK_MAP.name
 
 
 def forced_devices(vae_device: torch.device) -> list[str] | None:
     """The ranks ``H3MS_VAE_RANK_MAP`` asks for (None when unset); its rank 0 must be the VAE's device."""
-    spec = os.environ.get(RANK_MAP_ENV, "").strip()
-    if not spec:
+    if not config.VAE_RANK_MAP.is_set():
         return None
-    devices = rank_map(spec)
+    spec = config.VAE_RANK_MAP.raw()
+    devices = config.VAE_RANK_MAP.get(rank_map)
     here = "cpu" if vae_device.type == "cpu" else f"cuda:{vae_device.index or 0}"
     if devices[0] != here:
         raise GPUSelectionError(f"{RANK_MAP_ENV}={spec}: rank 0 is {devices[0]} but the VAE decodes on {here}; "

@@ -15,12 +15,13 @@ plain ComfyUI against the pack with the same attention on both sides.
 from __future__ import annotations
 
 import math
-import os
 
 import comfy_kitchen as ck
 import torch
 from comfy_kitchen.sage_attention import PrequantizedInt8Attention
 
+# The name only: tests load this file alone by its path (before the pack), so it imports no package at module
+# level; the variable is declared in workers/runtime/config.py.
 ENV = "H3MS_CK_ATTENTION_CPU"
 _KITCHEN = {name: getattr(ck, name) for name in (
     "int8_attention_is_available", "prequantize_int8_attention", "int8_attention_from_prequantized", "int8_attention")}
@@ -134,7 +135,8 @@ def uninstall() -> None:
 
 def install_if_requested() -> bool:
     """Install when the test-hook environment asks for it (``H3MS_TEST_HOOKS=1`` and ``H3MS_CK_ATTENTION_CPU=1``)."""
-    if os.environ.get("H3MS_TEST_HOOKS") == "1" and os.environ.get(ENV) == "1":
+    from workers.runtime import config
+    if config.TEST_HOOKS.get() and config.CK_ATTENTION_CPU.get():
         install()
         return True
     return False

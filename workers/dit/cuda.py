@@ -21,24 +21,16 @@ progress while one of its reads of an arena region is still in flight.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
 
 GIB = 1 << 30
-
-
-def _env_gb(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of GiB; unset it or give e.g. {default}") from None
 
 
 class StreamTimer:
@@ -143,7 +135,7 @@ class CudaWeights:
             k = 0
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
-            reserve = int(_env_gb("H3MS_VRAM_RESERVE_GB", 2.0) * GIB)
+            reserve = int(config.VRAM_RESERVE_GB.get() * GIB)
             sharing = max(1, [str(d) for d in self.config.get("devices") or []].count(str(self.device)))
             k = auto_resident_blocks(n, self.block_bytes, free, self.working_set_bytes(tokens, local_tokens),
                                      reserve, sharing)
@@ -236,14 +228,6 @@ class CudaWeights:
         self.resident.clear()
         self.slots.clear()
         self.host.clear()
-
-
-def load_weights(ctx: WorkerContext, msg: dict) -> Any:
-    """``dit_load`` on a CUDA rank: returns a RankWeights whose provider streams/holds the blocks."""
-    from workers.dit.rank import RankWeights
-    prov = CudaWeights(ctx, msg)
-    return RankWeights(msg["key"], msg["store"], msg["config"], prov.heads, [], [], prov.quant, provider=prov,
-                       nbytes=prov.block_bytes * len(prov.host))
 
 
 class CudaExchange:

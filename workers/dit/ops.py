@@ -3,16 +3,16 @@
 One implementation serves the unsplit reference (``h3ms_async.dit.reference``) and the rank processes
 (``workers.dit.rank``), so a split can only differ from the reference through what it slices, never through how
 it computes.  Every op mirrors ComfyUI's ``DiTBlock`` (comfy/ldm/minimax/model.py): the same dtypes, the same
-rounding points, in place where ComfyUI is in place.  See ``shared/research/h3_dit_facts.md`` §2.3, §2.4, §6.2.
+rounding points, in place where ComfyUI is in place.  See ``docs/comfyui_facts.md`` §1, §2.
 
 Weights are plain tensors in a dict keyed as ComfyUI's state dict inside one block (``norm1.weight``,
 ``attn.qkv_proj.weight``, ...).  A linear is int8 when its ``.weight`` is ``torch.int8``; it then carries
 ``.weight_scale`` (fp32, one value or one per output row) and optionally ``.comfy_quant`` (uint8 bytes of the
 checkpoint's JSON, read for ConvRot).
 
-Exactness of a split rests on three facts (facts §4.3, §5.5): int8 linears are exact under token (row of x) and
-output-row slicing; rms_norm, modulation, gating and the fused rms+rope kernel are per row; attention heads are
-independent.  Float GEMMs under sliced shapes are *not* guaranteed exact; tests measure them.
+Exactness of a split rests on three facts (``docs/comfyui_facts.md`` §2.3, §4.1): int8 linears are exact under
+token (row of x) and output-row slicing; rms_norm, modulation, gating and the fused rms+rope kernel are per row;
+attention heads are independent.  Float GEMMs under sliced shapes are *not* guaranteed exact; tests measure them.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import comfy_kitchen as ck
 
 Row = Union[int, torch.Tensor]
 """A mod-segment row: an int, or a LongTensor of per-token rows (masked segments)."""
-Segment = tuple[int, int, Row]
+ModSegment = tuple[int, int, Row]
+"""A modulation segment: tokens [a, b) take the modulation row ``Row`` (not a shared-memory segment)."""
 
 # Names of the four linears that int8 checkpoints quantize; everything else stays in model dtype.
 INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -41,12 +42,12 @@ def apply_kitchen_policy() -> None:
     ComfyUI (comfy/quant_ops.py) disables kitchen's ``cuda`` backend unless torch was built with CUDA >= 13, and its
     ``triton`` backend unless ``--enable-triton-backend`` was given (here: ``H3MS_ENABLE_TRITON_BACKEND=1``).
     """
-    import os
+    from workers.runtime import config
 
     cuda = torch.version.cuda
     if cuda is None or int(cuda.split(".")[0]) < 13:
         ck.disable_backend("cuda")
-    if os.environ.get("H3MS_ENABLE_TRITON_BACKEND") != "1":
+    if not config.ENABLE_TRITON_BACKEND.get():
         ck.disable_backend("triton")
 
 
@@ -159,15 +160,15 @@ def adaln(weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: 
     return y.view(m * 3, -1).chunk(6, dim=-1)
 
 
-def clip_segments(segments: Sequence[Segment], t0: int, t1: int) -> list[Segment]:
+def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModSegment]:
     """Mod segments restricted to tokens [t0, t1) and shifted to shard coordinates (row tensors sliced alike).
 
-    Each element gets exactly one sequence of ops whatever the segment boundaries (facts §6.2), so clipping is
+    Each element gets exactly one sequence of ops whatever the segment boundaries (comfyui_facts §1.3), so clipping is
     exact.
     """
     if t0 < 0 or t1 <= t0:
         raise ValueError(f"clip_segments: token range [{t0}, {t1}) is empty or negative")
-    out: list[Segment] = []
+    out: list[ModSegment] = []
     for a, b, row in segments:
         lo, hi = max(a, t0), min(b, t1)
         if lo >= hi:
@@ -184,7 +185,7 @@ def _mod_vec(vec: torch.Tensor, row: Row, dtype: torch.dtype) -> torch.Tensor:
 
 
 def norm_modulate(x_rows: torch.Tensor, norm_w: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                  segments: Sequence[Segment], eps: float) -> torch.Tensor:
+                  segments: Sequence[ModSegment], eps: float) -> torch.Tensor:
     """``rms_norm(x)`` then, per segment in order and in place, ``mul_(1 + scale[row])`` and ``add_(shift[row])``.
 
     ``1 + scale`` is its own op in the stream dtype (rounded before the multiply), as in ComfyUI.  ``segments``
@@ -199,7 +200,7 @@ def norm_modulate(x_rows: torch.Tensor, norm_w: torch.Tensor, shift: torch.Tenso
 
 
 def gated_residual_(x_rows: torch.Tensor, y_rows: torch.Tensor, gate: torch.Tensor,
-                    segments: Sequence[Segment]) -> torch.Tensor:
+                    segments: Sequence[ModSegment]) -> torch.Tensor:
     """``x[a:b].addcmul_(y[a:b], gate[row])`` per segment: one fused rounding, in place on ``x_rows``."""
     for a, b, row in segments:
         x_rows[a:b].addcmul_(y_rows[a:b], _mod_vec(gate, row, x_rows.dtype))
@@ -277,7 +278,8 @@ def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     """comfy-kitchen INT8 attention as ComfyUI's ``--use-ck-attention`` runs it: quantize, then attend.
 
     Every scale is per head (v's per head over the whole sequence), so a head group over all tokens gives exactly
-    the unsplit result's heads (measured on the H200, gpu_facts.md).  q, k, v: ``[1, h, S, D]``.
+    the unsplit result's heads (comfyui_facts §4.3; measured on the H200, ``docs/device_runs/``).
+    q, k, v: ``[1, h, S, D]``.
     """
     if not ck.int8_attention_is_available(q.device):
         raise RuntimeError(f"attention='ck_int8' needs comfy-kitchen's INT8 attention, unavailable on {q.device}; "
@@ -346,7 +348,7 @@ def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch
 
 def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, torch.Tensor], gate_msa: torch.Tensor,
             shift_mlp: torch.Tensor, scale_mlp: torch.Tensor, gate_mlp: torch.Tensor,
-            segments_local: Sequence[Segment], eps: float) -> torch.Tensor:
+            segments_local: Sequence[ModSegment], eps: float) -> torch.Tensor:
     """Rest of the block on a token range: out_proj, gated residual, norm2 + modulation, fc1, swiglu fc2, gated
     residual.  ``attn_rows`` holds all heads (``[n, h·D]``, head-major) for these tokens.  Mutates and returns
     ``x_rows``."""
@@ -359,7 +361,7 @@ def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, to
 
 
 def block_forward_unsplit(x: torch.Tensor, weights: dict[str, torch.Tensor], t_emb: torch.Tensor,
-                          segments: Sequence[Segment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
+                          segments: Sequence[ModSegment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
                           eps: float, *, attend: Attend | None = None) -> torch.Tensor:
     """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned, like ComfyUI."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln(weights, t_emb)

@@ -116,7 +116,9 @@ async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
     t = time.perf_counter()
     if ctx.device.startswith("cuda"):
         from workers.dit import cuda as cuda_rank
-        st.weights = await ctx.run_compute(cuda_rank.load_weights, ctx, msg)
+        prov = await ctx.run_compute(cuda_rank.CudaWeights, ctx, msg)
+        st.weights = RankWeights(msg["key"], msg["store"], msg["config"], prov.heads, [], [], prov.quant,
+                                 provider=prov, nbytes=prov.block_bytes * len(prov.host))
     else:
         st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
     ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
@@ -239,8 +241,8 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
     return ex
 
 
-def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.Segment]:
-    out: list[dit_ops.Segment] = []
+def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.ModSegment]:
+    out: list[dit_ops.ModSegment] = []
     for a, b, row in raw:
         if isinstance(row, dict):
             row = ctx.segment(row["seg"]).tensor(row).to(device)

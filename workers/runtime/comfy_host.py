@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from workers.dit.ops import Attend
+from workers.runtime import config
 
-ENV = "H3MS_COMFY_HOST"
+ENV = config.COMFY_HOST.name
 #: Attention names the split runs head-split: each is exact per head (no cross-head state). ComfyUI's others
 #: (xformers, sage, flash-attn packages, split) are not vetted: the node runs those models unsplit.
 HEAD_SPLIT_SAFE = ("attention_pytorch", "attention_sub_quad", "attention_basic", "attention_comfy_kitchen_int8")
@@ -42,7 +43,7 @@ class ComfyHost:
 
     @classmethod
     def from_env(cls) -> "ComfyHost | None":
-        raw = os.environ.get(ENV)
+        raw = config.COMFY_HOST.get()
         if not raw:
             return None
         d = json.loads(raw)

@@ -17,14 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from workers.runtime import protocol
+from workers.runtime import config, protocol
 from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
 
 Handler = Callable[["WorkerContext", dict], Awaitable[dict]]
 #: kind -> handler coroutine function.
 HANDLERS: dict[str, Handler] = {}
 
-TEST_HOOKS = os.environ.get("H3MS_TEST_HOOKS") == "1"
+TEST_HOOKS: bool = config.TEST_HOOKS.get()
 
 
 def handler(kind: str) -> Callable[[Handler], Handler]:

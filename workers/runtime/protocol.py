@@ -24,33 +24,21 @@ makes the field optional (it may be absent): ``"int|None"``, ``"float?"``, ``"st
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import struct
 from typing import Any, Mapping
 
 import msgpack
 
+from workers.runtime import config
+
 
 class ProtocolError(Exception):
     """A frame or message that breaks this protocol; the channel that carried it is closed."""
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer byte count; unset it or give e.g. {default}") from None
-    if value < 1024:
-        raise ValueError(f"{name}={value} is below 1024 bytes; unset it or give e.g. {default}")
-    return value
-
-
 #: Largest frame body either side accepts or sends (override with H3MS_MAX_FRAME_BYTES; both sides read it).
-MAX_FRAME_BYTES: int = _env_int("H3MS_MAX_FRAME_BYTES", 16 * 1024 * 1024)
+MAX_FRAME_BYTES: int = config.MAX_FRAME_BYTES.get()
 #: Per-object msgpack limits; an object over them is refused before it is built.
 MAX_STR_LEN = 4 * 1024 * 1024
 MAX_BIN_LEN = MAX_FRAME_BYTES

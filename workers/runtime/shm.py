@@ -46,11 +46,21 @@ class ShmError(RuntimeError):
     """A shared-memory segment could not be created, attached or viewed."""
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to the page alignment every segment offset and size keeps."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _torch_dtype(name: str) -> "torch.dtype":
+def dtype_name(dtype: "torch.dtype | str") -> str:
+    """The wire name of a dtype (``"bfloat16"``); ValueError naming the choices (the protocol's ``DTYPE_SIZES``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"dtype {dtype!r} is not supported in shared memory; use one of {sorted(DTYPE_SIZES)}")
+    return name
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of a wire name; ShmError when this torch lacks it."""
     import torch
 
     dt = getattr(torch, name, None)
@@ -131,7 +141,7 @@ class Segment:
         """
         if size <= 0:
             raise ShmError(f"segment size must be > 0, got {size}")
-        size = _align(size)
+        size = align(size)
         if not SEGMENT_NAME_RE.match(f"h3ms-1-{'0' * 24}-{tag}"):
             raise ShmError(f"segment tag {tag!r} must be 1-48 chars of letters, digits, '_' or '.'")
         try:
@@ -207,7 +217,7 @@ class Segment:
             raise ShmError(
                 f"descriptor [{off}, {off + nbytes}) ({desc['dtype']} {list(desc['shape'])}) is outside "
                 f"segment {self.name} of {self.size} bytes")
-        dt = _torch_dtype(desc["dtype"])
+        dt = torch_dtype(desc["dtype"])
         flat = self.base_tensor()[off:off + nbytes]
         return flat.view(dt).view(tuple(desc["shape"]))
 
@@ -260,7 +270,7 @@ class Arena:
             raise ShmError(f"dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         desc = {"seg": self.segment.name, "off": self.used, "dtype": dtype, "shape": [int(n) for n in shape]}
         nbytes = desc_nbytes(desc)
-        end = self.used + _align(max(nbytes, 1))
+        end = self.used + align(max(nbytes, 1))
         if end > self.segment.size:
             raise ShmError(
                 f"arena on {self.segment.name} is full: {dtype} {list(shape)} needs {nbytes} bytes, "

@@ -67,9 +67,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from workers.runtime.protocol import DTYPE_SIZES
+from workers.runtime.shm import align, dtype_name, torch_dtype
+
 log = logging.getLogger("h3_multistream.worker")
 
-ALIGN = 4096
 CACHE_LINE = 64
 WORDS_PER_LINE = CACHE_LINE // 8
 MAGIC = 0x4833_4D53_5843_4831  # "H3MSXCH1"
@@ -82,16 +84,6 @@ _JOB_CYCLE = (1 << 14) - 1
 KIND_GATHER = 0
 KIND_ALL_TO_ALL = 1
 _KIND_NAMES = {KIND_GATHER: "all_gather_rows", KIND_ALL_TO_ALL: "all_to_all_cols"}
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int32": torch.int32,
-}
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -110,21 +102,6 @@ class ExchangeTimeout(ExchangeError):
 
 class ExchangeChunkMismatch(ExchangeError):
     """Ranks disagree on the op sequence or the chunk count of an op."""
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """Canonical name of a supported arena dtype (``"bfloat16"``...); raises ValueError naming the choices."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-    else:
-        name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"exchange dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
-    return name
 
 
 def _check_bounds(what: str, bounds: list[int], world: int) -> tuple[int, ...]:
@@ -165,20 +142,20 @@ class ArenaLayout:
         if not isinstance(row_width, int) or row_width < 1:
             raise ValueError(f"row_width must be a positive int, got {row_width!r}")
         name = dtype_name(dtype)
-        elem = torch.empty((), dtype=_DTYPES[name]).element_size()
+        elem = DTYPE_SIZES[name]
         seq_tokens = tb[-1]
-        header = _align(CACHE_LINE * (world + 1))
+        header = align(CACHE_LINE * (world + 1))
         g_off = header
-        off = g_off + _align(seq_tokens * row_width * elem)
+        off = g_off + align(seq_tokens * row_width * elem)
         a_offs = []
         for r in range(world):
             a_offs.append(off)
-            off += _align(seq_tokens * (cb[r + 1] - cb[r]) * elem)
+            off += align(seq_tokens * (cb[r + 1] - cb[r]) * elem)
         return cls(world, tb, cb, row_width, name, header, g_off, tuple(a_offs), max(off, header))
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def tokens(self) -> int:

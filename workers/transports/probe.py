@@ -1,10 +1,10 @@
 """A rank program for the exchange tests and benchmark: ``python -m workers.transports.probe --rank R --world W ...``.
 
 It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or ``both``), an arena
-file in /dev/shm with its layout (host), the chunk counts to run, and rounds x blocks of (all_gather_rows,
-all_to_all_cols).  Every rank generates every rank's inputs from the case seed, so it checks its own results against
+segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the chunk counts to run, and rounds x
+blocks of (all_gather_rows, all_to_all_cols).  Every rank generates every rank's inputs from the case seed, so it checks its own results against
 the exact expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed one.
-Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a /dev/shm file
+Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a segment id
 (``--control``).  Output: one JSON line on stdout with per-case results, per-op timings and the exchange stats;
 exit status 0 when every check passed, 1 when a check failed, 3 when an exchange raised.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import sys
 import time
@@ -20,18 +19,8 @@ import traceback
 
 import torch
 
+from workers.runtime.shm import Segment
 from workers.transports.host import ArenaLayout, ExchangeError, HostExchange
-
-
-def attach_file(path: str) -> tuple[mmap.mmap, torch.Tensor]:
-    """Map a /dev/shm file created by the spawner; the mmap must outlive every view of the tensor."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,20 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--doorbells", default="", help="comma-separated eventfd numbers, one per rank (pass_fds)")
-    ap.add_argument("--control", default="", help="/dev/shm file whose int64 word 0 is the abort generation")
+    ap.add_argument("--control", default="", help="segment id whose int64 word 0 is the abort generation")
     ap.add_argument("--spec", required=True, help="JSON: {cases: [...], init_file, dist_timeout_s}")
     args = ap.parse_args(argv)
     spec = json.loads(args.spec)
     out: dict = {"rank": args.rank, "pid": os.getpid(), "ok": False, "cases": [], "error": None}
-    maps = []
+    segments: list[Segment] = []  # attached for the process's life: the exchanges hold views into them
     dist_ex = None
     try:
         doorbells = [int(x) for x in args.doorbells.split(",") if x]
         control = None
         if args.control:
-            mm, raw = attach_file(args.control)
-            maps.append(mm)
-            control = raw.view(torch.int64)
+            segments.append(Segment.attach(args.control))
+            control = segments[-1].base_tensor().view(torch.int64)
         needs_dist = any(c["transport"] in ("gloo", "both") for c in spec["cases"])
         if needs_dist:
             from workers.transports.dist import init_group
@@ -128,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             layout = ArenaLayout.from_dict(case["layout"])
             host = None
             if case["transport"] in ("host", "both"):
-                mm, arena = attach_file(case["arena"])
-                maps.append(mm)
-                host = HostExchange(args.rank, args.world, arena[: layout.nbytes], layout, doorbells, control,
+                segments.append(Segment.attach(case["arena"]))
+                host = HostExchange(args.rank, args.world, segments[-1].base_tensor()[: layout.nbytes], layout, doorbells, control,
                                     float(case.get("deadline_s", 30)), spin_us=float(case.get("spin_us", 0)))
             if needs_dist and case["transport"] != "host":
                 from workers.transports.dist import DistExchange

@@ -22,8 +22,9 @@ import torch
 from workers.dit import ops as dit_ops
 from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
+from workers.runtime import config
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
-from workers.runtime.shm import _torch_dtype
+from workers.runtime.shm import torch_dtype
 
 _STATE = "vae"
 
@@ -122,7 +123,7 @@ def _load(ctx: WorkerContext, msg: dict) -> dict:
     t0 = time.perf_counter()
     vae_mod = import_comfy_vae(msg["comfy"])
     t_import = time.perf_counter() - t0
-    dtype = _torch_dtype(msg["dtype"])
+    dtype = torch_dtype(msg["dtype"])
     model = build_decoder(vae_mod, msg["arch"], dtype).to_empty(device=ctx.device)
     seg = ctx.segment(msg["store"])
     try:
@@ -157,12 +158,8 @@ async def _vae_load(ctx: WorkerContext, msg: dict) -> dict:
             "import_s": res["import_s"]}
 
 
-#: Test hook (with H3MS_TEST_HOOKS=1): a worker that finds this file deletes it and dies at its next chunk.
-CRASH_FILE_ENV = "H3MS_TEST_VAE_CRASH_FILE"
-
-
 def _test_crash(ctx: WorkerContext) -> None:
-    path = os.environ.get(CRASH_FILE_ENV, "")
+    path = config.TEST_VAE_CRASH_FILE.get()
     if not (TEST_HOOKS and path):
         return
     try:

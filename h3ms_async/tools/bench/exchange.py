@@ -6,9 +6,7 @@ everything) is shared with the tests.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -22,78 +20,34 @@ from pathlib import Path
 
 import torch
 
+from workers.runtime.shm import Segment
 from workers.transports.host import ArenaLayout
 
 from h3ms_async import PACK_ROOT
+from h3ms_async.runtime.plans import partition
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from h3ms_async.log import ensure_console_handler, get_logger
 
 log = get_logger("bench")
 
-SHM_DIR = "/dev/shm"
-
-
-class ShmFile:
-    """A private /dev/shm file (``h3ms-<pid>-<random>-<tag>``, mode 0600) mapped here; :meth:`close` unlinks it."""
-
-    def __init__(self, size: int, tag: str = "xtest") -> None:
-        self.path = os.path.join(SHM_DIR, f"h3ms-{os.getpid()}-{secrets.token_hex(6)}-{tag}")
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._mm: mmap.mmap | None = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(self.path)
-            raise
-        finally:
-            os.close(fd)
-        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
-
-    def close(self) -> None:
-        self.tensor = None
-        try:
-            if self._mm is not None:
-                self._mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with the process, the name goes now
-        finally:
-            self._mm = None
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-
-
-def split_bounds(total: int, shares: list[float]) -> list[int]:
-    """Largest-remainder split of ``total`` by ``shares`` as world+1 bounds (the rank plan's rule)."""
-    s = sum(shares)
-    exact = [total * w / s for w in shares]
-    base = [int(e) for e in exact]
-    order = sorted(range(len(shares)), key=lambda i: (base[i] - exact[i], i))
-    for i in order[: total - sum(base)]:
-        base[i] += 1
-    bounds = [0]
-    for n in base:
-        bounds.append(bounds[-1] + n)
-    return bounds
-
-
 class ProbeGroup:
     """``world`` probe ranks running ``cases`` (probe case dicts; ``layout`` may be an ArenaLayout).
 
     Host cases get a fresh arena each (header initialised here).  Use as a context manager: on exit every rank
-    still alive is killed, every shm file unlinked, every fd closed and the run dir removed.
+    still alive is killed, every segment closed, every fd closed and the run dir removed.
     """
 
     def __init__(self, world: int, cases: list[dict], *, stall: dict | None = None, gen: int = 0,
                  dist_timeout_s: float = 60.0) -> None:
         self.world = world
         self.run_dir = tempfile.mkdtemp(prefix=f"h3ms-xch-{os.getpid()}-")  # owner pid: a leak check can tell its own
-        self._shm: list[ShmFile] = []
+        self._shm: list[Segment] = []
         self.doorbells: list[int] = []
         self.procs: list[subprocess.Popen] = []
         try:
-            self.control = ShmFile(4096, "xctl")
+            self.control = Segment.create(4096, "xctl")
             self._shm.append(self.control)
-            self.control_words = self.control.tensor.view(torch.int64)
+            self.control_words = self.control.base_tensor().view(torch.int64)
             self.control_words[0] = gen
             self.doorbells = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(world)]
             self.cases = []
@@ -104,10 +58,10 @@ class ProbeGroup:
                 case["layout"] = lay.to_dict()
                 case.setdefault("gen", gen)
                 if case["transport"] in ("host", "both"):
-                    arena = ShmFile(lay.nbytes)
+                    arena = Segment.create(lay.nbytes, "xarena")
                     self._shm.append(arena)
-                    lay.init_header(arena.tensor[: lay.nbytes])
-                    case["arena"] = arena.path
+                    lay.init_header(arena.base_tensor()[: lay.nbytes])
+                    case["arena"] = arena.name
                 self.cases.append(case)
             self.spec = {"cases": self.cases, "init_file": os.path.join(self.run_dir, "dist-init"),
                          "dist_timeout_s": dist_timeout_s, "stall": stall}
@@ -133,7 +87,7 @@ class ProbeGroup:
             try:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "workers.transports.probe", "--rank", str(r), "--world", str(self.world),
-                     "--doorbells", fds, "--control", self.control.path, "--spec", json.dumps(self.spec)],
+                     "--doorbells", fds, "--control", self.control.name, "--spec", json.dumps(self.spec)],
                     stdout=out, stderr=err, stdin=subprocess.DEVNULL, pass_fds=self.doorbells, cwd=self.run_dir,
                     env=env))
             finally:
@@ -261,8 +215,8 @@ def run_bench_exchange(world: tuple[int, ...] = (2, 4, 8), tokens: int = 4096, w
                     "results": [], "signalling": []}
     report["unix_msgpack_rtt_us"] = unix_msgpack_rtt_us()
     for w in world:
-        lay = ArenaLayout.plan(w, split_bounds(tokens, [1.0] * w), split_bounds(width, [1.0] * w), width, dtype)
-        tiny = ArenaLayout.plan(w, split_bounds(8 * w, [1.0] * w), split_bounds(8 * w, [1.0] * w), 8 * w, dtype)
+        lay = ArenaLayout.plan(w, partition(tokens, [1.0] * w), partition(width, [1.0] * w), width, dtype)
+        tiny = ArenaLayout.plan(w, partition(8 * w, [1.0] * w), partition(8 * w, [1.0] * w), 8 * w, dtype)
         cases = []
         for t in transport:
             tname = "host" if t == "host" else "gloo"

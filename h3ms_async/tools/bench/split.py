@@ -27,7 +27,7 @@ import torch
 
 from h3ms_async.runtime import plans
 from h3ms_async.tools.cli import ArgParser, int_list
-from h3ms_async.tools.bench.exchange import ProbeGroup, split_bounds
+from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.dit.reference import WEIGHT_KINDS, DiTConfig, ReferenceDiT, StepInputs, make_step_inputs
@@ -107,7 +107,7 @@ def signal_probe(world: int, rounds: int) -> dict | None:
     if world < 2 or rounds < 1:
         return None
     n = 8 * world
-    tiny = ArenaLayout.plan(world, split_bounds(n, [1.0] * world), split_bounds(n, [1.0] * world), n, "bfloat16")
+    tiny = ArenaLayout.plan(world, plans.partition(n, [1.0] * world), plans.partition(n, [1.0] * world), n, "bfloat16")
     case = {"name": "tiny", "transport": "host", "layout": tiny, "chunks": list(PROBE_CHUNKS), "rounds": rounds,
             "blocks": 1, "patterns": 2}
     with ProbeGroup(world, [case]) as grp:

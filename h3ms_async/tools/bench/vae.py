@@ -18,6 +18,7 @@ from typing import Sequence
 
 from h3ms_async import PACK_ROOT
 from h3ms_async.tools.cli import ArgParser
+from workers.runtime import config
 
 BODY = PACK_ROOT / "benchmarks" / "vae_split_comfy.py"
 
@@ -44,7 +45,7 @@ def _ranks(text: str) -> list[int]:
 
 def main(argv: Sequence[str]) -> int:
     p = ArgParser(prog="python -m h3ms_async bench vae", description=__doc__)
-    p.add_argument("--comfy-root", default=os.environ.get("H3MS_COMFY_ROOT", ""),
+    p.add_argument("--comfy-root", default=config.COMFY_ROOT.get(),
                    help="ComfyUI root with MiniMax H3 (default: $H3MS_COMFY_ROOT)")
     p.add_argument("--extra-path", action="append", default=[], help="more sys.path entries, last (e.g. shims)")
     p.add_argument("--comfy-args", default="--disable-api-nodes", help="ComfyUI flags for both sides")
@@ -67,7 +68,7 @@ def main(argv: Sequence[str]) -> int:
            "height": a.height, "width": a.width, "layers": a.layers, "heads": a.heads, "seed": a.seed}
     code = _PRELUDE.format(root=str(root), extra=[str(Path(x).resolve()) for x in a.extra_path],
                            argv=a.comfy_args.split(), body=str(BODY))
-    env = dict(os.environ, H3MS_VAE_BENCH=json.dumps(cfg), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **{config.VAE_BENCH.name: json.dumps(cfg)}, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=a.timeout, stdin=subprocess.DEVNULL)
     sys.stderr.write(proc.stderr[-20000:])
