@@ -20,7 +20,7 @@ from workers.dit import ops as dit_ops
 from workers.dit.loop import run_blocks
 from workers.dit.ops import Segment, Shard
 from workers.dit.weights import CpuWeights
-from workers.transports.exchange import NoExchange
+from workers.transports.exchange import InProcessExchange, NoExchange
 from workers.transports.host import ArenaLayout
 
 from h3ms_async.dit.layout import Layout
@@ -267,7 +267,7 @@ class _Lockstep:
             self.take()
 
 
-class _LocalExchange:
+class _LocalExchange(InProcessExchange):
     """One rank thread's side of the in-process exchange: every rank writes its part into shared buffers, meets
     the others, and reads the whole.
 
@@ -276,13 +276,12 @@ class _LocalExchange:
     before it reaches the next gather.
     """
 
+    transport = "simulated"
+
     def __init__(self, rank: int, layout: ArenaLayout, gathered: torch.Tensor, received: list[torch.Tensor],
                  lockstep: _Lockstep) -> None:
         self.rank, self.layout = rank, layout
         self._g, self._a, self._meet = gathered, received, lockstep.meet
-
-    def begin(self, abort_generation: int) -> None:
-        """A simulated job cannot be aborted from outside."""
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         t0, t1 = self.layout.rows(self.rank)
@@ -297,18 +296,6 @@ class _LocalExchange:
             dst[:, c0:c1].copy_(local[p0:p1])
         self._meet()
         return self._a[self.rank]
-
-    def counters(self) -> tuple[float, float]:
-        return 0.0, 0.0
-
-    def stats(self) -> dict:
-        return {"transport": "simulated"}
-
-    def reset_stats(self) -> None:
-        """No counters."""
-
-    def close(self) -> None:
-        """The buffers belong to the step."""
 
 
 class SimulatedSplit:

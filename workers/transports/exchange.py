@@ -41,13 +41,37 @@ class Exchange(Protocol):
         """Drop what the exchange holds (not the memory or process group it was given)."""
 
 
-class NoExchange:
+class InProcessExchange:
+    """Base of the exchanges whose peers (if any) live in this process: no job to abort, no counters, nothing to
+    drop.  Subclasses define the two ops and their ``stats()["transport"]`` name."""
+
+    transport = "in-process"
+
+    def begin(self, abort_generation: int) -> None:
+        """Nothing to start: no other process can abort the job."""
+
+    def counters(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def stats(self) -> dict:
+        return {"transport": self.transport}
+
+    def reset_stats(self) -> None:
+        """No counters."""
+
+    def close(self) -> None:
+        """Nothing held beyond the object."""
+
+
+class NoExchange(InProcessExchange):
     """The exchange of a rank without peers: what it gathers and what it receives is only its own data.
 
     With one rank (``layout`` None: the unsplit run) both ops return their input, which is then exactly what the
     whole model's op computes.  With a layout of several ranks it is the "none" benchmark baseline
     (``workers.dit.protocol``): the results have the real shapes, the other ranks' parts stay zeros.
     """
+
+    transport = "none"
 
     def __init__(self, rank: int = 0, layout: ArenaLayout | None = None,
                  device: torch.device = torch.device("cpu")) -> None:
@@ -57,9 +81,6 @@ class NoExchange:
             t0, t1 = layout.rows(rank)
             self._g = torch.zeros((layout.tokens, layout.row_width), dtype=layout.torch_dtype, device=device)
             self._a = torch.zeros((t1 - t0, layout.columns), dtype=layout.torch_dtype, device=device)
-
-    def begin(self, abort_generation: int) -> None:
-        """Nothing to start: no peer can abort a job of this exchange."""
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         if self._g is None:
@@ -75,15 +96,3 @@ class NoExchange:
         c0, c1 = self.layout.cols(self.rank)
         self._a[:, c0:c1].copy_(local[t0:t1])
         return self._a
-
-    def counters(self) -> tuple[float, float]:
-        return 0.0, 0.0
-
-    def stats(self) -> dict:
-        return {"transport": "none"}
-
-    def reset_stats(self) -> None:
-        """No counters."""
-
-    def close(self) -> None:
-        """Nothing held."""
