@@ -15,6 +15,7 @@ from h3ms_async.dit.layout import build_layout
 from h3ms_async.runtime.plans import make_split_plan
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, SimulatedSplit, make_step_inputs
 from workers.dit import ops as dit_ops
+from workers.dit.loop import block_forward_unsplit
 from workers.dit.ops import Shard
 
 CFG = DiTConfig(hidden=256, layers=2, heads=10, head_dim=32, ffn=320, t_dim=16, rope_pairs=12)
@@ -88,8 +89,8 @@ def test_block_forward_is_in_place_like_comfyui() -> None:
     inp = make_step_inputs(CFG, _layouts()[0], seed=1, dtype=model.dtype)
     x = inp.x.clone()
     with torch.inference_mode():
-        out = dit_ops.block_forward_unsplit(x, model.block_weights(0), inp.t_emb, inp.segments, inp.rope_freqs,
-                                            CFG.heads, CFG.head_dim, CFG.eps)
+        out = block_forward_unsplit(x, model.block_weights(0), inp.t_emb, inp.segments, inp.rope_freqs,
+                                    CFG.heads, CFG.head_dim, CFG.eps)
     assert out is x and not torch.equal(x, inp.x)
 
 

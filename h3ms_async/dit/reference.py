@@ -3,11 +3,12 @@
 The block math is ``workers.dit.ops`` (the same functions the rank processes run).  This module adds the model
 around it: a config of any size (tiny for tests, full width for benchmarks), deterministic weights generated block
 by block (so a 50-block full-width model never needs all weights at once), int8 quantization as H3's int8
-checkpoints store it, step inputs (residual, t_emb, mod segments, rope table), and ``simulate_split``: R ranks run in
-one process with real slicing, to check the split's exactness without processes.
+checkpoints store it, step inputs (residual, t_emb, mod segments, rope table), and :class:`SimulatedSplit`: R ranks
+run the ranks' block loop in one process with real slicing, to check the split's exactness without processes.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -16,12 +17,18 @@ import torch
 import comfy_kitchen as ck
 
 from workers.dit import ops as dit_ops
+from workers.dit.loop import run_blocks
 from workers.dit.ops import ModSegment, Shard
+from workers.dit.weights import CpuWeights
+from workers.transports.exchange import InProcessExchange, NoExchange
+from workers.transports.host import ArenaLayout
 
 from h3ms_async.dit.layout import Layout
 
 WEIGHT_KINDS = ("int8", "bf16", "fp32")
 INIT_STD = 0.02
+#: Deadline of a simulated rank thread's wait for the others (a tiny test model takes milliseconds per block).
+SIMULATED_WAIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -182,12 +189,10 @@ class ReferenceDiT:
 
         ``on_block(i)`` is called after block ``i`` (progress bars)."""
         c = self.config
+        weights = CpuWeights(self.block_weights, c.layers, (0, c.heads), c.heads, c.head_dim, eager=False)
         with torch.inference_mode():
-            for i in range(c.layers):
-                x = dit_ops.block_forward_unsplit(x, self.block_weights(i), t_emb, segments, rope_freqs, c.heads,
-                                                  c.head_dim, c.eps, attend=dit_ops.builtin_attend(attention))
-                if on_block is not None:
-                    on_block(i)
+            run_blocks(x, t_emb, segments, rope_freqs, weights, NoExchange(), range(c.layers), heads_local=c.heads,
+                       head_dim=c.head_dim, eps=c.eps, attend=dit_ops.builtin_attend(attention), after_block=on_block)
         return x
 
 
@@ -232,12 +237,71 @@ def make_step_inputs(config: DiTConfig, layout: Layout, seed: int, dtype: torch.
     return StepInputs(x, t_emb, list(layout.mod_segments), rope_table(layout.position_ids, config.rope_pairs, dtype))
 
 
-class SimulatedSplit:
-    """R ranks of the split run in one process, with the real slicing and exchanges done by ``torch.cat``.
+class _Lockstep:
+    """The meeting point of :class:`SimulatedSplit`'s rank threads: a barrier, and a baton so that one rank computes
+    at a time (the numbers are then those of one thread running the ranks in turn, whatever the core count)."""
 
-    Per block, rank r: norm1 + modulation on its tokens; all-gather of the modulated rows; qkv/rope/attention for its
-    head group over all tokens (weights sliced once here); all-to-all so it gets every head's output for its tokens;
-    out_proj + MLP on its tokens.  The result is each rank's rows concatenated.
+    def __init__(self, ranks: int) -> None:
+        self.barrier = threading.Barrier(ranks, timeout=SIMULATED_WAIT_S)
+        self._baton = threading.Lock()
+        self._mine = threading.local()
+
+    def take(self) -> None:
+        """Wait for this thread's turn to compute."""
+        if not self._baton.acquire(timeout=SIMULATED_WAIT_S):
+            raise TimeoutError(f"simulated split: no rank thread handed over in {SIMULATED_WAIT_S:.0f}s")
+        self._mine.held = True
+
+    def give(self) -> None:
+        """End this thread's turn (no-op when it does not hold the baton)."""
+        if getattr(self._mine, "held", False):
+            self._mine.held = False
+            self._baton.release()
+
+    def meet(self) -> None:
+        """Hand the baton over until every rank has reached this point, then take it back."""
+        self.give()
+        try:
+            self.barrier.wait()
+        finally:
+            self.take()
+
+
+class _LocalExchange(InProcessExchange):
+    """One rank thread's side of the in-process exchange: every rank writes its part into shared buffers, meets
+    the others, and reads the whole.
+
+    A buffer is rewritten only one op after everyone met over it, by when every rank has consumed it: the gather
+    result is read by attention, before its rank reaches the all-to-all; a rank's all-to-all result by out_proj,
+    before it reaches the next gather.
+    """
+
+    transport = "simulated"
+
+    def __init__(self, rank: int, layout: ArenaLayout, gathered: torch.Tensor, received: list[torch.Tensor],
+                 lockstep: _Lockstep) -> None:
+        self.rank, self.layout = rank, layout
+        self._g, self._a, self._meet = gathered, received, lockstep.meet
+
+    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        t0, t1 = self.layout.rows(self.rank)
+        self._g[t0:t1].copy_(local)
+        self._meet()
+        return self._g
+
+    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        c0, c1 = self.layout.cols(self.rank)
+        for p, dst in enumerate(self._a):
+            p0, p1 = self.layout.rows(p)
+            dst[:, c0:c1].copy_(local[p0:p1])
+        self._meet()
+        return self._a[self.rank]
+
+
+class SimulatedSplit:
+    """R ranks of the split run in one process, each a thread running the rank's block loop
+    (``workers.dit.loop``) on its own weights view, with the real slicing; the exchanges go through shared
+    buffers (``_LocalExchange``).  The result is each rank's rows concatenated.
     """
 
     def __init__(self, model: ReferenceDiT, head_bounds: Sequence[int]) -> None:
@@ -248,8 +312,9 @@ class SimulatedSplit:
         self.model = model
         self.head_bounds = list(head_bounds)
         self.ranks = len(head_bounds) - 1
-        self._qkv = [[dit_ops.slice_qkv_weights(model.block_weights(i), g0, g1, c.heads, c.head_dim)
-                      for g0, g1 in zip(head_bounds, head_bounds[1:])] for i in range(c.layers)]
+        blocks = [model.block_weights(i) for i in range(c.layers)]
+        self._weights = [CpuWeights(blocks.__getitem__, c.layers, (g0, g1), c.heads, c.head_dim, eager=True)
+                         for g0, g1 in zip(head_bounds, head_bounds[1:])]
 
     def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[ModSegment],
                        rope_freqs: torch.Tensor, token_bounds: Sequence[int]) -> torch.Tensor:
@@ -260,20 +325,34 @@ class SimulatedSplit:
             raise ValueError(f"token_bounds {list(token_bounds)} must have {self.ranks + 1} entries from 0 to {seq}")
         shards = [Shard(t0, t1, g0, g1) for (t0, t1), (g0, g1) in
                   zip(zip(token_bounds, token_bounds[1:]), zip(self.head_bounds, self.head_bounds[1:]))]
-        local = [dit_ops.clip_segments(segments, s.t0, s.t1) for s in shards]
+        layout = ArenaLayout.plan(self.ranks, list(token_bounds), [g * c.head_dim for g in self.head_bounds],
+                                  c.hidden, x.dtype)
+        gathered = torch.empty((seq, c.hidden), dtype=x.dtype, device=x.device)
+        received = [torch.empty((s.n_tokens, c.inner), dtype=x.dtype, device=x.device) for s in shards]
+        lockstep = _Lockstep(self.ranks)
         rows = [x[s.tokens].clone() for s in shards]
-        with torch.inference_mode():
-            for i in range(c.layers):
-                w = self.model.block_weights(i)
-                shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
-                n1_parts = [dit_ops.norm_modulate(rows[r], w["norm1.weight"], shift_msa, scale_msa, local[r], c.eps)
-                            for r in range(self.ranks)]
-                n1_full = torch.cat(n1_parts)  # all-gather
-                quant = dit_ops.quant_info(w, "attn.qkv_proj")
-                heads_out = [dit_ops.attention_heads(n1_full, *self._qkv[i][r], w["attn.q_norm.weight"],
-                                                     w["attn.k_norm.weight"], rope_freqs, s.n_heads, c.head_dim,
-                                                     c.eps, quant=quant) for r, s in enumerate(shards)]
-                for r, s in enumerate(shards):
-                    attn_rows = torch.cat([h[s.tokens] for h in heads_out], dim=1)  # all-to-all
-                    dit_ops.out_mlp(rows[r], attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, local[r], c.eps)
+        errors: list[BaseException] = []
+
+        def rank(r: int) -> None:
+            s = shards[r]
+            ex = _LocalExchange(r, layout, gathered, received, lockstep)
+            try:
+                lockstep.take()
+                with torch.inference_mode():
+                    run_blocks(rows[r], t_emb, dit_ops.clip_segments(segments, s.t0, s.t1), rope_freqs,
+                               self._weights[r], ex, range(c.layers), heads_local=s.n_heads, head_dim=c.head_dim,
+                               eps=c.eps)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
+                errors.append(exc)
+                lockstep.barrier.abort()  # the other ranks stop waiting for this one
+            finally:
+                lockstep.give()
+
+        threads = [threading.Thread(target=rank, args=(r,), name=f"simulated-rank-{r}") for r in range(self.ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:  # the first cause, not the others' broken barrier
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         return torch.cat(rows)

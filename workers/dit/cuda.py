@@ -22,13 +22,18 @@ progress while one of its reads of an arena region is still in flight.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.weights import BlockView
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
+
+if TYPE_CHECKING:
+    from workers.transports.dist import DistExchange
+    from workers.transports.host import HostExchange
 
 GIB = 1 << 30
 
@@ -70,24 +75,24 @@ def auto_resident_blocks(n: int, block_bytes: int, free: int, working_set: int, 
 
 
 class CudaWeights:
-    """Block weights of one CUDA rank: resident blocks in VRAM, the rest streamed through two prefetched slots."""
+    """Block weights of one CUDA rank (a ``workers.dit.weights.WeightProvider``): the leading blocks resident in
+    VRAM, the rest streamed from the pinned store through two slots prefetched on a side stream."""
 
     def __init__(self, ctx: WorkerContext, msg: dict) -> None:
         self.device = torch.device(ctx.device)
-        self.key = msg["key"]
-        self.store = msg["store"]
         self.config = msg["config"]
         self.heads = tuple(int(v) for v in msg["heads"])
         self.residency: str | None = None  # chosen per step (dit_step's "residency")
         self.log = ctx.log
         self.rank = ctx.rank
-        seg = ctx.segment(self.store)
+        seg = ctx.segment(msg["store"])
         self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg["manifest"]]
         self.quant = [dit_ops.quant_info(b, "attn.qkv_proj") for b in self.host]
         g0, g1 = self.heads
         rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])
         self._qkv_rows = [(r.start, r.stop) for r in rows]
         self.block_bytes = sum(self._device_bytes(n, t) for n, t in self.host[0].items())
+        self.nbytes = self.block_bytes * len(self.host)
         self.n_resident: int | None = None
         self.resident: list[dict[str, torch.Tensor]] = []
         self.slots: list[dict[str, torch.Tensor]] = []
@@ -96,7 +101,6 @@ class CudaWeights:
         self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
         self.freed: list[torch.cuda.Event | None] = [None, None]
         self.fetch_s = 0.0
-        self.wait_s = 0.0
         self.timer_events = StreamTimer()
 
     # -- sizes --------------------------------------------------------------------------------------------------
@@ -192,24 +196,23 @@ class CudaWeights:
         self.slot_block[slot] = i
         self.fetch_s += time.perf_counter() - t
 
-    # -- what dit_rank calls ------------------------------------------------------------------------------------
-    def block(self, i: int) -> dict[str, torch.Tensor]:
+    # -- the weight provider protocol (workers.dit.weights) -------------------------------------------------------
+    def block(self, i: int) -> BlockView:
         if i < self.n_resident:
             nxt = self.n_resident
             if i == self.n_resident - 1 and nxt < len(self.host):
                 self._fetch(nxt)  # the first streamed block loads while the last resident one computes
-            return self.resident[i]
+            return self._view(i, self.resident[i])
         self._fetch(i)
         slot = (i - self.n_resident) % 2
         torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
         if i + 1 < len(self.host):
             self._fetch(i + 1)
-        return self.slots[slot]
+        return self._view(i, self.slots[slot])
 
-    def qkv(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b = self.resident[i] if i < self.n_resident else self.slots[(i - self.n_resident) % 2]
-        w = b["attn.qkv_proj.weight"]
-        return w, (b.get("attn.qkv_proj.weight_scale") if dit_ops.is_int8(w) else None)
+    def _view(self, i: int, b: dict[str, torch.Tensor]) -> BlockView:
+        w = b["attn.qkv_proj.weight"]  # already the head group's rows (_copy_block)
+        return BlockView(b, w, b.get("attn.qkv_proj.weight_scale") if dit_ops.is_int8(w) else None, self.quant[i])
 
     def done(self, i: int) -> None:
         if i >= self.n_resident:
@@ -231,10 +234,11 @@ class CudaWeights:
 
 
 class CudaExchange:
-    """Wraps a HostExchange or DistExchange for a CUDA rank: copy streams, compute/copy/wait accounting."""
+    """Wraps a HostExchange or DistExchange for a CUDA rank (a ``workers.transports.exchange.Exchange``): copy
+    streams, compute/copy/wait accounting."""
 
     def __init__(self, device: torch.device, host: bool) -> None:
-        self.inner: Any = None
+        self.inner: HostExchange | DistExchange | None = None
         self.device = device
         self.host = host
         self.d2h = torch.cuda.Stream(device)
@@ -244,7 +248,7 @@ class CudaExchange:
         self.compute_wait_s = 0.0
         self.sync_s = 0.0
 
-    def bind(self, inner: Any) -> "CudaExchange":
+    def bind(self, inner: HostExchange | DistExchange) -> "CudaExchange":
         """Wrap ``inner`` (built with ``to_host=self.to_host, to_device=self.to_device`` for the host exchange)."""
         self.inner = inner
         return self
@@ -304,6 +308,10 @@ class CudaExchange:
         out.record_stream(self.h2d)
         return self._post(cur, self.inner.all_to_all_cols(local, chunks, out=out))
 
+    def counters(self) -> tuple[float, float]:
+        """The wrapped exchange's host-clock counters (the GPU copy times come with :meth:`stats`)."""
+        return self.inner.counters()
+
     def reset_stats(self) -> None:
         self.inner.reset_stats()
         self.timer.collect()
@@ -321,5 +329,5 @@ class CudaExchange:
         return s
 
     def close(self) -> None:
-        if hasattr(self.inner, "close"):
+        if self.inner is not None:
             self.inner.close()

@@ -1,9 +1,10 @@
 """The MiniMax H3 DiT block, op for op as ComfyUI runs it, in pieces a rank can run on its shard.
 
-One implementation serves the unsplit reference (``h3ms_async.dit.reference``) and the rank processes
-(``workers.dit.rank``), so a split can only differ from the reference through what it slices, never through how
-it computes.  Every op mirrors ComfyUI's ``DiTBlock`` (comfy/ldm/minimax/model.py): the same dtypes, the same
-rounding points, in place where ComfyUI is in place.  See ``docs/comfyui_facts.md`` §1, §2.
+The block loop over these ops (``workers.dit.loop``) serves the unsplit reference (``h3ms_async.dit.reference``),
+the in-process simulated split and the rank processes (``workers.dit.rank``), so a split can only differ from the
+reference through what it slices, never through how it computes.  Every op mirrors ComfyUI's ``DiTBlock``
+(comfy/ldm/minimax/model.py): the same dtypes, the same rounding points, in place where ComfyUI is in place.
+See ``docs/comfyui_facts.md`` §1, §2.
 
 Weights are plain tensors in a dict keyed as ComfyUI's state dict inside one block (``norm1.weight``,
 ``attn.qkv_proj.weight``, ...).  A linear is int8 when its ``.weight`` is ``torch.int8``; it then carries
@@ -358,19 +359,6 @@ def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, to
     f = _linear_named(n2, weights, "mlp.fc1")
     m = _linear_named(f, weights, "mlp.fc2", input_act="swiglu")
     return gated_residual_(x_rows, m, gate_mlp, segments_local)
-
-
-def block_forward_unsplit(x: torch.Tensor, weights: dict[str, torch.Tensor], t_emb: torch.Tensor,
-                          segments: Sequence[ModSegment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
-                          eps: float, *, attend: Attend | None = None) -> torch.Tensor:
-    """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned, like ComfyUI."""
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = adaln(weights, t_emb)
-    n1 = norm_modulate(x, weights["norm1.weight"], shift_msa, scale_msa, segments, eps)
-    qkv_w, qkv_s = slice_qkv_weights(weights, 0, heads, heads, head_dim)
-    attn = attention_heads(n1, qkv_w, qkv_s, weights["attn.q_norm.weight"], weights["attn.k_norm.weight"],
-                           rope_freqs, heads, head_dim, eps, quant=quant_info(weights, "attn.qkv_proj"),
-                           attend=attend)
-    return out_mlp(x, attn, weights, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps)
 
 
 _SDPA = builtin_attend("sdpa")

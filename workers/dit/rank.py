@@ -1,29 +1,26 @@
-"""What one rank executes for the transformer split: its weights (views of the shared-memory weight store) and a
-step (every block on its token range and head group, with the per-block all-gather and all-to-all).
+"""What one rank executes for the transformer split: its weights (views of the shared-memory weight store, or
+VRAM copies of them) and a step: the block loop of ``workers.dit.loop`` on its token range and head group, with the
+per-block all-gather and all-to-all through the step's exchange.
 
-Per block, rank r with tokens [t0, t1) and heads [g0, g1) (DESIGN.md §5):
-
-1. adaln of t_emb (same GEMM shape on every rank, so the same numbers); norm1 + modulation of its tokens;
-2. all-gather of the modulated rows -> [S, H];
-3. qkv of its head rows over all tokens, fused RMSNorm + rope, attention over the whole sequence;
-4. all-to-all -> every head's attention output for its own tokens [n_r, heads*D];
-5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as ComfyUI).
-
-The math is ``workers.dit.ops``, the same code the unsplit reference runs.  Device specifics (CUDA streams, weight
-residency, pinned staging) live in ``workers.dit.cuda``; this module is device-neutral.
+This module picks the loop's two parameters per device and transport: the weight provider (``CpuWeights`` over the
+store, ``workers.dit.cuda.CudaWeights``) and the exchange (``workers.transports``, wrapped in
+``workers.dit.cuda.CudaExchange`` on a CUDA rank).
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from workers.runtime import comfy_host
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
+from workers.dit.cuda import CudaExchange, CudaWeights
+from workers.dit.loop import run_blocks
+from workers.dit.weights import CpuWeights, WeightProvider
+from workers.transports.exchange import Exchange, NoExchange
 from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
 from workers.runtime.handlers import WorkerContext, handler, on_release
 
@@ -54,24 +51,19 @@ def _attend(name: str) -> dit_ops.Attend:
 
 @dataclass
 class RankWeights:
-    """This rank's block weights: every parameter as a tensor on the rank's device (or a view of the store)."""
+    """This rank's loaded weights: which store and head group they came from, and the provider the loop reads."""
 
     key: str
     store: str
     config: dict
     heads: tuple[int, int]
-    blocks: list[dict[str, torch.Tensor]]
-    #: per block: the head group's fused qkv rows (and scale), contiguous
-    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]
-    quant: list[dit_ops.QuantInfo]
-    provider: Any = None  # a CUDA streaming provider (workers.dit.cuda) when weights are not all resident
-    nbytes: int = 0
+    provider: WeightProvider
 
 
 @dataclass
 class RankState:
     weights: RankWeights | None = None
-    exchanges: dict[tuple, Any] = field(default_factory=dict)
+    exchanges: dict[tuple, Exchange] = field(default_factory=dict)
     dist_backend: str | None = None
 
 
@@ -82,20 +74,19 @@ def _state(ctx: WorkerContext) -> RankState:
     return st
 
 
-def _load_cpu(ctx: WorkerContext, msg: dict) -> RankWeights:
-    """CPU rank: block weights are zero-copy views of the store; the head group's qkv rows are copied once."""
-    seg = ctx.segment(msg["store"])
+def _load(ctx: WorkerContext, msg: dict) -> RankWeights:
+    """A CUDA rank places blocks in VRAM per step (``CudaWeights``); a CPU rank uses zero-copy views of the store,
+    with the head group's qkv rows copied once."""
     cfg = msg["config"]
-    g0, g1 = (int(v) for v in msg["heads"])
-    blocks, qkv, quant, nbytes = [], [], [], 0
-    for entry in msg["manifest"]:
-        w = {name: seg.tensor(desc) for name, desc in entry.items()}
-        q_w, q_s = dit_ops.slice_qkv_weights(w, g0, g1, cfg["heads"], cfg["head_dim"])
-        nbytes += q_w.numel() * q_w.element_size() if (g0, g1) != (0, cfg["heads"]) else 0
-        blocks.append(w)
-        qkv.append((q_w, q_s))
-        quant.append(dit_ops.quant_info(w, "attn.qkv_proj"))
-    return RankWeights(msg["key"], msg["store"], cfg, (g0, g1), blocks, qkv, quant, nbytes=nbytes)
+    heads = (int(msg["heads"][0]), int(msg["heads"][1]))
+    if ctx.device.startswith("cuda"):
+        provider: WeightProvider = CudaWeights(ctx, msg)
+    else:
+        seg = ctx.segment(msg["store"])
+        manifest = msg["manifest"]
+        provider = CpuWeights(lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
+                              len(manifest), heads, cfg["heads"], cfg["head_dim"], eager=True)
+    return RankWeights(msg["key"], msg["store"], cfg, heads, provider)
 
 
 @handler("dit_load")
@@ -104,7 +95,7 @@ async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
     if st.weights is not None and st.weights.key == msg["key"] and list(st.weights.heads) == list(msg["heads"]):
         sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
             if ctx.device.startswith("cuda") else None
-        return {"loaded": False, "bytes": st.weights.nbytes, "sm_count": sms}
+        return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": sms}
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg["config"].get("devices")
     attend = _attend(msg["config"]["attention"])
@@ -114,26 +105,19 @@ async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
         await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
         ctx.state["warm"] = (msg["config"]["attention"], dtype)
     t = time.perf_counter()
-    if ctx.device.startswith("cuda"):
-        from workers.dit import cuda as cuda_rank
-        prov = await ctx.run_compute(cuda_rank.CudaWeights, ctx, msg)
-        st.weights = RankWeights(msg["key"], msg["store"], msg["config"], prov.heads, [], [], prov.quant,
-                                 provider=prov, nbytes=prov.block_bytes * len(prov.host))
-    else:
-        st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
+    st.weights = await ctx.run_compute(_load, ctx, msg)
     ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
                  ctx.rank, msg["key"], len(msg["manifest"]), msg["heads"],
                  _HOST.attention if msg["config"]["attention"] == "comfy" and _HOST else msg["config"]["attention"],
                  time.perf_counter() - t)
     sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
         if ctx.device.startswith("cuda") else None
-    return {"loaded": True, "bytes": st.weights.nbytes, "seconds": time.perf_counter() - t, "sm_count": sms}
+    return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t, "sm_count": sms}
 
 
 def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
     if st.weights is not None:
-        if st.weights.provider is not None:
-            st.weights.provider.close()
+        st.weights.provider.close()
         st.weights = None
         if ctx.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -164,41 +148,7 @@ def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
         st.exchanges.pop(key).close()
 
 
-class NoExchange:
-    """The "none" benchmark baseline (see ``dit_protocol``): same shapes as an exchange, no data from peers."""
-
-    def __init__(self, rank: int, layout: ArenaLayout, device: torch.device) -> None:
-        self.rank, self.layout = rank, layout
-        dt = layout.torch_dtype
-        t0, t1 = layout.rows(rank)
-        self._g = torch.zeros((layout.tokens, layout.row_width), dtype=dt, device=device)
-        self._a = torch.zeros((t1 - t0, layout.columns), dtype=dt, device=device)
-
-    def begin(self, gen: int) -> None:
-        pass
-
-    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        t0, t1 = self.layout.rows(self.rank)
-        self._g[t0:t1].copy_(local)
-        return self._g
-
-    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        t0, t1 = self.layout.rows(self.rank)
-        c0, c1 = self.layout.cols(self.rank)
-        self._a[:, c0:c1].copy_(local[t0:t1])
-        return self._a
-
-    def reset_stats(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {"transport": "none"}
-
-    def close(self) -> None:
-        pass
-
-
-def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
+def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Exchange:
     """The exchange object for this step's arena or process group (created once, reused while it matches)."""
     layout = ArenaLayout.from_dict(msg["layout"])
     cuda = ctx.device.startswith("cuda")
@@ -216,7 +166,6 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
             arena = ctx.segment(msg["arena"]).base_tensor()
             wrap = copies = None
             if cuda:
-                from workers.dit.cuda import CudaExchange
                 wrap = CudaExchange(torch.device(ctx.device), host=True)
                 copies = {"to_host": wrap.to_host, "to_device": wrap.to_device}
             ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
@@ -235,7 +184,6 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
     if ex is None:
         ex = DistExchange(ctx.rank, ctx.world_size, layout, control=ctx.control)
         if cuda:
-            from workers.dit.cuda import CudaExchange
             ex = CudaExchange(torch.device(ctx.device), host=False).bind(ex)
         st.exchanges[key] = ex
     return ex
@@ -271,36 +219,21 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
     alloc0 = _alloc_counters(device) if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        w.provider.prepare(x_full.shape[0], t1 - t0, msg["residency"])
+    w.provider.prepare(x_full.shape[0], t1 - t0, msg["residency"])
     ex = _exchange(ctx, st, msg)
     ex.reset_stats()
-    ex.begin(int(msg["abort_gen"]))
-    chunks = int(msg["chunks"])
+    gen = int(msg["abort_gen"])
+    ex.begin(gen)
     b0, b1 = (int(v) for v in msg["blocks"])
-    eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
-    attend = _attend(cfg["attention"])
-    timer = w.provider.timer if w.provider is not None else None
-    per_block: list[list[float]] = []
-    mark = (time.perf_counter(), *_host_counters(ex))
-    setup_s = mark[0] - t_start
-    for i in range(b0, b1):
-        if ctx.abort_generation() != int(msg["abort_gen"]):
+
+    def check_abort(i: int) -> None:
+        if ctx.abort_generation() != gen:
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
-        bw = w.provider.block(i) if w.provider is not None else w.blocks[i]
-        q_w, q_s = w.provider.qkv(i) if w.provider is not None else w.qkv[i]
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(bw, t_emb)
-        n1 = dit_ops.norm_modulate(x_rows, bw["norm1.weight"], shift_msa, scale_msa, segs, eps)
-        n1_full = ex.all_gather_rows(n1, chunks)
-        attn = dit_ops.attention_heads(n1_full, q_w, q_s, bw["attn.q_norm.weight"], bw["attn.k_norm.weight"], rope,
-                                       heads_local, head_dim, eps, quant=w.quant[i], attend=attend)
-        attn_rows = ex.all_to_all_cols(attn, chunks)
-        dit_ops.out_mlp(x_rows, attn_rows, bw, gate_msa, shift_mlp, scale_mlp, gate_mlp, segs, eps)
-        if w.provider is not None:
-            w.provider.done(i)
-        now = (time.perf_counter(), *_host_counters(ex))
-        d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))
-        per_block.append([round(d_wall - d_copy - d_wait, 6), round(d_copy, 6), round(d_wait, 6)])
-        mark = now
+
+    setup_s = time.perf_counter() - t_start
+    per_block = run_blocks(x_rows, t_emb, segs, rope, w.provider, ex, range(b0, b1), heads_local=g1 - g0,
+                           head_dim=int(cfg["head_dim"]), eps=float(cfg["eps"]), attend=_attend(cfg["attention"]),
+                           chunks=int(msg["chunks"]), before_block=check_abort)
     t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)
@@ -319,10 +252,8 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
         # CUDA ranks: the copies' own durations from events on the copy streams, and the host's waits for compute
         "copy_gpu_s": float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
         "compute_wait_s": float(xs.get("compute_wait_s", 0.0)),
-        "weights": timer() if timer is not None else None,
-        # per block [compute, copy, wait] seconds on the host clock; on a CUDA rank the host waits for the block's
-        # compute before each exchange (cuda_rank), so "compute" is GPU time up to that point (the last block's
-        # tail shows in the step total)
+        "weights": w.provider.timer(),
+        # per block [compute, copy, wait] seconds (run_blocks; the last block's GPU tail shows in the step total)
         "per_block": per_block,
         # where a slow step's time went outside the blocks: mapping/registering new segments, input copies, weight
         # placement, the exchange's setup (setup_s); the copy back (tail_s); the CUDA caching allocator growing
@@ -343,12 +274,6 @@ def _alloc_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
     """The allocator's growth over one step: new segments, retries, and the reserved bytes at its end."""
     return {"new_segments": after["segments"] - before["segments"], "retries": after["retries"] - before["retries"],
             "reserved_bytes": after["reserved_bytes"]}
-
-
-def _host_counters(ex: Any) -> tuple[float, float]:
-    """(copy seconds, wait seconds) so far, without synchronising any CUDA event."""
-    st = (ex.inner if hasattr(ex, "inner") else ex).stats()
-    return float(st.get("copy_s", 0.0)), float(st.get("wait_s", 0.0))
 
 
 def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:

@@ -164,6 +164,10 @@ class DistExchange:
     def close(self) -> None:
         """Nothing to drop per object: the process group outlives it (``destroy_group`` ends that)."""
 
+    def counters(self) -> tuple[float, float]:
+        """(copy seconds, wait seconds) since the last :meth:`reset_stats` (``workers.transports.exchange``)."""
+        return self._stats["copy_s"], self._stats["wait_s"]
+
     def stats(self) -> dict:
         """Counters since construction or the last :meth:`reset_stats` (``wait_s`` = time inside collectives)."""
         return dict(self._stats)

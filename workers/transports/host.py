@@ -388,6 +388,10 @@ class HostExchange:
         self._pipeline(KIND_ALL_TO_ALL, n_chunks, publish, take)
         return out
 
+    def counters(self) -> tuple[float, float]:
+        """(copy seconds, wait seconds) since the last :meth:`reset_stats` (``workers.transports.exchange``)."""
+        return self._stats["copy_s"], self._stats["wait_s"]
+
     def stats(self) -> dict:
         """Counters since construction or the last :meth:`reset_stats`."""
         return dict(self._stats)

@@ -31,7 +31,7 @@ from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
 from h3ms_async.observability.status import get_hub
-from workers.dit import ops as dit_ops
+from workers.dit.loop import block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda
 
 FULL = dict(hidden=5376, heads=56, head_dim=128, ffn=14336, t_dim=2688, rope_pairs=48)
@@ -84,7 +84,7 @@ class CachedModel:
         c = self.cfg
         with torch.inference_mode():
             for w in self.blocks:
-                x = dit_ops.block_forward_unsplit(x, w, t_emb, segments, rope, c.heads, c.head_dim, c.eps)
+                x = block_forward_unsplit(x, w, t_emb, segments, rope, c.heads, c.head_dim, c.eps)
         return x
 
 
