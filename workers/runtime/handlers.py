@@ -128,7 +128,8 @@ class WorkerContext:
 # -- core commands ----------------------------------------------------------------------------------------------
 @handler("ping")
 async def _ping(ctx: WorkerContext, msg: dict) -> dict:
-    return {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
+    """Liveness, and what this worker serves: the pool refuses other kinds before they reach the wire."""
+    return {"pong": True, "pid": os.getpid(), "rank": ctx.rank, "serves": sorted(HANDLERS)}
 
 
 def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
