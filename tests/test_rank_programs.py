@@ -20,7 +20,7 @@ import torch
 import workers
 from h3ms_async.observability.routes import action_release_workers
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.engines import Engine, EngineRegistry, live_engines
+from h3ms_async.runtime.engines import Engine, EngineRegistry, live_engines, release_engines
 from h3ms_async.runtime.pool import WorkerError, WorkerPool
 from workers.runtime.shm import Arena, held_shm
 
@@ -111,8 +111,9 @@ def test_a_program_from_outside_the_pack_runs_on_the_pool(tally):
     assert tally.add(x) == [240, 480]  # the ranks' totals are resident
     assert TALLY.get(("cpu", "cpu"), lambda: pytest.fail("a second engine")) is tally and tally in live_engines()
 
-    pong = _run(tally.pool.request(0, "ping", {}, timeout=10))
-    assert {"tally_add", "tally_modules", "echo"} <= set(pong["serves"]) and "dit_step" not in pong["serves"]
+    serves = tally.pool._workers[0].serves  # from the worker's answer to the admission ping
+    assert {"tally_add", "tally_modules", "echo"} <= serves and "dit_step" not in serves
+    assert "serves" not in _run(tally.pool.request(0, "ping", {}, timeout=10))  # listed once, not on every ping
     modules = _run(tally.pool.request(1, "tally_modules", {}, timeout=10))["modules"]
     assert "workers.tally.rank" in modules
     assert not [m for m in modules if m.split(".")[1] in ("dit", "vae", "attention")], modules
@@ -158,3 +159,21 @@ def test_an_unknown_program_fails_the_start_with_its_reason():
     assert "rank program 'nosuch': there is no module workers.nosuch.rank" in str(ei.value)
     with pytest.raises(ValueError, match="rank program 'No-Such'"):
         WorkerPool(["cpu"], program="No-Such")
+
+
+def test_registries_key_engines_by_process_key_not_per_call_settings():
+    from h3ms_async.attention import engine as ap
+    from h3ms_async.vae import split as vae_split
+
+    eng = ap.get_engine(["cpu", "cpu"], (1.0, 1.0))
+    eng._splits[("shape",)] = [0, 1, 8]  # a split tuned under these shares
+    assert ap.get_engine(["cpu", "cpu"], (1.0, 3.0)) is eng  # shares: per call, the helpers stay
+    assert eng.shares == (1.0, 3.0) and eng._splits == {} and eng.head_bounds(8) == [0, 2, 8]
+    with pytest.raises(ap.plans.GPUSelectionError, match="shares: 3 value"):
+        ap.get_engine(["cpu", "cpu"], (1.0, 1.0, 1.0))
+    three = ap.get_engine(["cpu", "cpu", "cpu"])  # other devices need other helpers: a new engine, the old one goes
+    assert three is not eng and ap.ENGINES.cached() == [three]
+    assert vae_split.get_vae_engine(["cpu", "cpu"]) is vae_split.get_vae_engine(["cpu", "cpu"])
+    released = {reg.program: n for reg, n, _ in release_engines()}
+    assert released["attention"] == 1 and released["vae"] == 1
+    assert ap.ENGINES.cached() == [] and vae_split.ENGINES.cached() == []

@@ -222,6 +222,7 @@ class AttentionParallelEngine(Engine):
 
     error = AttentionParallelError
     interrupted = AttentionParallelError
+    failure_prefix = "attention helper failed: "
 
     def __init__(self, devices: Sequence[str], shares: Sequence[float] | None = None,
                  call_timeout_s: float = 120.0, transport: str = "host", chunk_heads: int = CHUNK_HEADS) -> None:

@@ -52,6 +52,8 @@ class Engine:
     interrupted: ClassVar[type[Exception]] = RuntimeError
     #: Appended to a deadline's error message: the setting that allows longer.
     deadline_hint: ClassVar[str] = ""
+    #: Put before a worker's error message when it becomes :attr:`error`.
+    failure_prefix: ClassVar[str] = ""
 
     def __init__(self, pool: WorkerPool, registry: "EngineRegistry") -> None:
         self.pool = pool
@@ -120,7 +122,7 @@ class Engine:
                         raise self.interrupted(f"{what} interrupted; every rank was aborted")
         except WorkerError as exc:
             self.abandon(futs if abandon is None else abandon)
-            raise self.error(str(exc)) from exc
+            raise self.error(self.failure_prefix + str(exc)) from exc
         except BaseException:
             self.abandon(futs if abandon is None else abandon)
             raise
