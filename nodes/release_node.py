@@ -50,8 +50,9 @@ class H3MSReleaseResourcesAsync:
     def INPUT_TYPES(cls) -> dict:
         return {
             "required": {
-                "release_workers": ("BOOLEAN", {"default": True, "tooltip": "Stop the split's worker processes "
-                                    "(their VRAM is freed)."}),
+                "release_workers": ("BOOLEAN", {"default": True, "tooltip": "Stop every H3 MultiStream worker "
+                                    "process: the split's, the attention helpers' and the VAE split's (their VRAM "
+                                    "is freed)."}),
                 "clear_weight_store": ("BOOLEAN", {"default": False, "tooltip": "Drop the shared-memory copy of the "
                                        "block weights (RAM is freed; the workers stay up and the next run "
                                        "refills it)."}),

@@ -1,8 +1,12 @@
-"""Worker entry: ``python -m workers --rank R --world-size N --socket PATH --parent-pid P --device DEV``.
+"""Worker entry: ``python -m workers --rank R --world-size N --socket PATH --parent-pid P --device DEV [--program P]``.
 
 Started only by ``h3ms_async.runtime.pool.WorkerPool``: the pool key arrives on stdin, stdout/stderr are the worker's log
 file.  Order matters: die-with-parent first, then pin the device (before any CUDA call), read the key, import the
-handler modules, connect, authenticate, serve until shutdown or EOF.
+runtime's handlers and the rank program's module, connect, authenticate, serve until shutdown or EOF.
+
+A rank program ``P`` is the module ``workers.P.rank``, found by name: importing it declares its message kinds and
+registers its handlers (``workers.runtime.handlers.handler``), so adding a program edits neither this file nor the
+pool.  Without ``--program`` a worker serves only the runtime's own kinds.
 """
 from __future__ import annotations
 
@@ -20,9 +24,6 @@ from workers.runtime import auth, config, protocol
 
 log = logging.getLogger("h3_multistream.worker")
 
-#: Modules whose import registers handlers; the optional ones may not be installed yet.
-CORE_MODULES = ("workers.runtime.handlers",)
-OPTIONAL_MODULES = ("workers.dit.rank", "workers.attention.rank", "workers.vae.rank")
 PR_SET_PDEATHSIG = 1
 
 
@@ -35,16 +36,23 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _import_handler_modules() -> None:
-    for name in CORE_MODULES:
+class ProgramNotFound(ImportError):
+    """``--program`` names no ``workers.<program>.rank`` module."""
+
+
+def load_program(program: str | None) -> None:
+    """Import the runtime's handlers and, when given, the rank program ``workers.<program>.rank``."""
+    importlib.import_module("workers.runtime.handlers")
+    if program is None:
+        return
+    name = f"workers.{program}.rank"
+    try:
         importlib.import_module(name)
-    for name in OPTIONAL_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            if exc.name != name:  # the module exists but one of its own imports failed: that is a real error
-                raise
-            log.info("optional handler module %s not present", name)
+    except ImportError as exc:
+        if exc.name not in (name, f"workers.{program}"):  # the module exists but one of its imports failed
+            raise
+        raise ProgramNotFound(f"rank program {program!r}: there is no module {name} (a rank program is a package "
+                              f"workers/{program}/ with a rank.py that registers its handlers)") from None
 
 
 def _rss() -> int:
@@ -182,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--device", required=True)
+    p.add_argument("--program", default=None, help="rank program: imports workers.<program>.rank")
     args = p.parse_args(argv)
 
     logging.basicConfig(
@@ -197,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     except auth.AuthError as exc:
         log.error("%s", exc)
         return 2
-    _import_handler_modules()
+    try:
+        load_program(args.program)
+    except ProgramNotFound as exc:
+        log.error("%s", exc)
+        return 2
     loop = _new_loop()
     try:
         reason = loop.run_until_complete(_main_async(args, key))

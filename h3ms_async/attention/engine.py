@@ -24,12 +24,9 @@ and its buffers; a helper that dies or errs fails the call with its last log lin
 from __future__ import annotations
 
 import abc
-import atexit
 import collections
 import concurrent.futures as cf
-import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,8 +36,9 @@ from h3ms_async.attention import schedule as attention_schedule
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
-from h3ms_async.runtime.pool import WorkerError, WorkerPool
-from h3ms_async.observability.status import get_hub, now_iso
+from h3ms_async.runtime.engines import Engine, EngineRegistry
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.observability.status import now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds sent here
 from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
@@ -215,20 +213,21 @@ class _Call:
         self.answers = [{} for _ in range(n)]
 
 
-class AttentionParallelEngine:
+class AttentionParallelEngine(Engine):
     """Head-parallel INT8 attention over ``devices``: ``devices[0]`` is the model's device (this process), the rest
     are helper devices, one worker process each (a device may repeat: logical helpers on one GPU).  ``transport`` is
     one of :data:`TRANSPORTS`; ``cuda_ipc`` needs CUDA devices that reach the model's GPU (the node checks).
     ``chunk_heads``: heads per piece of a helper's range (:data:`CHUNK_HEADS`; 0 = one piece per helper)."""
+
+    error = AttentionParallelError
+    interrupted = AttentionParallelError
+    failure_prefix = "attention helper failed: "
 
     def __init__(self, devices: Sequence[str], shares: Sequence[float] | None = None,
                  call_timeout_s: float = 120.0, transport: str = "host", chunk_heads: int = CHUNK_HEADS) -> None:
         if len(devices) < 2:
             raise ValueError(f"devices: attention parallel needs the model's device and at least one helper, got "
                              f"{list(devices)!r}")
-        if shares is not None and len(shares) != len(devices):
-            raise plans.GPUSelectionError(f"shares: {len(shares)} value(s) for {len(devices)} device(s); give one "
-                                          "share per device, the model's first")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
         if transport == "cuda_ipc" and not all(str(d).startswith("cuda") for d in devices):
@@ -237,25 +236,34 @@ class AttentionParallelEngine:
             raise ValueError(f"chunk_heads {chunk_heads}: give 0 (one piece per helper) or a positive head count")
         self.devices = list(devices)
         self.chunk_heads = int(chunk_heads)
-        self.shares = tuple(float(s) for s in shares) if shares else None
         self.transport = transport
         self.call_timeout_s = float(call_timeout_s)
-        self.pool = WorkerPool(self.devices[1:], name="attn",
-                               also_visible=[self.devices[0]] if transport == "cuda_ipc" else ())
         self._buffers: _Buffers | None = None
         self._splits: dict[tuple, list[int]] = {}
         self._tuning: dict[tuple, dict] = {}
-        self._lock = threading.Lock()
-        self._running = False
+        self.shares: tuple[float, ...] | None = None
+        self._set_shares(shares)
         self._calls = 0
         self._recent: collections.deque[dict] = collections.deque(maxlen=RECENT_CALLS)
         self._streams: tuple[Any, Any] | None = None
-        _LIVE.add(self)
-        _register_status()
+        super().__init__(WorkerPool(self.devices[1:], name="attn", program="attention",
+                                    also_visible=[self.devices[0]] if transport == "cuda_ipc" else ()), ENGINES)
 
-    @property
-    def running(self) -> bool:
-        return self._running
+    def set_shares(self, shares: Sequence[float] | None) -> None:
+        """Use ``shares`` (one per device, the model's first; None: equal) from the next call on.  The helpers hold
+        no state, so they stay; the splits tuned for the old shares are forgotten."""
+        with self._lock:
+            self._set_shares(shares)
+
+    def _set_shares(self, shares: Sequence[float] | None) -> None:
+        if shares is not None and len(shares) != len(self.devices):
+            raise plans.GPUSelectionError(f"shares: {len(shares)} value(s) for {len(self.devices)} device(s); give "
+                                          "one share per device, the model's first")
+        new = tuple(float(s) for s in shares) if shares else None
+        if new != self.shares:
+            self.shares = new
+            self._splits.clear()
+            self._tuning.clear()
 
     def head_bounds(self, heads: int) -> list[int]:
         """Cumulative head bounds of a shape's first call, one range per device (largest remainder by shares; ties to
@@ -278,29 +286,25 @@ class AttentionParallelEngine:
         b, heads, sq, _ = pq.q.shape
         bounds = self.split_for(pq)
         device = pq.q.device
-        with self._lock:
-            self._running = True
-            try:
-                t_start = time.perf_counter()
-                starts = self.pool.starts
-                # a helper that died since the last call restarts the pool (helpers hold no state)
-                get_coordinator().run(self.pool.start(), self.pool.start_timeout + 10.0, "starting helpers")
-                plan = attention_schedule.pieces(bounds, self.chunk_heads)
-                buf = self._buffers_for(pq, plan, device)
-                call = _Call(plan, bounds, attn_ops.head_slice(pq, bounds[0], bounds[1]),
-                             [attn_ops.head_slice(pq, h0, h1) for _, h0, h1 in plan], dict(fields),
-                             torch.empty((b, heads, sq, fields["original_head_dim"]), dtype=pq.input_dtype,
-                                         device=device))
-                self._calls += 1
-                local_s = (self._call_cuda if device.type == "cuda" else self._call_cpu)(buf, call)
-                result = self._result(buf, call, local_s)
-                self._record(result, bounds, sq, heads, time.perf_counter() - t_start)
-                key = _shape_key(pq)
-                if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
-                    self._tune(key, result, bounds)
-                return call.out
-            finally:
-                self._running = False
+        with self.job():
+            t_start = time.perf_counter()
+            starts = self.pool.starts
+            # a helper that died since the last call restarts the pool (helpers hold no state)
+            self.run(self.pool.start(), self.pool.start_timeout + 10.0, "starting helpers")
+            plan = attention_schedule.pieces(bounds, self.chunk_heads)
+            buf = self._buffers_for(pq, plan, device)
+            call = _Call(plan, bounds, attn_ops.head_slice(pq, bounds[0], bounds[1]),
+                         [attn_ops.head_slice(pq, h0, h1) for _, h0, h1 in plan], dict(fields),
+                         torch.empty((b, heads, sq, fields["original_head_dim"]), dtype=pq.input_dtype,
+                                     device=device))
+            self._calls += 1
+            local_s = (self._call_cuda if device.type == "cuda" else self._call_cpu)(buf, call)
+            result = self._result(buf, call, local_s)
+            self._record(result, bounds, sq, heads, time.perf_counter() - t_start)
+            key = _shape_key(pq)
+            if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
+                self._tune(key, result, bounds)
+            return call.out
 
     def _submit(self, buf: _Buffers, call: "_Call", p: int) -> "cf.Future[dict]":
         """Send piece ``p`` to its helper now."""
@@ -310,52 +314,33 @@ class AttentionParallelEngine:
         call.sent[p] = time.perf_counter()
         return get_coordinator().submit(self.pool.request(r - 1, "attn_call", msg, self.call_timeout_s))
 
-    def _gather(self, futs: dict["cf.Future[dict]", int], call: "_Call", on_result: Callable[[int], None]) -> None:
-        """Each piece's answer as it comes (``on_result(p)`` takes its result in at once) into ``call.answers``; any
-        failure or the deadline aborts every helper and fails the call."""
-        deadline = time.monotonic() + self.call_timeout_s + 5.0
-        pending = set(futs)
-        try:
-            while pending:
-                done, pending = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                                        return_when=cf.FIRST_COMPLETED)
-                if not done:
-                    raise AttentionParallelError(
-                        f"attention helpers on {','.join(self.devices[1:])} did not answer within "
-                        f"{self.call_timeout_s:g} s; every helper was aborted")
-                for fut in done:
-                    p = futs[fut]
-                    call.answers[p] = fut.result()
-                    call.answered[p] = time.perf_counter()
-                    on_result(p)
-        except WorkerError as exc:
-            self._abandon(futs)
-            raise AttentionParallelError(f"attention helper failed: {exc}") from exc
-        except BaseException:
-            self._abandon(futs)
-            raise
+    def _gather(self, futs: list["cf.Future[dict]"], call: "_Call", on_result: Callable[[int], None]) -> None:
+        """Each piece's answer (``futs[p]`` is piece p's) as it comes into ``call.answers``, ``on_result(p)`` taking
+        it in at once; any failure or the deadline aborts every helper and fails the call."""
 
-    def _abandon(self, futs: dict["cf.Future[dict]", int]) -> None:
-        if any(not f.done() for f in futs):
-            self.pool.abort()
-            for fut in futs:
-                get_coordinator().cancel(fut, wait=2.0)
+        def answer(p: int, result: dict) -> None:
+            call.answers[p] = result
+            call.answered[p] = time.perf_counter()
+            on_result(p)
+
+        self.wait(futs, self.call_timeout_s + 5.0, f"attention call on helpers {','.join(self.devices[1:])}",
+                  on_result=answer)
 
     def _call_cpu(self, buf: _Buffers, call: "_Call") -> float:
         """One call with the model on the CPU; returns rank 0's own seconds."""
-        futs: dict[cf.Future[dict], int] = {}
+        futs: list[cf.Future[dict]] = []
         try:
             for p in range(len(call.plan)):  # each piece goes out as soon as it is staged
                 t = time.perf_counter()
                 for name, dst in buf.inputs(p).items():
                     dst.copy_(call.slices[p][name])
                 call.stage_s[p] = time.perf_counter() - t
-                futs[self._submit(buf, call, p)] = p
+                futs.append(self._submit(buf, call, p))
             t = time.perf_counter()
             call.out[:, :call.bounds[1]].copy_(attn_ops.attend(call.local, call.fields))
             local_s = time.perf_counter() - t
         except BaseException:
-            self._abandon(futs)
+            self.abandon(futs)
             raise
 
         def take(p: int) -> None:
@@ -413,14 +398,14 @@ class AttentionParallelEngine:
                 e1.record(back)
             back_marks[p] = (e0, e1)
 
-        futs: dict[cf.Future[dict], int] = {}
+        futs: list[cf.Future[dict]] = []
         try:
             for p, (_, staged) in enumerate(marks):
                 staged.synchronize()
-                futs[self._submit(buf, call, p)] = p
+                futs.append(self._submit(buf, call, p))
             self._gather(futs, call, take)
         except BaseException:
-            self._abandon(futs)
+            self.abandon(futs)
             main.synchronize()
             raise
         main.wait_stream(back)
@@ -541,12 +526,11 @@ class AttentionParallelEngine:
                 "helpers": self.pool.snapshot(), "splits": list(self._tuning.values()),
                 "recent_calls": self.recent_calls()[-8:]}
 
-    def release(self) -> None:
-        """Stop the helpers and free the buffers."""
-        with self._lock:
-            if self.pool.running:
-                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing attention helpers")
-            self._drop_buffers()
+    def holds_resident(self) -> bool:
+        return self.pool.running or self._buffers is not None
+
+    def _drop_resident(self) -> None:
+        self._drop_buffers()
 
 
 def _shape_key(pq: Any) -> tuple:
@@ -563,51 +547,28 @@ def _slot(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 
 # -- engine registry ------------------------------------------------------------------------------------------------
-_ENGINES: dict[tuple, AttentionParallelEngine] = {}
-_ENGINES_LOCK = threading.Lock()
-_LIVE: "weakref.WeakSet[AttentionParallelEngine]" = weakref.WeakSet()
+ENGINES: EngineRegistry[AttentionParallelEngine] = EngineRegistry("attention", "attention helpers", {
+    "attention": lambda live: {"engines": [e.snapshot() for e in live]},
+})
 
 
 def get_engine(devices: Sequence[str], shares: Sequence[float] | None = None,
                transport: str = "host") -> AttentionParallelEngine:
-    """The engine for these devices, shares and transport (made once; helpers start on the first call).  Engines for
-    other device lists are released first: their helpers hold GPU memory."""
-    key = (tuple(devices), tuple(shares) if shares else None, transport)
-    with _ENGINES_LOCK:
-        eng = _ENGINES.get(key)
-        if eng is None:
-            for old in list(_ENGINES):
-                _ENGINES.pop(old).release()
-            eng = _ENGINES[key] = AttentionParallelEngine(devices, shares, transport=transport)
-        return eng
+    """The engine for these devices and transport (made once; helpers start on the first call), using ``shares``.
+
+    Only the devices and the transport (which GPUs a helper sees) need other helper processes; the shares are a
+    per-call setting, changed in place (:meth:`AttentionParallelEngine.set_shares`).  Engines for other devices or
+    transports are released first: their helpers hold GPU memory."""
+    eng = ENGINES.get((tuple(devices), transport), lambda: AttentionParallelEngine(devices, shares, transport=transport))
+    eng.set_shares(shares)
+    return eng
 
 
 def release_all_engines() -> int:
-    """Release every engine made by :func:`get_engine`; returns how many there were."""
-    with _ENGINES_LOCK:
-        items = list(_ENGINES.values())
-        _ENGINES.clear()
-    for eng in items:
-        eng.release()
-    return len(items)
+    """Release every attention-parallel engine; returns how many were released."""
+    return ENGINES.release_all()[0]
 
 
 def live_engines() -> list[AttentionParallelEngine]:
     """Every engine alive in this process (also ones made directly)."""
-    return list(_LIVE)
-
-
-_STATUS_REGISTERED = False
-
-
-def _register_status() -> None:
-    global _STATUS_REGISTERED
-    if _STATUS_REGISTERED:
-        return
-    hub = get_hub()
-    hub.register_provider("attention", lambda: {"engines": [e.snapshot() for e in live_engines()]})
-    hub.add_busy_source(lambda: any(e.running for e in live_engines()))
-    _STATUS_REGISTERED = True
-
-
-atexit.register(release_all_engines)
+    return ENGINES.live()

@@ -14,21 +14,17 @@ Any rank's failure fails the step on every rank at once (``WorkerPool.all``); an
 """
 from __future__ import annotations
 
-import atexit
 import os
-import concurrent.futures as cf
-import threading
 import time
-import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from h3ms_async.runtime import plans
-from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
-from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.runtime.engines import Engine, EngineRegistry
+from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.reference import DiTConfig
 from h3ms_async.observability.status import get_hub, now_iso
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
@@ -44,7 +40,6 @@ log = get_logger("MultiStream")
 EXCHANGES = ("host", "nccl")
 #: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
 BASELINE_EXCHANGE = "none"
-_INTERRUPT_POLL_S = 0.05
 #: Smallest token shard a rank may get (see SplitEngine._check_exact_plan).
 MIN_SHARD_TOKENS = 4
 #: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has reached.
@@ -139,8 +134,11 @@ class _Loaded:
     compute_dtype: str
 
 
-class SplitEngine:
+class SplitEngine(Engine):
     """One rank map's workers, weight store and step buffers."""
+
+    error = SplitError
+    interrupted = SplitInterrupted
 
     def __init__(self, devices: Sequence[str], options: SplitOptions = SplitOptions()) -> None:
         if not devices:
@@ -155,16 +153,12 @@ class SplitEngine:
         env = _cpu_thread_env(self.devices)
         if options.comfy_host is not None:
             env.update(options.comfy_host.to_env())
-        self.pool = WorkerPool(self.devices, name="dit", env=env)
         self._loaded: _Loaded | None = None
         self._buffers: _StepBuffers | None = None
-        self._lock = threading.Lock()
-        self._running = False
         self._steps = 0
         self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
         self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
-        _LIVE.add(self)
-        _register_status()
+        super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
         #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
         #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
         #: ``cuda_alloc``); benchmarks read it.
@@ -178,10 +172,6 @@ class SplitEngine:
     @property
     def ranks(self) -> int:
         return len(self.devices)
-
-    @property
-    def running(self) -> bool:
-        return self._running
 
     @property
     def weight_state(self) -> str:
@@ -220,7 +210,7 @@ class SplitEngine:
             dtype = compute_dtype or store.block(0)["norm1.weight"].dtype
             self._loaded = _Loaded(store, config, head_bounds, dtype_name(dtype))
             try:
-                self._run(self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks")
+                self.run(self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks")
             except BaseException:
                 self._drop_store()
                 raise
@@ -250,7 +240,7 @@ class SplitEngine:
         # views, and the survivors' go with their pool (a release) or their restart (the next step).
         if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
             try:
-                self._run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
+                self.run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
             except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway
                 log.warning("releasing rank weights failed (%s); unlinking the store anyway", exc)
         self._loaded.store.release()
@@ -289,13 +279,8 @@ class SplitEngine:
         if tuple(plan.head_bounds) != ld.head_bounds:
             raise SplitError("head plan changed since the weights were loaded; call load_weights again")
         self._check_exact_plan(plan, ld.config.heads)
-        with self._lock:
-            self._running = True
-            try:
-                return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress,
-                                  in_place)
-            finally:
-                self._running = False
+        with self.job():
+            return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress, in_place)
 
     def _check_exact_plan(self, plan: plans.SplitPlan, heads: int) -> None:
         """Refuse (``SplitUnsafe``) a plan whose shards would take other kernel paths than the unsplit run: fewer than
@@ -353,8 +338,8 @@ class SplitEngine:
         blocks = len(ld.store.manifest)
         t_sent = time.perf_counter()
         try:
-            results = self._run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt,
-                                self._block_probe(buf, blocks, progress))
+            results = self.run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt,
+                               self._block_probe(buf, blocks, progress))
         except BaseException:
             # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
             self._drop_buffers()
@@ -476,10 +461,8 @@ class SplitEngine:
         new ones are reserved.  A rank that dies or stops answering here fails the step, as it would mid-step (the
         next step restarts the pool)."""
         if self.pool.running:
-            try:
-                self._run(self.pool.all("drop_released", [{}] * self.ranks, 30.0), 60.0, "unmapping old buffers")
-            except TimeoutError as exc:
-                raise SplitError(f"the ranks did not unmap their old step buffers: {exc}") from exc
+            self.run(self.pool.all("drop_released", [{}] * self.ranks, 30.0), 60.0,
+                     "unmapping the old step buffers on the ranks")
 
     def _drop_buffers(self) -> None:
         if self._buffers is not None:
@@ -505,45 +488,14 @@ class SplitEngine:
             "weight_store": self.weight_state, "ranks": ranks,
         })
 
-    # -- plumbing ---------------------------------------------------------------------------------------------
-    def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None,
-             poll: Callable[[], None] | None = None) -> Any:
-        """Run ``coro`` on the coordinator loop; poll ``interrupt`` meanwhile and abort every rank when it fires.
+    # -- resident state ---------------------------------------------------------------------------------------
+    def holds_resident(self) -> bool:
+        return self.pool.running or self._loaded is not None or self._buffers is not None
 
-        ``poll`` (progress) runs in this thread between the interrupt checks, so it never races buffer release."""
-        coord = get_coordinator()
-        if interrupt is None and poll is None:
-            try:
-                return coord.run(coro, timeout, what)
-            except WorkerError as exc:
-                raise SplitError(str(exc)) from exc
-        fut = coord.submit(coro)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return fut.result(timeout=_INTERRUPT_POLL_S)
-            except cf.TimeoutError:
-                pass
-            except WorkerError as exc:
-                raise SplitError(str(exc)) from exc
-            if poll is not None:
-                poll()
-            if interrupt is not None and interrupt():
-                self.pool.abort()
-                coord.cancel(fut, wait=2.0)
-                raise SplitInterrupted(f"{what} interrupted; every rank was aborted")
-            if time.monotonic() > deadline:
-                self.pool.abort()
-                coord.cancel(fut, wait=2.0)
-                raise SplitError(f"{what} did not finish within {timeout:g} s; every rank was aborted")
-
-    def release(self) -> None:
-        """Stop the workers, unlink the store and the step buffers."""
-        with self._lock:
-            self._drop_store()
-            self._drop_buffers()
-            if self.pool.running:
-                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing workers")
+    def _drop_resident(self) -> None:
+        """Unlink the store and the step buffers (the workers that viewed them are gone)."""
+        self._drop_store()
+        self._drop_buffers()
 
     def release_weights(self) -> bool:
         """Drop only the weight store (the workers stay up).  Returns whether one was held."""
@@ -608,8 +560,11 @@ def check_block_options(block_options: list[dict] | None) -> None:
 _WORKER_OPTIONS: frozenset[str] = frozenset({"block_index"})
 
 # -- engine registry ------------------------------------------------------------------------------------------------
-_ENGINES: dict[tuple, SplitEngine] = {}
-_ENGINES_LOCK = threading.Lock()
+ENGINES: EngineRegistry[SplitEngine] = EngineRegistry("dit", "split workers", {
+    "workers": lambda live: [w for e in live if e.pool.running for w in e.pool.snapshot()],
+    "weight_store": lambda live: next((e._loaded.store.summary() for e in live if e._loaded), {"state": "empty"}),
+    "plans": lambda live: {"dit": [e.snapshot() for e in live]},
+})
 
 
 def process_key(devices: Sequence[str], options: SplitOptions) -> tuple:
@@ -624,62 +579,26 @@ def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -
     are replaced in place, so switching them keeps the workers and the filled weight store. Engines for another
     process key are released first: one split runs at a time, and each engine's workers and store hold memory.
     """
-    key = process_key(devices, options)
-    with _ENGINES_LOCK:
-        eng = _ENGINES.get(key)
-        if eng is None:
-            for old_key in list(_ENGINES):
-                _ENGINES.pop(old_key).release()
-            eng = _ENGINES[key] = SplitEngine(devices, options)
-            _register_status()
-        else:
-            eng.options = options
-        return eng
+    eng = ENGINES.get(process_key(devices, options), lambda: SplitEngine(devices, options))
+    eng.options = options
+    return eng
 
 
 def engines() -> list[SplitEngine]:
     """The engines made by :func:`get_engine` (the node and CLI cache)."""
-    with _ENGINES_LOCK:
-        return list(_ENGINES.values())
-
-
-#: Every engine alive in this process (also ones made directly): what the status routes report.
-_LIVE: "weakref.WeakSet[SplitEngine]" = weakref.WeakSet()
+    return ENGINES.cached()
 
 
 def live_engines() -> list[SplitEngine]:
-    return list(_LIVE)
+    """Every split engine alive in this process (also ones made directly)."""
+    return ENGINES.live()
 
 
 def release_all_engines() -> int:
-    """Release every engine (workers, weight stores, buffers); returns how many there were."""
-    with _ENGINES_LOCK:
-        items = list(_ENGINES.values())
-        _ENGINES.clear()
-    for eng in items:
-        eng.release()
-    return len(items)
+    """Release every split engine (workers, weight stores, buffers); returns how many were released."""
+    return ENGINES.release_all()[0]
 
 
 def clear_weight_stores() -> int:
     """Drop every engine's weight store, keeping the workers; returns how many stores were dropped."""
     return sum(eng.release_weights() for eng in engines())
-
-
-_STATUS_REGISTERED = False
-
-
-def _register_status() -> None:
-    global _STATUS_REGISTERED
-    if _STATUS_REGISTERED:
-        return
-    hub = get_hub()
-    hub.register_provider("workers", lambda: [w for e in live_engines() if e.pool.running for w in e.pool.snapshot()])
-    hub.register_provider("weight_store", lambda: next(
-        (e._loaded.store.summary() for e in live_engines() if e._loaded), {"state": "empty"}))
-    hub.register_provider("plans", lambda: {"dit": [e.snapshot() for e in live_engines()]})
-    hub.add_busy_source(lambda: any(e.running for e in live_engines()))
-    _STATUS_REGISTERED = True
-
-
-atexit.register(release_all_engines)

@@ -123,24 +123,16 @@ def guarded(handler: Handler) -> Handler:
 
 
 def action_release_workers() -> dict:
-    """Release every split engine alive in this process (workers, weight store, step buffers) and every
-    attention-parallel engine's helpers."""
-    from h3ms_async.attention import engine as attention_parallel
-    from h3ms_async.dit.split import live_engines, release_all_engines
-    n = release_all_engines()
-    # engines made directly (not through get_engine) that still hold workers or a weight store
-    direct = [e for e in live_engines() if e.pool.running or e.weight_state != "empty"]
-    for eng in direct:
-        eng.release()
-    n += len(direct)
-    n_attn = attention_parallel.release_all_engines()
-    text = f"split workers released ({n} engine(s))" if n else "no split workers were running"
-    return {"message": text + (f"; attention helpers released ({n_attn} engine(s))" if n_attn else "")}
+    """Release every engine of every rank program alive in this process: its workers and resident state (the
+    split's weight store and step buffers, the attention helpers' buffers, ...)."""
+    from h3ms_async.runtime.engines import release_engines
+    done = [f"{reg.label} released ({n} engine(s))" for reg, n, _busy in release_engines() if n]
+    return {"message": "; ".join(done) or "no split workers were running"}
 
 
 def action_clear_weights() -> dict:
     """Drop every live engine's shared-memory weight store; the workers stay up and reload it on the next step."""
-    from h3ms_async.dit.split import live_engines
+    from h3ms_async.runtime.engines import live_engines
     n = sum(eng.release_weights() for eng in live_engines())
     if n == 0:
         return {"message": "no weight store was held"}

@@ -1,7 +1,12 @@
 """WorkerPool: one ``python -m workers`` subprocess per rank, driven from the coordinator loop.
 
-A rank map (``["cpu", "cpu"]``, ``["cuda:0", "cuda:0", "cuda:1"]``) gives each rank its device.  Workers start in
-parallel, authenticate on the pool's socket, and then serve requests until released.  Liveness: a worker that
+A rank map (``["cpu", "cpu"]``, ``["cuda:0", "cuda:0", "cuda:1"]``) gives each rank its device, and a rank program
+(``program="dit"``) what the workers serve: each imports the worker runtime and ``workers.<program>.rank``, found by
+name, so a new program needs no change here.  Workers start in parallel, authenticate on the pool's socket, and then
+serve requests until released.
+
+Liveness is event-driven: the loop watches each worker's pidfd (readable the moment the process exits), its channel
+(EOF, protocol errors) and a heartbeat deadline timer (a hung loop); a request has its own deadline.  A worker that
 exits, closes its channel, breaks the protocol, misses heartbeats or misses a request deadline is marked dead (and
 killed); the job it was part of fails at once with its last log lines, and the next job restarts the whole pool.
 
@@ -19,7 +24,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Sequence
 
 from workers.runtime import auth, config, protocol
@@ -37,7 +41,10 @@ HB_INTERVAL = 1.0
 LOG_TAIL_LINES = 20
 #: Unauthenticated connections the pool serves at once, per rank; more are closed at once.
 MAX_HANDSHAKES_PER_RANK = 2
+#: How long a request whose channel closed waits for its worker's exit, so the error can name the exit status.
+EXIT_REPORT_WAIT_S = 1.0
 _DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
+_PROGRAM_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 class WorkerError(RuntimeError):
@@ -99,6 +106,13 @@ class _Worker:
     vram: int | None = None
     inflight: int = 0
     jobs_done: int = 0
+    #: the kinds this worker serves (its answer to the first ping)
+    serves: frozenset[str] = frozenset()
+    #: open pidfd of ``proc`` while the loop watches it; -1 once it exited or is no longer watched
+    pidfd: int = -1
+    #: set once ``proc`` has exited and was reaped
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    hb_timer: asyncio.TimerHandle | None = None
 
     @property
     def pid(self) -> int | None:
@@ -108,10 +122,13 @@ class _Worker:
 class WorkerPool:
     """One worker process per rank; see the module doc."""
 
-    def __init__(self, devices: Sequence[str], *, name: str = "dit", start_timeout: float | None = None,
-                 env: dict | None = None, also_visible: Sequence[str] = ()) -> None:
-        """``also_visible``: CUDA devices every worker sees besides its own (after it, as cuda:1, cuda:2, ...; its own
-        device stays cuda:0), for rank programs that reach another GPU's memory (e.g. through CUDA IPC)."""
+    def __init__(self, devices: Sequence[str], *, name: str = "dit", program: str | None = None,
+                 start_timeout: float | None = None, env: dict | None = None,
+                 also_visible: Sequence[str] = ()) -> None:
+        """``program``: the rank program the workers run (``workers.<program>.rank``); None serves only the runtime's
+        own kinds (ping, echo, ...).  ``also_visible``: CUDA devices every worker sees besides its own (after it, as
+        cuda:1, cuda:2, ...; its own device stays cuda:0), for rank programs that reach another GPU's memory (e.g.
+        through CUDA IPC)."""
         if isinstance(devices, str) or not devices:
             raise ValueError(f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
                              f"got {devices!r}")
@@ -120,7 +137,11 @@ class WorkerPool:
             raise ValueError(f"devices {bad!r} are not 'cpu', 'cuda' or 'cuda:N'")
         if not re.fullmatch(r"[A-Za-z0-9_]{1,24}", name):
             raise ValueError(f"pool name {name!r} must be 1-24 letters, digits or '_'")
+        if program is not None and not _PROGRAM_RE.fullmatch(program):
+            raise ValueError(f"rank program {program!r} must be a package name under workers/ (lower-case letters, "
+                             "digits, '_'), e.g. 'dit'")
         self.name = name
+        self.program = program
         self._devices = [("cuda:0" if d == "cuda" else d) for d in devices]
         self._also_visible = [("cuda:0" if d == "cuda" else d) for d in also_visible]
         bad = [d for d in self._also_visible if not d.startswith("cuda") or not _DEVICE_RE.match(d)]
@@ -140,7 +161,8 @@ class WorkerPool:
         self._doorbells: list[int] = []
         self._control: Segment | None = None
         self._owned: list[Segment] = []
-        self._monitor: asyncio.Task | None = None
+        #: set whenever a worker becomes ready or dead (what a start waits for)
+        self._changed: asyncio.Event | None = None
         self._life_lock = asyncio.Lock()
         self._jobs = 0
         self._handshakes = 0
@@ -172,7 +194,7 @@ class WorkerPool:
         return self._state == "running"
 
     def __repr__(self) -> str:
-        return f"WorkerPool({self.name!r}, {self._devices}, state={self._state})"
+        return f"WorkerPool({self.name!r}, {self._devices}, program={self.program!r}, state={self._state})"
 
     def log_path(self, rank: int) -> str:
         """The log file of ``rank`` (in the run dir; gone after release)."""
@@ -212,6 +234,7 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         self._state = "starting"
+        self._changed = asyncio.Event()
         self._run_dir = rundir.create()
         try:
             self._socket_path = rundir.socket_path(self._run_dir, "ctl.sock")
@@ -229,7 +252,6 @@ class WorkerPool:
             raise
         self._state = "running"
         self.starts += 1
-        self._monitor = loop.create_task(self._monitor_loop(), name=f"h3ms-monitor-{self.name}")
         get_coordinator().register_pool(self)
         log.info("pool %r started: %d worker(s) on %s in %.2f s (run dir %s)", self.name, self.world_size,
                  ",".join(self._devices), loop.time() - t0, self._run_dir)
@@ -267,37 +289,71 @@ class WorkerPool:
         local_device = "cuda:0" if w.device.startswith("cuda") else "cpu"
         cmd = [sys.executable, "-m", "workers", "--rank", str(w.rank), "--world-size", str(self.world_size),
                "--socket", self._socket_path, "--parent-pid", str(os.getpid()), "--device", local_device]
+        if self.program is not None:
+            cmd += ["--program", self.program]
         with open(w.log_path, "ab") as logf:
             logf.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} coordinator: starting rank {w.rank} on {w.device} "
-                       f"(pool {self.name!r}, parent pid {os.getpid()})\n".encode())
+                       f"(pool {self.name!r}, program {self.program or 'none'}, parent pid {os.getpid()})\n".encode())
             logf.flush()
             # New session: a terminal's Ctrl-C goes to the parent, which stops the workers itself.
             w.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
                                       env=self._worker_env(w), cwd=self._run_dir, pass_fds=self._doorbells,
                                       start_new_session=True)
         w.started_at = time.monotonic()
+        self._watch_exit(w)
         try:
             w.proc.stdin.write(auth.key_line(self._key))
             w.proc.stdin.close()
         except BrokenPipeError:
-            pass  # it died at once: _wait_ready reports its exit and log
+            pass  # it died at once: its pidfd reports the exit, _wait_ready the log
+
+    def _watch_exit(self, w: _Worker) -> None:
+        """Have the loop call :meth:`_on_exit` the moment ``w``'s process exits (its pidfd turns readable)."""
+        try:
+            w.pidfd = os.pidfd_open(w.proc.pid)
+        except OSError as exc:
+            w.proc.kill()
+            raise RuntimeError(f"pidfd_open failed ({exc}): H3 MultiStream watches its workers through pidfds, "
+                               "which need Linux 5.3 or newer (and, in a container, a seccomp profile that allows "
+                               "pidfd_open)") from None
+        asyncio.get_running_loop().add_reader(w.pidfd, self._on_exit, w)
+
+    def _unwatch_exit(self, w: _Worker) -> None:
+        if w.pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(w.pidfd)
+            os.close(w.pidfd)
+            w.pidfd = -1
+
+    def _on_exit(self, w: _Worker) -> None:
+        # A pidfd turns readable only once its process has exited, so poll() reaps it here.
+        code = w.proc.poll()
+        if code is None:
+            return
+        self._unwatch_exit(w)
+        w.exited.set()
+        if w.state in ("starting", "ready"):
+            self._mark_dead(w, _exit_text(code) + (" during start" if w.state == "starting" else ""))
 
     async def _wait_ready(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            self._changed.clear()
             if all(w.state == "ready" for w in self._workers):
                 return
             for w in self._workers:
-                if w.state == "dead" or (w.state == "starting" and w.proc.poll() is not None):
-                    self._mark_dead(w, w.death or f"{_exit_text(w.proc.poll())} during start")
+                if w.state == "dead":
                     raise self._error(w, f"failed to start: {w.death}")
-            if loop.time() > deadline:
+            left = deadline - loop.time()
+            if left <= 0:
                 w = next(w for w in self._workers if w.state != "ready")
                 self._mark_dead(w, "did not start in time")
                 raise self._error(
                     w, f"did not start within {self.start_timeout:g} s (set {config.WORKER_START_TIMEOUT.name} to allow longer)",
                     cls=WorkerTimeout)
-            await asyncio.sleep(0.02)
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         workers = self._workers
@@ -341,18 +397,33 @@ class WorkerPool:
                            "device": "cuda:0" if w.device.startswith("cuda") else "cpu",
                            "run_dir": self._run_dir, "doorbell_fds": list(self._doorbells),
                            "control": self._control.name, "hb_interval": HB_INTERVAL})
-            await ch.request("ping", {}, timeout=self.start_timeout)
+            pong = await ch.request("ping", {}, timeout=self.start_timeout)
         except (ChannelClosed, RemoteError, TimeoutError, OSError) as exc:
             self._mark_dead(w, f"failed its first ping: {exc}")
             return
         if w.state == "starting":
             w.state = "ready"
+            w.serves = frozenset(pong.get("serves", ()))
             w.last_hb = time.monotonic()
+            self._watch_heartbeat(w)
+            self._changed.set()
 
     def _on_heartbeat(self, w: _Worker, msg: dict) -> None:
         w.last_hb = time.monotonic()
         w.rss = msg["rss"]
         w.vram = msg["vram"]
+
+    def _watch_heartbeat(self, w: _Worker) -> None:
+        """A timer due when ``w``'s heartbeats are ``hb_timeout`` late: it marks a silent worker dead (a hung loop
+        sends none, though its process and channel live on), or re-arms for the latest heartbeat's deadline."""
+        w.hb_timer = None
+        if w.state != "ready":
+            return
+        late = time.monotonic() - w.last_hb
+        if late > self.hb_timeout:
+            self._mark_dead(w, f"no heartbeat for {late:.1f} s ({config.HEARTBEAT_TIMEOUT.name}={self.hb_timeout:g}); killed it")
+            return
+        w.hb_timer = asyncio.get_running_loop().call_later(self.hb_timeout - late + 0.01, self._watch_heartbeat, w)
 
     def _on_channel_close(self, w: _Worker, reason: str) -> None:
         if w.state in ("starting", "ready"):
@@ -370,26 +441,17 @@ class WorkerPool:
             return
         w.state = "dead"
         w.death = reason
+        if w.hb_timer is not None:
+            w.hb_timer.cancel()
+            w.hb_timer = None
         if w.proc is not None and w.proc.poll() is None:
             w.proc.kill()
         if w.channel is not None:
             w.channel.close(reason)
         log.error("pool %r: rank %d on %s (pid %s) is dead: %s", self.name, w.rank, w.device, w.pid, reason)
         self._note(w, f"rank {w.rank} marked dead: {reason}")
-
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for w in self._workers:
-                if w.state != "ready":
-                    continue
-                code = w.proc.poll()
-                if code is not None:
-                    self._mark_dead(w, _exit_text(code))
-                elif now - w.last_hb > self.hb_timeout:
-                    self._mark_dead(w, f"no heartbeat for {now - w.last_hb:.1f} s ({config.HEARTBEAT_TIMEOUT.name}="
-                                       f"{self.hb_timeout:g}); killed it")
+        if self._changed is not None:
+            self._changed.set()
 
     async def release(self, grace: float = 5.0, force: bool = False) -> None:
         """Stop every worker (shutdown, then kill after ``grace`` s), remove the run dir, unlink segments.
@@ -404,14 +466,13 @@ class WorkerPool:
         get_coordinator().unregister_pool(self)
 
     async def _stop(self, grace: float, final: bool) -> None:
-        loop = asyncio.get_running_loop()
         if self._state != "stopped" or self._workers:
             self._state = "stopping"
-        if self._monitor is not None:
-            self._monitor.cancel()
-            self._monitor = None
         live = [w for w in self._workers if w.state == "ready" and w.channel is not None]
         for w in self._workers:
+            if w.hb_timer is not None:
+                w.hb_timer.cancel()
+                w.hb_timer = None
             if w.state != "dead":
                 w.state = "stopping"
 
@@ -423,18 +484,15 @@ class WorkerPool:
 
         if live:
             await asyncio.gather(*(_ask(w) for w in live))
-        deadline = loop.time() + grace
-        while any(w.proc is not None and w.proc.poll() is None for w in self._workers) and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        await self._exits(grace)
         for w in self._workers:
             if w.proc is not None and w.proc.poll() is None:
                 log.warning("pool %r: rank %d (pid %d) did not exit within %g s; killing it", self.name, w.rank,
                             w.pid, grace)
                 w.proc.kill()
-        deadline = loop.time() + 5.0
-        while any(w.proc is not None and w.proc.poll() is None for w in self._workers) and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        await self._exits(5.0)
         for w in self._workers:
+            self._unwatch_exit(w)
             if w.channel is not None:
                 w.channel.close("pool released")
             w.state = "stopped"
@@ -458,6 +516,17 @@ class WorkerPool:
             self._run_dir = None
             self._socket_path = None
         self._state = "stopped"
+
+    async def _exits(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for every spawned worker's exit (reported by its pidfd)."""
+        waits = [asyncio.ensure_future(w.exited.wait()) for w in self._workers if w.pidfd >= 0]
+        if not waits:
+            return
+        try:
+            await asyncio.wait(waits, timeout=timeout)
+        finally:
+            for t in waits:
+                t.cancel()
 
     # -- control block ----------------------------------------------------------------------------------------
     def abort(self) -> None:
@@ -510,17 +579,20 @@ class WorkerPool:
     async def _request(self, w: _Worker, kind: str, fields: dict | None, timeout: float) -> dict:
         if w.state != "ready" or w.channel is None:
             raise self._error(w, f"cannot take {kind!r}: it is {w.state}" + (f" ({w.death})" if w.death else ""))
+        if kind not in w.serves:
+            raise ValueError(f"pool {self.name!r} (rank program {self.program or 'none'}) does not serve {kind!r}; "
+                             f"it serves {', '.join(sorted(w.serves))}: send it to its own program's pool")
         w.inflight += 1
         try:
             result = await w.channel.request(kind, fields, timeout)
         except RemoteError as exc:
             raise self._error(w, f"failed {kind!r}: {exc.error}", tb=exc.tb) from None
         except ChannelClosed as exc:
-            # Give the process a moment to be reaped so the message carries its exit status.
-            for _ in range(50):
-                if w.proc.poll() is not None:
-                    break
-                await asyncio.sleep(0.02)
+            # The exit usually follows the EOF within milliseconds: wait for it, so the message names the status.
+            try:
+                await asyncio.wait_for(w.exited.wait(), EXIT_REPORT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
             self._mark_dead(w, f"channel closed ({exc})")
             raise self._error(w, f"died during {kind!r}: {w.death}") from None
         except TimeoutError:

@@ -18,11 +18,8 @@ mount 64 MB) they come back over the worker's socket in pieces, with one warning
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures as cf
-import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,10 +28,11 @@ import torch
 from h3ms_async.vae import plan as vae_plan
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
+from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
-from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.split import _cpu_thread_env
-from h3ms_async.observability.status import get_hub, now_iso
+from h3ms_async.observability.status import now_iso
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime import config
 from workers.vae import protocol as vae_protocol
@@ -46,7 +44,6 @@ TRANSPORT_ENV = config.VAE_TRANSPORT.name
 CHUNK_TIMEOUT_ENV = config.VAE_CHUNK_TIMEOUT.name
 #: Most ranks a VAE split uses (the node's max_gpus cap).
 VAE_MAX_RANKS = 8
-_POLL_S = 0.05
 
 
 class VaeSplitError(RuntimeError):
@@ -124,8 +121,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class VaeSplitEngine:
+class VaeSplitEngine(Engine):
     """Rank 0 = this process on ``devices[0]``; a worker per other device.  See the module doc."""
+
+    error = VaeSplitError
+    interrupted = VaeSplitInterrupted
+    deadline_hint = f"raise {CHUNK_TIMEOUT_ENV} to allow longer"
 
     def __init__(self, devices: Sequence[str]) -> None:
         if len(devices) < 2:
@@ -133,25 +134,18 @@ class VaeSplitEngine:
         if len(devices) > VAE_MAX_RANKS:
             raise GPUSelectionError(f"{len(devices)} VAE ranks; at most {VAE_MAX_RANKS} are supported")
         self.devices = list(devices)
-        self.pool = WorkerPool(self.devices[1:], name="vae", env=_cpu_thread_env(self.devices))
-        self._lock = threading.Lock()
         self._loaded_key: tuple | None = None
         self._loaded_starts = -1
         self._jobs = 0
-        self._running = False
         self._warned_socket = False
         self._load_lock = asyncio.Lock()
         self.last_record: dict | None = None
-        _LIVE.add(self)
-        _register_status()
+        super().__init__(WorkerPool(self.devices[1:], name="vae", program="vae", env=_cpu_thread_env(self.devices)),
+                         ENGINES)
 
     @property
     def ranks(self) -> int:
         return len(self.devices)
-
-    @property
-    def running(self) -> bool:
-        return self._running
 
     def prestart(self, spec: DecoderSpec | None = None) -> None:
         """Start the workers in the background, and ship ``spec``'s decoder when given (the node calls this when it
@@ -174,23 +168,14 @@ class VaeSplitEngine:
         ``decode_local(z_slice)`` decodes one chunk in this process (the VAE's own method); ``blend_fn`` and
         ``finalize_fn`` are the ordered part's math (see ``vae_plan.Assembler``).
         """
-        with self._lock:
-            self._running = True
-            try:
-                return self._decode(z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt)
-            finally:
-                self._running = False
+        with self.job():
+            return self._decode(z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt)
 
     def _decode(self, z_padded, plan, spec, decode_local, out, blend_fn, finalize_fn, interrupt) -> dict:
         t_start = time.perf_counter()
         coord = get_coordinator()
         timeout = config.VAE_CHUNK_TIMEOUT.get()
-        load = coord.submit(self._ensure_loaded(spec))
-        try:
-            self._await(load, self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
-        except BaseException:
-            coord.cancel(load, wait=2.0)
-            raise
+        self.run(self._ensure_loaded(spec), self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
         t_load = time.perf_counter() - t_start
         self._jobs += 1
         job = self._jobs
@@ -247,7 +232,8 @@ class VaeSplitEngine:
                     local_s += took
                     chunks.append({"index": i, "rank": 0, "decode_s": round(took, 4)})
                 else:
-                    res, host = self._await(futures[i], timeout, f"waiting for chunk {i}", interrupt)
+                    [(res, host)] = self.wait([futures[i]], timeout, f"waiting for chunk {i}", interrupt=interrupt,
+                                              abandon=futures.values())
                     if host is None:  # shm: the worker wrote the chunk into the output segment
                         host = segs[1].tensor(out_descs[i])
                     raw = host.to(dev0, copy=True)
@@ -262,10 +248,7 @@ class VaeSplitEngine:
                 del raw
                 assemble_s += time.perf_counter() - t
         except BaseException:
-            if any(not f.done() for f in futures.values()):
-                self.pool.abort()
-                for f in futures.values():
-                    coord.cancel(f, wait=2.0)
+            self.abandon(futures.values())
             raise
         finally:
             self._drop_job(job)
@@ -330,22 +313,6 @@ class VaeSplitEngine:
         res["fetch_s"] = time.perf_counter() - t
         return res, host.view(dtype).view(shape)
 
-    @staticmethod
-    def _await(fut: cf.Future, timeout: float, what: str, interrupt: Callable[[], bool] | None) -> Any:
-        """``fut``'s result, polling ``interrupt``; the caller cancels ``fut`` when this raises."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return fut.result(timeout=_POLL_S)
-            except cf.TimeoutError:
-                pass
-            except WorkerError as exc:
-                raise VaeSplitError(str(exc)) from exc
-            if interrupt is not None and interrupt():
-                raise VaeSplitInterrupted(f"VAE decode interrupted while {what}")
-            if time.monotonic() > deadline:
-                raise VaeSplitError(f"{what} did not finish within {timeout:g} s ({CHUNK_TIMEOUT_ENV})")
-
     async def _ensure_loaded(self, spec: DecoderSpec) -> None:
         async with self._load_lock:
             await self._load(spec)
@@ -382,12 +349,9 @@ class VaeSplitEngine:
             log.debug("vae_drop after job %d: %s", job, exc)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    def release(self) -> None:
-        """Stop the workers (they drop their decoder with them)."""
-        with self._lock:
-            if self.pool.running:
-                get_coordinator().run(self.pool.release(force=True), 60.0, "releasing VAE workers")
-            self._loaded_key = None
+    def _drop_resident(self) -> None:
+        # The workers took their decoder with them: the next decode ships it again.
+        self._loaded_key = None
 
     def snapshot(self) -> dict:
         """The status route's view of this engine."""
@@ -414,54 +378,24 @@ def forced_devices(vae_device: torch.device) -> list[str] | None:
 
 
 # -- engine registry ---------------------------------------------------------------------------------------------------
-_ENGINES: dict[tuple, VaeSplitEngine] = {}
-_ENGINES_LOCK = threading.Lock()
-_LIVE: "weakref.WeakSet[VaeSplitEngine]" = weakref.WeakSet()
+ENGINES: EngineRegistry[VaeSplitEngine] = EngineRegistry("vae", "VAE workers", {
+    # rank 0 is this process: the workers are ranks 1..N-1
+    "vae_workers": lambda live: [{**w, "rank": w["rank"] + 1} for e in live if e.pool.running
+                                 for w in e.pool.snapshot()],
+    "vae_split": lambda live: {"engines": [e.snapshot() for e in live]},
+})
 
 
 def get_vae_engine(devices: Sequence[str]) -> VaeSplitEngine:
     """The engine for this rank map (made once); an engine for another map is released first."""
-    key = tuple(devices)
-    with _ENGINES_LOCK:
-        eng = _ENGINES.get(key)
-        if eng is None:
-            for old in list(_ENGINES):
-                _ENGINES.pop(old).release()
-            eng = _ENGINES[key] = VaeSplitEngine(devices)
-        return eng
+    return ENGINES.get(tuple(devices), lambda: VaeSplitEngine(devices))
 
 
 def release_vae_engines(force: bool = False) -> tuple[int, int]:
     """Release every VAE engine that is not decoding (all of them with ``force``); returns (released, busy)."""
-    with _ENGINES_LOCK:
-        items = list(_ENGINES.items())
-        busy = [k for k, e in items if e.running and not force]
-        for k, _ in items:
-            if k not in busy:
-                _ENGINES.pop(k)
-    for k, eng in items:
-        if k not in busy:
-            eng.release()
-    return len(items) - len(busy), len(busy)
+    return ENGINES.release_all(force)
 
 
 def live_vae_engines() -> list[VaeSplitEngine]:
-    return list(_LIVE)
-
-
-_STATUS_REGISTERED = False
-
-
-def _register_status() -> None:
-    global _STATUS_REGISTERED
-    if _STATUS_REGISTERED:
-        return
-    hub = get_hub()
-    hub.register_provider("vae_workers", lambda: [
-        {**w, "rank": w["rank"] + 1} for e in live_vae_engines() if e.pool.running for w in e.pool.snapshot()])
-    hub.register_provider("vae_split", lambda: {"engines": [e.snapshot() for e in live_vae_engines()]})
-    hub.add_busy_source(lambda: any(e.running for e in live_vae_engines()))
-    _STATUS_REGISTERED = True
-
-
-atexit.register(lambda: release_vae_engines(force=True))
+    """Every VAE engine alive in this process."""
+    return ENGINES.live()

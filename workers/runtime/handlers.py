@@ -73,6 +73,8 @@ class WorkerContext:
     _compute: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3ms-compute"))
     inflight: int = 0
+    #: whether a ping answer has listed the kinds served yet
+    announced: bool = False
 
     def segment(self, name: str) -> Segment:
         """Attach a segment once (and register it with CUDA once when this worker's device is CUDA)."""
@@ -128,7 +130,13 @@ class WorkerContext:
 # -- core commands ----------------------------------------------------------------------------------------------
 @handler("ping")
 async def _ping(ctx: WorkerContext, msg: dict) -> dict:
-    return {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
+    """Liveness; the first answer (to the pool's admission ping) also lists the kinds this worker serves, which the
+    pool then refuses others by.  Only the first: a ping is the round trip the IPC benchmark times."""
+    answer = {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
+    if not ctx.announced:
+        ctx.announced = True
+        answer["serves"] = sorted(HANDLERS)
+    return answer
 
 
 def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
