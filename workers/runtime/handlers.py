@@ -170,12 +170,6 @@ async def _drop_released(ctx: WorkerContext, msg: dict) -> dict:
     return {"dropped": ctx.forget_released()}
 
 
-@handler("shutdown")
-async def _shutdown(ctx: WorkerContext, msg: dict) -> dict:
-    # The serve loop stops after sending this answer.
-    return {"pid": os.getpid()}
-
-
 # -- test hooks (only with H3MS_TEST_HOOKS=1) ------------------------------------------------------------------
 if TEST_HOOKS:
     @handler("sleep")
