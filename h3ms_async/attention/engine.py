@@ -38,7 +38,7 @@ from h3ms_async.log import get_logger
 from h3ms_async.runtime.pool import WorkerError, WorkerPool
 from h3ms_async.observability.status import get_hub, now_iso
 from workers.attention import ops as attn_ops
-from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds sent here
+from workers.attention import protocol as attn_protocol
 from workers.transports.host import dtype_name
 from workers.runtime.shm import Arena, Segment, register_cuda
 
@@ -259,8 +259,8 @@ class AttentionParallelEngine:
 
     def _submit(self, buf: _Buffers, r: int, fields: dict) -> "cf.Future[dict]":
         """Send helper ``r`` (1-based) its call now."""
-        msg = {"job": self._calls, "meta": fields, **buf.fields(r - 1)}
-        return get_coordinator().submit(self.pool.request(r - 1, "attn_call", msg, self.call_timeout_s))
+        msg = attn_protocol.AttnCall(job=self._calls, meta=fields, **buf.fields(r - 1))
+        return get_coordinator().submit(self.pool.request(r - 1, msg, self.call_timeout_s))
 
     def _gather(self, futs: dict["cf.Future[dict]", int], on_result: Callable[[int], None]) -> list[dict]:
         """Each helper's answer as it comes (``on_result(r)`` takes its result in at once), in rank order; any

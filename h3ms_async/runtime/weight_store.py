@@ -16,7 +16,7 @@ import torch
 
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import ram_info
-from workers.runtime.protocol import DTYPE_SIZES, desc_nbytes
+from workers.runtime.protocol import DTYPE_SIZES, TensorDesc, tensor_nbytes
 from workers.runtime.shm import Arena, Segment, ShmError
 
 log = get_logger("Weights")
@@ -46,7 +46,7 @@ class WeightStore:
 
     key: tuple
     segment: Segment
-    manifest: list[dict[str, dict]]
+    manifest: list[dict[str, TensorDesc]]
     nbytes: int
     fill_seconds: float
     created_at: float = field(default_factory=time.time)
@@ -86,7 +86,7 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     t = time.perf_counter()
     first = read_block(0)
     layout = _block_layout(first)
-    per_block = sum(-(-desc_nbytes({"dtype": d, "shape": list(s)}) // 4096) * 4096 for d, s in layout.values())
+    per_block = sum(-(-tensor_nbytes(d, s) // 4096) * 4096 for d, s in layout.values())
     total = per_block * n_blocks
     ram = ram_info()
     if ram["available_bytes"] - total < reserve_gb * GIB:
@@ -100,7 +100,7 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
         raise WeightStoreRefused(str(exc)) from None
     try:
         arena = Arena(seg)
-        manifest: list[dict[str, dict]] = []
+        manifest: list[dict[str, TensorDesc]] = []
         for i in range(n_blocks):
             tensors = first if i == 0 else read_block(i)
             got = _block_layout(tensors)

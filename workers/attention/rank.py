@@ -13,7 +13,7 @@ import time
 import torch
 
 from workers.attention import ops as attn_ops
-from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds
+from workers.attention import protocol as attn_protocol
 from workers.attention import ck_cpu as ck_attention_cpu
 from workers.runtime.handlers import WorkerContext, handler
 
@@ -49,13 +49,13 @@ def _ipc_view(storage: torch.UntypedStorage, d: dict) -> torch.Tensor:
     return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
 
 
-def _sources(ctx: WorkerContext, msg: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _sources(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The slice's tensors and the output slot: shm views, or views of the model GPU's IPC buffers."""
-    ipc = msg.get("ipc")
+    ipc = msg.ipc
     if ipc is None:
-        _map_segments(ctx, {d["seg"] for d in msg["tensors"].values()} | {msg["out"]["seg"]})
-        return ({name: ctx.segment(d["seg"]).tensor(d) for name, d in msg["tensors"].items()},
-                ctx.segment(msg["out"]["seg"]).tensor(msg["out"]))
+        _map_segments(ctx, {d.seg for d in msg.tensors.values()} | {msg.out.seg})
+        return ({name: ctx.segment(d.seg).tensor(d) for name, d in msg.tensors.items()},
+                ctx.segment(msg.out.seg).tensor(msg.out))
     src, dst = (_ipc_storage(ctx, ipc[side], ipc["device"]) for side in ("in", "out"))
     live = {(ipc["device"], bytes(ipc[side][1]), int(ipc[side][3])) for side in ("in", "out")}
     opened = ctx.state[_IPC]
@@ -64,7 +64,7 @@ def _sources(ctx: WorkerContext, msg: dict) -> tuple[dict[str, torch.Tensor], to
     return {name: _ipc_view(src, d) for name, d in ipc["tensors"].items()}, _ipc_view(dst, ipc["result"])
 
 
-def _call(ctx: WorkerContext, msg: dict) -> dict:
+def _call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
     """One slice (on the compute thread): copy in, attend, copy out; seconds per phase."""
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
@@ -77,7 +77,7 @@ def _call(ctx: WorkerContext, msg: dict) -> dict:
     else:
         local = host
     t1 = time.perf_counter()
-    out = attn_ops.attend(local, msg["meta"])
+    out = attn_ops.attend(local, msg.meta)
     if tuple(out.shape) != tuple(out_host.shape) or out.dtype != out_host.dtype:
         raise ValueError(f"attention slice returned {out.dtype} {list(out.shape)}, the output slot is "
                          f"{out_host.dtype} {list(out_host.shape)}")
@@ -96,18 +96,18 @@ def _call(ctx: WorkerContext, msg: dict) -> dict:
     }
 
 
-def _call_inference(ctx: WorkerContext, msg: dict) -> dict:
+def _call_inference(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
     with torch.inference_mode():
         return _call(ctx, msg)
 
 
-@handler("attn_call")
-async def _attn_call(ctx: WorkerContext, msg: dict) -> dict:
+@handler(attn_protocol.AttnCall)
+async def _attn_call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
     return await ctx.run_compute(_call_inference, ctx, msg)
 
 
-@handler("attn_release")
-async def _attn_release(ctx: WorkerContext, msg: dict) -> dict:
+@handler(attn_protocol.AttnRelease)
+async def _attn_release(ctx: WorkerContext, msg: attn_protocol.AttnRelease) -> dict:
     _map_segments(ctx, set())
     ctx.state.pop(_IPC, None)
     if ctx.device.startswith("cuda"):

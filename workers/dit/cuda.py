@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.protocol import DitLoad
 from workers.runtime.handlers import WorkerContext
 
 GIB = 1 << 30
@@ -68,17 +69,17 @@ class StreamTimer:
 class CudaWeights:
     """Block weights of one CUDA rank: resident blocks in VRAM, the rest streamed through two prefetched slots."""
 
-    def __init__(self, ctx: WorkerContext, msg: dict) -> None:
+    def __init__(self, ctx: WorkerContext, msg: DitLoad) -> None:
         self.device = torch.device(ctx.device)
-        self.key = msg["key"]
-        self.store = msg["store"]
-        self.config = msg["config"]
-        self.heads = tuple(int(v) for v in msg["heads"])
+        self.key = msg.key
+        self.store = msg.store
+        self.config = msg.config
+        self.heads = tuple(int(v) for v in msg.heads)
         self.residency: str | None = None  # chosen per step (dit_step's "residency")
         self.log = ctx.log
         self.rank = ctx.rank
         seg = ctx.segment(self.store)
-        self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg["manifest"]]
+        self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg.manifest]
         self.quant = [dit_ops.quant_info(b, "attn.qkv_proj") for b in self.host]
         g0, g1 = self.heads
         rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])
@@ -224,11 +225,11 @@ class CudaWeights:
         self.host.clear()
 
 
-def load_weights(ctx: WorkerContext, msg: dict) -> Any:
+def load_weights(ctx: WorkerContext, msg: DitLoad) -> Any:
     """``dit_load`` on a CUDA rank: returns a RankWeights whose provider streams/holds the blocks."""
     from workers.dit.rank import RankWeights
     prov = CudaWeights(ctx, msg)
-    return RankWeights(msg["key"], msg["store"], msg["config"], prov.heads, [], [], prov.quant, provider=prov,
+    return RankWeights(msg.key, msg.store, msg.config, prov.heads, [], [], prov.quant, provider=prov,
                        nbytes=prov.block_bytes * len(prov.host))
 
 

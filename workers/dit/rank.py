@@ -26,6 +26,7 @@ from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
 from workers.runtime.handlers import WorkerContext, handler, on_release
+from workers.runtime.protocol import TensorDesc
 
 _STATE = "dit"
 
@@ -82,37 +83,37 @@ def _state(ctx: WorkerContext) -> RankState:
     return st
 
 
-def _load_cpu(ctx: WorkerContext, msg: dict) -> RankWeights:
+def _load_cpu(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
     """CPU rank: block weights are zero-copy views of the store; the head group's qkv rows are copied once."""
-    seg = ctx.segment(msg["store"])
-    cfg = msg["config"]
-    g0, g1 = (int(v) for v in msg["heads"])
+    seg = ctx.segment(msg.store)
+    cfg = msg.config
+    g0, g1 = (int(v) for v in msg.heads)
     blocks, qkv, quant, nbytes = [], [], [], 0
-    for entry in msg["manifest"]:
+    for entry in msg.manifest:
         w = {name: seg.tensor(desc) for name, desc in entry.items()}
         q_w, q_s = dit_ops.slice_qkv_weights(w, g0, g1, cfg["heads"], cfg["head_dim"])
         nbytes += q_w.numel() * q_w.element_size() if (g0, g1) != (0, cfg["heads"]) else 0
         blocks.append(w)
         qkv.append((q_w, q_s))
         quant.append(dit_ops.quant_info(w, "attn.qkv_proj"))
-    return RankWeights(msg["key"], msg["store"], cfg, (g0, g1), blocks, qkv, quant, nbytes=nbytes)
+    return RankWeights(msg.key, msg.store, cfg, (g0, g1), blocks, qkv, quant, nbytes=nbytes)
 
 
-@handler("dit_load")
-async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
+@handler(dit_protocol.DitLoad)
+async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
     st = _state(ctx)
-    if st.weights is not None and st.weights.key == msg["key"] and list(st.weights.heads) == list(msg["heads"]):
+    if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
         sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
             if ctx.device.startswith("cuda") else None
         return {"loaded": False, "bytes": st.weights.nbytes, "sm_count": sms}
     _drop_weights(ctx, st)
-    ctx.state["devices"] = msg["config"].get("devices")
-    attend = _attend(msg["config"]["attention"])
-    dtype = getattr(torch, msg["config"]["compute_dtype"])
-    if ctx.state.get("warm") != (msg["config"]["attention"], dtype):
+    ctx.state["devices"] = msg.config.get("devices")
+    attend = _attend(msg.config["attention"])
+    dtype = getattr(torch, msg.config["compute_dtype"])
+    if ctx.state.get("warm") != (msg.config["attention"], dtype):
         # before the first step, under the very function and dtype the steps use (see dit_ops.warm_up)
         await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
-        ctx.state["warm"] = (msg["config"]["attention"], dtype)
+        ctx.state["warm"] = (msg.config["attention"], dtype)
     t = time.perf_counter()
     if ctx.device.startswith("cuda"):
         from workers.dit import cuda as cuda_rank
@@ -120,8 +121,8 @@ async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
     else:
         st.weights = await ctx.run_compute(_load_cpu, ctx, msg)
     ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
-                 ctx.rank, msg["key"], len(msg["manifest"]), msg["heads"],
-                 _HOST.attention if msg["config"]["attention"] == "comfy" and _HOST else msg["config"]["attention"],
+                 ctx.rank, msg.key, len(msg.manifest), msg.heads,
+                 _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
     sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
         if ctx.device.startswith("cuda") else None
@@ -137,8 +138,8 @@ def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
             torch.cuda.empty_cache()
 
 
-@handler("dit_release")
-async def _dit_release(ctx: WorkerContext, msg: dict) -> dict:
+@handler(dit_protocol.DitRelease)
+async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> dict:
     st = _state(ctx)
     store = st.weights.store if st.weights is not None else None
     _drop_weights(ctx, st)
@@ -196,29 +197,29 @@ class NoExchange:
         pass
 
 
-def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
+def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> Any:
     """The exchange object for this step's arena or process group (created once, reused while it matches)."""
-    layout = ArenaLayout.from_dict(msg["layout"])
+    layout = ArenaLayout.from_dict(msg.layout)
     cuda = ctx.device.startswith("cuda")
-    if msg["exchange"] == "none":
+    if msg.exchange == "none":
         key0 = ("none", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
         if key0 not in st.exchanges:
             st.exchanges[key0] = NoExchange(ctx.rank, layout, torch.device(ctx.device))
         return st.exchanges[key0]
-    if msg["exchange"] == "host":
-        key: tuple = ("host", msg["arena"])
+    if msg.exchange == "host":
+        key: tuple = ("host", msg.arena)
         ex = st.exchanges.get(key)
         if ex is None:
             for old in [k for k in st.exchanges if k[0] == "host"]:
                 st.exchanges.pop(old).close()
-            arena = ctx.segment(msg["arena"]).base_tensor()
+            arena = ctx.segment(msg.arena).base_tensor()
             wrap = copies = None
             if cuda:
                 from workers.dit.cuda import CudaExchange
                 wrap = CudaExchange(torch.device(ctx.device), host=True)
                 copies = {"to_host": wrap.to_host, "to_device": wrap.to_device}
             ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
-                              msg["deadline_s"], **(copies or {}))
+                              msg.deadline_s, **(copies or {}))
             ex = wrap.bind(ex) if wrap is not None else ex
             st.exchanges[key] = ex
         return ex
@@ -226,7 +227,7 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
     if st.dist_backend is None:
         backend = "nccl" if cuda else "gloo"
         init_group(ctx.rank, ctx.world_size, backend, os.path.join(ctx.run_dir, "dist-rendezvous"),
-                   msg["deadline_s"], devices=ctx.state.get("devices"), local_device=ctx.device)
+                   msg.deadline_s, devices=ctx.state.get("devices"), local_device=ctx.device)
         st.dist_backend = backend
     key = ("dist", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
     ex = st.exchanges.get(key)
@@ -239,16 +240,17 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Any:
     return ex
 
 
-def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.Segment]:
+def _segments(ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]],
+              device: torch.device) -> list[dit_ops.Segment]:
     out: list[dit_ops.Segment] = []
     for a, b, row in raw:
-        if isinstance(row, dict):
-            row = ctx.segment(row["seg"]).tensor(row).to(device)
+        if isinstance(row, TensorDesc):
+            row = ctx.segment(row.seg).tensor(row).to(device)
         out.append((int(a), int(b), row))
     return out
 
 
-def run_step(ctx: WorkerContext, msg: dict) -> dict:
+def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank timings."""
     st = _state(ctx)
     w = st.weights
@@ -258,30 +260,30 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
     t_start = time.perf_counter()
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
-    t0, t1 = (int(v) for v in msg["tokens"])
+    t0, t1 = (int(v) for v in msg.tokens)
     g0, g1 = w.heads
-    step_seg = ctx.segment(msg["x"]["seg"])
-    x_full = step_seg.tensor(msg["x"])
+    step_seg = ctx.segment(msg.x.seg)
+    x_full = step_seg.tensor(msg.x)
     x_rows = x_full[t0:t1].to(device, non_blocking=True) if cuda else x_full[t0:t1]
-    t_emb = step_seg.tensor(msg["t_emb"]).to(device)
-    rope = step_seg.tensor(msg["rope"]).to(device)
-    segs = dit_ops.clip_segments(_segments(ctx, msg["segments"], device), t0, t1)
+    t_emb = step_seg.tensor(msg.t_emb).to(device)
+    rope = step_seg.tensor(msg.rope).to(device)
+    segs = dit_ops.clip_segments(_segments(ctx, msg.segments, device), t0, t1)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        w.provider.prepare(x_full.shape[0], t1 - t0, msg["residency"])
+        w.provider.prepare(x_full.shape[0], t1 - t0, msg.residency)
     ex = _exchange(ctx, st, msg)
     ex.reset_stats()
-    ex.begin(int(msg["abort_gen"]))
-    chunks = int(msg["chunks"])
-    b0, b1 = (int(v) for v in msg["blocks"])
+    ex.begin(int(msg.abort_gen))
+    chunks = int(msg.chunks)
+    b0, b1 = (int(v) for v in msg.blocks)
     eps, heads_local, head_dim = float(cfg["eps"]), g1 - g0, int(cfg["head_dim"])
     attend = _attend(cfg["attention"])
     timer = w.provider.timer if w.provider is not None else None
     per_block: list[list[float]] = []
     mark = (time.perf_counter(), *_host_counters(ex))
     for i in range(b0, b1):
-        if ctx.abort_generation() != int(msg["abort_gen"]):
-            raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
+        if ctx.abort_generation() != int(msg.abort_gen):
+            raise ExchangeAborted(f"rank {ctx.rank}: step {msg.job} aborted before block {i}")
         bw = w.provider.block(i) if w.provider is not None else w.blocks[i]
         q_w, q_s = w.provider.qkv(i) if w.provider is not None else w.qkv[i]
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(bw, t_emb)
@@ -328,16 +330,12 @@ def _host_counters(ex: Any) -> tuple[float, float]:
     return float(st.get("copy_s", 0.0)), float(st.get("wait_s", 0.0))
 
 
-def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:
+def _run_step_inference(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another code path).
     with torch.inference_mode():
         return run_step(ctx, msg)
 
 
-@handler("dit_step")
-async def _dit_step(ctx: WorkerContext, msg: dict) -> dict:
-    if msg["exchange"] not in dit_protocol.EXCHANGES:
-        raise ValueError(f"dit_step: exchange {msg['exchange']!r} is not one of {dit_protocol.EXCHANGES}")
-    if msg["residency"] not in dit_protocol.RESIDENCIES:
-        raise ValueError(f"dit_step: residency {msg['residency']!r} is not one of {dit_protocol.RESIDENCIES}")
+@handler(dit_protocol.DitStep)
+async def _dit_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     return await ctx.run_compute(_run_step_inference, ctx, msg)
