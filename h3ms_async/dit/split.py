@@ -30,7 +30,7 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.pool import WorkerError, WorkerPool
 from h3ms_async.dit.reference import DiTConfig
-from h3ms_async.observability.status import get_hub, now_iso
+from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
@@ -438,21 +438,18 @@ class SplitEngine:
     def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dict], wall: float, tokens: int, blocks: int,
                 sigma: float | None) -> None:
         hub = get_hub()
-        ranks = [{
-            "rank": r, "device": self.devices[r],
-            "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
-            "heads": [plan.head_bounds[r], plan.head_bounds[r + 1]],
-            "compute_s": float(res["compute_s"]), "exchange_s": float(res["exchange_s"]),
-            "wait_s": float(res["wait_s"]), "moved_bytes": int(res["moved_bytes"]),
-            "vram_peak_bytes": res.get("vram_peak_bytes"),
-        } for r, res in enumerate(results)]
+        ranks = [RankRecord(
+            rank=r, device=self.devices[r], tokens=[plan.token_bounds[r], plan.token_bounds[r + 1]],
+            heads=[plan.head_bounds[r], plan.head_bounds[r + 1]], compute_s=float(res["compute_s"]),
+            exchange_s=float(res["exchange_s"]), wait_s=float(res["wait_s"]), moved_bytes=int(res["moved_bytes"]),
+            vram_peak_bytes=res.get("vram_peak_bytes"),
+        ) for r, res in enumerate(results)]
         chunks = opts.exchange_chunks if opts.exchange == "host" else 0
-        hub.record_step({
-            "at": now_iso(), "seq": hub.next_seq(), "kind": "dit", "sigma": sigma, "tokens": tokens,
-            "blocks": blocks, "devices": list(self.devices), "exchange": self._transport(opts.exchange),
-            "chunks": max(chunks, 1), "wall_s": wall, "moved_bytes": sum(r["moved_bytes"] for r in ranks),
-            "weight_store": self.weight_state, "ranks": ranks,
-        })
+        hub.record_step(StepRecord(
+            at=now_iso(), seq=hub.next_seq(), sigma=sigma, tokens=tokens, blocks=blocks, devices=list(self.devices),
+            exchange=self._transport(opts.exchange), chunks=max(chunks, 1), wall_s=wall,
+            moved_bytes=sum(r.moved_bytes for r in ranks), weight_store=self.weight_state, ranks=ranks,
+        ))
 
     # -- plumbing ---------------------------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float, what: str, interrupt: Callable[[], bool] | None = None,

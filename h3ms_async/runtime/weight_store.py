@@ -89,9 +89,9 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     per_block = sum(-(-tensor_nbytes(d, s) // 4096) * 4096 for d, s in layout.values())
     total = per_block * n_blocks
     ram = ram_info()
-    if ram["available_bytes"] - total < reserve_gb * GIB:
+    if ram.available_bytes - total < reserve_gb * GIB:
         raise WeightStoreRefused(
-            f"weight store needs {total / GIB:.2f} GiB but only {ram['available_bytes'] / GIB:.2f} GiB RAM is "
+            f"weight store needs {total / GIB:.2f} GiB but only {ram.available_bytes / GIB:.2f} GiB RAM is "
             f"available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower the reserve, free RAM, or "
             "disable the split for this model")
     try:
@@ -119,5 +119,5 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
         seg.close()
         seg.unlink()
         raise
-    log.info("filled %d blocks, %.2f GiB in %.2fs (%s)", n_blocks, total / GIB, store.fill_seconds, ram["text"])
+    log.info("filled %d blocks, %.2f GiB in %.2fs (%s)", n_blocks, total / GIB, store.fill_seconds, ram.text)
     return store
