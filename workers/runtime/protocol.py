@@ -206,10 +206,12 @@ def _get_decoder() -> msgspec.msgpack.Decoder:
     global _decoder
     dec = _decoder
     if dec is None:
-        types = tuple(kinds().values())
-        dec = msgspec.msgpack.Decoder(Union[types], ext_hook=_refuse_ext)  # type: ignore[valid-type]
         with _LOCK:
-            _decoder = dec
+            declared = len(_DECLARED)
+        dec = msgspec.msgpack.Decoder(Union[tuple(kinds().values())], ext_hook=_refuse_ext)  # type: ignore[valid-type]
+        with _LOCK:
+            if len(_DECLARED) == declared:  # a kind declared meanwhile makes the next call build again
+                _decoder = dec
     return dec
 
 
