@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import comfy_kitchen as ck
 import psutil
@@ -111,6 +112,13 @@ def test_bench_attention_smoke(capsys):
         assert model["N=4"]["heads"] == [1, 1, 1, 1]
         assert model["N=2"]["heads"][0] >= 2  # the model GPU pays no transfer: it never takes fewer heads
     assert res["model"]["nvlink_p2p"]["predicted"] is None
+    # per phase, what it cost and moved; one message's round trip (the model's dispatch latency)
+    assert set(run["phases"]) == {"stage", "helper_in", "compute", "helper_out", "take_back", "rank0_compute"}
+    assert run["phases"]["stage"]["bytes"] == run["staged_bytes"] and run["phases"]["compute"]["s"] > 0
+    assert run["pieces"] == [-(-run["heads"][1] // res["model"]["chunk_heads"])]
+    assert 0 < res["message_round_trip_s"] < 1.0
+    assert all(res["model"][name][n]["whole_slices"]["speedup"] > 0 for name in ("pcie_host_staged",)
+               for n in ("N=2", "N=4"))
     no_leaks()
 
 
@@ -132,6 +140,30 @@ def test_schedule_pipelines_each_helper_and_favours_the_model_gpu():
     assert best["total_s"] < sched.critical_path([14] * 4, [1.0] * 4, 1.0, 0.5, costly)["total_s"]
     # helper shares still scale the helpers among themselves
     assert sched.best_split(20, [1.0] * 3, [2.0, 1.0], 1.0, 1.0, free)["heads"] == [8, 8, 4]
+
+
+def test_pieces_go_round_robin_and_overlap_in_the_model():
+    """Helpers' ranges are cut into near-equal pieces of at most chunk_heads heads, staged round robin; in the model
+    a helper's copy in, attention and copy out overlap across its pieces, and the returns start early."""
+    assert sched.pieces([0, 3, 8, 10], 2) == [(1, 3, 5), (2, 8, 10), (1, 5, 7), (1, 7, 8)]
+    assert sched.pieces([0, 3, 8, 10], 0) == [(1, 3, 8), (2, 8, 10)]
+    assert sched.pieces([0, 1, 8], 3) == [(1, 1, 4), (1, 4, 6), (1, 6, 8)]  # 7 heads: 3 + 2 + 2, not 3 + 3 + 1
+    legs = sched.Legs(stage=0.25, helper_in=0.5, helper_out=0.5, ret=0.25)
+    piecewise = sched.critical_path([1, 4], [1.0, 1.0], 1.0, 1.0, legs, sched.Pipeline(chunk_heads=2))
+    # piece 1 staged 0.5, in 1.5, computed 3.5, out 4.5, back 5.0; piece 2 staged 1.0, in 2.5 (behind piece 1's copy
+    # in), computed 5.5 (behind piece 1's attention), out 6.5, back 7.0
+    assert piecewise["staged_s"] == [1.0] and piecewise["helper_done_s"] == [6.5] and piecewise["back_s"] == [7.0]
+    whole = sched.critical_path([1, 4], [1.0, 1.0], 1.0, 1.0, legs)
+    assert whole["helper_done_s"] == [9.0] and whole["total_s"] == 10.0
+    after = sched.critical_path([1, 4], [1.0, 1.0], 1.0, 1.0, legs, sched.Pipeline(2, local_after_stage=True))
+    assert after["local_s"] == 2.0  # the model GPU's head starts once both pieces are staged (1.0)
+    late = sched.critical_path([1, 4], [1.0, 1.0], 1.0, 1.0, legs, sched.Pipeline(2, dispatch_s=0.125))
+    assert late["total_s"] > piecewise["total_s"]
+    # at the reference numbers' proportions (per-head compute vs PCIe transfer) pieces let the helpers take their
+    # equal share again
+    pcie = sched.Legs(stage=0.07, helper_in=0.07, helper_out=0.07, ret=0.07)
+    assert sched.best_split(56, [1.0] * 4, [1.0] * 3, 1.0, 0.66, pcie, sched.Pipeline(2))["heads"] == [14] * 4
+    assert sched.best_split(56, [1.0] * 4, [1.0] * 3, 1.0, 0.66, pcie)["heads"][0] > 14
 
 
 def test_pool_also_visible_devices_are_checked_and_indexed():
@@ -200,9 +232,20 @@ def test_engine_on_cpu_helpers_is_exact(engine, dtype):
     assert last["tokens"] == 150 and last["moved_bytes"] > 0 and all(r["compute_s"] > 0 for r in last["ranks"])
     assert [r["transport"] for r in last["ranks"]] == ["local", "host", "host", "host"]
     json.dumps(section, allow_nan=False)
-    # another sequence length: new slots, still exact
+    assert [r["pieces"] for r in last["ranks"]] == [1] + [-(-s // engine.chunk_heads) for s in sizes[1:]]
+    # another sequence length: new slots, still exact; so are pieces of one head and whole slices
     pq2 = packed(heads=9, tokens=70, dtype=dtype, seed=5)
-    assert torch.equal(engine.attend(pq2), ck.int8_attention_from_prequantized(pq2))
+    whole2 = ck.int8_attention_from_prequantized(pq2)
+    assert torch.equal(engine.attend(pq2), whole2)
+    chunk = engine.chunk_heads
+    try:
+        for engine.chunk_heads in (1, 0):
+            assert torch.equal(engine.attend(pq2), whole2)
+            ranks = engine.recent_calls()[-1]["ranks"][1:]
+            assert [r["pieces"] for r in ranks] == [r["heads"][1] - r["heads"][0] if engine.chunk_heads else 1
+                                                    for r in ranks]
+    finally:
+        engine.chunk_heads = chunk
 
 
 def test_killed_helper_restarts_on_the_next_call(engine):
@@ -235,8 +278,17 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     try:
         dom = chromium(["--virtual-time-budget=2500", "--dump-dom", f"{url}/h3multistream/panel?feed=poll"],
                        tmp_path / "profile")
+        with urllib.request.urlopen(f"{url}/h3multistream/status", timeout=10) as resp:
+            routed = json.load(resp)["attention"]["engines"][0]
     finally:
         stop()
+    # the status route (real aiohttp): the helpers and the last call's timings per device and phase
+    assert [h["pid"] for h in routed["helpers"]] == [h["pid"] for h in engine.snapshot()["helpers"]]
+    routed_last = routed["recent_calls"][-1]
+    assert routed_last["call"] == engine.recent_calls()[-1]["call"] and routed_last["wall_s"] > 0
+    for r in routed_last["ranks"]:
+        assert {"stage_s", "h2d_s", "compute_s", "d2h_s", "return_s", "wall_s", "pieces"} <= set(r)
+        assert r["compute_s"] > 0 and (r["rank"] == 0 or (r["stage_s"] > 0 and r["return_s"] > 0))
     rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
             for row in re.findall(r'<tr class="h3ms-attention-rank">(.*?)</tr>', dom, re.S)]
     last = engine.recent_calls()[-1]
@@ -244,7 +296,9 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     assert [r[2] for r in rows[1:]] == [str(h["pid"]) for h in engine.snapshot()["helpers"]]
     assert [r[4] for r in rows] == [f"{a}–{b}" for a, b in (r["heads"] for r in last["ranks"])]
     assert [r[5] for r in rows] == ["local", "host", "host", "host"]
-    assert [r[6] for r in rows] == [f"{r['compute_s']:.3f}" for r in last["ranks"]]
+    for col, key in enumerate(("stage_s", "h2d_s", "compute_s", "d2h_s", "return_s"), start=6):
+        assert [r[col] for r in rows] == [f"{r[key]:.3f}" for r in last["ranks"]], key
+    assert [r[11] for r in rows[1:]] == [str(h["jobs_done"]) for h in engine.snapshot()["helpers"]]
     assert "40 tokens × 9 heads" in dom
 
 

@@ -84,7 +84,7 @@ def test_program_messages_roundtrip():
     ({"k": "ok", "id": 1, "r": {"a": {1: 2}}}, "map key"),
     ({"k": "crash", "id": 1, "how": "melt"}, "`$.how`"),
     ({"k": "echo", "id": 1, "src": {"seg": "../../etc/passwd", "off": 0, "dtype": "uint8", "shape": [1]},
-      "dst": {"seg": SEG, "off": 0, "dtype": "uint8", "shape": [1]}}, 
+      "dst": {"seg": SEG, "off": 0, "dtype": "uint8", "shape": [1]}},
       "is not a segment name h3ms-<pid>-<hex>-<tag> - at `$.src`"),
 ])
 def test_schema_violations(obj, needle):

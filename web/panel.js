@@ -267,7 +267,7 @@ class Panel {
   }
 
   // H3 Attention Parallel: one row per device of each engine (rank 0 = the model's device, in ComfyUI's process),
-  // with the heads, transport and seconds of the engine's last call.
+  // with the heads, transport and seconds per phase of the engine's last call.
   renderAttention(section) {
     const tbody = this.$("h3ms-attention").tBodies[0];
     const summary = this.$("h3ms-attention-summary");
@@ -285,7 +285,8 @@ class Panel {
         for (const text of [device, r === 0 ? "model" : `helper ${r}`, helper ? helper.pid ?? "" : "",
           helper ? helper.state : "ComfyUI", rank ? `${rank.heads[0]}–${rank.heads[1]}` : "",
           rank ? rank.transport : (r === 0 ? "local" : eng.transport)]) tr.appendChild(el("td", text));
-        for (const k of ["compute_s", "h2d_s", "d2h_s"]) tr.appendChild(el("td", rank ? fmtSec(rank[k]) : "", { class: "num" }));
+        // the phases of the last call in pipeline order (summed over a helper's pieces)
+        for (const k of ["stage_s", "h2d_s", "compute_s", "d2h_s", "return_s"]) tr.appendChild(el("td", rank ? fmtSec(rank[k]) : "", { class: "num" }));
         tr.appendChild(el("td", r === 0 ? eng.calls : helper ? helper.jobs_done ?? "" : "", { class: "num" }));
         tbody.appendChild(tr);
       });

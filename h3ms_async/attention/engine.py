@@ -7,12 +7,15 @@ The model stays whole on its device (rank 0 of the plan); only attention moves. 
    by the split that minimises the predicted critical path (``attention_schedule.best_split``), from the per-head
    compute times and link rates measured in that first call (with helpers already running) — the model GPU pays no
    transfer, so it takes more heads; the helpers keep their shares among themselves;
-3. each helper's packed INT8 slice is staged, in helper order, into its slot: one shm segment (registered with CUDA,
-   transport ``host``) or a buffer in the model GPU's memory that the helper opened by CUDA IPC (``cuda_ipc``); the
-   helper gets ``attn_call`` the moment its own slice is staged;
-4. rank 0 attends its own range meanwhile (on CUDA on the caller's stream, concurrently with the copies);
-5. each helper writes its BF16 (input-dtype) result into its output slot; rank 0 copies each one into the right head
-   slots of the output as soon as that helper answers, while the others still compute.
+3. each helper's heads are cut into pieces of at most ``chunk_heads`` heads (``attention_schedule.pieces``); the
+   pieces are staged round robin over the helpers into their slots: one shm segment (registered with CUDA,
+   transport ``host``) or a buffer per helper in the model GPU's memory that the helper opened by CUDA IPC
+   (``cuda_ipc``); a piece's ``attn_call`` goes out the moment it is staged, and the helper pipelines its pieces
+   (copy in, attention, copy out on three streams);
+4. rank 0 attends its own range meanwhile (on CUDA on the caller's stream, concurrently with the copies; with CUDA
+   IPC after the staging, which is then a copy inside the model GPU that would otherwise queue behind it);
+5. each helper writes its BF16 (input-dtype) result into the piece's output slot; rank 0 copies each one into the
+   right head slots of the output as soon as that piece is answered, while the rest still compute.
 
 Heads are independent and the quantization happened once on the full tensors, so the result equals the unsplit
 call bit for bit, whatever the split.  The engine owns its :class:`WorkerPool` (one helper process per helper device)
@@ -27,6 +30,7 @@ import concurrent.futures as cf
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,6 +52,10 @@ log = get_logger("AttentionParallel")
 RECENT_CALLS = 32
 #: How slices and results travel: through shared memory, or device to device by CUDA IPC (CUDA devices only).
 TRANSPORTS = ("host", "cuda_ipc")
+#: Heads per piece a helper's range is cut into (0: one piece per helper).  Small pieces let a helper start after
+#: its first piece is staged and let results come back while it computes; the benchmark measures the cost of small
+#: slices (``bench attention --chunk-heads``).
+CHUNK_HEADS = 2
 
 
 class AttentionParallelError(RuntimeError):
@@ -55,21 +63,21 @@ class AttentionParallelError(RuntimeError):
 
 
 class _Buffers(abc.ABC):
-    """One call shape's transfer slots, per helper its packed input slice and its output; reused while shapes match."""
+    """One call shape's transfer slots, per piece its packed input slice and its output; reused while shapes match."""
 
     key: tuple
 
     @abc.abstractmethod
-    def inputs(self, r: int) -> dict[str, torch.Tensor]:
-        """Helper ``r``'s (0-based) input slots by name, where the coordinator stages its slice."""
+    def inputs(self, p: int) -> dict[str, torch.Tensor]:
+        """Piece ``p``'s input slots by name, where the coordinator stages its slice."""
 
     @abc.abstractmethod
-    def output(self, r: int) -> torch.Tensor:
-        """Helper ``r``'s output slot."""
+    def output(self, p: int) -> torch.Tensor:
+        """Piece ``p``'s output slot."""
 
     @abc.abstractmethod
-    def fields(self, r: int) -> dict:
-        """The ``attn_call`` fields that point helper ``r`` at its slots."""
+    def fields(self, p: int) -> dict:
+        """The ``attn_call`` fields that point a helper at piece ``p``'s slots."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -100,14 +108,14 @@ class _ShmBuffers(_Buffers):
             self.close()
             raise
 
-    def inputs(self, r: int) -> dict[str, torch.Tensor]:
-        return {name: self.inputs_seg.tensor(d) for name, d in self.in_descs[r].items()}
+    def inputs(self, p: int) -> dict[str, torch.Tensor]:
+        return {name: self.inputs_seg.tensor(d) for name, d in self.in_descs[p].items()}
 
-    def output(self, r: int) -> torch.Tensor:
-        return self.outputs_seg.tensor(self.out_descs[r])
+    def output(self, p: int) -> torch.Tensor:
+        return self.outputs_seg.tensor(self.out_descs[p])
 
-    def fields(self, r: int) -> dict:
-        return {"tensors": self.in_descs[r], "out": self.out_descs[r]}
+    def fields(self, p: int) -> dict:
+        return {"tensors": self.in_descs[p], "out": self.out_descs[p]}
 
     def close(self) -> None:
         for seg in (self.inputs_seg, getattr(self, "outputs_seg", None)):
@@ -117,36 +125,43 @@ class _ShmBuffers(_Buffers):
 
 
 class _IpcBuffers(_Buffers):
-    """Slots in the model GPU's memory, one input and one output buffer per helper, shared by CUDA IPC handles
-    (``UntypedStorage._share_cuda_``); ``local_index[r]`` is the index under which helper r sees the model's GPU."""
+    """Slots in the model GPU's memory, one input and one output buffer per helper (its pieces at offsets inside),
+    shared once by CUDA IPC handles (``UntypedStorage._share_cuda_``): a helper keeps the same two buffers open for
+    all its pieces.  ``helper[p]`` is piece p's helper (0-based), ``local_index[r]`` the index under which helper r
+    sees the model's GPU."""
 
     def __init__(self, key: tuple, in_specs: list[dict], out_specs: list[tuple], device: torch.device,
-                 local_index: list[int]) -> None:
+                 helper: list[int], local_index: list[int]) -> None:
         self.key = key
-        self._in, self._out, self._in_layout, self._out_layout, self._handles = [], [], [], [], []
-        for spec, (out_dt, out_shp), index in zip(in_specs, out_specs, local_index):
-            layout, size = {}, 0
+        self._helper = helper
+        sizes_in, sizes_out = [0] * len(local_index), [0] * len(local_index)
+        self._in_layout, self._out_layout = [], []
+        for spec, (out_dt, out_shp), r in zip(in_specs, out_specs, helper):
+            layout = {}
             for name, (dt, shp) in spec.items():
-                layout[name] = {"off": size, "dtype": dtype_name(dt), "shape": list(shp)}
-                size += _slot(dt, shp)
+                layout[name] = {"off": sizes_in[r], "dtype": dtype_name(dt), "shape": list(shp)}
+                sizes_in[r] += _slot(dt, shp)
+            self._in_layout.append(layout)
+            self._out_layout.append({"off": sizes_out[r], "dtype": dtype_name(out_dt), "shape": list(out_shp)})
+            sizes_out[r] += _slot(out_dt, out_shp)
+        self._in, self._out, self._handles = [], [], []
+        for size_in, size_out, index in zip(sizes_in, sizes_out, local_index):
             with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
-                flat_in = torch.empty(size, dtype=torch.uint8, device=device)
-                flat_out = torch.empty(_slot(out_dt, out_shp), dtype=torch.uint8, device=device)
+                flat_in = torch.empty(max(size_in, 1), dtype=torch.uint8, device=device)
+                flat_out = torch.empty(max(size_out, 1), dtype=torch.uint8, device=device)
             self._in.append(flat_in)
             self._out.append(flat_out)
-            self._in_layout.append(layout)
-            self._out_layout.append({"off": 0, "dtype": dtype_name(out_dt), "shape": list(out_shp)})
             self._handles.append({"device": index, "in": _ipc_handle(flat_in), "out": _ipc_handle(flat_out)})
 
-    def inputs(self, r: int) -> dict[str, torch.Tensor]:
-        return {name: _view(self._in[r], d) for name, d in self._in_layout[r].items()}
+    def inputs(self, p: int) -> dict[str, torch.Tensor]:
+        return {name: _view(self._in[self._helper[p]], d) for name, d in self._in_layout[p].items()}
 
-    def output(self, r: int) -> torch.Tensor:
-        return _view(self._out[r], self._out_layout[r])
+    def output(self, p: int) -> torch.Tensor:
+        return _view(self._out[self._helper[p]], self._out_layout[p])
 
-    def fields(self, r: int) -> dict:
+    def fields(self, p: int) -> dict:
         return {"tensors": {}, "out": None,
-                "ipc": dict(self._handles[r], tensors=self._in_layout[r], result=self._out_layout[r])}
+                "ipc": dict(self._handles[self._helper[p]], tensors=self._in_layout[p], result=self._out_layout[p])}
 
     def close(self) -> None:
         self._in.clear()
@@ -177,13 +192,38 @@ def _view(flat: torch.Tensor, d: dict) -> torch.Tensor:
     return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
 
 
+@dataclass
+class _Call:
+    """One call in flight: its pieces (``attention_schedule.pieces``), rank 0's slice, the pieces' slices, the
+    output, and per piece the coordinator's stage / take-back seconds, when it was sent and answered, and the
+    helper's answer."""
+
+    plan: list[tuple[int, int, int]]
+    bounds: list[int]
+    local: dict[str, torch.Tensor]
+    slices: list[dict[str, torch.Tensor]]
+    fields: dict
+    out: torch.Tensor
+    stage_s: list[float] = field(default_factory=list)
+    return_s: list[float] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)
+    answered: list[float] = field(default_factory=list)
+    answers: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.plan)
+        self.stage_s, self.return_s, self.sent, self.answered = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        self.answers = [{} for _ in range(n)]
+
+
 class AttentionParallelEngine:
     """Head-parallel INT8 attention over ``devices``: ``devices[0]`` is the model's device (this process), the rest
     are helper devices, one worker process each (a device may repeat: logical helpers on one GPU).  ``transport`` is
-    one of :data:`TRANSPORTS`; ``cuda_ipc`` needs CUDA devices that reach the model's GPU (the node checks)."""
+    one of :data:`TRANSPORTS`; ``cuda_ipc`` needs CUDA devices that reach the model's GPU (the node checks).
+    ``chunk_heads``: heads per piece of a helper's range (:data:`CHUNK_HEADS`; 0 = one piece per helper)."""
 
     def __init__(self, devices: Sequence[str], shares: Sequence[float] | None = None,
-                 call_timeout_s: float = 120.0, transport: str = "host") -> None:
+                 call_timeout_s: float = 120.0, transport: str = "host", chunk_heads: int = CHUNK_HEADS) -> None:
         if len(devices) < 2:
             raise ValueError(f"devices: attention parallel needs the model's device and at least one helper, got "
                              f"{list(devices)!r}")
@@ -194,7 +234,10 @@ class AttentionParallelEngine:
             raise ValueError(f"transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
         if transport == "cuda_ipc" and not all(str(d).startswith("cuda") for d in devices):
             raise ValueError(f"transport cuda_ipc needs CUDA devices, got {list(devices)!r}; use transport host")
+        if chunk_heads < 0:
+            raise ValueError(f"chunk_heads {chunk_heads}: give 0 (one piece per helper) or a positive head count")
         self.devices = list(devices)
+        self.chunk_heads = int(chunk_heads)
         self.shares = tuple(float(s) for s in shares) if shares else None
         self.transport = transport
         self.call_timeout_s = float(call_timeout_s)
@@ -243,29 +286,34 @@ class AttentionParallelEngine:
                 starts = self.pool.starts
                 # a helper that died since the last call restarts the pool (helpers hold no state)
                 get_coordinator().run(self.pool.start(), self.pool.start_timeout + 10.0, "starting helpers")
-                buf = self._buffers_for(pq, bounds, device)
-                slices = [attn_ops.head_slice(pq, bounds[r], bounds[r + 1]) for r in range(len(self.devices))]
-                out = torch.empty((b, heads, sq, fields["original_head_dim"]), dtype=pq.input_dtype, device=device)
+                plan = attention_schedule.pieces(bounds, self.chunk_heads)
+                buf = self._buffers_for(pq, plan, device)
+                call = _Call(plan, bounds, attn_ops.head_slice(pq, bounds[0], bounds[1]),
+                             [attn_ops.head_slice(pq, h0, h1) for _, h0, h1 in plan], dict(fields),
+                             torch.empty((b, heads, sq, fields["original_head_dim"]), dtype=pq.input_dtype,
+                                         device=device))
                 self._calls += 1
-                run = self._call_cuda if device.type == "cuda" else self._call_cpu
-                result = run(buf, slices, dict(fields), out, bounds)
+                local_s = (self._call_cuda if device.type == "cuda" else self._call_cpu)(buf, call)
+                result = self._result(buf, call, local_s)
                 self._record(result, bounds, sq, heads, time.perf_counter() - t_start)
                 key = _shape_key(pq)
                 if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
                     self._tune(key, result, bounds)
-                return out
+                return call.out
             finally:
                 self._running = False
 
-    def _submit(self, buf: _Buffers, r: int, fields: dict) -> "cf.Future[dict]":
-        """Send helper ``r`` (1-based) its call now."""
-        msg = attn_protocol.AttnCall(job=self._calls, meta=fields, **buf.fields(r - 1))
+    def _submit(self, buf: _Buffers, call: "_Call", p: int) -> "cf.Future[dict]":
+        """Send piece ``p`` to its helper now."""
+        r, h0, _ = call.plan[p]
+        first = min(h for rr, h, _ in call.plan if rr == r)
+        msg = attn_protocol.AttnCall(job=self._calls, meta=call.fields, first=h0 == first, **buf.fields(p))
+        call.sent[p] = time.perf_counter()
         return get_coordinator().submit(self.pool.request(r - 1, msg, self.call_timeout_s))
 
-    def _gather(self, futs: dict["cf.Future[dict]", int], on_result: Callable[[int], None]) -> list[dict]:
-        """Each helper's answer as it comes (``on_result(r)`` takes its result in at once), in rank order; any
+    def _gather(self, futs: dict["cf.Future[dict]", int], call: "_Call", on_result: Callable[[int], None]) -> None:
+        """Each piece's answer as it comes (``on_result(p)`` takes its result in at once) into ``call.answers``; any
         failure or the deadline aborts every helper and fails the call."""
-        results: list[dict] = [{}] * len(futs)
         deadline = time.monotonic() + self.call_timeout_s + 5.0
         pending = set(futs)
         try:
@@ -277,16 +325,16 @@ class AttentionParallelEngine:
                         f"attention helpers on {','.join(self.devices[1:])} did not answer within "
                         f"{self.call_timeout_s:g} s; every helper was aborted")
                 for fut in done:
-                    r = futs[fut]
-                    results[r - 1] = fut.result()
-                    on_result(r)
+                    p = futs[fut]
+                    call.answers[p] = fut.result()
+                    call.answered[p] = time.perf_counter()
+                    on_result(p)
         except WorkerError as exc:
             self._abandon(futs)
             raise AttentionParallelError(f"attention helper failed: {exc}") from exc
         except BaseException:
             self._abandon(futs)
             raise
-        return results
 
     def _abandon(self, futs: dict["cf.Future[dict]", int]) -> None:
         if any(not f.done() for f in futs):
@@ -294,89 +342,123 @@ class AttentionParallelEngine:
             for fut in futs:
                 get_coordinator().cancel(fut, wait=2.0)
 
-    def _call_cpu(self, buf: _Buffers, slices: list, fields: dict, out: torch.Tensor, bounds: list[int]) -> dict:
-        n = len(self.devices)
-        stage_s, return_s = [0.0] * (n - 1), [0.0] * (n - 1)
+    def _call_cpu(self, buf: _Buffers, call: "_Call") -> float:
+        """One call with the model on the CPU; returns rank 0's own seconds."""
         futs: dict[cf.Future[dict], int] = {}
         try:
-            for r in range(1, n):  # each helper starts as soon as its own slice is staged
+            for p in range(len(call.plan)):  # each piece goes out as soon as it is staged
                 t = time.perf_counter()
-                for name, dst in buf.inputs(r - 1).items():
-                    dst.copy_(slices[r][name])
-                stage_s[r - 1] = time.perf_counter() - t
-                futs[self._submit(buf, r, fields)] = r
+                for name, dst in buf.inputs(p).items():
+                    dst.copy_(call.slices[p][name])
+                call.stage_s[p] = time.perf_counter() - t
+                futs[self._submit(buf, call, p)] = p
             t = time.perf_counter()
-            out[:, :bounds[1]].copy_(attn_ops.attend(slices[0], fields))
+            call.out[:, :call.bounds[1]].copy_(attn_ops.attend(call.local, call.fields))
             local_s = time.perf_counter() - t
         except BaseException:
             self._abandon(futs)
             raise
 
-        def take(r: int) -> None:
+        def take(p: int) -> None:
             t0 = time.perf_counter()
-            out[:, bounds[r]:bounds[r + 1]].copy_(buf.output(r - 1))
-            return_s[r - 1] = time.perf_counter() - t0
+            _, h0, h1 = call.plan[p]
+            call.out[:, h0:h1].copy_(buf.output(p))
+            call.return_s[p] = time.perf_counter() - t0
 
-        results = self._gather(futs, take)
-        return self._result(buf, local_s, stage_s, return_s, results)
+        self._gather(futs, call, take)
+        return local_s
 
-    def _call_cuda(self, buf: _Buffers, slices: list, fields: dict, out: torch.Tensor, bounds: list[int]) -> dict:
-        device = out.device
-        main = torch.cuda.current_stream(device)
+    def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
+        """The staging and take-back streams, at a higher priority than the caller's: their copies must not wait for
+        rank 0's attention, which fills the GPU."""
         if self._streams is None or self._streams[0].device != device:
-            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        copy, back = self._streams
+            self._streams = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device, priority=-1))
+        return self._streams
+
+    def _call_cuda(self, buf: _Buffers, call: "_Call") -> float:
+        """One call with the model on a GPU; returns rank 0's own seconds (event-timed)."""
+        device = call.out.device
+        main = torch.cuda.current_stream(device)
+        copy, back = self._side_streams(device)
         ready = torch.cuda.Event()
         ready.record(main)
         copy.wait_event(ready)
         back.wait_event(ready)
-        n = len(self.devices)
         marks = []
-        # Stage every slice in helper order on a side stream, concurrently with rank 0's own heads on the caller's.
+        # Stage every piece in order on a side stream, concurrently with rank 0's own heads on the caller's.
         with torch.cuda.stream(copy):
-            for r in range(1, n):
+            for p in range(len(call.plan)):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record(copy)
-                for name, dst in buf.inputs(r - 1).items():
-                    dst.copy_(slices[r][name], non_blocking=True)
+                for name, dst in buf.inputs(p).items():
+                    dst.copy_(call.slices[p][name], non_blocking=True)
                 e1.record(copy)
                 marks.append((e0, e1))
+        if self.transport == "cuda_ipc":
+            # Staging into IPC buffers is a copy inside this GPU (about a millisecond); issued next to rank 0's
+            # attention it queued behind that kernel and held every helper back for its whole duration (the first
+            # H200 run measured this as 2-3 GB/s of "staging").  So rank 0's heads start once the pieces are out.
+            main.wait_event(marks[-1][1])
         local = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         local[0].record(main)
-        out[:, :bounds[1]].copy_(attn_ops.attend(slices[0], fields))
+        call.out[:, :call.bounds[1]].copy_(attn_ops.attend(call.local, call.fields))
         local[1].record(main)
         back_marks: dict[int, tuple] = {}
 
-        def take(r: int) -> None:
+        def take(p: int) -> None:
+            _, h0, h1 = call.plan[p]
             with torch.cuda.stream(back):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record(back)
-                out[:, bounds[r]:bounds[r + 1]].copy_(buf.output(r - 1), non_blocking=True)
+                call.out[:, h0:h1].copy_(buf.output(p), non_blocking=True)
                 e1.record(back)
-            back_marks[r] = (e0, e1)
+            back_marks[p] = (e0, e1)
 
         futs: dict[cf.Future[dict], int] = {}
         try:
-            for r, (_, staged) in enumerate(marks, start=1):
+            for p, (_, staged) in enumerate(marks):
                 staged.synchronize()
-                futs[self._submit(buf, r, fields)] = r
-            results = self._gather(futs, take)
+                futs[self._submit(buf, call, p)] = p
+            self._gather(futs, call, take)
         except BaseException:
             self._abandon(futs)
             main.synchronize()
             raise
         main.wait_stream(back)
         main.synchronize()
-        return self._result(buf, local[0].elapsed_time(local[1]) / 1e3,
-                            [a.elapsed_time(b) / 1e3 for a, b in marks],
-                            [back_marks[r][0].elapsed_time(back_marks[r][1]) / 1e3 for r in range(1, n)], results)
+        call.stage_s[:] = [a.elapsed_time(b) / 1e3 for a, b in marks]
+        call.return_s[:] = [back_marks[p][0].elapsed_time(back_marks[p][1]) / 1e3 for p in range(len(call.plan))]
+        return local[0].elapsed_time(local[1]) / 1e3
 
-    def _result(self, buf: _Buffers, local_s: float, stage_s: list[float], return_s: list[float],
-                results: list[dict]) -> dict:
-        staged = [sum(t.numel() * t.element_size() for t in buf.inputs(r).values()) for r in range(len(results))]
-        returned = [buf.output(r).numel() * buf.output(r).element_size() for r in range(len(results))]
+    def _result(self, buf: _Buffers, call: "_Call", local_s: float) -> dict:
+        """Per helper (its pieces added up): stage / copy in / compute / copy out / take-back seconds, bytes, and its
+        wall time from its first piece sent to its last answer."""
+        n = len(self.devices) - 1
+        helpers = [{"compute_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "pieces": 0, "vram_peak_bytes": None}
+                   for _ in range(n)]
+        stage_s, return_s, staged, returned = [0.0] * n, [0.0] * n, [0] * n, [0] * n
+        first_sent, last_answer = [float("inf")] * n, [0.0] * n
+        for p, (r, _, _) in enumerate(call.plan):
+            i, ans, h = r - 1, call.answers[p], helpers[r - 1]
+            for k in ("compute_s", "h2d_s", "d2h_s"):
+                h[k] += float(ans[k])
+            h["pieces"] += 1
+            if ans.get("vram_peak_bytes") is not None:
+                h["vram_peak_bytes"] = max(h["vram_peak_bytes"] or 0, int(ans["vram_peak_bytes"]))
+            stage_s[i] += call.stage_s[p]
+            return_s[i] += call.return_s[p]
+            staged[i] += sum(t.numel() * t.element_size() for t in buf.inputs(p).values())
+            returned[i] += buf.output(p).numel() * buf.output(p).element_size()
+            first_sent[i] = min(first_sent[i], call.sent[p])
+            last_answer[i] = max(last_answer[i], call.answered[p])
+        for i, h in enumerate(helpers):
+            h["wall_s"] = last_answer[i] - first_sent[i]
         return {"local_s": local_s, "stage_s": stage_s, "return_s": return_s, "staged": staged, "returned": returned,
-                "helpers": results}
+                "helpers": helpers}
+
+    def pipeline(self) -> attention_schedule.Pipeline:
+        """This engine's schedule as :mod:`attention_schedule` models it."""
+        return attention_schedule.Pipeline(self.chunk_heads, local_after_stage=self.transport == "cuda_ipc")
 
     # -- the split ----------------------------------------------------------------------------------------------------
     def _tune(self, key: tuple, result: dict, bounds: list[int]) -> None:
@@ -390,23 +472,24 @@ class AttentionParallelEngine:
             helper_out=sum(h["d2h_s"] for h in helpers) / out_bytes, ret=sum(result["return_s"]) / out_bytes)
         heads = sum(sizes)
         best = attention_schedule.best_split(heads, per_head, (self.shares or [1.0] * len(sizes))[1:],
-                                             in_bytes / sum(sizes[1:]), out_bytes / sum(sizes[1:]), legs)
+                                             in_bytes / sum(sizes[1:]), out_bytes / sum(sizes[1:]), legs,
+                                             self.pipeline())
         self._splits[key] = [0] + [sum(best["heads"][:i + 1]) for i in range(len(sizes))]
         self._tuning[key] = {"shape": list(key[0]), "measured_heads": sizes, "heads": best["heads"],
-                             "per_head_s": per_head, "s_per_byte": vars(legs), "predicted_s": best["total_s"]}
-        log.info("attention split for %s: heads %s (was %s); predicted %.1f ms from measured per-head %s ms and "
-                 "links %s GB/s", list(key[0]), best["heads"], sizes, best["total_s"] * 1e3,
-                 [round(c * 1e3, 2) for c in per_head],
+                             "chunk_heads": self.chunk_heads, "per_head_s": per_head, "s_per_byte": vars(legs),
+                             "predicted_s": best["total_s"]}
+        log.info("attention split for %s: heads %s (was %s, pieces of <= %s heads); predicted %.1f ms from measured "
+                 "per-head %s ms and links %s GB/s", list(key[0]), best["heads"], sizes, self.chunk_heads or "all",
+                 best["total_s"] * 1e3, [round(c * 1e3, 2) for c in per_head],
                  {k: round(1e-9 / v, 1) if v > 0 else "in place" for k, v in vars(legs).items()})
 
     # -- buffers ----------------------------------------------------------------------------------------------------
-    def _buffers_for(self, pq: Any, bounds: list[int], device: torch.device) -> _Buffers:
-        in_specs = [{name: (t.dtype, tuple(t.shape)) for name, t in attn_ops.head_slice(pq, bounds[r], bounds[r + 1])
-                     .items()} for r in range(1, len(self.devices))]
+    def _buffers_for(self, pq: Any, plan: list[tuple[int, int, int]], device: torch.device) -> _Buffers:
+        in_specs = [{name: (t.dtype, tuple(t.shape)) for name, t in attn_ops.head_slice(pq, h0, h1).items()}
+                    for _, h0, h1 in plan]
         b, _, sq, _ = pq.q.shape
-        out_specs = [(pq.input_dtype, (b, bounds[r + 1] - bounds[r], sq, int(pq.original_head_dim)))
-                     for r in range(1, len(self.devices))]
-        key = (repr(in_specs), repr(out_specs), str(device))
+        out_specs = [(pq.input_dtype, (b, h1 - h0, sq, int(pq.original_head_dim))) for _, h0, h1 in plan]
+        key = (repr(plan), repr(in_specs), repr(out_specs), str(device))
         if self._buffers is not None and self._buffers.key == key:
             return self._buffers
         self._drop_buffers()
@@ -415,7 +498,7 @@ class AttentionParallelEngine:
             if why:
                 raise AttentionParallelError(f"transport cuda_ipc: {why}; or use transport host")
             index = [self.pool.local_index(r, str(device)) for r in range(len(self.devices) - 1)]
-            self._buffers = _IpcBuffers(key, in_specs, out_specs, device, index)
+            self._buffers = _IpcBuffers(key, in_specs, out_specs, device, [r - 1 for r, _, _ in plan], index)
         else:
             self._buffers = _ShmBuffers(key, in_specs, out_specs, device)
         return self._buffers
@@ -429,12 +512,13 @@ class AttentionParallelEngine:
     def _record(self, result: dict, bounds: list[int], tokens: int, heads: int, wall: float) -> None:
         ranks = [{"rank": 0, "device": self.devices[0], "heads": [bounds[0], bounds[1]], "transport": "local",
                   "compute_s": result["local_s"], "stage_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "return_s": 0.0,
-                  "wall_s": result["local_s"], "vram_peak_bytes": None}]
+                  "wall_s": result["local_s"], "pieces": 1, "vram_peak_bytes": None}]
         for r, res in enumerate(result["helpers"], start=1):
             ranks.append({"rank": r, "device": self.devices[r], "heads": [bounds[r], bounds[r + 1]],
                           "transport": self.transport, "stage_s": result["stage_s"][r - 1],
                           **{k: float(res[k]) for k in ("compute_s", "h2d_s", "d2h_s", "wall_s")},
-                          "return_s": result["return_s"][r - 1], "vram_peak_bytes": res.get("vram_peak_bytes")})
+                          "return_s": result["return_s"][r - 1], "pieces": res["pieces"],
+                          "vram_peak_bytes": res["vram_peak_bytes"]})
         staged, returned = sum(result["staged"]), sum(result["returned"])
         stage_s, return_s = sum(result["stage_s"]), sum(result["return_s"])
         transfer_s = stage_s + return_s

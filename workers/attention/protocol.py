@@ -4,8 +4,10 @@ decoder of ``workers.runtime.protocol``.
 Both sides import this module: the coordinator (``h3ms_async.attention.engine``) to send, the helper
 (``workers.attention.rank``) to serve.  Field meanings:
 
-``attn_call``    run comfy-kitchen's ``int8_attention_from_prequantized`` on one head slice.
+``attn_call``    run comfy-kitchen's ``int8_attention_from_prequantized`` on one piece (a head slice) of a call; a
+                 helper gets its pieces in order, several may be in flight, and it pipelines them
     job          call number (logs)
+    first        True on the helper's first piece of this call (its peak-memory counter restarts)
     tensors      {q, k, v, q_scale, k_scale, v_scale}: descriptors of this helper's packed INT8 head slice in shm, in
                  kitchen's layout (``workers.attention.ops.PACKED``); empty with ``ipc``
     meta         {original_head_dim, input_dtype, attention_scale, cta_k}: the rest of kitchen's
@@ -13,12 +15,13 @@ Both sides import this module: the coordinator (``h3ms_async.attention.engine``)
     out          descriptor of the slice's output [B, h, Sq, D] in shm, where the helper writes its result; None with
                  ``ipc``
     ipc          (transport ``cuda_ipc``) the slice and the output slot in device memory of the model's GPU, shared by
-                 CUDA IPC instead of shm: {device: the helper's own index of that GPU, in / out: the two buffers'
-                 ``UntypedStorage._share_cuda_()`` handles, tensors: {name: {off, dtype, shape}} inside ``in``,
-                 result: {off, dtype, shape} inside ``out``}
+                 CUDA IPC instead of shm: {device: the helper's own index of that GPU, in / out: the helper's two
+                 buffers' ``UntypedStorage._share_cuda_()`` handles (the same for all its pieces), tensors:
+                 {name: {off, dtype, shape}} inside ``in``, result: {off, dtype, shape} inside ``out``}
 
 ``attn_release`` drop this helper's shm mappings and cached device memory (it keeps running).
 """
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -28,6 +31,7 @@ from workers.runtime.protocol import Plain, Request, TensorDesc
 
 class AttnCall(Request, tag="attn_call"):
     job: int
+    first: bool
     tensors: dict[str, TensorDesc]
     meta: Plain
     out: TensorDesc | None

@@ -1,13 +1,16 @@
 """What an H3 Attention Parallel helper executes: comfy-kitchen's INT8 attention on the head slice it is sent.
 
-A helper holds no weights.  Per call it maps the slice's packed INT8 Q/K/V and scales, runs
-``int8_attention_from_prequantized`` on its device and writes the result into the output slot the coordinator gave it.
+A helper holds no weights.  A call reaches it as pieces (head slices, ``attn_call`` each); per piece it maps the
+packed INT8 Q/K/V and scales, runs ``int8_attention_from_prequantized`` on its device and writes the result into the
+output slot the coordinator gave it.  On CUDA the pieces are pipelined: copy in, attention and copy out run on three
+streams.
 Two transports: shared memory (registered with CUDA once per segment, so copies run at pinned speed), or CUDA IPC
 (``ipc``): buffers in the model GPU's memory, opened once per handle; a helper on that same GPU reads its slice in
 place, one on another GPU copies device to device.  Timings come back per phase.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
@@ -20,6 +23,7 @@ from workers.runtime.handlers import WorkerContext, handler
 ck_attention_cpu.install_if_requested()
 _SEGMENTS = "attn_segments"
 _IPC = "attn_ipc"
+_STREAMS = "attn_streams"
 
 
 def _map_segments(ctx: WorkerContext, names: set[str]) -> None:
@@ -64,52 +68,97 @@ def _sources(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> tuple[dict[str,
     return {name: _ipc_view(src, d) for name, d in ipc["tensors"].items()}, _ipc_view(dst, ipc["result"])
 
 
-def _call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
-    """One slice (on the compute thread): copy in, attend, copy out; seconds per phase."""
-    device = torch.device(ctx.device)
-    cuda = device.type == "cuda"
-    t0 = time.perf_counter()
-    host, out_host = _sources(ctx, msg)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        local = {name: t.to(device, non_blocking=True) for name, t in host.items()}
-        torch.cuda.current_stream(device).synchronize()
-    else:
-        local = host
-    t1 = time.perf_counter()
-    out = attn_ops.attend(local, msg.meta)
-    if tuple(out.shape) != tuple(out_host.shape) or out.dtype != out_host.dtype:
+class _Piece:
+    """One piece on its way through the helper: on CUDA its copy in, attention and copy out are queued on three
+    streams (so the next piece's copy in and this one's copy out overlap the attention around them) and
+    :meth:`finish` waits for them; on the CPU it ran to the end already."""
+
+    def __init__(self, device: torch.device, nbytes_in: int, nbytes_out: int, timings: dict | None = None,
+                 events: list | None = None) -> None:
+        self.device, self.bytes_in, self.bytes_out = device, nbytes_in, nbytes_out
+        self.timings, self.events = timings, events
+
+    def finish(self) -> dict:
+        """Wait for the piece's copy out; its seconds per phase (CUDA: event-timed, each phase's own time)."""
+        timings = self.timings
+        if self.events is not None:
+            ev = self.events
+            ev[-1].synchronize()
+            timings = {"h2d_s": ev[0].elapsed_time(ev[1]) / 1e3, "compute_s": ev[2].elapsed_time(ev[3]) / 1e3,
+                       "d2h_s": ev[4].elapsed_time(ev[5]) / 1e3}
+        assert timings is not None  # set on the CPU, computed from the events on CUDA
+        return {**timings, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "vram_peak_bytes": int(torch.cuda.max_memory_allocated(self.device)) if self.events else None}
+
+
+def _check_out(out: torch.Tensor, slot: torch.Tensor) -> None:
+    if tuple(out.shape) != tuple(slot.shape) or out.dtype != slot.dtype:
         raise ValueError(f"attention slice returned {out.dtype} {list(out.shape)}, the output slot is "
-                         f"{out_host.dtype} {list(out_host.shape)}")
-    if cuda:
-        torch.cuda.current_stream(device).synchronize()
-    t2 = time.perf_counter()
-    out_host.copy_(out, non_blocking=cuda)
-    if cuda:
-        torch.cuda.current_stream(device).synchronize()
-    t3 = time.perf_counter()
-    return {
-        "h2d_s": t1 - t0, "compute_s": t2 - t1, "d2h_s": t3 - t2, "wall_s": t3 - t0,
-        "bytes_in": sum(t.numel() * t.element_size() for t in host.values()),
-        "bytes_out": out_host.numel() * out_host.element_size(),
-        "vram_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
-    }
+                         f"{slot.dtype} {list(slot.shape)}")
 
 
-def _call_inference(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
+def _start(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> _Piece:
+    """Queue one piece (on the compute thread, which is free again as soon as the work is queued on CUDA)."""
+    device = torch.device(ctx.device)
+    src, slot = _sources(ctx, msg)
+    nbytes_in = sum(t.numel() * t.element_size() for t in src.values())
+    nbytes_out = slot.numel() * slot.element_size()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        out = attn_ops.attend(src, msg.meta)
+        _check_out(out, slot)
+        t1 = time.perf_counter()
+        slot.copy_(out)
+        return _Piece(device, nbytes_in, nbytes_out,
+                      timings={"h2d_s": 0.0, "compute_s": t1 - t0, "d2h_s": time.perf_counter() - t1})
+    if msg.first:
+        torch.cuda.reset_peak_memory_stats(device)
+    if _STREAMS not in ctx.state:
+        ctx.state[_STREAMS] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    copy_in, copy_out = ctx.state[_STREAMS]
+    compute = torch.cuda.current_stream(device)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    with torch.cuda.stream(copy_in):
+        ev[0].record(copy_in)
+        local = {name: t.to(device, non_blocking=True) for name, t in src.items()}
+        ev[1].record(copy_in)
+    for name, t in local.items():
+        if t is not src[name]:  # made on copy_in, read on compute: not reusable before the attention is done
+            t.record_stream(compute)
+    compute.wait_event(ev[1])
+    ev[2].record(compute)
+    out = attn_ops.attend(local, msg.meta)
+    _check_out(out, slot)
+    ev[3].record(compute)
+    copy_out.wait_event(ev[3])
+    with torch.cuda.stream(copy_out):
+        ev[4].record(copy_out)
+        slot.copy_(out, non_blocking=True)
+        ev[5].record(copy_out)
+    out.record_stream(copy_out)
+    return _Piece(device, nbytes_in, nbytes_out, events=ev)
+
+
+def _start_inference(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> _Piece:
     with torch.inference_mode():
-        return _call(ctx, msg)
+        return _start(ctx, msg)
 
 
 @handler(attn_protocol.AttnCall)
 async def _attn_call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
-    return await ctx.run_compute(_call_inference, ctx, msg)
+    # Pieces reach the compute thread in the order they arrive; waiting for one happens off that thread, so the
+    # next piece is queued on the GPU while this one still runs.
+    t0 = time.perf_counter()
+    piece = await ctx.run_compute(_start_inference, ctx, msg)
+    result = await asyncio.get_running_loop().run_in_executor(None, piece.finish)
+    return dict(result, wall_s=time.perf_counter() - t0)
 
 
 @handler(attn_protocol.AttnRelease)
 async def _attn_release(ctx: WorkerContext, msg: attn_protocol.AttnRelease) -> dict:
     _map_segments(ctx, set())
     ctx.state.pop(_IPC, None)
+    ctx.state.pop(_STREAMS, None)
     if ctx.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"released": True}

@@ -3,15 +3,18 @@
 In one run (JSON to stdout and ``--out``), at ``--shape`` (default ``1,56,93312,128``, H3's packed ref2va call):
 
 * the unsplit call: kitchen's ``prequantize_int8_attention`` and ``int8_attention_from_prequantized`` (medians);
-* the attention of a head slice alone, for the slice sizes that 2, 4 and 8 GPUs get (measured per-helper compute);
+* the attention of a head slice alone, for the slice sizes that 2, 4 and 8 GPUs get and for every piece size up to
+  ``--chunk-heads`` (measured per-head compute of the model GPU and of a helper);
 * the host transport's copy rates (device to registered shm and back) and, with two GPUs that reach each other, the
   peer-to-peer rate (NVLink or PCIe P2P);
 * the parallel call on logical helpers of the same GPU (``--helpers``) over each transport (``--transports``: host
   staging through shm, CUDA IPC), side by side: every output ``torch.equal`` to the unsplit one (the first call after
-  the helpers start included), the split the engine tuned, staged and returned bytes and GB/s;
-* the predicted time and speedup at N = 2, 4, 8 GPUs of the schedule the engine runs (``attention_schedule``), from
-  the quantities above: PCIe host-staged at the measured host rates and at an assumed PCIe Gen4 x16 rate, NVLink by
-  CUDA IPC at the measured P2P rate (two GPUs) or an assumed NVLink rate (formula and links in ``model``).
+  the helpers start included), the split the engine tuned, and per phase (stage copy, helper copy in, compute,
+  helper copy out, take-back) its seconds, bytes and GB/s, plus one message's round trip to a helper;
+* the predicted time and speedup at N = 2, 4, 8 GPUs of the schedule the engine runs (``attention_schedule``, pieces
+  of ``--chunk-heads`` heads; beside it whole slices and every smaller piece size), from the quantities above: PCIe
+  host-staged at the measured host rates and at an assumed PCIe Gen4 x16 rate, NVLink by CUDA IPC at the measured
+  P2P rate (two GPUs) or an assumed NVLink rate (formula and links in ``model``).
 
 On a CPU (CI smoke test) it runs with the pack's CPU test hook (``H3MS_TEST_HOOKS=1 H3MS_CK_ATTENTION_CPU=1``).
 """
@@ -27,10 +30,12 @@ import torch
 
 from h3ms_async.attention import schedule as attention_schedule
 from h3ms_async.runtime import plans
-from h3ms_async.attention.engine import TRANSPORTS, AttentionParallelEngine
+from h3ms_async.attention.engine import CHUNK_HEADS, TRANSPORTS, AttentionParallelEngine
+from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.tools.cli import ArgParser
 from workers.attention import ops as attn_ops
 from workers.attention import ck_cpu as ck_attention_cpu
+from workers.runtime.protocol import Ping
 
 REFERENCE_SHAPE = (1, 56, 93312, 128)
 MODEL_GPUS = (2, 4, 8)
@@ -87,11 +92,12 @@ def slice_sizes(heads: int, n: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def predict(n: int, heads: int, quant_s: float, per_head_s: float, in_per_head: float, out_per_head: float,
-            legs: attention_schedule.Legs) -> dict:
+def predict(n: int, heads: int, quant_s: float, per_head_s: float, helper_per_head_s: float, in_per_head: float,
+            out_per_head: float, legs: attention_schedule.Legs, pipeline: attention_schedule.Pipeline) -> dict:
     """Time of one call on ``n`` equal GPUs as the engine runs it (``attention_schedule``): quantize, then the split
-    the engine tunes to, with every helper pipelined behind its own slice."""
-    best = attention_schedule.best_split(heads, [per_head_s] * n, [1.0] * (n - 1), in_per_head, out_per_head, legs)
+    the engine tunes to, with every helper's pieces pipelined (a helper's per-head time is that of its piece size)."""
+    best = attention_schedule.best_split(heads, [per_head_s] + [helper_per_head_s] * (n - 1), [1.0] * (n - 1),
+                                         in_per_head, out_per_head, legs, pipeline)
     return dict(best, quantize_s=quant_s, total_s=quant_s + best["total_s"])
 
 
@@ -100,35 +106,65 @@ def _legs(stage: float, helper_in: float, helper_out: float, ret: float) -> atte
     return attention_schedule.Legs(stage=1 / stage, helper_in=1 / helper_in, helper_out=1 / helper_out, ret=1 / ret)
 
 
-def _parallel_run(device: torch.device, n: int, transport: str, pq: Any, ref: torch.Tensor, quant_s: float,
-                  attn_s: float, reps: int) -> dict:
+def _phases(calls: list[dict]) -> dict:
+    """Per phase of the helpers' path, added up over the helpers of each call, the median over ``calls``: seconds,
+    bytes and GB/s (stage copy and take-back on the model GPU, copy in / compute / copy out in the helpers)."""
+    def med(key: str, ranks: bool = True) -> float:
+        return statistics.median(sum(r[key] for r in c["ranks"][1:]) if ranks else c[key] for c in calls)
+
+    legs = {"stage": ("stage_s", "staged_bytes"), "helper_in": ("h2d_s", "staged_bytes"),
+            "compute": ("compute_s", None), "helper_out": ("d2h_s", "returned_bytes"),
+            "take_back": ("return_s", "returned_bytes")}
+    out = {}
+    for name, (key, nbytes) in legs.items():
+        secs = med(key)
+        moved = calls[-1][nbytes] if nbytes else None
+        out[name] = {"s": secs, "bytes": moved, "GBps": moved / secs / 1e9 if moved and secs > 0 else None}
+    out["rank0_compute"] = {"s": statistics.median(c["ranks"][0]["compute_s"] for c in calls), "bytes": None,
+                            "GBps": None}
+    return out
+
+
+def _round_trip(eng: AttentionParallelEngine, reps: int = 20) -> float:
+    """Median seconds of one ``ping`` round trip to the first helper (what one piece's message costs)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        get_coordinator().run(eng.pool.request(0, Ping(), 10.0), 15.0, "pinging a helper")
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _parallel_run(device: torch.device, n: int, transport: str, chunk_heads: int, pq: Any, ref: torch.Tensor,
+                  quant_s: float, attn_s: float, reps: int) -> dict:
     """The engine with ``n`` logical helpers on ``device`` over ``transport``: exactness (first call included),
-    medians, bytes and rates, the split it tuned."""
-    eng = AttentionParallelEngine([str(device)] * (n + 1), transport=transport)
+    medians, per-phase seconds, bytes and rates, the split it tuned, one message's round trip."""
+    eng = AttentionParallelEngine([str(device)] * (n + 1), transport=transport, chunk_heads=chunk_heads)
     try:
         first_equal = torch.equal(eng.attend(pq), ref)
         wall, out = _timed(lambda: eng.attend(pq), reps, device)
         calls = eng.recent_calls()[-reps:]
-        staged = statistics.median(c["stage_s"] for c in calls)
-        returned = statistics.median(c["return_s"] for c in calls)
-        moved_in, moved_out = calls[-1]["staged_bytes"], calls[-1]["returned_bytes"]
+        phases = _phases(calls)
         return {
-            "helpers": n, "transport": transport, "heads": [r["heads"][1] - r["heads"][0] for r in calls[-1]["ranks"]],
+            "helpers": n, "transport": transport, "chunk_heads": chunk_heads,
+            "heads": [r["heads"][1] - r["heads"][0] for r in calls[-1]["ranks"]],
+            "pieces": [r["pieces"] for r in calls[-1]["ranks"][1:]],
             "bit_exact_first_call": first_equal, "bit_exact": torch.equal(out, ref), "wall_s": wall,
             "speedup_vs_unsplit": (quant_s + attn_s) / (quant_s + wall),
-            "staged_bytes": moved_in, "stage_s": staged, "stage_GBps": moved_in / staged / 1e9 if staged else None,
-            "returned_bytes": moved_out, "return_s": returned,
-            "return_GBps": moved_out / returned / 1e9 if returned else None,
+            "staged_bytes": phases["stage"]["bytes"], "stage_s": phases["stage"]["s"],
+            "stage_GBps": phases["stage"]["GBps"], "returned_bytes": phases["take_back"]["bytes"],
+            "return_s": phases["take_back"]["s"], "return_GBps": phases["take_back"]["GBps"],
+            "phases": phases, "message_round_trip_s": _round_trip(eng),
             "tuned_split": eng.snapshot()["splits"],
-            "per_rank": [{k: r[k] for k in ("device", "heads", "transport", "stage_s", "h2d_s", "compute_s", "d2h_s",
-                                            "return_s", "wall_s")} for r in calls[-1]["ranks"]],
+            "per_rank": [{k: r[k] for k in ("device", "heads", "transport", "pieces", "stage_s", "h2d_s", "compute_s",
+                                            "d2h_s", "return_s", "wall_s")} for r in calls[-1]["ranks"]],
         }
     finally:
         eng.release()
 
 
 def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence[str], reps: int,
-        device: torch.device) -> dict:
+        device: torch.device, chunk_heads: int = CHUNK_HEADS) -> dict:
     """The whole benchmark (see the module doc); returns the JSON record."""
     import comfy_kitchen as ck
 
@@ -143,16 +179,22 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
         in_per_head = _nbytes(attn_ops.head_slice(pq, 0, heads).values()) / heads
         out_per_head = ref.numel() * ref.element_size() / heads
         needed = {h for n in MODEL_GPUS if n <= heads for h in slice_sizes(heads, n)}
+        pieces = set(range(1, min(chunk_heads, heads) + 1))
         fields = attn_ops.meta(pq)
         slice_s = {}
-        for h in sorted(needed | {heads}):
+        for h in sorted(needed | pieces | {heads}):
             part = {name: t.contiguous() for name, t in attn_ops.head_slice(pq, 0, h).items()}
             slice_s[h], _ = _timed(lambda: attn_ops.attend(part, fields), reps, device)
-        runs = [_parallel_run(device, n, t, pq, ref, quant_s, attn_s, reps) for n in helper_counts for t in transports]
+        runs = [_parallel_run(device, n, t, chunk_heads, pq, ref, quant_s, attn_s, reps)
+                for n in helper_counts for t in transports]
     host = _host_rates(device, int(in_per_head * heads))
     p2p = peer_rate() if device.type == "cuda" else {"GBps": None, "why": "CPU run"}
-    ipc_local = [r["stage_GBps"] for r in runs if r["transport"] == "cuda_ipc" and r["stage_GBps"]]
-    per_head = statistics.median(s / h for h, s in slice_s.items())
+    ipc_runs = [r for r in runs if r["transport"] == "cuda_ipc" and r["stage_GBps"] and r["return_GBps"]]
+    ipc_local = [r["stage_GBps"] for r in ipc_runs]
+    per_head = statistics.median(s / h for h, s in slice_s.items() if h in needed | {heads})
+    # a helper runs pieces of up to chunk_heads heads: its per-head time is the slowest of those sizes
+    piece_per_head = max(slice_s[h] / h for h in pieces) if pieces else per_head
+    rtt = statistics.median(r["message_round_trip_s"] for r in runs)
     unsplit = quant_s + attn_s
     links: dict[str, tuple[Any, str]] = {
         # host staging: the model GPU's link carries the staging (device to host) and the returns (host to device),
@@ -165,25 +207,40 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
                                   f"host staging at {PCIE_GEN4_X16:g} GB/s each way, an ASSUMED PCIe Gen4 x16 rate "
                                   "(not measured here)"),
     }
-    if ipc_local:
+    if ipc_runs:
+        # CUDA IPC: staging and take-back are copies inside the model GPU (rates of the cuda_ipc runs), the helpers
+        # copy over NVLink
         local = statistics.median(ipc_local) * 1e9
+        back = statistics.median(r["return_GBps"] for r in ipc_runs) * 1e9
+        inside = (f"CUDA IPC: staging / take-back inside the model GPU at the measured {local / 1e9:.0f} / "
+                  f"{back / 1e9:.0f} GB/s")
         if p2p["GBps"]:
-            # CUDA IPC: staging and returns are copies inside the model GPU, the helper copies over NVLink
-            links["nvlink_p2p"] = (_legs(local, p2p["GBps"] * 1e9, p2p["GBps"] * 1e9, local),
-                                   f"CUDA IPC: staging into the model GPU's own memory at the measured "
-                                   f"{local / 1e9:.0f} GB/s, helpers copy P2P at the measured {p2p['GBps']:.0f} GB/s")
-        links["nvlink_assumed"] = (_legs(local, NVLINK_ASSUMED * 1e9, NVLINK_ASSUMED * 1e9, local),
-                                   f"CUDA IPC: staging into the model GPU's own memory at the measured "
-                                   f"{local / 1e9:.0f} GB/s, helpers copy P2P at {NVLINK_ASSUMED:g} GB/s, an ASSUMED "
-                                   f"NVLink 4 copy rate (not measured here: {p2p['why']})")
+            links["nvlink_p2p"] = (_legs(local, p2p["GBps"] * 1e9, p2p["GBps"] * 1e9, back),
+                                   f"{inside}, helpers copy P2P at the measured {p2p['GBps']:.0f} GB/s")
+        links["nvlink_assumed"] = (_legs(local, NVLINK_ASSUMED * 1e9, NVLINK_ASSUMED * 1e9, back),
+                                   f"{inside}, helpers copy P2P at {NVLINK_ASSUMED:g} GB/s, an ASSUMED NVLink 4 copy "
+                                   f"rate (not measured here: {p2p['why']})")
     models: dict[str, Any] = {}
     for name, (legs, note) in links.items():
         models[name] = {"links": note, "s_per_byte": vars(legs)}
         for n in (n for n in MODEL_GPUS if n <= heads):
-            pred = predict(n, heads, quant_s, per_head, in_per_head, out_per_head, legs)
-            models[name][f"N={n}"] = dict(pred, speedup=unsplit / pred["total_s"])
+            ipc = name.startswith("nvlink")
+            pred = predict(n, heads, quant_s, per_head, piece_per_head, in_per_head, out_per_head, legs,
+                           attention_schedule.Pipeline(chunk_heads, ipc, rtt / 2))
+            whole = predict(n, heads, quant_s, per_head, per_head, in_per_head, out_per_head, legs,
+                            attention_schedule.Pipeline(0, ipc, rtt / 2))
+            # smaller pieces than the engine ran, each at the measured cost of its slice sizes
+            smaller = {str(c): unsplit / predict(n, heads, quant_s, per_head,
+                                                 max(slice_s[h] / h for h in range(1, c + 1)), in_per_head,
+                                                 out_per_head, legs, attention_schedule.Pipeline(c, ipc, rtt / 2)
+                                                 )["total_s"] for c in sorted(pieces)[:-1]}
+            models[name][f"N={n}"] = dict(pred, speedup=unsplit / pred["total_s"],
+                                          whole_slices={"heads": whole["heads"], "total_s": whole["total_s"],
+                                                        "speedup": unsplit / whole["total_s"]},
+                                          speedup_by_chunk_heads=dict(smaller, **{str(chunk_heads): unsplit /
+                                                                                  pred["total_s"]}) if pieces else {})
     if "nvlink_p2p" not in models:
-        models["nvlink_p2p"] = {"predicted": None, "why": p2p["why"] if ipc_local else
+        models["nvlink_p2p"] = {"predicted": None, "why": p2p["why"] if ipc_runs else
                                 "no cuda_ipc run to measure the model GPU's staging rate"}
     return {
         "shape": list(shape), "device": str(device),
@@ -191,18 +248,26 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
         "unsplit": {"prequantize_s": quant_s, "attention_s": attn_s, "total_s": unsplit},
         "slice_attention_s": {str(h): s for h, s in sorted(slice_s.items())},
         "per_head_attention_s": per_head,
+        "per_head_attention_s_in_pieces": piece_per_head,
+        "message_round_trip_s": rtt,
         "bytes_per_head": {"in": in_per_head, "out": out_per_head},
         "links_GBps": {"host_d2h": host["d2h_GBps"], "host_h2d": host["h2d_GBps"], "p2p": p2p["GBps"],
                        "p2p_note": p2p["why"], "cuda_ipc_local_stage": statistics.median(ipc_local) if ipc_local
-                       else None},
+                       else None, "cuda_ipc_local_take_back": statistics.median(r["return_GBps"] for r in ipc_runs)
+                       if ipc_runs else None},
         "parallel_on_logical_helpers": runs,
         "model": {"formula": "quantize + critical path of the engine's schedule (h3ms_async/attention/schedule.py): "
-                             "the model GPU stages the helpers' slices one after another in helper order (stage leg); "
-                             "helper r starts when its own slice is staged, copies it in (helper_in), attends its "
-                             "heads (per_head_attention_s each, measured alone in this run), copies the result out "
-                             "(helper_out); results come back one at a time in completion order (ret leg), while the "
-                             "model GPU attends its own heads (no transfer); the head split is the one the engine "
-                             "tunes to (the model GPU's count minimising this path, the helpers equal)",
+                             "each helper's heads are cut into pieces of at most chunk_heads heads, staged one after "
+                             "another over the model GPU's link, round robin over the helpers (stage leg); a piece "
+                             "is dispatched when staged (half the measured message round trip), its helper copies it "
+                             "in (helper_in), attends it (per_head_attention_s_in_pieces per head: the slowest piece "
+                             "size, measured alone in this run) and copies it out (helper_out), the three overlapping "
+                             "across pieces on their own streams; results come back one at a time in answer order "
+                             "(ret leg), while the model GPU attends its own heads (per_head_attention_s, no "
+                             "transfer; with CUDA IPC after the staging); the head split is the one the engine "
+                             "tunes to (the model GPU's count minimising this path, the helpers equal). "
+                             "whole_slices: the same with one piece per helper (the previous schedule)",
+                  "chunk_heads": chunk_heads,
                   **models},
         "reference_pack_4x_pcie": {"unsplit_ms": 534.4, "n4_ms": 197.2, "speedup": 2.71},
     }
@@ -226,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--transports", default="", help="comma-separated, of host, cuda_ipc (default: both on CUDA, host "
                    "on a CPU); each runs side by side")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--chunk-heads", type=int, default=CHUNK_HEADS,
+                   help="heads per piece of a helper's range (0: one piece per helper), as the engine runs it")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="", help="also write the JSON here")
     a = p.parse_args(argv)
@@ -236,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--shape and --helpers take comma-separated integers, e.g. --shape 1,56,93312,128 --helpers 1,3")
     if len(shape) != 4 or min(shape) < 1 or not helper_counts or min(helper_counts) < 1:
         p.error("--shape needs 4 positive values B,H,S,D and --helpers positive counts")
+    if a.chunk_heads < 0:
+        p.error(f"--chunk-heads {a.chunk_heads}: give 0 (one piece per helper) or a positive head count")
     device = torch.device(a.device)
     transports = [t.strip() for t in (a.transports or ("host,cuda_ipc" if device.type == "cuda" else "host"))
                   .split(",") if t.strip()]
@@ -245,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu" and not ck_attention_cpu.install_if_requested():
         p.error("kitchen's INT8 attention needs CUDA; on a CPU only the test hook runs it "
                 "(H3MS_TEST_HOOKS=1 H3MS_CK_ATTENTION_CPU=1)")
-    res = run(shape, helper_counts, transports, max(1, a.reps), device)
+    res = run(shape, helper_counts, transports, max(1, a.reps), device, a.chunk_heads)
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:
