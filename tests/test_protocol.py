@@ -54,7 +54,7 @@ def test_program_messages_roundtrip():
                    deadline_s=1.0, blocks=(0, 3), residency="auto")
     got = decode(encode(step)[4:])
     assert got == step and isinstance(got.segments[1][2], protocol.TensorDesc) and got.x.nbytes == 128
-    for msg in (VaeChunk(id=1, job=1, index=0, z=d, out=None), AttnCall(id=2, job=1, tensors={"q": d}, meta={}, out=d)):
+    for msg in (VaeChunk(id=1, job=1, index=0, z=d, out=None), AttnCall(id=2, job=1, first=True, tensors={"q": d}, meta={}, out=d)):
         assert decode(encode(msg)[4:]) == msg
     bad_exchange = msgpack.unpackb(encode(step)[4:])
     bad_exchange["exchange"] = "carrier pigeon"
