@@ -10,8 +10,9 @@ between two forward hooks on ComfyUI's own modules (after ``time_embedder``, the
 and before ``final_layer``; each syncs the GPU): plain ComfyUI (unsplit, one GPU) and the node (ComfyUI -> shm ->
 ranks -> back to the GPU). The ratio the issue bounds (<= 2 %) is the node's block-stack time over the engine's own
 step time on the same ranks, chunks and token count (``bench gpu``: split2, resident, host exchange, 8 chunks).
-Steps after the first are compared (the first includes the weight-store fill and the workers' start).
-JSON: ``$OUT/comfy_node_cost.json``.
+Steps after the first are compared (the first includes the weight-store fill and the workers' start). Each node
+step is also printed with its breakdown (``print_steps``; JSON ``node_steps``), from the engine's ``last_phases`` and
+the ranks' raw results, read by a step listener. JSON: ``$OUT/comfy_node_cost.json``.
 """
 from __future__ import annotations
 
@@ -62,14 +63,43 @@ comfy_h3.ksample(model, **KW)
 plain = list(times); times.clear()
 os.environ["H3MS_RANK_MAP"] = "cuda:0,cuda:0"
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "resident", None)[0]
+from h3ms_async.dit import split as S
+breakdown = []
+RANK_KEYS = ("wall_s", "setup_s", "tail_s", "compute_s", "exchange_s", "wait_s", "copy_gpu_s", "compute_wait_s",
+             "cuda_alloc", "weights")
+def _grab(rec):  # on the recording thread, right after the engine kept the step's raw results
+    eng = next(e for e in S.engines() if e.devices == rec["devices"])
+    breakdown.append(dict(engine=dict(eng.last_phases), ranks=[dict(
+        {{k: r.get(k) for k in RANK_KEYS}}, blocks_s=[round(sum(c), 4) for c in zip(*r["per_block"])],
+        first_block_s=r["per_block"][0]) for r in eng.last_rank_results]))
+get_hub().add_listener(_grab)
 comfy_h3.ksample(split, **KW)
 node = list(times)
 recs = get_hub().recent_steps({steps})
 print("RESULT " + json.dumps(dict(
     patcher=type(model).__name__, tokens=recs[-1]["tokens"], width=W, height=H, length=length,
     layers={layers}, build_s=build_s, plain_blocks_s=plain, node_blocks_s=node,
-    engine_step_wall_in_comfy_s=[r["wall_s"] for r in recs], devices=recs[-1]["devices"])), flush=True)
+    engine_step_wall_in_comfy_s=[r["wall_s"] for r in recs], devices=recs[-1]["devices"],
+    node_steps=breakdown[-{steps}:])), flush=True)
 '''
+
+
+def print_steps(res: dict) -> None:
+    """One line per node step: the block-stack time in ComfyUI, where the engine's wall went on ComfyUI's side (new
+    step buffers, staging into shm, the ranks' job, the copy back) and on each rank (set-up before the first block:
+    new segments, input copies, weight placement, exchange set-up; the blocks' compute / copy / wait; the tail; the
+    CUDA allocator's new segments and retries), so a slow early step shows which part is slow."""
+    print("step  node_s  engine: wall new_buf buffers stage ranks return | per rank: wall setup blocks(c/x/w) tail "
+          "alloc(new/retries)")
+    for i, (node_s, wall, st) in enumerate(zip(res["node_blocks_s"], res["engine_step_wall_in_comfy_s"],
+                                               res["node_steps"])):
+        e = st["engine"]
+        ranks = "; ".join(
+            f"r{j} {r['wall_s']:.3f} {r['setup_s']:.3f} {'/'.join(f'{v:.3f}' for v in r['blocks_s'])} "
+            f"{r['tail_s']:.3f} {(r['cuda_alloc'] or {}).get('new_segments')}/{(r['cuda_alloc'] or {}).get('retries')}"
+            for j, r in enumerate(st["ranks"]))
+        print(f"{i + 1:>4}  {node_s:6.3f}  {wall:6.3f} {str(e.get('new_buffers')):>5} {e.get('buffers_s', 0):.3f} "
+              f"{e.get('stage_s', 0):.3f} {e.get('ranks_s', 0):.3f} {e.get('return_s', 0):.3f} | {ranks}")
 
 
 def main() -> int:
@@ -90,6 +120,7 @@ def main() -> int:
         print(f"ComfyUI run failed (rc {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr)
         return 1
     res = found[0]
+    print_steps(res)
     engine_dir = os.path.join(a.out, "engine")
     bench = subprocess.run([sys.executable, "-m", "h3ms_async", "bench", "gpu", "--tokens", str(res["tokens"]),
                             "--layers", str(a.layers), "--weights", "int8", "--ranks", "2", "--residency",

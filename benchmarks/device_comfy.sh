@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The split inside real ComfyUI on one CUDA GPU, then its node-level cost; everything lands in $OUT (<= 9 min).
-#   source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh [tests|cost|all]     (carry .ck .whl .carry)
+# The split inside real ComfyUI on one CUDA GPU, then its node-level cost; everything lands in $OUT.
+# tests <= 8 min, cost <= 5 min: run them as separate device calls (a call may take 10 min at most).
+#   source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh [tests|lora|cost|all]  (carry .ck .whl .carry)
+#   lora: only the LoRA groups of tests/test_cuda_comfy.py (SDPA + DynamicVRAM, SDPA + --novram).
 # 1. tests/test_cuda_comfy.py: ComfyUI started as main.py starts (DynamicVRAM on; once --disable-dynamic-vram),
 #    ranks cuda:0,cuda:0 and cuda:0,cuda:0,cuda:0 (shares 1,2,1), bf16 and int8, SDPA and --use-ck-attention, a LoRA,
 #    every output torch.equal to plain ComfyUI including each first call after the workers start.
@@ -16,8 +18,13 @@ out="${OUT:-$PWD/.out}"; mkdir -p "$out"; export OUT="$out"
 } > "$out/machine.txt" 2>&1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 290 python3 -m pytest -q -p no:cacheprovider -s -m cuda tests/test_cuda_comfy.py 2>&1 \
+  timeout 480 python3 -m pytest -q -p no:cacheprovider -s -m cuda tests/test_cuda_comfy.py 2>&1 \
     | tee "$out/pytest_cuda_comfy.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [ "$what" = lora ]; then
+  timeout 290 python3 -m pytest -q -p no:cacheprovider -s -m cuda tests/test_cuda_comfy.py \
+    -k "sdpa-dynamic or sdpa-novram" 2>&1 | tee "$out/pytest_cuda_comfy_lora.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [ "$what" = cost ] || [ "$what" = all ]; then

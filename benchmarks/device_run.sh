@@ -2,8 +2,9 @@
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh [tests|bench|all|attention|vae] [extra bench args...]
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
-#   vae: the VAE split decode (full-size H3 VAE, fp16 and bf16, 2 and 4 logical ranks) and the cache benchmarks; needs
-#   the ComfyUI tree (tests/comfy_tree.py unpacks it from shared/) and its imports.
+#   vae: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM), the split decode (full-size H3
+#   VAE, fp16 and bf16, 2 and 4 logical ranks) and the cache benchmarks; needs the ComfyUI tree (tests/comfy_tree.py
+#   unpacks it from shared/) and its imports.
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ fi
 if [ "$what" = vae ]; then
   root=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.ensure_tree())")
   shims=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(' '.join('--extra-path ' + d for d in comfy_tree.shim_dirs()))")
+  python3 -m pytest -q -p no:cacheprovider -s tests/test_vae_split_cuda.py tests/test_caches_cuda.py 2>&1 | tee "$out/pytest_vae_cuda.log" || rc=1
   for dt in fp16 bf16; do
     # shellcheck disable=SC2086  # one --extra-path per shim folder
     python3 -m h3ms_async bench vae --comfy-root "$root" $shims --dtype "$dt" --ranks 2,4 \

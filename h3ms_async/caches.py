@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import marshal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -34,14 +35,28 @@ class CacheRefused(RuntimeError):
 
 
 def _walk(h: "hashlib._Hash", obj: Any) -> None:
+    # Every branch writes a distinct leading tag, so no two encodings of different values can run together.
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu").contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(obj, Mapping):
+        return
+    if type(obj) in (list, tuple):
+        # Token lists are long runs of (int, float) pairs: marshal encodes such plain builtins in C, exactly
+        # (ints whole, floats as their 8 bytes) and without back-references at version 2, so equal values give
+        # equal bytes.  Anything it cannot encode (a tensor, an object) takes the item-by-item walk below.
+        try:
+            blob = marshal.dumps(obj, 2)
+        except ValueError:
+            blob = None
+        if blob is not None:
+            h.update(b"M%d:" % len(blob))
+            h.update(blob)
+            return
+    if isinstance(obj, (dict, Mapping)):
         h.update(b"{")
         for k in sorted(obj, key=str):
-            h.update(repr(k).encode() + b":")
+            h.update(b"R" + repr(k).encode() + b":")
             _walk(h, obj[k])
         h.update(b"}")
     elif isinstance(obj, (list, tuple)):
@@ -51,12 +66,12 @@ def _walk(h: "hashlib._Hash", obj: Any) -> None:
             h.update(b",")
         h.update(b"]")
     else:
-        h.update(repr(obj).encode())
+        h.update(b"R" + repr(obj).encode())
 
 
 def digest(*parts: Any) -> str:
-    """sha256 hex of ``parts``: tensors by dtype, shape and bytes; maps by sorted key; sequences in order; anything
-    else by ``repr``."""
+    """sha256 hex of ``parts``: tensors by dtype, shape and bytes; lists and tuples of plain builtins by their
+    marshal encoding; maps by sorted key; other sequences item by item; anything else by ``repr``."""
     h = hashlib.sha256()
     for p in parts:
         _walk(h, p)
@@ -112,6 +127,18 @@ class OutputCache:
             self.hits += 1
             value = item[0]
         return _copy_out(value)
+
+    def fetch(self, key_parts: tuple, compute: Callable[[], Any], max_entries: int,
+              reserve_gb: float = 0.0) -> tuple[Any, str, bool]:
+        """The output for ``key_parts`` (digested with :func:`digest`): a stored copy on a hit, else ``compute()``'s
+        result, stored.  Returns ``(output, key, hit)``.  A hit costs the digest plus one copy of the output."""
+        key = digest(*key_parts)
+        hit = self.get(key)
+        if hit is not None:
+            return hit, key, True
+        out = compute()
+        self.put(key, out, max_entries, reserve_gb)
+        return out, key, False
 
     def put(self, key: str, value: Any, max_entries: int, reserve_gb: float = 0.0) -> bool:
         """Store a copy of ``value``; evict the oldest beyond ``max_entries`` or while the RAM reserve would be

@@ -5,6 +5,11 @@ Staging, before every hooked call: the first call fills the group's pinned copy 
 one warning, and the call runs without the cache); a later call that finds the model's weights dropped (ComfyUI
 evicted them to the ``meta`` device) puts them back from the pinned copy on the model's device instead of reading
 the file again.
+
+Under DynamicVRAM (ComfyUI's ``ModelPatcherDynamic`` with comfy-aimdo, its default on NVIDIA) the weights are never
+evicted that way: they stay host tensors that ComfyUI pins and faults into VRAM itself, through comfy.ops' cast path.
+A second pinned copy would only double the RAM, so the weight cache stands aside for such a model
+(:func:`weights_managed_by_comfy`, one warning); the text-encoder output cache works the same either way.
 """
 from __future__ import annotations
 
@@ -36,6 +41,17 @@ def file_key(patcher: Any, *extra: Any) -> tuple | None:
     return (path, st.st_size, st.st_mtime_ns, *extra)
 
 
+DYNAMIC_NOTE = ("weight cache off for this model: ComfyUI runs it under DynamicVRAM (ModelPatcherDynamic), which "
+                "keeps its weights in host RAM, pins them and streams them to the GPU itself, so there is nothing to "
+                "restore; start ComfyUI with --disable-dynamic-vram to use the weight cache")
+
+
+def weights_managed_by_comfy(patcher: Any) -> bool:
+    """Whether ``patcher`` is ComfyUI's dynamic-VRAM patcher (``is_dynamic()``), which owns the weights' host copy."""
+    probe = getattr(patcher, "is_dynamic", None)
+    return bool(probe()) if callable(probe) else False
+
+
 def object_key(model: Any) -> tuple:
     """A key for a model object without a reload factory: a token stored on it, living as long as its weights."""
     token = model.__dict__.get("_h3ms_weight_token")
@@ -54,7 +70,7 @@ def _device_of(model: torch.nn.Module, fallback: Any) -> torch.device:
 def stage_weights(model: torch.nn.Module, group: str, key: tuple, reserve_gb: float, cfg: dict,
                   load_device: Any = None) -> str:
     """Fill or use ``group``'s pinned copy for ``model``; returns what happened ("filled", "restored", "warm",
-    "refused", "empty")."""
+    "refused", "unsupported", "empty")."""
     wc = weight_cache()
     entry = wc.get(group, key)
     tensors = named_tensors(model)
@@ -62,6 +78,16 @@ def stage_weights(model: torch.nn.Module, group: str, key: tuple, reserve_gb: fl
     if entry is None:
         if evicted or not tensors:
             return "empty"
+        odd = sorted(n for n, t in tensors.items() if type(t.data) is not torch.Tensor)
+        if odd:
+            # Quantized weights (comfy-kitchen QuantizedTensor, e.g. an int8 H3 VAE) carry their layout and scales
+            # outside the tensor data: a byte copy could not rebuild them, so such a model runs without the cache.
+            if not cfg.get("unsupported_note"):
+                log.warning("weight cache %s off for this model: %d tensors (e.g. %s) are %s, not plain tensors "
+                            "(a quantized checkpoint); it runs without the weight cache", group, len(odd), odd[0],
+                            type(tensors[odd[0]].data).__name__)
+                cfg["unsupported_note"] = True
+            return "unsupported"
         try:
             wc.fill(group, key, tensors, reserve_gb)
         except CacheRefused as exc:

@@ -103,51 +103,76 @@ def _is_quantized(t: Any) -> bool:
     return hasattr(t, "_qdata") and hasattr(t, "_params")
 
 
-def _on_the_fly_patch(patcher: Any, key: str, compute_dtype: torch.dtype) -> Any:
-    """The weight ``ModelPatcherDynamic`` computes with, through ComfyUI's own code for it, or None when ``key``'s
-    module has no on-the-fly patch.
+def _patched_in_cast(module: Any) -> bool:
+    """True when ComfyUI applies ``module``'s weight patches inside its cast (``comfy.ops.cast_bias_weight``) rather
+    than into the live weight: ``ModelPatcherDynamic`` sets ``<param>_lowvram_function``; the classic patcher, for a
+    module it leaves offloaded (``--lowvram``, a partial load), puts a ``LowVramPatch`` in ``<param>_function``."""
+    for param in ("weight", "bias"):
+        if getattr(module, f"{param}_lowvram_function", None) is not None:
+            return True
+        if any(getattr(f, "is_lowvram_patch", False) for f in getattr(module, f"{param}_function", ())):
+            return True
+    return False
 
-    That patcher never patches weights in place: it sets ``<param>_lowvram_function`` (a ``LowVramPatch``) on the
-    module, and ``comfy.ops``' cast applies it at every call to the weight cast to the compute dtype (dequantized
-    first when int8; an int8 layer then re-quantizes the result with the module's seed, as ``want_requant`` does).
+
+def _wants_requant(module: Any, name: str) -> bool:
+    """The ``want_requant`` ComfyUI's forward passes to the cast for this module at inference.
+
+    An int8 linear keeps its quantized path (and asks the cast to re-quantize a patched weight) when it has no
+    weight functions and no full-precision flags; H3's ``mlp.fc2`` goes through ``comfy.ops.linear_input_act``,
+    which always asks for it on a tensorwise int8 weight.
     """
-    path, param = key.rsplit(".", 1)
-    module = patcher.get_model_object(path)
-    patch_fn = getattr(module, f"{param}_lowvram_function", None)
-    if patch_fn is None:
-        return None
-    import comfy.utils
-    orig = getattr(module, param)
-    x = orig.to(dtype=compute_dtype)
-    if _is_quantized(x):
-        x = x.dequantize()
-    x = patch_fn(x)
-    if _is_quantized(orig):
-        x = orig.requantize_from_float(x, scale="recalculate",
-                                       stochastic_rounding=comfy.utils.string_to_seed(module.seed_key))
-    return x
+    weight = getattr(module, "weight", None)
+    if not _is_quantized(weight):
+        return False
+    if name.endswith("mlp.fc2") and weight._layout_cls == "TensorWiseINT8Layout" and \
+            not getattr(weight._params, "transposed", False):
+        return True
+    return (getattr(module, "layout_type", None) is not None and not getattr(module, "_full_precision_mm", False)
+            and not getattr(module, "comfy_force_cast_weights", False)
+            and not getattr(module, "weight_function", ()) and not getattr(module, "bias_function", ()))
 
 
-def effective_weight(patcher: Any, key: str, compute_dtype: torch.dtype) -> Any:
-    """The tensor ComfyUI computes with for state-dict ``key``: LoRA/weight patches and weight wrappers applied.
+def _cast_path_tensors(patcher: Any, module: Any, name: str, compute_dtype: torch.dtype,
+                       out: dict[str, torch.Tensor]) -> None:
+    """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into ``out`` (host copies,
+    store names; ``name`` is the module's in-block name).
 
-    Under ``ModelPatcherDynamic`` (DynamicVRAM, ComfyUI's default on NVIDIA) a patched weight is what its
-    on-the-fly patch gives (:func:`_on_the_fly_patch`). A fully loaded model already holds its patched weights
-    (originals in ``patcher.backup``, and ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are
-    taken as they are, never patched twice; when the live weight holds another clone's patches, the original comes
-    from ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching
-    the model: an unpatched key is the live tensor as it is (no device work); a patched key is computed on
-    ``patcher.load_device``, because ComfyUI computes patches there, in that device's patch dtype
-    (``lora_compute_dtype``), and the split must match it bit for bit (quantized layers re-quantize through their
-    ``set_weight``, §6.3). That is one transient tensor at a time, moved to the host by :func:`block_tensors` before
-    the next is made. Weight wrappers (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a
-    module's ``weight_function`` list.
+    The weight a patch-in-the-cast module computes with exists only inside ``comfy.ops.cast_bias_weight``: under
+    ``ModelPatcherDynamic`` the module's own storage may be comfy-aimdo's read-only mapping of the checkpoint file, and
+    the patch is applied to the copy the cast faults in on ``load_device``. So the split asks that function for the
+    module's tensors with the arguments the forward gives it (compute dtype, load device, ``want_requant``), copies
+    them to the host before the cast buffer can be reused, and then hands the buffer back (``uncast_bias_weight``).
+    """
+    import comfy.ops
+    weight, bias, offload = comfy.ops.cast_bias_weight(
+        module, None, dtype=compute_dtype, device=patcher.load_device, bias_dtype=compute_dtype, offloadable=True,
+        compute_dtype=compute_dtype, want_requant=_wants_requant(module, name))
+    try:
+        _put_host(out, f"{name}.weight", weight)
+        if bias is not None:
+            _put_host(out, f"{name}.bias", bias)
+    finally:
+        comfy.ops.uncast_bias_weight(module, weight, bias, offload)
+
+
+def effective_weight(patcher: Any, key: str) -> Any:
+    """The tensor ComfyUI computes with for state-dict ``key`` of a module whose patches ComfyUI bakes into the
+    weight (a module that patches in its cast goes through :func:`_cast_path_tensors` instead): LoRA/weight patches
+    and weight wrappers applied.
+
+    A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
+    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are, never patched twice;
+    when the live weight holds another clone's patches, the original comes from ``backup``. Otherwise
+    ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching the model: an unpatched key
+    is the live tensor as it is (no device work); a patched key is computed on ``patcher.load_device``, because
+    ComfyUI's load computes patches there, in that device's patch dtype (``lora_compute_dtype``), and the split must
+    match it bit for bit (quantized layers re-quantize through their ``set_weight``, §6.3). That is one transient
+    tensor at a time, moved to the host by :func:`block_tensors` before the next is made. Weight wrappers
+    (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's ``weight_function`` list.
     """
     backup = getattr(patcher, "backup", {})
-    weight = _on_the_fly_patch(patcher, key, compute_dtype) if key in patcher.patches else None
-    if weight is not None:
-        pass  # ModelPatcherDynamic's on-the-fly patch: what ComfyUI computes with
-    elif key not in backup:
+    if key not in backup:
         device = patcher.load_device if key in patcher.patches else None
         weight = patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
     elif getattr(patcher.model, "current_weight_patches_uuid", None) == patcher.patches_uuid:
@@ -171,28 +196,42 @@ def _convrot_tag(params: Any) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(json.dumps(conf).encode("utf-8")), dtype=torch.uint8).clone()
 
 
+def _put_host(out: dict[str, torch.Tensor], name: str, w: Any) -> None:
+    """Store ``w`` under ``name`` on the CPU as the weight store takes it: an int8 ``QuantizedTensor`` becomes
+    ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``, fp32) + ``<linear>.comfy_quant`` (JSON bytes)
+    when it is ConvRot."""
+    if _is_quantized(w):
+        out[name] = w._qdata.detach().to("cpu").contiguous()
+        out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
+        tag = _convrot_tag(w._params)
+        if tag is not None:
+            out[f"{name.rsplit('.', 1)[0]}.comfy_quant"] = tag
+    else:
+        out[name] = w.detach().to("cpu").contiguous()
+
+
 def block_tensors(patcher: Any, block_index: int, compute_dtype: torch.dtype,
                   prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
     """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight store takes them.
 
-    An int8 ``QuantizedTensor`` becomes ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``, fp32)
-    + ``<linear>.comfy_quant`` (JSON bytes) when it is ConvRot; a weight that a patch left dequantized stays a float
-    weight, which is what ComfyUI then computes with.  Float weights keep their stored dtype: ranks cast them to the
-    activation dtype exactly as ComfyUI's ops do.
+    A module whose patches ComfyUI applies in its cast gives what that cast gives (:func:`_cast_path_tensors`: the
+    compute dtype, or int8 re-quantized where the forward asks for it); every other module gives its stored tensors
+    (:func:`effective_weight`), which ranks cast to the activation dtype exactly as ComfyUI's ops do. A weight that a
+    patch left dequantized stays a float weight, which is what ComfyUI then computes with.
     """
     dm = patcher.get_model_object(prefix.rstrip("."))
     block = dm.blocks[block_index]
     out: dict[str, torch.Tensor] = {}
-    for name, _ in block.named_parameters():
-        w = effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}", compute_dtype)
-        if _is_quantized(w):
-            out[name] = w._qdata.detach().to("cpu").contiguous()
-            out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
-            tag = _convrot_tag(w._params)
-            if tag is not None:
-                out[f"{name.rsplit('.', 1)[0]}.comfy_quant"] = tag
-        else:
-            out[name] = w.detach().to("cpu").contiguous()
+    for mod_name, module in block.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        if _patched_in_cast(module):
+            _cast_path_tensors(patcher, module, mod_name, compute_dtype, out)
+            own = [n for n in own if n not in ("weight", "bias")]
+        for n in own:
+            name = f"{mod_name}.{n}" if mod_name else n
+            _put_host(out, name, effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}"))
     return out
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from h3ms_async.caches import digest, output_cache, register_status
+from h3ms_async import caches
+from h3ms_async.caches import output_cache, register_status
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .cache_hooks import file_key, object_key, stage_weights
+from .cache_hooks import DYNAMIC_NOTE, file_key, object_key, stage_weights, weights_managed_by_comfy
 
 log = get_logger("TextEncoder")
 
@@ -22,11 +23,16 @@ HOOK_ATTR = "encode_token_weights"
 HOOK_LABEL = "TextEncoder"
 
 
-def encoder_options(cond_model: Any) -> list:
+def sub_encoders(cond_model: Any) -> list[tuple[str, Any]]:
+    """The sub-encoders whose layer options change an encoding (those with ``layer_idx``), found once per hook:
+    the module tree does not change while the hook lives, the options on it do (CLIP Set Last Layer)."""
+    return [(name, m) for name, m in cond_model.named_modules() if hasattr(m, "layer_idx")]
+
+
+def encoder_options(subs: list[tuple[str, Any]]) -> list:
     """The layer options of every sub-encoder (what CLIP Set Last Layer and ``projected_pooled`` change)."""
-    return [(name, repr(getattr(m, "layer", None)), repr(getattr(m, "layer_idx", None)),
-             repr(getattr(m, "return_projected_pooled", None)))
-            for name, m in cond_model.named_modules() if hasattr(m, "layer_idx")]
+    return [(name, getattr(m, "layer", None), getattr(m, "layer_idx", None),
+             getattr(m, "return_projected_pooled", None)) for name, m in subs]
 
 
 def encoder_key(clip: Any) -> tuple:
@@ -44,26 +50,29 @@ def encoder_key(clip: Any) -> tuple:
 
 def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]:
     cond_model = original.__self__
+    subs = sub_encoders(cond_model)
 
-    def cached_encode_token_weights(token_weight_pairs: Any) -> Any:
+    def encode(token_weight_pairs: Any) -> Any:
+        # Weights are staged only when the encoder runs: a hit never touches (or restores) them.
         if cfg["weight_cache"]:
             stage_weights(cond_model, "te", cfg["weight_key"], cfg["reserve_gb"], cfg, cfg["load_device"])
+        return original(token_weight_pairs)
+
+    def cached_encode_token_weights(token_weight_pairs: Any) -> Any:
         if cfg["entries"] < 1:
-            return original(token_weight_pairs)
+            return encode(token_weight_pairs)
         t = time.perf_counter()
-        key = digest(cfg["base_key"], getattr(cond_model, "current_weight_patches_uuid", None),
-                     encoder_options(cond_model), token_weight_pairs)
         cache = output_cache()
-        hit = cache.get(key)
-        if hit is not None:
-            st = cache.stats()
-            log.info("output cache HIT %s: encoder skipped (%.3f s incl. hashing); %d entries, %d hits / %d misses",
+        out, key, hit = cache.fetch(
+            (cfg["base_key"], getattr(cond_model, "current_weight_patches_uuid", None), encoder_options(subs),
+             token_weight_pairs), lambda: encode(token_weight_pairs), cfg["entries"], cfg["reserve_gb"])
+        st = cache.stats()
+        if hit:
+            log.info("output cache HIT %s: encoder skipped (%.4f s incl. hashing); %d entries, %d hits / %d misses",
                      key[:12], time.perf_counter() - t, st["entries"], st["hits"], st["misses"])
-            return hit
-        out = original(token_weight_pairs)
-        cache.put(key, out, cfg["entries"], cfg["reserve_gb"])
-        log.info("encoded in %.2f s (output cache MISS %s, %d/%d entries)", time.perf_counter() - t, key[:12],
-                 cache.stats()["entries"], cfg["entries"])
+        else:
+            log.info("encoded in %.2f s (output cache MISS %s, %d/%d entries)", time.perf_counter() - t, key[:12],
+                     st["entries"], cfg["entries"])
         return out
 
     return cached_encode_token_weights
@@ -87,7 +96,9 @@ class H3MSTextEncoderCacheAsync:
                 "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hook (bypassing the node "
                             "leaves an installed hook in place)."}),
                 "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the encoder "
-                                 "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder)."}),
+                                 "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder). Stands aside under "
+                                 "DynamicVRAM (ComfyUI's default on NVIDIA), which keeps and pins the weights "
+                                 "itself; use --disable-dynamic-vram to get it."}),
                 "cond_cache_entries": ("INT", {"default": 64, "min": 0, "max": 4096, "tooltip": "How many encoder "
                                        "outputs to keep (least recently used go first); 0 = output cache off."}),
                 "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
@@ -103,6 +114,10 @@ class H3MSTextEncoderCacheAsync:
             return (clip.clone(),)
         patcher = getattr(clip, "patcher", None)
         base = encoder_key(clip)
+        if weight_cache and weights_managed_by_comfy(patcher):
+            log.warning("%s", DYNAMIC_NOTE)
+            weight_cache = False
+            caches.weight_cache().release("te")
         cfg = {"base_key": base, "weight_key": base, "weight_cache": bool(weight_cache),
                "entries": int(cond_cache_entries), "reserve_gb": float(cache_ram_reserve_gb),
                "load_device": getattr(patcher, "load_device", None)}

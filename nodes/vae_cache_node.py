@@ -13,7 +13,7 @@ from h3ms_async import caches
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .cache_hooks import file_key, object_key, stage_weights
+from .cache_hooks import DYNAMIC_NOTE, file_key, object_key, stage_weights, weights_managed_by_comfy
 
 log = get_logger("VAE cache")
 
@@ -50,7 +50,10 @@ class H3MSVAECacheAsync:
                 "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hooks and the VAE's cache "
                             "group."}),
                 "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the weights "
-                                 "(2.95 GB for the H3 video VAE int8, 0.56 GB for the audio VAE)."}),
+                                 "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one "
+                                 "warning). Under DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins "
+                                 "the weights itself and this node does nothing; use --disable-dynamic-vram to get "
+                                 "it."}),
                 "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
                                          "tooltip": "Fill the cache only while at least this much RAM stays "
                                          "available."}),
@@ -62,10 +65,13 @@ class H3MSVAECacheAsync:
         fkey = file_key(getattr(vae, "patcher", None))
         key = ("vae", *fkey) if fkey is not None else ("vae", *object_key(model))
         group = f"vae:{os.path.basename(fkey[0]) if fkey is not None else type(model).__name__}"
-        if not enabled or not weight_cache:
-            if not enabled:
-                for attr in HOOK_ATTRS:
-                    method_hooks.uninstall(model, attr)
+        managed = enabled and weight_cache and weights_managed_by_comfy(getattr(vae, "patcher", None))
+        if managed:
+            log.warning("%s: %s", group, DYNAMIC_NOTE)
+        if not enabled or not weight_cache or managed:
+            # the weights are this node's only job: without them an installed hook would keep filling the cache
+            for attr in HOOK_ATTRS:
+                method_hooks.uninstall(model, attr)
             caches.weight_cache().release(group)
             return (vae,)
         cfg = {"group": group, "key": key, "weight_cache": True, "reserve_gb": float(cache_ram_reserve_gb),

@@ -96,7 +96,9 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
                     f"this ComfyUI plans T={z.shape[2]} as {theirs} -> {frames} frames, the split as "
                     f"{(plan.pad_tokens, plan.num_chunks)} -> {plan.output_frames}; update H3 MultiStream")
         except VaeSplitUnsupported as exc:
-            log.warning("decoding unsplit: %s", exc)
+            if cfg.get("unsupported_note") != str(exc):  # once per reason, not once per decode
+                log.warning("decoding unsplit: %s", exc)
+                cfg["unsupported_note"] = str(exc)
             return original(z, output_buffer)
         if output_buffer is None:
             import comfy.model_management as mm
@@ -157,19 +159,22 @@ class H3MSVAESplitDecodeAsync:
                 release_vae_engines()
             return (vae,)
         cfg = {"second_gpu": int(second_gpu), "max_gpus": int(max_gpus), "gpus": gpus, "key": weight_key(vae)}
-        method_hooks.install(model, HOOK_ATTR, HOOK_LABEL, _make_wrapper, cfg)
         device = torch.device(getattr(vae, "device", "cpu"))
         devices, why = plan_devices(device, cfg)
+        spec = None
         if devices is not None:
-            from h3ms_async.vae.split import VaeSplitUnsupported, describe_decoder, get_vae_engine
+            from h3ms_async.vae.split import VaeSplitUnsupported, describe_decoder
             try:
                 spec = decoder_spec(model, cfg["key"], *describe_decoder(model))
             except VaeSplitUnsupported as exc:
                 log.warning("node configured, but this VAE will decode unsplit: %s", exc)
-                return (vae,)
+                cfg["unsupported_note"] = str(exc)  # the decodes do not repeat the warning
+        method_hooks.install(model, HOOK_ATTR, HOOK_LABEL, _make_wrapper, cfg)
+        if spec is not None:
+            from h3ms_async.vae.split import get_vae_engine
             get_vae_engine(devices).prestart(spec)
             log.info("node configured: ranks %s (%s); workers starting and loading the decoder in the background",
                      ",".join(devices), why)
-        else:
+        elif devices is None:
             log.info("node configured: decoding unsplit (%s)", why)
         return (vae,)

@@ -54,11 +54,13 @@ def _block(r: Callable[..., torch.Tensor], prefix: str, with_adaln: bool, d: Dim
 
 
 def state_dict(layers: int = 3, dtype: torch.dtype = torch.float32, int8: bool = False, seed: int = 0,
-               text_dim: int = TEXT_DIM, dims: Dims = Dims(), device: str = "cpu") -> dict[str, torch.Tensor]:
+               text_dim: int = TEXT_DIM, dims: Dims = Dims(), device: str = "cpu", scale_2d: bool = False
+               ) -> dict[str, torch.Tensor]:
     """A tiny H3 state dict with ComfyUI's key names (``dtype``: float weights; ``int8``: block linears quantized;
     ``text_dim``: the conditioning width ComfyUI reads from ``condition_proj``, e.g. :data:`LOTUS_TEXT_DIM`;
     ``dims``: the block stack's shape, e.g. :data:`FULL`; ``device``: where the random numbers are drawn, e.g.
-    ``cuda`` for full width). Tensors come back on the CPU."""
+    ``cuda`` for full width; ``scale_2d``: int8 row scales as ``[N, 1]``, the shape kitchen's eager dequantize takes,
+    which ComfyUI's cast runs on a patched int8 layer; otherwise ``[N]``). Tensors come back on the CPU."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def r(*shape: int, s: float = 0.08) -> torch.Tensor:
@@ -95,7 +97,7 @@ def state_dict(layers: int = 3, dtype: torch.dtype = torch.float32, int8: bool =
                 w = sd[f"{key}.weight"].float()
                 scale = w.abs().amax(dim=1) / 127.0
                 out[f"{key}.weight"] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-                out[f"{key}.weight_scale"] = scale.float()
+                out[f"{key}.weight_scale"] = scale.float().reshape((-1, 1) if scale_2d else (-1,))
                 out[f"{key}.comfy_quant"] = conf.clone()
     return out
 

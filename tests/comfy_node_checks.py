@@ -209,6 +209,39 @@ def test_block_tensors_are_what_comfyui_patches_in_without_double_applying():
     assert torch.equal(MA.block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_modules_that_patch_in_the_cast_ship_what_the_cast_gives(int8):
+    """A module ComfyUI leaves offloaded (``--lowvram``, a partial load) applies its LoRA inside ``comfy.ops``' cast
+    (a ``LowVramPatch`` in its weight functions, as ``ModelPatcherDynamic``'s on-the-fly patch does): the split ships
+    exactly the tensors that forward computes with (same output, bit for bit), and leaves the module's own storage
+    untouched (under DynamicVRAM that storage is a read-only file mapping: writing it killed ComfyUI's process)."""
+    import comfy.sd
+    sd = comfy_h3.state_dict(layers=2, dtype=torch.bfloat16, int8=int8, scale_2d=True)
+    with torch.inference_mode():
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.bfloat16})
+        lora = comfy.sd.load_lora_for_models(patcher, None, comfy_h3.lora_state_dict(2), 0.8, 0)[0]
+    block = patcher.model.diffusion_model.blocks[1]
+    stored = {k: (v._qdata if MA._is_quantized(v) else v).clone() for k, v in block.state_dict().items()
+              if isinstance(v, torch.Tensor)}
+    with torch.inference_mode():
+        lora.load(torch.device("cpu"), lowvram_model_memory=1)  # nothing fits: every layer casts, patches on the fly
+    try:
+        assert MA._patched_in_cast(block.mlp.fc1) and MA._patched_in_cast(block.attn.qkv_proj)
+        got = MA.block_tensors(lora, 1, torch.bfloat16)
+        x = torch.randn(5, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        with torch.inference_mode():
+            for name in ("mlp.fc1", "attn.qkv_proj"):
+                w = got[f"{name}.weight"]
+                assert w.dtype == torch.bfloat16, name  # the LoRA left the int8 layer dequantized, as ComfyUI runs it
+                want = block.get_submodule(name)(x)
+                assert torch.equal(torch.nn.functional.linear(x, w, got.get(f"{name}.bias")), want), name
+        after = {k: (v._qdata if MA._is_quantized(v) else v) for k, v in block.state_dict().items()
+                 if isinstance(v, torch.Tensor)}
+        assert all(torch.equal(after[k], v) for k, v in stored.items())
+    finally:
+        lora.unpatch_model(torch.device("cpu"))
+
+
 def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
     from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
     sd = comfy_h3.state_dict(layers=1, int8=True)
@@ -456,6 +489,22 @@ def test_release_node_clears_store_keeps_workers_then_releases(split, monkeypatc
     text = RELEASE.H3MSReleaseResourcesAsync().run(True, False, False)["ui"]["text"]
     assert "released (1 engine" in text[0] and split.engines() == []
     assert same(reference, sample(patched))  # a new engine starts on demand
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["weight_cache-on", "weight_cache-off"])
+def test_weight_cache_keeps_or_releases_the_store_after_sampling(split, monkeypatch, cache):
+    """What weight_cache's tooltip says: on, the filled store outlives the prompt; off, it is released when sampling
+    ends (ComfyUI's ON_CLEANUP). The workers stay either way, and the next prompt is still exact."""
+    patcher = comfy_h3.model(layers=2)
+    reference = sample(patcher)
+    monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
+    (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, cache, 0.0, "auto", None)
+    assert same(reference, sample(patched))
+    (engine,) = split.engines()
+    pids = [w["pid"] for w in engine.pool.snapshot()]
+    assert engine.weight_state.startswith("warm") if cache else engine.weight_state == "empty"
+    assert same(reference, sample(patched))
+    assert [w["pid"] for w in engine.pool.snapshot()] == pids
 
 
 def test_step_too_short_to_split_exactly_runs_unsplit(split, monkeypatch, caplog):

@@ -48,7 +48,9 @@ def _exact_calls(devices: list[str], transport: str, seed: int, chunk_heads: int
             if transport == "cuda_ipc" and all(d == devices[0] for d in devices):
                 rate = last["staged_bytes"] / last["stage_s"] / 1e9
                 print(f"CUDA IPC staging inside the GPU: {rate:.0f} GB/s ({last['staged_bytes'] / 1e6:.0f} MB)")
-                assert rate > 100, f"staging into the IPC buffers ran at {rate:.1f} GB/s: it queued behind something"
+                # the queued-behind-rank-0 defect measured 2-3 GB/s; healthy staging on the H200 measured 188-1045 GB/s,
+                # and 71-79 GB/s with one-head pieces (a copy and an event per head)
+                assert rate > 30, f"staging into the IPC buffers ran at {rate:.1f} GB/s: it queued behind something"
         finally:
             eng.release()
 

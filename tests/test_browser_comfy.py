@@ -185,6 +185,17 @@ def test_pack_in_running_comfyui_frontend(comfy):
             shown = panel.locator("#h3ms-log").text_content().splitlines()
             assert shown[1:] and shown[1:] == log1.read_text().splitlines()[-len(shown[1:]):], shown
 
+            # 3b. the panel's cache, VAE-worker and text-encoder-output sections are the status route's own
+            panel.wait_for_function('JSON.parse(document.getElementById("h3ms-te-outputs").textContent || "null")')
+            shown_sections = panel.evaluate("""() => Object.fromEntries(["h3ms-caches", "h3ms-vae-workers",
+                "h3ms-vae-split", "h3ms-te-outputs"].map((id) =>
+                [id, JSON.parse(document.getElementById(id).textContent)]))""")
+            route = server.get("/h3multistream/status")
+            assert shown_sections == {"h3ms-caches": route["caches"], "h3ms-vae-workers": route["vae_workers"],
+                                      "h3ms-vae-split": route["vae_split"],
+                                      "h3ms-te-outputs": route["text_encoder_outputs"]}, shown_sections
+            assert {"entries", "hits", "misses", "bytes"} <= set(route["text_encoder_outputs"])
+
             # 4. a worker hangs mid-run (SIGSTOP: it misses its heartbeats and the step's answer): the pool kills it
             #    and fails the prompt; a toast on ComfyUI's page (the prompt's client) names the rank and its log
             prompt_b = server.queue(sample_workflow(40, seed=2), client)

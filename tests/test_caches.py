@@ -22,6 +22,41 @@ def test_digest_covers_dtype_shape_bytes_order_and_keys() -> None:
     assert digest([1, 2]) != digest((1, 2)) and digest([1, 2]) != digest([2, 1])
 
 
+def test_digest_of_token_lists_sees_every_token_weight_and_type() -> None:
+    pairs = [[(int(i), 1.0) for i in range(300)]]
+    base = digest({"l": pairs})
+    # equal values built another way (fresh ints and floats, no shared objects) give the same key
+    assert base == digest({"l": [[(int(str(i)), float("1.0")) for i in range(300)]]})
+    changed = [[*pairs[0][:150], (150, 1.0000001), *pairs[0][151:]]]
+    assert base != digest({"l": changed})
+    assert base != digest({"l": [[*pairs[0][:299], (300, 1.0)]]})
+    assert digest([(1, 1.0)]) != digest([(1, 1)]) and digest([(1, 1.0)]) != digest([(True, 1.0)])
+    assert digest([(1, 0.0)]) != digest([(1, -0.0)]) and digest([[1]]) != digest([(1,)])
+    # a token list carrying an embedding tensor walks item by item and still sees the tensor's bytes
+    emb = torch.ones(4)
+    with_emb = [[(emb, 1.0), (5, 1.0)]]
+    assert digest(with_emb) == digest([[(emb.clone(), 1.0), (5, 1.0)]])
+    assert digest(with_emb) != digest([[(emb * 2, 1.0), (5, 1.0)]])
+
+
+def test_fetch_computes_once_and_hits_with_an_equal_copy() -> None:
+    c = OutputCache()
+    calls = []
+
+    def compute() -> tuple:
+        calls.append(1)
+        return torch.randn(1, 5, 8), {"pooled_output": torch.randn(1, 8)}
+
+    parts = (("te", "f", 1), None, [("clip_l", "last", None, False)], [[(1, 1.0), (2, 0.5)]])
+    miss, key, hit = c.fetch(parts, compute, 4)
+    again, key2, hit2 = c.fetch(parts, compute, 4)
+    assert not hit and hit2 and key == key2 and len(calls) == 1
+    assert torch.equal(again[0], miss[0]) and torch.equal(again[1]["pooled_output"], miss[1]["pooled_output"])
+    assert again[0] is not miss[0]
+    _, _, hit3 = c.fetch((*parts[:2], [("clip_l", "hidden", -2, False)], parts[3]), compute, 4)
+    assert not hit3 and len(calls) == 2
+
+
 def test_output_cache_hit_is_an_equal_copy_and_lru_bounded() -> None:
     c = OutputCache()
     out = (torch.randn(1, 7, 16), torch.randn(1, 16), {"pooled_output": torch.randn(1, 16), "n": 3})

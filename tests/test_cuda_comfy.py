@@ -3,7 +3,8 @@ including the first call after the workers start, with no warm-up anywhere in th
 
 ``import main`` runs ComfyUI's own start-up code (up to its ``__main__`` guards): comfy-aimdo is initialised and the
 patcher class becomes ``ModelPatcherDynamic`` (DynamicVRAM, ComfyUI's default on NVIDIA) unless
-``--disable-dynamic-vram``; the test asserts which patcher ComfyUI really used. One ComfyUI process per flag set
+``--disable-dynamic-vram`` (or ``--novram``, which also leaves every layer offloaded, so the classic patcher applies a
+LoRA in ``comfy.ops``' cast); the test asserts which patcher ComfyUI really used. One ComfyUI process per flag set
 (flags are process-wide); inside it each case patches the model with ``H3MS_RANK_MAP`` set to its logical ranks on
 ``cuda:0`` (a new rank map starts new workers, so every case's first split call is a fresh worker's first step).
 Tiny width, 2 blocks, >= 8000 packed tokens; bf16 weights compute in bf16 on the H200, int8 in bf16 too.
@@ -41,7 +42,7 @@ KW = dict(width=1280, height=768, length=56, steps=2)  # 8,7xx packed tokens
 for cid, ranks, shares, int8, lora in {cases!r}:
     name = f"h3cuda-{{os.getpid()}}-{{cid}}.safetensors"
     path = os.path.join(comfy_h3.checkpoint_dir(), name)
-    comfy_h3.write_checkpoint(path, layers=2, int8=int8, dtype=torch.bfloat16)
+    comfy_h3.write_checkpoint(path, layers=2, int8=int8, dtype=torch.bfloat16, scale_2d=int8 and lora)
     try:
         model = comfy_h3.load(name)
         if lora:
@@ -68,8 +69,14 @@ S.release_all_engines()
 
 GROUPS = [
     # (id, ComfyUI flags, [(case id, rank map, shares, int8, lora)], the patcher ComfyUI must use)
+    # A LoRA under DynamicVRAM is applied inside comfy.ops' cast (re-quantized for int8): the split takes those weights
+    # from that cast; reading them any other way once wrote into comfy-aimdo's read-only mapping (a segfault).
     ("sdpa-dynamic", [], [("bf16-lora-2ranks", "cuda:0,cuda:0", "", False, True),
+                          ("int8-lora-2ranks", "cuda:0,cuda:0", "", True, True),
                           ("int8-3ranks-121", "cuda:0,cuda:0,cuda:0", "1,2,1", True, False)], "ModelPatcherDynamic"),
+    # --novram: the classic patcher leaves every layer offloaded and applies the LoRA in the cast (LowVramPatch).
+    ("sdpa-novram", ["--novram"], [("bf16-lora-2ranks", "cuda:0,cuda:0", "", False, True),
+                                   ("int8-lora-2ranks", "cuda:0,cuda:0", "", True, True)], "ModelPatcher"),
     ("sdpa-nodynamic", ["--disable-dynamic-vram"], [("bf16-lora-2ranks", "cuda:0,cuda:0", "", False, True)],
      "ModelPatcher"),
     ("ck-dynamic", ["--use-ck-attention"], [("int8-2ranks", "cuda:0,cuda:0", "", True, False),

@@ -67,3 +67,47 @@ def test_a_broken_node_is_left_out_with_one_error(tmp_path, pack_names, caplog, 
     assert set(pack.NODE_CLASS_MAPPINGS) == set(NODES) - {"H3MSGPUSetAsync"}
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "H3MSGPUSetAsync" in errors[0] and "broken on purpose" in errors[0]
+
+
+def test_importing_the_pack_leaves_comfy_kitchens_backends_alone():
+    """ComfyUI's process owns comfy-kitchen's backend policy (``comfy.quant_ops``, with ``--enable-triton-backend``);
+    importing the pack and everything its nodes load (the split, the reference ops) must not enable or disable any
+    backend there. Workers apply a policy in their own process only. A fresh process: other tests build reference
+    models, which apply the standalone policy in this one."""
+    import subprocess
+    code = f"""
+import importlib.util, json, sys
+import comfy_kitchen as ck
+state = lambda: {{k: v["disabled"] for k, v in ck.list_backends().items()}}
+for name in list(state()):
+    ck.enable_backend(name)  # all on: a policy applied at import would switch some off
+before = state()
+spec = importlib.util.spec_from_file_location("h3ms_pack", {str(ROOT / "__init__.py")!r},
+                                              submodule_search_locations=[{str(ROOT)!r}])
+pack = importlib.util.module_from_spec(spec)
+sys.modules["h3ms_pack"] = pack
+spec.loader.exec_module(pack)
+import h3ms_async.dit.split, h3ms_async.dit.reference, workers.dit.ops, workers.runtime.comfy_host
+print(json.dumps([before, state(), sorted(m for m in sys.modules if m.startswith("workers."))]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    before, after, loaded = json.loads(r.stdout.splitlines()[-1])
+    assert not any(before.values()) and after == before
+    assert "workers.dit.ops" in loaded and "workers.dit.rank" not in loaded  # the rank module is the workers' own
+
+
+def test_requirements_leave_comfyuis_own_packages_to_comfyui():
+    """A pack's requirements.txt is installed into ComfyUI's environment: torch, comfy-kitchen and comfy-aimdo are
+    ComfyUI's own (a pack must not replace its torch); the standalone install declares them instead."""
+    import re
+    names = []
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].lower().replace("_", "-"))
+    assert names and not {"torch", "comfy-kitchen", "comfy-aimdo"} & set(names), names
+    standalone = (ROOT / "pyproject.toml").read_text() + (ROOT / "scripts" / "h3ms.sh").read_text()
+    for pkg in ("torch", "comfy-kitchen", "comfy-aimdo"):
+        assert pkg in standalone, f"the standalone install does not declare {pkg}"

@@ -204,3 +204,36 @@ def test_ck_int8_attention_unavailable_on_cpu_is_a_clear_error(engine_factory, i
     eng = engine_factory(["cpu"], attention="ck_int8")
     with pytest.raises(SplitError, match="attention='sdpa'"):  # the ranks warm their attention up at load
         eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+
+
+def test_auto_residency_keeps_what_fits_in_the_ranks_share_of_the_gpu():
+    """``vram_residency auto`` (workers.dit.cuda): every block when all fit (no streaming slots then), else as many
+    as fit next to two streaming slots; ranks on one GPU split its free memory (they measure it at the same time)."""
+    from workers.dit.cuda import auto_resident_blocks
+    gib = 1 << 30
+    assert auto_resident_blocks(4, gib, 20 * gib, 8 * gib, 2 * gib) == 4
+    assert auto_resident_blocks(4, gib, 14 * gib, 8 * gib, 2 * gib) == 4  # exactly fits: no slots needed
+    assert auto_resident_blocks(4, gib, 13 * gib, 8 * gib, 2 * gib) == 1  # 3 GiB left: 2 slots + 1 block
+    assert auto_resident_blocks(4, gib, 40 * gib, 8 * gib, 2 * gib, sharing=2) == 4
+    assert auto_resident_blocks(4, gib, 24 * gib, 8 * gib, 2 * gib, sharing=2) == 0  # 12 GiB each: 2 left = slots
+    assert auto_resident_blocks(60, gib, 140 * gib, 12 * gib, 2 * gib, sharing=2) == 54
+    assert auto_resident_blocks(4, gib, gib, 8 * gib, 2 * gib) == 0
+
+
+def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_model):
+    """H3's first step has one modulation row and the next ones two: a t_emb (or per-token row) shape change between
+    steps replaces the few-KiB side segment only; the step segment and the arena, which every rank has mapped (and
+    CUDA ranks registered), stay. Each step is still exact."""
+    eng = engine_factory(["cpu", "cpu"])
+    eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    lay = _layouts()[0]
+    names = []
+    for s, extra_rows in enumerate((0, 1, 1)):
+        inp = make_step_inputs(CFG, lay, 30 + s, int8_model.dtype)
+        t_emb = torch.cat([inp.t_emb, torch.randn(extra_rows, CFG.t_dim).to(inp.t_emb.dtype)])
+        ref = int8_model.forward_blocks(inp.x.clone(), t_emb, inp.segments, inp.rope_freqs)
+        assert torch.equal(eng.run_blocks(inp.x, t_emb, inp.segments, inp.rope_freqs), ref), f"step {s}"
+        buf = eng._buffers
+        names.append((buf.step.name, buf.arena.name, buf.side.name))
+        assert eng.last_phases["new_buffers"] == (s == 0) and eng.last_phases["new_side"] == (s < 2)
+    assert names[0][:2] == names[1][:2] == names[2][:2] and names[0][2] != names[1][2] == names[2][2]

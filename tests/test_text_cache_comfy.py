@@ -1,9 +1,11 @@
 """H3 MS Text Encoder Cache and H3 MS VAE Cache through the real ComfyUI tree: a hit equals the miss bit for bit, the
 key sees the prompt and the layer option, evicted weights come back from the pinned copy exactly, the status counts
-hits and misses, Release Resources clears the outputs and removes the hooks."""
+hits and misses, Release Resources clears the outputs and removes the hooks; under DynamicVRAM the weight cache stands
+aside and the output cache still hits exactly."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=com
 
 SCRIPT = r'''
 import asyncio, json, os, time, torch
-import comfy.sd, comfy.sd1_clip, comfy.supported_models_base, nodes
+import nodes
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 M = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.caches import output_cache, weight_cache
@@ -21,23 +23,9 @@ from h3ms_async.observability.status import get_hub
 import sys
 method_hooks = next(m for n, m in sys.modules.items() if n.endswith("nodes.method_hooks"))
 
-# A real SD1-type CLIP (ComfyUI's tokenizer and encoder classes), shrunk to 2 layers of 64, seeded random weights.
-config = json.load(open("comfy/sd1_clip_config.json"))
-config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, projection_dim=64)
-config_path = os.path.join(os.environ["TMP_DIR"], "small_clip.json")
-json.dump(config, open(config_path, "w"))
-
-class SmallClip(comfy.sd1_clip.SDClipModel):
-    def __init__(self, device="cpu", dtype=None, model_options={}):
-        super().__init__(device=device, dtype=dtype, model_options=model_options, textmodel_json_config=config_path,
-                         return_projected_pooled=False)
-
-target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
-clip = comfy.sd.CLIP(target, model_options={"clip_l_class": SmallClip})
-gen = torch.Generator().manual_seed(3)
-with torch.no_grad():
-    for name, p in sorted(clip.cond_stage_model.named_parameters()):
-        p.copy_(torch.randn(p.shape, generator=gen) * 0.02 + (1.0 if name.endswith("layer_norm1.weight") else 0.0))
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from small_clip import small_clip
+clip = small_clip(os.environ["TMP_DIR"])
 
 def encode(c, text):
     t = time.perf_counter()
@@ -64,20 +52,34 @@ status = get_hub().status()
 hooks = method_hooks.installed()
 release = M["H3MSReleaseResourcesAsync"]().run(False, False, True, True, True)["ui"]["text"]
 plain = encode(clip, "a red fox")
-print("RESULT", json.dumps({
+entries_after_release = output_cache().stats()["entries"]
+hooked_after = "encode_token_weights" in clip.cond_stage_model.__dict__
+ref_c = encode(clip, "a green frog")
+# DynamicVRAM: ComfyUI's own ModelPatcherDynamic class (its __init__ needs CUDA and comfy-aimdo, so on CPU the
+# instance carries the CPU patcher's state); the weight cache must stand aside, the output cache work as before.
+import comfy.model_patcher
+dyn_clip = clip.clone()
+dyn_clip.patcher = object.__new__(comfy.model_patcher.ModelPatcherDynamic)
+dyn_clip.patcher.__dict__.update(clip.patcher.__dict__)
+dyn_cached = node.patch(dyn_clip, True, True, 8, 0.0)[0]
+dyn_miss, dyn_hit = encode(dyn_cached, "a green frog"), encode(dyn_cached, "a green frog")
+dyn = {"is_dynamic": dyn_clip.patcher.is_dynamic(), "miss_equal": same(dyn_miss, ref_c),
+       "hit_equal": same(dyn_hit, ref_c), "te_rows": [r for r in weight_cache().summaries() if r["group"] == "te"],
+       "stats": output_cache().stats()}
+print("RESULT", json.dumps({"dynamic": dyn, 
     "miss_equal": same(miss, ref_a), "hit_equal": same(hit, ref_a), "clone_hit_equal": same(hit_other_clone, ref_a),
     "layer2_equal": same(layer2, ref_a2), "layer2_differs": not same(ref_a2, ref_a),
     "evict_equal": same(after_evict, ref_b), "stats": stats_before_evict, "te_row": te_row,
     "status_outputs": status["text_encoder_outputs"], "hooks": hooks,
-    "entries_after_release": output_cache().stats()["entries"], "release": release,
-    "hooked_after": "encode_token_weights" in clip.cond_stage_model.__dict__, "plain_equal": same(plain, ref_a),
+    "entries_after_release": entries_after_release, "release": release,
+    "hooked_after": hooked_after, "plain_equal": same(plain, ref_a),
     "miss_s": miss[2], "hit_s": hit[2]}))
 '''
 
 
 def test_text_encoder_cache_hit_equals_miss_and_restores_evicted_weights(tmp_path) -> None:
-    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"], env={"TMP_DIR": str(tmp_path)},
-                                       timeout_s=600)
+    env = {"TMP_DIR": str(tmp_path), "H3MS_TESTS_DIR": str(Path(__file__).parent)}
+    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"], env=env, timeout_s=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
@@ -89,3 +91,9 @@ def test_text_encoder_cache_hit_equals_miss_and_restores_evicted_weights(tmp_pat
     assert any(h["hook"] == "TextEncoder" and h["methods"] == ["encode_token_weights"] for h in r["hooks"])
     assert r["entries_after_release"] == 0 and not r["hooked_after"] and r["plain_equal"], r["release"]
     assert any("text-encoder output cache cleared" in ln for ln in r["release"])
+    dyn = r["dynamic"]
+    assert dyn["is_dynamic"] and dyn["miss_equal"] and dyn["hit_equal"], dyn
+    assert dyn["te_rows"] == [], "under DynamicVRAM the weight cache must not hold a second copy"
+    assert dyn["stats"]["hits"] == 3 and dyn["stats"]["entries"] == 1, dyn["stats"]
+    assert sum("weight cache off for this model: ComfyUI runs it under DynamicVRAM" in ln
+               for ln in proc.stderr.splitlines()) == 1

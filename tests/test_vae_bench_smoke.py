@@ -38,6 +38,9 @@ def test_bench_caches_tiny(tmp_path) -> None:
     bench_caches_main(["--device", "cpu", "--te-layers", "1", "--te-hidden", "128", "--tokens", "64",
                        "--repeats", "2", "--weights-gb", "0.07", "--dtype", "fp32", "--out", str(tmp_path)])
     rep = json.loads((tmp_path / "bench_caches.json").read_text())
-    assert rep["outputs"]["hit_equals_miss"] and rep["outputs"]["stats"]["hits"] == 2
-    assert rep["outputs"]["hit_s"] < rep["outputs"]["miss_s"]
+    out = rep["outputs"]
+    assert out["hit_equals_miss"] and out["stats"]["hits"] == 2
+    assert out["hit_s"] < out["miss_s"] and out["hit_key_s"] > 0
+    assert out["hit_fraction_of_miss"] == pytest.approx(out["hit_s"] / out["miss_s"], rel=0.02, abs=2e-6)
+    assert out["output_bytes"] == (64 * 128 + 128) * 4  # the hidden states and the pooled output, fp32
     assert rep["weights"]["restore_exact"] and rep["weights"]["bytes"] == 64 * 2**20

@@ -32,7 +32,7 @@ CASES = [
 
 def test_split_decode_equals_comfyui_at_2_3_4_8_ranks_shm_and_socket(tmp_path) -> None:
     script = (Path(__file__).parent / "vae_comfy_script.py").read_text()
-    env = {"H3MS_TEST_VAE_CRASH_FILE": str(tmp_path / "crash-now"), "H3MS_TEST_HOOKS": "1","VAE_CASES": json.dumps(CASES), "H3MS_MAX_FRAME_BYTES": str(256 * 1024),  # several fetch pieces/chunk
+    env = {"H3MS_TESTS_DIR": str(Path(__file__).parent), "H3MS_TEST_VAE_CRASH_FILE": str(tmp_path / "crash-now"), "H3MS_TEST_HOOKS": "1","VAE_CASES": json.dumps(CASES), "H3MS_MAX_FRAME_BYTES": str(256 * 1024),  # several fetch pieces/chunk
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = comfy_tree.run_comfy_script(script, ["--cpu", "--disable-api-nodes"], env=env, timeout_s=800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -4,7 +4,8 @@ Synchronous callers (ComfyUI's prompt thread, the demo) use :class:`SplitEngine`
 coroutines on the coordinator loop.  Per step the engine
 
 1. plans token and head ranges (largest remainder by shares, ``plans.make_split_plan``);
-2. writes the residual stream, t_emb, rope table and any per-token mod rows into the step segment (shm) once;
+2. writes the residual stream and rope table into the step segment, t_emb and any per-token mod rows into the small
+   side segment (shm), once;
 3. sends ``dit_step`` to every rank (``workers.dit.rank``): each runs all blocks on its shard, exchanging through the
    arena (``exchange="host"``) or torch.distributed (``"nccl"``; gloo on CPU ranks);
 4. reads the new residual stream back (each rank wrote its own rows) and records a step record for the status hub.
@@ -109,7 +110,12 @@ class SplitOptions:
 
 @dataclass
 class _StepBuffers:
-    """The step segment (inputs/outputs) and the exchange arena, reused while shapes stay the same."""
+    """The step segment (residual stream in/out, rope) and the exchange arena, reused while the token plan stays the
+    same, plus the side segment for t_emb and per-token mod rows.
+
+    Those two change shape between the steps of one prompt (H3's first step has one modulation row, the next ones
+    two), so they live apart: a new shape replaces the few-KiB side segment only, never the step segment or the
+    multi-GiB arena that every rank has mapped and registered with CUDA."""
 
     shape_key: tuple
     step: Segment
@@ -117,9 +123,11 @@ class _StepBuffers:
     arena: Segment | None
     layout: ArenaLayout
     pinned: bool = False
+    side_key: tuple | None = None
+    side: Segment | None = None
 
     def close(self) -> None:
-        for seg in (self.step, self.arena):
+        for seg in (self.step, self.arena, self.side):
             if seg is not None:
                 seg.close()
                 seg.unlink()
@@ -160,8 +168,13 @@ class SplitEngine:
         _LIVE.add(self)
         _register_status()
         #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
-        #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``); benchmarks read it.
+        #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
+        #: ``cuda_alloc``); benchmarks read it.
         self.last_rank_results: list[dict] = []
+        #: Where the last successful step's wall time went on this side: new step buffers (``new_buffers``), a new
+        #: side segment (``new_side``) and their creation (``buffers_s``), staging the inputs into shm, the ranks'
+        #: job, queuing the copy back.
+        self.last_phases: dict = {}
 
     # -- properties -------------------------------------------------------------------------------------------
     @property
@@ -313,16 +326,20 @@ class SplitEngine:
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
+        before = self._buffers
+        side_before = before.side if before is not None else None
         buf = self._buffers_for(plan, opts, x, t_emb, rope_freqs, mod_segments)
-        step = buf.step
+        t_staged = time.perf_counter()
+        step, side = buf.step, buf.side
+        assert side is not None
         step.tensor(buf.descs["x"]).copy_(x)
-        step.tensor(buf.descs["t_emb"]).copy_(t_emb)
+        side.tensor(buf.descs["t_emb"]).copy_(t_emb)
         step.tensor(buf.descs["rope"]).copy_(rope_freqs)
         segments: list[tuple[int, int, int | TensorDesc]] = []
         for i, (a, b, row) in enumerate(mod_segments):
             if isinstance(row, torch.Tensor):
                 d = buf.descs[f"row{i}"]
-                step.tensor(d).copy_(row.to(torch.int64))
+                side.tensor(d).copy_(row.to(torch.int64))
                 row = d
             segments.append((int(a), int(b), row))
         self._steps += 1
@@ -335,6 +352,7 @@ class SplitEngine:
             exchange={"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
             chunks=opts.exchange_chunks, abort_gen=0, deadline_s=opts.exchange_deadline_s, blocks=(0, blocks),
             residency=opts.vram_residency) for r in range(self.ranks)]
+        t_sent = time.perf_counter()
         try:
             results = self._run(self._dispatch(steps), self.options.step_timeout_s, "split step", interrupt,
                                 self._block_probe(buf, blocks, progress))
@@ -346,9 +364,14 @@ class SplitEngine:
         # The step segment is registered pinned memory when x lives on a GPU: the copy back is queued on x's
         # stream (ordered before H3's final layer) without a host-side sync; the segment is next written only
         # after the next step's device-to-host copy of its input, which that stream orders after this one.
+        t_back = time.perf_counter()
         out = x if in_place else torch.empty_like(x)
         out.copy_(result, non_blocking=buf.pinned)
         self.last_rank_results = [dict(r) for r in results]
+        self.last_phases = {"new_buffers": buf is not before, "new_side": buf.side is not side_before,
+                            "buffers_s": t_staged - t_wall,
+                            "stage_s": t_sent - t_staged, "ranks_s": t_back - t_sent,
+                            "return_s": time.perf_counter() - t_back}
         self._record(plan, opts, results, time.perf_counter() - t_wall, x.shape[0], blocks, sigma)
         if progress is not None:
             progress(blocks, blocks)
@@ -388,19 +411,27 @@ class SplitEngine:
 
     def _buffers_for(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
                      mod_segments: Sequence[tuple]) -> _StepBuffers:
-        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments) if isinstance(r, torch.Tensor))
         ld = self._loaded
         assert ld is not None
-        key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(t_emb.shape), t_emb.dtype, tuple(rope.shape),
-               rope.dtype, rows, opts.exchange, str(x.device))
-        if self._buffers is not None and self._buffers.shape_key == key:
-            return self._buffers
+        key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(rope.shape), rope.dtype, opts.exchange,
+               str(x.device))
+        buf = self._buffers
+        if buf is None or buf.shape_key != key:
+            buf = self._new_buffers(key, plan, opts, x, rope)
+        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments) if isinstance(r, torch.Tensor))
+        side_key = (tuple(t_emb.shape), t_emb.dtype, rows)
+        if buf.side_key != side_key:
+            self._new_side(buf, side_key, t_emb, rows)
+        return buf
+
+    def _new_buffers(self, key: tuple, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor,
+                     rope: torch.Tensor) -> _StepBuffers:
+        ld = self._loaded
+        assert ld is not None
         self._drop_buffers()
         self._unmap_released()
-        specs = {"x": (x.dtype, x.shape), "t_emb": (t_emb.dtype, t_emb.shape), "rope": (rope.dtype, rope.shape)}
-        specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
-        size = sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
-        step = Segment.create(size, "step")
+        specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
+        step = Segment.create(_segment_bytes(specs), "step")
         arena_seg = None
         try:
             a = Arena(step)
@@ -419,6 +450,26 @@ class SplitEngine:
         pinned = x.is_cuda and register_cuda(step, str(x.device))
         self._buffers = _StepBuffers(key, step, descs, arena_seg, layout, pinned)
         return self._buffers
+
+    @staticmethod
+    def _new_side(buf: _StepBuffers, side_key: tuple, t_emb: torch.Tensor, rows: tuple) -> None:
+        """Replace ``buf``'s side segment (t_emb and per-token rows) for new shapes; ranks map the new one at the
+        step that names it and drop the old one (its owner let go) at their next attach."""
+        specs = {"t_emb": (t_emb.dtype, t_emb.shape)}
+        specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
+        side = Segment.create(_segment_bytes(specs), "side")
+        try:
+            a = Arena(side)
+            descs = {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
+        except BaseException:
+            side.close()
+            side.unlink()
+            raise
+        if buf.side is not None:
+            buf.side.close()
+            buf.side.unlink()
+        buf.descs = {k: v for k, v in buf.descs.items() if k in ("x", "rope")} | descs
+        buf.side, buf.side_key = side, side_key
 
     def _unmap_released(self) -> None:
         """Have the ranks unmap the buffers dropped so far, so that a tight /dev/shm gets their pages back before
@@ -511,6 +562,11 @@ def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
     if not n_cpu or "OMP_NUM_THREADS" in os.environ:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n_cpu))}
+
+
+def _segment_bytes(specs: dict[str, tuple[torch.dtype, Sequence[int]]]) -> int:
+    """Bytes of a segment holding one 4 KiB-aligned tensor per ``name: (dtype, shape)``."""
+    return sum(-(-max(1, _nbytes(dt, shp)) // 4096) * 4096 for dt, shp in specs.values())
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

@@ -86,9 +86,13 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
     blk = dec.transformer_blocks[0]
     lin = type(blk.attn.to_qkv)
     qual = lin.__qualname__
+    if lin.__module__ == "comfy.ops" and qual.startswith("mixed_precision_ops."):
+        raise VaeSplitUnsupported("the decoder is quantized (an int8 checkpoint: ComfyUI loads its linears through "
+                                  "comfy.ops.mixed_precision_ops) and the split workers rebuild plain comfy.ops "
+                                  "decoders only; load an fp16/fp32 H3 VAE checkpoint to split the decode")
     if lin.__module__ != "comfy.ops" or qual.count(".") != 1 or "<locals>" in qual:
-        raise VaeSplitUnsupported(f"the decoder's linears are {lin.__module__}.{qual} (quantized or custom "
-                                  "operations); only plain comfy.ops decoders split exactly")
+        raise VaeSplitUnsupported(f"the decoder's linears are {lin.__module__}.{qual} (custom operations); only "
+                                  "plain comfy.ops decoders split exactly")
     tensors = decoder_tensors(model)
     odd = sorted(n for n, t in tensors.items() if type(t.data) is not torch.Tensor)
     if odd:

@@ -3,8 +3,9 @@
 Weights.  The shared-memory weight store is mapped once per worker and registered with CUDA as pinned host memory
 (``WorkerContext.segment``), so host->device copies from it run at full PCIe/C2C speed.  At the first step (when
 the sequence length, and so the working set, is known) the rank decides how many leading blocks stay resident in
-VRAM: ``resident`` = all, ``stream`` = none, ``auto`` = as many as fit in free VRAM minus the step's working set
-minus a reserve (``H3MS_VRAM_RESERVE_GB``, default 2).  The rest stream through two device slots: while block i
+VRAM: ``resident`` = all, ``stream`` = none, ``auto`` = as many as fit in the rank's share of free VRAM (ranks on the
+same GPU split it) minus the step's working set minus a reserve (``H3MS_VRAM_RESERVE_GB``, default 2)
+(:func:`auto_resident_blocks`).  The rest stream through two device slots: while block i
 computes, block i+1 is copied into the other slot on a side stream; the compute stream waits on the slot's
 "loaded" event, the side stream on the "freed" event the compute stream recorded after the slot's previous block.
 
@@ -64,6 +65,17 @@ class StreamTimer:
             out[what] = out.get(what, 0.0) + a.elapsed_time(b) / 1000.0
         self.pairs.clear()
         return out
+
+
+def auto_resident_blocks(n: int, block_bytes: int, free: int, working_set: int, reserve: int, sharing: int = 1) -> int:
+    """How many of ``n`` leading blocks ``vram_residency auto`` keeps in VRAM: as many as fit in this rank's part of
+    the free memory (``free`` split evenly among the ``sharing`` ranks on the same GPU, which measure it at the same
+    time) after the step's working set and the reserve. All of them when all fit; otherwise two streaming slots
+    are set aside first."""
+    budget = free // max(1, sharing) - working_set - reserve
+    if budget >= n * block_bytes:
+        return n
+    return max(0, min(n, (budget - 2 * block_bytes) // max(1, block_bytes)))
 
 
 class CudaWeights:
@@ -133,10 +145,12 @@ class CudaWeights:
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
             reserve = int(_env_gb("H3MS_VRAM_RESERVE_GB", 2.0) * GIB)
-            budget = free - self.working_set_bytes(tokens, local_tokens) - reserve - 2 * self.block_bytes
-            k = max(0, min(n, budget // max(1, self.block_bytes)))
-            why = (f"auto: {free / GIB:.1f} GiB free, {self.block_bytes / GIB:.2f} GiB per block, "
-                   f"{reserve / GIB:.1f} GiB reserve (H3MS_VRAM_RESERVE_GB)")
+            sharing = max(1, [str(d) for d in self.config.get("devices") or []].count(str(self.device)))
+            k = auto_resident_blocks(n, self.block_bytes, free, self.working_set_bytes(tokens, local_tokens),
+                                     reserve, sharing)
+            why = (f"auto: {free / GIB:.1f} GiB free, shared by {sharing} rank(s) on {self.device}, "
+                   f"{self.block_bytes / GIB:.2f} GiB per block, {reserve / GIB:.1f} GiB reserve "
+                   "(H3MS_VRAM_RESERVE_GB)")
         for i in range(k):
             self.resident.append(self._to_device(i))
         if k < n:
@@ -144,8 +158,8 @@ class CudaWeights:
         torch.cuda.synchronize(self.device)
         self.n_resident = k
         self.residency = residency
-        self.log.info("[dit] rank %d: %d of %d blocks resident in VRAM, %d streamed with prefetch (%s)", self.rank,
-                      k, n, n - k, why)
+        self.log.info("[dit] rank %d: loaded (%d of %d blocks resident in VRAM, %d streamed with prefetch, heads %s; "
+                      "%s)", self.rank, k, n, n - k, list(self.heads), why)
 
     def _empty_like_block(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -16,7 +16,8 @@ serve.  Field meanings:
 ``dit_step``    run every block on this rank's token range, exchanging with the other ranks.
     job         step number (logs)
     x           descriptor of the residual stream [S, H]; rank r reads and finally writes rows [t0, t1)
-    t_emb       descriptor [M, T];  rope: descriptor [1, S, 1, P, 2, 2]
+    t_emb       descriptor [M, T] (in a small side segment with the per-token rows: M changes between steps, the
+                step segment and the arena stay);  rope: descriptor [1, S, 1, P, 2, 2]
     segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row index
     tokens      [t0, t1]
     arena       exchange arena segment name ("" for exchange "dist"); layout: ArenaLayout.to_dict()

@@ -265,9 +265,10 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     step_seg = ctx.segment(msg.x.seg)
     x_full = step_seg.tensor(msg.x)
     x_rows = x_full[t0:t1].to(device, non_blocking=True) if cuda else x_full[t0:t1]
-    t_emb = step_seg.tensor(msg.t_emb).to(device)
+    t_emb = ctx.segment(msg.t_emb.seg).tensor(msg.t_emb).to(device)
     rope = step_seg.tensor(msg.rope).to(device)
     segs = dit_ops.clip_segments(_segments(ctx, msg.segments, device), t0, t1)
+    alloc0 = _alloc_counters(device) if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         w.provider.prepare(x_full.shape[0], t1 - t0, msg.residency)
@@ -281,6 +282,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     timer = w.provider.timer if w.provider is not None else None
     per_block: list[list[float]] = []
     mark = (time.perf_counter(), *_host_counters(ex))
+    setup_s = mark[0] - t_start
     for i in range(b0, b1):
         if ctx.abort_generation() != int(msg.abort_gen):
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg.job} aborted before block {i}")
@@ -299,6 +301,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
         d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))
         per_block.append([round(d_wall - d_copy - d_wait, 6), round(d_copy, 6), round(d_wait, 6)])
         mark = now
+    t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)
         torch.cuda.current_stream(device).synchronize()
@@ -321,7 +324,25 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
         # compute before each exchange (cuda_rank), so "compute" is GPU time up to that point (the last block's
         # tail shows in the step total)
         "per_block": per_block,
+        # where a slow step's time went outside the blocks: mapping/registering new segments, input copies, weight
+        # placement, the exchange's setup (setup_s); the copy back (tail_s); the CUDA caching allocator growing
+        # (new segments = cudaMalloc calls) or retrying after freeing its cache (a sync per retry)
+        "setup_s": setup_s,
+        "tail_s": time.perf_counter() - t_tail,
+        "cuda_alloc": _alloc_delta(alloc0, _alloc_counters(device)) if cuda else None,
     }
+
+
+def _alloc_counters(device: torch.device) -> dict[str, int]:
+    st = torch.cuda.memory_stats(device)
+    return {"segments": int(st.get("segment.all.allocated", 0)), "retries": int(st.get("num_alloc_retries", 0)),
+            "reserved_bytes": int(st.get("reserved_bytes.all.current", 0))}
+
+
+def _alloc_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The allocator's growth over one step: new segments, retries, and the reserved bytes at its end."""
+    return {"new_segments": after["segments"] - before["segments"], "retries": after["retries"] - before["retries"],
+            "reserved_bytes": after["reserved_bytes"]}
 
 
 def _host_counters(ex: Any) -> tuple[float, float]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from workers.dit import ops as dit_ops
 from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
@@ -37,8 +38,6 @@ class VaeState:
     #: job -> names of the segments its chunks used (forgotten at ``vae_drop``)
     segments: dict[int, set[str]] = field(default_factory=dict)
     chunks_done: int = 0
-    #: latent chunk shapes this CUDA worker has decoded once with its current decoder (see ``_decode``)
-    warm_shapes: set[tuple[int, ...]] = field(default_factory=set)
 
 
 def _state(ctx: WorkerContext) -> VaeState:
@@ -131,6 +130,14 @@ def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     finally:
         ctx.forget_segment(msg.store)
     model = model.eval().requires_grad_(False)
+    if ctx.device.startswith("cuda") and dtype not in ctx.state.setdefault("vae_warm_dtypes", set()):
+        # A fresh CUDA process's first SDPA call under ComfyUI's backend priority takes another kernel than every
+        # later call (measured on the H200: the first split decode after the workers started was not bit-exact,
+        # every later one was).  ComfyUI's process is long warm when it decodes, so the worker warms once per
+        # process and dtype, through the very attention function the decoder calls, before any real chunk.
+        dit_ops.warm_up(lambda q, k, v, heads: vae_mod.optimized_attention(q, k, v, heads, skip_reshape=True),
+                        torch.device(ctx.device), [dtype])
+        ctx.state["vae_warm_dtypes"].add(dtype)
     return {"model": model, "dtype": dtype, "nbytes": nbytes, "import_s": t_import,
             "load_s": time.perf_counter() - t0}
 
@@ -144,7 +151,6 @@ async def _vae_load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     st.key = None
     res = await ctx.run_compute(_load, ctx, msg)
     st.model, st.dtype, st.key = res["model"], res["dtype"], msg.key
-    st.warm_shapes.clear()
     ctx.log.info("VAE decoder loaded: %.1f MiB %s in %.2f s (ComfyUI import %.2f s), key %s",
                  res["nbytes"] / 2**20, msg.dtype, res["load_s"], res["import_s"], msg.key)
     return {"loaded": True, "key": st.key, "bytes": res["nbytes"], "seconds": res["load_s"],
@@ -181,12 +187,6 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: i
     t0 = time.perf_counter()
     with torch.inference_mode():
         z = seg.tensor(msg.z).to(ctx.device, copy=True)
-        if ctx.device.startswith("cuda") and tuple(z.shape) not in st.warm_shapes:
-            # Measured on the H200: a fresh worker's first split decode differed from ComfyUI's, every later one
-            # was equal (docs/performance.md). ComfyUI's process is warm by then, so the worker decodes each new
-            # chunk shape once and discards it, as it warms its DiT attention (workers/dit/ops.py warm_up).
-            st.model._adaptive_decode(z.clone())
-            st.warm_shapes.add(tuple(z.shape))
         raw = st.model._adaptive_decode(z)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)

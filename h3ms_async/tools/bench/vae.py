@@ -82,4 +82,4 @@ def main(argv: Sequence[str]) -> int:
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / f"bench_vae_{a.dtype}.json").write_text(text)
-    return 0 if all(r["equal"] for r in result["runs"]) else 1
+    return 0 if all(r["equal"] and r["equal_first"] for r in result["runs"]) else 1

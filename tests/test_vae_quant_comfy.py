@@ -1,0 +1,67 @@
+"""A quantized H3 video VAE (int8 "convrot" decoder linears, the checkpoint format H3 users load) through the real
+ComfyUI tree: the H3 MS VAE Split Decode node decodes it unsplit with one warning naming why (its workers rebuild
+plain comfy.ops decoders only), the output equals plain ComfyUI's bit for bit, and no worker starts; the H3 MS VAE
+Cache stands aside on it (one warning) instead of failing the decode."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import comfy_tree
+
+pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")
+
+SCRIPT = r'''
+import asyncio, json, os, sys, torch
+import comfy.sd, nodes
+
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from small_h3_vae import small_h3_vae_state_dict
+sd = small_h3_vae_state_dict()
+# The decoder blocks' linears as an int8 convrot checkpoint stores them: int8 weight, scale, comfy_quant metadata.
+conf = json.dumps({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}).encode()
+for name in [n for n, t in sd.items() if n.startswith("decoder.transformer_blocks.") and n.endswith(".weight")
+             and t.ndim == 2]:
+    scale = sd[name].abs().max() / 127
+    prefix = name[:-len("weight")]
+    sd[name] = torch.round(sd[name] / scale).clamp(-127, 127).to(torch.int8)
+    sd[prefix + "weight_scale"] = scale.reshape(()).float()
+    sd[prefix + "comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
+with torch.inference_mode():  # as ComfyUI's VAELoader runs
+    vae = comfy.sd.VAE(sd=sd, dtype=torch.float32)
+lin = type(vae.first_stage_model.decoder.transformer_blocks[0].attn.to_qkv)
+assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
+from h3ms_async.vae import split as vae_split
+z = torch.randn(1, 24, 20, 2, 3, generator=torch.Generator().manual_seed(7))
+with torch.inference_mode():
+    ref = vae.decode(z)
+os.environ["H3MS_VAE_RANK_MAP"] = "cpu,cpu"
+split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
+with torch.inference_mode():
+    outs = [split_vae.decode(z) for _ in range(2)]
+# H3 MS VAE Cache on the same VAE: quantized weights cannot be byte-copied back, so it must stand aside, not fail
+from h3ms_async.caches import weight_cache
+cache_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAECacheAsync"]().patch(split_vae, True, True, 0.0)[0]
+with torch.inference_mode():
+    outs += [cache_vae.decode(z) for _ in range(2)]
+print("RESULT", json.dumps({"cache_rows": weight_cache().summaries(), "linear": lin.__qualname__,
+                            "equal": [bool(torch.equal(o, ref)) for o in outs], "std": float(ref.std()),
+                            "engines": len(vae_split.live_vae_engines())}))
+'''
+
+
+def test_quantized_vae_decodes_unsplit_with_one_warning_and_equals_comfyui() -> None:
+    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"],
+                                       env={"H3MS_TESTS_DIR": str(Path(__file__).parent)}, timeout_s=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["linear"].startswith("mixed_precision_ops."), r  # ComfyUI really loaded it as a quantized decoder
+    assert r["equal"] == [True] * 4 and r["std"] > 0.01, r
+    assert r["cache_rows"] == [], "quantized weights must not be cached as plain bytes"
+    assert r["engines"] == 0, "a quantized decoder must not start split workers"
+    warned = [ln for ln in proc.stderr.splitlines() if "the decoder is quantized" in ln]
+    assert len(warned) == 1 and "fp16/fp32" in warned[0], warned
+    assert sum("are QuantizedTensor, not plain tensors" in ln for ln in proc.stderr.splitlines()) == 1
