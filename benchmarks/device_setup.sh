@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Source this on the GPU device machine (no internet) before a run that needs real ComfyUI:
 #   carry [".ck", ".whl", ".carry"]: comfy-kitchen's CUDA build (benchmarks/fetch_kitchen.sh), the wheels ComfyUI
-#   needs that the image lacks, and .carry/ComfyUI-*.tar.xz (+ .carry/shims: a PyAV placeholder, PyAV is too big).
+#   needs that the image lacks (msgspec among them: the wire protocol decodes with it; a cp312 manylinux wheel), and
+#   .carry/ComfyUI-*.tar.xz (+ .carry/shims: a PyAV placeholder, PyAV is too big).
 # It installs the wheels into /tmp/site, puts comfy-kitchen on PYTHONPATH, unpacks ComfyUI into .comfyui/ and points
 # the test harness at the shims (appended last to sys.path, as on CPU).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

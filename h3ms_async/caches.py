@@ -102,7 +102,7 @@ def _nbytes(obj: Any) -> int:
 
 
 def _reserve_allows(nbytes: int, reserve_gb: float) -> bool:
-    return ram_info()["available_bytes"] - nbytes >= reserve_gb * GIB
+    return ram_info().available_bytes - nbytes >= reserve_gb * GIB
 
 
 class OutputCache:
@@ -236,7 +236,7 @@ class WeightCache:
         if not _reserve_allows(need, reserve_gb):
             self.refusals += 1
             raise CacheRefused(
-                f"weight cache {group}: needs {need / GIB:.2f} GiB but only {ram_info()['available_bytes'] / GIB:.2f} "
+                f"weight cache {group}: needs {need / GIB:.2f} GiB but only {ram_info().available_bytes / GIB:.2f} "
                 f"GiB RAM is available and cache_ram_reserve_gb={reserve_gb:g} must stay free; running without the "
                 "cache (lower the reserve or free RAM)")
         t = time.perf_counter()
@@ -245,7 +245,7 @@ class WeightCache:
         with self._lock:
             self._groups[group] = entry
         log.info("weight cache %s filled: %.2f GiB %s in %.2f s (%s)", group, need / GIB,
-                 "pinned" if torch.cuda.is_available() else "in RAM", entry.fill_seconds, ram_info()["text"])
+                 "pinned" if torch.cuda.is_available() else "in RAM", entry.fill_seconds, ram_info().text)
         return entry
 
     def restore(self, entry: CachedWeights, module: torch.nn.Module) -> int:

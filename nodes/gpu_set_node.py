@@ -15,8 +15,9 @@ class H3MSGPUSetAsync:
     RETURN_TYPES = ("H3MS_GPUS",)
     RETURN_NAMES = ("gpus",)
     FUNCTION = "build"
-    DESCRIPTION = ("Selects the GPUs for H3 MultiStream (and the VAE split decode). Without this node both use every "
-                   "visible GPU. The model's own GPU always takes part, as rank 0.")
+    DESCRIPTION = ("Selects the GPUs for the nodes with a gpus input: H3 MultiStream, H3 MS VAE Split Decode and H3 "
+                   "Attention Parallel. Without it each of them uses every visible GPU (or its own legacy second_gpu "
+                   "input). The GPU of the model (of the VAE, for the VAE split) always takes part, as rank 0.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:

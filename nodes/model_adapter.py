@@ -246,7 +246,7 @@ def block_nbytes(dm: Any, block_index: int) -> int:
 
 def available_ram() -> int:
     """Available RAM in bytes: the smaller of the host's and the memory cgroup's figure."""
-    return int(ram_info()["available_bytes"])
+    return int(ram_info().available_bytes)
 
 
 def block_reader(patcher: Any, reserve_gb: float, compute_dtype: torch.dtype,

@@ -86,6 +86,6 @@ class H3MSReleaseResourcesAsync:
         if not lines:
             lines.append("nothing selected")
         from h3ms_async.observability.status import ram_info
-        lines.append(ram_info()["text"])
+        lines.append(ram_info().text)
         log.info(" | ".join(lines))
         return {"ui": {"text": lines}}

@@ -310,7 +310,7 @@ def test_helper_error_fails_the_call_with_its_message(engine):
     for _ in range(2):  # the first warm call tunes the split; the second runs it, so the buffers below are the ones used
         assert torch.equal(engine.attend(pq), whole)
     desc = engine._buffers.out_descs[1]
-    desc["shape"] = [desc["shape"][0], desc["shape"][2], desc["shape"][1], desc["shape"][3]]  # a wrong output slot
+    desc.shape = [desc.shape[0], desc.shape[2], desc.shape[1], desc.shape[3]]  # a wrong output slot
     with pytest.raises(ap.AttentionParallelError, match=r"attention helper failed: .*rank 1.*the output slot is"):
         engine.attend(pq)
     engine._drop_buffers()

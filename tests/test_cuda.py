@@ -25,6 +25,7 @@ from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
 from h3ms_async.runtime.pool import WorkerPool  # noqa: E402
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
 from h3ms_async.dit.split import SplitEngine, SplitOptions  # noqa: E402
+from workers.runtime.protocol import Echo  # noqa: E402
 from workers.runtime.shm import Arena, Segment  # noqa: E402
 
 CFG = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
@@ -42,7 +43,7 @@ def test_cuda_worker_echo_through_registered_shm():
         data.copy_(torch.randn(128 << 20, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16))
         for rank in range(2):
             seg.tensor(dst).zero_()
-            r = coord.run(pool.request(rank, "echo", {"src": src, "dst": dst}, timeout=120), 150, "echo")
+            r = coord.run(pool.request(rank, Echo(src=src, dst=dst), timeout=120), 150, "echo")
             assert r["registered"] is True
             assert torch.equal(seg.tensor(dst), data)
             assert r["sha256"] == hashlib.sha256(seg.tensor(dst).view(torch.uint8).numpy()).hexdigest()

@@ -22,7 +22,7 @@ def _connect(path: str) -> socket.socket:
     return s
 
 
-def _first_frame(s: socket.socket) -> dict | None:
+def _first_frame(s: socket.socket) -> protocol.Message | None:
     """The coordinator's first frame (its challenge), or None when it closed the connection instead."""
     head = s.recv(4)
     if not head:
@@ -42,22 +42,22 @@ def test_silent_strangers_get_bounded_slots_and_a_reason(caplog, tmp_path, monke
     coord.run(pool.start(), 120)
     try:
         silent = [_connect(pool.socket_path) for _ in range(MAX_HANDSHAKES_PER_RANK)]
-        assert all(_first_frame(s)["k"] == "challenge" for s in silent)
+        assert all(isinstance(_first_frame(s), protocol.Challenge) for s in silent)
         extra = _connect(pool.socket_path)
         assert _first_frame(extra) is None  # over the limit: closed at once, nothing buffered for it
         extra.close()
-        assert coord.run(pool.request(0, "ping", {}, timeout=30), 60)["pong"] is True  # the pool serves on
+        assert coord.run(pool.request(0, protocol.Ping(), timeout=30), 60)["pong"] is True  # the pool serves on
         t0 = time.monotonic()
         for s in silent:  # each silent stranger is dropped after the 10 s auth deadline, with the reason
             answer = _first_frame(s)
-            assert answer["k"] == "refused" and "no auth answer within 10 s" in answer["error"]
+            assert isinstance(answer, protocol.Refused) and "no auth answer within 10 s" in answer.error
             assert s.recv(1) == b"" and time.monotonic() - t0 < 15
             s.close()
         logged = [r.getMessage() for r in caplog.records]
         assert sum("TimeoutError: the peer sent no auth answer within 10 s" in m for m in logged) == len(silent)
         assert any("handshakes already pending" in m for m in logged)
         again = _connect(pool.socket_path)  # the slots are free again
-        assert _first_frame(again)["k"] == "challenge"
+        assert isinstance(_first_frame(again), protocol.Challenge)
         again.close()
     finally:
         coord.run(pool.release(force=True), 60)

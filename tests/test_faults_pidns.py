@@ -17,6 +17,7 @@ import pytest
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
 from tests.faults_common import ROOT, run_dirs
+from workers.runtime.protocol import Echo
 from workers.runtime.shm import held_shm, Arena
 
 
@@ -37,11 +38,12 @@ sys.path.insert(0, {root!r})
 from h3ms_async.runtime import rundir
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
+from workers.runtime.protocol import Ping
 removed = rundir.sweep_dead()
 pool = WorkerPool(["cpu"], name="otherns")
 coord = get_coordinator()
 coord.run(pool.start(), 120)
-pong = coord.run(pool.request(0, "ping", {{}}, timeout=60), 90)
+pong = coord.run(pool.request(0, Ping(), timeout=60), 90)
 coord.run(pool.release(), 60)
 print("RESULT " + json.dumps({{"pid": os.getpid(), "removed": removed, "pong": sorted(pong)}}), flush=True)
 """
@@ -50,9 +52,9 @@ print("RESULT " + json.dumps({{"pid": os.getpid(), "removed": removed, "pong": s
 def _echo(pool: WorkerPool, arena: Arena, payload: bytes) -> dict:
     src = arena.alloc("uint8", [len(payload)])
     dst = arena.alloc("uint8", [len(payload)])
-    with arena.segment.buffer(src["off"], len(payload)) as mv:
+    with arena.segment.buffer(src.off, len(payload)) as mv:
         mv[:] = payload
-    return get_coordinator().run(pool.request(0, "echo", {"src": src, "dst": dst}, timeout=60), 90)
+    return get_coordinator().run(pool.request(0, Echo(src=src, dst=dst), timeout=60), 90)
 
 
 def test_a_sweep_in_another_pid_namespace_leaves_our_pool_alone(tmp_path, monkeypatch):

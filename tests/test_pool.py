@@ -4,6 +4,7 @@ import os
 import threading
 import time
 
+import msgspec
 import psutil
 import pytest
 import torch
@@ -12,6 +13,7 @@ from h3ms_async.runtime import rundir
 from h3ms_async.tools.bench.ipc import run_bench_ipc
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
+from workers.runtime.protocol import Echo, Ping, Sleep, TensorDesc
 from workers.runtime.shm import Segment, held_shm
 
 MiB = 1 << 20
@@ -49,18 +51,18 @@ def test_pool_start_ping_echo_release(n):
         run_dir = pool.run_dir
         assert os.stat(run_dir).st_mode & 0o777 == 0o700
         assert os.path.basename(run_dir).startswith(f"h3ms-{os.getpid()}-")
-        answers = run(pool.all("ping", [{}] * n, timeout=10))
+        answers = run(pool.all([Ping()] * n, timeout=10))
         assert [a["pid"] for a in answers] == pids and all(a["pong"] for a in answers)
 
         # 64 MiB of bfloat16 in, one 64 MiB copy back per rank, bit-exact
         src_seg = Segment.create(64 * MiB, "src")
         dst_seg = pool.create_segment(n * 64 * MiB, "dst")
         try:
-            src_d = {"seg": src_seg.name, "off": 0, "dtype": "bfloat16", "shape": [4096, 8192]}
+            src_d = TensorDesc(seg=src_seg.name, off=0, dtype="bfloat16", shape=[4096, 8192])
             src = src_seg.tensor(src_d)
             src.view(torch.int16).copy_(torch.randint(-32768, 32767, (4096, 8192), dtype=torch.int16))
-            dst_ds = [{**src_d, "seg": dst_seg.name, "off": r * 64 * MiB} for r in range(n)]
-            res = run(pool.all("echo", [{"src": src_d, "dst": d} for d in dst_ds], timeout=60), 90)
+            dst_ds = [msgspec.structs.replace(src_d, seg=dst_seg.name, off=r * 64 * MiB) for r in range(n)]
+            res = run(pool.all([Echo(src=src_d, dst=d) for d in dst_ds], timeout=60), 90)
             want = hashlib.sha256(src.view(torch.uint8).numpy()).hexdigest()
             for r, (a, d) in enumerate(zip(res, dst_ds)):
                 assert (a["bytes"], a["sha256"], a["registered"]) == (64 * MiB, want, False)  # CPU: nothing to pin
@@ -88,20 +90,20 @@ def pool2():
 
 def test_worker_error_carries_traceback_and_log(pool2):
     seg = pool2.create_segment(8192, "bad")
-    small = {"seg": seg.name, "off": 0, "dtype": "uint8", "shape": [16]}
+    small = TensorDesc(seg=seg.name, off=0, dtype="uint8", shape=[16])
     with pytest.raises(WorkerError) as ei:
-        run(pool2.request(1, "echo", {"src": small, "dst": {**small, "shape": [8]}}, timeout=10))
+        run(pool2.request(1, Echo(src=small, dst=msgspec.structs.replace(small, shape=[8])), timeout=10))
     msg = str(ei.value)
     assert ei.value.rank == 1 and ei.value.device == "cpu"
     assert "worker rank 1 on cpu" in msg and "src has 16 bytes but dst has 8" in msg
     assert "Traceback (most recent call last)" in msg and "rank1.log" in msg
     # a handler error does not kill the worker
-    assert run(pool2.request(1, "ping", {}, timeout=5))["pong"]
+    assert run(pool2.request(1, Ping(), timeout=5))["pong"]
     assert pool2.snapshot()[1]["state"] == "ready"
 
 
 def test_busy_release_refused_and_abort_stops_ranks(pool2):
-    fut = get_coordinator().submit(pool2.all("sleep", [{"seconds": 30}] * 2, timeout=60))
+    fut = get_coordinator().submit(pool2.all([Sleep(seconds=30)] * 2, timeout=60))
     deadline = time.monotonic() + 5
     while not (pool2.busy and all(w["state"] == "busy" for w in pool2.snapshot())):
         assert time.monotonic() < deadline
@@ -116,7 +118,7 @@ def test_busy_release_refused_and_abort_stops_ranks(pool2):
     assert time.monotonic() - t0 < 5
     assert pool2.abort_generation == gen + 2  # ours, then all()'s own fail-fast abort
     assert not pool2.busy
-    assert run(pool2.all("ping", [{}, {}], timeout=5))[0]["pong"]
+    assert run(pool2.all([Ping(), Ping()], timeout=5))[0]["pong"]
 
 
 def test_log_path_and_snapshot(pool2):

@@ -45,7 +45,7 @@ def test_sigkill_mid_job_fails_fast_then_restarts(pool3):
     run(pool3.start(), 120)
     old_pids = [w["pid"] for w in pool3.snapshot()]
     starts = pool3.starts
-    fut = get_coordinator().submit(pool3.all("sleep", [{"seconds": 60}] * 3, timeout=120))
+    fut = get_coordinator().submit(pool3.all([protocol.Sleep(seconds=60)] * 3, timeout=120))
     deadline = time.monotonic() + 5
     while not all(w["state"] == "busy" for w in pool3.snapshot()):
         assert time.monotonic() < deadline
@@ -60,7 +60,7 @@ def test_sigkill_mid_job_fails_fast_then_restarts(pool3):
     assert "last lines of" in msg and "rank1 INFO rank 1/3 ready on cpu" in msg  # the worker's own log lines
     assert not pool3.busy
     # the next job restarts the whole pool and succeeds
-    answers = run(pool3.all("ping", [{}] * 3, timeout=10), 120)
+    answers = run(pool3.all([protocol.Ping()] * 3, timeout=10), 120)
     new_pids = [a["pid"] for a in answers]
     assert pool3.starts == starts + 1 and not set(new_pids) & set(old_pids)
     assert all(gone(p) for p in old_pids)
@@ -68,19 +68,19 @@ def test_sigkill_mid_job_fails_fast_then_restarts(pool3):
 
 def test_crash_hook_exit_code_is_reported(pool3):
     with pytest.raises(WorkerError, match=r"worker rank 2 on cpu .*exited with code 7") as ei:
-        run(pool3.request(2, "crash", {"how": "exit", "code": 7}, timeout=10))
+        run(pool3.request(2, protocol.Crash(how="exit", code=7), timeout=10))
     assert "test hook: crashing (exit)" in str(ei.value)
-    assert run(pool3.request(2, "ping", {}, timeout=10), 120)["pong"]
+    assert run(pool3.request(2, protocol.Ping(), timeout=10), 120)["pong"]
 
 
 def test_hung_worker_hits_the_deadline(pool3):
     run(pool3.start(), 120)
     t0 = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"rank 0 on cpu .*did not answer 'hang' within 1 s") as ei:
-        run(pool3.request(0, "hang", {"seconds": 60}, timeout=1.0), 10)
+        run(pool3.request(0, protocol.Hang(seconds=60), timeout=1.0), 10)
     assert isinstance(ei.value, TimeoutError) and time.monotonic() - t0 < 4
     assert pool3.snapshot()[0]["state"] == "dead"
-    assert run(pool3.request(0, "ping", {}, timeout=10), 120)["pong"]
+    assert run(pool3.request(0, protocol.Ping(), timeout=10), 120)["pong"]
 
 
 def test_missing_heartbeats_mark_a_worker_dead(monkeypatch):
@@ -90,7 +90,7 @@ def test_missing_heartbeats_mark_a_worker_dead(monkeypatch):
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="no heartbeat for"):
-            run(pool.request(0, "hang", {"seconds": 60}, timeout=60), 20)
+            run(pool.request(0, protocol.Hang(seconds=60), timeout=60), 20)
         assert time.monotonic() - t0 < 5
     finally:
         run(pool.release(), 30)
@@ -131,8 +131,8 @@ def _raw_peer(pool):
     s.connect(pool.socket_path)
     (n,) = struct.unpack(">I", _recv_exact(s, 4))
     challenge = protocol.decode(_recv_exact(s, n))
-    assert challenge["k"] == "challenge"
-    return s, challenge["nonce"]
+    assert isinstance(challenge, protocol.Challenge)
+    return s, challenge.nonce
 
 
 def _recv_exact(s, n):
@@ -156,13 +156,12 @@ def test_wrong_key_is_refused_and_logged(pool3, caplog):
     caplog.set_level(logging.ERROR, logger="h3_multistream")
     s, nonce = _raw_peer(pool3)
     with s:
-        s.sendall(protocol.encode({"k": "auth", "id": 0, "rank": 0, "pid": os.getpid(),
-                                   "mac": auth.response(auth.new_key(), nonce, 0)}))
+        s.sendall(protocol.encode(protocol.Auth(rank=0, pid=os.getpid(), mac=auth.response(auth.new_key(), nonce, 0))))
         reply = _read_to_eof(s)
     answer = protocol.decode(reply[4:])
-    assert answer["k"] == "refused" and "wrong key" in answer["error"]
+    assert isinstance(answer, protocol.Refused) and "wrong key" in answer.error
     assert any("refused a connection" in r.getMessage() and "wrong key" in r.getMessage() for r in caplog.records)
-    assert [a["pong"] for a in run(pool3.all("ping", [{}] * 3, timeout=10))] == [True] * 3
+    assert [a["pong"] for a in run(pool3.all([protocol.Ping()] * 3, timeout=10))] == [True] * 3
 
 
 def _frame(obj) -> bytes:
@@ -176,7 +175,7 @@ BAD_FRAMES = {
     "truncated": (struct.pack(">I", 100) + b"x" * 10, "truncated frame"),
     "not msgpack": (struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", "not one valid msgpack map"),
     "unknown kind": (_frame({"k": "bogus", "id": 1}), "unknown message kind"),
-    "wrong types": (_frame({"k": "hb", "id": 0, "rss": "lots", "vram": None, "busy": True}), "field 'rss' must be int"),
+    "wrong types": (_frame({"k": "hb", "id": 0, "rss": "lots", "vram": None, "busy": True}), "Expected `int`, got `str` - at `$.rss`"),
 }
 
 
@@ -191,7 +190,7 @@ def test_bad_frames_before_auth_close_that_connection_only(pool3, caplog, case):
         s.shutdown(socket.SHUT_WR)
         _read_to_eof(s)  # the coordinator closes it
     assert any("refused a connection" in r.getMessage() and needle in r.getMessage() for r in caplog.records)
-    assert [a["pong"] for a in run(pool3.all("ping", [{}] * 3, timeout=10))] == [True] * 3
+    assert [a["pong"] for a in run(pool3.all([protocol.Ping()] * 3, timeout=10))] == [True] * 3
 
 
 def test_bad_frames_on_authenticated_channels(caplog):
@@ -202,9 +201,9 @@ def test_bad_frames_on_authenticated_channels(caplog):
     run(pool.start(), 120)
     try:
         coord = get_coordinator()
-        job = coord.submit(pool.request(0, "sleep", {"seconds": 1.0}, timeout=30))
+        job = coord.submit(pool.request(0, protocol.Sleep(seconds=1.0), timeout=30))
         cases = list(BAD_FRAMES)
-        futs = [coord.submit(pool.request(r, "inject", {"raw": BAD_FRAMES[c][0], "close": c == "truncated"},
+        futs = [coord.submit(pool.request(r, protocol.Inject(raw=BAD_FRAMES[c][0], close=c == "truncated"),
                                           timeout=30)) for r, c in enumerate(cases, start=1)]
         for r, (case, fut) in enumerate(zip(cases, futs), start=1):
             with pytest.raises(WorkerError, match=f"worker rank {r} on cpu") as ei:

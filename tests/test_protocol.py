@@ -16,52 +16,79 @@ def body(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def desc(**kw) -> protocol.TensorDesc:
+    return protocol.TensorDesc(**{"seg": SEG, "off": 0, "dtype": "uint8", "shape": [1], **kw})
+
+
 def test_frame_is_big_endian_length_plus_msgpack_map():
-    frame = encode({"k": "ping", "id": 7})
+    frame = encode(protocol.Ping(id=7))
     (n,) = struct.unpack(">I", frame[:4])
     assert n == len(frame) - 4
-    assert decode(frame[4:]) == {"k": "ping", "id": 7}
+    assert msgpack.unpackb(frame[4:]) == {"k": "ping", "id": 7}
+    assert decode(frame[4:]) == protocol.Ping(id=7)
 
 
 @pytest.mark.parametrize("msg", [
-    {"k": "ok", "id": 1, "r": {"a": [1, 2.5, "x", b"\x00", None, True]}},
-    {"k": "err", "id": 2, "error": "boom", "tb": "Traceback..."},
-    {"k": "hb", "id": 0, "rss": 10, "vram": None, "busy": False},
-    {"k": "hb", "id": 0, "rss": 10, "vram": 5, "busy": True},
-    {"k": "echo", "id": 3, "src": {"seg": SEG, "off": 4096, "dtype": "bfloat16", "shape": [2, 3]},
-     "dst": {"seg": SEG, "off": 0, "dtype": "uint8", "shape": [12]}},
-    {"k": "crash", "id": 4},
-    {"k": "crash", "id": 4, "how": "exit", "code": 3},
-    {"k": "sleep", "id": 5, "seconds": 2},
+    protocol.Ok(id=1, r={"a": [1, 2.5, "x", b"\x00", None, True]}),
+    protocol.Err(id=2, error="boom", tb="Traceback..."),
+    protocol.Heartbeat(rss=10, vram=None, busy=False),
+    protocol.Heartbeat(rss=10, vram=5, busy=True),
+    protocol.Echo(id=3, src=desc(off=4096, dtype="bfloat16", shape=[2, 3]), dst=desc(shape=[12])),
+    protocol.Crash(id=4),
+    protocol.Crash(id=4, how="exit", code=3),
+    protocol.Sleep(id=5, seconds=2.0),
 ])
 def test_roundtrip(msg):
-    assert decode(encode(msg)[4:]) == msg
+    got = decode(encode(msg)[4:])
+    assert type(got) is type(msg) and got == msg
+
+
+def test_program_messages_roundtrip():
+    from workers.attention.protocol import AttnCall
+    from workers.dit.protocol import DitStep
+    from workers.vae.protocol import VaeChunk
+
+    d = desc(dtype="float32", shape=[4, 8])
+    step = DitStep(id=9, job=1, x=d, t_emb=d, rope=d, segments=[(0, 2, 5), (2, 4, desc(dtype="int64", shape=[2]))],
+                   tokens=(0, 2), arena="", layout={"world": 2}, exchange="host", chunks=1, abort_gen=0,
+                   deadline_s=1.0, blocks=(0, 3), residency="auto")
+    got = decode(encode(step)[4:])
+    assert got == step and isinstance(got.segments[1][2], protocol.TensorDesc) and got.x.nbytes == 128
+    for msg in (VaeChunk(id=1, job=1, index=0, z=d, out=None), AttnCall(id=2, job=1, first=True, tensors={"q": d}, meta={}, out=d)):
+        assert decode(encode(msg)[4:]) == msg
+    bad_exchange = msgpack.unpackb(encode(step)[4:])
+    bad_exchange["exchange"] = "carrier pigeon"
+    with pytest.raises(ProtocolError, match="exchange"):
+        decode(body(bad_exchange))
 
 
 @pytest.mark.parametrize("obj, needle", [
-    ([1, 2], "must be a map"),
-    ({"id": 1}, "'k'"),
-    ({"k": 5, "id": 1}, "'k'"),
+    ([1, 2], "Expected `object`, got `array`"),
+    ({"id": 1}, "missing required field `k`"),
+    ({"k": 5, "id": 1}, "`$.k`"),
     ({"k": "nope", "id": 1}, "unknown message kind 'nope'"),
-    ({"k": "ping"}, "'id'"),
-    ({"k": "ping", "id": True}, "'id'"),
-    ({"k": "ping", "id": -1}, "'id'"),
-    ({"k": "ping", "id": "1"}, "'id'"),
-    ({"k": "ping", "id": 1, "extra": 1}, "unexpected field 'extra'"),
-    ({"k": "hb", "id": 0, "rss": "x", "vram": None, "busy": True}, "field 'rss' must be int"),
-    ({"k": "hb", "id": 0, "rss": True, "vram": None, "busy": True}, "field 'rss' must be int"),
-    ({"k": "hb", "id": 0, "rss": 1.5, "vram": None, "busy": True}, "field 'rss' must be int"),
-    ({"k": "hb", "id": 0, "rss": None, "vram": None, "busy": True}, "field 'rss' must be int"),
-    ({"k": "hb", "id": 0, "rss": 1, "vram": None, "busy": 1}, "field 'busy' must be bool"),
-    ({"k": "hb", "id": 0, "rss": 1, "busy": True}, "required field 'vram'"),
-    ({"k": "err", "id": 1, "error": b"bytes", "tb": ""}, "field 'error' must be str"),
-    ({"k": "ok", "id": 1, "r": [1]}, "field 'r' must be dict"),
+    ({"k": "ping", "id": True}, "`$.id`"),
+    ({"k": "ping", "id": -1}, "`$.id`"),
+    ({"k": "ping", "id": 2 ** 63}, "`$.id`"),
+    ({"k": "ping", "id": "1"}, "`$.id`"),
+    ({"k": "ping", "id": 1, "extra": 1}, "unknown field `extra`"),
+    ({"k": "hb", "id": 0, "rss": "x", "vram": None, "busy": True}, "`$.rss`"),
+    ({"k": "hb", "id": 0, "rss": True, "vram": None, "busy": True}, "`$.rss`"),
+    ({"k": "hb", "id": 0, "rss": 1.5, "vram": None, "busy": True}, "`$.rss`"),
+    ({"k": "hb", "id": 0, "rss": None, "vram": None, "busy": True}, "`$.rss`"),
+    ({"k": "hb", "id": 0, "rss": 1, "vram": None, "busy": 1}, "`$.busy`"),
+    ({"k": "hb", "id": 0, "rss": 1, "busy": True}, "missing required field `vram`"),
+    ({"k": "err", "id": 1, "error": b"bytes", "tb": ""}, "`$.error`"),
+    ({"k": "ok", "id": 1, "r": [1]}, "`$.r`"),
+    ({"k": "ok", "id": 1, "r": {1: 2}}, "`$.r"),
     ({"k": "ok", "id": 1, "r": {"a": {1: 2}}}, "map key"),
+    ({"k": "crash", "id": 1, "how": "melt"}, "`$.how`"),
     ({"k": "echo", "id": 1, "src": {"seg": "../../etc/passwd", "off": 0, "dtype": "uint8", "shape": [1]},
-      "dst": {"seg": SEG, "off": 0, "dtype": "uint8", "shape": [1]}}, "field 'src' must be desc"),
+      "dst": {"seg": SEG, "off": 0, "dtype": "uint8", "shape": [1]}},
+      "is not a segment name h3ms-<pid>-<hex>-<tag> - at `$.src`"),
 ])
 def test_schema_violations(obj, needle):
-    with pytest.raises(ProtocolError, match=None) as ei:
+    with pytest.raises(ProtocolError) as ei:
         decode(body(obj))
     assert needle in str(ei.value)
 
@@ -69,6 +96,7 @@ def test_schema_violations(obj, needle):
 def test_malformed_bodies():
     for raw in [b"", b"\xc1", b"\x81\xa1k", body({"k": "ping", "id": 1}) + b"\x00", b"\xff" * 10,
                 msgpack.packb({"k": "ping", "id": 1, "x": msgpack.ExtType(5, b"ab")}),
+                msgpack.packb({"k": "ok", "id": 1, "r": {"x": msgpack.ExtType(5, b"ab")}}),
                 msgpack.packb({"k": "ok", "id": 1, "r": {"t": msgpack.Timestamp(1)}}, datetime=False),
                 b"\x91" * 5000 + b"\xc0"]:
         with pytest.raises(ProtocolError):
@@ -77,11 +105,15 @@ def test_malformed_bodies():
 
 def test_limits_before_allocation():
     big_str = body({"k": "err", "id": 1, "error": "x" * (protocol.MAX_STR_LEN + 1), "tb": ""})
-    with pytest.raises(ProtocolError, match="msgpack"):
+    with pytest.raises(ProtocolError, match="length <= 4194304"):
         decode(big_str)
-    # an array header claiming more items than allowed, with no items behind it
+    with pytest.raises(ProtocolError, match="MAX_STR_LEN"):
+        decode(body({"k": "ok", "id": 1, "r": {"s": "x" * (protocol.MAX_STR_LEN + 1)}}))
+    with pytest.raises(ProtocolError, match="MAX_ARRAY_LEN"):
+        decode(body({"k": "ok", "id": 1, "r": {"a": [0] * (protocol.MAX_ARRAY_LEN + 1)}}))
+    # an array header claiming more items than the frame holds, with no items behind it
     claim = b"\x83\xa1k\xa2ok\xa2id\x01\xa1r\x81\xa1a\xdd" + struct.pack(">I", protocol.MAX_ARRAY_LEN + 1)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(ProtocolError, match="truncated"):
         decode(claim)
     with pytest.raises(ProtocolError, match="exceeds MAX_FRAME_BYTES"):
         decode(b"\x00" * (protocol.MAX_FRAME_BYTES + 1))
@@ -92,52 +124,62 @@ def test_limits_before_allocation():
         decode(body({"k": "ok", "id": 1, "r": deep}))
 
 
-def test_encode_refuses_invalid_and_oversized():
-    with pytest.raises(ProtocolError, match="unknown message kind"):
-        encode({"k": "bogus", "id": 1})
-    with pytest.raises(ProtocolError, match="shared memory"):
-        encode({"k": "ok", "id": 1, "r": {"blob": b"\x00" * (protocol.MAX_FRAME_BYTES + 1)}})
+def test_senders_meet_the_value_checks():
     with pytest.raises(ProtocolError, match="not allowed on the wire"):
-        encode({"k": "ok", "id": 1, "r": {"obj": object()}})
+        protocol.Ok(id=1, r={"obj": object()})
+    with pytest.raises(ProtocolError, match="map key"):
+        protocol.Ok(id=1, r={"a": {1: 2}})
+    with pytest.raises(ProtocolError, match="shared memory"):
+        encode(protocol.Ok(id=1, r={"blob": b"\x00" * (protocol.MAX_FRAME_BYTES + 1)}))
+    with pytest.raises(ProtocolError, match="build a message struct"):
+        encode({"k": "ping", "id": 1})
 
 
 def test_tensor_desc():
     good = {"seg": SEG, "off": 8, "dtype": "int64", "shape": [3, 0, 2]}
-    assert protocol.check_tensor_desc(good) is good
-    assert protocol.desc_nbytes({"seg": SEG, "off": 0, "dtype": "bfloat16", "shape": [4, 5]}) == 40
-    for bad in [
-        {**good, "off": 4},            # not a multiple of 8 bytes
-        {**good, "off": -8},
-        {**good, "dtype": "complex64"},
-        {**good, "shape": [1, -1]},
-        {**good, "shape": [True]},
-        {**good, "shape": [1] * 9},
-        {**good, "seg": "h3ms-1-zz-x"},
-        {k: v for k, v in good.items() if k != "off"},
-        {**good, "extra": 1},
-        "not a map",
+    assert protocol.TensorDesc(**good).nbytes == 0
+    assert desc(dtype="bfloat16", shape=[4, 5]).nbytes == 40
+    for bad, needle in [
+        ({**good, "off": 4}, "multiple of the int64 size"),
+        ({**good, "off": -8}, "must be >= 0"),
+        ({**good, "dtype": "complex64"}, "dtype 'complex64'"),
+        ({**good, "shape": [1, -1]}, "shape"),
+        ({**good, "shape": [1] * 9}, "at most 8"),
+        ({**good, "seg": "h3ms-1-zz-x"}, "segment name"),
     ]:
-        with pytest.raises(ProtocolError):
-            protocol.check_tensor_desc(bad)
+        with pytest.raises(ProtocolError, match=needle):
+            protocol.TensorDesc(**bad)
+        with pytest.raises(ProtocolError, match=needle):  # the same check on the receiving side
+            decode(body({"k": "echo", "id": 1, "src": bad, "dst": good}))
+    for bad in [{**good, "shape": [True]}, {k: v for k, v in good.items() if k != "off"}, {**good, "extra": 1},
+                "not a map"]:
+        with pytest.raises(ProtocolError, match="src"):
+            decode(body({"k": "echo", "id": 1, "src": bad, "dst": good}))
 
 
-def test_register_kind():
-    protocol.register_kind("t_proto_kind", {"n": "int", "x": "float|None", "note": "str?", "d": "desc?"})
-    protocol.register_kind("t_proto_kind", {"n": "int", "x": "float|None", "note": "str?", "d": "desc?"})
-    assert decode(encode({"k": "t_proto_kind", "id": 1, "n": 2, "x": None})[4:])["n"] == 2
-    assert decode(encode({"k": "t_proto_kind", "id": 1, "n": 2, "x": 1, "note": "hi"})[4:])["x"] == 1
-    with pytest.raises(ProtocolError, match="required field 'x'"):
+def test_declaring_kinds():
+    class TProtoKind(protocol.Request, tag="t_proto_kind"):
+        n: int
+        x: float | None
+        note: str = ""
+
+    assert protocol.kinds()["t_proto_kind"] is TProtoKind
+    assert decode(encode(TProtoKind(id=1, n=2, x=None))[4:]).n == 2
+    assert decode(encode(TProtoKind(id=1, n=2, x=1.0, note="hi"))[4:]).note == "hi"
+    with pytest.raises(ProtocolError, match="missing required field `x`"):
         decode(body({"k": "t_proto_kind", "id": 1, "n": 2}))
-    with pytest.raises(ProtocolError, match="field 'note'"):
+    with pytest.raises(ProtocolError, match=r"`\$\.note`"):
         decode(body({"k": "t_proto_kind", "id": 1, "n": 2, "x": 1.0, "note": None}))
-    with pytest.raises(ValueError, match="already registered"):
-        protocol.register_kind("t_proto_kind", {"n": "str"})
-    with pytest.raises(ValueError, match="field type"):
-        protocol.register_kind("t_proto_bad", {"n": "tensor"})
-    with pytest.raises(ValueError, match="reserved"):
-        protocol.register_kind("t_proto_bad", {"id": "int"})
-    with pytest.raises(ValueError, match="lower-case"):
-        protocol.register_kind("Bad Kind", {})
+
+    class Twin(protocol.Request, tag="t_proto_kind"):
+        pass
+
+    with pytest.raises(ProtocolError, match="declared twice"):
+        protocol.kinds()
+    protocol._DECLARED.remove(Twin)
+    protocol._DECLARED.remove(TProtoKind)
+    protocol._decoder = None
+    assert "t_proto_kind" not in protocol.kinds()
 
 
 def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
@@ -150,10 +192,10 @@ def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
 
 def test_read_message():
     async def go():
-        frame = encode({"k": "ping", "id": 3})
+        frame = encode(protocol.Ping(id=3))
         r = _reader(frame + frame)
-        assert (await protocol.read_message(r))["id"] == 3
-        assert (await protocol.read_message(r))["id"] == 3
+        assert (await protocol.read_message(r)).id == 3
+        assert (await protocol.read_message(r)).id == 3
         with pytest.raises(EOFError):
             await protocol.read_message(r)
         with pytest.raises(ProtocolError, match="truncated frame header"):

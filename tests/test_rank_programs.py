@@ -8,6 +8,7 @@ killed rank fails the job at once with its log lines, that an interrupt aborts e
 route stops it with every other engine.
 """
 import os
+import importlib
 import signal
 import textwrap
 import threading
@@ -22,32 +23,39 @@ from h3ms_async.observability.routes import action_release_workers
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry, live_engines, release_engines
 from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from workers.runtime import protocol
 from workers.runtime.shm import Arena, held_shm
+from workers.vae.protocol import VaeDrop
 
 PROTOCOL = '''
-from workers.runtime import protocol
+from workers.runtime.protocol import Request, TensorDesc
 
-protocol.register_kind("tally_add", {"x": "desc"})
-protocol.register_kind("tally_modules", {})
+
+class TallyAdd(Request, tag="tally_add"):
+    x: TensorDesc
+
+
+class TallyModules(Request, tag="tally_modules"):
+    pass
 '''
 
 RANK = '''
 import sys
 
 from workers.runtime.handlers import handler
-from workers.tally import protocol  # noqa: F401 - declares the kinds
+from workers.tally.protocol import TallyAdd, TallyModules
 
 
-@handler("tally_add")
-async def _add(ctx, msg):
+@handler(TallyAdd)
+async def _add(ctx, msg: TallyAdd):
     """Add the sum of a tensor in shared memory to this rank's resident total."""
-    x = ctx.segment(msg["x"]["seg"]).tensor(msg["x"])
+    x = ctx.segment(msg.x.seg).tensor(msg.x)
     ctx.state["total"] = ctx.state.get("total", 0) + int(x.sum()) * (ctx.rank + 1)
     return {"total": ctx.state["total"]}
 
 
-@handler("tally_modules")
-async def _modules(ctx, msg):
+@handler(TallyModules)
+async def _modules(ctx, msg: TallyModules):
     return {"modules": sorted(m for m in sys.modules if m.startswith("workers."))}
 '''
 
@@ -69,8 +77,9 @@ class TallyEngine(Engine):
     error = TallyError
     interrupted = TallyInterrupted
 
-    def __init__(self, devices, program_path):
+    def __init__(self, devices, program_path, messages):
         super().__init__(WorkerPool(devices, name="tally", program="tally", env={"PYTHONPATH": program_path}), TALLY)
+        self.messages = messages  # the program's workers/tally/protocol.py
         self.arena = None
 
     def add(self, x: torch.Tensor) -> list[int]:
@@ -79,7 +88,8 @@ class TallyEngine(Engine):
                 self.arena = Arena(self.pool.create_segment(1 << 16, "tally"))
                 self.desc = self.arena.alloc("int64", [16])
             self.arena.segment.tensor(self.desc).copy_(x)
-            results = self.run(self.pool.all("tally_add", [{"x": self.desc}] * self.pool.world_size, 30), 60, "tally")
+            add = self.messages.TallyAdd(x=self.desc)
+            results = self.run(self.pool.all([add] * self.pool.world_size, 30), 60, "tally")
             return [r["total"] for r in results]
 
     def _drop_resident(self):
@@ -94,8 +104,8 @@ def tally(tmp_path, monkeypatch):
     (program / "rank.py").write_text(textwrap.dedent(RANK))
     # the coordinator imports the program's messages only (as the engines import workers/<program>/protocol.py)
     monkeypatch.setattr(workers, "__path__", [*workers.__path__, str(tmp_path / "workers")])
-    __import__("workers.tally.protocol")
-    engine = TALLY.get(("cpu", "cpu"), lambda: TallyEngine(["cpu", "cpu"], str(tmp_path)))
+    messages = importlib.import_module("workers.tally.protocol")
+    engine = TALLY.get(("cpu", "cpu"), lambda: TallyEngine(["cpu", "cpu"], str(tmp_path), messages))
     yield engine
     TALLY.release_all()
 
@@ -113,14 +123,14 @@ def test_a_program_from_outside_the_pack_runs_on_the_pool(tally):
 
     serves = tally.pool._workers[0].serves  # from the worker's answer to the admission ping
     assert {"tally_add", "tally_modules", "echo"} <= serves and "dit_step" not in serves
-    assert "serves" not in _run(tally.pool.request(0, "ping", {}, timeout=10))  # listed once, not on every ping
-    modules = _run(tally.pool.request(1, "tally_modules", {}, timeout=10))["modules"]
+    assert "serves" not in _run(tally.pool.request(0, protocol.Ping(), timeout=10))  # listed once, not on every ping
+    modules = _run(tally.pool.request(1, tally.messages.TallyModules(), timeout=10))["modules"]
     assert "workers.tally.rank" in modules
     assert not [m for m in modules if m.split(".")[1] in ("dit", "vae", "attention")], modules
 
     # a kind of another program is refused here, before it can reach (and kill) a worker that does not know it
     with pytest.raises(ValueError, match=r"rank program tally\) does not serve 'vae_drop'"):
-        _run(tally.pool.request(0, "vae_drop", {"job": 1}, timeout=10))
+        _run(tally.pool.request(0, VaeDrop(job=1), timeout=10))
     assert [w["state"] for w in tally.pool.snapshot()] == ["ready", "ready"]
 
     # the release route stops every engine, this program's too
@@ -137,7 +147,7 @@ def test_a_killed_rank_fails_the_job_at_once_and_an_interrupt_aborts_it(tally):
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
     with pytest.raises(TallyError) as ei:
-        tally.run(tally.pool.all("sleep", [{"seconds": 60}] * 2, 90), 90, "a long tally")
+        tally.run(tally.pool.all([protocol.Sleep(seconds=60)] * 2, 90), 90, "a long tally")
     assert time.monotonic() - t0 < 5
     assert "worker rank 1 on cpu" in str(ei.value) and "killed by SIGKILL" in str(ei.value)
     assert "rank1 INFO rank 1/2 ready on cpu" in str(ei.value)  # the dead rank's own log lines
@@ -146,7 +156,7 @@ def test_a_killed_rank_fails_the_job_at_once_and_an_interrupt_aborts_it(tally):
     _run(tally.pool.start(), 120)
     fired = time.monotonic() + 0.5
     with pytest.raises(TallyInterrupted, match="a long tally interrupted; every rank was aborted"):
-        tally.run(tally.pool.all("sleep", [{"seconds": 60}] * 2, 90), 90, "a long tally",
+        tally.run(tally.pool.all([protocol.Sleep(seconds=60)] * 2, 90), 90, "a long tally",
                   interrupt=lambda: time.monotonic() > fired)
     assert time.monotonic() - fired < 4 and not tally.pool.busy
     assert tally.add(torch.ones(16, dtype=torch.int64)) == [16, 32]  # fresh workers: fresh totals

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workers.runtime import shm
+from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, ShmError
 
 MiB = 1 << 20
@@ -65,7 +66,7 @@ def test_tensor_views_are_zero_copy_for_every_dtype():
         arena = Arena(seg)
         for name in ["float32", "bfloat16", "float16", "int8", "int64", "uint8"]:
             d = arena.alloc(name, [3, 5])
-            assert d["off"] % shm.ALIGN == 0
+            assert d.off % shm.ALIGN == 0
             t = seg.tensor(d)
             assert t.dtype == getattr(torch, name) and t.shape == (3, 5)
             t.copy_(torch.arange(15).reshape(3, 5).to(t.dtype))
@@ -75,7 +76,7 @@ def test_tensor_views_are_zero_copy_for_every_dtype():
         # a view written here is seen through another mapping of the same segment
         other = Segment.attach(seg.name)
         try:
-            d = {"seg": seg.name, "off": 0, "dtype": "float32", "shape": [3, 5]}
+            d = TensorDesc(seg=seg.name, off=0, dtype="float32", shape=[3, 5])
             assert torch.equal(other.tensor(d), seg.tensor(d))
         finally:
             other.close()
@@ -85,12 +86,12 @@ def test_tensor_views_are_zero_copy_for_every_dtype():
 def test_tensor_desc_errors():
     with Segment.create(8192, "err") as seg:
         with pytest.raises(ShmError, match="outside segment"):
-            seg.tensor({"seg": seg.name, "off": 4096, "dtype": "float32", "shape": [1025]})
+            seg.tensor(TensorDesc(seg=seg.name, off=4096, dtype="float32", shape=[1025]))
         with pytest.raises(ShmError, match="points into segment h3ms-9-"):
-            seg.tensor({"seg": "h3ms-9-000000030123456789abcdef-x", "off": 0, "dtype": "uint8", "shape": [1]})
+            seg.tensor(TensorDesc(seg="h3ms-9-000000030123456789abcdef-x", off=0, dtype="uint8", shape=[1]))
         with pytest.raises(ShmError, match="dtype"):
-            seg.tensor({"seg": seg.name, "off": 0, "dtype": "complex64", "shape": [1]})
-        empty = seg.tensor({"seg": seg.name, "off": 0, "dtype": "float32", "shape": [0, 4]})
+            Arena(seg).alloc("complex64", [1])
+        empty = seg.tensor(TensorDesc(seg=seg.name, off=0, dtype="float32", shape=[0, 4]))
         assert empty.shape == (0, 4)
 
 
@@ -114,16 +115,16 @@ def test_arena_alignment_and_full():
         arena = Arena(seg)
         a = arena.alloc("uint8", [1])
         b = arena.alloc("float32", [1024])
-        assert (a["off"], b["off"]) == (0, 4096)
+        assert (a.off, b.off) == (0, 4096)
         with pytest.raises(ShmError, match="arena .* is full"):
             arena.alloc("float32", [2048])
         arena.reset()
-        assert arena.alloc("float32", [3072])["off"] == 0
+        assert arena.alloc("float32", [3072]).off == 0
 
 
 def test_close_with_live_views_and_double_unlink():
     seg = Segment.create(4096, "live")
-    t = seg.tensor({"seg": seg.name, "off": 0, "dtype": "int64", "shape": [4]})
+    t = seg.tensor(TensorDesc(seg=seg.name, off=0, dtype="int64", shape=[4]))
     t.fill_(7)
     seg.close()  # the view keeps the mapping alive
     assert int(t.sum()) == 28

@@ -2,69 +2,77 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
+import re
 
+import msgspec
 import psutil
 import pytest
 
-from h3ms_async.observability.status import (RING_SIZE, SchemaError, StatusHub, format_step_line, now_iso, ram_info,
-                               validate_status, validate_step_record)
+from h3ms_async.observability.status import (RING_SIZE, RankRecord, SchemaError, Status, StatusHub, StepRecord,
+                                             format_step_line, now_iso, ram_info)
 
 GIB = 1024 ** 3
 
 
 def make_record(seq: int = 0, *, wall: float = 1.5, ranks: int = 2, tokens: int = 1000, heads: int = 56,
-                devices: list[str] | None = None, vram: bool = True) -> dict:
-    """A valid step record with `ranks` ranks splitting tokens and heads as evenly as possible."""
+                devices: list[str] | None = None, vram: bool = True) -> StepRecord:
+    """A step record with `ranks` ranks splitting tokens and heads as evenly as possible."""
     devices = devices or [f"cuda:{i}" for i in range(ranks)]
-    rows = []
-    for r in range(ranks):
-        rows.append({
-            "rank": r, "device": devices[r % len(devices)],
-            "tokens": [tokens * r // ranks, tokens * (r + 1) // ranks],
-            "heads": [heads * r // ranks, heads * (r + 1) // ranks],
-            "compute_s": 1.0 + 0.125 * r, "exchange_s": 0.25 + 0.0625 * r, "wait_s": 0.0625 * (ranks - r),
-            "moved_bytes": 512 * 1024 ** 2, "vram_peak_bytes": (10 + r) * GIB if vram else None,
-        })
-    return {"at": now_iso(), "seq": seq, "kind": "dit", "sigma": 0.9375, "tokens": tokens, "blocks": 50,
-            "devices": sorted(set(devices)), "exchange": "host", "chunks": 4, "wall_s": wall,
-            "moved_bytes": ranks * 512 * 1024 ** 2, "weight_store": "warm, 18.5 GiB", "ranks": rows}
+    rows = [RankRecord(
+        rank=r, device=devices[r % len(devices)],
+        tokens=[tokens * r // ranks, tokens * (r + 1) // ranks], heads=[heads * r // ranks, heads * (r + 1) // ranks],
+        compute_s=1.0 + 0.125 * r, exchange_s=0.25 + 0.0625 * r, wait_s=0.0625 * (ranks - r),
+        moved_bytes=512 * 1024 ** 2, vram_peak_bytes=(10 + r) * GIB if vram else None) for r in range(ranks)]
+    return StepRecord(at=now_iso(), seq=seq, sigma=0.9375, tokens=tokens, blocks=50, devices=sorted(set(devices)),
+                      exchange="host", chunks=4, wall_s=wall, moved_bytes=ranks * 512 * 1024 ** 2,
+                      weight_store="warm, 18.5 GiB", ranks=rows)
 
 
-def test_valid_record_passes_and_is_returned():
-    rec = make_record()
-    assert validate_step_record(rec) is rec
+def check_step_json(rec: dict) -> StepRecord:
+    """A step record's JSON form has the typed shape and the split's invariants: ranks 0..N-1 in order, token ranges
+    tiling [0, tokens), head groups tiling [0, H), each rank on one of ``devices``, an ISO time."""
+    typed = msgspec.convert(rec, StepRecord)
+    datetime.datetime.fromisoformat(typed.at)
+    assert [r.rank for r in typed.ranks] == list(range(len(typed.ranks)))
+    assert typed.ranks[0].tokens[0] == 0 and typed.ranks[-1].tokens[1] == typed.tokens
+    assert typed.ranks[0].heads[0] == 0
+    for a, b in zip(typed.ranks, typed.ranks[1:]):
+        assert a.tokens[1] == b.tokens[0] and a.heads[1] == b.heads[0]
+    assert all(r.device in typed.devices for r in typed.ranks)
+    return typed
+
+
+def test_a_recorded_step_serves_its_typed_shape():
+    hub = StatusHub()
+    stored = hub.record_step(make_record(), log=False)
+    assert check_step_json(stored) == msgspec.convert(msgspec.to_builtins(make_record()) | {"at": stored["at"]},
+                                                      StepRecord)
+    assert json.loads(json.dumps(hub.recent_steps(1)[0], allow_nan=False)) == stored
+    assert isinstance(stored["ranks"][0]["tokens"], list)  # JSON arrays, as web/panel.js reads them
 
 
 @pytest.mark.parametrize("mutate, fragment", [
-    (lambda r: r.pop("wall_s"), "is missing 'wall_s'"),
-    (lambda r: r.update(typo=1), "unknown key(s) 'typo'"),
-    (lambda r: r.update(at="yesterday"), "field 'at' must be an ISO-8601 time"),
-    (lambda r: r.update(kind="vae"), "field 'kind' must be 'dit'"),
-    (lambda r: r.update(tokens=True), "field 'tokens' must be an int, got bool"),
-    (lambda r: r.update(exchange="p2p"), "field 'exchange' must be one of host, nccl, gloo, none"),
-    (lambda r: r.update(chunks=0), "field 'chunks' must be >= 1"),
-    (lambda r: r.update(wall_s=float("nan")), "field 'wall_s' must be finite"),
-    (lambda r: r.update(sigma="high"), "field 'sigma' must be a number"),
-    (lambda r: r.update(devices=[]), "field 'devices' must be a non-empty list"),
-    (lambda r: r.update(ranks=[]), "field 'ranks' must be a non-empty list"),
-    (lambda r: r["ranks"][1].update(rank=5), "field 'ranks[1].rank' must be 1"),
-    (lambda r: r["ranks"][1].update(device="cuda:7"), "'cuda:7' is not in devices"),
-    (lambda r: r["ranks"][0].update(tokens=[0, 600]), "field 'ranks[1].tokens' must start at 600"),
-    (lambda r: r["ranks"][1].update(tokens=[500, 400]), "must have start <= end"),
-    (lambda r: r["ranks"][1].update(heads=[20, 56]), "field 'ranks[1].heads' must start at 28"),
-    (lambda r: r["ranks"][1].update(tokens=[500, 900]), "token ranges end at 900 but tokens is 1000"),
-    (lambda r: r["ranks"][0].update(wait_s=-0.5), "field 'ranks[0].wait_s' must be >= 0"),
-    (lambda r: r["ranks"][0].pop("vram_peak_bytes"), "field 'ranks[0]' is missing 'vram_peak_bytes'"),
+    (lambda r: r.pop("wall_s"), "missing required field `wall_s`"),
+    (lambda r: r.update(typo=1), "unknown field `typo`"),
+    (lambda r: r.update(kind="vae"), "`$.kind`"),
+    (lambda r: r.update(tokens=True), "`$.tokens`"),
+    (lambda r: r.update(exchange="p2p"), "`$.exchange`"),
+    (lambda r: r.update(sigma="high"), "`$.sigma`"),
+    (lambda r: r["ranks"][0].pop("vram_peak_bytes"), "`$.ranks[0]`"),
 ])
-def test_bad_records_are_rejected_with_the_field_named(mutate, fragment):
-    rec = make_record()
+def test_the_typed_shape_refuses_a_malformed_record(mutate, fragment):
+    rec = msgspec.to_builtins(make_record())
     mutate(rec)
-    with pytest.raises(SchemaError) as ei:
-        validate_step_record(rec)
-    assert fragment in str(ei.value)
-    assert str(ei.value).startswith("step record: field ")
+    with pytest.raises(msgspec.ValidationError, match=re.escape(fragment)):
+        msgspec.convert(rec, StepRecord)
+
+
+def test_record_step_takes_only_typed_records():
+    with pytest.raises(SchemaError, match="build a status.StepRecord"):
+        StatusHub().record_step(msgspec.to_builtins(make_record()), log=False)
 
 
 def test_ring_is_bounded_and_recent_steps_order():
@@ -118,14 +126,17 @@ def test_status_defaults_shape_and_json():
     hub = StatusHub()
     st = hub.status()
     assert set(st) == {"version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store",
-                       "caches", "hooks", "ram", "log_dir", "vae_workers", "vae_split", "text_encoder_outputs"}
+                       "caches", "hooks", "ram", "vae_workers", "vae_split", "text_encoder_outputs"}
+    msgspec.convert(st, Status)
     assert st["running"] is False and st["last_step"] == {} and st["workers"] == [] and st["plans"] == {}
     assert st["vae_workers"] == [] and st["vae_split"] == {"engines": []}
     assert st["text_encoder_outputs"] == {"entries": 0, "hits": 0, "misses": 0, "bytes": 0}
     assert st["version"] != "unknown"
     json.dumps(st, allow_nan=False)
     hub.record_step(make_record(0), log=False)
-    assert hub.status()["last_step"]["seq"] == 0
+    st = hub.status()
+    assert check_step_json(st["last_step"]).seq == 0
+    msgspec.convert(st, Status)
 
 
 def test_providers_fill_sections_and_failures_stay_in_their_section():
@@ -137,7 +148,6 @@ def test_providers_fill_sections_and_failures_stay_in_their_section():
     hub.register_provider("caches", lambda: 1 / 0)
     hub.register_provider("hooks", lambda: [object()])                       # not an object row
     hub.register_provider("weight_store", lambda: {"bytes": float("inf")})  # not JSON
-    hub.register_provider("log_dir", lambda: "/tmp/x")
     hub.set_busy_probe(lambda: True)
     st = hub.status()
     assert st["plans"] == {"dit": "cuda:0 (60%) + cuda:1 (40%)"}
@@ -145,7 +155,8 @@ def test_providers_fill_sections_and_failures_stay_in_their_section():
     assert st["caches"] == {"error": "ZeroDivisionError: division by zero"}
     assert "hooks[0]' must be an object" in st["hooks"]["error"]
     assert "not JSON-serialisable" in st["weight_store"]["error"]
-    assert st["log_dir"] == "/tmp/x" and st["running"] is True
+    assert st["running"] is True
+    msgspec.convert(st, Status)
     assert hub.worker_log_path(0) == "/tmp/x/rank0.log"
     with pytest.raises(KeyError):
         hub.worker_log_path(1)
@@ -167,27 +178,28 @@ def test_busy_probe_that_raises_counts_as_idle():
     assert hub.busy() is False
 
 
-def test_validate_status_rejects_a_broken_object():
+def test_the_status_shape_refuses_a_broken_object():
     st = StatusHub().status()
     bad = copy.deepcopy(st)
     bad["running"] = "no"
-    with pytest.raises(SchemaError, match="field 'running' must be a bool"):
-        validate_status(bad)
+    with pytest.raises(msgspec.ValidationError, match=re.escape("`$.running`")):
+        msgspec.convert(bad, Status)
     bad = copy.deepcopy(st)
     del bad["ram"]["text"]
-    with pytest.raises(SchemaError, match="field 'ram' is missing 'text'"):
-        validate_status(bad)
+    with pytest.raises(msgspec.ValidationError, match="missing required field `text`"):
+        msgspec.convert(bad, Status)
 
 
 def test_format_step_line_fields():
-    line = format_step_line(make_record(12, wall=3.2144, ranks=3, devices=["cuda:0", "cuda:0", "cuda:1"]))
+    line = format_step_line(msgspec.to_builtins(make_record(12, wall=3.2144, ranks=3,
+                                                            devices=["cuda:0", "cuda:0", "cuda:1"])))
     assert line.startswith("sigma 0.9375 step 12: 1000 tokens x 50 blocks on cuda:0+cuda:0+cuda:1, 3.214s ")
     assert "(exchange host x4; compute 1.000/1.125/1.250s, exchange 0.250/0.312/0.375s, " \
            "wait 0.188/0.125/0.062s; 1.50 GiB moved)" in line
     assert ", weight store warm, 18.5 GiB" in line
     # two ranks on cuda:0 are two processes on one GPU: their peaks add up
     assert line.endswith("VRAM peak cuda:0 21.00 GiB / cuda:1 12.00 GiB")
-    cpu = make_record(0, ranks=1, devices=["cpu"], vram=False)
+    cpu = msgspec.to_builtins(make_record(0, ranks=1, devices=["cpu"], vram=False))
     cpu["sigma"], cpu["chunks"], cpu["exchange"] = None, 1, "none"
     line = format_step_line(cpu)
     assert line.startswith("step 0: 1000 tokens x 50 blocks on cpu, ")
@@ -210,9 +222,9 @@ def test_ram_info_cgroup_v2_limit(tmp_path):
                                     "writeback 0\nanon 123\n")
     info = ram_info(tmp_path)
     reclaim = GIB // 4 + GIB // 4 - GIB // 8 - int(0.05 * limit)
-    assert info["total_bytes"] == limit and info["container_limit"] is True
-    assert info["available_bytes"] == GIB + reclaim  # this host has more than ~1.2 GiB free, so the cgroup wins
-    assert info["text"].endswith("of 2.0 GiB (container limit)")
+    assert info.total_bytes == limit and info.container_limit is True
+    assert info.available_bytes == GIB + reclaim  # this host has more than ~1.2 GiB free, so the cgroup wins
+    assert info.text.endswith("of 2.0 GiB (container limit)")
 
 
 def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
@@ -221,10 +233,10 @@ def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
     _write(v1, "memory/memory.usage_in_bytes", f"{GIB // 2}\n")
     _write(v1, "memory/memory.stat", "total_active_file 0\ntotal_inactive_file 0\n")
     info = ram_info(v1)
-    assert info["total_bytes"] == GIB and info["available_bytes"] <= GIB // 2
+    assert info.total_bytes == GIB and info.available_bytes <= GIB // 2
     unlimited = tmp_path / "v2max"
     _write(unlimited, "memory.max", "max\n")
     _write(unlimited, "memory.current", "1\n")
     info = ram_info(unlimited)
-    assert info["container_limit"] is False and info["text"].startswith("RAM available ")
-    assert 0 < info["available_bytes"] <= info["total_bytes"]
+    assert info.container_limit is False and info.text.startswith("RAM available ")
+    assert 0 < info.available_bytes <= info.total_bytes

@@ -51,8 +51,8 @@ def served(tmp_path):
     hub = StatusHub()
     for i, wall in enumerate([1.70, 1.55, 1.90, 1.625]):
         rec = make_record(i, wall=wall, ranks=2)
-        rec["ranks"][0].update(compute_s=1.234, exchange_s=0.321, wait_s=0.045)
-        rec["ranks"][1].update(compute_s=0.987, exchange_s=0.211, wait_s=0.402)
+        rec.ranks[0].compute_s, rec.ranks[0].exchange_s, rec.ranks[0].wait_s = 1.234, 0.321, 0.045
+        rec.ranks[1].compute_s, rec.ranks[1].exchange_s, rec.ranks[1].wait_s = 0.987, 0.211, 0.402
         hub.record_step(rec, log=False)
     log = tmp_path / "rank0.log"
     log.write_text("hello from rank 0\n")
@@ -157,7 +157,7 @@ def test_comfyui_extension_commands_and_docked_panel(tmp_path):
     """h3ms_async.js against stand-ins for ComfyUI's app.js/api.js (ComfyUI's frontend is not available here)."""
     hub = StatusHub()
     rec = make_record(0, wall=1.5)
-    rec["ranks"][1].update(compute_s=0.777)
+    rec.ranks[1].compute_s = 0.777
     hub.record_step(rec, log=False)
     hub.set_busy_probe(lambda: True)
 

@@ -47,17 +47,17 @@ function statusLines(st) {
   }
   if (!Array.isArray(st.workers)) lines.push(`Workers: ${st.workers.error}`);
   else lines.push("Workers: " + (st.workers.length
-    ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}${w.busy ? " (busy)" : ""}`).join(", ") : "none"));
+    ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}`).join(", ") : "none"));
   for (const eng of (st.attention && st.attention.engines) || []) {
     const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
     lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` + (last ? `; last ` +
       `${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s` : ""));
   }
   const ws = st.weight_store || {};
-  lines.push("Weight store: " + (ws.error || ws.text || ws.state || JSON.stringify(ws)));
+  lines.push("Weight store: " + (ws.error || ws.state || JSON.stringify(ws)));
   const list = (v, f) => (!Array.isArray(v) ? v.error : v.length ? v.map(f).join(", ") : "none");
-  lines.push("Caches: " + list(st.caches, (c) => c.text || c.group || JSON.stringify(c)));
-  lines.push("Hooks attached: " + list(st.hooks, (h) => h.text || h.hook || JSON.stringify(h)));
+  lines.push("Caches: " + list(st.caches, (c) => c.group));
+  lines.push("Hooks attached: " + list(st.hooks, (h) => h.hook || h.kind));
   lines.push(st.ram.text);
   return lines;
 }

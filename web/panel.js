@@ -225,7 +225,7 @@ class Panel {
     running.textContent = st.running ? "running" : "idle";
     running.className = "badge " + (st.running ? "running" : "idle");
     this.$("h3ms-version").textContent = "v" + st.version;
-    this.$("h3ms-ram").textContent = st.ram.text + (st.log_dir ? ` · logs in ${st.log_dir}` : "");
+    this.$("h3ms-ram").textContent = st.ram.text;
     const tbody = this.$("h3ms-workers").tBodies[0];
     tbody.replaceChildren();
     if (!Array.isArray(st.workers)) {
@@ -242,7 +242,7 @@ class Panel {
       tr.appendChild(el("td", w.rank));
       tr.appendChild(el("td", w.device));
       tr.appendChild(el("td", w.pid ?? ""));
-      tr.appendChild(el("td", w.state + (w.busy ? " (busy)" : "")));
+      tr.appendChild(el("td", w.state));
       tr.appendChild(el("td", fmtUptime(w.uptime_s)));
       tr.appendChild(el("td", w.rss_bytes == null ? "" : fmtBytes(w.rss_bytes), { class: "num" }));
       tr.appendChild(el("td", w.vram_bytes == null ? "" : fmtBytes(w.vram_bytes), { class: "num" }));

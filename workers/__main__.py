@@ -68,67 +68,68 @@ def _vram(device: str) -> int | None:
     return int(torch.cuda.memory_reserved(torch.device(device)))
 
 
-async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, rank: int) -> dict:
+async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
+                     rank: int) -> protocol.Welcome:
     msg = await asyncio.wait_for(protocol.read_message(reader), 30)
-    if msg["k"] != "challenge":
-        raise protocol.ProtocolError(f"expected a challenge first, got {msg['k']!r}")
-    writer.write(protocol.encode({"k": "auth", "id": 0, "rank": rank, "pid": os.getpid(),
-                                  "mac": auth.response(key, msg["nonce"], rank)}))
+    if not isinstance(msg, protocol.Challenge):
+        raise protocol.ProtocolError(f"expected a challenge first, got {msg.kind!r}")
+    writer.write(protocol.encode(protocol.Auth(rank=rank, pid=os.getpid(), mac=auth.response(key, msg.nonce, rank))))
     await writer.drain()
     msg = await asyncio.wait_for(protocol.read_message(reader), 30)
-    if msg["k"] == "refused":
-        raise auth.AuthError(f"coordinator refused this worker: {msg['error']}")
-    if msg["k"] != "welcome":
-        raise protocol.ProtocolError(f"expected welcome, got {msg['k']!r}")
+    if isinstance(msg, protocol.Refused):
+        raise auth.AuthError(f"coordinator refused this worker: {msg.error}")
+    if not isinstance(msg, protocol.Welcome):
+        raise protocol.ProtocolError(f"expected welcome, got {msg.kind!r}")
     return msg
 
 
-def _make_context(args: argparse.Namespace, welcome: dict):
+def _make_context(args: argparse.Namespace, welcome: protocol.Welcome):
     from workers.runtime.handlers import WorkerContext
     from workers.runtime.shm import Segment
 
-    control = Segment.attach(welcome["control"])
+    control = Segment.attach(welcome.control)
     import torch
 
     ctx = WorkerContext(
-        rank=args.rank, world_size=welcome["world_size"], device=welcome["device"], run_dir=welcome["run_dir"],
-        log=log, doorbell_fds=[int(fd) for fd in welcome["doorbell_fds"]],
+        rank=args.rank, world_size=welcome.world_size, device=welcome.device, run_dir=welcome.run_dir,
+        log=log, doorbell_fds=list(welcome.doorbell_fds),
         control=control.base_tensor().view(torch.int64), control_segment=control)
     return ctx
 
 
 async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hb_interval: float) -> str:
-    from workers.runtime.handlers import HANDLERS
+    from workers.runtime.handlers import HANDLERS, Handler
 
     ctx.state["_writer"] = writer
     tasks: set[asyncio.Task] = set()
 
-    def send(msg: dict) -> None:
+    def send(msg: protocol.Message) -> None:
         try:
             frame = protocol.encode(msg)
         except protocol.ProtocolError as exc:
-            frame = protocol.encode({"k": "err", "id": msg.get("id", 0), "error": f"bad answer: {exc}",
-                                     "tb": traceback.format_exc()})
+            frame = protocol.encode(protocol.Err(id=msg.id, error=f"bad answer: {exc}", tb=traceback.format_exc()))
         if not writer.is_closing():
             writer.write(frame)
 
     async def heartbeat() -> None:
         while True:
-            send({"k": "hb", "id": 0, "rss": _rss(), "vram": _vram(ctx.device), "busy": ctx.inflight > 0})
+            send(protocol.Heartbeat(rss=_rss(), vram=_vram(ctx.device), busy=ctx.inflight > 0))
             await asyncio.sleep(hb_interval)
 
-    async def run_one(fn, msg: dict) -> None:
+    async def run_one(fn: Handler, msg: protocol.Request) -> None:
         ctx.inflight += 1
         try:
-            result = await fn(ctx, msg)
-            if not isinstance(result, dict):
-                raise TypeError(f"handler for {msg['k']!r} returned {type(result).__name__}, not a dict")
-            send({"k": "ok", "id": msg["id"], "r": result})
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # every handler error goes back to the coordinator
-            log.exception("request %s (id %d) failed", msg["k"], msg["id"])
-            send({"k": "err", "id": msg["id"], "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+            try:
+                result = await fn(ctx, msg)
+                if not isinstance(result, dict):
+                    raise TypeError(f"handler for {msg.kind!r} returned {type(result).__name__}, not a dict")
+                answer: protocol.Message = protocol.Ok(id=msg.id, r=result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every handler error (a malformed result included) goes to the coordinator
+                log.exception("request %s (id %d) failed", msg.kind, msg.id)
+                answer = protocol.Err(id=msg.id, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
+            send(answer)
         finally:
             ctx.inflight -= 1
 
@@ -142,16 +143,14 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
             except protocol.ProtocolError as exc:
                 log.error("protocol error from the coordinator: %s", exc)
                 return "protocol error"
-            kind = msg["k"]
-            if kind == "shutdown":
-                send({"k": "ok", "id": msg["id"], "r": {"pid": os.getpid()}})
+            if isinstance(msg, protocol.Shutdown):
+                send(protocol.Ok(id=msg.id, r={"pid": os.getpid()}))
                 await writer.drain()
                 return "shutdown requested"
-            fn = HANDLERS.get(kind)
+            fn = HANDLERS.get(type(msg))
             if fn is None:
-                hint = " (test hooks are off: set H3MS_TEST_HOOKS=1)" if kind in (
-                    "sleep", "crash", "hang", "inject") else ""
-                send({"k": "err", "id": msg["id"], "error": f"this worker does not serve {kind!r}{hint}", "tb": ""})
+                hint = " (test hooks are off: set H3MS_TEST_HOOKS=1)" if msg.kind in protocol.TEST_HOOK_KINDS else ""
+                send(protocol.Err(id=msg.id, error=f"this worker does not serve {msg.kind!r}{hint}", tb=""))
                 continue
             task = asyncio.create_task(run_one(fn, msg))
             tasks.add(task)
@@ -169,7 +168,7 @@ async def _main_async(args: argparse.Namespace, key: bytes) -> str:
     log.info("rank %d/%d ready on %s (pid %d, %s loop)", ctx.rank, ctx.world_size, ctx.device, os.getpid(),
              type(asyncio.get_running_loop()).__module__.split(".")[0])
     try:
-        return await _serve(ctx, reader, writer, float(welcome["hb_interval"]))
+        return await _serve(ctx, reader, writer, welcome.hb_interval)
     finally:
         writer.close()
         ctx.close()

@@ -40,7 +40,7 @@ from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.observability.status import now_iso
 from workers.attention import ops as attn_ops
-from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds sent here
+from workers.attention import protocol as attn_protocol
 from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("AttentionParallel")
@@ -310,9 +310,9 @@ class AttentionParallelEngine(Engine):
         """Send piece ``p`` to its helper now."""
         r, h0, _ = call.plan[p]
         first = min(h for rr, h, _ in call.plan if rr == r)
-        msg = {"job": self._calls, "meta": call.fields, "first": h0 == first, **buf.fields(p)}
+        msg = attn_protocol.AttnCall(job=self._calls, meta=call.fields, first=h0 == first, **buf.fields(p))
         call.sent[p] = time.perf_counter()
-        return get_coordinator().submit(self.pool.request(r - 1, "attn_call", msg, self.call_timeout_s))
+        return get_coordinator().submit(self.pool.request(r - 1, msg, self.call_timeout_s))
 
     def _gather(self, futs: list["cf.Future[dict]"], call: "_Call", on_result: Callable[[int], None]) -> None:
         """Each piece's answer (``futs[p]`` is piece p's) as it comes into ``call.answers``, ``on_result(p)`` taking

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+import msgspec
 import torch
 
 from h3ms_async.runtime import plans
@@ -26,13 +27,14 @@ from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.reference import DiTConfig
-from h3ms_async.observability.status import get_hub, now_iso
+from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
 from workers.transports.host import ArenaLayout, decode_seq
+from workers.runtime.protocol import DropReleased, TensorDesc
 from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("MultiStream")
@@ -112,7 +114,7 @@ class _StepBuffers:
 
     shape_key: tuple
     step: Segment
-    descs: dict[str, dict]
+    descs: dict[str, TensorDesc]
     arena: Segment | None
     layout: ArenaLayout
     pinned: bool = False
@@ -222,11 +224,11 @@ class SplitEngine(Engine):
         cfg = {"hidden": ld.config.hidden, "heads": ld.config.heads, "head_dim": ld.config.head_dim,
                "eps": ld.config.eps, "layers": len(ld.store.manifest), "devices": self.devices,
                "attention": self.options.attention, "compute_dtype": ld.compute_dtype}
-        fields = [{"store": ld.store.segment.name, "manifest": ld.store.manifest, "config": cfg,
-                   "heads": [ld.head_bounds[r], ld.head_bounds[r + 1]],
-                   "key": ld.store.key_text} for r in range(self.ranks)]
+        loads = [dit_protocol.DitLoad(store=ld.store.segment.name, manifest=ld.store.manifest, config=cfg,
+                                      heads=(ld.head_bounds[r], ld.head_bounds[r + 1]), key=ld.store.key_text)
+                 for r in range(self.ranks)]
         await self.pool.start()
-        results = await self.pool.all("dit_load", fields, self.options.step_timeout_s)
+        results = await self.pool.all(loads, self.options.step_timeout_s)
         self._rank_starts = self.pool.starts
         self._sm_counts = [r.get("sm_count") for r in results]
 
@@ -240,7 +242,7 @@ class SplitEngine(Engine):
         # views, and the survivors' go with their pool (a release) or their restart (the next step).
         if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
             try:
-                self.run(self.pool.all("dit_release", [{}] * self.ranks, 60.0), 90.0, "releasing rank weights")
+                self.run(self.pool.all([dit_protocol.DitRelease()] * self.ranks, 60.0), 90.0, "releasing rank weights")
             except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway
                 log.warning("releasing rank weights failed (%s); unlinking the store anyway", exc)
         self._loaded.store.release()
@@ -318,27 +320,26 @@ class SplitEngine(Engine):
         step.tensor(buf.descs["x"]).copy_(x)
         side.tensor(buf.descs["t_emb"]).copy_(t_emb)
         step.tensor(buf.descs["rope"]).copy_(rope_freqs)
-        segments = []
+        segments: list[tuple[int, int, int | TensorDesc]] = []
         for i, (a, b, row) in enumerate(mod_segments):
             if isinstance(row, torch.Tensor):
                 d = buf.descs[f"row{i}"]
                 side.tensor(d).copy_(row.to(torch.int64))
                 row = d
-            segments.append([int(a), int(b), row])
+            segments.append((int(a), int(b), row))
         self._steps += 1
-        fields = [{
-            "job": self._steps, "x": buf.descs["x"], "t_emb": buf.descs["t_emb"], "rope": buf.descs["rope"],
-            "segments": segments, "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
-            "arena": buf.arena.name if buf.arena is not None else "", "layout": buf.layout.to_dict(),
-            "exchange": {"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
-            "chunks": opts.exchange_chunks, "abort_gen": 0,
-            "deadline_s": opts.exchange_deadline_s, "blocks": [0, len(ld.store.manifest)],
-            "residency": opts.vram_residency,
-        } for r in range(self.ranks)]
         blocks = len(ld.store.manifest)
+        layout = buf.layout.to_dict()
+        steps = [dit_protocol.DitStep(
+            job=self._steps, x=buf.descs["x"], t_emb=buf.descs["t_emb"], rope=buf.descs["rope"],
+            segments=segments, tokens=(plan.token_bounds[r], plan.token_bounds[r + 1]),
+            arena=buf.arena.name if buf.arena is not None else "", layout=layout,
+            exchange={"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
+            chunks=opts.exchange_chunks, abort_gen=0, deadline_s=opts.exchange_deadline_s, blocks=(0, blocks),
+            residency=opts.vram_residency) for r in range(self.ranks)]
         t_sent = time.perf_counter()
         try:
-            results = self.run(self._dispatch(fields), self.options.step_timeout_s, "split step", interrupt,
+            results = self.run(self._dispatch(steps), self.options.step_timeout_s, "split step", interrupt,
                                self._block_probe(buf, blocks, progress))
         except BaseException:
             # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
@@ -382,7 +383,7 @@ class SplitEngine(Engine):
                 progress(done, blocks)
         return poll
 
-    async def _dispatch(self, fields: list[dict]) -> list[dict]:
+    async def _dispatch(self, steps: list[dit_protocol.DitStep]) -> list[dict]:
         # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
         await self.pool.start()
         if self._rank_starts != self.pool.starts:
@@ -390,9 +391,8 @@ class SplitEngine(Engine):
         # The abort generation is read on the loop right before the job is sent, so an abort between steps
         # cannot leave ranks disagreeing about it.
         gen = self.pool.abort_generation
-        for f in fields:
-            f["abort_gen"] = gen
-        return await self.pool.all("dit_step", fields, self.options.step_timeout_s)
+        return await self.pool.all([msgspec.structs.replace(m, abort_gen=gen) for m in steps],
+                                   self.options.step_timeout_s)
 
     def _buffers_for(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
                      mod_segments: Sequence[tuple]) -> _StepBuffers:
@@ -461,7 +461,7 @@ class SplitEngine(Engine):
         new ones are reserved.  A rank that dies or stops answering here fails the step, as it would mid-step (the
         next step restarts the pool)."""
         if self.pool.running:
-            self.run(self.pool.all("drop_released", [{}] * self.ranks, 30.0), 60.0,
+            self.run(self.pool.all([DropReleased()] * self.ranks, 30.0), 60.0,
                      "unmapping the old step buffers on the ranks")
 
     def _drop_buffers(self) -> None:
@@ -472,21 +472,18 @@ class SplitEngine(Engine):
     def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dict], wall: float, tokens: int, blocks: int,
                 sigma: float | None) -> None:
         hub = get_hub()
-        ranks = [{
-            "rank": r, "device": self.devices[r],
-            "tokens": [plan.token_bounds[r], plan.token_bounds[r + 1]],
-            "heads": [plan.head_bounds[r], plan.head_bounds[r + 1]],
-            "compute_s": float(res["compute_s"]), "exchange_s": float(res["exchange_s"]),
-            "wait_s": float(res["wait_s"]), "moved_bytes": int(res["moved_bytes"]),
-            "vram_peak_bytes": res.get("vram_peak_bytes"),
-        } for r, res in enumerate(results)]
+        ranks = [RankRecord(
+            rank=r, device=self.devices[r], tokens=[plan.token_bounds[r], plan.token_bounds[r + 1]],
+            heads=[plan.head_bounds[r], plan.head_bounds[r + 1]], compute_s=float(res["compute_s"]),
+            exchange_s=float(res["exchange_s"]), wait_s=float(res["wait_s"]), moved_bytes=int(res["moved_bytes"]),
+            vram_peak_bytes=res.get("vram_peak_bytes"),
+        ) for r, res in enumerate(results)]
         chunks = opts.exchange_chunks if opts.exchange == "host" else 0
-        hub.record_step({
-            "at": now_iso(), "seq": hub.next_seq(), "kind": "dit", "sigma": sigma, "tokens": tokens,
-            "blocks": blocks, "devices": list(self.devices), "exchange": self._transport(opts.exchange),
-            "chunks": max(chunks, 1), "wall_s": wall, "moved_bytes": sum(r["moved_bytes"] for r in ranks),
-            "weight_store": self.weight_state, "ranks": ranks,
-        })
+        hub.record_step(StepRecord(
+            at=now_iso(), seq=hub.next_seq(), sigma=sigma, tokens=tokens, blocks=blocks, devices=list(self.devices),
+            exchange=self._transport(opts.exchange), chunks=max(chunks, 1), wall_s=wall,
+            moved_bytes=sum(r.moved_bytes for r in ranks), weight_store=self.weight_state, ranks=ranks,
+        ))
 
     # -- resident state ---------------------------------------------------------------------------------------
     def holds_resident(self) -> bool:

@@ -1,13 +1,15 @@
 """The pack's status model: step records, the status JSON, and the hub that holds them.
 
-Two protocols live here, each written once as a validator:
+Two records live here, each a typed struct built by the code that fills it (so the hub never re-validates its own
+output):
 
-* the **step record** (:func:`validate_step_record`) — one per split denoising step, produced by the step driver,
-  kept in a bounded ring, pushed to listeners (ComfyUI websocket, the standalone event stream) and logged as one INFO
-  line (:func:`format_step_line`);
-* the **status JSON** (:func:`validate_status`) — what ``GET /h3multistream/status`` answers. Sections other modules
-  own (plans, workers, weight store, caches, hooks, log dir) come from providers registered on the hub; a provider
-  that raises or returns a malformed section shows ``{"error": ...}`` in that section instead of breaking the route.
+* the **step record** (:class:`StepRecord`) — one per split denoising step, built by the step driver, kept in a
+  bounded ring (as its JSON form), pushed to listeners (ComfyUI websocket, the standalone event stream) and logged as
+  one INFO line (:func:`format_step_line`);
+* the **status JSON** (:class:`Status`) — what ``GET /h3multistream/status`` answers. Sections other modules own
+  (plans, workers, weight store, caches, hooks, ...) come from providers registered on the hub; they are checked at
+  that boundary (:func:`validate_section`): a provider that raises or returns a malformed section shows
+  ``{"error": ...}`` in that section instead of breaking the route.
 
 The hub is a process-wide singleton (:func:`get_hub`); it is thread-safe because producers run on the coordinator
 loop or the prompt thread while the HTTP routes run on the server loop.
@@ -21,8 +23,9 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, get_args
 
+import msgspec
 import psutil
 
 from h3ms_async import PACK_ROOT
@@ -32,9 +35,9 @@ _log = get_logger("MultiStream")
 _status_log = get_logger("Status")
 
 RING_SIZE = 256
-EXCHANGE_MODES = ("host", "nccl", "gloo", "none")
-SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "log_dir", "vae_workers", "vae_split",
-            "text_encoder_outputs")
+Exchange = Literal["host", "nccl", "gloo", "none"]
+EXCHANGE_MODES: tuple[str, ...] = get_args(Exchange)
+SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "vae_workers", "vae_split", "text_encoder_outputs")
 #: Sections present only while a module provides them: "attention" (H3 Attention Parallel: its engines, each with
 #: ``devices``, ``helpers`` as worker rows, ``splits`` (the tuned head splits) and ``recent_calls`` with per-device
 #: transport and timings).
@@ -96,85 +99,45 @@ def _req_keys(what: str, path: str, obj: Any, required: Iterable[str], optional:
     return obj
 
 
-def _req_range(what: str, path: str, v: Any) -> tuple[int, int]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2:
-        _fail(what, path, f"must be a [start, end) pair, got {v!r}")
-    a = _req_int(what, f"{path}[0]", v[0])
-    b = _req_int(what, f"{path}[1]", v[1])
-    if b < a:
-        _fail(what, path, f"must have start <= end, got {list(v)!r}")
-    return a, b
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # step record
 
-STEP_FIELDS = ("at", "seq", "kind", "sigma", "tokens", "blocks", "devices", "exchange", "chunks", "wall_s",
-               "moved_bytes", "weight_store", "ranks")
-RANK_FIELDS = ("rank", "device", "tokens", "heads", "compute_s", "exchange_s", "wait_s", "moved_bytes",
-               "vram_peak_bytes")
+
+#: ``[start, end)``, a JSON array of two ints.
+Range = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
 
 
-def validate_step_record(rec: Any) -> dict:
-    """Check a step record against the schema and return it (unchanged) as a dict.
+class RankRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One rank's share of a step: its token range and head group (``[start, end)``), its seconds and bytes."""
 
-    Beyond types, the ranks must be numbered 0..N-1 in order, their token ranges must tile ``[0, tokens)`` and their
-    head groups must tile ``[0, H)`` contiguously, and each rank's device must be one of ``devices`` — the split's
-    invariants, so a record that breaks them is a producer bug. Raises :class:`SchemaError`.
-    """
-    what = "step record"
-    _req_keys(what, "<record>", rec, STEP_FIELDS)
-    at = _req_str(what, "at", rec["at"])
-    try:
-        _dt.datetime.fromisoformat(at)
-    except ValueError:
-        _fail(what, "at", f"must be an ISO-8601 time (datetime.now().isoformat()), got {at!r}")
-    _req_int(what, "seq", rec["seq"], minimum=0)
-    if rec["kind"] != "dit":
-        _fail(what, "kind", f"must be 'dit', got {rec['kind']!r}")
-    if rec["sigma"] is not None:
-        _req_float(what, "sigma", rec["sigma"])
-    tokens = _req_int(what, "tokens", rec["tokens"], minimum=1)
-    _req_int(what, "blocks", rec["blocks"], minimum=1)
-    devices = rec["devices"]
-    if not isinstance(devices, list) or not devices:
-        _fail(what, "devices", f"must be a non-empty list of device strings, got {devices!r}")
-    for i, d in enumerate(devices):
-        _req_str(what, f"devices[{i}]", d)
-    if rec["exchange"] not in EXCHANGE_MODES:
-        _fail(what, "exchange", f"must be one of {', '.join(EXCHANGE_MODES)}, got {rec['exchange']!r}")
-    _req_int(what, "chunks", rec["chunks"], minimum=1)
-    _req_float(what, "wall_s", rec["wall_s"])
-    _req_int(what, "moved_bytes", rec["moved_bytes"])
-    _req_str(what, "weight_store", rec["weight_store"])
-    ranks = rec["ranks"]
-    if not isinstance(ranks, list) or not ranks:
-        _fail(what, "ranks", f"must be a non-empty list of per-rank objects, got {ranks!r}")
-    next_token = next_head = 0
-    for i, r in enumerate(ranks):
-        p = f"ranks[{i}]"
-        _req_keys(what, p, r, RANK_FIELDS)
-        if _req_int(what, f"{p}.rank", r["rank"]) != i:
-            _fail(what, f"{p}.rank", f"must be {i} (ranks listed in order 0..N-1), got {r['rank']}")
-        dev = _req_str(what, f"{p}.device", r["device"])
-        if dev not in devices:
-            _fail(what, f"{p}.device", f"{dev!r} is not in devices {devices!r}")
-        t0, t1 = _req_range(what, f"{p}.tokens", r["tokens"])
-        if t0 != next_token:
-            _fail(what, f"{p}.tokens", f"must start at {next_token} (token ranges tile [0, tokens)), got {t0}")
-        next_token = t1
-        g0, g1 = _req_range(what, f"{p}.heads", r["heads"])
-        if g0 != next_head:
-            _fail(what, f"{p}.heads", f"must start at {next_head} (head groups tile [0, H)), got {g0}")
-        next_head = g1
-        for k in ("compute_s", "exchange_s", "wait_s"):
-            _req_float(what, f"{p}.{k}", r[k])
-        _req_int(what, f"{p}.moved_bytes", r["moved_bytes"])
-        if r["vram_peak_bytes"] is not None:
-            _req_int(what, f"{p}.vram_peak_bytes", r["vram_peak_bytes"])
-    if next_token != tokens:
-        _fail(what, "ranks", f"token ranges end at {next_token} but tokens is {tokens}")
-    return rec if isinstance(rec, dict) else dict(rec)
+    rank: int
+    device: str
+    tokens: Range
+    heads: Range
+    compute_s: float
+    exchange_s: float
+    wait_s: float
+    moved_bytes: int
+    vram_peak_bytes: int | None
+
+
+class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One split denoising step.  The ranks are listed 0..N-1; their token ranges tile ``[0, tokens)`` and their
+    head groups tile ``[0, H)``, in order (the split plan's invariants; tests check them)."""
+
+    at: str
+    seq: int
+    kind: Literal["dit"] = "dit"
+    sigma: float | None
+    tokens: int
+    blocks: int
+    devices: list[str]
+    exchange: Exchange
+    chunks: int
+    wall_s: float
+    moved_bytes: int
+    weight_store: str
+    ranks: list[RankRecord]
 
 
 def now_iso() -> str:
@@ -228,9 +191,36 @@ def format_step_line(rec: Mapping) -> str:
 # status JSON
 
 WORKER_FIELDS = ("rank", "device", "pid", "state")
-WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs_done", "log", "busy", "error")
-STATUS_FIELDS = ("version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store", "caches",
-                 "hooks", "ram", "log_dir", "vae_workers", "vae_split", "text_encoder_outputs")
+WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs_done", "log", "error")
+
+
+class RamInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``ram`` section: psutil's figures capped by the memory cgroup (:func:`ram_info`)."""
+
+    available_bytes: int
+    total_bytes: int
+    text: str
+    container_limit: bool
+
+
+class Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The status JSON.  The provider-filled sections are plain JSON values, checked by :func:`validate_section`
+    when they come in; ``attention`` is present only while H3 Attention Parallel provides it."""
+
+    version: str
+    running: bool
+    last_step: dict[str, Any]  # a StepRecord's JSON form, or {} before the first step
+    steps_recorded: int
+    ram: RamInfo
+    plans: Any
+    workers: Any
+    weight_store: Any
+    caches: Any
+    hooks: Any
+    vae_workers: Any
+    vae_split: Any
+    text_encoder_outputs: Any
+    attention: Any = msgspec.UNSET
 
 
 def _is_error_section(v: Any) -> bool:
@@ -240,9 +230,9 @@ def _is_error_section(v: Any) -> bool:
 def validate_worker_entry(w: Any, path: str = "workers[i]") -> None:
     """One row of the status's ``workers`` list, as the pool's provider must return it.
 
-    Required: ``rank`` (int), ``device`` (str), ``pid`` (int|None), ``state`` (str, e.g. "running", "exited(1)").
-    Optional: ``uptime_s`` (float|None), ``rss_bytes`` / ``vram_bytes`` (int|None), ``jobs_done`` (int), ``log`` (path
-    str|None), ``busy`` (bool), ``error`` (str).
+    Required: ``rank`` (int), ``device`` (str), ``pid`` (int|None), ``state`` (str, e.g. "ready", "busy",
+    "exited(1)").  Optional: ``uptime_s`` (float|None), ``rss_bytes`` / ``vram_bytes`` (int|None), ``jobs_done``
+    (int), ``log`` (path str|None), ``error`` (str).
     """
     what = "status"
     _req_keys(what, path, w, WORKER_FIELDS, WORKER_OPTIONAL)
@@ -260,8 +250,6 @@ def validate_worker_entry(w: Any, path: str = "workers[i]") -> None:
         _req_int(what, f"{path}.jobs_done", w["jobs_done"])
     if w.get("log") is not None:
         _req_str(what, f"{path}.log", w["log"])
-    if "busy" in w and not isinstance(w["busy"], bool):
-        _fail(what, f"{path}.busy", f"must be a bool, got {w['busy']!r}")
 
 
 def validate_section(section: str, value: Any) -> Any:
@@ -269,8 +257,7 @@ def validate_section(section: str, value: Any) -> Any:
 
     ``plans``, ``weight_store``, ``vae_split`` and ``text_encoder_outputs`` are objects, ``workers``,
     ``vae_workers``, ``caches`` and ``hooks`` are lists (worker rows per :func:`validate_worker_entry`, the others
-    lists of objects), ``log_dir`` is a path string or None. Every section
-    must be JSON-serialisable, since it goes straight into the HTTP answer.
+    lists of objects).  Every section must be JSON-serialisable, since it goes straight into the HTTP answer.
     """
     what = "status"
     if section not in SECTIONS + OPTIONAL_SECTIONS:
@@ -290,9 +277,6 @@ def validate_section(section: str, value: Any) -> Any:
     elif section in ("plans", "weight_store", "vae_split", "text_encoder_outputs"):
         if not isinstance(value, Mapping):
             _fail(what, section, f"must be an object, got {type(value).__name__}")
-    elif section == "log_dir":
-        if value is not None:
-            _req_str(what, section, value)
     else:
         if not isinstance(value, list):
             _fail(what, section, f"must be a list, got {type(value).__name__}")
@@ -306,25 +290,6 @@ def validate_section(section: str, value: Any) -> Any:
     except (TypeError, ValueError) as exc:
         _fail(what, section, f"is not JSON-serialisable ({exc}); return plain dicts/lists/str/numbers")
     return value
-
-
-def validate_status(st: Any) -> dict:
-    """Check a whole status object (what ``GET /h3multistream/status`` answers) and return it."""
-    what = "status"
-    _req_keys(what, "<status>", st, STATUS_FIELDS, OPTIONAL_SECTIONS)
-    _req_str(what, "version", st["version"])
-    if not isinstance(st["running"], bool):
-        _fail(what, "running", f"must be a bool, got {st['running']!r}")
-    if st["last_step"] != {}:
-        validate_step_record(st["last_step"])
-    _req_int(what, "steps_recorded", st["steps_recorded"])
-    for s in SECTIONS + tuple(s for s in OPTIONAL_SECTIONS if s in st):
-        validate_section(s, st[s])
-    ram = _req_keys(what, "ram", st["ram"], ("available_bytes", "total_bytes", "text"), ("container_limit",))
-    for k in ("available_bytes", "total_bytes"):
-        _req_int(what, f"ram.{k}", ram[k])
-    _req_str(what, "ram.text", ram["text"])
-    return st
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -383,7 +348,7 @@ def _container_memory(root: Path) -> tuple[int, int] | None:
     return None
 
 
-def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> dict:
+def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> RamInfo:
     """``{available_bytes, total_bytes, text, container_limit}``: psutil's figures capped by the memory cgroup.
 
     Reads cgroup v2 (``memory.max``/``memory.current``/``memory.stat`` under ``cgroup_root``), falling back to v1
@@ -396,7 +361,7 @@ def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> dict:
     if cont is not None and cont[0] < total:
         total, avail, limited = cont[0], min(avail, cont[1]), True
     text = f"RAM available {avail / GIB:.1f} of {total / GIB:.1f} GiB" + (" (container limit)" if limited else "")
-    return {"available_bytes": avail, "total_bytes": total, "text": text, "container_limit": limited}
+    return RamInfo(available_bytes=avail, total_bytes=total, text=text, container_limit=limited)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -422,7 +387,7 @@ def _pack_version() -> str:
 
 _DEFAULTS: dict[str, Callable[[], Any]] = {
     "plans": dict, "workers": list, "weight_store": lambda: {"state": "empty"}, "caches": list, "hooks": list,
-    "log_dir": lambda: None, "vae_workers": list, "vae_split": lambda: {"engines": []},
+    "vae_workers": list, "vae_split": lambda: {"engines": []},
     "text_encoder_outputs": lambda: {"entries": 0, "hits": 0, "misses": 0, "bytes": 0},
 }
 
@@ -449,29 +414,32 @@ class StatusHub:
         with self._lock:
             return self._last_seq + 1
 
-    def record_step(self, rec: dict, *, log: bool = True) -> dict:
-        """Validate a step record, append it to the ring, log its INFO line and notify listeners.
+    def record_step(self, rec: StepRecord, *, log: bool = True) -> dict:
+        """Append a step record (as its JSON form) to the ring, log its INFO line and notify listeners.
 
-        ``seq`` must be greater than the last recorded one (take it from :meth:`next_seq`). A listener that raises is
-        logged and skipped. Returns the stored record. Raises :class:`SchemaError` for a malformed record.
+        ``seq`` must be greater than the last recorded one (take it from :meth:`next_seq`): records from concurrent
+        producers would otherwise interleave. A listener that raises is logged and skipped. Returns the stored JSON
+        form. Raises :class:`SchemaError` for an out-of-order ``seq``.
         """
-        rec = validate_step_record(rec)
+        if not isinstance(rec, StepRecord):
+            raise SchemaError(f"step record: got a {type(rec).__name__}; build a status.StepRecord")
+        out = msgspec.to_builtins(rec)
         with self._lock:
-            if rec["seq"] <= self._last_seq:
-                raise SchemaError(f"step record: field 'seq' must increase, got {rec['seq']} after {self._last_seq}; "
+            if rec.seq <= self._last_seq:
+                raise SchemaError(f"step record: field 'seq' must increase, got {rec.seq} after {self._last_seq}; "
                                   "take it from get_hub().next_seq()")
-            self._last_seq = rec["seq"]
-            self._ring.append(rec)
+            self._last_seq = rec.seq
+            self._ring.append(out)
             self._recorded += 1
             listeners = list(self._listeners)
         if log:
-            _log.info(format_step_line(rec))
+            _log.info(format_step_line(out))
         for fn in listeners:
             try:
-                fn(rec)
+                fn(out)
             except Exception:  # noqa: BLE001 - a broken panel/websocket must never fail a denoising step
                 _status_log.exception("step listener %r failed; the record is kept", fn)
-        return rec
+        return out
 
     def recent_steps(self, n: int = 50, *, after: int | None = None) -> list[dict]:
         """The last ``n`` records (oldest first), only those with ``seq > after`` when given."""
@@ -565,24 +533,15 @@ class StatusHub:
         raise KeyError(rank)
 
     def status(self) -> dict:
-        """The status JSON, validated (see :func:`validate_status`)."""
+        """The status JSON (:class:`Status`); each provider's section checked by :func:`validate_section`."""
         with self._lock:
             last = dict(self._ring[-1]) if self._ring else {}
             recorded = self._recorded
-        st = {
-            "version": self._version,
-            "running": self.busy(),
-            "last_step": last,
-            "steps_recorded": recorded,
-            "ram": ram_info(),
-        }
-        for s in SECTIONS:
-            st[s] = self.section(s)
-        with self._lock:
-            optional = [s for s in OPTIONAL_SECTIONS if s in self._providers]
-        for s in optional:
-            st[s] = self.section(s)
-        return validate_status(st)
+            optional = {s: None for s in OPTIONAL_SECTIONS if s in self._providers}
+        sections = {s: self.section(s) for s in (*SECTIONS, *optional)}
+        st = Status(version=self._version, running=self.busy(), last_step=last, steps_recorded=recorded,
+                    ram=ram_info(), **sections)
+        return msgspec.to_builtins(st)
 
 
 _hub: StatusHub | None = None

@@ -11,6 +11,8 @@ import socket
 import struct
 from typing import Callable
 
+import msgspec
+
 from workers.runtime import auth, protocol
 
 from h3ms_async.log import get_logger
@@ -50,24 +52,24 @@ async def authenticate(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     an ``auth`` answer, ``EOFError`` / ``TimeoutError`` if the peer goes away or stays silent.
     """
     nonce = auth.new_nonce()
-    writer.write(protocol.encode({"k": "challenge", "id": 0, "nonce": nonce}))
+    writer.write(protocol.encode(protocol.Challenge(nonce=nonce)))
     await writer.drain()
     try:
         msg = await asyncio.wait_for(protocol.read_message(reader, AUTH_FRAME_MAX), timeout)
     except asyncio.TimeoutError:
         raise asyncio.TimeoutError(f"the peer sent no auth answer within {timeout:g} s") from None
-    if msg["k"] != "auth":
-        raise protocol.ProtocolError(f"expected 'auth' as the first message, got {msg['k']!r}")
-    if not auth.verify(key, nonce, msg["rank"], msg["mac"]):
-        raise auth.AuthError(f"wrong key (claimed rank {msg['rank']}, pid {msg['pid']})")
-    return msg["rank"], msg["pid"]
+    if not isinstance(msg, protocol.Auth):
+        raise protocol.ProtocolError(f"expected 'auth' as the first message, got {msg.kind!r}")
+    if not auth.verify(key, nonce, msg.rank, msg.mac):
+        raise auth.AuthError(f"wrong key (claimed rank {msg.rank}, pid {msg.pid})")
+    return msg.rank, msg.pid
 
 
 class Channel:
     """Request/response over one authenticated connection."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str, *,
-                 on_heartbeat: Callable[[dict], None] | None = None,
+                 on_heartbeat: Callable[[protocol.Heartbeat], None] | None = None,
                  on_close: Callable[[str], None] | None = None) -> None:
         self.name = name
         self._reader = reader
@@ -91,26 +93,28 @@ class Channel:
         """Start reading answers and heartbeats."""
         self._task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"h3ms-read-{self.name}")
 
-    async def send(self, msg: dict) -> None:
-        """Send one message (validated)."""
+    async def send(self, msg: protocol.Message) -> None:
+        """Send one message."""
         if self.closed:
             raise ChannelClosed(f"{self.name}: channel closed ({self.close_reason})")
         self._writer.write(protocol.encode(msg))
         await self._writer.drain()
 
-    async def request(self, kind: str, fields: dict | None = None, timeout: float = 60.0) -> dict:
-        """Send a request and wait for its answer's ``r`` map.
+    async def request(self, msg: protocol.Request, timeout: float = 60.0) -> dict:
+        """Send a request (under a fresh request id; ``msg`` itself is left as it is) and wait for its answer's
+        ``r`` map.
 
         Raises :class:`RemoteError` when the worker's handler failed, :class:`ChannelClosed` when the channel
         closes first, ``TimeoutError`` naming the channel and kind when ``timeout`` passes.
         """
-        if kind in protocol.WORKER_TO_COORDINATOR or kind in ("challenge", "welcome", "refused", "auth"):
-            raise ValueError(f"{kind!r} is not a request kind")
+        if not isinstance(msg, protocol.Request):
+            raise TypeError(f"{type(msg).__name__} is not a request; build a Request struct of workers/*/protocol.py")
+        kind = msg.kind
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (kind, fut)
         try:
-            await self.send({**(fields or {}), "k": kind, "id": rid})
+            await self.send(msgspec.structs.replace(msg, id=rid))
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), timeout)
             except asyncio.TimeoutError:
@@ -125,24 +129,23 @@ class Channel:
         try:
             while True:
                 msg = await protocol.read_message(self._reader)
-                kind = msg["k"]
-                if kind not in protocol.WORKER_TO_COORDINATOR:
-                    raise protocol.ProtocolError(f"a worker may not send {kind!r}")
-                if kind == "hb":
+                if not isinstance(msg, protocol.WORKER_TO_COORDINATOR):
+                    raise protocol.ProtocolError(f"a worker may not send {msg.kind!r}")
+                if isinstance(msg, protocol.Heartbeat):
                     if self._on_heartbeat is not None:
                         self._on_heartbeat(msg)
                     continue
-                entry = self._pending.get(msg["id"])
+                entry = self._pending.get(msg.id)
                 if entry is None:
-                    log.debug("%s: answer to request %d that nobody waits for (timed out?)", self.name, msg["id"])
+                    log.debug("%s: answer to request %d that nobody waits for (timed out?)", self.name, msg.id)
                     continue
                 req_kind, fut = entry
                 if fut.done():
                     continue
-                if kind == "ok":
-                    fut.set_result(msg["r"])
+                if isinstance(msg, protocol.Ok):
+                    fut.set_result(msg.r)
                 else:
-                    fut.set_exception(RemoteError(self.name, req_kind, msg["error"], msg["tb"]))
+                    fut.set_exception(RemoteError(self.name, req_kind, msg.error, msg.tb))
         except EOFError:
             reason = "the worker closed its channel"
         except protocol.ProtocolError as exc:

@@ -383,7 +383,7 @@ class WorkerPool:
             log.error("pool %r refused a connection on %s: %s: %s", self.name, self._socket_path,
                       type(exc).__name__, exc)
             try:
-                writer.write(protocol.encode({"k": "refused", "id": 0, "error": f"{type(exc).__name__}: {exc}"[:400]}))
+                writer.write(protocol.encode(protocol.Refused(error=f"{type(exc).__name__}: {exc}"[:400])))
             except Exception:  # noqa: BLE001 - the peer may already be gone
                 pass
             writer.close()
@@ -393,11 +393,11 @@ class WorkerPool:
         w.channel = ch
         ch.start()
         try:
-            await ch.send({"k": "welcome", "id": 0, "world_size": self.world_size,
-                           "device": "cuda:0" if w.device.startswith("cuda") else "cpu",
-                           "run_dir": self._run_dir, "doorbell_fds": list(self._doorbells),
-                           "control": self._control.name, "hb_interval": HB_INTERVAL})
-            pong = await ch.request("ping", {}, timeout=self.start_timeout)
+            await ch.send(protocol.Welcome(world_size=self.world_size,
+                                           device="cuda:0" if w.device.startswith("cuda") else "cpu",
+                                           run_dir=self._run_dir, doorbell_fds=list(self._doorbells),
+                                           control=self._control.name, hb_interval=HB_INTERVAL))
+            pong = await ch.request(protocol.Ping(), timeout=self.start_timeout)
         except (ChannelClosed, RemoteError, TimeoutError, OSError) as exc:
             self._mark_dead(w, f"failed its first ping: {exc}")
             return
@@ -408,10 +408,10 @@ class WorkerPool:
             self._watch_heartbeat(w)
             self._changed.set()
 
-    def _on_heartbeat(self, w: _Worker, msg: dict) -> None:
+    def _on_heartbeat(self, w: _Worker, msg: protocol.Heartbeat) -> None:
         w.last_hb = time.monotonic()
-        w.rss = msg["rss"]
-        w.vram = msg["vram"]
+        w.rss = msg.rss
+        w.vram = msg.vram
 
     def _watch_heartbeat(self, w: _Worker) -> None:
         """A timer due when ``w``'s heartbeats are ``hb_timeout`` late: it marks a silent worker dead (a hung loop
@@ -478,7 +478,7 @@ class WorkerPool:
 
         async def _ask(w: _Worker) -> None:
             try:
-                await w.channel.request("shutdown", {}, timeout=grace)
+                await w.channel.request(protocol.Shutdown(), timeout=grace)
             except (ChannelClosed, RemoteError, TimeoutError, OSError):
                 pass
 
@@ -576,7 +576,8 @@ class WorkerPool:
         if self._state != "running" or any(w.state == "dead" for w in self._workers):
             await self.start()
 
-    async def _request(self, w: _Worker, kind: str, fields: dict | None, timeout: float) -> dict:
+    async def _request(self, w: _Worker, msg: protocol.Request, timeout: float) -> dict:
+        kind = msg.kind
         if w.state != "ready" or w.channel is None:
             raise self._error(w, f"cannot take {kind!r}: it is {w.state}" + (f" ({w.death})" if w.death else ""))
         if kind not in w.serves:
@@ -584,7 +585,7 @@ class WorkerPool:
                              f"it serves {', '.join(sorted(w.serves))}: send it to its own program's pool")
         w.inflight += 1
         try:
-            result = await w.channel.request(kind, fields, timeout)
+            result = await w.channel.request(msg, timeout)
         except RemoteError as exc:
             raise self._error(w, f"failed {kind!r}: {exc.error}", tb=exc.tb) from None
         except ChannelClosed as exc:
@@ -603,29 +604,29 @@ class WorkerPool:
         w.jobs_done += 1
         return result
 
-    async def request(self, rank: int, kind: str, fields: dict | None = None, timeout: float = 60.0) -> dict:
+    async def request(self, rank: int, msg: protocol.Request, timeout: float = 60.0) -> dict:
         """Send one request to one rank; return its result map or raise :class:`WorkerError`."""
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is not in 0..{self.world_size - 1}")
         await self._ensure_ready()
         self._jobs += 1
         try:
-            return await self._request(self._workers[rank], kind, fields, timeout)
+            return await self._request(self._workers[rank], msg, timeout)
         finally:
             self._jobs -= 1
 
-    async def all(self, kind: str, fields_per_rank: Sequence[dict], timeout: float) -> list[dict]:
-        """Send ``kind`` to every rank (``fields_per_rank[r]`` to rank r); return the results in rank order.
+    async def all(self, per_rank: Sequence[protocol.Request], timeout: float) -> list[dict]:
+        """Send ``per_rank[r]`` to rank r, for every rank; return the results in rank order.
 
         Fail fast: the first error or death aborts the other ranks (:meth:`abort`) and raises its
         :class:`WorkerError` at once; cancellation aborts them too.
         """
-        if len(fields_per_rank) != self.world_size:
-            raise ValueError(f"{kind}: got {len(fields_per_rank)} field maps for {self.world_size} ranks")
+        if len(per_rank) != self.world_size:
+            kinds = sorted({m.kind for m in per_rank})
+            raise ValueError(f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks")
         await self._ensure_ready()
         self._jobs += 1
-        tasks = [asyncio.ensure_future(self._request(w, kind, f, timeout))
-                 for w, f in zip(self._workers, fields_per_rank)]
+        tasks = [asyncio.ensure_future(self._request(w, m, timeout)) for w, m in zip(self._workers, per_rank)]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]

@@ -16,7 +16,7 @@ import torch
 
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import ram_info
-from workers.runtime.protocol import desc_nbytes
+from workers.runtime.protocol import TensorDesc, tensor_nbytes
 from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
 
 log = get_logger("Weights")
@@ -39,7 +39,7 @@ class WeightStore:
 
     key: tuple
     segment: Segment
-    manifest: list[dict[str, dict]]
+    manifest: list[dict[str, TensorDesc]]
     nbytes: int
     fill_seconds: float
     created_at: float = field(default_factory=time.time)
@@ -79,12 +79,12 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     t = time.perf_counter()
     first = read_block(0)
     layout = _block_layout(first)
-    per_block = sum(align(desc_nbytes({"dtype": d, "shape": list(s)})) for d, s in layout.values())
+    per_block = sum(align(tensor_nbytes(d, s)) for d, s in layout.values())
     total = per_block * n_blocks
     ram = ram_info()
-    if ram["available_bytes"] - total < reserve_gb * GIB:
+    if ram.available_bytes - total < reserve_gb * GIB:
         raise WeightStoreRefused(
-            f"weight store needs {total / GIB:.2f} GiB but only {ram['available_bytes'] / GIB:.2f} GiB RAM is "
+            f"weight store needs {total / GIB:.2f} GiB but only {ram.available_bytes / GIB:.2f} GiB RAM is "
             f"available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower the reserve, free RAM, or "
             "disable the split for this model")
     try:
@@ -93,7 +93,7 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
         raise WeightStoreRefused(str(exc)) from None
     try:
         arena = Arena(seg)
-        manifest: list[dict[str, dict]] = []
+        manifest: list[dict[str, TensorDesc]] = []
         for i in range(n_blocks):
             tensors = first if i == 0 else read_block(i)
             got = _block_layout(tensors)
@@ -112,5 +112,5 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
         seg.close()
         seg.unlink()
         raise
-    log.info("filled %d blocks, %.2f GiB in %.2fs (%s)", n_blocks, total / GIB, store.fill_seconds, ram["text"])
+    log.info("filled %d blocks, %.2f GiB in %.2fs (%s)", n_blocks, total / GIB, store.fill_seconds, ram.text)
     return store

@@ -36,6 +36,7 @@ from h3ms_async.observability.status import now_iso
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime import config
 from workers.vae import protocol as vae_protocol
+from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
 
 log = get_logger("VAE split")
@@ -196,8 +197,8 @@ class VaeSplitEngine(Engine):
         transport = "none"
         moved = 0
         try:
-            in_descs: dict[int, dict] = {}
-            out_descs: dict[int, dict | None] = {i: None for i in remote}
+            in_descs: dict[int, TensorDesc] = {}
+            out_descs: dict[int, TensorDesc | None] = {i: None for i in remote}
             if remote:
                 z_cpu = z_padded.to("cpu")
                 sizes = [_nbytes(z_cpu[:, :, a:b_]) for a, b_ in (plan.spans[i] for i in remote)]
@@ -293,11 +294,10 @@ class VaeSplitEngine(Engine):
                 self._warned_socket = True
             return "socket", None
 
-    async def _remote_chunk(self, job: int, i: int, worker: int, z_desc: dict, out_desc: dict | None,
+    async def _remote_chunk(self, job: int, i: int, worker: int, z_desc: TensorDesc, out_desc: TensorDesc | None,
                             shape: list[int], dtype: torch.dtype,
                             timeout: float) -> tuple[dict, torch.Tensor | None]:
-        res = await self.pool.request(worker, "vae_chunk", {"job": job, "index": i, "z": z_desc, "out": out_desc},
-                                      timeout)
+        res = await self.pool.request(worker, vae_protocol.VaeChunk(job=job, index=i, z=z_desc, out=out_desc), timeout)
         if list(res["shape"]) != shape or res["dtype"] != dtype_name(dtype):
             raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res['dtype']} {res['shape']}; "
                                 f"expected {dtype_name(dtype)} {shape} (does it run another ComfyUI?)")
@@ -308,7 +308,7 @@ class VaeSplitEngine(Engine):
         piece = vae_protocol.FETCH_PIECE_BYTES
         for off in range(0, res["nbytes"], piece):
             n = min(piece, res["nbytes"] - off)
-            got = await self.pool.request(worker, "vae_fetch", {"job": job, "index": i, "off": off, "n": n}, timeout)
+            got = await self.pool.request(worker, vae_protocol.VaeFetch(job=job, index=i, off=off, n=n), timeout)
             host[off:off + n].copy_(torch.frombuffer(bytearray(got["data"]), dtype=torch.uint8))
         res["fetch_s"] = time.perf_counter() - t
         return res, host.view(dtype).view(shape)
@@ -326,9 +326,9 @@ class VaeSplitEngine(Engine):
         store = await asyncio.get_running_loop().run_in_executor(None, fill, spec.key, 1,
                                                                  lambda _i: spec.read_tensors())
         try:
-            fields = {"store": store.segment.name, "manifest": store.manifest[0], "key": repr(spec.key),
-                      "arch": spec.arch, "dtype": spec.dtype, "comfy": spec.comfy}
-            await self.pool.all("vae_load", [fields] * (self.ranks - 1), self.pool.start_timeout)
+            load = vae_protocol.VaeLoad(store=store.segment.name, manifest=store.manifest[0], key=repr(spec.key),
+                                        arch=spec.arch, dtype=spec.dtype, comfy=spec.comfy)
+            await self.pool.all([load] * (self.ranks - 1), self.pool.start_timeout)
         finally:
             store.release()
         self._loaded_key, self._loaded_starts = spec.key, self.pool.starts
@@ -340,7 +340,7 @@ class VaeSplitEngine(Engine):
             return
 
         async def drop() -> None:
-            await asyncio.gather(*(self.pool.request(r, "vae_drop", {"job": job}, 30.0)
+            await asyncio.gather(*(self.pool.request(r, vae_protocol.VaeDrop(job=job), 30.0)
                                    for r in range(self.ranks - 1)), return_exceptions=True)
 
         try:

@@ -1,4 +1,5 @@
-"""Message kinds of H3 Attention Parallel, declared in the one validated table of ``workers.runtime.protocol``.
+"""The messages of H3 Attention Parallel: typed requests (``workers.runtime.protocol.Request``), checked by the one
+decoder of ``workers.runtime.protocol``.
 
 Both sides import this module: the coordinator (``h3ms_async.attention.engine``) to send, the helper
 (``workers.attention.rank``) to serve.  Field meanings:
@@ -20,10 +21,23 @@ Both sides import this module: the coordinator (``h3ms_async.attention.engine``)
 
 ``attn_release`` drop this helper's shm mappings and cached device memory (it keeps running).
 """
+
 from __future__ import annotations
 
-from workers.runtime import protocol
+from typing import ClassVar
 
-protocol.register_kind("attn_call", {"job": "int", "first": "bool", "tensors": "dict", "meta": "dict",
-                                     "out": "desc|None", "ipc": "dict|None?"})
-protocol.register_kind("attn_release", {})
+from workers.runtime.protocol import Plain, Request, TensorDesc
+
+
+class AttnCall(Request, tag="attn_call"):
+    job: int
+    first: bool
+    tensors: dict[str, TensorDesc]
+    meta: Plain
+    out: TensorDesc | None
+    ipc: Plain | None = None
+    PLAIN: ClassVar[tuple[str, ...]] = ("meta", "ipc")
+
+
+class AttnRelease(Request, tag="attn_release"):
+    pass

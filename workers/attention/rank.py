@@ -16,7 +16,7 @@ import time
 import torch
 
 from workers.attention import ops as attn_ops
-from workers.attention import protocol as attn_protocol  # noqa: F401 - declares the kinds
+from workers.attention import protocol as attn_protocol
 from workers.attention import ck_cpu as ck_attention_cpu
 from workers.runtime.handlers import WorkerContext, handler
 
@@ -53,13 +53,13 @@ def _ipc_view(storage: torch.UntypedStorage, d: dict) -> torch.Tensor:
     return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
 
 
-def _sources(ctx: WorkerContext, msg: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _sources(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The slice's tensors and the output slot: shm views, or views of the model GPU's IPC buffers."""
-    ipc = msg.get("ipc")
+    ipc = msg.ipc
     if ipc is None:
-        _map_segments(ctx, {d["seg"] for d in msg["tensors"].values()} | {msg["out"]["seg"]})
-        return ({name: ctx.segment(d["seg"]).tensor(d) for name, d in msg["tensors"].items()},
-                ctx.segment(msg["out"]["seg"]).tensor(msg["out"]))
+        _map_segments(ctx, {d.seg for d in msg.tensors.values()} | {msg.out.seg})
+        return ({name: ctx.segment(d.seg).tensor(d) for name, d in msg.tensors.items()},
+                ctx.segment(msg.out.seg).tensor(msg.out))
     src, dst = (_ipc_storage(ctx, ipc[side], ipc["device"]) for side in ("in", "out"))
     live = {(ipc["device"], bytes(ipc[side][1]), int(ipc[side][3])) for side in ("in", "out")}
     opened = ctx.state[_IPC]
@@ -97,7 +97,7 @@ def _check_out(out: torch.Tensor, slot: torch.Tensor) -> None:
                          f"{slot.dtype} {list(slot.shape)}")
 
 
-def _start(ctx: WorkerContext, msg: dict) -> _Piece:
+def _start(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> _Piece:
     """Queue one piece (on the compute thread, which is free again as soon as the work is queued on CUDA)."""
     device = torch.device(ctx.device)
     src, slot = _sources(ctx, msg)
@@ -105,13 +105,13 @@ def _start(ctx: WorkerContext, msg: dict) -> _Piece:
     nbytes_out = slot.numel() * slot.element_size()
     if device.type != "cuda":
         t0 = time.perf_counter()
-        out = attn_ops.attend(src, msg["meta"])
+        out = attn_ops.attend(src, msg.meta)
         _check_out(out, slot)
         t1 = time.perf_counter()
         slot.copy_(out)
         return _Piece(device, nbytes_in, nbytes_out,
                       timings={"h2d_s": 0.0, "compute_s": t1 - t0, "d2h_s": time.perf_counter() - t1})
-    if msg["first"]:
+    if msg.first:
         torch.cuda.reset_peak_memory_stats(device)
     if _STREAMS not in ctx.state:
         ctx.state[_STREAMS] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -127,7 +127,7 @@ def _start(ctx: WorkerContext, msg: dict) -> _Piece:
             t.record_stream(compute)
     compute.wait_event(ev[1])
     ev[2].record(compute)
-    out = attn_ops.attend(local, msg["meta"])
+    out = attn_ops.attend(local, msg.meta)
     _check_out(out, slot)
     ev[3].record(compute)
     copy_out.wait_event(ev[3])
@@ -139,13 +139,13 @@ def _start(ctx: WorkerContext, msg: dict) -> _Piece:
     return _Piece(device, nbytes_in, nbytes_out, events=ev)
 
 
-def _start_inference(ctx: WorkerContext, msg: dict) -> _Piece:
+def _start_inference(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> _Piece:
     with torch.inference_mode():
         return _start(ctx, msg)
 
 
-@handler("attn_call")
-async def _attn_call(ctx: WorkerContext, msg: dict) -> dict:
+@handler(attn_protocol.AttnCall)
+async def _attn_call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
     # Pieces reach the compute thread in the order they arrive; waiting for one happens off that thread, so the
     # next piece is queued on the GPU while this one still runs.
     t0 = time.perf_counter()
@@ -154,8 +154,8 @@ async def _attn_call(ctx: WorkerContext, msg: dict) -> dict:
     return dict(result, wall_s=time.perf_counter() - t0)
 
 
-@handler("attn_release")
-async def _attn_release(ctx: WorkerContext, msg: dict) -> dict:
+@handler(attn_protocol.AttnRelease)
+async def _attn_release(ctx: WorkerContext, msg: attn_protocol.AttnRelease) -> dict:
     _map_segments(ctx, set())
     ctx.state.pop(_IPC, None)
     ctx.state.pop(_STREAMS, None)

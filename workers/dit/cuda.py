@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
@@ -78,15 +79,15 @@ class CudaWeights:
     """Block weights of one CUDA rank (a ``workers.dit.weights.WeightProvider``): the leading blocks resident in
     VRAM, the rest streamed from the pinned store through two slots prefetched on a side stream."""
 
-    def __init__(self, ctx: WorkerContext, msg: dict) -> None:
+    def __init__(self, ctx: WorkerContext, msg: DitLoad) -> None:
         self.device = torch.device(ctx.device)
-        self.config = msg["config"]
-        self.heads = tuple(int(v) for v in msg["heads"])
+        self.config = msg.config
+        self.heads = tuple(int(v) for v in msg.heads)
         self.residency: str | None = None  # chosen per step (dit_step's "residency")
         self.log = ctx.log
         self.rank = ctx.rank
-        seg = ctx.segment(msg["store"])
-        self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg["manifest"]]
+        seg = ctx.segment(msg.store)
+        self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg.manifest]
         self.quant = [dit_ops.quant_info(b, "attn.qkv_proj") for b in self.host]
         g0, g1 = self.heads
         rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])

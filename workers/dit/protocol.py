@@ -1,4 +1,5 @@
-"""Message kinds of the transformer split, declared in the one validated table of ``workers.runtime.protocol``.
+"""The messages of the transformer split: typed requests (``workers.runtime.protocol.Request``), checked by the
+one decoder of ``workers.runtime.protocol``.
 
 Both sides import this module: the coordinator (``h3ms_async.dit.split``) to send, the worker (``workers.dit.rank``) to
 serve.  Field meanings:
@@ -34,19 +35,44 @@ serve.  Field meanings:
 """
 from __future__ import annotations
 
-from workers.runtime import protocol
+from typing import ClassVar, Literal, Union, get_args
 
-protocol.register_kind("dit_load", {
-    "store": "str", "manifest": "list", "config": "dict", "heads": "list", "key": "str",
-})
-protocol.register_kind("dit_step", {
-    "job": "int", "x": "desc", "t_emb": "desc", "rope": "desc", "segments": "list", "tokens": "list",
-    "arena": "str", "layout": "dict", "exchange": "str", "chunks": "int", "abort_gen": "int",
-    "deadline_s": "float", "blocks": "list", "residency": "str",
-})
-protocol.register_kind("dit_release", {})
+from workers.runtime.protocol import Plain, Request, TensorDesc
 
 #: Exchange transports a step may name.
-EXCHANGES = ("host", "dist", "none")
+Exchange = Literal["host", "dist", "none"]
+EXCHANGES: tuple[str, ...] = get_args(Exchange)
 #: Weight residency choices of a CUDA rank.
-RESIDENCIES = ("auto", "resident", "stream")
+Residency = Literal["auto", "resident", "stream"]
+RESIDENCIES: tuple[str, ...] = get_args(Residency)
+
+
+class DitLoad(Request, tag="dit_load"):
+    store: str
+    manifest: list[dict[str, TensorDesc]]
+    config: Plain
+    heads: tuple[int, int]
+    key: str
+    PLAIN: ClassVar[tuple[str, ...]] = ("config",)
+
+
+class DitStep(Request, tag="dit_step"):
+    job: int
+    x: TensorDesc
+    t_emb: TensorDesc
+    rope: TensorDesc
+    segments: list[tuple[int, int, Union[int, TensorDesc]]]
+    tokens: tuple[int, int]
+    arena: str
+    layout: Plain
+    exchange: Exchange
+    chunks: int
+    abort_gen: int
+    deadline_s: float
+    blocks: tuple[int, int]
+    residency: Residency
+    PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
+
+
+class DitRelease(Request, tag="dit_release"):
+    pass

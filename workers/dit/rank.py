@@ -23,6 +23,7 @@ from workers.dit.weights import CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
 from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
 from workers.runtime.handlers import WorkerContext, handler, on_release
+from workers.runtime.protocol import TensorDesc
 
 _STATE = "dit"
 
@@ -74,41 +75,41 @@ def _state(ctx: WorkerContext) -> RankState:
     return st
 
 
-def _load(ctx: WorkerContext, msg: dict) -> RankWeights:
+def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
     """A CUDA rank places blocks in VRAM per step (``CudaWeights``); a CPU rank uses zero-copy views of the store,
     with the head group's qkv rows copied once."""
-    cfg = msg["config"]
-    heads = (int(msg["heads"][0]), int(msg["heads"][1]))
+    cfg = msg.config
+    heads = (int(msg.heads[0]), int(msg.heads[1]))
     if ctx.device.startswith("cuda"):
         provider: WeightProvider = CudaWeights(ctx, msg)
     else:
-        seg = ctx.segment(msg["store"])
-        manifest = msg["manifest"]
+        seg = ctx.segment(msg.store)
+        manifest = msg.manifest
         provider = CpuWeights(lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
                               len(manifest), heads, cfg["heads"], cfg["head_dim"], eager=True)
-    return RankWeights(msg["key"], msg["store"], cfg, heads, provider)
+    return RankWeights(msg.key, msg.store, cfg, heads, provider)
 
 
-@handler("dit_load")
-async def _dit_load(ctx: WorkerContext, msg: dict) -> dict:
+@handler(dit_protocol.DitLoad)
+async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
     st = _state(ctx)
-    if st.weights is not None and st.weights.key == msg["key"] and list(st.weights.heads) == list(msg["heads"]):
+    if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
         sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
             if ctx.device.startswith("cuda") else None
         return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": sms}
     _drop_weights(ctx, st)
-    ctx.state["devices"] = msg["config"].get("devices")
-    attend = _attend(msg["config"]["attention"])
-    dtype = getattr(torch, msg["config"]["compute_dtype"])
-    if ctx.state.get("warm") != (msg["config"]["attention"], dtype):
+    ctx.state["devices"] = msg.config.get("devices")
+    attend = _attend(msg.config["attention"])
+    dtype = getattr(torch, msg.config["compute_dtype"])
+    if ctx.state.get("warm") != (msg.config["attention"], dtype):
         # before the first step, under the very function and dtype the steps use (see dit_ops.warm_up)
         await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
-        ctx.state["warm"] = (msg["config"]["attention"], dtype)
+        ctx.state["warm"] = (msg.config["attention"], dtype)
     t = time.perf_counter()
     st.weights = await ctx.run_compute(_load, ctx, msg)
     ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
-                 ctx.rank, msg["key"], len(msg["manifest"]), msg["heads"],
-                 _HOST.attention if msg["config"]["attention"] == "comfy" and _HOST else msg["config"]["attention"],
+                 ctx.rank, msg.key, len(msg.manifest), msg.heads,
+                 _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
     sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
         if ctx.device.startswith("cuda") else None
@@ -123,8 +124,8 @@ def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
             torch.cuda.empty_cache()
 
 
-@handler("dit_release")
-async def _dit_release(ctx: WorkerContext, msg: dict) -> dict:
+@handler(dit_protocol.DitRelease)
+async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> dict:
     st = _state(ctx)
     store = st.weights.store if st.weights is not None else None
     _drop_weights(ctx, st)
@@ -148,28 +149,28 @@ def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
         st.exchanges.pop(key).close()
 
 
-def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Exchange:
+def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> Exchange:
     """The exchange object for this step's arena or process group (created once, reused while it matches)."""
-    layout = ArenaLayout.from_dict(msg["layout"])
+    layout = ArenaLayout.from_dict(msg.layout)
     cuda = ctx.device.startswith("cuda")
-    if msg["exchange"] == "none":
+    if msg.exchange == "none":
         key0 = ("none", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
         if key0 not in st.exchanges:
             st.exchanges[key0] = NoExchange(ctx.rank, layout, torch.device(ctx.device))
         return st.exchanges[key0]
-    if msg["exchange"] == "host":
-        key: tuple = ("host", msg["arena"])
+    if msg.exchange == "host":
+        key: tuple = ("host", msg.arena)
         ex = st.exchanges.get(key)
         if ex is None:
             for old in [k for k in st.exchanges if k[0] == "host"]:
                 st.exchanges.pop(old).close()
-            arena = ctx.segment(msg["arena"]).base_tensor()
+            arena = ctx.segment(msg.arena).base_tensor()
             wrap = copies = None
             if cuda:
                 wrap = CudaExchange(torch.device(ctx.device), host=True)
                 copies = {"to_host": wrap.to_host, "to_device": wrap.to_device}
             ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
-                              msg["deadline_s"], **(copies or {}))
+                              msg.deadline_s, **(copies or {}))
             ex = wrap.bind(ex) if wrap is not None else ex
             st.exchanges[key] = ex
         return ex
@@ -177,7 +178,7 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Exchange:
     if st.dist_backend is None:
         backend = "nccl" if cuda else "gloo"
         init_group(ctx.rank, ctx.world_size, backend, os.path.join(ctx.run_dir, "dist-rendezvous"),
-                   msg["deadline_s"], devices=ctx.state.get("devices"), local_device=ctx.device)
+                   msg.deadline_s, devices=ctx.state.get("devices"), local_device=ctx.device)
         st.dist_backend = backend
     key = ("dist", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
     ex = st.exchanges.get(key)
@@ -189,16 +190,17 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dict) -> Exchange:
     return ex
 
 
-def _segments(ctx: WorkerContext, raw: list, device: torch.device) -> list[dit_ops.ModSegment]:
+def _segments(ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]],
+              device: torch.device) -> list[dit_ops.ModSegment]:
     out: list[dit_ops.ModSegment] = []
     for a, b, row in raw:
-        if isinstance(row, dict):
-            row = ctx.segment(row["seg"]).tensor(row).to(device)
+        if isinstance(row, TensorDesc):
+            row = ctx.segment(row.seg).tensor(row).to(device)
         out.append((int(a), int(b), row))
     return out
 
 
-def run_step(ctx: WorkerContext, msg: dict) -> dict:
+def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank timings."""
     st = _state(ctx)
     w = st.weights
@@ -208,32 +210,32 @@ def run_step(ctx: WorkerContext, msg: dict) -> dict:
     t_start = time.perf_counter()
     device = torch.device(ctx.device)
     cuda = device.type == "cuda"
-    t0, t1 = (int(v) for v in msg["tokens"])
+    t0, t1 = (int(v) for v in msg.tokens)
     g0, g1 = w.heads
-    step_seg = ctx.segment(msg["x"]["seg"])
-    x_full = step_seg.tensor(msg["x"])
+    step_seg = ctx.segment(msg.x.seg)
+    x_full = step_seg.tensor(msg.x)
     x_rows = x_full[t0:t1].to(device, non_blocking=True) if cuda else x_full[t0:t1]
-    t_emb = ctx.segment(msg["t_emb"]["seg"]).tensor(msg["t_emb"]).to(device)
-    rope = step_seg.tensor(msg["rope"]).to(device)
-    segs = dit_ops.clip_segments(_segments(ctx, msg["segments"], device), t0, t1)
+    t_emb = ctx.segment(msg.t_emb.seg).tensor(msg.t_emb).to(device)
+    rope = step_seg.tensor(msg.rope).to(device)
+    segs = dit_ops.clip_segments(_segments(ctx, msg.segments, device), t0, t1)
     alloc0 = _alloc_counters(device) if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    w.provider.prepare(x_full.shape[0], t1 - t0, msg["residency"])
+    w.provider.prepare(x_full.shape[0], t1 - t0, msg.residency)
     ex = _exchange(ctx, st, msg)
     ex.reset_stats()
-    gen = int(msg["abort_gen"])
+    gen = int(msg.abort_gen)
     ex.begin(gen)
-    b0, b1 = (int(v) for v in msg["blocks"])
+    b0, b1 = (int(v) for v in msg.blocks)
 
     def check_abort(i: int) -> None:
         if ctx.abort_generation() != gen:
-            raise ExchangeAborted(f"rank {ctx.rank}: step {msg['job']} aborted before block {i}")
+            raise ExchangeAborted(f"rank {ctx.rank}: step {msg.job} aborted before block {i}")
 
     setup_s = time.perf_counter() - t_start
     per_block = run_blocks(x_rows, t_emb, segs, rope, w.provider, ex, range(b0, b1), heads_local=g1 - g0,
                            head_dim=int(cfg["head_dim"]), eps=float(cfg["eps"]), attend=_attend(cfg["attention"]),
-                           chunks=int(msg["chunks"]), before_block=check_abort)
+                           chunks=int(msg.chunks), before_block=check_abort)
     t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)
@@ -276,16 +278,12 @@ def _alloc_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
             "reserved_bytes": after["reserved_bytes"]}
 
 
-def _run_step_inference(ctx: WorkerContext, msg: dict) -> dict:
+def _run_step_inference(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another code path).
     with torch.inference_mode():
         return run_step(ctx, msg)
 
 
-@handler("dit_step")
-async def _dit_step(ctx: WorkerContext, msg: dict) -> dict:
-    if msg["exchange"] not in dit_protocol.EXCHANGES:
-        raise ValueError(f"dit_step: exchange {msg['exchange']!r} is not one of {dit_protocol.EXCHANGES}")
-    if msg["residency"] not in dit_protocol.RESIDENCIES:
-        raise ValueError(f"dit_step: residency {msg['residency']!r} is not one of {dit_protocol.RESIDENCIES}")
+@handler(dit_protocol.DitStep)
+async def _dit_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     return await ctx.run_compute(_run_step_inference, ctx, msg)

@@ -1,9 +1,9 @@
 """What a worker serves: the handler registry, the per-worker context, and the core commands.
 
-A handler is ``async def fn(ctx: WorkerContext, msg: dict) -> dict`` registered with ``@handler("kind")`` for a
-kind declared in ``workers.runtime.protocol``; the returned map is the ``r`` of the ``ok`` answer, an exception becomes an
-``err`` answer carrying its traceback.  Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps
-answering (heartbeats, aborts) while it runs.
+A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> dict`` registered with ``@handler(Kind)`` for a request
+struct ``Kind`` (a :class:`workers.runtime.protocol.Request` subclass); it receives the decoded, validated message,
+the returned map is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer carrying its traceback.
+Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps answering (heartbeats, aborts) while it runs.
 """
 from __future__ import annotations
 
@@ -15,26 +15,27 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from workers.runtime import config, protocol
 from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
 
-Handler = Callable[["WorkerContext", dict], Awaitable[dict]]
-#: kind -> handler coroutine function.
-HANDLERS: dict[str, Handler] = {}
+Handler = Callable[["WorkerContext", Any], Awaitable[dict]]
+#: request struct -> handler coroutine function.
+HANDLERS: dict[type[protocol.Request], Handler] = {}
+H = TypeVar("H", bound=Handler)
 
 TEST_HOOKS: bool = config.TEST_HOOKS.get()
 
 
-def handler(kind: str) -> Callable[[Handler], Handler]:
-    """Register ``fn`` as the worker's handler for requests of ``kind`` (which protocol.py must declare)."""
-    if not protocol.is_known(kind):
-        raise ValueError(f"cannot register a handler for {kind!r}: declare it first with protocol.register_kind")
+def handler(kind: type[protocol.Request]) -> Callable[[H], H]:
+    """Register ``fn`` as the worker's handler for requests of the struct ``kind``."""
+    if not (isinstance(kind, type) and issubclass(kind, protocol.Request)) or kind is protocol.Request:
+        raise ValueError(f"cannot register a handler for {kind!r}: give a Request subclass of workers/*/protocol.py")
 
-    def deco(fn: Handler) -> Handler:
+    def deco(fn: H) -> H:
         if kind in HANDLERS and HANDLERS[kind] is not fn:
-            raise ValueError(f"a handler for {kind!r} is already registered ({HANDLERS[kind].__qualname__})")
+            raise ValueError(f"a handler for {kind.__qualname__} is already registered ({HANDLERS[kind].__qualname__})")
         HANDLERS[kind] = fn
         return fn
 
@@ -128,14 +129,14 @@ class WorkerContext:
 
 
 # -- core commands ----------------------------------------------------------------------------------------------
-@handler("ping")
-async def _ping(ctx: WorkerContext, msg: dict) -> dict:
+@handler(protocol.Ping)
+async def _ping(ctx: WorkerContext, msg: protocol.Ping) -> dict:
     """Liveness; the first answer (to the pool's admission ping) also lists the kinds this worker serves, which the
     pool then refuses others by.  Only the first: a ping is the round trip the IPC benchmark times."""
-    answer = {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
+    answer: dict[str, Any] = {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
     if not ctx.announced:
         ctx.announced = True
-        answer["serves"] = sorted(HANDLERS)
+        answer["serves"] = sorted(kind.__struct_config__.tag for kind in HANDLERS)
     return answer
 
 
@@ -155,41 +156,35 @@ def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
     return hashlib.sha256(dst.numpy()).hexdigest(), seconds
 
 
-@handler("echo")
-async def _echo(ctx: WorkerContext, msg: dict) -> dict:
+@handler(protocol.Echo)
+async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> dict:
     """Copy the bytes of ``src`` to ``dst`` (both shm descriptors of equal byte size); return their sha256."""
     import torch
 
-    src_d, dst_d = msg["src"], msg["dst"]
-    n_src, n_dst = protocol.desc_nbytes(src_d), protocol.desc_nbytes(dst_d)
+    src_d, dst_d = msg.src, msg.dst
+    n_src, n_dst = src_d.nbytes, dst_d.nbytes
     if n_src != n_dst:
         raise ValueError(f"echo: src has {n_src} bytes but dst has {n_dst}; give descriptors of equal size")
-    src = ctx.segment(src_d["seg"]).tensor(src_d).reshape(-1).view(torch.uint8)
-    dst = ctx.segment(dst_d["seg"]).tensor(dst_d).reshape(-1).view(torch.uint8)
+    src = ctx.segment(src_d.seg).tensor(src_d).reshape(-1).view(torch.uint8)
+    dst = ctx.segment(dst_d.seg).tensor(dst_d).reshape(-1).view(torch.uint8)
     digest, seconds = await ctx.run_compute(_copy_and_hash, src, dst, ctx.device)
     return {"bytes": n_src, "sha256": digest, "seconds": seconds,
-            "registered": ctx.segment(src_d["seg"]).registered}
+            "registered": ctx.segment(src_d.seg).registered}
 
 
-@handler("drop_released")
-async def _drop_released(ctx: WorkerContext, msg: dict) -> dict:
+@handler(protocol.DropReleased)
+async def _drop_released(ctx: WorkerContext, msg: protocol.DropReleased) -> dict:
     """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a tight
     /dev/shm has the old ones' pages back first)."""
     return {"dropped": ctx.forget_released()}
 
 
-@handler("shutdown")
-async def _shutdown(ctx: WorkerContext, msg: dict) -> dict:
-    # The serve loop stops after sending this answer.
-    return {"pid": os.getpid()}
-
-
 # -- test hooks (only with H3MS_TEST_HOOKS=1) ------------------------------------------------------------------
 if TEST_HOOKS:
-    @handler("sleep")
-    async def _sleep(ctx: WorkerContext, msg: dict) -> dict:
+    @handler(protocol.Sleep)
+    async def _sleep(ctx: WorkerContext, msg: protocol.Sleep) -> dict:
         """Sleep, but stop early with an error when the pool aborts (doorbell + abort generation)."""
-        seconds = float(msg["seconds"])
+        seconds = float(msg.seconds)
         gen = ctx.abort_generation()
         loop = asyncio.get_running_loop()
         rung = asyncio.Event()
@@ -217,29 +212,29 @@ if TEST_HOOKS:
             loop.remove_reader(fd)
         return {"slept": seconds}
 
-    @handler("crash")
-    async def _crash(ctx: WorkerContext, msg: dict) -> dict:
-        how = msg.get("how", "kill")
+    @handler(protocol.Crash)
+    async def _crash(ctx: WorkerContext, msg: protocol.Crash) -> dict:
+        how = msg.how
         ctx.log.warning("test hook: crashing (%s)", how)
         for h in ctx.log.handlers + logging.getLogger().handlers:
             h.flush()
         if how == "exit":
-            os._exit(int(msg.get("code", 3)))
+            os._exit(int(msg.code))
         os.kill(os.getpid(), signal.SIGKILL)
         return {}
 
-    @handler("hang")
-    async def _hang(ctx: WorkerContext, msg: dict) -> dict:
-        ctx.log.warning("test hook: blocking the loop for %.1f s", msg["seconds"])
-        time.sleep(float(msg["seconds"]))  # on purpose: the loop (and its heartbeats) stop
+    @handler(protocol.Hang)
+    async def _hang(ctx: WorkerContext, msg: protocol.Hang) -> dict:
+        ctx.log.warning("test hook: blocking the loop for %.1f s", msg.seconds)
+        time.sleep(float(msg.seconds))  # on purpose: the loop (and its heartbeats) stop
         return {}
 
-    @handler("inject")
-    async def _inject(ctx: WorkerContext, msg: dict) -> dict:
+    @handler(protocol.Inject)
+    async def _inject(ctx: WorkerContext, msg: protocol.Inject) -> dict:
         """Write raw bytes on this worker's channel (to test the coordinator's protocol checks)."""
         writer = ctx.state["_writer"]
-        writer.write(bytes(msg["raw"]))
-        if msg.get("close"):
+        writer.write(bytes(msg.raw))
+        if msg.close:
             writer.write_eof()
         await writer.drain()
         return {}

@@ -1,11 +1,13 @@
-"""The wire protocol between the coordinator and its workers, written down once, in code that validates it.
+"""The wire protocol between the coordinator and its workers: typed messages, validated once, while decoding.
 
-Frame: a 4-byte big-endian unsigned length, then that many bytes holding exactly one msgpack map.
-Every message map has ``"k"`` (its kind, a str) and ``"id"`` (an int request id; 0 for messages that answer
-nothing).  ``KINDS`` declares, per kind, which other fields it carries and their types; :func:`decode` checks a
-frame against it and raises :class:`ProtocolError` for anything else, and :func:`encode` refuses to send what the
-peer would refuse.  Both peers read frames with :func:`read_message`, so the limits hold on both sides and are
-checked before anything is allocated.
+Frame: a 4-byte big-endian unsigned length, then that many bytes holding exactly one msgpack map.  Every message is a
+:class:`Message` struct (msgspec), tagged by its kind in field ``"k"``, with ``"id"`` (an int request id; 0 for
+messages that answer nothing).  A struct's annotations are its schema: :func:`decode` turns a frame into the struct of
+its kind with ``msgspec.msgpack.Decoder`` over the union of every declared kind, which checks types, refuses unknown
+kinds, unknown fields and missing ones, and runs each struct's ``__post_init__`` (the value checks a type cannot say,
+e.g. a tensor descriptor's offset alignment).  ``__post_init__`` also runs when a sender builds a message, so a sender
+meets the same value checks as its peer; the field types are the sender's type checker's job.  Both peers read frames
+with :func:`read_message`, so the limits hold on both sides and are checked before anything is allocated.
 
 Conversation (every arrow is one frame)::
 
@@ -17,141 +19,39 @@ Conversation (every arrow is one frame)::
         ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}
         ◄──────── hb {id: 0, rss, vram, busy}        unsolicited, about every second
 
-Field types: ``int``, ``float`` (an int is accepted), ``str``, ``bytes``, ``bool``, ``list``, ``dict``, ``desc`` (a
-tensor descriptor, see :func:`check_tensor_desc`).  A trailing ``|None`` makes the value nullable, a trailing ``?``
-makes the field optional (it may be absent): ``"int|None"``, ``"float?"``, ``"str|None?"``.
+A rank program declares its requests as :class:`Request` subclasses in its own ``workers/<program>/protocol.py``;
+defining the class is the declaration (importing the module adds it to the decoder).
 """
 from __future__ import annotations
 
 import asyncio
 import re
 import struct
-from typing import Any, Mapping
+import threading
+from typing import Annotated, Any, ClassVar, Literal, Sequence, Union
 
-import msgpack
+import msgspec
 
 from workers.runtime import config
 
 
-class ProtocolError(Exception):
+class ProtocolError(ValueError):
     """A frame or message that breaks this protocol; the channel that carried it is closed."""
 
 
 #: Largest frame body either side accepts or sends (override with H3MS_MAX_FRAME_BYTES; both sides read it).
 MAX_FRAME_BYTES: int = config.MAX_FRAME_BYTES.get()
-#: Per-object msgpack limits; an object over them is refused before it is built.
+#: Limits inside a message: longest str, most items of a free-form list or map, deepest nesting of a free-form
+#: field (``r``, ``config``, ...).  A length header that claims more than the frame holds is refused before anything
+#: is allocated.
 MAX_STR_LEN = 4 * 1024 * 1024
-MAX_BIN_LEN = MAX_FRAME_BYTES
 MAX_ARRAY_LEN = 1 << 16
 MAX_MAP_LEN = 1 << 16
-#: Deepest nesting of lists/maps inside a message.
 MAX_DEPTH = 32
+Text = Annotated[str, msgspec.Meta(max_length=MAX_STR_LEN)]
 HEADER = struct.Struct(">I")
 MAX_REQUEST_ID = (1 << 63) - 1
-
-_BASE_TYPES = ("int", "float", "str", "bytes", "bool", "list", "dict", "desc")
-
-
-class FieldSpec:
-    """One field's declared type: base type, whether ``None`` is allowed, whether the field may be absent."""
-
-    __slots__ = ("base", "nullable", "optional")
-
-    def __init__(self, spec: str) -> None:
-        text = spec.strip()
-        self.optional = text.endswith("?")
-        text = text.rstrip("?")
-        self.nullable = text.endswith("|None")
-        if self.nullable:
-            text = text[: -len("|None")]
-        if text not in _BASE_TYPES:
-            raise ValueError(f"field type {spec!r} is not one of {_BASE_TYPES} (optionally with '|None' and/or '?')")
-        self.base = text
-
-    def accepts(self, value: Any) -> bool:
-        if value is None:
-            return self.nullable
-        base = self.base
-        if base == "int":
-            return isinstance(value, int) and not isinstance(value, bool)
-        if base == "float":
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-        if base == "str":
-            return isinstance(value, str)
-        if base == "bytes":
-            return isinstance(value, (bytes, bytearray, memoryview))
-        if base == "bool":
-            return isinstance(value, bool)
-        if base == "list":
-            return isinstance(value, (list, tuple))
-        if base == "dict":
-            return isinstance(value, dict)
-        try:  # desc
-            check_tensor_desc(value)
-        except ProtocolError:
-            return False
-        return True
-
-    def __repr__(self) -> str:
-        return f"{self.base}{'|None' if self.nullable else ''}{'?' if self.optional else ''}"
-
-
-#: kind -> {field name -> FieldSpec}; "k" and "id" are implicit in every kind.
-KINDS: dict[str, dict[str, FieldSpec]] = {}
-
-
-def register_kind(name: str, fields: Mapping[str, str]) -> None:
-    """Declare a message kind and its fields (``{"step": "int", "x": "desc", "note": "str?"}``).
-
-    Registering the same kind again with the same fields is a no-op (modules may be imported twice); with
-    different fields it is an error, so two modules cannot silently disagree about a kind.
-    """
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", name):
-        raise ValueError(f"message kind {name!r} must be lower-case letters, digits, '_' (1-32 chars)")
-    specs = {}
-    for field, spec in fields.items():
-        if field in ("k", "id") or not isinstance(field, str) or not field:
-            raise ValueError(f"kind {name!r}: field name {field!r} is reserved or empty")
-        specs[field] = FieldSpec(spec)
-    old = KINDS.get(name)
-    if old is not None:
-        if {f: repr(s) for f, s in old.items()} != {f: repr(s) for f, s in specs.items()}:
-            raise ValueError(f"message kind {name!r} is already registered with other fields: {old}")
-        return
-    KINDS[name] = specs
-
-
-def is_known(kind: str) -> bool:
-    """Whether ``kind`` is in the table."""
-    return kind in KINDS
-
-
-# -- core kinds -------------------------------------------------------------------------------------------------
-# handshake
-register_kind("challenge", {"nonce": "bytes"})
-register_kind("auth", {"rank": "int", "pid": "int", "mac": "bytes"})
-register_kind("welcome", {
-    "world_size": "int", "device": "str", "run_dir": "str", "doorbell_fds": "list", "control": "str",
-    "hb_interval": "float",
-})
-register_kind("refused", {"error": "str"})
-# answers and heartbeats (worker -> coordinator)
-register_kind("ok", {"r": "dict"})
-register_kind("err", {"error": "str", "tb": "str"})
-register_kind("hb", {"rss": "int", "vram": "int|None", "busy": "bool"})
-# core requests (coordinator -> worker)
-register_kind("ping", {})
-register_kind("echo", {"src": "desc", "dst": "desc"})
-register_kind("drop_released", {})
-register_kind("shutdown", {})
-# test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
-register_kind("sleep", {"seconds": "float"})
-register_kind("crash", {"how": "str?", "code": "int?"})
-register_kind("hang", {"seconds": "float"})
-register_kind("inject", {"raw": "bytes", "close": "bool?"})
-
-#: Kinds a worker may send after the handshake.
-WORKER_TO_COORDINATOR = frozenset({"ok", "err", "hb"})
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUEST_ID)]
 
 # -- tensor descriptors -----------------------------------------------------------------------------------------
 #: dtype name -> element size in bytes.
@@ -162,125 +62,271 @@ DTYPE_SIZES: dict[str, int] = {
 }
 #: h3ms-<owner pid>-<owner fd, 8 hex><inode, 16 hex>-<tag> (see workers/runtime/shm.py)
 SEGMENT_NAME_RE = re.compile(r"^h3ms-([0-9]{1,10})-([0-9a-f]{8,64})-([A-Za-z0-9_.]{1,48})$")
-_DESC_KEYS = frozenset({"seg", "off", "dtype", "shape"})
 MAX_DIMS = 8
+_MAX_DIM = 1 << 40
 
 
-def check_tensor_desc(d: Any) -> dict:
-    """Validate a tensor descriptor ``{seg: str, off: int, dtype: str, shape: list[int]}`` and return it.
+class TensorDesc(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a tensor lives in shared memory: ``seg`` (a segment name of this pack, so a descriptor can never point
+    at another file), ``off`` (bytes, a non-negative multiple of the element size), ``dtype`` (a key of
+    :data:`DTYPE_SIZES`), ``shape`` (at most 8 non-negative ints).  On the wire: the map ``{seg, off, dtype, shape}``."""
 
-    ``seg`` must be a segment name of this pack (so a descriptor can never point at another file), ``off`` a
-    non-negative multiple of the element size, ``shape`` at most 8 non-negative ints.
-    """
-    if not isinstance(d, dict):
-        raise ProtocolError(f"tensor descriptor must be a map, got {type(d).__name__}")
-    keys = set(d)
-    if keys != _DESC_KEYS:
-        raise ProtocolError(f"tensor descriptor keys {sorted(map(str, keys))} != {sorted(_DESC_KEYS)}")
-    seg, off, dtype, shape = d["seg"], d["off"], d["dtype"], d["shape"]
-    if not isinstance(seg, str) or not SEGMENT_NAME_RE.match(seg):
-        raise ProtocolError(f"tensor descriptor seg {seg!r} is not a segment name h3ms-<pid>-<hex>-<tag>")
-    if dtype not in DTYPE_SIZES:
-        raise ProtocolError(f"tensor descriptor dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-    if not isinstance(off, int) or isinstance(off, bool) or off < 0 or off % DTYPE_SIZES[dtype]:
-        raise ProtocolError(f"tensor descriptor off {off!r} must be an int >= 0, a multiple of the {dtype} size")
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < (1 << 40) for n in shape):
-        raise ProtocolError(f"tensor descriptor shape {shape!r} must be a list of at most {MAX_DIMS} ints >= 0")
-    return d
+    seg: str
+    off: int
+    dtype: str
+    shape: list[int]
+
+    def __post_init__(self) -> None:
+        if not SEGMENT_NAME_RE.match(self.seg):
+            raise ProtocolError(f"tensor descriptor seg {self.seg!r:.80} is not a segment name h3ms-<pid>-<hex>-<tag>")
+        size = DTYPE_SIZES.get(self.dtype)
+        if size is None:
+            raise ProtocolError(f"tensor descriptor dtype {self.dtype!r:.40} is not one of {sorted(DTYPE_SIZES)}")
+        if self.off < 0 or self.off % size:
+            raise ProtocolError(f"tensor descriptor off {self.off} must be >= 0 and a multiple of the {self.dtype} "
+                                f"size ({size})")
+        if len(self.shape) > MAX_DIMS or not all(0 <= n < _MAX_DIM for n in self.shape):
+            raise ProtocolError(f"tensor descriptor shape {list(self.shape)!r:.80} must be at most {MAX_DIMS} ints >= 0")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the descriptor covers."""
+        return tensor_nbytes(self.dtype, self.shape)
 
 
-def desc_nbytes(d: Mapping[str, Any]) -> int:
-    """Bytes covered by a (valid) tensor descriptor."""
-    n = DTYPE_SIZES[d["dtype"]]
-    for dim in d["shape"]:
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a ``dtype`` (a key of :data:`DTYPE_SIZES`) tensor of ``shape``."""
+    n = DTYPE_SIZES[dtype]
+    for dim in shape:
         n *= dim
     return n
 
 
-# -- validation, encode, decode ---------------------------------------------------------------------------------
-def _check_plain(value: Any, depth: int, where: str) -> None:
-    """Only msgpack's plain types, string map keys, bounded nesting (no ext types, no timestamps)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, bytearray, memoryview)):
+# -- free-form fields -------------------------------------------------------------------------------------------
+#: A map of plain msgpack values (results, configs, layouts): checked by :func:`check_plain`.
+Plain = dict[str, Any]
+
+
+def check_plain(value: Any, where: str, depth: int = 0) -> None:
+    """Refuse what a typed field cannot: non-str map keys, values other than msgpack's plain types (no ext types,
+    no timestamps), nesting deeper than :data:`MAX_DEPTH`, strs, lists and maps over their limits.  For the
+    free-form fields, on both sides."""
+    if isinstance(value, str):
+        if len(value) > MAX_STR_LEN:
+            raise ProtocolError(f"{where}: a str of {len(value)} chars exceeds MAX_STR_LEN={MAX_STR_LEN}")
+        return
+    if value is None or isinstance(value, (bool, int, float, bytes, bytearray, memoryview, TensorDesc)):
         return
     if depth >= MAX_DEPTH:
         raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH}")
     if isinstance(value, (list, tuple)):
+        if len(value) > MAX_ARRAY_LEN:
+            raise ProtocolError(f"{where}: a list of {len(value)} items exceeds MAX_ARRAY_LEN={MAX_ARRAY_LEN}")
         for item in value:
-            _check_plain(item, depth + 1, where)
+            check_plain(item, where, depth + 1)
         return
     if isinstance(value, dict):
+        if len(value) > MAX_MAP_LEN:
+            raise ProtocolError(f"{where}: a map of {len(value)} items exceeds MAX_MAP_LEN={MAX_MAP_LEN}")
         for key, item in value.items():
             if not isinstance(key, str):
-                raise ProtocolError(f"{where}: map key {key!r} is not a str")
-            _check_plain(item, depth + 1, where)
+                raise ProtocolError(f"{where}: map key {key!r:.60} is not a str")
+            check_plain(item, where, depth + 1)
         return
     raise ProtocolError(f"{where}: value of type {type(value).__name__} is not allowed on the wire")
 
 
-def validate(msg: Any) -> dict:
-    """Check one message map against the kind table; return it or raise :class:`ProtocolError`."""
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"a message must be a map, got {type(msg).__name__}")
-    kind = msg.get("k")
-    if not isinstance(kind, str):
-        raise ProtocolError(f"message field 'k' must be a str kind, got {kind!r:.60}")
-    specs = KINDS.get(kind)
-    if specs is None:
-        raise ProtocolError(f"unknown message kind {kind!r:.60}")
-    rid = msg.get("id")
-    if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= MAX_REQUEST_ID:
-        raise ProtocolError(f"{kind}: field 'id' must be an int in [0, 2^63), got {rid!r:.60}")
-    for field, value in msg.items():
-        if field in ("k", "id"):
+# -- messages ---------------------------------------------------------------------------------------------------
+_LOCK = threading.Lock()
+_DECLARED: list[type["Message"]] = []
+_decoder: msgspec.msgpack.Decoder | None = None
+
+
+class Message(msgspec.Struct, tag_field="k", kw_only=True, forbid_unknown_fields=True):
+    """One frame's message; a subclass with ``tag="kind"`` declares a kind."""
+
+    id: RequestId = 0
+    #: The names of this kind's free-form (:data:`Plain`) fields, checked with :func:`check_plain`.
+    PLAIN: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        global _decoder
+        with _LOCK:
+            _DECLARED.append(cls)
+            _decoder = None
+
+    def __post_init__(self) -> None:
+        for name in self.PLAIN:
+            check_plain(getattr(self, name), f"{self.kind}.{name}")
+
+    @property
+    def kind(self) -> str:
+        """The message's kind (its tag)."""
+        return self.__struct_config__.tag
+
+
+class Request(Message):
+    """A coordinator -> worker request; the worker answers it with :class:`Ok` or :class:`Err`."""
+
+
+def kinds() -> dict[str, type[Message]]:
+    """Every declared kind -> its struct (those of the rank programs imported so far)."""
+    with _LOCK:
+        declared = list(_DECLARED)
+    out: dict[str, type[Message]] = {}
+    for cls in declared:
+        if cls is Request:  # the base of the requests, not a kind
             continue
-        spec = specs.get(field) if isinstance(field, str) else None
-        if spec is None:
-            raise ProtocolError(f"{kind}: unexpected field {field!r:.60}")
-        if not spec.accepts(value):
-            raise ProtocolError(f"{kind}: field {field!r} must be {spec!r}, got {type(value).__name__} {value!r:.60}")
-        _check_plain(value, 0, f"{kind}.{field}")
-    for field, spec in specs.items():
-        if not spec.optional and field not in msg:
-            raise ProtocolError(f"{kind}: required field {field!r} ({spec!r}) is missing")
-    return msg
+        tag = cls.__struct_config__.tag
+        if tag in out and out[tag] is not cls:
+            raise ProtocolError(f"message kind {tag!r} is declared twice: {out[tag].__qualname__} and "
+                                f"{cls.__qualname__}; give one of them another tag")
+        out[tag] = cls
+    return out
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
+def _refuse_ext(code: int, data: memoryview) -> Any:
     raise ProtocolError(f"msgpack ext type {code} is not allowed")
 
 
-def decode(body: bytes) -> dict:
+def _get_decoder() -> msgspec.msgpack.Decoder:
+    global _decoder
+    dec = _decoder
+    if dec is None:
+        with _LOCK:
+            declared = len(_DECLARED)
+        dec = msgspec.msgpack.Decoder(Union[tuple(kinds().values())], ext_hook=_refuse_ext)  # type: ignore[valid-type]
+        with _LOCK:
+            if len(_DECLARED) == declared:  # a kind declared meanwhile makes the next call build again
+                _decoder = dec
+    return dec
+
+
+# handshake
+class Challenge(Message, tag="challenge"):
+    nonce: bytes
+
+
+class Auth(Message, tag="auth"):
+    rank: int
+    pid: int
+    mac: bytes
+
+
+class Welcome(Message, tag="welcome"):
+    world_size: int
+    device: str
+    run_dir: str
+    doorbell_fds: list[int]
+    control: str
+    hb_interval: float
+
+
+class Refused(Message, tag="refused"):
+    error: Text
+
+
+# answers and heartbeats (worker -> coordinator)
+class Ok(Message, tag="ok"):
+    r: Plain
+    PLAIN: ClassVar[tuple[str, ...]] = ("r",)
+
+
+class Err(Message, tag="err"):
+    error: Text
+    tb: Text
+
+
+class Heartbeat(Message, tag="hb"):
+    rss: int
+    vram: int | None
+    busy: bool
+
+
+#: Kinds a worker may send after the handshake.
+WORKER_TO_COORDINATOR = (Ok, Err, Heartbeat)
+
+
+# core requests (coordinator -> worker)
+class Ping(Request, tag="ping"):
+    pass
+
+
+class Echo(Request, tag="echo"):
+    """Copy the bytes of ``src`` to ``dst`` (equal byte sizes) through the worker's device; answer their sha256."""
+
+    src: TensorDesc
+    dst: TensorDesc
+
+
+class DropReleased(Request, tag="drop_released"):
+    """Unmap every segment the coordinator has released."""
+
+
+class Shutdown(Request, tag="shutdown"):
+    """Answer, then stop serving (the worker exits)."""
+
+
+# test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
+class Sleep(Request, tag="sleep"):
+    seconds: float
+
+
+class Crash(Request, tag="crash"):
+    how: Literal["kill", "exit"] = "kill"
+    code: int = 3
+
+
+class Hang(Request, tag="hang"):
+    seconds: float
+
+
+class Inject(Request, tag="inject"):
+    raw: bytes
+    close: bool = False
+
+
+TEST_HOOK_KINDS = ("sleep", "crash", "hang", "inject")
+
+
+# -- encode, decode ---------------------------------------------------------------------------------------------
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def decode(body: bytes) -> Message:
     """Decode and validate one frame body (without its length header).  Raises only :class:`ProtocolError`."""
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     try:
-        msg = msgpack.unpackb(
-            body, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext, timestamp=0,
-            max_str_len=MAX_STR_LEN, max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ARRAY_LEN,
-            max_map_len=MAX_MAP_LEN, max_ext_len=0)
+        return _get_decoder().decode(body)
     except ProtocolError:
         raise
-    except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, UnicodeDecodeError, ...
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if text.startswith("Invalid value") and text.endswith("at `$.k`"):
+            text = f"unknown message kind {text[len('Invalid value '):-len(' - at `$.k`')]:.60}"
+        raise ProtocolError(f"invalid message: {text}"[:300]) from None
+    except (msgspec.DecodeError, RecursionError, ValueError) as exc:
         raise ProtocolError(f"frame is not one valid msgpack map: {type(exc).__name__}: {exc}"[:300]) from None
-    return validate(msg)
 
 
-def encode(msg: Mapping[str, Any]) -> bytes:
-    """Validate and encode one message as a whole frame (header + body)."""
-    validate(dict(msg))
+def encode(msg: Message) -> bytes:
+    """Encode one message as a whole frame (header + body)."""
+    if not isinstance(msg, Message):
+        raise ProtocolError(f"cannot send a {type(msg).__name__}: build a message struct of workers/*/protocol.py")
     try:
-        body = msgpack.packb(msg, use_bin_type=True)
-    except Exception as exc:  # unencodable values
-        raise ProtocolError(f"{msg.get('k')}: cannot encode message: {exc}") from None
+        body = _ENCODER.encode(msg)
+    except (TypeError, ValueError, OverflowError) as exc:  # unencodable values
+        raise ProtocolError(f"{msg.kind}: cannot encode message: {exc}") from None
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(
-            f"{msg.get('k')}: message of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}; "
+            f"{msg.kind}: message of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}; "
             "move large payloads to shared memory and send a tensor descriptor")
     return HEADER.pack(len(body)) + body
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> dict:
+async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> Message:
     """Read and decode one frame of at most ``max_bytes`` (default ``MAX_FRAME_BYTES``).  EOF exactly at a frame
     boundary raises ``EOFError``; anything else that is wrong (over-long length, truncated frame, bad body) raises
     :class:`ProtocolError`."""

@@ -12,7 +12,7 @@ into the msgpack channel, and there is no window at all in which a name exists. 
 ``multiprocessing.shared_memory``: its resource tracker unlinks segments that another process still uses.
 
 The segment's id, ``h3ms-<owner pid>-<fd, 8 hex><inode, 16 hex>-<tag>``, travels in tensor descriptors
-``{seg, off, dtype, shape}`` (see ``protocol.check_tensor_desc``); attaching checks that the descriptor behind
+``{seg, off, dtype, shape}`` (``protocol.TensorDesc``); attaching checks that the descriptor behind
 ``/proc/<pid>/fd/<fd>`` is still the same tmpfs inode.  Offsets handed out by :class:`Arena` are 4096-byte aligned
 so that a worker can register a whole segment with CUDA once (:func:`register_cuda`), which is what makes
 host<->device copies from it fast.
@@ -26,7 +26,7 @@ import os
 import stat
 from typing import TYPE_CHECKING, Any, Sequence
 
-from workers.runtime.protocol import DTYPE_SIZES, SEGMENT_NAME_RE, ProtocolError, check_tensor_desc, desc_nbytes
+from workers.runtime.protocol import DTYPE_SIZES, SEGMENT_NAME_RE, ProtocolError, TensorDesc
 
 if TYPE_CHECKING:
     import torch
@@ -204,22 +204,18 @@ class Segment:
             self._base = torch.from_numpy(np.frombuffer(self._mapping(), dtype=np.uint8, count=self.size))
         return self._base
 
-    def tensor(self, desc: dict) -> "torch.Tensor":
-        """Zero-copy tensor view for a descriptor that points into this segment."""
-        try:
-            check_tensor_desc(desc)
-        except ProtocolError as exc:
-            raise ShmError(str(exc)) from None
-        if desc["seg"] != self.name:
-            raise ShmError(f"descriptor points into segment {desc['seg']}, not {self.name}")
-        off, nbytes = desc["off"], desc_nbytes(desc)
+    def tensor(self, desc: TensorDesc) -> "torch.Tensor":
+        """Zero-copy tensor view for a descriptor (checked when it was built or decoded) into this segment."""
+        if desc.seg != self.name:
+            raise ShmError(f"descriptor points into segment {desc.seg}, not {self.name}")
+        off, nbytes = desc.off, desc.nbytes
         if off + nbytes > self.size:
             raise ShmError(
-                f"descriptor [{off}, {off + nbytes}) ({desc['dtype']} {list(desc['shape'])}) is outside "
+                f"descriptor [{off}, {off + nbytes}) ({desc.dtype} {list(desc.shape)}) is outside "
                 f"segment {self.name} of {self.size} bytes")
-        dt = torch_dtype(desc["dtype"])
+        dt = torch_dtype(desc.dtype)
         flat = self.base_tensor()[off:off + nbytes]
-        return flat.view(dt).view(tuple(desc["shape"]))
+        return flat.view(dt).view(tuple(desc.shape))
 
     def close(self) -> None:
         """Unmap (after CUDA unregistration) and, for the owner, drop the handle others attach through.  Tensor
@@ -264,18 +260,20 @@ class Arena:
     def free(self) -> int:
         return self.segment.size - self.used
 
-    def alloc(self, dtype: str, shape: Sequence[int]) -> dict:
+    def alloc(self, dtype: str, shape: Sequence[int]) -> TensorDesc:
         """Reserve room for a ``dtype`` tensor of ``shape``; return its descriptor."""
         if dtype not in DTYPE_SIZES:
             raise ShmError(f"dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-        desc = {"seg": self.segment.name, "off": self.used, "dtype": dtype, "shape": [int(n) for n in shape]}
-        nbytes = desc_nbytes(desc)
+        try:
+            desc = TensorDesc(seg=self.segment.name, off=self.used, dtype=dtype, shape=[int(n) for n in shape])
+        except ProtocolError as exc:
+            raise ShmError(str(exc)) from None
+        nbytes = desc.nbytes
         end = self.used + align(max(nbytes, 1))
         if end > self.segment.size:
             raise ShmError(
                 f"arena on {self.segment.name} is full: {dtype} {list(shape)} needs {nbytes} bytes, "
                 f"{self.free} of {self.segment.size} left")
-        check_tensor_desc(desc)
         self.used = end
         return desc
 

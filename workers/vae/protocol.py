@@ -1,4 +1,5 @@
-"""Message kinds of the VAE split decode, declared in the one validated table of ``workers.runtime.protocol``.
+"""The messages of the VAE split decode: typed requests (``workers.runtime.protocol.Request``), checked by the one
+decoder of ``workers.runtime.protocol``.
 
 Both sides import this module: the coordinator (``h3ms_async.vae.split``) to send, the worker (``workers.vae.rank``)
 to serve.  Field meanings:
@@ -28,15 +29,43 @@ to serve.  Field meanings:
 """
 from __future__ import annotations
 
-from workers.runtime import protocol
+from typing import ClassVar
 
-protocol.register_kind("vae_load", {
-    "store": "str", "manifest": "dict", "key": "str", "arch": "dict", "dtype": "str", "comfy": "dict",
-})
-protocol.register_kind("vae_chunk", {"job": "int", "index": "int", "z": "desc", "out": "desc|None"})
-protocol.register_kind("vae_fetch", {"job": "int", "index": "int", "off": "int", "n": "int"})
-protocol.register_kind("vae_drop", {"job": "int"})
-protocol.register_kind("vae_release", {})
+from workers.runtime import protocol
+from workers.runtime.protocol import Plain, Request, TensorDesc
+
+
+class VaeLoad(Request, tag="vae_load"):
+    store: str
+    manifest: dict[str, TensorDesc]
+    key: str
+    arch: Plain
+    dtype: str
+    comfy: Plain
+    PLAIN: ClassVar[tuple[str, ...]] = ("arch", "comfy")
+
+
+class VaeChunk(Request, tag="vae_chunk"):
+    job: int
+    index: int
+    z: TensorDesc
+    out: TensorDesc | None
+
+
+class VaeFetch(Request, tag="vae_fetch"):
+    job: int
+    index: int
+    off: int
+    n: int
+
+
+class VaeDrop(Request, tag="vae_drop"):
+    job: int
+
+
+class VaeRelease(Request, tag="vae_release"):
+    pass
+
 
 #: The parameter/buffer prefixes of ``MiniMaxH3VideoVAE`` that a decode uses; the encoder never travels.
 DECODE_PREFIXES = ("decoder.", "post_quant_conv.")

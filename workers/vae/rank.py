@@ -119,17 +119,17 @@ def _copy_in(model: Any, tensors: dict[str, torch.Tensor]) -> int:
     return nbytes
 
 
-def _load(ctx: WorkerContext, msg: dict) -> dict:
+def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     t0 = time.perf_counter()
-    vae_mod = import_comfy_vae(msg["comfy"])
+    vae_mod = import_comfy_vae(msg.comfy)
     t_import = time.perf_counter() - t0
-    dtype = torch_dtype(msg["dtype"])
-    model = build_decoder(vae_mod, msg["arch"], dtype).to_empty(device=ctx.device)
-    seg = ctx.segment(msg["store"])
+    dtype = torch_dtype(msg.dtype)
+    model = build_decoder(vae_mod, msg.arch, dtype).to_empty(device=ctx.device)
+    seg = ctx.segment(msg.store)
     try:
-        nbytes = _copy_in(model, {name: seg.tensor(d) for name, d in msg["manifest"].items()})
+        nbytes = _copy_in(model, {name: seg.tensor(d) for name, d in msg.manifest.items()})
     finally:
-        ctx.forget_segment(msg["store"])
+        ctx.forget_segment(msg.store)
     model = model.eval().requires_grad_(False)
     if ctx.device.startswith("cuda") and dtype not in ctx.state.setdefault("vae_warm_dtypes", set()):
         # A fresh CUDA process's first SDPA call under ComfyUI's backend priority takes another kernel than every
@@ -143,17 +143,17 @@ def _load(ctx: WorkerContext, msg: dict) -> dict:
             "load_s": time.perf_counter() - t0}
 
 
-@handler("vae_load")
-async def _vae_load(ctx: WorkerContext, msg: dict) -> dict:
+@handler(vae_protocol.VaeLoad)
+async def _vae_load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     st = _state(ctx)
-    if st.key == msg["key"] and st.model is not None:
+    if st.key == msg.key and st.model is not None:
         return {"loaded": False, "key": st.key}
     st.model = None
     st.key = None
     res = await ctx.run_compute(_load, ctx, msg)
-    st.model, st.dtype, st.key = res["model"], res["dtype"], msg["key"]
+    st.model, st.dtype, st.key = res["model"], res["dtype"], msg.key
     ctx.log.info("VAE decoder loaded: %.1f MiB %s in %.2f s (ComfyUI import %.2f s), key %s",
-                 res["nbytes"] / 2**20, msg["dtype"], res["load_s"], res["import_s"], msg["key"])
+                 res["nbytes"] / 2**20, msg.dtype, res["load_s"], res["import_s"], msg.key)
     return {"loaded": True, "key": st.key, "bytes": res["nbytes"], "seconds": res["load_s"],
             "import_s": res["import_s"]}
 
@@ -172,58 +172,58 @@ def _test_crash(ctx: WorkerContext) -> None:
     os._exit(7)
 
 
-def _decode(ctx: WorkerContext, st: VaeState, msg: dict, gen: int) -> dict:
+def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: int) -> dict:
     if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
-        raise RuntimeError(f"chunk {msg['index']} of job {msg['job']} skipped: the coordinator aborted the decode")
+        raise RuntimeError(f"chunk {msg.index} of job {msg.job} skipped: the coordinator aborted the decode")
     _test_crash(ctx)
-    names = st.segments.setdefault(msg["job"], set())
-    names.add(msg["z"]["seg"])
-    if msg["out"] is not None:
-        names.add(msg["out"]["seg"])
-    seg = ctx.segment(msg["z"]["seg"])
+    names = st.segments.setdefault(msg.job, set())
+    names.add(msg.z.seg)
+    if msg.out is not None:
+        names.add(msg.out.seg)
+    seg = ctx.segment(msg.z.seg)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        z = seg.tensor(msg["z"]).to(ctx.device, copy=True)
+        z = seg.tensor(msg.z).to(ctx.device, copy=True)
         raw = st.model._adaptive_decode(z)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
         t_decode = time.perf_counter() - t0
-        out = msg["out"]
+        out = msg.out
         if out is not None:
-            dst = ctx.segment(out["seg"]).tensor(out)
+            dst = ctx.segment(out.seg).tensor(out)
             if tuple(dst.shape) != tuple(raw.shape) or dst.dtype != raw.dtype:
-                raise ValueError(f"chunk {msg['index']}: decoded {raw.dtype} {list(raw.shape)}, the coordinator "
+                raise ValueError(f"chunk {msg.index}: decoded {raw.dtype} {list(raw.shape)}, the coordinator "
                                  f"expects {dst.dtype} {list(dst.shape)}")
             dst.copy_(raw)
         else:
-            st.held[(msg["job"], msg["index"])] = raw.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            st.held[(msg.job, msg.index)] = raw.to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
-    return {"index": msg["index"], "seconds": t_decode, "copy_s": time.perf_counter() - t0 - t_decode,
+    return {"index": msg.index, "seconds": t_decode, "copy_s": time.perf_counter() - t0 - t_decode,
             "shape": list(raw.shape), "dtype": str(raw.dtype).removeprefix("torch."),
             "nbytes": raw.numel() * raw.element_size(), "held": out is None}
 
 
-@handler("vae_chunk")
-async def _vae_chunk(ctx: WorkerContext, msg: dict) -> dict:
+@handler(vae_protocol.VaeChunk)
+async def _vae_chunk(ctx: WorkerContext, msg: vae_protocol.VaeChunk) -> dict:
     st = _state(ctx)
     if st.model is None:
         raise RuntimeError("vae_chunk before vae_load: this worker holds no VAE decoder")
     res = await ctx.run_compute(_decode, ctx, st, msg, ctx.abort_generation())
     st.chunks_done += 1
-    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg["job"], msg["index"], res["dtype"],
+    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index, res["dtype"],
                  res["shape"], res["seconds"], res["copy_s"], "held for fetch" if res["held"] else "shm")
     return res
 
 
-@handler("vae_fetch")
-async def _vae_fetch(ctx: WorkerContext, msg: dict) -> dict:
+@handler(vae_protocol.VaeFetch)
+async def _vae_fetch(ctx: WorkerContext, msg: vae_protocol.VaeFetch) -> dict:
     st = _state(ctx)
-    key = (msg["job"], msg["index"])
+    key = (msg.job, msg.index)
     flat = st.held.get(key)
     if flat is None:
-        raise KeyError(f"no decoded chunk {msg['index']} of job {msg['job']} is held here")
-    off, n = int(msg["off"]), int(msg["n"])
+        raise KeyError(f"no decoded chunk {msg.index} of job {msg.job} is held here")
+    off, n = int(msg.off), int(msg.n)
     if off < 0 or n < 1 or n > vae_protocol.FETCH_PIECE_BYTES or off + n > flat.numel():
         raise ValueError(f"fetch [{off}, {off + n}) of a {flat.numel()}-byte chunk; pieces are at most "
                          f"{vae_protocol.FETCH_PIECE_BYTES} bytes")
@@ -233,19 +233,19 @@ async def _vae_fetch(ctx: WorkerContext, msg: dict) -> dict:
     return {"data": data}
 
 
-@handler("vae_drop")
-async def _vae_drop(ctx: WorkerContext, msg: dict) -> dict:
+@handler(vae_protocol.VaeDrop)
+async def _vae_drop(ctx: WorkerContext, msg: vae_protocol.VaeDrop) -> dict:
     st = _state(ctx)
-    keys = [k for k in st.held if k[0] == msg["job"]]
+    keys = [k for k in st.held if k[0] == msg.job]
     for k in keys:
         del st.held[k]
-    for name in st.segments.pop(msg["job"], ()):
+    for name in st.segments.pop(msg.job, ()):
         ctx.forget_segment(name)
     return {"dropped": len(keys)}
 
 
-@handler("vae_release")
-async def _vae_release(ctx: WorkerContext, msg: dict) -> dict:
+@handler(vae_protocol.VaeRelease)
+async def _vae_release(ctx: WorkerContext, msg: vae_protocol.VaeRelease) -> dict:
     st = _state(ctx)
     had = st.model is not None
     ctx.state.pop(_STATE, None)

@@ -35,6 +35,7 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.tools.cli import ArgParser
 from workers.attention import ops as attn_ops
 from workers.attention import ck_cpu as ck_attention_cpu
+from workers.runtime.protocol import Ping
 
 REFERENCE_SHAPE = (1, 56, 93312, 128)
 MODEL_GPUS = (2, 4, 8)
@@ -129,7 +130,7 @@ def _round_trip(eng: AttentionParallelEngine, reps: int = 20) -> float:
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        get_coordinator().run(eng.pool.request(0, "ping", None, 10.0), 15.0, "pinging a helper")
+        get_coordinator().run(eng.pool.request(0, Ping(), 10.0), 15.0, "pinging a helper")
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

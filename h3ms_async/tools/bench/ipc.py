@@ -14,13 +14,14 @@ from typing import Sequence
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
+from workers.runtime.protocol import Ping, TensorDesc
 
 
 async def _rtt(pool: WorkerPool, samples: int) -> list[float]:
     out = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        await pool.request(0, "ping", {}, timeout=10)
+        await pool.request(0, Ping(), timeout=10)
         out.append((time.perf_counter() - t0) * 1e6)
     return out
 
@@ -30,7 +31,7 @@ async def _pipelined(pool: WorkerPool, messages: int, window: int) -> float:
 
     async def one() -> None:
         async with sem:
-            await pool.request(0, "ping", {}, timeout=30)
+            await pool.request(0, Ping(), timeout=30)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(messages)))
@@ -44,7 +45,7 @@ def _shm_copy_gb_s(copy_mib: int, reps: int) -> float:
 
     nbytes = copy_mib << 20
     with Segment.create(nbytes, "bench") as seg:
-        src = seg.tensor({"seg": seg.name, "off": 0, "dtype": "uint8", "shape": [nbytes]})
+        src = seg.tensor(TensorDesc(seg=seg.name, off=0, dtype="uint8", shape=[nbytes]))
         src.fill_(1)
         dst = torch.empty_like(src)
         dst.copy_(src)  # fault in both sides before timing
