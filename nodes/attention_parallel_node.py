@@ -15,6 +15,7 @@ from h3ms_async.log import get_logger
 from workers.runtime import config
 
 from .model_adapter import WRAPPER_KEY, diffusion_model_of, is_h3
+from .inputs import ModelPatchNode
 
 log = get_logger("AttentionParallel")
 
@@ -35,32 +36,27 @@ class AttentionParallelError(RuntimeError):
     """The node's configuration cannot run; the message names the input or the flag and the fix."""
 
 
-class H3AttentionParallelAsync:
+class H3AttentionParallelAsync(ModelPatchNode):
     """MODEL → MODEL: a clone whose attention runs head-parallel on helper devices."""
 
-    CATEGORY = "advanced/model"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
     DESCRIPTION = _DESCRIPTION
 
-    @classmethod
-    def INPUT_TYPES(cls) -> dict:
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "A MiniMax H3 model on a CUDA GPU."}),
-                "devices": (DEVICE_CHOICES, {"default": "disabled", "tooltip": "How many GPUs share the attention "
-                            "heads, counting the model's GPU. auto: every suitable visible GPU (never fails; one GPU "
-                            "runs as plain ComfyUI). disabled: the model passes through untouched."}),
-                "min_sequence_length": ("INT", {"default": 32768, "min": 1, "max": 1_000_000, "step": 1024,
-                                        "advanced": True, "tooltip": "auto only: attention calls over fewer packed "
-                                        "tokens run on the model's GPU alone (splitting short calls costs more than "
-                                        "it saves)."}),
-            },
-            "optional": {
-                "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node; its shares size the head "
-                         "ranges."}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "model": ("MODEL", {"tooltip": "A MiniMax H3 model on a CUDA GPU."}),
+            "devices": (DEVICE_CHOICES, {"default": "disabled", "tooltip": "How many GPUs share the attention "
+                        "heads, counting the model's GPU. auto: every suitable visible GPU (never fails; one GPU "
+                        "runs as plain ComfyUI). disabled: the model passes through untouched."}),
+            "min_sequence_length": ("INT", {"default": 32768, "min": 1, "max": 1_000_000, "step": 1024,
+                                    "advanced": True, "tooltip": "auto only: attention calls over fewer packed "
+                                    "tokens run on the model's GPU alone (splitting short calls costs more than "
+                                    "it saves)."}),
+        },
+        "optional": {
+            "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node; its shares size the head "
+                     "ranges."}),
+        },
+    }
 
     def patch(self, model: Any, devices: str, min_sequence_length: int, gpus: Any = None) -> tuple:
         if devices not in DEVICE_CHOICES:

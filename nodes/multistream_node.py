@@ -9,6 +9,7 @@ from workers.runtime import config
 
 from .attention_parallel_node import has_parallel_attention
 from .model_adapter import MultiStreamError, diffusion_model_of, install_split, is_h3
+from .inputs import SECOND_GPU_INPUT, ModelPatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("MultiStream")
 
@@ -24,43 +25,36 @@ _DESCRIPTION = (
     "blocks resident in their own VRAM as fit (vram_residency).")
 
 
-class H3MultiStreamAsync:
+class H3MultiStreamAsync(ModelPatchNode):
     """MODEL → MODEL: a clone with the split wrapper and block patches installed."""
 
-    CATEGORY = "advanced/model"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
     DESCRIPTION = _DESCRIPTION
 
-    @classmethod
-    def INPUT_TYPES(cls) -> dict:
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "A MiniMax H3 model; any other model passes through unchanged."}),
-                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off returns the model untouched (plain "
-                                        "ComfyUI). Bypassing the node has the same effect."}),
-                "second_gpu": ("INT", {"default": -1, "min": -1, "max": 15, "tooltip": "Legacy: CUDA index of one "
-                                       "extra GPU; -1 = every visible GPU. Ignored when a GPU set is connected."}),
-                "exchange": (["host", "nccl"], {"default": "host", "tooltip": "host: per-block exchanges through "
-                             "pinned shared memory, works on any PCIe box. nccl: torch.distributed collectives, for "
-                             "NVLink machines."}),
-                "exchange_chunks": ("INT", {"default": 0, "min": 0, "max": 32, "tooltip": "Pipeline the host "
-                                    "exchange in this many chunks so device-to-host and host-to-device copies overlap; "
-                                    "0 or 1 = one shot. 8 is recommended for host. Ignored by nccl."}),
-                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "On: keep the block weights in shared "
-                                 "memory after sampling (about 18.5 GB for H3 int8), so the next prompt starts "
-                                 "without refilling them. Off: release them when sampling ends (the workers stay)."}),
-                "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
-                                         "tooltip": "Fill the weight store only while at least this much RAM stays "
-                                         "available; the split refuses to start rather than eat into it."}),
-                "vram_residency": (["auto", "resident", "stream"], {"default": "auto", "tooltip": "auto: keep as "
-                                   "many blocks in each GPU's VRAM as fit and stream the rest with prefetch. "
-                                   "resident: all blocks must fit. stream: stream every block each step."}),
-            },
-            "optional": {
-                "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node."}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "model": ("MODEL", {"tooltip": "A MiniMax H3 model; any other model passes through unchanged."}),
+            "enabled": enabled_input("Off returns the model untouched (plain ComfyUI), as bypassing the node does."),
+            "second_gpu": SECOND_GPU_INPUT,
+            "exchange": (["host", "nccl"], {"default": "host", "tooltip": "host: per-block exchanges through "
+                         "pinned shared memory, works on any PCIe box. nccl: torch.distributed collectives, for "
+                         "NVLink machines."}),
+            "exchange_chunks": ("INT", {"default": 0, "min": 0, "max": 32, "tooltip": "Pipeline the host "
+                                "exchange in this many chunks so device-to-host and host-to-device copies overlap; "
+                                "0 or 1 = one shot. 8 is recommended for host. Ignored by nccl."}),
+            "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "On: keep the block weights in shared "
+                             "memory after sampling (about 18.5 GB for H3 int8), so the next prompt starts "
+                             "without refilling them. Off: release them when sampling ends (the workers stay)."}),
+            "cache_ram_reserve_gb": ram_reserve_input("Fill the weight store only while at least this much RAM "
+                                                      "stays available; the split refuses to start rather than "
+                                                      "eat into it."),
+            "vram_residency": (["auto", "resident", "stream"], {"default": "auto", "tooltip": "auto: keep as "
+                               "many blocks in each GPU's VRAM as fit and stream the rest with prefetch. "
+                               "resident: all blocks must fit. stream: stream every block each step."}),
+        },
+        "optional": {
+            "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node."}),
+        },
+    }
 
     def patch(self, model: Any, enabled: bool, second_gpu: int, exchange: str, exchange_chunks: int,
               weight_cache: bool, cache_ram_reserve_gb: float, vram_residency: str, gpus: Any = None) -> tuple:

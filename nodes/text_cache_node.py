@@ -16,6 +16,7 @@ from h3ms_async.log import get_logger
 
 from . import method_hooks
 from .cache_hooks import DYNAMIC_NOTE, file_key, object_key, stage_weights, weights_managed_by_comfy
+from .inputs import PatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("TextEncoder")
 
@@ -78,33 +79,30 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
     return cached_encode_token_weights
 
 
-class H3MSTextEncoderCacheAsync:
+class H3MSTextEncoderCacheAsync(PatchNode):
     """CLIP → CLIP (a clone; the hook sits on the shared encoder)."""
 
     CATEGORY = "advanced/conditioning"
     RETURN_TYPES = ("CLIP",)
-    FUNCTION = "patch"
     DESCRIPTION = ("Caches text-encoder outputs (a re-queued or repeated prompt skips the encoder) and keeps the "
                    "encoder's weights in pinned RAM. The hook lives on the encoder shared by all CLIP clones: "
                    "enabled=false removes it; bypassing or muting the node cannot.")
 
-    @classmethod
-    def INPUT_TYPES(cls) -> dict:
-        return {
-            "required": {
-                "clip": ("CLIP",),
-                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hook (bypassing the node "
-                            "leaves an installed hook in place)."}),
-                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the encoder "
-                                 "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder). Stands aside under "
-                                 "DynamicVRAM (ComfyUI's default on NVIDIA), which keeps and pins the weights "
-                                 "itself; use --disable-dynamic-vram to get it."}),
-                "cond_cache_entries": ("INT", {"default": 64, "min": 0, "max": 4096, "tooltip": "How many encoder "
-                                       "outputs to keep (least recently used go first); 0 = output cache off."}),
-                "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
-                                         "tooltip": "Cache only while at least this much RAM stays available."}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "clip": ("CLIP",),
+            "enabled": enabled_input("Off removes the hook (bypassing the node leaves an installed hook in "
+                                     "place)."),
+            "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the encoder "
+                             "weights (about 14.6 GB for H3's Qwen3-VL-32B encoder). Stands aside under "
+                             "DynamicVRAM (ComfyUI's default on NVIDIA), which keeps and pins the weights "
+                             "itself; use --disable-dynamic-vram to get it."}),
+            "cond_cache_entries": ("INT", {"default": 64, "min": 0, "max": 4096, "tooltip": "How many encoder "
+                                   "outputs to keep (least recently used go first); 0 = output cache off."}),
+            "cache_ram_reserve_gb": ram_reserve_input("Cache only while at least this much RAM stays "
+                                                      "available."),
+        },
+    }
 
     def patch(self, clip: Any, enabled: bool, weight_cache: bool, cond_cache_entries: int,
               cache_ram_reserve_gb: float) -> tuple:

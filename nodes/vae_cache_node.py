@@ -14,6 +14,7 @@ from h3ms_async.log import get_logger
 
 from . import method_hooks
 from .cache_hooks import DYNAMIC_NOTE, file_key, object_key, stage_weights, weights_managed_by_comfy
+from .inputs import PatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("VAE cache")
 
@@ -32,33 +33,28 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
     return cached_call
 
 
-class H3MSVAECacheAsync:
+class H3MSVAECacheAsync(PatchNode):
     """VAE → VAE (the same VAE; the hooks sit on its model)."""
 
     CATEGORY = "advanced/latent"
     RETURN_TYPES = ("VAE",)
-    FUNCTION = "patch"
     DESCRIPTION = ("Keeps the VAE's weights in pinned RAM so switching scenes does not read them from disk again. "
                    "Place it after Select VAE Device. enabled=false removes the hooks; bypassing or muting the node "
                    "cannot.")
 
-    @classmethod
-    def INPUT_TYPES(cls) -> dict:
-        return {
-            "required": {
-                "vae": ("VAE",),
-                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the hooks and the VAE's cache "
-                            "group."}),
-                "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the weights "
-                                 "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one "
-                                 "warning). Under DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins "
-                                 "the weights itself and this node does nothing; use --disable-dynamic-vram to get "
-                                 "it."}),
-                "cache_ram_reserve_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.5,
-                                         "tooltip": "Fill the cache only while at least this much RAM stays "
-                                         "available."}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "vae": ("VAE",),
+            "enabled": enabled_input("Off removes the hooks and the VAE's cache group."),
+            "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the weights "
+                             "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one "
+                             "warning). Under DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins "
+                             "the weights itself and this node does nothing; use --disable-dynamic-vram to get "
+                             "it."}),
+            "cache_ram_reserve_gb": ram_reserve_input("Fill the cache only while at least this much RAM stays "
+                                                      "available."),
+        },
+    }
 
     def patch(self, vae: Any, enabled: bool, weight_cache: bool, cache_ram_reserve_gb: float) -> tuple:
         model = vae.first_stage_model

@@ -19,6 +19,7 @@ from h3ms_async.log import get_logger
 from . import method_hooks
 from .cache_hooks import file_key, object_key
 from .progress import interrupt_probe, raise_interrupted
+from .inputs import PatchNode, SECOND_GPU_INPUT, enabled_input
 
 log = get_logger("VAE split")
 
@@ -115,36 +116,32 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
     return split_decode_temporal
 
 
-class H3MSVAESplitDecodeAsync:
+class H3MSVAESplitDecodeAsync(PatchNode):
     """VAE → VAE: the same VAE, with its temporal decode split across GPUs."""
 
     CATEGORY = "advanced/latent"
     RETURN_TYPES = ("VAE",)
-    FUNCTION = "patch"
     DESCRIPTION = ("Decodes MiniMax H3 video latents with the temporal chunks dealt across GPUs: ComfyUI's process "
                    "decodes on the VAE's GPU, every other GPU runs a worker process with ComfyUI's own H3 VAE "
                    "code; the output is identical bit for bit to a single-GPU decode. Place it after Select VAE "
                    "Device. The hook lives on the VAE model shared by all its clones: enabled=false removes it; "
                    "bypassing or muting the node cannot.")
 
-    @classmethod
-    def INPUT_TYPES(cls) -> dict:
-        return {
-            "required": {
-                "vae": ("VAE", {"tooltip": "A MiniMax H3 video VAE; any other VAE passes through unchanged."}),
-                "enabled": ("BOOLEAN", {"default": True, "tooltip": "Off removes the split hook from this VAE "
-                            "(bypassing the node leaves an installed hook in place)."}),
-                "second_gpu": ("INT", {"default": -1, "min": -1, "max": 15, "tooltip": "Legacy: CUDA index of one "
-                               "extra GPU; -1 = every visible GPU. Ignored when a GPU set is connected."}),
-            },
-            "optional": {
-                "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node (shares do not apply: "
-                         "chunks are dealt evenly)."}),
-                "max_gpus": ("INT", {"default": DEFAULT_MAX_GPUS, "min": 1, "max": 8, "tooltip": "Most GPUs used, "
-                             "ComfyUI's own included; the gain flattens after 3-4 (the blend and write are "
-                             "serial). 1 = unsplit."}),
-            },
-        }
+    INPUTS = {
+        "required": {
+            "vae": ("VAE", {"tooltip": "A MiniMax H3 video VAE; any other VAE passes through unchanged."}),
+            "enabled": enabled_input("Off removes the split hook from this VAE (bypassing the node leaves an "
+                                     "installed hook in place)."),
+            "second_gpu": SECOND_GPU_INPUT,
+        },
+        "optional": {
+            "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node (shares do not apply: "
+                     "chunks are dealt evenly)."}),
+            "max_gpus": ("INT", {"default": DEFAULT_MAX_GPUS, "min": 1, "max": 8, "tooltip": "Most GPUs used, "
+                         "ComfyUI's own included; the gain flattens after 3-4 (the blend and write are "
+                         "serial). 1 = unsplit."}),
+        },
+    }
 
     def patch(self, vae: Any, enabled: bool, second_gpu: int, gpus: Any = None,
               max_gpus: int = DEFAULT_MAX_GPUS) -> tuple:

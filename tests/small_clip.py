@@ -30,9 +30,11 @@ def small_clip(tmp_dir: str, seed: int = 3) -> Any:
 
     target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
     clip = comfy.sd.CLIP(target, model_options={"clip_l_class": SmallClip})
+    # Weights go in as a checkpoint's do (CLIP.load_sd): under DynamicVRAM the parameters are placeholders until a
+    # state dict is assigned to them, so writing into them in place would leave the model without weights.
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(clip.cond_stage_model.named_parameters()):
-            p.copy_((torch.randn(p.shape, generator=gen) * 0.02
-                     + (1.0 if name.endswith("layer_norm1.weight") else 0.0)).to(p.device, p.dtype))
+    sd = {name: (torch.randn(p.shape, generator=gen) * 0.02
+                 + (1.0 if name.endswith("layer_norm1.weight") else 0.0)).to(p.dtype)
+          for name, p in sorted(clip.cond_stage_model.named_parameters())}
+    clip.load_sd(sd, full_model=True)
     return clip

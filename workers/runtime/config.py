@@ -171,15 +171,15 @@ ATTN_TRANSPORT = _choice_var("H3MS_ATTN_TRANSPORT", ("auto", "host", "cuda_ipc")
                              "H3 Attention Parallel: `auto` = CUDA IPC where possible (one INFO line says why not), "
                              "`host` = always pinned shared memory, `cuda_ipc` = fail where CUDA IPC cannot run.")
 # -- the VAE split ---------------------------------------------------------------------------------------------------
-VAE_RANK_MAP = _devices_var("H3MS_VAE_RANK_MAP",
-                            "The VAE split's rank map (`cpu,cpu,cpu`, `cuda:0,cuda:0`): rank 0 must be the VAE's own "
-                            "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan; for "
-                            "tests and verification.", "one device per rank, the VAE's first, e.g. cuda:0,cuda:1")
 VAE_TRANSPORT = _choice_var("H3MS_VAE_TRANSPORT", ("auto", "shm", "socket"),
                             "How decoded chunks come back: `auto` (shared memory, the socket when /dev/shm has no "
                             "room), `shm`, `socket`.")
 VAE_CHUNK_TIMEOUT = _seconds_var("H3MS_VAE_CHUNK_TIMEOUT", 900.0,
                                  "Longest wait for one remote chunk (and for the workers to load the decoder).")
+VAE_RANK_MAP = _devices_var("H3MS_VAE_RANK_MAP",
+                            "The VAE split's rank map (`cpu,cpu,cpu`, `cuda:0,cuda:0`): rank 0 must be the VAE's own "
+                            "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan; for "
+                            "tests and verification.", "one device per rank, the VAE's first, e.g. cuda:0,cuda:1")
 # -- tests and tools -------------------------------------------------------------------------------------------------
 TEST_HOOKS = _flag_var("H3MS_TEST_HOOKS",
                        "`1` = workers also serve the test-only commands (sleep, crash); read once per worker. Tests "
