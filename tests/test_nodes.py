@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -88,21 +90,18 @@ def test_gpu_set_node_validates():
 # --- everything that needs ComfyUI: one real ComfyUI process -----------------------------------------------------
 
 _RUNNER = r'''
-import os, shutil, sys, tempfile
+import os, sys
 sys.path.insert(0, {tests!r})
 import comfy_h3, pytest
 comfy_h3.start()
 # pytest imports every package above a test file, and the pack root is one (its __init__ would run, and register
 # routes, a second time): a link from a plain temp folder keeps the collection tree outside the pack
-run_dir = tempfile.mkdtemp(prefix="h3ms-checks-")
-try:
-    checks = os.path.join(run_dir, "comfy_node_checks.py")
-    os.symlink({checks!r}, checks)
-    os.chdir(run_dir)
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", "-c", "/dev/null", "--rootdir", run_dir,
-                      "--timeout=240", "-W", "ignore::DeprecationWarning", "--durations=5", checks] + {select!r})
-finally:
-    shutil.rmtree(run_dir)
+run_dir = {run_dir!r}
+checks = os.path.join(run_dir, "comfy_node_checks.py")
+os.symlink({checks!r}, checks)
+os.chdir(run_dir)
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", "-c", "/dev/null", "--rootdir", run_dir,
+                  "--timeout=240", "-W", "ignore::DeprecationWarning", "--durations=5", checks] + {select!r})
 print("INNER_PYTEST_RC", int(rc), flush=True)
 '''
 
@@ -114,8 +113,14 @@ def test_node_layer_inside_real_comfyui():
     ``H3MS_NODE_CHECKS=-k <expr>`` to run a subset while working on it."""
     tests = os.path.dirname(os.path.abspath(__file__))
     select = os.environ.get("H3MS_NODE_CHECKS", "").split()
-    body = _RUNNER.format(tests=tests, checks=os.path.join(tests, "comfy_node_checks.py"), select=select)
-    r = comfy_tree.run_comfy_script(body, ["--cpu", "--disable-api-nodes"], timeout_s=880)
+    # made and removed here, so it goes even when the ComfyUI process is killed (a timeout)
+    run_dir = tempfile.mkdtemp(prefix="h3ms-checks-")
+    try:
+        body = _RUNNER.format(tests=tests, checks=os.path.join(tests, "comfy_node_checks.py"), select=select,
+                              run_dir=run_dir)
+        r = comfy_tree.run_comfy_script(body, ["--cpu", "--disable-api-nodes"], timeout_s=880)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     summary = [line for line in r.stdout.splitlines() if line.startswith("INNER_PYTEST_RC")]
     assert summary == ["INNER_PYTEST_RC 0"], f"checks inside ComfyUI failed:\n{r.stdout[-12000:]}\n{r.stderr[-4000:]}"
     print(r.stdout[-600:])
