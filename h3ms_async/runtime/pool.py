@@ -504,12 +504,10 @@ class WorkerPool:
         self._doorbells = []
         if self._control is not None:
             self._control.close()
-            self._control.unlink()
             self._control = None
         if final:
             for seg in self._owned:
                 seg.close()
-                seg.unlink()
             self._owned.clear()
         if self._run_dir is not None:
             rundir.remove(self._run_dir)

@@ -63,7 +63,6 @@ class WeightStore:
     def release(self) -> None:
         """Unmap and unlink (workers must have dropped their views first: ``dit_release``)."""
         self.segment.close()
-        self.segment.unlink()
 
 
 def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: float = 0.0,
@@ -110,7 +109,6 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
         store = WeightStore(key, seg, manifest, total, time.perf_counter() - t)
     except BaseException:
         seg.close()
-        seg.unlink()
         raise
     log.info("filled %d blocks, %.2f GiB in %.2fs (%s)", n_blocks, total / GIB, store.fill_seconds, ram.text)
     return store
