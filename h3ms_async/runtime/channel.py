@@ -6,12 +6,11 @@ with :class:`ChannelClosed`, and calls ``on_close`` once; other channels are una
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import socket
 import struct
 from typing import Callable
-
-import msgspec
 
 from workers.runtime import auth, protocol
 
@@ -114,7 +113,11 @@ class Channel:
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (kind, fut)
         try:
-            await self.send(msgspec.structs.replace(msg, id=rid))
+            # A copy, not structs.replace: replace re-runs __post_init__, re-checking every free-form field (a
+            # step's layout) the sender's build already checked, once per request.
+            sent = copy.copy(msg)
+            sent.id = rid
+            await self.send(sent)
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), timeout)
             except asyncio.TimeoutError:
