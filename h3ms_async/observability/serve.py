@@ -122,7 +122,7 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
 @web.middleware
 async def _guard_and_json_errors(request: web.Request,
                                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Every route behind ``http_routes.request_refusal`` (these routes stop workers; DNS rebinding and cross-site
+    """Every route behind :func:`routes.request_refusal` (these routes stop workers; DNS rebinding and cross-site
     writes are refused), and the framework's own 404/405 answered as JSON errors like every other reply."""
     why = request_refusal(request)
     if why is not None:
