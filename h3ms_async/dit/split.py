@@ -199,11 +199,11 @@ class SplitEngine(Engine):
         ``WeightStoreRefused`` when the RAM reserve forbids it.
         """
         n = config.layers if n_blocks is None else n_blocks
-        head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
-                                            "attention heads")) if self.ranks <= config.heads else None
-        if head_bounds is None:
+        if self.ranks > config.heads:
             raise plans.GPUSelectionError(f"{self.ranks} ranks but the model has only {config.heads} attention "
                                           f"heads; use at most {config.heads} ranks")
+        head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
+                                            "attention heads"))
         with self._lock:
             if self._loaded and self._loaded.store.key == key and self._loaded.head_bounds == head_bounds:
                 return False
