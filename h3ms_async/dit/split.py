@@ -34,7 +34,7 @@ from workers.dit import protocol as dit_protocol
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
 from workers.transports.host import ArenaLayout, decode_seq
-from workers.runtime.protocol import DropReleased, TensorDesc
+from workers.runtime.protocol import DropReleased, TensorDesc, tensor_nbytes
 from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("MultiStream")
@@ -199,11 +199,11 @@ class SplitEngine(Engine):
         ``WeightStoreRefused`` when the RAM reserve forbids it.
         """
         n = config.layers if n_blocks is None else n_blocks
-        head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
-                                            "attention heads")) if self.ranks <= config.heads else None
-        if head_bounds is None:
+        if self.ranks > config.heads:
             raise plans.GPUSelectionError(f"{self.ranks} ranks but the model has only {config.heads} attention "
                                           f"heads; use at most {config.heads} ranks")
+        head_bounds = tuple(plans.partition(config.heads, self.options.shares or [1.0] * self.ranks,
+                                            "attention heads"))
         with self._lock:
             if self._loaded and self._loaded.store.key == key and self._loaded.head_bounds == head_bounds:
                 return False
@@ -518,14 +518,7 @@ def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
 
 def _segment_bytes(specs: dict[str, tuple[torch.dtype, Sequence[int]]]) -> int:
     """Bytes of a segment holding one 4 KiB-aligned tensor per ``name: (dtype, shape)``."""
-    return sum(align(max(1, _nbytes(dt, shp))) for dt, shp in specs.values())
-
-
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return sum(align(max(1, tensor_nbytes(dtype_name(dt), [int(s) for s in shp]))) for dt, shp in specs.values())
 
 
 def _options_dict(o: SplitOptions) -> dict:

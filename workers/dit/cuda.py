@@ -88,7 +88,7 @@ class CudaWeights:
         self.rank = ctx.rank
         seg = ctx.segment(msg.store)
         self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg.manifest]
-        self.quant = [dit_ops.quant_info(b, "attn.qkv_proj") for b in self.host]
+        self.quant = [dit_ops.block_quant(b) for b in self.host]
         g0, g1 = self.heads
         rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])
         self._qkv_rows = [(r.start, r.stop) for r in rows]

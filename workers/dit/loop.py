@@ -50,9 +50,9 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
         n1_full = exchange.all_gather_rows(n1, chunks)
         attn = dit_ops.attention_heads(n1_full, blk.qkv, blk.qkv_scale, w["attn.q_norm.weight"],
                                        w["attn.k_norm.weight"], rope_freqs, heads_local, head_dim, eps,
-                                       quant=blk.quant, attend=attend)
+                                       quant=blk.quant["attn.qkv_proj"], attend=attend)
         attn_rows = exchange.all_to_all_cols(attn, chunks)
-        dit_ops.out_mlp(x_rows, attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps)
+        dit_ops.out_mlp(x_rows, attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps, blk.quant)
         weights.done(i)
         now = (time.perf_counter(), *exchange.counters())
         d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))

@@ -139,12 +139,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     return F.linear(x, weight, bias)
 
 
+def block_quant(weights: dict[str, torch.Tensor]) -> dict[str, QuantInfo]:
+    """:func:`quant_info` of each of a block's ``INT8_LINEARS``, read once per weight load: on a CUDA rank the
+    ``comfy_quant`` bytes sit in VRAM, and reading them per call would sync the host with the GPU per linear."""
+    return {name: quant_info(weights, name) for name in INT8_LINEARS}
+
+
 def _linear_named(x: torch.Tensor, weights: dict[str, torch.Tensor], name: str,
-                  input_act: str | None = None) -> torch.Tensor:
+                  input_act: str | None = None, quant: QuantInfo | None = None) -> torch.Tensor:
     w = weights[f"{name}.weight"]
     if is_int8(w):
-        return linear(x, w, weights[f"{name}.weight_scale"], None, quant=quant_info(weights, name),
-                      input_act=input_act)
+        return linear(x, w, weights[f"{name}.weight_scale"], None,
+                      quant=quant_info(weights, name) if quant is None else quant, input_act=input_act)
     return linear(x, w, None, weights.get(f"{name}.bias"), input_act=input_act)
 
 
@@ -349,15 +355,15 @@ def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch
 
 def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, torch.Tensor], gate_msa: torch.Tensor,
             shift_mlp: torch.Tensor, scale_mlp: torch.Tensor, gate_mlp: torch.Tensor,
-            segments_local: Sequence[ModSegment], eps: float) -> torch.Tensor:
+            segments_local: Sequence[ModSegment], eps: float, quant: dict[str, QuantInfo]) -> torch.Tensor:
     """Rest of the block on a token range: out_proj, gated residual, norm2 + modulation, fc1, swiglu fc2, gated
-    residual.  ``attn_rows`` holds all heads (``[n, h·D]``, head-major) for these tokens.  Mutates and returns
-    ``x_rows``."""
-    a = _linear_named(attn_rows, weights, "attn.out_proj")
+    residual.  ``attn_rows`` holds all heads (``[n, h·D]``, head-major) for these tokens; ``quant`` is the block's
+    :func:`block_quant`.  Mutates and returns ``x_rows``."""
+    a = _linear_named(attn_rows, weights, "attn.out_proj", quant=quant["attn.out_proj"])
     gated_residual_(x_rows, a, gate_msa, segments_local)
     n2 = norm_modulate(x_rows, weights["norm2.weight"], shift_mlp, scale_mlp, segments_local, eps)
-    f = _linear_named(n2, weights, "mlp.fc1")
-    m = _linear_named(f, weights, "mlp.fc2", input_act="swiglu")
+    f = _linear_named(n2, weights, "mlp.fc1", quant=quant["mlp.fc1"])
+    m = _linear_named(f, weights, "mlp.fc2", input_act="swiglu", quant=quant["mlp.fc2"])
     return gated_residual_(x_rows, m, gate_mlp, segments_local)
 
 

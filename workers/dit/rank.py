@@ -94,9 +94,7 @@ def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
 async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
     st = _state(ctx)
     if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
-        sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
-            if ctx.device.startswith("cuda") else None
-        return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": sms}
+        return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": _sm_count(ctx)}
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg.config.get("devices")
     attend = _attend(msg.config["attention"])
@@ -111,9 +109,15 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
                  ctx.rank, msg.key, len(msg.manifest), msg.heads,
                  _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
-    sms = torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count \
-        if ctx.device.startswith("cuda") else None
-    return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t, "sm_count": sms}
+    return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t,
+            "sm_count": _sm_count(ctx)}
+
+
+def _sm_count(ctx: WorkerContext) -> int | None:
+    # The coordinator's exactness check needs it (dit_ops.flash_tiles_ok); CPU ranks have no SDPA schedule to keep.
+    if not ctx.device.startswith("cuda"):
+        return None
+    return torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count
 
 
 def _drop_weights(ctx: WorkerContext, st: RankState) -> None:

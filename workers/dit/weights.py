@@ -1,7 +1,7 @@
 """Where the block loop gets a block's weights from: the weight provider protocol and its CPU implementation.
 
 A provider hands the loop one :class:`BlockView` per block: the block's parameters by in-block name, the rank's head
-group's rows of the fused qkv projection, and that linear's int8 settings.  Implementations:
+group's rows of the fused qkv projection, and the int8 settings of the block's linears.  Implementations:
 
 - :class:`CpuWeights`: the tensors are used where they are, views of the shared-memory weight store on a CPU rank,
   the reference model's (seeded or loaded) weights in process; the head group's qkv rows are sliced once
@@ -24,7 +24,8 @@ class BlockView(NamedTuple):
     weights: dict[str, torch.Tensor]
     qkv: torch.Tensor
     qkv_scale: torch.Tensor | None
-    quant: dit_ops.QuantInfo
+    quant: dict[str, dit_ops.QuantInfo]
+    """``dit_ops.block_quant``: per int8 linear name."""
 
 
 class WeightProvider(Protocol):
@@ -53,7 +54,7 @@ class WeightProvider(Protocol):
 def block_view(weights: dict[str, torch.Tensor], g0: int, g1: int, heads: int, head_dim: int) -> BlockView:
     """The view of one block's weights for heads [g0, g1) (the qkv rows copied unless that is every head)."""
     q_w, q_s = dit_ops.slice_qkv_weights(weights, g0, g1, heads, head_dim)
-    return BlockView(weights, q_w, q_s, dit_ops.quant_info(weights, "attn.qkv_proj"))
+    return BlockView(weights, q_w, q_s, dit_ops.block_quant(weights))
 
 
 class CpuWeights:
