@@ -41,6 +41,7 @@ from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.observability.status import now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
+from workers.runtime.protocol import tensor_nbytes
 from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("AttentionParallel")
@@ -151,10 +152,10 @@ class _IpcBuffers(_Buffers):
             self._handles.append({"device": index, "in": _ipc_handle(flat_in), "out": _ipc_handle(flat_out)})
 
     def inputs(self, p: int) -> dict[str, torch.Tensor]:
-        return {name: _view(self._in[self._helper[p]], d) for name, d in self._in_layout[p].items()}
+        return {name: attn_protocol.ipc_view(self._in[self._helper[p]], d) for name, d in self._in_layout[p].items()}
 
     def output(self, p: int) -> torch.Tensor:
-        return _view(self._out[self._helper[p]], self._out_layout[p])
+        return attn_protocol.ipc_view(self._out[self._helper[p]], self._out_layout[p])
 
     def fields(self, p: int) -> dict:
         return {"tensors": {}, "out": None,
@@ -181,12 +182,6 @@ def cuda_ipc_unavailable(device: str) -> str:
 def _ipc_handle(t: torch.Tensor) -> list:
     """The CUDA IPC handle of ``t``'s storage as it travels (device, handle, size, offset, ref counter, event)."""
     return list(t.untyped_storage()._share_cuda_())
-
-
-def _view(flat: torch.Tensor, d: dict) -> torch.Tensor:
-    dtype = getattr(torch, d["dtype"])
-    n = torch.Size(d["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
-    return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
 
 
 @dataclass
@@ -540,10 +535,7 @@ def _shape_key(pq: Any) -> tuple:
 
 def _slot(dtype: torch.dtype, shape: Sequence[int]) -> int:
     """Bytes an :class:`Arena` takes for one tensor (4 KiB aligned)."""
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= int(s)
-    return align(max(n, 1))
+    return align(max(tensor_nbytes(dtype_name(dtype), [int(s) for s in shape]), 1))
 
 
 # -- engine registry ------------------------------------------------------------------------------------------------
