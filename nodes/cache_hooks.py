@@ -60,6 +60,12 @@ def object_key(model: Any) -> tuple:
     return ("object", token)
 
 
+def vae_key(vae: Any) -> tuple:
+    """A VAE's weight key: its file from the loader's reload factory, else a token on its model object."""
+    fkey = file_key(getattr(vae, "patcher", None))
+    return ("vae", *fkey) if fkey is not None else ("vae", *object_key(vae.first_stage_model))
+
+
 def _device_of(model: torch.nn.Module, fallback: Any) -> torch.device:
     for t in named_tensors(model).values():
         if not t.is_meta:

@@ -13,7 +13,7 @@ from h3ms_async import caches
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .cache_hooks import DYNAMIC_NOTE, file_key, object_key, stage_weights, weights_managed_by_comfy
+from .cache_hooks import DYNAMIC_NOTE, stage_weights, vae_key, weights_managed_by_comfy
 from .inputs import PatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("VAE cache")
@@ -58,9 +58,8 @@ class H3MSVAECacheAsync(PatchNode):
 
     def patch(self, vae: Any, enabled: bool, weight_cache: bool, cache_ram_reserve_gb: float) -> tuple:
         model = vae.first_stage_model
-        fkey = file_key(getattr(vae, "patcher", None))
-        key = ("vae", *fkey) if fkey is not None else ("vae", *object_key(model))
-        group = f"vae:{os.path.basename(fkey[0]) if fkey is not None else type(model).__name__}"
+        key = vae_key(vae)
+        group = f"vae:{type(model).__name__ if key[1] == 'object' else os.path.basename(key[1])}"
         managed = enabled and weight_cache and weights_managed_by_comfy(getattr(vae, "patcher", None))
         if managed:
             log.warning("%s: %s", group, DYNAMIC_NOTE)

@@ -17,7 +17,7 @@ import torch
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .cache_hooks import file_key, object_key
+from .cache_hooks import vae_key
 from .progress import interrupt_probe, raise_interrupted
 from .inputs import PatchNode, SECOND_GPU_INPUT, enabled_input
 
@@ -32,12 +32,6 @@ def is_h3_video_vae(model: Any) -> bool:
     """ComfyUI's ``MiniMaxH3VideoVAE`` (or anything with its temporal decode methods)."""
     return all(callable(getattr(model, n, None)) for n in ("decode_temporal", "_decode_temporal_chunks",
                                                            "_adaptive_decode", "blend", "_finalize_pixels"))
-
-
-def weight_key(vae: Any) -> tuple:
-    """The VAE's weight key: its file from the loader's reload factory, else a token on the model object."""
-    fkey = file_key(getattr(vae, "patcher", None))
-    return ("vae", *fkey) if fkey is not None else ("vae", *object_key(vae.first_stage_model))
 
 
 def comfy_info() -> dict:
@@ -155,7 +149,7 @@ class H3MSVAESplitDecodeAsync(PatchNode):
                 from h3ms_async.vae.split import release_vae_engines
                 release_vae_engines()
             return (vae,)
-        cfg = {"second_gpu": int(second_gpu), "max_gpus": int(max_gpus), "gpus": gpus, "key": weight_key(vae)}
+        cfg = {"second_gpu": int(second_gpu), "max_gpus": int(max_gpus), "gpus": gpus, "key": vae_key(vae)}
         device = torch.device(getattr(vae, "device", "cpu"))
         devices, why = plan_devices(device, cfg)
         spec = None

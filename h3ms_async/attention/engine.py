@@ -41,6 +41,7 @@ from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.observability.status import now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
+from workers.runtime.protocol import tensor_nbytes
 from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
 
 log = get_logger("AttentionParallel")
@@ -151,10 +152,10 @@ class _IpcBuffers(_Buffers):
             self._handles.append({"device": index, "in": _ipc_handle(flat_in), "out": _ipc_handle(flat_out)})
 
     def inputs(self, p: int) -> dict[str, torch.Tensor]:
-        return {name: _view(self._in[self._helper[p]], d) for name, d in self._in_layout[p].items()}
+        return {name: attn_protocol.ipc_view(self._in[self._helper[p]], d) for name, d in self._in_layout[p].items()}
 
     def output(self, p: int) -> torch.Tensor:
-        return _view(self._out[self._helper[p]], self._out_layout[p])
+        return attn_protocol.ipc_view(self._out[self._helper[p]], self._out_layout[p])
 
     def fields(self, p: int) -> dict:
         return {"tensors": {}, "out": None,
@@ -181,12 +182,6 @@ def cuda_ipc_unavailable(device: str) -> str:
 def _ipc_handle(t: torch.Tensor) -> list:
     """The CUDA IPC handle of ``t``'s storage as it travels (device, handle, size, offset, ref counter, event)."""
     return list(t.untyped_storage()._share_cuda_())
-
-
-def _view(flat: torch.Tensor, d: dict) -> torch.Tensor:
-    dtype = getattr(torch, d["dtype"])
-    n = torch.Size(d["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
-    return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
 
 
 @dataclass
@@ -292,14 +287,14 @@ class AttentionParallelEngine(Engine):
             # a helper that died since the last call restarts the pool (helpers hold no state)
             self.run(self.pool.start(), self.pool.start_timeout + 10.0, "starting helpers")
             plan = attention_schedule.pieces(bounds, self.chunk_heads)
-            buf = self._buffers_for(pq, plan, device)
-            call = _Call(plan, bounds, attn_ops.head_slice(pq, bounds[0], bounds[1]),
-                         [attn_ops.head_slice(pq, h0, h1) for _, h0, h1 in plan], dict(fields),
+            slices = [attn_ops.head_slice(pq, h0, h1) for _, h0, h1 in plan]
+            buf = self._buffers_for(pq, plan, slices, device)
+            call = _Call(plan, bounds, attn_ops.head_slice(pq, bounds[0], bounds[1]), slices, dict(fields),
                          torch.empty((b, heads, sq, fields["original_head_dim"]), dtype=pq.input_dtype,
                                      device=device))
             self._calls += 1
             local_s = (self._call_cuda if device.type == "cuda" else self._call_cpu)(buf, call)
-            result = self._result(buf, call, local_s)
+            result = self._result(call, local_s)
             self._record(result, bounds, sq, heads, time.perf_counter() - t_start)
             key = _shape_key(pq)
             if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
@@ -414,7 +409,7 @@ class AttentionParallelEngine(Engine):
         call.return_s[:] = [back_marks[p][0].elapsed_time(back_marks[p][1]) / 1e3 for p in range(len(call.plan))]
         return local[0].elapsed_time(local[1]) / 1e3
 
-    def _result(self, buf: _Buffers, call: "_Call", local_s: float) -> dict:
+    def _result(self, call: "_Call", local_s: float) -> dict:
         """Per helper (its pieces added up): stage / copy in / compute / copy out / take-back seconds, bytes, and its
         wall time from its first piece sent to its last answer."""
         n = len(self.devices) - 1
@@ -422,7 +417,7 @@ class AttentionParallelEngine(Engine):
                    for _ in range(n)]
         stage_s, return_s, staged, returned = [0.0] * n, [0.0] * n, [0] * n, [0] * n
         first_sent, last_answer = [float("inf")] * n, [0.0] * n
-        for p, (r, _, _) in enumerate(call.plan):
+        for p, (r, h0, h1) in enumerate(call.plan):
             i, ans, h = r - 1, call.answers[p], helpers[r - 1]
             for k in ("compute_s", "h2d_s", "d2h_s"):
                 h[k] += float(ans[k])
@@ -431,8 +426,8 @@ class AttentionParallelEngine(Engine):
                 h["vram_peak_bytes"] = max(h["vram_peak_bytes"] or 0, int(ans["vram_peak_bytes"]))
             stage_s[i] += call.stage_s[p]
             return_s[i] += call.return_s[p]
-            staged[i] += sum(t.numel() * t.element_size() for t in buf.inputs(p).values())
-            returned[i] += buf.output(p).numel() * buf.output(p).element_size()
+            staged[i] += sum(t.numel() * t.element_size() for t in call.slices[p].values())
+            returned[i] += call.out[:, h0:h1].numel() * call.out.element_size()
             first_sent[i] = min(first_sent[i], call.sent[p])
             last_answer[i] = max(last_answer[i], call.answered[p])
         for i, h in enumerate(helpers):
@@ -468,9 +463,11 @@ class AttentionParallelEngine(Engine):
                  {k: round(1e-9 / v, 1) if v > 0 else "in place" for k, v in vars(legs).items()})
 
     # -- buffers ----------------------------------------------------------------------------------------------------
-    def _buffers_for(self, pq: Any, plan: list[tuple[int, int, int]], device: torch.device) -> _Buffers:
-        in_specs = [{name: (t.dtype, tuple(t.shape)) for name, t in attn_ops.head_slice(pq, h0, h1).items()}
-                    for _, h0, h1 in plan]
+    def _buffers_for(self, pq: Any, plan: list[tuple[int, int, int]], slices: list[dict[str, torch.Tensor]],
+                     device: torch.device) -> _Buffers:
+        # the call's own slices: with batch > 1 a v slice is a copy, so slicing again just for the shapes would copy
+        # every helper's v twice per call
+        in_specs = [{name: (t.dtype, tuple(t.shape)) for name, t in s.items()} for s in slices]
         b, _, sq, _ = pq.q.shape
         out_specs = [(pq.input_dtype, (b, h1 - h0, sq, int(pq.original_head_dim))) for _, h0, h1 in plan]
         key = (repr(plan), repr(in_specs), repr(out_specs), str(device))
@@ -540,10 +537,7 @@ def _shape_key(pq: Any) -> tuple:
 
 def _slot(dtype: torch.dtype, shape: Sequence[int]) -> int:
     """Bytes an :class:`Arena` takes for one tensor (4 KiB aligned)."""
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= int(s)
-    return align(max(n, 1))
+    return align(max(tensor_nbytes(dtype_name(dtype), [int(s) for s in shape]), 1))
 
 
 # -- engine registry ------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from h3ms_async.observability.status import now_iso
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime import config
 from workers.vae import protocol as vae_protocol
-from workers.runtime.protocol import TensorDesc
+from workers.runtime.protocol import TensorDesc, tensor_nbytes
 from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
 
 log = get_logger("VAE split")
@@ -276,13 +276,7 @@ class VaeSplitEngine(Engine):
         choice = config.VAE_TRANSPORT.get()
         if choice == "socket":
             return "socket", None
-        elem = torch.empty((), dtype=dtype).element_size()
-        total = 0
-        for i in remote:
-            n = elem
-            for d in raw_shape(i):
-                n *= d
-            total += align(n)
+        total = sum(align(tensor_nbytes(dtype_name(dtype), raw_shape(i))) for i in remote)
         try:
             return "shm", Segment.create(total, "vae_out")
         except ShmError as exc:
@@ -305,11 +299,13 @@ class VaeSplitEngine(Engine):
             return res, None
         t = time.perf_counter()
         host = torch.empty(res["nbytes"], dtype=torch.uint8)
+        # the bytes go straight into the chunk's memory (a bytearray for torch.frombuffer would copy each piece twice)
+        view = host.numpy().data
         piece = vae_protocol.FETCH_PIECE_BYTES
         for off in range(0, res["nbytes"], piece):
             n = min(piece, res["nbytes"] - off)
             got = await self.pool.request(worker, vae_protocol.VaeFetch(job=job, index=i, off=off, n=n), timeout)
-            host[off:off + n].copy_(torch.frombuffer(bytearray(got["data"]), dtype=torch.uint8))
+            view[off:off + n] = got["data"]
         res["fetch_s"] = time.perf_counter() - t
         return res, host.view(dtype).view(shape)
 

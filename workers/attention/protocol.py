@@ -24,9 +24,13 @@ Both sides import this module: the coordinator (``h3ms_async.attention.engine``)
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from workers.runtime.protocol import Plain, Request, TensorDesc
+from workers.runtime.protocol import Plain, Request, TensorDesc, tensor_nbytes
+from workers.runtime.shm import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AttnCall(Request, tag="attn_call"):
@@ -41,3 +45,10 @@ class AttnCall(Request, tag="attn_call"):
 
 class AttnRelease(Request, tag="attn_release"):
     pass
+
+
+def ipc_view(flat: "torch.Tensor", d: Plain) -> "torch.Tensor":
+    """The tensor an ``ipc`` layout entry ``{off, dtype, shape}`` names inside the flat uint8 buffer ``flat``; the
+    coordinator and the helper both read the layout through this, so they agree on every byte."""
+    n = tensor_nbytes(d["dtype"], d["shape"])
+    return flat[d["off"]:d["off"] + n].view(torch_dtype(d["dtype"])).view(d["shape"])

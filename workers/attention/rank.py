@@ -47,10 +47,8 @@ def _ipc_storage(ctx: WorkerContext, handle: list, device: int) -> torch.Untyped
 
 
 def _ipc_view(storage: torch.UntypedStorage, d: dict) -> torch.Tensor:
-    dtype = getattr(torch, d["dtype"])
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
-    n = torch.Size(d["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
-    return flat[d["off"]:d["off"] + n].view(dtype).view(d["shape"])
+    return attn_protocol.ipc_view(flat, d)
 
 
 def _sources(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
