@@ -80,6 +80,12 @@ def cuda_visible_for(device: str, parent_visible: str | None) -> str:
     return entries[index]
 
 
+def _retrieve(task: "asyncio.Task[Any]") -> None:
+    """Mark a finished task's exception as seen (its job already failed for another reason)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -645,6 +651,8 @@ class WorkerPool:
             for t in tasks:
                 if not t.done():
                     t.cancel()
+                    # a rank's answer (the abort's error) may land before the cancellation does
+                    t.add_done_callback(_retrieve)
                 elif not t.cancelled():
                     t.exception()  # retrieved: no "never retrieved" warnings for the ranks we did not report
             self._jobs -= 1
