@@ -117,6 +117,10 @@ def test_bench_attention_smoke(capsys):
     assert run["phases"]["stage"]["bytes"] == run["staged_bytes"] and run["phases"]["compute"]["s"] > 0
     assert run["pieces"] == [-(-run["heads"][1] // res["model"]["chunk_heads"])]
     assert 0 < res["message_round_trip_s"] < 1.0
+    # a helper's range (N = 4: one head here) attended in pieces on one stream and on two taken in turn
+    chains = res["helper_range_in_pieces_s"]
+    assert chains["heads"] == 1 and set(chains["by_chunk_heads"]) == {"1", "2"}  # every piece size up to chunk_heads
+    assert all(set(v) == {"1_stream", "2_streams"} and min(v.values()) > 0 for v in chains["by_chunk_heads"].values())
     assert all(res["model"][name][n]["whole_slices"]["speedup"] > 0 for name in ("pcie_host_staged",)
                for n in ("N=2", "N=4"))
     no_leaks()
@@ -287,7 +291,9 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     routed_last = routed["recent_calls"][-1]
     assert routed_last["call"] == engine.recent_calls()[-1]["call"] and routed_last["wall_s"] > 0
     for r in routed_last["ranks"]:
-        assert {"stage_s", "h2d_s", "compute_s", "d2h_s", "return_s", "wall_s", "pieces"} <= set(r)
+        assert {"stage_s", "h2d_s", "compute_s", "compute_span_s", "d2h_s", "return_s", "wall_s", "pieces"} <= set(r)
+        assert r["compute_span_s"] > 0  # a helper's pieces run one after another on a CPU: the span covers them all
+        assert r["rank"] == 0 or r["compute_span_s"] >= r["compute_s"] * 0.999
         assert r["compute_s"] > 0 and (r["rank"] == 0 or (r["stage_s"] > 0 and r["return_s"] > 0))
     rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
             for row in re.findall(r'<tr class="h3ms-attention-rank">(.*?)</tr>', dom, re.S)]

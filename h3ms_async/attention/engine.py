@@ -410,17 +410,20 @@ class AttentionParallelEngine(Engine):
         return local[0].elapsed_time(local[1]) / 1e3
 
     def _result(self, call: "_Call", local_s: float) -> dict:
-        """Per helper (its pieces added up): stage / copy in / compute / copy out / take-back seconds, bytes, and its
-        wall time from its first piece sent to its last answer."""
+        """Per helper (its pieces added up): stage / copy in / compute / copy out / take-back seconds, bytes, its
+        attention span (first piece's attention start to last piece's end: less than the compute seconds added up
+        where consecutive pieces overlap on the helper's two compute streams) and its wall time from its first piece
+        sent to its last answer."""
         n = len(self.devices) - 1
-        helpers = [{"compute_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "pieces": 0, "vram_peak_bytes": None}
-                   for _ in range(n)]
+        helpers = [{"compute_s": 0.0, "compute_span_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "pieces": 0,
+                    "vram_peak_bytes": None} for _ in range(n)]
         stage_s, return_s, staged, returned = [0.0] * n, [0.0] * n, [0] * n, [0] * n
         first_sent, last_answer = [float("inf")] * n, [0.0] * n
         for p, (r, h0, h1) in enumerate(call.plan):
             i, ans, h = r - 1, call.answers[p], helpers[r - 1]
             for k in ("compute_s", "h2d_s", "d2h_s"):
                 h[k] += float(ans[k])
+            h["compute_span_s"] = max(h["compute_span_s"], float(ans["compute_end_s"]))
             h["pieces"] += 1
             if ans.get("vram_peak_bytes") is not None:
                 h["vram_peak_bytes"] = max(h["vram_peak_bytes"] or 0, int(ans["vram_peak_bytes"]))
@@ -444,7 +447,10 @@ class AttentionParallelEngine(Engine):
         """Choose this shape's split from this call's own timings (see ``attention_schedule``)."""
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         helpers = result["helpers"]
-        per_head = [result["local_s"] / sizes[0]] + [h["compute_s"] / s for h, s in zip(helpers, sizes[1:])]
+        # a helper's attention time is its span where its pieces overlapped, its pieces added up where it waited for
+        # input between them (the span then holds idle time the schedule model accounts for separately)
+        per_head = [result["local_s"] / sizes[0]] + [min(h["compute_s"], h["compute_span_s"]) / s
+                                                     for h, s in zip(helpers, sizes[1:])]
         in_bytes, out_bytes = sum(result["staged"]), sum(result["returned"])
         legs = attention_schedule.Legs(
             stage=sum(result["stage_s"]) / in_bytes, helper_in=sum(h["h2d_s"] for h in helpers) / in_bytes,
@@ -492,12 +498,12 @@ class AttentionParallelEngine(Engine):
     # -- records, status, release -------------------------------------------------------------------------------------
     def _record(self, result: dict, bounds: list[int], tokens: int, heads: int, wall: float) -> None:
         ranks = [{"rank": 0, "device": self.devices[0], "heads": [bounds[0], bounds[1]], "transport": "local",
-                  "compute_s": result["local_s"], "stage_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "return_s": 0.0,
+                  "compute_s": result["local_s"], "compute_span_s": result["local_s"], "stage_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "return_s": 0.0,
                   "wall_s": result["local_s"], "pieces": 1, "vram_peak_bytes": None}]
         for r, res in enumerate(result["helpers"], start=1):
             ranks.append({"rank": r, "device": self.devices[r], "heads": [bounds[r], bounds[r + 1]],
                           "transport": self.transport, "stage_s": result["stage_s"][r - 1],
-                          **{k: float(res[k]) for k in ("compute_s", "h2d_s", "d2h_s", "wall_s")},
+                          **{k: float(res[k]) for k in ("compute_s", "compute_span_s", "h2d_s", "d2h_s", "wall_s")},
                           "return_s": result["return_s"][r - 1], "pieces": res["pieces"],
                           "vram_peak_bytes": res["vram_peak_bytes"]})
         staged, returned = sum(result["staged"]), sum(result["returned"])

@@ -4,7 +4,8 @@ In one run (JSON to stdout and ``--out``), at ``--shape`` (default ``1,56,93312,
 
 * the unsplit call: kitchen's ``prequantize_int8_attention`` and ``int8_attention_from_prequantized`` (medians);
 * the attention of a head slice alone, for the slice sizes that 2, 4 and 8 GPUs get and for every piece size up to
-  ``--chunk-heads`` (measured per-head compute of the model GPU and of a helper);
+  ``--chunk-heads`` (the model GPU's per-head compute), and a helper's range attended in pieces of every size up to
+  ``--chunk-heads`` as the helper runs them, on one stream and on two taken in turn (a helper's per-head compute);
 * the host transport's copy rates (device to registered shm and back) and, with two GPUs that reach each other, the
   peer-to-peer rate (NVLink or PCIe P2P);
 * the parallel call on logical helpers of the same GPU (``--helpers``) over each transport (``--transports``: host
@@ -101,6 +102,35 @@ def predict(n: int, heads: int, quant_s: float, per_head_s: float, helper_per_he
     return dict(best, quantize_s=quant_s, total_s=quant_s + best["total_s"])
 
 
+def chain_s(pq: Any, fields: dict, heads: int, chunk_heads: int, streams: int, reps: int,
+            device: torch.device) -> float:
+    """Median seconds to attend heads ``[0, heads)`` as a helper does: pieces of at most ``chunk_heads`` heads back to
+    back, piece i on CUDA stream ``i mod streams`` (the helper takes its two compute streams in turn, so a piece's
+    attention fills the SMs the previous piece's last wave leaves idle; ``streams=1`` is one piece after another).
+    The inputs are in place, as in a helper whose copies run ahead of its attention."""
+    parts = [{name: t.contiguous() for name, t in attn_ops.head_slice(pq, h0, h1).items()}
+             for _, h0, h1 in attention_schedule.pieces([0, 0, heads], chunk_heads)]
+    if device.type != "cuda":
+        return _timed(lambda: [attn_ops.attend(part, fields) for part in parts], reps, device)[0]
+    side = [torch.cuda.Stream(device) for _ in range(streams)]
+    main = torch.cuda.current_stream(device)
+
+    def run() -> list:
+        ready = torch.cuda.Event()
+        ready.record(main)
+        outs = []
+        for i, part in enumerate(parts):
+            stream = side[i % streams]
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                outs.append(attn_ops.attend(part, fields))
+        for stream in side:
+            main.wait_stream(stream)
+        return outs
+
+    return _timed(run, reps, device)[0]
+
+
 def _legs(stage: float, helper_in: float, helper_out: float, ret: float) -> attention_schedule.Legs:
     """:class:`attention_schedule.Legs` (seconds per byte) from the legs' rates in B/s."""
     return attention_schedule.Legs(stage=1 / stage, helper_in=1 / helper_in, helper_out=1 / helper_out, ret=1 / ret)
@@ -185,6 +215,10 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
         for h in sorted(needed | pieces | {heads}):
             part = {name: t.contiguous() for name, t in attn_ops.head_slice(pq, 0, h).items()}
             slice_s[h], _ = _timed(lambda: attn_ops.attend(part, fields), reps, device)
+        # a helper's range at N = 4 (the aim's N; fewer with fewer heads), attended in pieces as a helper does
+        helper_heads = slice_sizes(heads, min(4, heads))[-1]
+        chains = {str(c): {f"{k}_stream{'s' if k > 1 else ''}": chain_s(pq, fields, helper_heads, c, k, reps, device)
+                           for k in (1, 2)} for c in sorted(pieces)}
         runs = [_parallel_run(device, n, t, chunk_heads, pq, ref, quant_s, attn_s, reps)
                 for n in helper_counts for t in transports]
     host = _host_rates(device, int(in_per_head * heads))
@@ -192,8 +226,12 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
     ipc_runs = [r for r in runs if r["transport"] == "cuda_ipc" and r["stage_GBps"] and r["return_GBps"]]
     ipc_local = [r["stage_GBps"] for r in ipc_runs]
     per_head = statistics.median(s / h for h, s in slice_s.items() if h in needed | {heads})
-    # a helper runs pieces of up to chunk_heads heads: its per-head time is the slowest of those sizes
-    piece_per_head = max(slice_s[h] / h for h in pieces) if pieces else per_head
+
+    def in_pieces(c: int) -> float:
+        """A helper's per-head attention time in pieces of at most ``c`` heads, as it runs them (two streams)."""
+        return chains[str(c)]["2_streams"] / helper_heads
+
+    piece_per_head = in_pieces(chunk_heads) if pieces else per_head
     rtt = statistics.median(r["message_round_trip_s"] for r in runs)
     unsplit = quant_s + attn_s
     links: dict[str, tuple[Any, str]] = {
@@ -230,8 +268,7 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
             whole = predict(n, heads, quant_s, per_head, per_head, in_per_head, out_per_head, legs,
                             attention_schedule.Pipeline(0, ipc, rtt / 2))
             # smaller pieces than the engine ran, each at the measured cost of its slice sizes
-            smaller = {str(c): unsplit / predict(n, heads, quant_s, per_head,
-                                                 max(slice_s[h] / h for h in range(1, c + 1)), in_per_head,
+            smaller = {str(c): unsplit / predict(n, heads, quant_s, per_head, in_pieces(c), in_per_head,
                                                  out_per_head, legs, attention_schedule.Pipeline(c, ipc, rtt / 2)
                                                  )["total_s"] for c in sorted(pieces)[:-1]}
             models[name][f"N={n}"] = dict(pred, speedup=unsplit / pred["total_s"],
@@ -249,6 +286,7 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
         "slice_attention_s": {str(h): s for h, s in sorted(slice_s.items())},
         "per_head_attention_s": per_head,
         "per_head_attention_s_in_pieces": piece_per_head,
+        "helper_range_in_pieces_s": {"heads": helper_heads, "by_chunk_heads": chains},
         "message_round_trip_s": rtt,
         "bytes_per_head": {"in": in_per_head, "out": out_per_head},
         "links_GBps": {"host_d2h": host["d2h_GBps"], "host_h2d": host["h2d_GBps"], "p2p": p2p["GBps"],
@@ -260,8 +298,10 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
                              "each helper's heads are cut into pieces of at most chunk_heads heads, staged one after "
                              "another over the model GPU's link, round robin over the helpers (stage leg); a piece "
                              "is dispatched when staged (half the measured message round trip), its helper copies it "
-                             "in (helper_in), attends it (per_head_attention_s_in_pieces per head: the slowest piece "
-                             "size, measured alone in this run) and copies it out (helper_out), the three overlapping "
+                             "in (helper_in), attends it (per_head_attention_s_in_pieces per head: a helper's range "
+                             "attended in pieces of chunk_heads heads on two alternating streams, as the helper runs "
+                             "them, measured in this run: helper_range_in_pieces_s) and copies it out (helper_out), "
+                             "the three overlapping "
                              "across pieces on their own streams; results come back one at a time in answer order "
                              "(ret leg), while the model GPU attends its own heads (per_head_attention_s, no "
                              "transfer; with CUDA IPC after the staging); the head split is the one the engine "
