@@ -1,5 +1,5 @@
-"""A real SD1-type CLIP (ComfyUI's tokenizer and encoder classes) shrunk to 2 layers of 64 with seeded random
-weights, for the scripts that run inside the ComfyUI tree (``comfy_tree.run_comfy_script``; they put this folder on
+"""A real SD1-type CLIP (ComfyUI's tokenizer and encoder classes) shrunk to 2 layers of CLIP-L's width, with seeded
+random weights loaded as a checkpoint, for the scripts that run inside the ComfyUI tree (``comfy_tree.run_comfy_script``; they put this folder on
 ``sys.path`` from ``$H3MS_TESTS_DIR``)."""
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ def small_clip(tmp_dir: str, seed: int = 3) -> Any:
     import comfy.sd
     import comfy.sd1_clip
     import comfy.supported_models_base
+    import comfy.utils
+    import safetensors.torch
 
     config = json.load(open("comfy/sd1_clip_config.json"))
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  projection_dim=64)
+    # CLIP-L's width with 2 layers: at a toy width (64) plain ComfyUI's own encode under DynamicVRAM fails on the
+    # H200 (fc1 gets a [64, 128] weight: "mat1 and mat2 shapes cannot be multiplied (77x64 and 128x64)", before any
+    # H3 MS hook is attached), a geometry no real text encoder has
+    config.update(num_hidden_layers=2)
     config_path = os.path.join(tmp_dir, "small_clip.json")
     with open(config_path, "w") as f:
         json.dump(config, f)
@@ -29,12 +33,16 @@ def small_clip(tmp_dir: str, seed: int = 3) -> Any:
                              textmodel_json_config=config_path, return_projected_pooled=False)
 
     target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
-    clip = comfy.sd.CLIP(target, model_options={"clip_l_class": SmallClip})
-    # Weights go in as a checkpoint's do (CLIP.load_sd): under DynamicVRAM the parameters are placeholders until a
-    # state dict is assigned to them, so writing into them in place would leave the model without weights.
+    # Shapes come from a throw-away instance on the meta device; the weights then travel as a text-encoder checkpoint
+    # does (a safetensors file read by comfy.utils.load_torch_file, handed to comfy.sd.CLIP as a state dict list), so
+    # the CLIP is built on ComfyUI's own loading path, DynamicVRAM's file-backed weights included.
+    with torch.device("meta"):
+        shapes = SmallClip(device="meta", dtype=torch.float32).transformer.state_dict()
     gen = torch.Generator().manual_seed(seed)
-    sd = {name: (torch.randn(p.shape, generator=gen) * 0.02
-                 + (1.0 if name.endswith("layer_norm1.weight") else 0.0)).to(p.dtype)
-          for name, p in sorted(clip.cond_stage_model.named_parameters())}
-    clip.load_sd(sd, full_model=True)
-    return clip
+    sd = {name: (torch.randn(t.shape, generator=gen) * 0.02
+                 + (1.0 if name.endswith("layer_norm1.weight") else 0.0)).to(torch.float16)
+          for name, t in sorted(shapes.items()) if t.is_floating_point()}
+    path = os.path.join(tmp_dir, "small_clip.safetensors")
+    safetensors.torch.save_file(sd, path)
+    return comfy.sd.CLIP(target, state_dict=[comfy.utils.load_torch_file(path, safe_load=True)],
+                         parameters=sum(t.numel() for t in sd.values()), model_options={"clip_l_class": SmallClip})
