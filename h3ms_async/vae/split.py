@@ -73,26 +73,27 @@ class DecoderSpec:
 def describe_decoder(model: Any) -> tuple[dict, str]:
     """``(arch, dtype)`` of a live ``MiniMaxH3VideoVAE`` for ``workers.vae.rank.build_decoder``.
 
-    Raises :class:`VaeSplitUnsupported` when the decoder's linears are not a plain ``comfy.ops`` class or hold
-    non-plain tensors (a quantized decoder): the workers could not rebuild it bit for bit.
+    A quantized decoder (an int8 "convrot" checkpoint: ComfyUI builds its block linears with
+    ``comfy.ops.mixed_precision_ops``) is described by that factory's arguments, so a worker builds the same class and
+    loads the same stored parts.  Raises :class:`VaeSplitUnsupported` for linears of any other custom class, tensors
+    of an unknown kind or blocks of mixed dtypes: the workers could not rebuild those bit for bit.
     """
     dec = model.decoder
     blk = dec.transformer_blocks[0]
     lin = type(blk.attn.to_qkv)
     qual = lin.__qualname__
-    if lin.__module__ == "comfy.ops" and qual.startswith("mixed_precision_ops."):
-        raise VaeSplitUnsupported("the decoder is quantized (an int8 checkpoint: ComfyUI loads its linears through "
-                                  "comfy.ops.mixed_precision_ops) and the split workers rebuild plain comfy.ops "
-                                  "decoders only; load an fp16/fp32 H3 VAE checkpoint to split the decode")
-    if lin.__module__ != "comfy.ops" or qual.count(".") != 1 or "<locals>" in qual:
+    quantized = lin.__module__ == "comfy.ops" and qual.startswith("mixed_precision_ops.")
+    if not quantized and (lin.__module__ != "comfy.ops" or qual.count(".") != 1 or "<locals>" in qual):
         raise VaeSplitUnsupported(f"the decoder's linears are {lin.__module__}.{qual} (custom operations); only "
-                                  "plain comfy.ops decoders split exactly")
+                                  "comfy.ops decoders (plain or int8-quantized) split exactly")
     tensors = decoder_tensors(model)
     odd = sorted(n for n, t in tensors.items() if type(t.data) is not torch.Tensor)
     if odd:
         raise VaeSplitUnsupported(f"decoder tensors {odd[:3]} are {type(tensors[odd[0]].data).__name__}, not plain "
-                                  "tensors (a quantized decoder)")
-    dtypes = {t.dtype for n, t in tensors.items() if n.startswith("decoder.transformer_blocks.")}
+                                  "tensors")
+    # the VAE dtype: every plain parameter of the blocks has it (a quantized linear's weight is stored parts instead)
+    dtypes = {t.dtype for n, t in model.named_parameters()
+              if n.startswith("decoder.transformer_blocks.") and type(t.data) is torch.Tensor}
     if len(dtypes) != 1:
         raise VaeSplitUnsupported(f"the decoder's blocks mix dtypes {sorted(map(str, dtypes))}")
     arch = {
@@ -109,13 +110,23 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
         "tiling": bool(model.tiling), "vae_ratio": int(model.vae_ratio), "vae_ratio_t": int(model.vae_ratio_t),
         "clip_length": int(model.clip_length), "token_drop": int(model.token_drop),
     }
+    if quantized:
+        # mixed_precision_ops(quant_config, compute_dtype, full_precision_mm): the worker takes quant_config from the
+        # shipped tensors' names, as ComfyUI's VAE loader takes it from the checkpoint's
+        arch["mixed_precision"] = {"compute_dtype": dtype_name(blk.attn.to_qkv.factory_kwargs["dtype"]),
+                                   "full_precision_mm": bool(blk.attn.to_qkv._full_precision_mm)}
     return arch, dtype_name(next(iter(dtypes)))
 
 
 def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer (non-persistent ones included) of the decode path, by name."""
-    return {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if n.startswith(vae_protocol.DECODE_PREFIXES)}
+    """The decode path's tensors by name: its state dict as ComfyUI's loader reads a checkpoint (a quantized linear
+    as its stored parts: int8 weight, scale, ``comfy_quant`` metadata) plus its non-persistent buffers, which no
+    state dict holds."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix in vae_protocol.DECODE_PREFIXES:
+        out.update(getattr(model, prefix[:-1]).state_dict(prefix=prefix))
+    out.update({n: b for n, b in model.named_buffers() if n.startswith(vae_protocol.DECODE_PREFIXES) and n not in out})
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:

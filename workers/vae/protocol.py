@@ -5,8 +5,10 @@ Both sides import this module: the coordinator (``h3ms_async.vae.split``) to sen
 to serve.  Field meanings:
 
 ``vae_load``    build the video VAE's decoder in this worker and copy its weights in (once per weight key).
-    store       name of the weight-store segment holding the decoder's parameters and buffers
-    manifest    parameter/buffer name (as in ``MiniMaxH3VideoVAE``) -> tensor descriptor
+    store       name of the weight-store segment holding the decoder's tensors
+    manifest    name -> tensor descriptor: the decode path's state dict as a checkpoint holds it (a quantized
+                linear as its stored parts: int8 weight, scale, ``comfy_quant``) plus its non-persistent buffers,
+                named as in ``MiniMaxH3VideoVAE``
     key         the weight key as text; a load with the key already loaded is a no-op
     arch        the decoder's architecture (see ``workers.vae.rank.build_decoder``)
     dtype       the VAE's compute dtype ("float16", "float32", ...)

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -73,18 +73,29 @@ def import_comfy_vae(comfy: dict) -> Any:
     return importlib.import_module("comfy.ldm.minimax.vae")
 
 
-def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype) -> Any:
+def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype, names: Iterable[str] = ()) -> Any:
     """A ``MiniMaxH3VideoVAE`` whose decode path (``post_quant_conv`` + ``ViT3DDecoder``) has ``arch``'s shape.
 
     ``arch``: ``decoder`` (the ViT3DDecoder arguments), ``operations`` (name of the ``comfy.ops`` class the parent's
-    decoder linears use), ``z_channels``, ``embed_dim``, and the tiling/temporal attributes ``tile_size``,
-    ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``, ``clip_length``, ``token_drop``.  The encoder
-    is left out (None): a decode never touches it.  The model is built on the meta device (no memory, no init):
-    ``to_empty`` places it, and every decode-path tensor is then copied in from the parent's.
+    decoder linears use; ``mixed_precision_ops`` for a quantized decoder, built with ``arch["mixed_precision"]``'s
+    arguments and the quantization ComfyUI detects in the shipped tensor ``names``), ``z_channels``, ``embed_dim``, and
+    the tiling/temporal attributes ``tile_size``, ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``,
+    ``clip_length``, ``token_drop``.  The encoder is left out (None): a decode never touches it.  The model is built
+    on the meta device (no memory, no init) and cast to ``dtype`` as ComfyUI's VAE loader casts it before loading;
+    ``to_empty`` places it, and :func:`load_tensors` fills it.
     """
     import comfy.ops
 
-    ops_cls = getattr(comfy.ops, arch["operations"], None)
+    if arch["operations"] == "mixed_precision_ops":
+        import comfy.utils
+
+        mp = arch["mixed_precision"]
+        quant = comfy.utils.detect_layer_quantization(dict.fromkeys(names), "")
+        if quant is None:
+            raise ValueError("the parent's decoder is quantized, but no shipped tensor carries comfy_quant metadata")
+        ops_cls = comfy.ops.mixed_precision_ops(quant, torch_dtype(mp["compute_dtype"]), bool(mp["full_precision_mm"]))
+    else:
+        ops_cls = getattr(comfy.ops, arch["operations"], None)
     if ops_cls is None:
         raise ValueError(f"comfy.ops has no operations class {arch['operations']!r}; the parent's ComfyUI differs")
     with torch.device("meta"):
@@ -100,23 +111,38 @@ def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype) -> Any:
     return model.to(dtype)
 
 
-def _copy_in(model: Any, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy every decode-path parameter and buffer from ``tensors``; refuse missing, extra or mismatched ones."""
-    targets = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
-               if n.startswith(DECODE_PREFIXES)}
-    missing = sorted(set(targets) - set(tensors))
-    extra = sorted(set(tensors) - set(targets))
+def load_tensors(model: Any, tensors: dict[str, torch.Tensor], device: str) -> int:
+    """Load the decode path from the parent's tensors (views of the weight store) as ComfyUI's VAE loader loads a
+    checkpoint (``load_state_dict`` per module, a quantized linear rebuilt from its stored parts), then copy the
+    non-persistent buffers; refuse missing, extra or mismatched tensors (a plain tensor must already have the built
+    dtype: no silent cast).  ``model`` was placed on ``device`` by ``to_empty``; a quantized linear's parts are
+    copied out of the store and rebuilt on the CPU, as ComfyUI rebuilds them from a checkpoint, then moved there."""
+    built = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if n.startswith(DECODE_PREFIXES)}
+    # parts the load keeps as they are (a quantized weight wraps its int8 tensor): copies, not views of the store
+    tensors = {n: t if n in built else t.clone() for n, t in tensors.items()}
+    for name, dst in built.items():
+        src = tensors.get(name)
+        if src is not None and (src.shape != dst.shape or src.dtype != dst.dtype):
+            raise ValueError(f"{name}: shipped {src.dtype} {list(src.shape)}, built {dst.dtype} {list(dst.shape)}")
+    volatile = {f"{m}.{b}" if m else b for m, mod in model.named_modules() for b in mod._non_persistent_buffers_set}
+    missing: list[str] = []
+    extra: list[str] = []
+    with torch.no_grad():
+        for prefix in DECODE_PREFIXES:
+            part = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix) and n not in volatile}
+            m, u = getattr(model, prefix[:-1]).load_state_dict(part, strict=False)
+            missing += [prefix + n for n in m]
+            extra += [prefix + n for n in u]
+        for name in sorted(volatile & set(built)):
+            if name not in tensors:
+                missing.append(name)
+            else:
+                built[name].copy_(tensors[name])
+    extra += sorted(n for n in tensors if not n.startswith(DECODE_PREFIXES))
     if missing or extra:
         raise ValueError(f"decoder tensors do not match the built decoder: missing {missing[:5]}, extra {extra[:5]}")
-    nbytes = 0
-    with torch.no_grad():
-        for name, dst in targets.items():
-            src = tensors[name]
-            if src.shape != dst.shape or src.dtype != dst.dtype:
-                raise ValueError(f"{name}: shipped {src.dtype} {list(src.shape)}, built {dst.dtype} {list(dst.shape)}")
-            dst.copy_(src)
-            nbytes += src.numel() * src.element_size()
-    return nbytes
+    model.to(device)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
@@ -124,10 +150,10 @@ def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     vae_mod = import_comfy_vae(msg.comfy)
     t_import = time.perf_counter() - t0
     dtype = torch_dtype(msg.dtype)
-    model = build_decoder(vae_mod, msg.arch, dtype).to_empty(device=ctx.device)
+    model = build_decoder(vae_mod, msg.arch, dtype, msg.manifest).to_empty(device=ctx.device)
     seg = ctx.segment(msg.store)
     try:
-        nbytes = _copy_in(model, {name: seg.tensor(d) for name, d in msg.manifest.items()})
+        nbytes = load_tensors(model, {name: seg.tensor(d) for name, d in msg.manifest.items()}, ctx.device)
     finally:
         ctx.forget_segment(msg.store)
     model = model.eval().requires_grad_(False)
