@@ -498,8 +498,8 @@ class AttentionParallelEngine(Engine):
     # -- records, status, release -------------------------------------------------------------------------------------
     def _record(self, result: dict, bounds: list[int], tokens: int, heads: int, wall: float) -> None:
         ranks = [{"rank": 0, "device": self.devices[0], "heads": [bounds[0], bounds[1]], "transport": "local",
-                  "compute_s": result["local_s"], "compute_span_s": result["local_s"], "stage_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "return_s": 0.0,
-                  "wall_s": result["local_s"], "pieces": 1, "vram_peak_bytes": None}]
+                  "compute_s": result["local_s"], "compute_span_s": result["local_s"], "stage_s": 0.0, "h2d_s": 0.0,
+                  "d2h_s": 0.0, "return_s": 0.0, "wall_s": result["local_s"], "pieces": 1, "vram_peak_bytes": None}]
         for r, res in enumerate(result["helpers"], start=1):
             ranks.append({"rank": r, "device": self.devices[r], "heads": [bounds[r], bounds[r + 1]],
                           "transport": self.transport, "stage_s": result["stage_s"][r - 1],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,9 +73,9 @@ def _sources(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> tuple[dict[str,
 @dataclass
 class _Streams:
     """A CUDA helper's streams.  Two compute streams taken in turn, because a kernel's last wave of blocks leaves
-    most of the GPU idle (1-2-head pieces measured 10-12 % slower per head than whole slices on the H200): the next
-    piece's attention, on the other stream, fills the SMs the last wave frees.  Each kernel is independent, so the
-    bits do not change."""
+    most of the GPU idle and a 1-2-head piece has few waves: the next piece's attention, on the other stream, fills
+    the SMs the last wave frees (H200, 14 heads in 2-head pieces: 139.0 ms on one stream, 129.2 ms on two, 130.5 ms
+    as one call).  Each kernel is independent, so the bits do not change."""
 
     copy_in: torch.cuda.Stream
     copy_out: torch.cuda.Stream
@@ -92,7 +93,7 @@ class _Piece:
     :meth:`finish` waits for them; on the CPU it ran to the end already."""
 
     def __init__(self, device: torch.device, nbytes_in: int, nbytes_out: int, timings: dict | None = None,
-                 events: list | None = None, call_start: object = None) -> None:
+                 events: list | None = None, call_start: Any = None) -> None:
         self.device, self.bytes_in, self.bytes_out = device, nbytes_in, nbytes_out
         self.timings, self.events, self.call_start = timings, events, call_start
 
