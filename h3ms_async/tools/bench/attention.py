@@ -102,14 +102,18 @@ def predict(n: int, heads: int, quant_s: float, per_head_s: float, helper_per_he
     return dict(best, quantize_s=quant_s, total_s=quant_s + best["total_s"])
 
 
+def _dense_slice(pq: Any, h0: int, h1: int) -> dict[str, torch.Tensor]:
+    """Heads ``[h0, h1)`` of the packed call as dense tensors, so the timed attention holds no slicing copy."""
+    return {name: t.contiguous() for name, t in attn_ops.head_slice(pq, h0, h1).items()}
+
+
 def chain_s(pq: Any, fields: dict, heads: int, chunk_heads: int, streams: int, reps: int,
             device: torch.device) -> float:
     """Median seconds to attend heads ``[0, heads)`` as a helper does: pieces of at most ``chunk_heads`` heads back to
     back, piece i on CUDA stream ``i mod streams`` (the helper takes its two compute streams in turn, so a piece's
     attention fills the SMs the previous piece's last wave leaves idle; ``streams=1`` is one piece after another).
     The inputs are in place, as in a helper whose copies run ahead of its attention."""
-    parts = [{name: t.contiguous() for name, t in attn_ops.head_slice(pq, h0, h1).items()}
-             for _, h0, h1 in attention_schedule.pieces([0, 0, heads], chunk_heads)]
+    parts = [_dense_slice(pq, h0, h1) for _, h0, h1 in attention_schedule.pieces([0, 0, heads], chunk_heads)]
     if device.type != "cuda":
         return _timed(lambda: [attn_ops.attend(part, fields) for part in parts], reps, device)[0]
     side = [torch.cuda.Stream(device) for _ in range(streams)]
@@ -213,12 +217,12 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
         fields = attn_ops.meta(pq)
         slice_s = {}
         for h in sorted(needed | pieces | {heads}):
-            part = {name: t.contiguous() for name, t in attn_ops.head_slice(pq, 0, h).items()}
+            part = _dense_slice(pq, 0, h)
             slice_s[h], _ = _timed(lambda: attn_ops.attend(part, fields), reps, device)
         # a helper's range at N = 4 (the aim's N; fewer with fewer heads), attended in pieces as a helper does
         helper_heads = slice_sizes(heads, min(4, heads))[-1]
-        chains = {str(c): {f"{k}_stream{'s' if k > 1 else ''}": chain_s(pq, fields, helper_heads, c, k, reps, device)
-                           for k in (1, 2)} for c in sorted(pieces)}
+        chains = {str(c): {f"{n}_stream{'s' if n > 1 else ''}": chain_s(pq, fields, helper_heads, c, n, reps, device)
+                           for n in (1, 2)} for c in sorted(pieces)}
         runs = [_parallel_run(device, n, t, chunk_heads, pq, ref, quant_s, attn_s, reps)
                 for n in helper_counts for t in transports]
     host = _host_rates(device, int(in_per_head * heads))
