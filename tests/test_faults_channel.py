@@ -1,6 +1,7 @@
 """Fault family: hostile or vanished peers.  Strangers flooding the pool's socket with silent connections, a log
 with no newlines, an event-stream client that leaves: each costs a bounded amount, briefly, and says why."""
 import asyncio
+import gc
 import logging
 import socket
 import time
@@ -8,6 +9,7 @@ import time
 import pytest
 
 from h3ms_async.observability import serve
+from h3ms_async.runtime.channel import Channel, RemoteError
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.observability.routes import tail_file
 from h3ms_async.runtime.pool import MAX_HANDSHAKES_PER_RANK, WorkerPool
@@ -85,3 +87,33 @@ async def test_an_event_stream_slot_is_freed_soon_after_its_client_leaves(aiohtt
     while app[serve._STREAMS]:
         assert time.monotonic() - t0 < 3.0, "the stream slot stayed taken after its client left"
         await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("turns", range(5))
+async def test_an_answer_landing_while_its_request_is_cancelled_is_never_printed(turns):
+    """Ctrl-C during a step cancels the rank requests while the ranks' abort errors arrive: whichever lands first,
+    no "Future exception was never retrieved" traceback may reach the user's terminal (it did, 1 run in 5)."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    ours, peer = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    channel = Channel(reader, writer, "rank 0 (cpu)")  # answers are delivered by hand, at a chosen turn
+    task = asyncio.ensure_future(channel.request(protocol.Ping(), timeout=30))
+    while not channel.pending:
+        await asyncio.sleep(0)
+    ((_, (kind, answer)),) = channel._pending.items()
+    task.cancel()
+    for _ in range(turns):  # the cancellation unwinds through wait_for and the shield, one loop turn at a time
+        await asyncio.sleep(0)
+    if not answer.done():
+        answer.set_exception(RemoteError(channel.name, kind, "ExchangeAborted: aborted", "Traceback ..."))
+    with pytest.raises((asyncio.CancelledError, RemoteError)):
+        await task
+    del answer, task
+    gc.collect()
+    await asyncio.sleep(0)
+    writer.close()
+    peer.close()
+    assert not [c for c in reported if "never retrieved" in c.get("message", "")]

@@ -123,9 +123,13 @@ class Channel:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"{self.name}: no answer to {kind!r} (request {rid}) within {timeout:g} s") from None
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(rid, None)  # from here on no answer can land in ``fut``
             if not fut.done():
                 fut.cancel()
+            elif not fut.cancelled():
+                # An answer that landed while this request was being cancelled: the shield had already let go of
+                # it, so nobody reads it, and asyncio would print it as "Future exception was never retrieved".
+                fut.exception()
 
     async def _read_loop(self) -> None:
         reason = "closed"
