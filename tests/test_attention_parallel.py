@@ -110,7 +110,10 @@ def test_bench_attention_smoke(capsys):
         assert {"N=2", "N=4"} <= set(model) and "links" in model
         assert all(model[n]["speedup"] > 0 and model[n]["total_s"] > model[n]["quantize_s"] for n in ("N=2", "N=4"))
         assert model["N=4"]["heads"] == [1, 1, 1, 1]
-        assert model["N=2"]["heads"][0] >= 2  # the model GPU pays no transfer: it never takes fewer heads
+        if res["per_head_attention_s"] <= res["per_head_attention_s_in_pieces"]:
+            # the model GPU pays no transfer: when its heads cost no more than a helper's (both measured, noisy on
+            # a busy CPU), it never takes fewer heads
+            assert model["N=2"]["heads"][0] >= 2, (res["per_head_attention_s"], res["per_head_attention_s_in_pieces"])
     assert res["model"]["nvlink_p2p"]["predicted"] is None
     # per phase, what it cost and moved; one message's round trip (the model's dispatch latency)
     assert set(run["phases"]) == {"stage", "helper_in", "compute", "helper_out", "take_back", "rank0_compute"}

@@ -2,13 +2,15 @@
 ComfyUI tree: the H3 MS VAE Split Decode node splits it (its workers build the decoder with the same
 ``mixed_precision_ops`` and load the same stored int8 parts), every split decode equals plain ComfyUI's bit for bit,
 the worker decodes its share of the chunks, at 2 and 3 ranks; the H3 MS VAE Cache stands aside on it (one warning)
-instead of failing the decode."""
+instead of failing the decode.  On CPU ranks here; on the GPU machine also as logical ranks on ``cuda:0``, where the
+int8 linears run comfy-kitchen's CUDA kernels."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import comfy_tree
 
@@ -30,8 +32,8 @@ for name in [n for n, t in sd.items() if n.startswith("decoder.transformer_block
     sd[name] = torch.round(sd[name] / scale).clamp(-127, 127).to(torch.int8)
     sd[prefix + "weight_scale"] = scale.reshape(()).float()
     sd[prefix + "comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
-with torch.inference_mode():  # as ComfyUI's VAELoader runs
-    vae = comfy.sd.VAE(sd=sd, dtype=torch.float32)
+with torch.inference_mode():  # as ComfyUI's VAELoader runs; on a GPU in the dtype ComfyUI picks for it
+    vae = comfy.sd.VAE(sd=sd, dtype=torch.float32 if os.environ["H3MS_TEST_DEVICE"] == "cpu" else None)
 lin = type(vae.first_stage_model.decoder.transformer_blocks[0].attn.to_qkv)
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 from h3ms_async.vae import split as vae_split
@@ -39,8 +41,9 @@ z = torch.randn(1, 24, 20, 2, 3, generator=torch.Generator().manual_seed(7))
 with torch.inference_mode():
     ref = vae.decode(z)
 outs, shares = [], []
-for ranks in ("cpu,cpu", "cpu,cpu,cpu"):
-    os.environ["H3MS_VAE_RANK_MAP"] = ranks
+device = os.environ["H3MS_TEST_DEVICE"]
+for n in (2, 3):
+    os.environ["H3MS_VAE_RANK_MAP"] = ",".join([device] * n)
     split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
     with torch.inference_mode():
         outs += [split_vae.decode(z) for _ in range(2)]
@@ -56,9 +59,13 @@ print("RESULT", json.dumps({"cache_rows": weight_cache().summaries(), "linear": 
 '''
 
 
-def test_quantized_vae_splits_and_equals_comfyui() -> None:
-    proc = comfy_tree.run_comfy_script(SCRIPT, ["--cpu", "--disable-api-nodes"],
-                                       env={"H3MS_TESTS_DIR": str(Path(__file__).parent)}, timeout_s=600)
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda:0", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs a CUDA GPU")])])
+def test_quantized_vae_splits_and_equals_comfyui(device: str) -> None:
+    flags = ["--cpu"] if device == "cpu" else []
+    proc = comfy_tree.run_comfy_script(SCRIPT, [*flags, "--disable-api-nodes"], timeout_s=600,
+                                       env={"H3MS_TESTS_DIR": str(Path(__file__).parent), "H3MS_TEST_DEVICE": device})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])

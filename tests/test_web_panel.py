@@ -31,8 +31,9 @@ pytestmark = [
 ]
 
 
-def chromium(args: list[str], profile: Path, timeout: float = 40.0) -> str:
-    """Run headless chromium in its own process group; kill the whole group if it overruns."""
+def chromium(args: list[str], profile: Path, timeout: float = 90.0) -> str:
+    """Run headless chromium in its own process group; kill the whole group if it overruns (a start takes 1-3 s;
+    on a 2-core CI box busy with worker processes it once took over 40 s)."""
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
            "--disable-crash-reporter", "--no-first-run", f"--user-data-dir={profile}", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
