@@ -33,7 +33,7 @@ for name in [n for n, t in sd.items() if n.startswith("decoder.transformer_block
     sd[prefix + "weight_scale"] = scale.reshape(()).float()
     sd[prefix + "comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
 with torch.inference_mode():  # as ComfyUI's VAELoader runs; on a GPU in the dtype ComfyUI picks for it
-    vae = comfy.sd.VAE(sd=sd, dtype=torch.float32 if os.environ["H3MS_TEST_DEVICE"] == "cpu" else None)
+    vae = comfy.sd.VAE(sd=sd, dtype=torch.float32 if DEVICE == "cpu" else None)
 lin = type(vae.first_stage_model.decoder.transformer_blocks[0].attn.to_qkv)
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 from h3ms_async.vae import split as vae_split
@@ -41,9 +41,8 @@ z = torch.randn(1, 24, 20, 2, 3, generator=torch.Generator().manual_seed(7))
 with torch.inference_mode():
     ref = vae.decode(z)
 outs, shares = [], []
-device = os.environ["H3MS_TEST_DEVICE"]
 for n in (2, 3):
-    os.environ["H3MS_VAE_RANK_MAP"] = ",".join([device] * n)
+    os.environ["H3MS_VAE_RANK_MAP"] = ",".join([DEVICE] * n)
     split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
     with torch.inference_mode():
         outs += [split_vae.decode(z) for _ in range(2)]
@@ -64,8 +63,8 @@ print("RESULT", json.dumps({"cache_rows": weight_cache().summaries(), "linear": 
                                                                               reason="needs a CUDA GPU")])])
 def test_quantized_vae_splits_and_equals_comfyui(device: str) -> None:
     flags = ["--cpu"] if device == "cpu" else []
-    proc = comfy_tree.run_comfy_script(SCRIPT, [*flags, "--disable-api-nodes"], timeout_s=600,
-                                       env={"H3MS_TESTS_DIR": str(Path(__file__).parent), "H3MS_TEST_DEVICE": device})
+    proc = comfy_tree.run_comfy_script(f"DEVICE = {device!r}\n" + SCRIPT, [*flags, "--disable-api-nodes"],
+                                       env={"H3MS_TESTS_DIR": str(Path(__file__).parent)}, timeout_s=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
