@@ -5,6 +5,7 @@ kernels round differently in the last bit.  The capability must be fixed before 
 subprocesses inherit it through the environment.
 """
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,10 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The signal tests press Ctrl-C on a demo as a terminal does.  A runner that starts the suite in the background of a
 # non-interactive shell (``cmd &``) starts it with SIGINT ignored, which every process it spawns would inherit (a
 # Python started so never raises KeyboardInterrupt); a handler of our own is reset to the default at exec instead.
-import signal  # noqa: E402
-
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,6 +1,6 @@
 """A real SD1-type CLIP (ComfyUI's tokenizer and encoder classes) shrunk to 2 layers of CLIP-L's width, with seeded
-random weights loaded as a checkpoint, for the scripts that run inside the ComfyUI tree (``comfy_tree.run_comfy_script``; they put this folder on
-``sys.path`` from ``$H3MS_TESTS_DIR``)."""
+random weights loaded as a checkpoint, for the scripts that run inside the ComfyUI tree
+(``comfy_tree.run_comfy_script``; they put this folder on ``sys.path`` from ``$H3MS_TESTS_DIR``)."""
 from __future__ import annotations
 
 import json

@@ -41,8 +41,7 @@ from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.observability.status import now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
-from workers.runtime.protocol import tensor_nbytes
-from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
+from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
 
 log = get_logger("AttentionParallel")
 
@@ -87,9 +86,10 @@ class _ShmBuffers(_Buffers):
 
     def __init__(self, key: tuple, in_specs: list[dict], out_specs: list[tuple], device: torch.device) -> None:
         self.key = key
-        self.inputs_seg = Segment.create(sum(_slot(dt, shp) for s in in_specs for dt, shp in s.values()), "attn_in")
+        self.inputs_seg = Segment.create(sum(slot_bytes(dtype_name(dt), shp) for s in in_specs
+                                             for dt, shp in s.values()), "attn_in")
         try:
-            self.outputs_seg = Segment.create(sum(_slot(dt, shp) for dt, shp in out_specs), "attn_out")
+            self.outputs_seg = Segment.create(sum(slot_bytes(dtype_name(dt), shp) for dt, shp in out_specs), "attn_out")
         except BaseException:
             self.inputs_seg.close()
             self.inputs_seg.unlink()
@@ -138,10 +138,10 @@ class _IpcBuffers(_Buffers):
             layout = {}
             for name, (dt, shp) in spec.items():
                 layout[name] = {"off": sizes_in[r], "dtype": dtype_name(dt), "shape": list(shp)}
-                sizes_in[r] += _slot(dt, shp)
+                sizes_in[r] += slot_bytes(dtype_name(dt), shp)
             self._in_layout.append(layout)
             self._out_layout.append({"off": sizes_out[r], "dtype": dtype_name(out_dt), "shape": list(out_shp)})
-            sizes_out[r] += _slot(out_dt, out_shp)
+            sizes_out[r] += slot_bytes(dtype_name(out_dt), out_shp)
         self._in, self._out, self._handles = [], [], []
         for size_in, size_out, index in zip(sizes_in, sizes_out, local_index):
             with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
@@ -539,11 +539,6 @@ class AttentionParallelEngine(Engine):
 def _shape_key(pq: Any) -> tuple:
     """What a tuned split is kept for: the packed shapes and the device."""
     return (tuple(pq.q.shape), tuple(pq.k.shape), str(pq.q.device))
-
-
-def _slot(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    """Bytes an :class:`Arena` takes for one tensor (4 KiB aligned)."""
-    return align(max(tensor_nbytes(dtype_name(dtype), [int(s) for s in shape]), 1))
 
 
 # -- engine registry ------------------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ from workers.dit import protocol as dit_protocol
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
 from workers.transports.host import ArenaLayout, decode_seq
-from workers.runtime.protocol import DropReleased, TensorDesc, tensor_nbytes
-from workers.runtime.shm import Arena, Segment, align, dtype_name, register_cuda
+from workers.runtime.protocol import DropReleased, TensorDesc
+from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
 
 log = get_logger("MultiStream")
 
@@ -518,7 +518,7 @@ def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
 
 def _segment_bytes(specs: dict[str, tuple[torch.dtype, Sequence[int]]]) -> int:
     """Bytes of a segment holding one 4 KiB-aligned tensor per ``name: (dtype, shape)``."""
-    return sum(align(max(1, tensor_nbytes(dtype_name(dt), [int(s) for s in shp]))) for dt, shp in specs.values())
+    return sum(slot_bytes(dtype_name(dt), shp) for dt, shp in specs.values())
 
 
 def _options_dict(o: SplitOptions) -> dict:

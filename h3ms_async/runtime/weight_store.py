@@ -16,8 +16,8 @@ import torch
 
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import ram_info
-from workers.runtime.protocol import TensorDesc, tensor_nbytes
-from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
+from workers.runtime.protocol import TensorDesc
+from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
 
 log = get_logger("Weights")
 GIB = 1 << 30
@@ -78,7 +78,7 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     t = time.perf_counter()
     first = read_block(0)
     layout = _block_layout(first)
-    per_block = sum(align(tensor_nbytes(d, s)) for d, s in layout.values())
+    per_block = sum(slot_bytes(d, s) for d, s in layout.values())
     total = per_block * n_blocks
     ram = ram_info()
     if ram.available_bytes - total < reserve_gb * GIB:

@@ -36,8 +36,8 @@ from h3ms_async.observability.status import now_iso
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime import config
 from workers.vae import protocol as vae_protocol
-from workers.runtime.protocol import TensorDesc, tensor_nbytes
-from workers.runtime.shm import Arena, Segment, ShmError, align, dtype_name
+from workers.runtime.protocol import TensorDesc
+from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
 
 log = get_logger("VAE split")
 
@@ -212,8 +212,8 @@ class VaeSplitEngine(Engine):
             out_descs: dict[int, TensorDesc | None] = {i: None for i in remote}
             if remote:
                 z_cpu = z_padded.to("cpu")
-                sizes = [_nbytes(z_cpu[:, :, a:b_]) for a, b_ in (plan.spans[i] for i in remote)]
-                seg_in = Segment.create(sum(align(s) for s in sizes), "vae_in")
+                seg_in = Segment.create(sum(slot_bytes(dtype_name(dtype), z_cpu[:, :, a:b_].shape)
+                                            for a, b_ in (plan.spans[i] for i in remote)), "vae_in")
                 segs.append(seg_in)
                 arena = Arena(seg_in)
                 for i in remote:
@@ -287,7 +287,7 @@ class VaeSplitEngine(Engine):
         choice = config.VAE_TRANSPORT.get()
         if choice == "socket":
             return "socket", None
-        total = sum(align(tensor_nbytes(dtype_name(dtype), raw_shape(i))) for i in remote)
+        total = sum(slot_bytes(dtype_name(dtype), raw_shape(i)) for i in remote)
         try:
             return "shm", Segment.create(total, "vae_out")
         except ShmError as exc:

@@ -26,7 +26,7 @@ import os
 import stat
 from typing import TYPE_CHECKING, Any, Sequence
 
-from workers.runtime.protocol import DTYPE_SIZES, SEGMENT_NAME_RE, ProtocolError, TensorDesc
+from workers.runtime.protocol import DTYPE_SIZES, SEGMENT_NAME_RE, ProtocolError, TensorDesc, tensor_nbytes
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,12 @@ class ShmError(RuntimeError):
 def align(n: int) -> int:
     """``n`` rounded up to the page alignment every segment offset and size keeps."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_bytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes an :class:`Arena` takes for one ``dtype`` tensor of ``shape`` (at least one byte, page-aligned): a
+    segment for a set of tensors is the sum of their slots."""
+    return align(max(tensor_nbytes(dtype, [int(n) for n in shape]), 1))
 
 
 def dtype_name(dtype: "torch.dtype | str") -> str:
@@ -269,7 +275,7 @@ class Arena:
         except ProtocolError as exc:
             raise ShmError(str(exc)) from None
         nbytes = desc.nbytes
-        end = self.used + align(max(nbytes, 1))
+        end = self.used + slot_bytes(dtype, desc.shape)
         if end > self.segment.size:
             raise ShmError(
                 f"arena on {self.segment.name} is full: {dtype} {list(shape)} needs {nbytes} bytes, "
