@@ -2,9 +2,11 @@
 
 One ComfyUI process (tests/vae_comfy_script.py) decodes with plain ComfyUI, then through the H3 MS VAE Split Decode
 node at 2, 3, 4 and 8 CPU ranks (real worker processes running ComfyUI's own H3 decoder), with T values whose plans
-pad and deal uneven chunk counts, a latent tall enough for two spatial tiles, fp16 as well as fp32, the shared-memory
-return and both socket returns (forced, and /dev/shm without room); a worker that dies in the middle of a decode
-fails it with its last log lines, and the next decode restarts the pool and is exact again.
+pad and deal uneven chunk counts, a latent tall enough for two spatial tiles, fp16 as well as fp32, a bf16 checkpoint
+computed in fp16 as DynamicVRAM leaves it (blocks mixing bf16 and fp16, per-layer casts), the ranks taken from the
+DiT split's ``H3MS_RANK_MAP`` and capped by ``max_gpus``, the shared-memory return and both socket returns (forced,
+and /dev/shm without room); a worker that dies in the middle of a decode fails it with its last log lines, and the
+next decode restarts the pool and is exact again.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ CASES = [
     {"ranks": 3, "T": 23, "h": 2, "dtype": "fp32", "transport": "no_shm"},  # auto falls back to the socket
     {"ranks": 4, "T": 27, "h": 2, "dtype": "fp32", "transport": "auto"},    # 5 chunks on 4 ranks: 2/1/1/1
     {"ranks": 4, "T": 13, "h": 2, "dtype": "fp16", "transport": "auto"},    # fp16 decoder, 3 chunks on 4 ranks
+    {"ranks": 3, "T": 13, "h": 2, "dtype": "dynamic_bf16", "transport": "auto"},  # stored bf16, computed in fp16
+    {"ranks": 2, "T": 13, "h": 2, "dtype": "fp32", "transport": "auto", "dit_map": 3},  # H3MS_RANK_MAP, max_gpus 2
     {"ranks": 8, "T": 52, "h": 2, "dtype": "fp32", "transport": "auto"},    # 10 chunks on 8 ranks: 2/2/1/.../1
 ]
 
@@ -43,6 +47,8 @@ def test_split_decode_equals_comfyui_at_2_3_4_8_ranks_shm_and_socket(tmp_path) -
         what = f"{case['ranks']} ranks, T={case['T']}, h={case['h']}, {case['dtype']}, {case['transport']}"
         assert case["equal"], f"split decode differs from ComfyUI's: {what}"
         assert case["std"] > 0.01 and case["saturated"] < 0.5, f"degenerate test output: {what}"
+        if case["dtype"] == "dynamic_bf16":  # the case ComfyUI's DynamicVRAM makes of a bf16 checkpoint
+            assert case["block_dtypes"] == ["torch.bfloat16", "torch.float16"], case["block_dtypes"]
         assert rec is not None and rec["ranks"] == case["ranks"], what
         assert sum(rec["chunks_per_rank"]) == rec["chunks"] and min(rec["chunks_per_rank"]) >= (
             1 if rec["chunks"] >= case["ranks"] else 0), what

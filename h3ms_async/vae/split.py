@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -70,13 +72,18 @@ class DecoderSpec:
     read_tensors: Callable[[], dict[str, torch.Tensor]]
 
 
-def describe_decoder(model: Any) -> tuple[dict, str]:
-    """``(arch, dtype)`` of a live ``MiniMaxH3VideoVAE`` for ``workers.vae.rank.build_decoder``.
+def describe_decoder(model: Any, compute_dtype: torch.dtype) -> tuple[dict, str]:
+    """``(arch, dtype)`` of a live ``MiniMaxH3VideoVAE`` for ``workers.vae.rank.build_decoder``; ``dtype`` is the
+    dtype the decode computes in (the latent's, ComfyUI's ``vae_dtype``).
 
     A quantized decoder (an int8 "convrot" checkpoint: ComfyUI builds its block linears with
     ``comfy.ops.mixed_precision_ops``) is described by that factory's arguments, so a worker builds the same class and
-    loads the same stored parts.  Raises :class:`VaeSplitUnsupported` for linears of any other custom class, tensors
-    of an unknown kind or blocks of mixed dtypes: the workers could not rebuild those bit for bit.
+    loads the same stored parts.  The stored dtypes travel with the tensors (a worker keeps each one's dtype) and
+    ``arch["cast_flags"]`` names the ``comfy.ops`` modules whose per-layer cast differs from their class's: under
+    DynamicVRAM ComfyUI keeps a bf16 checkpoint's weights in bf16 and casts each layer's to the fp16 input, and
+    the workers must run that same cast.  Raises :class:`VaeSplitUnsupported` for linears of any other custom class,
+    tensors of an unknown kind or patched weights (a LoRA on the VAE): the workers could not rebuild those bit for
+    bit.
     """
     dec = model.decoder
     blk = dec.transformer_blocks[0]
@@ -91,11 +98,17 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
     if odd:
         raise VaeSplitUnsupported(f"decoder tensors {odd[:3]} are {type(tensors[odd[0]].data).__name__}, not plain "
                                   "tensors")
-    # the VAE dtype: every plain parameter of the blocks has it (a quantized linear's weight is stored parts instead)
-    dtypes = {t.dtype for n, t in model.named_parameters()
-              if n.startswith("decoder.transformer_blocks.") and type(t.data) is torch.Tensor}
-    if len(dtypes) != 1:
-        raise VaeSplitUnsupported(f"the decoder's blocks mix dtypes {sorted(map(str, dtypes))}")
+    cast_flags: dict[str, bool] = {}
+    for prefix in vae_protocol.DECODE_PREFIXES:
+        for name, mod in getattr(model, prefix[:-1]).named_modules(prefix=prefix[:-1]):
+            if not hasattr(mod, "comfy_cast_weights"):
+                continue
+            if any(getattr(mod, f"{p}_function", None) or getattr(mod, f"{p}_lowvram_function", None) is not None
+                   for p in ("weight", "bias")):
+                raise VaeSplitUnsupported(f"{name}'s weights are patched (a LoRA or weight function on the VAE); "
+                                          "the workers decode the stored weights only")
+            if bool(mod.comfy_cast_weights) != bool(getattr(type(mod), "comfy_cast_weights", False)):
+                cast_flags[name] = bool(mod.comfy_cast_weights)
     arch = {
         "decoder": {
             "patch_size": int(dec.patch_size), "patch_size_t": int(dec.patch_size_t),
@@ -105,6 +118,7 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
             "eps": float(blk.norm1.eps), "num_register_tokens": int(dec.num_register_tokens),
         },
         "operations": qual.split(".")[0],
+        "cast_flags": cast_flags,
         "z_channels": int(model.post_quant_conv.out_channels), "embed_dim": int(model.post_quant_conv.in_channels),
         "tile_size": int(model.tile_size), "tile_overlap_min": int(model.tile_overlap_min),
         "tiling": bool(model.tiling), "vae_ratio": int(model.vae_ratio), "vae_ratio_t": int(model.vae_ratio_t),
@@ -115,7 +129,7 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
         # shipped tensors' names, as ComfyUI's VAE loader takes it from the checkpoint's
         arch["mixed_precision"] = {"compute_dtype": dtype_name(blk.attn.to_qkv.factory_kwargs["dtype"]),
                                    "full_precision_mm": bool(blk.attn.to_qkv._full_precision_mm)}
-    return arch, dtype_name(next(iter(dtypes)))
+    return arch, dtype_name(compute_dtype)
 
 
 def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -127,6 +141,14 @@ def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
         out.update(getattr(model, prefix[:-1]).state_dict(prefix=prefix))
     out.update({n: b for n, b in model.named_buffers() if n.startswith(vae_protocol.DECODE_PREFIXES) and n not in out})
     return out
+
+
+def layout_digest(model: Any, arch: dict) -> str:
+    """A short digest of what a worker builds besides the weights' values: ``arch`` and every decode tensor's dtype.
+    Part of the weight key, so a decoder whose layout changed (DynamicVRAM casts the non-``comfy.ops`` parameters
+    and turns the per-layer casts on at its first load, after the node already shipped it) is shipped again."""
+    dtypes = sorted((n, dtype_name(t.dtype)) for n, t in decoder_tensors(model).items())
+    return hashlib.sha1(json.dumps([arch, dtypes], sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -369,19 +391,25 @@ class VaeSplitEngine(Engine):
 
 # -- the rank plan ---------------------------------------------------------------------------------------------------
 RANK_MAP_ENV = config.VAE_RANK_MAP.name
+#: The rank maps a VAE split obeys, first set wins: its own, then the DiT split's (so a test that sets only the DiT's
+#: map splits the decode too).  Both replace the GPU plan, as ``H3MS_RANK_MAP`` does for the DiT.
+FORCING_VARS = (config.VAE_RANK_MAP, config.RANK_MAP)
 
 
-def forced_devices(vae_device: torch.device) -> list[str] | None:
-    """The ranks ``H3MS_VAE_RANK_MAP`` asks for (None when unset); its rank 0 must be the VAE's device."""
-    if not config.VAE_RANK_MAP.is_set():
+def forced_devices(vae_device: torch.device) -> tuple[list[str], str] | None:
+    """``(ranks, "VAR=value")`` of the first set rank map of :data:`FORCING_VARS` (None when neither is set); its
+    rank 0 must be the VAE's device."""
+    var = next((v for v in FORCING_VARS if v.is_set()), None)
+    if var is None:
         return None
-    spec = config.VAE_RANK_MAP.raw()
-    devices = config.VAE_RANK_MAP.get(rank_map)
+    spec = var.raw()
+    devices = var.get(rank_map)
     here = "cpu" if vae_device.type == "cpu" else f"cuda:{vae_device.index or 0}"
     if devices[0] != here:
-        raise GPUSelectionError(f"{RANK_MAP_ENV}={spec}: rank 0 is {devices[0]} but the VAE decodes on {here}; "
-                                f"start the map with {here}")
-    return devices
+        fix = f"start the map with {here}" if var is config.VAE_RANK_MAP else (
+            f"set {RANK_MAP_ENV} to the VAE's ranks (it wins over {var.name}), starting with {here}")
+        raise GPUSelectionError(f"{var.name}={spec}: rank 0 is {devices[0]} but the VAE decodes on {here}; {fix}")
+    return devices, f"{var.name}={spec}"
 
 
 # -- engine registry ---------------------------------------------------------------------------------------------------
