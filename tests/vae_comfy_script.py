@@ -4,7 +4,8 @@ Builds a small random H3 video VAE with real key names through ComfyUI's own loa
 constructors' size defaults are shrunk for the test), decodes every case's latent with plain ComfyUI (no hook), then
 through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
 case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
-"transport"}]``, optionally ``"dit_map": n`` (the ranks come from an n-rank ``H3MS_RANK_MAP``, capped to ``ranks``
+"transport"}]``, optionally ``"skew_rank": r`` (that worker's decode differs from rank 0's on purpose, through
+the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it) and ``"dit_map": n`` (the ranks come from an n-rank ``H3MS_RANK_MAP``, capped to ``ranks``
 by ``max_gpus``); ``transport`` "no_shm" makes the output segment fail as a full /dev/shm would, "crash" makes a
 worker die in the middle of the decode (the decode must fail naming it, and the next one succeed).  dtype
 "dynamic_bf16" is a bf16 checkpoint as ComfyUI's DynamicVRAM leaves it (see :func:`dynamic_bf16_vae`).
@@ -79,6 +80,10 @@ for c in cases:
         ["cpu"] * c.get("dit_map", c["ranks"]))
     os.environ["H3MS_VAE_TRANSPORT"] = "auto" if c["transport"] in ("no_shm", "crash") else c["transport"]
     vae_split.Segment = NoRoomSegment if c["transport"] == "no_shm" else real_segment
+    if c.get("skew_rank"):  # read by the workers this case's engine starts (another rank count than the last case)
+        os.environ["H3MS_TEST_VAE_SKEW_RANK"] = str(c["skew_rank"])
+    else:
+        os.environ.pop("H3MS_TEST_VAE_SKEW_RANK", None)
     assert Split().patch(vae, True, -1, None, c["ranks"])[0] is vae
     t = time.time()
     crash_error = None
@@ -91,11 +96,20 @@ for c in cases:
                 vae.decode(latents[(c["T"], c["h"])])
         except Exception as exc:  # noqa: BLE001 - the error text is what the test checks
             crash_error = f"{type(exc).__name__}: {exc}"
+    ref = refs[((c["T"], c["h"]), c["dtype"])]
     with torch.inference_mode():
         got = vae.decode(latents[(c["T"], c["h"])])
-    ref = refs[((c["T"], c["h"]), c["dtype"])]
+        again = vae.decode(latents[(c["T"], c["h"])]) if c.get("skew_rank") else got  # the verdict is kept
     rec = vae_split.get_vae_engine(["cpu"] * c["ranks"]).last_record
-    row = {**c, "equal": bool(torch.equal(got, ref)), "record": rec, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
+    unchecked_equal = None
+    if c.get("skew_rank"):  # the same decode with every rank taken as exact: the skew reaches the output
+        known = vae_split.exactness.known
+        vae_split.exactness.known = lambda key: True
+        with torch.inference_mode():
+            unchecked_equal = bool(torch.equal(vae.decode(latents[(c["T"], c["h"])]), ref))
+        vae_split.exactness.known = known
+    row = {**c, "equal": bool(torch.equal(got, ref)) and bool(torch.equal(again, ref)), "record": rec,
+           "unchecked_equal": unchecked_equal, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
            "std": float(ref.float().std()), "saturated": float((ref == 0).float().mean() + (ref == 1).float().mean()),
            "block_dtypes": sorted({str(p.dtype) for n, p in vae.first_stage_model.named_parameters()
                                    if n.startswith("decoder.transformer_blocks.")})}
@@ -112,6 +126,8 @@ release = nodes.NODE_CLASS_MAPPINGS["H3MSReleaseResourcesAsync"]().run(False, Fa
 hooked = [d for d, vae in vaes.items() if "decode_temporal" in vae.first_stage_model.__dict__]
 busy = sum("busy" in line for line in release)
 workers_alive = [p for e in vae_split.live_vae_engines() for p in e.pool.snapshot() if p["state"] != "stopped"]
+from h3ms_async.observability.status import get_hub  # noqa: E402
 print("RESULT", json.dumps({"cases": results, "hooked_after_disable": hooked, "busy": busy,
+                            "verdicts": get_hub().status()["exactness"]["verdicts"],
                             "shm_left": sorted(held_shm(os.getpid())),
                             "workers_alive": workers_alive, "total_s": round(time.time() - t0, 1)}), flush=True)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from h3ms_async.vae import plan as vae_plan
+from h3ms_async.vae import exactness, plan as vae_plan
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
@@ -211,9 +211,10 @@ class VaeSplitEngine(Engine):
         timeout = config.VAE_CHUNK_TIMEOUT.get()
         self.run(self._ensure_loaded(spec), self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
         t_load = time.perf_counter() - t_start
+        active, probe_ms = self._exact_ranks(z_padded, plan, spec, decode_local, interrupt, timeout)
         self._jobs += 1
         job = self._jobs
-        owners = vae_plan.deal(plan.num_chunks, self.ranks)
+        owners = [active[r] for r in vae_plan.deal(plan.num_chunks, len(active))]
         remote = [i for i, r in enumerate(owners) if r != 0]
         dev0 = z_padded.device
         dtype = z_padded.dtype
@@ -293,6 +294,7 @@ class VaeSplitEngine(Engine):
             "at": now_iso(), "T": plan.T, "chunks": plan.num_chunks, "ranks": self.ranks,
             "devices": list(self.devices), "transport": transport, "dtype": dtype_name(dtype),
             "chunks_per_rank": [owners.count(r) for r in range(self.ranks)],
+            "dropped_ranks": [r for r in range(self.ranks) if r not in active], "probe_ms": round(probe_ms, 1),
             "wall_s": round(time.perf_counter() - t_start, 4), "load_s": round(t_load, 4),
             "local_decode_s": round(local_s, 4), "wait_s": round(wait_s, 4), "assemble_s": round(assemble_s, 4),
             "moved_bytes": moved, "per_chunk": chunks,
@@ -302,6 +304,55 @@ class VaeSplitEngine(Engine):
                  "workers, blend/write %.2f s, %.1f MiB moved", plan.T, plan.num_chunks, self.ranks,
                  record["chunks_per_rank"], transport, record["wall_s"], local_s, wait_s, assemble_s, moved / 2**20)
         return record
+
+    def _exact_ranks(self, z_padded: torch.Tensor, plan: vae_plan.ChunkPlan, spec: DecoderSpec,
+                     decode_local: Callable[[torch.Tensor], torch.Tensor], interrupt: Callable[[], bool] | None,
+                     timeout: float) -> tuple[list[int], float]:
+        """The ranks (0 first) whose decode equals rank 0's for every chunk shape of ``plan``, after probing the
+        ranks without a verdict (``h3ms_async.vae.exactness``), and the probe's milliseconds (0: all known)."""
+        dtype = z_padded.dtype
+        shapes = sorted({tuple(z_padded[:, :, a:e].shape) for a, e in plan.spans})
+        keys = {(r, s): exactness.verdict_key(r, self.devices, dtype, s, spec.key)
+                for r in range(1, self.ranks) for s in shapes}
+        t = time.perf_counter()
+        outcomes: list[exactness.Outcome] = []
+        for shape in shapes:
+            todo = [r for r in range(1, self.ranks) if exactness.known(keys[(r, shape)]) is None]
+            if todo:
+                outcomes += self._probe(shape, dtype, todo, decode_local, z_padded.device, interrupt, timeout)
+        differing = {o.rank for o in outcomes if not o.equal} | {
+            r for (r, _s), key in keys.items() if exactness.known(key) is False}
+        if outcomes:
+            shards = [vae_plan.deal(plan.num_chunks, self.ranks).count(r) for r in range(self.ranks)]
+            exactness.settle(outcomes, keys, self.devices, dtype, shards, self.ranks - 1 - len(differing))
+            log.info("exactness probe: %d rank(s) x %d chunk shape(s) in %.0f ms", len({o.rank for o in outcomes}),
+                     len({o.shape for o in outcomes}), (time.perf_counter() - t) * 1000)
+        active = [r for r in range(self.ranks) if r not in differing]
+        return active, (time.perf_counter() - t) * 1000 if outcomes else 0.0
+
+    def _probe(self, shape: tuple[int, ...], dtype: torch.dtype, ranks: list[int],
+               decode_local: Callable[[torch.Tensor], torch.Tensor], dev0: torch.device,
+               interrupt: Callable[[], bool] | None, timeout: float) -> list[exactness.Outcome]:
+        """``ranks`` and rank 0 decode the probe latent of ``shape`` at once; one outcome per rank."""
+        t = time.perf_counter()
+        z = exactness.probe_latent(shape, dtype)
+        seg = Segment.create(slot_bytes(dtype_name(dtype), list(shape)), "vae_probe")
+        futs: list[cf.Future] = []
+        try:
+            desc = Arena(seg).alloc(dtype_name(dtype), list(shape))
+            seg.tensor(desc).copy_(z)
+            coord = get_coordinator()
+            futs = [coord.submit(self.pool.request(r - 1, vae_protocol.VaeProbe(z=desc), timeout)) for r in ranks]
+            ref = vae_protocol.chunk_digest(decode_local(z.to(dev0)))
+            results = self.wait(futs, timeout, f"the exactness probe of a {list(shape)} chunk", interrupt=interrupt)
+        except BaseException:
+            self.abandon(futs)
+            raise
+        finally:
+            seg.close()
+            seg.unlink()
+        ms = (time.perf_counter() - t) * 1000
+        return [exactness.Outcome(r, self.devices[r], shape, res["digest"] == ref, ms) for r, res in zip(ranks, results)]
 
     def _output_segment(self, remote: list[int], raw_shape: Callable[[int], list[int]],
                         dtype: torch.dtype) -> tuple[str, Segment | None]:

@@ -24,6 +24,7 @@ from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
 from workers.runtime import config
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
+from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import torch_dtype
 
 _STATE = "vae"
@@ -221,6 +222,27 @@ def _test_crash(ctx: WorkerContext) -> None:
     os._exit(7)
 
 
+def _decode_raw(ctx: WorkerContext, st: VaeState, z_desc: TensorDesc) -> torch.Tensor:
+    """ComfyUI's decode of the latent chunk at ``z_desc`` on this worker's device (in inference mode)."""
+    raw = st.model._adaptive_decode(ctx.segment(z_desc.seg).tensor(z_desc).to(ctx.device, copy=True))
+    if TEST_HOOKS and config.TEST_VAE_SKEW_RANK.get() == ctx.rank + 1:  # VAE rank = pool rank + 1
+        # one unit in the last place on every value: a decode that differs from rank 0's, for the probe to catch
+        raw.copy_(torch.nextafter(raw, torch.full_like(raw, float("inf"))))
+    return raw
+
+
+def _probe(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeProbe) -> dict:
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            raw = _decode_raw(ctx, st, msg.z)
+            digest = vae_protocol.chunk_digest(raw)
+    finally:
+        ctx.forget_segment(msg.z.seg)
+    return {"digest": digest, "seconds": time.perf_counter() - t0, "shape": list(raw.shape),
+            "dtype": str(raw.dtype).removeprefix("torch.")}
+
+
 def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: int) -> dict:
     if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
         raise RuntimeError(f"chunk {msg.index} of job {msg.job} skipped: the coordinator aborted the decode")
@@ -229,11 +251,9 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: i
     names.add(msg.z.seg)
     if msg.out is not None:
         names.add(msg.out.seg)
-    seg = ctx.segment(msg.z.seg)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        z = seg.tensor(msg.z).to(ctx.device, copy=True)
-        raw = st.model._adaptive_decode(z)
+        raw = _decode_raw(ctx, st, msg.z)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
         t_decode = time.perf_counter() - t0
@@ -262,6 +282,17 @@ async def _vae_chunk(ctx: WorkerContext, msg: vae_protocol.VaeChunk) -> dict:
     st.chunks_done += 1
     ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index, res["dtype"],
                  res["shape"], res["seconds"], res["copy_s"], "held for fetch" if res["held"] else "shm")
+    return res
+
+
+@handler(vae_protocol.VaeProbe)
+async def _vae_probe(ctx: WorkerContext, msg: vae_protocol.VaeProbe) -> dict:
+    st = _state(ctx)
+    if st.model is None:
+        raise RuntimeError("vae_probe before vae_load: this worker holds no VAE decoder")
+    res = await ctx.run_compute(_probe, ctx, st, msg)
+    ctx.log.info("exactness probe: %s %s decoded in %.3f s, digest %s", res["dtype"], res["shape"], res["seconds"],
+                 res["digest"][:12])
     return res
 
 
