@@ -5,9 +5,10 @@ constructors' size defaults are shrunk for the test), decodes every case's laten
 through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
 case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
 "transport"}]``, optionally ``"skew_rank": r`` (that worker's decode differs from rank 0's on purpose, through
-the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it) and ``"dit_map": n`` (the ranks come from an n-rank ``H3MS_RANK_MAP``, capped to ``ranks``
-by ``max_gpus``); ``transport`` "no_shm" makes the output segment fail as a full /dev/shm would, "crash" makes a
-worker die in the middle of the decode (the decode must fail naming it, and the next one succeed).  dtype
+the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it) and ``"dit_map": n`` (the ranks come
+from an n-rank ``H3MS_RANK_MAP``, capped to ``ranks`` by ``max_gpus``); ``transport`` "no_shm" makes the output
+segment fail as a full /dev/shm would, "crash" makes a worker die in the middle of the decode (the decode must fail
+naming it, and the next one succeed).  dtype
 "dynamic_bf16" is a bf16 checkpoint as ComfyUI's DynamicVRAM leaves it (see :func:`dynamic_bf16_vae`).
 """
 import asyncio

@@ -1,14 +1,16 @@
 """The VAE split decode engine: H3 video-VAE temporal chunks dealt across worker processes, blended in order here.
 
 Rank 0 is the calling process (ComfyUI's, which decodes on the VAE's own device); ranks 1..N-1 are the workers of
-this engine's :class:`~h3ms_async.runtime.pool.WorkerPool` (``workers.vae.rank``).  Chunk i goes to rank ``i mod N``
-(``vae_plan.deal``).  Per decode the engine
+this engine's :class:`~h3ms_async.runtime.pool.WorkerPool` (``workers.vae.rank``).  Chunk i goes to the
+``i mod N``-th of the N ranks that decode exactly (``vae_plan.deal``).  Per decode the engine
 
 1. ships the decoder's weights once per weight key (a one-block shared-memory weight store, dropped once every
    worker has copied it in; a restarted pool gets them again);
-2. writes the remote chunks' latent slices into one input segment and asks each worker for its chunks, all at once
+2. checks, once per rank and chunk shape, that a worker decodes a chunk as rank 0 does (``h3ms_async.vae.exactness``)
+   and deals the chunks over the ranks that do;
+3. writes the remote chunks' latent slices into one input segment and asks each worker for its chunks, all at once
    (a worker decodes them in order on its compute thread);
-3. decodes its own chunks meanwhile, and feeds every chunk to the ordered blend/write (``vae_plan.Assembler``) in
+4. decodes its own chunks meanwhile, and feeds every chunk to the ordered blend/write (``vae_plan.Assembler``) in
    chunk order, waiting for a remote chunk only when its turn comes.
 
 Remote chunks come back through one output segment in POSIX shared memory; when /dev/shm has no room (containers
@@ -352,7 +354,8 @@ class VaeSplitEngine(Engine):
             seg.close()
             seg.unlink()
         ms = (time.perf_counter() - t) * 1000
-        return [exactness.Outcome(r, self.devices[r], shape, res["digest"] == ref, ms) for r, res in zip(ranks, results)]
+        return [exactness.Outcome(r, self.devices[r], shape, res["digest"] == ref, ms)
+                for r, res in zip(ranks, results)]
 
     def _output_segment(self, remote: list[int], raw_shape: Callable[[int], list[int]],
                         dtype: torch.dtype) -> tuple[str, Segment | None]:

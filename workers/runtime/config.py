@@ -180,7 +180,8 @@ VAE_RANK_MAP = _devices_var("H3MS_VAE_RANK_MAP",
                             "The VAE split's rank map (`cpu,cpu,cpu`, `cuda:0,cuda:0`): rank 0 must be the VAE's own "
                             "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan and wins "
                             "over `H3MS_RANK_MAP` (which the VAE split obeys when this is unset); the node's "
-                            "`max_gpus` caps it. For tests and verification.", "one device per rank, the VAE's first, e.g. cuda:0,cuda:1")
+                            "`max_gpus` caps it. For tests and verification.",
+                            "one device per rank, the VAE's first, e.g. cuda:0,cuda:1")
 # -- tests and tools -------------------------------------------------------------------------------------------------
 TEST_HOOKS = _flag_var("H3MS_TEST_HOOKS",
                        "`1` = workers also serve the test-only commands (sleep, crash); read once per worker. Tests "
