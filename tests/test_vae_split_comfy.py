@@ -30,9 +30,11 @@ CASES = [
     {"ranks": 3, "T": 23, "h": 2, "dtype": "fp32", "transport": "no_shm"},  # auto falls back to the socket
     {"ranks": 4, "T": 27, "h": 2, "dtype": "fp32", "transport": "auto"},    # 5 chunks on 4 ranks: 2/1/1/1
     {"ranks": 4, "T": 13, "h": 2, "dtype": "fp16", "transport": "auto"},    # fp16 decoder, 3 chunks on 4 ranks
-    {"ranks": 3, "T": 13, "h": 2, "dtype": "fp16", "transport": "auto", "skew_rank": 2},  # rank 2 decodes otherwise
     {"ranks": 3, "T": 13, "h": 2, "dtype": "dynamic_bf16", "transport": "auto"},  # stored bf16, computed in fp16
     {"ranks": 2, "T": 13, "h": 2, "dtype": "fp32", "transport": "auto", "dit_map": 3},  # H3MS_RANK_MAP, max_gpus 2
+    # rank 2 decodes otherwise (its workers start here: the rank count differs from the cases before and after); a
+    # chunk shape no case probed before (verdicts are kept per rank, device and shape)
+    {"ranks": 3, "T": 13, "h": 4, "dtype": "fp16", "transport": "auto", "skew_rank": 2},
     {"ranks": 8, "T": 52, "h": 2, "dtype": "fp32", "transport": "auto"},    # 10 chunks on 8 ranks: 2/2/1/.../1
 ]
 
@@ -69,7 +71,7 @@ def test_split_decode_equals_comfyui_at_2_3_4_8_ranks_shm_and_socket(tmp_path) -
     assert {c["ranks"] for c in res["cases"]} == {2, 3, 4, 8}
     assert proc.stderr.count("return over the worker sockets instead of shared memory") == 1
     # the skewed rank: one warning naming its device, its verdict in the status document; the others are exact
-    assert proc.stderr.count("rank 2 (cpu") == 1 and "decodes a 1x24x7x2x3 chunk differently" in proc.stderr
+    assert proc.stderr.count("rank 2 (cpu") == 1 and "decodes a 1x24x7x4x3 chunk differently" in proc.stderr
     vae_verdicts = [v for v in res["verdicts"] if v["program"] == "vae"]
     assert [v["verdict"] for v in vae_verdicts].count("adjusted") == 1 and all(
         v["verdict"] == "exact" for v in vae_verdicts if not v["detail"].startswith("rank 2 (cpu")), vae_verdicts

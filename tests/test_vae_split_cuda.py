@@ -50,8 +50,9 @@ vae = comfy.sd.VAE(sd=sd)  # as VAELoader builds it: ComfyUI picks the compute d
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 from h3ms_async.vae import split as vae_split
 z = torch.randn(1, 24, 20, 4, 6, generator=torch.Generator().manual_seed(7))
+z2 = torch.randn(1, 24, 20, 2, 4, generator=torch.Generator().manual_seed(8))  # another chunk shape
 with torch.inference_mode():
-    ref = vae.decode(z)
+    ref, ref2 = vae.decode(z), vae.decode(z2)
 blocks = sorted({str(p.dtype) for n, p in vae.first_stage_model.named_parameters()
                  if n.startswith("decoder.transformer_blocks.")})
 equal, shares = [], []
@@ -61,8 +62,18 @@ for n in (2, 3):
     with torch.inference_mode():
         equal += [bool(torch.equal(split_vae.decode(z), ref)) for _ in range(2)]
     shares.append(vae_split.get_vae_engine(["cuda:0"] * n).last_record["chunks_per_rank"])
+# the exactness probe on the GPU: a fresh 2-rank pool whose worker decodes otherwise on purpose (test hook), a new
+# chunk shape (so the probe runs again): the worker is dropped and the decode stays exact
+os.environ["H3MS_TEST_VAE_SKEW_RANK"] = "1"
+os.environ["H3MS_VAE_RANK_MAP"] = "cuda:0,cuda:0"
+with torch.inference_mode():
+    split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
+    skew_equal = bool(torch.equal(split_vae.decode(z2), ref2))
+skew_rec = vae_split.get_vae_engine(["cuda:0"] * 2).last_record
 print("RESULT", json.dumps({"patcher": type(vae.patcher).__name__, "vae_dtype": str(vae.vae_dtype),
-                            "blocks": blocks, "equal": equal, "shares": shares, "std": float(ref.std())}))
+                            "blocks": blocks, "equal": equal, "shares": shares, "std": float(ref.std()),
+                            "skew_equal": skew_equal, "skew_dropped": skew_rec["dropped_ranks"],
+                            "probe_ms": skew_rec["probe_ms"]}))
 '''
 
 
@@ -70,10 +81,11 @@ print("RESULT", json.dumps({"patcher": type(vae.patcher).__name__, "vae_dtype": 
 def test_bf16_checkpoint_splits_exactly_under_dynamic_vram_and_without(dynamic: bool) -> None:
     """A bf16-stored H3 VAE as VAELoader loads it: under DynamicVRAM ComfyUI keeps the stored bf16 in the comfy.ops
     layers, casts the rest to the fp16 it computes in, and casts each layer's weights per call; the split must run
-    the same casts on its workers (it decoded unsplit: "the decoder's blocks mix dtypes")."""
+    the same casts on its workers (it decoded unsplit: "the decoder's blocks mix dtypes").  Then the exactness
+    probe on the GPU: a worker skewed on purpose (``H3MS_TEST_VAE_SKEW_RANK``) is dropped."""
     args = ["--disable-api-nodes"] + ([] if dynamic else ["--disable-dynamic-vram"])
-    proc = comfy_tree.run_comfy_script(DYNAMIC_SCRIPT, args, env={"H3MS_TESTS_DIR": str(Path(__file__).parent)},
-                                       timeout_s=600)
+    env = {"H3MS_TESTS_DIR": str(Path(__file__).parent), "H3MS_TEST_HOOKS": "1"}
+    proc = comfy_tree.run_comfy_script(DYNAMIC_SCRIPT, args, env=env, timeout_s=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
@@ -83,3 +95,6 @@ def test_bf16_checkpoint_splits_exactly_under_dynamic_vram_and_without(dynamic: 
     assert r["equal"] == [True] * 4 and r["std"] > 0.01, r
     assert [len(s) for s in r["shares"]] == [2, 3] and all(min(s) > 0 for s in r["shares"]), r
     assert not [ln for ln in proc.stderr.splitlines() if "decoding unsplit" in ln], proc.stderr[-3000:]
+    # a worker made to decode otherwise is caught on the GPU too: one warning naming it, dropped, still exact
+    assert r["skew_equal"] and r["skew_dropped"] == [1] and r["probe_ms"] > 0, r
+    assert proc.stderr.count("rank 1 (cuda:0 ") == 1, proc.stderr[-3000:]
