@@ -138,10 +138,10 @@ class H3MSVAESplitDecodeAsync(PatchNode):
         },
         "optional": {
             "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node (shares do not apply: "
-                     "chunks are dealt evenly)."}),
+                     "chunks are dealt evenly; its max_gpus does)."}),
             "max_gpus": ("INT", {"default": DEFAULT_MAX_GPUS, "min": 1, "max": 8, "tooltip": "Most GPUs used, "
-                         "ComfyUI's own included; the gain flattens after 3-4 (the blend and write are "
-                         "serial). 1 = unsplit."}),
+                         "ComfyUI's own included, whatever chose them (GPU Set or rank map); the gain flattens "
+                         "after 3-4 (the blend and write are serial). 1 = unsplit."}),
         },
     }
 
