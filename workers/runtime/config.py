@@ -151,7 +151,8 @@ DEBUG = _flag_var("H3MS_DEBUG", "`1` = DEBUG logging in ComfyUI's process and in
 RANK_MAP = _devices_var("H3MS_RANK_MAP",
                         "Replaces the GPU plan with an explicit rank map, one device per rank (`cpu,cpu,cpu`, "
                         "`cuda:0,cuda:0,cuda:1`); for tests and verification (several ranks on one GPU). A connected "
-                        "GPU set's shares still apply, one per rank.", "one device per rank, e.g. cuda:0,cuda:1")
+                        "GPU set's shares still apply, one per rank. The VAE split takes it too when "
+                        "`H3MS_VAE_RANK_MAP` is unset.", "one device per rank, e.g. cuda:0,cuda:1")
 VRAM_RESERVE_GB = _var("H3MS_VRAM_RESERVE_GB", "GiB", 2.0, "`2`",
                        "CUDA ranks with `vram_residency=auto`: VRAM left free beyond the step's working set when "
                        "deciding how many blocks stay resident.", "unset it or give e.g. 2", _gib)
