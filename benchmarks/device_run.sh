@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench] [extra bench args...]
+#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact] [extra bench args...]
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: vae-tests then vae-bench (over 600 s: one device call runs at most that, so call the halves one by one)
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
 #   logical CUDA ranks) and the cache benchmarks; vae-bench: the split decode (full-size H3 VAE, fp16 and bf16, 2 and
-#   4 logical ranks). Both need the ComfyUI tree (tests/comfy_tree.py unpacks it from shared/) and its imports.
+#   4 logical ranks); vae-exact: only the bf16 checkpoint under DynamicVRAM (and without) through the VAE split and
+#   the exactness probe catching a worker skewed on purpose (about 2 min). All need the ComfyUI tree
+#   (tests/comfy_tree.py unpacks it from shared/) and its imports.
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +39,13 @@ if [ "$what" = vae ] || [ "$what" = vae-tests ]; then
     tests/test_vae_quant_comfy.py 2>&1 | tee "$out/pytest_vae_cuda.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   python3 -m h3ms_async bench caches --out "$out" 2>&1 | tee "$out/bench_caches.log" || rc=1
+fi
+if [ "$what" = vae-exact ]; then
+  python3 -m pytest -q -p no:cacheprovider -s -m cuda \
+    "tests/test_vae_split_cuda.py::test_bf16_checkpoint_splits_exactly_under_dynamic_vram_and_without" 2>&1 \
+    | tee "$out/pytest_vae_exact.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
 fi
 if [ "$what" = vae ] || [ "$what" = vae-bench ]; then
   root=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.ensure_tree())")

@@ -44,7 +44,7 @@ with torch.no_grad():
         p.normal_(0.0, 0.02, generator=gen)
         if name.endswith(("norm1.weight", "norm2.weight", "norm_out.weight")):
             p.add_(1.0)
-vae = types.SimpleNamespace(first_stage_model=model, device=dev, patcher=None)
+vae = types.SimpleNamespace(first_stage_model=model, device=dev, patcher=None, vae_dtype=dtype)
 z = torch.randn(1, 24, cfg["T"], cfg["height"], cfg["width"], generator=torch.Generator().manual_seed(cfg["seed"]))
 z = z.to(dev, dtype)
 build_s = time.perf_counter() - t0
@@ -70,7 +70,7 @@ runs = []
 for ranks in cfg["ranks"]:
     rank_devices = [cfg["device"]] * ranks
     os.environ["H3MS_VAE_RANK_MAP"] = ",".join(rank_devices)
-    Split().patch(vae, True, -1)
+    Split().patch(vae, True, -1, None, ranks)
     engine = vae_split.get_vae_engine(rank_devices)
     first, first_s, _ = decode()
     first_rec = engine.last_record

@@ -45,18 +45,26 @@ def comfy_info() -> dict:
 
 
 def plan_devices(vae_device: torch.device, cfg: dict) -> tuple[list[str] | None, str]:
-    """``(devices, why)``: rank 0 = the VAE's device, then one worker device per rank; None when unsplit."""
-    from h3ms_async.runtime.plans import GPUSet, resolve_cuda
-    from h3ms_async.vae.split import RANK_MAP_ENV, forced_devices
+    """``(devices, why)``: rank 0 = the VAE's device, then one worker device per rank; None when unsplit.
+
+    The ranks come from the first of: ``H3MS_VAE_RANK_MAP``, ``H3MS_RANK_MAP`` (the DiT split's; both for tests and
+    verification), the node's GPU Set (``gpus``; without one ``second_gpu``, -1 = every visible GPU) resolved around
+    the VAE's GPU as the DiT split resolves it.  ``max_gpus`` caps each of them, and so does a connected GPU Set's
+    own ``max_gpus``.
+    """
+    from h3ms_async.runtime.plans import GPUSet, RankPlan, resolve_cuda
+    from h3ms_async.vae.split import forced_devices
+    gpus = cfg["gpus"]
+    cap = min(int(cfg["max_gpus"]), gpus.max_gpus) if gpus is not None else int(cfg["max_gpus"])
     forced = forced_devices(vae_device)
     if forced is not None:
-        if len(forced) < 2:
-            return None, f"{RANK_MAP_ENV} names one rank"
-        return forced, f"{RANK_MAP_ENV}={','.join(forced)}"
+        ranks, source = forced
+        plan = RankPlan(tuple(ranks), (1.0,) * len(ranks)).limited(cap)
+        return (list(plan.devices) if len(plan.devices) > 1 else None), f"{source}: {plan.describe()}"
     if vae_device.type != "cuda":
         return None, f"the VAE decodes on {vae_device}; the split needs it on a CUDA GPU"
-    gpu_set = cfg["gpus"] if cfg["gpus"] is not None else GPUSet.legacy(int(cfg["second_gpu"]))
-    plan = resolve_cuda(gpu_set, vae_device.index or 0).limited(int(cfg["max_gpus"]))
+    gpu_set = gpus if gpus is not None else GPUSet.legacy(int(cfg["second_gpu"]))
+    plan = resolve_cuda(gpu_set, vae_device.index or 0).limited(cap)
     if len(plan.devices) < 2:
         return None, f"one usable GPU ({', '.join(plan.devices)}{'; ' + '; '.join(plan.notes) if plan.notes else ''})"
     return list(plan.devices), plan.describe()
@@ -64,8 +72,8 @@ def plan_devices(vae_device: torch.device, cfg: dict) -> tuple[list[str] | None,
 
 def decoder_spec(model: Any, key: tuple, arch: dict, dtype: str) -> Any:
     """What the workers need to rebuild ``model``'s decoder (``h3ms_async.vae.split.DecoderSpec``)."""
-    from h3ms_async.vae.split import DecoderSpec, decoder_tensors
-    return DecoderSpec(key=key + (dtype,), arch=arch, dtype=dtype, comfy=comfy_info(),
+    from h3ms_async.vae.split import DecoderSpec, decoder_tensors, layout_digest
+    return DecoderSpec(key=key + (dtype, layout_digest(model, arch)), arch=arch, dtype=dtype, comfy=comfy_info(),
                        read_tensors=lambda: decoder_tensors(model))
 
 
@@ -82,7 +90,7 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
                 cfg["unsplit_note"] = why
             return original(z, output_buffer)
         try:
-            arch, dtype = describe_decoder(model)
+            arch, dtype = describe_decoder(model, z.dtype)
             plan = vae_plan.make_plan(int(z.shape[2]), vae_plan.VaeGeometry.from_model(model))
             theirs = tuple(model._decode_temporal_chunks(int(z.shape[2])))
             frames = model.decode_output_shape(tuple(z.shape))[2]
@@ -130,10 +138,10 @@ class H3MSVAESplitDecodeAsync(PatchNode):
         },
         "optional": {
             "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node (shares do not apply: "
-                     "chunks are dealt evenly)."}),
+                     "chunks are dealt evenly; its max_gpus does)."}),
             "max_gpus": ("INT", {"default": DEFAULT_MAX_GPUS, "min": 1, "max": 8, "tooltip": "Most GPUs used, "
-                         "ComfyUI's own included; the gain flattens after 3-4 (the blend and write are "
-                         "serial). 1 = unsplit."}),
+                         "ComfyUI's own included, whatever chose them (GPU Set or rank map); the gain flattens "
+                         "after 3-4 (the blend and write are serial). 1 = unsplit."}),
         },
     }
 
@@ -156,7 +164,7 @@ class H3MSVAESplitDecodeAsync(PatchNode):
         if devices is not None:
             from h3ms_async.vae.split import VaeSplitUnsupported, describe_decoder
             try:
-                spec = decoder_spec(model, cfg["key"], *describe_decoder(model))
+                spec = decoder_spec(model, cfg["key"], *describe_decoder(model, vae.vae_dtype))
             except VaeSplitUnsupported as exc:
                 log.warning("node configured, but this VAE will decode unsplit: %s", exc)
                 cfg["unsupported_note"] = str(exc)  # the decodes do not repeat the warning

@@ -11,8 +11,8 @@ import msgspec
 import psutil
 import pytest
 
-from h3ms_async.observability.status import (RING_SIZE, RankRecord, SchemaError, Status, StatusHub, StepRecord,
-                                             format_step_line, now_iso, ram_info)
+from h3ms_async.observability.status import (RING_SIZE, VERDICTS_KEPT, RankRecord, SchemaError, Status, StatusHub,
+                                             StepRecord, VerdictRecord, format_step_line, now_iso, ram_info)
 
 GIB = 1024 ** 3
 
@@ -126,12 +126,12 @@ def test_status_defaults_shape_and_json():
     hub = StatusHub()
     st = hub.status()
     assert set(st) == {"version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store",
-                       "caches", "hooks", "ram", "vae_workers", "vae_split", "text_encoder_outputs"}
+                       "caches", "hooks", "ram", "vae_workers", "vae_split", "text_encoder_outputs", "exactness"}
     msgspec.convert(st, Status)
     assert st["running"] is False and st["last_step"] == {} and st["workers"] == [] and st["plans"] == {}
     assert st["vae_workers"] == [] and st["vae_split"] == {"engines": []}
     assert st["text_encoder_outputs"] == {"entries": 0, "hits": 0, "misses": 0, "bytes": 0}
-    assert st["version"] != "unknown"
+    assert st["version"] != "unknown" and st["exactness"] == {"verdicts": [], "verify": []}
     json.dumps(st, allow_nan=False)
     hub.record_step(make_record(0), log=False)
     st = hub.status()
@@ -240,3 +240,22 @@ def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
     info = ram_info(unlimited)
     assert info.container_limit is False and info.text.startswith("RAM available ")
     assert 0 < info.available_bytes <= info.total_bytes
+
+
+def _verdict(i: int) -> VerdictRecord:
+    return VerdictRecord(program="vae", op="vae.chunk", device="cpu test", dtype="float16", shape=f"1x24x7x2x{i}",
+                         shards=[2, 1], verdict="exact", detail="every rank decodes it as rank 0 does",
+                         probe_ms=1.5, at="2026-01-01T00:00:00")
+
+
+def test_exactness_verdicts_are_typed_and_bounded():
+    hub = StatusHub()
+    with pytest.raises(SchemaError, match="build a status.VerdictRecord"):
+        hub.record_verdict({"program": "vae"})  # type: ignore[arg-type]
+    for i in range(VERDICTS_KEPT + 3):
+        hub.record_verdict(_verdict(i))
+    got = hub.status()["exactness"]["verdicts"]
+    assert len(got) == VERDICTS_KEPT and got[-1]["shape"] == f"1x24x7x2x{VERDICTS_KEPT + 2}"
+    assert got[0] == msgspec.to_builtins(_verdict(3))
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({**got[0], "verdict": "maybe"}, VerdictRecord)

@@ -4,8 +4,12 @@ Builds a small random H3 video VAE with real key names through ComfyUI's own loa
 constructors' size defaults are shrunk for the test), decodes every case's latent with plain ComfyUI (no hook), then
 through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
 case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
-"transport"}]``; ``transport`` "no_shm" makes the output segment fail as a full /dev/shm would, "crash" makes a
-worker die in the middle of the decode (the decode must fail naming it, and the next one succeed).
+"transport"}]``, optionally ``"skew_rank": r`` (that worker's decode differs from rank 0's on purpose, through
+the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it) and ``"dit_map": n`` (the ranks come
+from an n-rank ``H3MS_RANK_MAP``, capped to ``ranks`` by ``max_gpus``); ``transport`` "no_shm" makes the output
+segment fail as a full /dev/shm would, "crash" makes a worker die in the middle of the decode (the decode must fail
+naming it, and the next one succeed).  dtype
+"dynamic_bf16" is a bf16 checkpoint as ComfyUI's DynamicVRAM leaves it (see :func:`dynamic_bf16_vae`).
 """
 import asyncio
 import json
@@ -24,8 +28,27 @@ from small_h3_vae import small_h3_vae_state_dict  # noqa: E402
 
 sd = small_h3_vae_state_dict()
 
+
+def dynamic_bf16_vae() -> comfy.sd.VAE:
+    """A bf16 checkpoint computed in fp16 as DynamicVRAM leaves it on a GPU: every ``comfy.ops`` module keeps the
+    stored bf16 weights (``load_state_dict(assign=True)``) and casts them per layer (``comfy_cast_weights``), every
+    other parameter and buffer is in the fp16 ComfyUI built the model in.  ComfyUI's DynamicVRAM patcher hands CPU
+    devices to the legacy one (``ModelPatcherDynamic.__new__``), so on CPU its load is replayed here; the CUDA test
+    (tests/test_vae_split_cuda.py) runs the real one."""
+    stored = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    vae = comfy.sd.VAE(sd=stored, dtype=torch.float16)
+    for name, mod in vae.first_stage_model.named_modules():
+        if hasattr(mod, "comfy_cast_weights"):
+            mod.comfy_cast_weights = True
+            for p in ("weight", "bias"):
+                if getattr(mod, p, None) is not None:
+                    setattr(mod, p, torch.nn.Parameter(stored[f"{name}.{p}"], requires_grad=False))
+    return vae
+
+
 cases = json.loads(os.environ["VAE_CASES"])
-vaes = {d: comfy.sd.VAE(sd=sd, dtype={"fp32": torch.float32, "fp16": torch.float16}[d])
+vaes = {d: dynamic_bf16_vae() if d == "dynamic_bf16" else
+        comfy.sd.VAE(sd=sd, dtype={"fp32": torch.float32, "fp16": torch.float16}[d])
         for d in sorted({c["dtype"] for c in cases})}
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 Split = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]
@@ -53,10 +76,16 @@ real_segment = vae_split.Segment
 results = []
 for c in cases:
     vae = vaes[c["dtype"]]
-    os.environ["H3MS_VAE_RANK_MAP"] = ",".join(["cpu"] * c["ranks"])
+    os.environ.pop("H3MS_VAE_RANK_MAP" if c.get("dit_map") else "H3MS_RANK_MAP", None)
+    os.environ["H3MS_RANK_MAP" if c.get("dit_map") else "H3MS_VAE_RANK_MAP"] = ",".join(
+        ["cpu"] * c.get("dit_map", c["ranks"]))
     os.environ["H3MS_VAE_TRANSPORT"] = "auto" if c["transport"] in ("no_shm", "crash") else c["transport"]
     vae_split.Segment = NoRoomSegment if c["transport"] == "no_shm" else real_segment
-    assert Split().patch(vae, True, -1)[0] is vae
+    if c.get("skew_rank"):  # read by the workers this case's engine starts (another rank count than the last case)
+        os.environ["H3MS_TEST_VAE_SKEW_RANK"] = str(c["skew_rank"])
+    else:
+        os.environ.pop("H3MS_TEST_VAE_SKEW_RANK", None)
+    assert Split().patch(vae, True, -1, None, c["ranks"])[0] is vae
     t = time.time()
     crash_error = None
     if c["transport"] == "crash":
@@ -68,12 +97,23 @@ for c in cases:
                 vae.decode(latents[(c["T"], c["h"])])
         except Exception as exc:  # noqa: BLE001 - the error text is what the test checks
             crash_error = f"{type(exc).__name__}: {exc}"
+    ref = refs[((c["T"], c["h"]), c["dtype"])]
     with torch.inference_mode():
         got = vae.decode(latents[(c["T"], c["h"])])
-    ref = refs[((c["T"], c["h"]), c["dtype"])]
+        again = vae.decode(latents[(c["T"], c["h"])]) if c.get("skew_rank") else got  # the verdict is kept
     rec = vae_split.get_vae_engine(["cpu"] * c["ranks"]).last_record
-    row = {**c, "equal": bool(torch.equal(got, ref)), "record": rec, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
-           "std": float(ref.float().std()), "saturated": float((ref == 0).float().mean() + (ref == 1).float().mean())}
+    unchecked_equal = None
+    if c.get("skew_rank"):  # the same decode with every rank taken as exact: the skew reaches the output
+        known = vae_split.exactness.known
+        vae_split.exactness.known = lambda key: True
+        with torch.inference_mode():
+            unchecked_equal = bool(torch.equal(vae.decode(latents[(c["T"], c["h"])]), ref))
+        vae_split.exactness.known = known
+    row = {**c, "equal": bool(torch.equal(got, ref)) and bool(torch.equal(again, ref)), "record": rec,
+           "unchecked_equal": unchecked_equal, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
+           "std": float(ref.float().std()), "saturated": float((ref == 0).float().mean() + (ref == 1).float().mean()),
+           "block_dtypes": sorted({str(p.dtype) for n, p in vae.first_stage_model.named_parameters()
+                                   if n.startswith("decoder.transformer_blocks.")})}
     results.append(row)
     print("CASE", json.dumps({k: v for k, v in row.items() if k not in ("record", "crash_error")}), "load",
           rec and rec["load_s"],
@@ -87,6 +127,8 @@ release = nodes.NODE_CLASS_MAPPINGS["H3MSReleaseResourcesAsync"]().run(False, Fa
 hooked = [d for d, vae in vaes.items() if "decode_temporal" in vae.first_stage_model.__dict__]
 busy = sum("busy" in line for line in release)
 workers_alive = [p for e in vae_split.live_vae_engines() for p in e.pool.snapshot() if p["state"] != "stopped"]
+from h3ms_async.observability.status import get_hub  # noqa: E402
 print("RESULT", json.dumps({"cases": results, "hooked_after_disable": hooked, "busy": busy,
+                            "verdicts": get_hub().status()["exactness"]["verdicts"],
                             "shm_left": sorted(held_shm(os.getpid())),
                             "workers_alive": workers_alive, "total_s": round(time.time() - t0, 1)}), flush=True)

@@ -140,6 +140,26 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ranks: list[RankRecord]
 
 
+class VerdictRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One exactness verdict of a plan (the status document's ``exactness.verdicts``): whether ``op`` at its full
+    ``shape`` gives, on ``device``, the same bits split into ``shards`` as unsplit, and what the engine did."""
+
+    program: Literal["dit", "attention", "vae"]
+    op: str
+    device: str
+    dtype: str
+    shape: str
+    shards: list[int]
+    verdict: Literal["exact", "adjusted", "unsplit"]
+    detail: str
+    probe_ms: Annotated[float, msgspec.Meta(ge=0)]
+    at: str
+
+
+#: Verdicts the status document keeps (newest last).
+VERDICTS_KEPT = 64
+
+
 def now_iso() -> str:
     """The ``at`` field of a step record: local time, second precision, ISO-8601."""
     return _dt.datetime.now().isoformat(timespec="seconds")
@@ -220,6 +240,7 @@ class Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defa
     vae_workers: Any
     vae_split: Any
     text_encoder_outputs: Any
+    exactness: dict[str, list[dict[str, Any]]]
     attention: Any = msgspec.UNSET
 
 
@@ -405,6 +426,7 @@ class StatusHub:
         self._providers: dict[str, Callable[[], Any]] = {}
         self._actions: dict[str, Callable[[], dict]] = {}
         self._busy_probe: Callable[[], bool] | None = None
+        self._verdicts: collections.deque[dict] = collections.deque(maxlen=VERDICTS_KEPT)
         self._version = _pack_version()
 
     # ---- step records
@@ -439,6 +461,15 @@ class StatusHub:
                 fn(out)
             except Exception:  # noqa: BLE001 - a broken panel/websocket must never fail a denoising step
                 _status_log.exception("step listener %r failed; the record is kept", fn)
+        return out
+
+    def record_verdict(self, rec: VerdictRecord) -> dict:
+        """Keep an exactness verdict (as its JSON form) for the status document; returns that form."""
+        if not isinstance(rec, VerdictRecord):
+            raise SchemaError(f"verdict record: got a {type(rec).__name__}; build a status.VerdictRecord")
+        out = msgspec.to_builtins(rec)
+        with self._lock:
+            self._verdicts.append(out)
         return out
 
     def recent_steps(self, n: int = 50, *, after: int | None = None) -> list[dict]:
@@ -538,9 +569,10 @@ class StatusHub:
             last = dict(self._ring[-1]) if self._ring else {}
             recorded = self._recorded
             optional = {s: None for s in OPTIONAL_SECTIONS if s in self._providers}
+            exactness = {"verdicts": list(self._verdicts), "verify": []}
         sections = {s: self.section(s) for s in (*SECTIONS, *optional)}
         st = Status(version=self._version, running=self.busy(), last_step=last, steps_recorded=recorded,
-                    ram=ram_info(), **sections)
+                    ram=ram_info(), exactness=exactness, **sections)
         return msgspec.to_builtins(st)
 
 
@@ -555,3 +587,8 @@ def get_hub() -> StatusHub:
         if _hub is None:
             _hub = StatusHub()
         return _hub
+
+
+def record_verdict(rec: VerdictRecord) -> dict:
+    """Keep ``rec`` in the process-wide hub's ``exactness.verdicts`` (see :meth:`StatusHub.record_verdict`)."""
+    return get_hub().record_verdict(rec)

@@ -1,14 +1,16 @@
 """The VAE split decode engine: H3 video-VAE temporal chunks dealt across worker processes, blended in order here.
 
 Rank 0 is the calling process (ComfyUI's, which decodes on the VAE's own device); ranks 1..N-1 are the workers of
-this engine's :class:`~h3ms_async.runtime.pool.WorkerPool` (``workers.vae.rank``).  Chunk i goes to rank ``i mod N``
-(``vae_plan.deal``).  Per decode the engine
+this engine's :class:`~h3ms_async.runtime.pool.WorkerPool` (``workers.vae.rank``).  Chunk i goes to the
+``i mod N``-th of the N ranks that decode exactly (``vae_plan.deal``).  Per decode the engine
 
 1. ships the decoder's weights once per weight key (a one-block shared-memory weight store, dropped once every
    worker has copied it in; a restarted pool gets them again);
-2. writes the remote chunks' latent slices into one input segment and asks each worker for its chunks, all at once
+2. checks, once per rank and chunk shape, that a worker decodes a chunk as rank 0 does (``h3ms_async.vae.exactness``)
+   and deals the chunks over the ranks that do;
+3. writes the remote chunks' latent slices into one input segment and asks each worker for its chunks, all at once
    (a worker decodes them in order on its compute thread);
-3. decodes its own chunks meanwhile, and feeds every chunk to the ordered blend/write (``vae_plan.Assembler``) in
+4. decodes its own chunks meanwhile, and feeds every chunk to the ordered blend/write (``vae_plan.Assembler``) in
    chunk order, waiting for a remote chunk only when its turn comes.
 
 Remote chunks come back through one output segment in POSIX shared memory; when /dev/shm has no room (containers
@@ -19,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from h3ms_async.vae import plan as vae_plan
+from h3ms_async.vae import exactness, plan as vae_plan
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
@@ -70,13 +74,18 @@ class DecoderSpec:
     read_tensors: Callable[[], dict[str, torch.Tensor]]
 
 
-def describe_decoder(model: Any) -> tuple[dict, str]:
-    """``(arch, dtype)`` of a live ``MiniMaxH3VideoVAE`` for ``workers.vae.rank.build_decoder``.
+def describe_decoder(model: Any, compute_dtype: torch.dtype) -> tuple[dict, str]:
+    """``(arch, dtype)`` of a live ``MiniMaxH3VideoVAE`` for ``workers.vae.rank.build_decoder``; ``dtype`` is the
+    dtype the decode computes in (the latent's, ComfyUI's ``vae_dtype``).
 
     A quantized decoder (an int8 "convrot" checkpoint: ComfyUI builds its block linears with
     ``comfy.ops.mixed_precision_ops``) is described by that factory's arguments, so a worker builds the same class and
-    loads the same stored parts.  Raises :class:`VaeSplitUnsupported` for linears of any other custom class, tensors
-    of an unknown kind or blocks of mixed dtypes: the workers could not rebuild those bit for bit.
+    loads the same stored parts.  The stored dtypes travel with the tensors (a worker keeps each one's dtype) and
+    ``arch["cast_flags"]`` names the ``comfy.ops`` modules whose per-layer cast differs from their class's: under
+    DynamicVRAM ComfyUI keeps a bf16 checkpoint's weights in bf16 and casts each layer's to the fp16 input, and
+    the workers must run that same cast.  Raises :class:`VaeSplitUnsupported` for linears of any other custom class,
+    tensors of an unknown kind or patched weights (a LoRA on the VAE): the workers could not rebuild those bit for
+    bit.
     """
     dec = model.decoder
     blk = dec.transformer_blocks[0]
@@ -91,11 +100,17 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
     if odd:
         raise VaeSplitUnsupported(f"decoder tensors {odd[:3]} are {type(tensors[odd[0]].data).__name__}, not plain "
                                   "tensors")
-    # the VAE dtype: every plain parameter of the blocks has it (a quantized linear's weight is stored parts instead)
-    dtypes = {t.dtype for n, t in model.named_parameters()
-              if n.startswith("decoder.transformer_blocks.") and type(t.data) is torch.Tensor}
-    if len(dtypes) != 1:
-        raise VaeSplitUnsupported(f"the decoder's blocks mix dtypes {sorted(map(str, dtypes))}")
+    cast_flags: dict[str, bool] = {}
+    for prefix in vae_protocol.DECODE_PREFIXES:
+        for name, mod in getattr(model, prefix[:-1]).named_modules(prefix=prefix[:-1]):
+            if not hasattr(mod, "comfy_cast_weights"):
+                continue
+            if any(getattr(mod, f"{p}_function", None) or getattr(mod, f"{p}_lowvram_function", None) is not None
+                   for p in ("weight", "bias")):
+                raise VaeSplitUnsupported(f"{name}'s weights are patched (a LoRA or weight function on the VAE); "
+                                          "the workers decode the stored weights only")
+            if bool(mod.comfy_cast_weights) != bool(getattr(type(mod), "comfy_cast_weights", False)):
+                cast_flags[name] = bool(mod.comfy_cast_weights)
     arch = {
         "decoder": {
             "patch_size": int(dec.patch_size), "patch_size_t": int(dec.patch_size_t),
@@ -105,6 +120,7 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
             "eps": float(blk.norm1.eps), "num_register_tokens": int(dec.num_register_tokens),
         },
         "operations": qual.split(".")[0],
+        "cast_flags": cast_flags,
         "z_channels": int(model.post_quant_conv.out_channels), "embed_dim": int(model.post_quant_conv.in_channels),
         "tile_size": int(model.tile_size), "tile_overlap_min": int(model.tile_overlap_min),
         "tiling": bool(model.tiling), "vae_ratio": int(model.vae_ratio), "vae_ratio_t": int(model.vae_ratio_t),
@@ -115,7 +131,7 @@ def describe_decoder(model: Any) -> tuple[dict, str]:
         # shipped tensors' names, as ComfyUI's VAE loader takes it from the checkpoint's
         arch["mixed_precision"] = {"compute_dtype": dtype_name(blk.attn.to_qkv.factory_kwargs["dtype"]),
                                    "full_precision_mm": bool(blk.attn.to_qkv._full_precision_mm)}
-    return arch, dtype_name(next(iter(dtypes)))
+    return arch, dtype_name(compute_dtype)
 
 
 def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -127,6 +143,14 @@ def decoder_tensors(model: Any) -> dict[str, torch.Tensor]:
         out.update(getattr(model, prefix[:-1]).state_dict(prefix=prefix))
     out.update({n: b for n, b in model.named_buffers() if n.startswith(vae_protocol.DECODE_PREFIXES) and n not in out})
     return out
+
+
+def layout_digest(model: Any, arch: dict) -> str:
+    """A short digest of what a worker builds besides the weights' values: ``arch`` and every decode tensor's dtype.
+    Part of the weight key, so a decoder whose layout changed (DynamicVRAM casts the non-``comfy.ops`` parameters
+    and turns the per-layer casts on at its first load, after the node already shipped it) is shipped again."""
+    dtypes = sorted((n, dtype_name(t.dtype)) for n, t in decoder_tensors(model).items())
+    return hashlib.sha1(json.dumps([arch, dtypes], sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -189,9 +213,10 @@ class VaeSplitEngine(Engine):
         timeout = config.VAE_CHUNK_TIMEOUT.get()
         self.run(self._ensure_loaded(spec), self.pool.start_timeout + timeout, "loading the VAE workers", interrupt)
         t_load = time.perf_counter() - t_start
+        active, probe_ms = self._exact_ranks(z_padded, plan, spec, decode_local, interrupt, timeout)
         self._jobs += 1
         job = self._jobs
-        owners = vae_plan.deal(plan.num_chunks, self.ranks)
+        owners = [active[r] for r in vae_plan.deal(plan.num_chunks, len(active))]
         remote = [i for i, r in enumerate(owners) if r != 0]
         dev0 = z_padded.device
         dtype = z_padded.dtype
@@ -271,6 +296,7 @@ class VaeSplitEngine(Engine):
             "at": now_iso(), "T": plan.T, "chunks": plan.num_chunks, "ranks": self.ranks,
             "devices": list(self.devices), "transport": transport, "dtype": dtype_name(dtype),
             "chunks_per_rank": [owners.count(r) for r in range(self.ranks)],
+            "dropped_ranks": [r for r in range(self.ranks) if r not in active], "probe_ms": round(probe_ms, 1),
             "wall_s": round(time.perf_counter() - t_start, 4), "load_s": round(t_load, 4),
             "local_decode_s": round(local_s, 4), "wait_s": round(wait_s, 4), "assemble_s": round(assemble_s, 4),
             "moved_bytes": moved, "per_chunk": chunks,
@@ -280,6 +306,56 @@ class VaeSplitEngine(Engine):
                  "workers, blend/write %.2f s, %.1f MiB moved", plan.T, plan.num_chunks, self.ranks,
                  record["chunks_per_rank"], transport, record["wall_s"], local_s, wait_s, assemble_s, moved / 2**20)
         return record
+
+    def _exact_ranks(self, z_padded: torch.Tensor, plan: vae_plan.ChunkPlan, spec: DecoderSpec,
+                     decode_local: Callable[[torch.Tensor], torch.Tensor], interrupt: Callable[[], bool] | None,
+                     timeout: float) -> tuple[list[int], float]:
+        """The ranks (0 first) whose decode equals rank 0's for every chunk shape of ``plan``, after probing the
+        ranks without a verdict (``h3ms_async.vae.exactness``), and the probe's milliseconds (0: all known)."""
+        dtype = z_padded.dtype
+        shapes = sorted({tuple(z_padded[:, :, a:e].shape) for a, e in plan.spans})
+        keys = {(r, s): exactness.verdict_key(r, self.devices, dtype, s, spec.key)
+                for r in range(1, self.ranks) for s in shapes}
+        t = time.perf_counter()
+        outcomes: list[exactness.Outcome] = []
+        for shape in shapes:
+            todo = [r for r in range(1, self.ranks) if exactness.known(keys[(r, shape)]) is None]
+            if todo:
+                outcomes += self._probe(shape, dtype, todo, decode_local, z_padded.device, interrupt, timeout)
+        differing = {o.rank for o in outcomes if not o.equal} | {
+            r for (r, _s), key in keys.items() if exactness.known(key) is False}
+        if outcomes:
+            shards = [vae_plan.deal(plan.num_chunks, self.ranks).count(r) for r in range(self.ranks)]
+            exactness.settle(outcomes, keys, self.devices, dtype, shards, self.ranks - 1 - len(differing))
+            log.info("exactness probe: %d rank(s) x %d chunk shape(s) in %.0f ms", len({o.rank for o in outcomes}),
+                     len({o.shape for o in outcomes}), (time.perf_counter() - t) * 1000)
+        active = [r for r in range(self.ranks) if r not in differing]
+        return active, (time.perf_counter() - t) * 1000 if outcomes else 0.0
+
+    def _probe(self, shape: tuple[int, ...], dtype: torch.dtype, ranks: list[int],
+               decode_local: Callable[[torch.Tensor], torch.Tensor], dev0: torch.device,
+               interrupt: Callable[[], bool] | None, timeout: float) -> list[exactness.Outcome]:
+        """``ranks`` and rank 0 decode the probe latent of ``shape`` at once; one outcome per rank."""
+        t = time.perf_counter()
+        z = exactness.probe_latent(shape, dtype)
+        seg = Segment.create(slot_bytes(dtype_name(dtype), list(shape)), "vae_probe")
+        futs: list[cf.Future] = []
+        try:
+            desc = Arena(seg).alloc(dtype_name(dtype), list(shape))
+            seg.tensor(desc).copy_(z)
+            coord = get_coordinator()
+            futs = [coord.submit(self.pool.request(r - 1, vae_protocol.VaeProbe(z=desc), timeout)) for r in ranks]
+            ref = vae_protocol.chunk_digest(decode_local(z.to(dev0)))
+            results = self.wait(futs, timeout, f"the exactness probe of a {list(shape)} chunk", interrupt=interrupt)
+        except BaseException:
+            self.abandon(futs)
+            raise
+        finally:
+            seg.close()
+            seg.unlink()
+        ms = (time.perf_counter() - t) * 1000
+        return [exactness.Outcome(r, self.devices[r], shape, res["digest"] == ref, ms)
+                for r, res in zip(ranks, results)]
 
     def _output_segment(self, remote: list[int], raw_shape: Callable[[int], list[int]],
                         dtype: torch.dtype) -> tuple[str, Segment | None]:
@@ -369,19 +445,25 @@ class VaeSplitEngine(Engine):
 
 # -- the rank plan ---------------------------------------------------------------------------------------------------
 RANK_MAP_ENV = config.VAE_RANK_MAP.name
+#: The rank maps a VAE split obeys, first set wins: its own, then the DiT split's (so a test that sets only the DiT's
+#: map splits the decode too).  Both replace the GPU plan, as ``H3MS_RANK_MAP`` does for the DiT.
+FORCING_VARS = (config.VAE_RANK_MAP, config.RANK_MAP)
 
 
-def forced_devices(vae_device: torch.device) -> list[str] | None:
-    """The ranks ``H3MS_VAE_RANK_MAP`` asks for (None when unset); its rank 0 must be the VAE's device."""
-    if not config.VAE_RANK_MAP.is_set():
+def forced_devices(vae_device: torch.device) -> tuple[list[str], str] | None:
+    """``(ranks, "VAR=value")`` of the first set rank map of :data:`FORCING_VARS` (None when neither is set); its
+    rank 0 must be the VAE's device."""
+    var = next((v for v in FORCING_VARS if v.is_set()), None)
+    if var is None:
         return None
-    spec = config.VAE_RANK_MAP.raw()
-    devices = config.VAE_RANK_MAP.get(rank_map)
+    spec = var.raw()
+    devices = var.get(rank_map)
     here = "cpu" if vae_device.type == "cpu" else f"cuda:{vae_device.index or 0}"
     if devices[0] != here:
-        raise GPUSelectionError(f"{RANK_MAP_ENV}={spec}: rank 0 is {devices[0]} but the VAE decodes on {here}; "
-                                f"start the map with {here}")
-    return devices
+        fix = f"start the map with {here}" if var is config.VAE_RANK_MAP else (
+            f"set {RANK_MAP_ENV} to the VAE's ranks (it wins over {var.name}), starting with {here}")
+        raise GPUSelectionError(f"{var.name}={spec}: rank 0 is {devices[0]} but the VAE decodes on {here}; {fix}")
+    return devices, f"{var.name}={spec}"
 
 
 # -- engine registry ---------------------------------------------------------------------------------------------------

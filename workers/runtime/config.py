@@ -151,7 +151,8 @@ DEBUG = _flag_var("H3MS_DEBUG", "`1` = DEBUG logging in ComfyUI's process and in
 RANK_MAP = _devices_var("H3MS_RANK_MAP",
                         "Replaces the GPU plan with an explicit rank map, one device per rank (`cpu,cpu,cpu`, "
                         "`cuda:0,cuda:0,cuda:1`); for tests and verification (several ranks on one GPU). A connected "
-                        "GPU set's shares still apply, one per rank.", "one device per rank, e.g. cuda:0,cuda:1")
+                        "GPU set's shares still apply, one per rank. The VAE split takes it too when "
+                        "`H3MS_VAE_RANK_MAP` is unset.", "one device per rank, e.g. cuda:0,cuda:1")
 VRAM_RESERVE_GB = _var("H3MS_VRAM_RESERVE_GB", "GiB", 2.0, "`2`",
                        "CUDA ranks with `vram_residency=auto`: VRAM left free beyond the step's working set when "
                        "deciding how many blocks stay resident.", "unset it or give e.g. 2", _gib)
@@ -178,8 +179,10 @@ VAE_CHUNK_TIMEOUT = _seconds_var("H3MS_VAE_CHUNK_TIMEOUT", 900.0,
                                  "Longest wait for one remote chunk (and for the workers to load the decoder).")
 VAE_RANK_MAP = _devices_var("H3MS_VAE_RANK_MAP",
                             "The VAE split's rank map (`cpu,cpu,cpu`, `cuda:0,cuda:0`): rank 0 must be the VAE's own "
-                            "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan; for "
-                            "tests and verification.", "one device per rank, the VAE's first, e.g. cuda:0,cuda:1")
+                            "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan and wins "
+                            "over `H3MS_RANK_MAP` (which the VAE split obeys when this is unset); the node's "
+                            "`max_gpus` caps it. For tests and verification.",
+                            "one device per rank, the VAE's first, e.g. cuda:0,cuda:1")
 # -- tests and tools -------------------------------------------------------------------------------------------------
 TEST_HOOKS = _flag_var("H3MS_TEST_HOOKS",
                        "`1` = workers also serve the test-only commands (sleep, crash); read once per worker. Tests "
@@ -190,6 +193,12 @@ CK_ATTENTION_CPU = _flag_var("H3MS_CK_ATTENTION_CPU",
 TEST_VAE_CRASH_FILE = _var("H3MS_TEST_VAE_CRASH_FILE", "path", "", "unset",
                            "With `H3MS_TEST_HOOKS=1`: a VAE worker that finds this file deletes it and dies at its "
                            "next chunk. Tests only.", "give a file path or unset it", _text)
+TEST_VAE_SKEW_RANK = _var("H3MS_TEST_VAE_SKEW_RANK", "integer", 0, "unset",
+                          "With `H3MS_TEST_HOOKS=1`: the VAE worker of this rank (1 = the first worker) adds one unit "
+                          "in the last place to every value of every chunk it decodes, so its decode differs "
+                          "from rank 0's and the exactness probe must drop it. Tests only.",
+                          "give a worker rank (1 or more) or unset it",
+                          _number(int, "an integer rank", lambda v: v >= 1, "must be >= 1"))
 COMFY_ROOT = _var("H3MS_COMFY_ROOT", "directory", "", "unset",
                   "A ComfyUI checkout with MiniMax H3: `bench vae`'s default `--comfy-root`, and the tests' tree "
                   "instead of the unpacked archive.", "set it to a ComfyUI root (it has main.py)", _text)

@@ -23,6 +23,11 @@ to serve.  Field meanings:
                 and the coordinator reads it with ``vae_fetch`` (socket return)
     -> {index, seconds, shape, dtype, nbytes, held}
 
+``vae_probe``   the exactness probe: decode one random chunk of a plan's chunk shape, answer its digest (compared
+                with rank 0's decode of the same latent by ``h3ms_async.vae.exactness``).
+    z           descriptor of the probe latent [B, C, t, h, w] in the VAE dtype
+    -> {digest, seconds, shape, dtype}
+
 ``vae_fetch``   read ``n`` bytes at ``off`` of a held chunk output (socket return); the last read frees it.
     -> {data}
 
@@ -31,7 +36,10 @@ to serve.  Field meanings:
 """
 from __future__ import annotations
 
+import hashlib
 from typing import ClassVar
+
+import torch
 
 from workers.runtime import protocol
 from workers.runtime.protocol import Plain, Request, TensorDesc
@@ -54,6 +62,10 @@ class VaeChunk(Request, tag="vae_chunk"):
     out: TensorDesc | None
 
 
+class VaeProbe(Request, tag="vae_probe"):
+    z: TensorDesc
+
+
 class VaeFetch(Request, tag="vae_fetch"):
     job: int
     index: int
@@ -73,3 +85,8 @@ class VaeRelease(Request, tag="vae_release"):
 DECODE_PREFIXES = ("decoder.", "post_quant_conv.")
 #: Largest piece one ``vae_fetch`` answer carries (well under the frame limit, leaving room for the envelope).
 FETCH_PIECE_BYTES = min(8 * 1024 * 1024, protocol.MAX_FRAME_BYTES // 2)
+
+
+def chunk_digest(raw: torch.Tensor) -> str:
+    """SHA-256 of a decoded chunk's bytes (shape and dtype are compared apart): equal digests, equal bits."""
+    return hashlib.sha256(raw.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()

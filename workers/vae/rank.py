@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Mapping
 
 import torch
 
@@ -24,6 +24,7 @@ from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
 from workers.runtime import config
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
+from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import torch_dtype
 
 _STATE = "vae"
@@ -73,16 +74,19 @@ def import_comfy_vae(comfy: dict) -> Any:
     return importlib.import_module("comfy.ldm.minimax.vae")
 
 
-def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype, names: Iterable[str] = ()) -> Any:
+def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype, stored: Mapping[str, str] | None = None) -> Any:
     """A ``MiniMaxH3VideoVAE`` whose decode path (``post_quant_conv`` + ``ViT3DDecoder``) has ``arch``'s shape.
 
     ``arch``: ``decoder`` (the ViT3DDecoder arguments), ``operations`` (name of the ``comfy.ops`` class the parent's
     decoder linears use; ``mixed_precision_ops`` for a quantized decoder, built with ``arch["mixed_precision"]``'s
-    arguments and the quantization ComfyUI detects in the shipped tensor ``names``), ``z_channels``, ``embed_dim``, and
-    the tiling/temporal attributes ``tile_size``, ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``,
-    ``clip_length``, ``token_drop``.  The encoder is left out (None): a decode never touches it.  The model is built
-    on the meta device (no memory, no init) and cast to ``dtype`` as ComfyUI's VAE loader casts it before loading;
-    ``to_empty`` places it, and :func:`load_tensors` fills it.
+    arguments and the quantization ComfyUI detects in the shipped tensors' names), ``cast_flags`` (module name ->
+    ``comfy_cast_weights`` where the parent's differs from the class's), ``z_channels``, ``embed_dim``, and the
+    tiling/temporal attributes ``tile_size``, ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``,
+    ``clip_length``, ``token_drop``.  ``stored``: the shipped tensors' names and dtype names.  The encoder is left
+    out (None): a decode never touches it.  The model is built on the meta device (no memory, no init) and cast to
+    ``dtype`` as ComfyUI's VAE loader casts it before loading; a floating tensor the parent keeps in another dtype
+    (DynamicVRAM keeps a checkpoint's stored dtype and casts per layer) gets that dtype, so the same per-layer casts
+    run here; ``to_empty`` places it, and :func:`load_tensors` fills it.
     """
     import comfy.ops
 
@@ -90,7 +94,7 @@ def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype, names: Iterable[
         import comfy.utils
 
         mp = arch["mixed_precision"]
-        quant = comfy.utils.detect_layer_quantization(dict.fromkeys(names), "")
+        quant = comfy.utils.detect_layer_quantization(dict.fromkeys(stored or ()), "")
         if quant is None:
             raise ValueError("the parent's decoder is quantized, but no shipped tensor carries comfy_quant metadata")
         ops_cls = comfy.ops.mixed_precision_ops(quant, torch_dtype(mp["compute_dtype"]), bool(mp["full_precision_mm"]))
@@ -108,7 +112,26 @@ def build_decoder(vae_mod: Any, arch: dict, dtype: torch.dtype, names: Iterable[
         model.decoder = vae_mod.ViT3DDecoder(operations=ops_cls, **arch["decoder"])
     model.vae_ratio = int(arch["vae_ratio"])
     model.vae_ratio_t = int(arch["vae_ratio_t"])
-    return model.to(dtype)
+    model = model.to(dtype)
+    _keep_stored_dtypes(model, stored or {})
+    for name, flag in arch.get("cast_flags", {}).items():
+        model.get_submodule(name).comfy_cast_weights = flag
+    return model
+
+
+def _keep_stored_dtypes(model: Any, stored: Mapping[str, str]) -> None:
+    """Give every built floating parameter or buffer the dtype of its shipped tensor (quantized parts, which the
+    linears' own loader rebuilds, are left alone)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        want = torch_dtype(stored[name]) if name in stored else t.dtype
+        if want == t.dtype or not (want.is_floating_point and t.dtype.is_floating_point):
+            continue
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        if attr in mod._parameters:
+            mod._parameters[attr] = torch.nn.Parameter(t.data.to(want), requires_grad=t.requires_grad)
+        else:
+            mod._buffers[attr] = t.to(want)
 
 
 def load_tensors(model: Any, tensors: dict[str, torch.Tensor], device: str) -> int:
@@ -150,7 +173,8 @@ def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     vae_mod = import_comfy_vae(msg.comfy)
     t_import = time.perf_counter() - t0
     dtype = torch_dtype(msg.dtype)
-    model = build_decoder(vae_mod, msg.arch, dtype, msg.manifest).to_empty(device=ctx.device)
+    stored = {name: d.dtype for name, d in msg.manifest.items()}
+    model = build_decoder(vae_mod, msg.arch, dtype, stored).to_empty(device=ctx.device)
     seg = ctx.segment(msg.store)
     try:
         nbytes = load_tensors(model, {name: seg.tensor(d) for name, d in msg.manifest.items()}, ctx.device)
@@ -198,6 +222,27 @@ def _test_crash(ctx: WorkerContext) -> None:
     os._exit(7)
 
 
+def _decode_raw(ctx: WorkerContext, st: VaeState, z_desc: TensorDesc) -> torch.Tensor:
+    """ComfyUI's decode of the latent chunk at ``z_desc`` on this worker's device (in inference mode)."""
+    raw = st.model._adaptive_decode(ctx.segment(z_desc.seg).tensor(z_desc).to(ctx.device, copy=True))
+    if TEST_HOOKS and config.TEST_VAE_SKEW_RANK.get() == ctx.rank + 1:  # VAE rank = pool rank + 1
+        # one unit in the last place on every value: a decode that differs from rank 0's, for the probe to catch
+        raw.copy_(torch.nextafter(raw, torch.full_like(raw, float("inf"))))
+    return raw
+
+
+def _probe(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeProbe) -> dict:
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            raw = _decode_raw(ctx, st, msg.z)
+            digest = vae_protocol.chunk_digest(raw)
+    finally:
+        ctx.forget_segment(msg.z.seg)
+    return {"digest": digest, "seconds": time.perf_counter() - t0, "shape": list(raw.shape),
+            "dtype": str(raw.dtype).removeprefix("torch.")}
+
+
 def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: int) -> dict:
     if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
         raise RuntimeError(f"chunk {msg.index} of job {msg.job} skipped: the coordinator aborted the decode")
@@ -206,11 +251,9 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: i
     names.add(msg.z.seg)
     if msg.out is not None:
         names.add(msg.out.seg)
-    seg = ctx.segment(msg.z.seg)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        z = seg.tensor(msg.z).to(ctx.device, copy=True)
-        raw = st.model._adaptive_decode(z)
+        raw = _decode_raw(ctx, st, msg.z)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
         t_decode = time.perf_counter() - t0
@@ -239,6 +282,17 @@ async def _vae_chunk(ctx: WorkerContext, msg: vae_protocol.VaeChunk) -> dict:
     st.chunks_done += 1
     ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index, res["dtype"],
                  res["shape"], res["seconds"], res["copy_s"], "held for fetch" if res["held"] else "shm")
+    return res
+
+
+@handler(vae_protocol.VaeProbe)
+async def _vae_probe(ctx: WorkerContext, msg: vae_protocol.VaeProbe) -> dict:
+    st = _state(ctx)
+    if st.model is None:
+        raise RuntimeError("vae_probe before vae_load: this worker holds no VAE decoder")
+    res = await ctx.run_compute(_probe, ctx, st, msg)
+    ctx.log.info("exactness probe: %s %s decoded in %.3f s, digest %s", res["dtype"], res["shape"], res["seconds"],
+                 res["digest"][:12])
     return res
 
 
