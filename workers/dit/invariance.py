@@ -68,7 +68,7 @@ def fingerprint(device: torch.device) -> dict[str, str]:
         kitchen = metadata.version("comfy-kitchen")
     except metadata.PackageNotFoundError:
         kitchen = "unknown"
-    out = {"torch": torch.__version__, "comfy_kitchen": kitchen}
+    out = {"torch": str(torch.__version__), "comfy_kitchen": kitchen}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out["device"] = f"{device} {props.name}"
@@ -205,7 +205,7 @@ def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence
         shards.append([g0, g1])
     dig = digest(full)
     dtype = "int8" + ("+convrot" if op.convrot else "") if op.weight_dtype == "int8" else str(act).split(".")[-1]
-    return OpVerdict(op.name, dtype, f"{rows}x{op.out_features}x{_in_features(op)}", op.split, shards, exact,
+    return OpVerdict(op.name, dtype, f"{rows}x{op.out_features}x{op.in_features}", op.split, shards, exact,
                      diffs, dig, clock.ms(t0))
 
 
