@@ -9,7 +9,7 @@ difference and where) and recorded in the status document (``exactness.verify``)
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,8 +22,8 @@ from workers.dit.loop import run_blocks
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import NoExchange
 
-if TYPE_CHECKING:
-    from h3ms_async.dit.split import SplitEngine, SplitOptions, StepProgress
+#: ``h3ms_async.dit.split.SplitEngine`` (which calls this module; typed loosely so the import points one way).
+Engine = Any
 
 log = get_logger("MultiStream")
 
@@ -42,14 +42,14 @@ def rank_part(op: str, out: torch.Tensor, plan: plans.SplitPlan, r: int, heads: 
     return out[plan.token_bounds[r]:plan.token_bounds[r + 1]]
 
 
-def _attend(options: "SplitOptions") -> dit_ops.Attend:
+def _attend(options: Any) -> dit_ops.Attend:
     if options.comfy_host is not None:
         from workers.runtime.comfy_host import comfy_attend
         return comfy_attend(options.comfy_host)
     return dit_ops.builtin_attend(options.attention)
 
 
-def unsplit_step(engine: "SplitEngine", plan: plans.SplitPlan, x: torch.Tensor, t_emb: torch.Tensor,
+def unsplit_step(engine: Engine, plan: plans.SplitPlan, x: torch.Tensor, t_emb: torch.Tensor,
                  mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
                  device: torch.device) -> tuple[torch.Tensor, dict[tuple[int, str], str]]:
     """The step unsplit on ``device``, weights streamed block by block from the engine's store; returns the new
@@ -88,9 +88,9 @@ def first_difference(rank_traces: Sequence[dict], ref: dict[tuple[int, str], str
     return None
 
 
-def verify_step(engine: "SplitEngine", plan: plans.SplitPlan, opts: "SplitOptions", x: torch.Tensor,
+def verify_step(engine: Engine, plan: plans.SplitPlan, opts: Any, x: torch.Tensor,
                 t_emb: torch.Tensor, mod_segments: Sequence[tuple], rope_freqs: torch.Tensor,
-                interrupt: Callable[[], bool] | None, sigma: float | None, progress: "StepProgress | None",
+                interrupt: Callable[[], bool] | None, sigma: float | None, progress: Callable[[int, int], None] | None,
                 in_place: bool) -> torch.Tensor:
     """Run the split step (traced), then the unsplit one, compare, log and record; returns the split step's output.
     A failure of the unsplit run (e.g. out of memory on the model's device) is logged and the split result kept."""
