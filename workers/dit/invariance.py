@@ -149,7 +149,9 @@ def _in_features(op: LinearOp) -> int:
     return op.in_features * (2 if op.input_act == "swiglu" else 1)
 
 
-class _Clock:
+class Clock:
+    """Wall time of device work: synchronises a CUDA device before reading the clock."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -174,7 +176,7 @@ def _compare(full_part: torch.Tensor, part: torch.Tensor) -> tuple[bool, float]:
 
 def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence[tuple[int, int]],
                  act: torch.dtype, heads: tuple[int, int], total_heads: int, head_dim: int,
-                 clock: _Clock) -> OpVerdict:
+                 clock: Clock) -> OpVerdict:
     """One linear: the unsplit call over ``rows`` rows against each token shard (``split="tokens"``), against the
     head group's rows of the fused qkv weight (``"heads"``), or alone (``"none"``: only its digest)."""
     t0 = clock.start()
@@ -210,7 +212,7 @@ def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence
 
 
 def probe_attention(pool: RandomPool, seq: int, heads: tuple[int, int], total_heads: int, head_dim: int,
-                    act: torch.dtype, attend: dit_ops.Attend, clock: _Clock, name: str = "attention") -> OpVerdict:
+                    act: torch.dtype, attend: dit_ops.Attend, clock: Clock, name: str = "attention") -> OpVerdict:
     """Attention over all ``seq`` tokens: every head against the head group ``heads``' own call, as the rank lays
     its q, k, v out (a packed projection of the group's heads only)."""
     t0 = clock.start()
@@ -238,7 +240,7 @@ def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tupl
     ``t_rows``: rows of the adaLN call (the step's timestep rows).  Runs under inference mode and
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
-    clock = _Clock(device)
+    clock = Clock(device)
     report = ProbeReport(fingerprint(device))
     pool = RandomPool(device)
     t0 = clock.start()
