@@ -75,8 +75,9 @@ def attend(tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> to
 def probe_ranges(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dtype, ranges: list[tuple[int, int]],
                  device: torch.device) -> dict:
     """Whether each head range of ``ranges`` attends to the whole call's bits on ``device``: random q of ``shape``
-    ``[B, H, S, D]`` and k, v of ``kv_len`` tokens (the same numbers on every device, ``workers.dit.invariance.RandomPool``), packed once
-    by kitchen as the node packs them, the whole call and each range's :func:`attend` compared with ``torch.equal``.
+    ``[B, H, S, D]`` and k, v of ``kv_len`` tokens (the same numbers on every device,
+    ``workers.dit.invariance.RandomPool``), packed once by kitchen as the node packs them, the whole call and each
+    range's :func:`attend` compared with ``torch.equal``.
     Answers per range ``exact`` and ``max_abs_diff``, the whole call's ``digest`` (compared across devices), the
     device ``fingerprint`` and ``ms``."""
     import comfy_kitchen as ck

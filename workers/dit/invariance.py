@@ -72,7 +72,8 @@ def fingerprint(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out["device"] = f"{device} {props.name}"
-        out["runtime"] = f"cuda {torch.version.cuda} sm_{props.major}{props.minor} cudnn {torch.backends.cudnn.version()}"
+        out["runtime"] = (f"cuda {torch.version.cuda} sm_{props.major}{props.minor} "
+                          f"cudnn {torch.backends.cudnn.version()}")
     else:
         out["device"] = f"cpu {_cpu_model()}"
         out["runtime"] = (f"{torch.backends.cpu.get_cpu_capability()} "
