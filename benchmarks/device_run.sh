@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact] [extra bench args...]
+#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo] [extra bench args...]
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: vae-tests then vae-bench (over 600 s: one device call runs at most that, so call the halves one by one)
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
@@ -8,6 +8,10 @@
 #   4 logical ranks); vae-exact: only the bf16 checkpoint under DynamicVRAM (and without) through the VAE split and
 #   the exactness probe catching a worker skewed on purpose (about 2 min). All need the ComfyUI tree
 #   (tests/comfy_tree.py unpacks it from shared/) and its imports.
+#   invariance: `bench invariance` (row/head invariance table of H3's shapes, the engine's decision per size, the
+#   probe's cost at full width), then the split's CUDA probe/verify tests (tests/test_invariance_cuda.py)
+#   invariance-demo: the issue's bf16 demo whose first rank gets ~10 rows: it must adjust and stay exact (or run
+#   unsplit with one warning), then the same with --verify
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,5 +60,22 @@ if [ "$what" = vae ] || [ "$what" = vae-bench ]; then
       --out "$out" "$@" 2>&1 | tee "$out/bench_vae_$dt.log" || rc=1
   done
   echo "vae-bench: ${SECONDS} s wall" | tee -a "$out/bench_vae_bf16.log"
+fi
+if [ "$what" = invariance ]; then
+  python3 -m h3ms_async bench invariance --out "$out/bench_invariance.json" "$@" > "$out/bench_invariance.log" 2>&1 \
+    || rc=1
+  tail -5 "$out/bench_invariance.log"
+  python3 -m pytest -q -p no:cacheprovider -s tests/test_invariance_cuda.py 2>&1 | tee "$out/pytest_invariance_cuda.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "invariance: ${SECONDS} s wall" | tee -a "$out/bench_invariance.log"
+fi
+if [ "$what" = invariance-demo ]; then
+  for extra in "" "--verify"; do
+    # shellcheck disable=SC2086  # --verify or nothing
+    python3 -m h3ms_async demo --ranks cuda:0,cuda:0 --shares 1,2000 --tokens 20000 --hidden 5376 --heads 56 \
+      --head-dim 128 --layers 2 --weights bf16 --steps 2 $extra "$@" 2>&1 | tee -a "$out/invariance_demo.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+  echo "invariance-demo: ${SECONDS} s wall" | tee -a "$out/invariance_demo.log"
 fi
 exit $rc

@@ -11,8 +11,8 @@ import msgspec
 import psutil
 import pytest
 
-from h3ms_async.observability.status import (RING_SIZE, VERDICTS_KEPT, RankRecord, SchemaError, Status, StatusHub,
-                                             StepRecord, VerdictRecord, format_step_line, now_iso, ram_info)
+from h3ms_async.observability.status import (RING_SIZE, RankRecord, SchemaError, Status, StatusHub, StepRecord,
+                                             format_step_line, now_iso, ram_info)
 
 GIB = 1024 ** 3
 
@@ -128,10 +128,11 @@ def test_status_defaults_shape_and_json():
     assert set(st) == {"version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store",
                        "caches", "hooks", "ram", "vae_workers", "vae_split", "text_encoder_outputs", "exactness"}
     msgspec.convert(st, Status)
+    assert st["exactness"] == {"verdicts": [], "verify": []}
     assert st["running"] is False and st["last_step"] == {} and st["workers"] == [] and st["plans"] == {}
     assert st["vae_workers"] == [] and st["vae_split"] == {"engines": []}
     assert st["text_encoder_outputs"] == {"entries": 0, "hits": 0, "misses": 0, "bytes": 0}
-    assert st["version"] != "unknown" and st["exactness"] == {"verdicts": [], "verify": []}
+    assert st["version"] != "unknown"
     json.dumps(st, allow_nan=False)
     hub.record_step(make_record(0), log=False)
     st = hub.status()
@@ -242,20 +243,26 @@ def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
     assert 0 < info.available_bytes <= info.total_bytes
 
 
-def _verdict(i: int) -> VerdictRecord:
-    return VerdictRecord(program="vae", op="vae.chunk", device="cpu test", dtype="float16", shape=f"1x24x7x2x{i}",
-                         shards=[2, 1], verdict="exact", detail="every rank decodes it as rank 0 does",
-                         probe_ms=1.5, at="2026-01-01T00:00:00")
-
-
-def test_exactness_verdicts_are_typed_and_bounded():
+def test_exactness_verdicts_and_verify_are_typed_and_bounded():
+    from h3ms_async.observability.status import (VERDICTS_KEPT, VerdictRecord, VerifyRecord, now_iso)
     hub = StatusHub()
-    with pytest.raises(SchemaError, match="build a status.VerdictRecord"):
-        hub.record_verdict({"program": "vae"})  # type: ignore[arg-type]
     for i in range(VERDICTS_KEPT + 3):
-        hub.record_verdict(_verdict(i))
-    got = hub.status()["exactness"]["verdicts"]
-    assert len(got) == VERDICTS_KEPT and got[-1]["shape"] == f"1x24x7x2x{VERDICTS_KEPT + 2}"
-    assert got[0] == msgspec.to_builtins(_verdict(3))
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({**got[0], "verdict": "maybe"}, VerdictRecord)
+        hub.record_verdict(VerdictRecord(program="dit", op="mlp.fc2", device="cpu X", dtype="bfloat16",
+                                         shape=f"{i}x64x128", shards=[i, 1], verdict="adjusted",
+                                         detail="moved to 16", probe_ms=1.5, at=now_iso()))
+    hub.record_verify(VerifyRecord(at=now_iso(), devices=["cpu X"], bit_exact=False, max_abs_diff=0.5,
+                                   first_difference="block 1 mlp.fc2", steps_checked=1))
+    ex = hub.status()["exactness"]
+    assert len(ex["verdicts"]) == VERDICTS_KEPT and ex["verdicts"][-1]["shape"] == f"{VERDICTS_KEPT + 2}x64x128"
+    assert ex["verify"][0]["first_difference"] == "block 1 mlp.fc2"
+    with pytest.raises(SchemaError, match="VerdictRecord"):
+        hub.record_verdict({"op": "x"})  # type: ignore[arg-type]
+    msgspec.convert(hub.status(), Status)
+
+
+def test_record_verdict_refuses_an_unknown_verdict():
+    from h3ms_async.observability.status import record_verdict
+    with pytest.raises(SchemaError, match="exact\\|adjusted\\|unsplit"):
+        record_verdict("dit", "mlp.fc2", "cpu", "float32", "8x8x8", [4, 4], "maybe", "", 0.0)
+    out = record_verdict("vae", "vae.chunk", "cpu", "float16", "1x16x8x8", [2, 3], "exact", "", 3.0)
+    assert out["verdict"] == "exact" and out["shards"] == [2, 3]

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import VerdictRecord, now_iso, record_verdict
+from h3ms_async.observability.status import record_verdict
 from workers.runtime.shm import dtype_name
 
 log = get_logger("VAE split")
@@ -94,6 +94,5 @@ def settle(outcomes: Sequence[Outcome], keys: dict[tuple[int, tuple[int, ...]], 
             if o.rank not in warned:
                 log.warning("%s (%s)", detail, dtype_name(dtype))
                 warned.add(o.rank)
-        record_verdict(VerdictRecord(program="vae", op="vae.chunk", device=label, dtype=dtype_name(dtype),
-                                     shape=shape, shards=shards, verdict=verdict, detail=detail,
-                                     probe_ms=round(o.probe_ms, 3), at=now_iso()))
+        record_verdict("vae", "vae.chunk", label, dtype_name(dtype), shape, shards, verdict, detail,
+                       round(o.probe_ms, 3))
