@@ -35,6 +35,12 @@ import comfy.ldm.minimax.vae as V
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
 from h3ms_async.caches import output_cache, weight_cache
 M = nodes.NODE_CLASS_MAPPINGS
+LOADS = []
+_load = mm.load_models_gpu
+def observed_load(models, *a, **k):  # observes ComfyUI's own loads; the load itself is ComfyUI's
+    LOADS.append(len(models))
+    return _load(models, *a, **k)
+mm.load_models_gpu = observed_load
 GEN = torch.Generator(device="cuda").manual_seed(11)
 
 def rand_sd(shapes, bump):
@@ -102,7 +108,8 @@ def decode(v):
             return v.decode(z).cpu()
     return timed(run)
 
-r = {"patcher": type(clip.patcher).__name__, "vae_patcher": type(vae.patcher).__name__,
+r = {"patcher": type(clip.patcher).__name__, "dynamic": clip.patcher.is_dynamic(),
+     "vae_patcher": type(vae.patcher).__name__,
      "te_device": str(clip.patcher.load_device), "te_layers": layers}
 (ref_a, _), (ref_lora, _) = encode(clip, "a red fox"), encode(lora_clip, "a red fox")
 ref_img, _ = decode(vae)
@@ -115,7 +122,9 @@ equal = [torch.equal(img, ref_img)]
 cached = M["H3MSTextEncoderCacheAsync"]().patch(clip, True, True, 64, 0.0)[0]
 cvae = M["H3MSVAECacheAsync"]().patch(vae, True, True, 0.0)[0]
 miss, r["te_miss_s"] = encode(cached, "a green frog")
+n_loads = len(LOADS)
 hit, r["te_hit_s"] = encode(cached, "a green frog")
+r["hit_loads"] = len(LOADS) - n_loads
 equal.append(eq(miss, hit))
 mm.unload_all_models()  # ComfyUI's own unload: the cache homes the host weights (the first time: its fill)
 r["rows_after_unload"] = weight_cache().summaries()
@@ -133,6 +142,20 @@ mm.unload_all_models()
 img, r["vae_restore2_s"] = decode(cvae)
 equal.append(torch.equal(img, ref_img))
 r.update(equal=equal, rows=weight_cache().summaries(), stats=output_cache().stats())
+held = lambda: sum(row["bytes"] for row in weight_cache().summaries())  # noqa: E731
+mm.unload_all_models()
+r["held_before_release"] = held()
+r["release"] = M["H3MSReleaseResourcesAsync"]().run(False, True, False, False, True)["ui"]["text"]
+r["held_after_release"], r["outputs_after_release"] = held(), output_cache().stats()["bytes"]
+mm.unload_all_models()  # nothing was loaded since: nothing to refill
+decode(cvae)
+encode(cached, "a last prompt")
+mm.unload_all_models()  # ComfyUI's next unload refills
+r["held_refilled"] = held()
+M["H3MSVAECacheAsync"]().patch(vae, True, False, 0.0)
+M["H3MSTextEncoderCacheAsync"]().patch(clip, False, True, 64, 0.0)
+r["held_after_off"] = held()
+r["equal_after_release"] = [torch.equal(decode(vae)[0], ref_img), eq(encode(clip, "a red fox")[0], ref_a)]
 print("RESULT", json.dumps(r))
 '''
 
@@ -149,14 +172,16 @@ def test_caches_restore_through_comfyui_unload_at_h3_sizes(tmp_path, mode) -> No
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
     print(mode, json.dumps(r, indent=1))
-    assert all(r["equal"]) and r["stats"]["hits"] == 1, r
-    assert r["te_hit_s"] < r["te_miss_s"] / 10, r
+    assert all(r["equal"]) and all(r["equal_after_release"]) and r["stats"]["hits"] == 1, r
+    assert r["te_hit_s"] < r["te_miss_s"] / 10 and r["hit_loads"] == 0, r
+    # the release action frees every copy; ComfyUI's next unload refills; weight_cache=false / enabled=false free
+    assert r["held_after_release"] == 0 and r["outputs_after_release"] == 0 and r["held_after_off"] == 0, r
+    assert r["held_refilled"] == r["held_before_release"], r
     rows = {row["group"].split(":")[0]: row for row in r["rows"]}
     if mode == "dynamic":
-        assert r["patcher"] == "ModelPatcherDynamic" and all(row["state"] == "aside" and "DynamicVRAM" in row["reason"]
-                                                             for row in r["rows"]), r
+        assert r["dynamic"] and all(row["state"] == "aside" and "DynamicVRAM" in row["reason"] for row in r["rows"]), r
         return
-    assert r["patcher"] == "ModelPatcher", r
+    assert not r["dynamic"], r
     vae = rows["vae"]
     assert vae["state"] == "held" and vae["homes"] >= 2 and vae["bytes"] > 2**30, vae
     te = rows["te"]
