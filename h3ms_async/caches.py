@@ -1,9 +1,10 @@
 """Pinned-RAM weight caches and the text-encoder output cache (``docs/comfyui_facts.md`` §9).
 
-* :class:`WeightCache` keeps a copy of a model's weights in page-locked host memory (plain RAM without CUDA), one
-  checkpoint per *group* (``te``, ``vae:<file>``): when ComfyUI has dropped the weights (evicted the model), they come
-  back from RAM at copy bandwidth instead of from disk.  Filling honours a RAM reserve: a fill that would leave less
-  than the reserve available is refused and the model runs without the cache.
+* :class:`WeightCache` keeps a model's host weights in page-locked memory (plain RAM without CUDA), one checkpoint
+  per *group* (``te:<file>``, ``vae:<file>``): after ComfyUI's unload moved them to host RAM they become the cache's
+  pinned buffers, so the next load copies them at full bandwidth; a group where ComfyUI never moves them holds
+  nothing and keeps the reason.  Filling honours a RAM reserve: a fill that would leave less than the reserve
+  available is refused and the model runs without the cache.  Releasing gives the bytes back.
 * :class:`OutputCache` is an LRU of encoder outputs keyed by a digest of everything that changes an encoding
   (:func:`digest`), bounded by an entry count and by the same RAM reserve.  A hit returns copies of the stored
   tensors, equal bit for bit to what the miss computed.

@@ -2,9 +2,9 @@
 
 * Output cache: a transformer encoder stack (``--te-layers`` x ``--te-hidden`` in ``--dtype``, on ``--device``;
   on CUDA its weights stream from host RAM on every encode, as ComfyUI runs a large text encoder next to the
-  diffusion model) encodes a prompt of ``--tokens`` tokens through ``OutputCache.fetch``, the call the node's hook
-  makes, with the node's key layout (the miss: hashing, the encode and the store), then the same prompt again (the
-  hit: hashing plus the copy out).  Reports both times, their ratio and the hashing alone (``hit_key_s``) from the
+  diffusion model) encodes a prompt of ``--tokens`` tokens through ``OutputCache.fetch`` (the lookup and store the
+  node's hook makes), with a key shaped like the node's (the miss: hashing, the encode and the store), then the same
+  prompt again (the hit: hashing plus the copy out).  Reports both times, their ratio and the hashing alone (``hit_key_s``) from the
   same run; the hit must equal the miss bit for bit.
 * Weight cache: a model of ``--weights-gb`` GiB in ``--dtype`` goes to host RAM and back to ``--device`` as
   ComfyUI's unload and load move it: once from pageable RAM (the reload), once after the cache homed the host
@@ -69,8 +69,9 @@ def bench_outputs(device: torch.device, layers: int, hidden: int, tokens: int, r
     cache = OutputCache()
     misses, hits, keys, equal = [], [], [], True
     for r in range(repeats):
-        # The node's key layout (nodes/text_cache_node.py): encoder identity, patch state, layer options, tokens.
-        key_parts = (("te", "bench-encoder", r), None, [("clip_l", "last", None, False)], pairs)
+        # Shaped like the node's key (nodes/text_cache_node.py): encoder files, patch fingerprint, method, layer,
+        # the call's arguments with the tokens.
+        key_parts = (("te", "bench-encoder", r), "0" * 64, "encode_from_tokens", None, {"tokens": pairs})
 
         def compute() -> tuple:
             with torch.inference_mode():
