@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo] [extra bench args...]
+#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches] [extra bench args...]
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: vae-tests then vae-bench (over 600 s: one device call runs at most that, so call the halves one by one)
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
-#   logical CUDA ranks) and the cache benchmarks; vae-bench: the split decode (full-size H3 VAE, fp16 and bf16, 2 and
+#   logical CUDA ranks); vae-bench: the split decode (full-size H3 VAE, fp16 and bf16, 2 and
 #   4 logical ranks); vae-exact: only the bf16 checkpoint under DynamicVRAM (and without) through the VAE split and
 #   the exactness probe catching a worker skewed on purpose (about 2 min). All need the ComfyUI tree
 #   (tests/comfy_tree.py unpacks it from shared/) and its imports.
@@ -12,6 +12,9 @@
 #   probe's cost at full width), then the split's CUDA probe/verify tests (tests/test_invariance_cuda.py)
 #   invariance-demo: the issue's bf16 demo whose first rank gets ~10 rows: it must adjust and stay exact (or run
 #   unsplit with one warning), then the same with --verify
+#   caches: the weight and output caches through ComfyUI's own unload/load at H3's sizes (14.6 GB text encoder,
+#   full-size video VAE) under DynamicVRAM, --disable-dynamic-vram, --lowvram and --novram (tests/test_caches_cuda.py:
+#   hit vs miss, reload vs restore, bytes held), then `bench caches` (about 4 min).
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,10 +42,15 @@ if [ "$what" = attention ]; then
   echo "attention: ${SECONDS} s wall (tests + bench)" | tee -a "$out/bench_attention.log"
 fi
 if [ "$what" = vae ] || [ "$what" = vae-tests ]; then
-  python3 -m pytest -q -p no:cacheprovider -s -m cuda tests/test_vae_split_cuda.py tests/test_caches_cuda.py \
+  python3 -m pytest -q -p no:cacheprovider -s -m cuda tests/test_vae_split_cuda.py \
     tests/test_vae_quant_comfy.py 2>&1 | tee "$out/pytest_vae_cuda.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ "$what" = caches ]; then
+  python3 -m pytest -q -p no:cacheprovider -s -m cuda tests/test_caches_cuda.py 2>&1 | tee "$out/pytest_caches_cuda.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   python3 -m h3ms_async bench caches --out "$out" 2>&1 | tee "$out/bench_caches.log" || rc=1
+  echo "caches: ${SECONDS} s wall" | tee -a "$out/bench_caches.log"
 fi
 if [ "$what" = vae-exact ]; then
   python3 -m pytest -q -p no:cacheprovider -s -m cuda \

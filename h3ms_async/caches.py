@@ -1,9 +1,10 @@
 """Pinned-RAM weight caches and the text-encoder output cache (``docs/comfyui_facts.md`` §9).
 
-* :class:`WeightCache` keeps a copy of a model's weights in page-locked host memory (plain RAM without CUDA), one
-  checkpoint per *group* (``te``, ``vae:<file>``): when ComfyUI has dropped the weights (evicted the model), they come
-  back from RAM at copy bandwidth instead of from disk.  Filling honours a RAM reserve: a fill that would leave less
-  than the reserve available is refused and the model runs without the cache.
+* :class:`WeightCache` keeps a model's host weights in page-locked memory (plain RAM without CUDA), one checkpoint
+  per *group* (``te:<file>``, ``vae:<file>``): after ComfyUI's unload moved them to host RAM they become the cache's
+  pinned buffers, so the next load copies them at full bandwidth; a group where ComfyUI never moves them holds
+  nothing and keeps the reason.  Filling honours a RAM reserve: a fill that would leave less than the reserve
+  available is refused and the model runs without the cache.  Releasing gives the bytes back.
 * :class:`OutputCache` is an LRU of encoder outputs keyed by a digest of everything that changes an encoding
   (:func:`digest`), bounded by an entry count and by the same RAM reserve.  A hit returns copies of the stored
   tensors, equal bit for bit to what the miss computed.
@@ -14,10 +15,12 @@ Both are process-wide (:func:`weight_cache`, :func:`output_cache`) and report to
 from __future__ import annotations
 
 import collections
+import enum
 import hashlib
 import marshal
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -66,13 +69,20 @@ def _walk(h: "hashlib._Hash", obj: Any) -> None:
             _walk(h, item)
             h.update(b",")
         h.update(b"]")
+    elif isinstance(obj, _PLAIN):
+        h.update(b"R" + type(obj).__name__.encode() + b":" + repr(obj).encode())
     else:
-        h.update(b"R" + repr(obj).encode())
+        # repr of an arbitrary object may hold its address (reused after it dies) or omit its state: never a key
+        raise TypeError(f"cannot key a {type(obj).__module__}.{type(obj).__qualname__} by content")
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 
 
 def digest(*parts: Any) -> str:
     """sha256 hex of ``parts``: tensors by dtype, shape and bytes; lists and tuples of plain builtins by their
-    marshal encoding; maps by sorted key; other sequences item by item; anything else by ``repr``."""
+    marshal encoding; maps by sorted key; other sequences item by item; numbers, strings, dtypes, devices and enum
+    members by ``repr``.  Anything else raises TypeError (it has no content key)."""
     h = hashlib.sha256()
     for p in parts:
         _walk(h, p)
@@ -187,22 +197,32 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _free_pinned_pool() -> None:
+    """Give freed page-locked blocks back to the OS (torch's host allocator keeps them for reuse otherwise)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if torch.cuda.is_available() and callable(empty):
+        empty()
+
+
 @dataclass
 class CachedWeights:
-    """One group's checkpoint: every cached tensor by parameter/buffer name, in pinned RAM."""
+    """One group's checkpoint: every cached tensor by parameter/buffer name, in pinned RAM, and the module whose host
+    weights they are while ComfyUI has it unloaded (``owner``, weakly)."""
 
     group: str
     key: tuple
     tensors: dict[str, torch.Tensor]
     nbytes: int
     fill_seconds: float
+    owner: "weakref.ref[torch.nn.Module] | None" = None
+    homed: bool = False
+    homes: int = 0
     restores: int = 0
-    restore_seconds: float = 0.0
 
     def summary(self) -> dict:
-        return {"group": self.group, "key": [str(k) for k in self.key], "tensors": len(self.tensors),
-                "bytes": self.nbytes, "fill_seconds": round(self.fill_seconds, 3), "restores": self.restores,
-                "restore_seconds": round(self.restore_seconds, 3), "pinned": torch.cuda.is_available()}
+        return {"group": self.group, "key": [str(k) for k in self.key], "state": "held", "tensors": len(self.tensors),
+                "bytes": self.nbytes, "fill_seconds": round(self.fill_seconds, 3), "homes": self.homes,
+                "restores": self.restores, "pinned": torch.cuda.is_available(), "reason": None}
 
 
 def named_tensors(module: torch.nn.Module, prefixes: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -213,10 +233,19 @@ def named_tensors(module: torch.nn.Module, prefixes: Iterable[str] | None = None
 
 
 class WeightCache:
-    """Pinned weight copies per group, one checkpoint (key) per group; see the module doc.  Thread-safe."""
+    """Pinned host weights per group, one checkpoint (key) per group.  Thread-safe.
+
+    ComfyUI itself moves a model's weights: its unload copies them to the offload device (host RAM), its next load
+    copies them back to the GPU.  :meth:`home` runs right after such an unload: it copies the host weights into the
+    group's pinned buffers and makes the module's tensors *be* those buffers, so ComfyUI's own next load reads
+    page-locked memory (and no second host copy exists).  :meth:`note_loaded` counts that load as a restore.
+    :meth:`stand_aside` records why a group holds nothing (ComfyUI never unloads that model's weights, or owns their
+    host copy itself).
+    """
 
     def __init__(self) -> None:
         self._groups: dict[str, CachedWeights] = {}
+        self._asides: dict[str, str] = {}
         self._lock = threading.Lock()
         self.refusals = 0
 
@@ -225,55 +254,86 @@ class WeightCache:
             entry = self._groups.get(group)
             return entry if entry is not None and entry.key == key else None
 
-    def fill(self, group: str, key: tuple, tensors: Mapping[str, torch.Tensor],
-             reserve_gb: float = 0.0) -> CachedWeights:
-        """Copy ``tensors`` into pinned RAM as ``group``'s checkpoint ``key`` (a different key in the group is
-        dropped first).  Raises :class:`CacheRefused` when the copy would leave less than ``reserve_gb`` available."""
-        hit = self.get(group, key)
-        if hit is not None:
-            return hit
-        self.release(group)
-        need = sum(t.numel() * t.element_size() for t in tensors.values())
-        if not _reserve_allows(need, reserve_gb):
-            self.refusals += 1
-            raise CacheRefused(
-                f"weight cache {group}: needs {need / GIB:.2f} GiB but only {ram_info().available_bytes / GIB:.2f} "
-                f"GiB RAM is available and cache_ram_reserve_gb={reserve_gb:g} must stay free; running without the "
-                "cache (lower the reserve or free RAM)")
-        t = time.perf_counter()
-        pinned = {n: _pin(v) for n, v in tensors.items()}
-        entry = CachedWeights(group, key, pinned, need, time.perf_counter() - t)
-        with self._lock:
-            self._groups[group] = entry
-        log.info("weight cache %s filled: %.2f GiB %s in %.2f s (%s)", group, need / GIB,
-                 "pinned" if torch.cuda.is_available() else "in RAM", entry.fill_seconds, ram_info().text)
-        return entry
-
-    def restore(self, entry: CachedWeights, module: torch.nn.Module) -> int:
-        """Copy the cached tensors back into ``module``'s same-named parameters and buffers (on their devices);
-        returns the bytes copied.  A name missing in the module, or another shape or dtype, is an error."""
-        targets = named_tensors(module)
-        t = time.perf_counter()
-        copied = 0
+    def home(self, group: str, key: tuple, module: torch.nn.Module, reserve_gb: float = 0.0) -> str:
+        """Make ``module``'s host (CPU) tensors ``group``'s pinned copy (filled the first time); returns "homed", or
+        "partial" when some tensors are not on the host (nothing done).  Raises :class:`CacheRefused` when a fill
+        would leave less than ``reserve_gb`` available."""
+        tensors = named_tensors(module)
+        if not tensors or any(t.device.type != "cpu" for t in tensors.values()):
+            return "partial"
+        entry = self.get(group, key)
+        owner = entry.owner() if entry is not None and entry.owner is not None else None
+        if entry is None or owner is not module or set(entry.tensors) != set(tensors) or any(
+                entry.tensors[n].shape != t.shape or entry.tensors[n].dtype != t.dtype for n, t in tensors.items()):
+            self.release(group)
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            if not _reserve_allows(need, reserve_gb):
+                self.refusals += 1
+                raise CacheRefused(
+                    f"weight cache {group}: needs {need / GIB:.2f} GiB but only "
+                    f"{ram_info().available_bytes / GIB:.2f} GiB RAM is available and cache_ram_reserve_gb="
+                    f"{reserve_gb:g} must stay free; running without the cache (lower the reserve or free RAM)")
+            t0 = time.perf_counter()
+            entry = CachedWeights(group, key, {n: _pin(t) for n, t in tensors.items()}, need,
+                                  time.perf_counter() - t0, weakref.ref(module))
+            with self._lock:
+                self._groups[group] = entry
+                self._asides.pop(group, None)
+            log.info("weight cache %s filled: %.2f GiB %s in %.2f s (%s)", group, need / GIB,
+                     "pinned" if torch.cuda.is_available() else "in RAM", entry.fill_seconds, ram_info().text)
         with torch.no_grad():
-            for name, src in entry.tensors.items():
-                dst = targets.get(name)
-                if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                    raise ValueError(f"weight cache {entry.group}: {name} no longer matches the model "
-                                     f"({None if dst is None else (dst.dtype, tuple(dst.shape))}); clear the cache")
-                dst.copy_(src, non_blocking=True)
-                copied += src.numel() * src.element_size()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        entry.restores += 1
-        entry.restore_seconds += time.perf_counter() - t
-        return copied
+            for name, t in tensors.items():
+                dst = entry.tensors[name]
+                if t.data_ptr() != dst.data_ptr():
+                    dst.copy_(t)
+                    t.data = dst
+        entry.homed = True
+        entry.homes += 1
+        return "homed"
+
+    def note_loaded(self, group: str, module: torch.nn.Module) -> bool:
+        """After a call that made ComfyUI load ``module``: if its weights had been homed and ComfyUI has since moved
+        them out of the pinned copy (to the GPU), count one restore.  Returns whether it counted."""
+        with self._lock:
+            entry = self._groups.get(group)
+            if entry is None or not entry.homed or entry.owner is None or entry.owner() is not module:
+                return False
+            moved = any(t.data_ptr() != entry.tensors[n].data_ptr() for n, t in named_tensors(module).items()
+                        if n in entry.tensors)
+            if moved:
+                entry.homed = False
+                entry.restores += 1
+            return moved
+
+    def stand_aside(self, group: str, reason: str) -> None:
+        """Hold nothing for ``group`` and report ``reason`` (logged once per group and reason)."""
+        self.release(group)
+        with self._lock:
+            new = self._asides.get(group) != reason
+            self._asides[group] = reason
+        if new:
+            log.warning("weight cache %s holds nothing: %s", group, reason)
 
     def release(self, group: str) -> int:
-        """Drop ``group``'s checkpoint; returns the bytes freed."""
+        """Drop ``group``'s copy (a module still using it as its host weights gets plain RAM copies first);
+        returns the pinned bytes freed."""
         with self._lock:
             entry = self._groups.pop(group, None)
-        return entry.nbytes if entry is not None else 0
+            self._asides.pop(group, None)
+        if entry is None:
+            return 0
+        owner = entry.owner() if entry.owner is not None else None
+        if owner is not None:
+            with torch.no_grad():
+                for name, t in named_tensors(owner).items():
+                    src = entry.tensors.get(name)
+                    if src is not None and t.data_ptr() == src.data_ptr():
+                        t.data = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
+        freed = entry.nbytes
+        entry.tensors.clear()
+        _free_pinned_pool()
+        log.info("weight cache %s released: %.2f GiB", group, freed / GIB)
+        return freed
 
     def clear(self) -> int:
         """Drop every group; returns the bytes freed."""
@@ -281,10 +341,16 @@ class WeightCache:
             groups = list(self._groups)
         return sum(self.release(g) for g in groups)
 
-    def summaries(self) -> list[dict]:
-        """The status route's ``caches`` rows."""
+    def bytes_held(self) -> int:
         with self._lock:
-            return [e.summary() for e in self._groups.values()]
+            return sum(e.nbytes for e in self._groups.values())
+
+    def summaries(self) -> list[dict]:
+        """The status route's ``caches`` rows: held groups with their bytes, and groups standing aside with why."""
+        with self._lock:
+            rows = [e.summary() for e in self._groups.values()]
+            rows += [{"group": g, "state": "aside", "bytes": 0, "reason": r} for g, r in self._asides.items()]
+            return rows
 
 
 _OUTPUTS = OutputCache()

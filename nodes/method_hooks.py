@@ -33,7 +33,8 @@ class Hook:
 
     def describe(self) -> dict:
         obj = self.ref()
-        return {"hook": self.label, "model": type(obj).__name__ if obj is not None else None,
+        model = None if obj is None else obj.__qualname__ if isinstance(obj, type) else type(obj).__name__
+        return {"hook": self.label, "model": model,
                 "methods": [self.attr], "detached": False,
                 "config": {k: v for k, v in self.config.items() if isinstance(v, (bool, int, float, str, type(None)))}}
 

@@ -2,7 +2,7 @@
 (``h3ms_async.observability.routes``: workers, weight store) that the menu and HTTP routes share."""
 from __future__ import annotations
 
-from h3ms_async.observability.routes import action_clear_weights, action_release_workers
+from h3ms_async.observability.routes import action_clear_text_cache, action_clear_weights, action_release_workers
 from h3ms_async.log import get_logger
 
 from . import method_hooks
@@ -32,12 +32,6 @@ def action_release_vae_workers() -> dict:
             "busy": False}
 
 
-def action_clear_text_cache() -> dict:
-    """Drop every cached text-encoder output (the hit/miss counters stay)."""
-    from h3ms_async.caches import output_cache
-    return {"message": f"text-encoder output cache cleared ({output_cache().clear()} entries)"}
-
-
 class H3MSReleaseResourcesAsync:
     CATEGORY = "advanced/model"
     RETURN_TYPES = ()
@@ -54,15 +48,15 @@ class H3MSReleaseResourcesAsync:
                                     "process: the split's, the attention helpers' and the VAE split's (their VRAM "
                                     "is freed)."}),
                 "clear_weight_store": ("BOOLEAN", {"default": False, "tooltip": "Drop the shared-memory copy of the "
-                                       "block weights (RAM is freed; the workers stay up and the next run "
-                                       "refills it)."}),
+                                       "block weights and the pinned copies of the VAE Cache and Text Encoder "
+                                       "Cache (RAM is freed; the workers stay up and the next run refills it)."}),
                 "detach_hooks": ("BOOLEAN", {"default": False, "tooltip": "Make models already patched by H3 "
                                  "MultiStream run unsplit until the node runs again, and remove the VAE split, VAE "
                                  "cache and text-encoder cache hooks."}),
                 "release_vae_workers": ("BOOLEAN", {"default": True, "tooltip": "Stop the VAE split's worker "
                                         "processes (refused while a decode runs; they restart at the next one)."}),
                 "clear_text_cache": ("BOOLEAN", {"default": False, "tooltip": "Drop the cached text-encoder "
-                                     "outputs."}),
+                                     "outputs (their RAM is freed)."}),
             },
         }
 

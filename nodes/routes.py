@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from h3ms_async.observability.routes import action_clear_weights, action_release_workers, add_routes
+from h3ms_async.observability.routes import (action_clear_text_cache, action_clear_weights, action_release_workers,
+                                             add_routes)
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import get_hub
 
@@ -38,6 +39,7 @@ def register(server: Any) -> bool:
     hub.register_action("release_workers", action_release_workers)
     hub.register_action("clear_weights", action_clear_weights)
     hub.register_action("detach_hooks", action_detach_hooks)
+    hub.register_action("clear_text_cache", action_clear_text_cache)
     hooks = lambda: [s.describe() for s in live_states()] + method_hooks.installed()  # noqa: E731
     hub.register_provider("hooks", hooks)
     remove_listener = hub.add_listener(lambda rec: server.send_sync(STEP_EVENT, rec))

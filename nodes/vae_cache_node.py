@@ -1,8 +1,10 @@
-"""The **H3 MS VAE Cache** node (VAE → VAE): the VAE's weights in pinned RAM (``docs/comfyui_facts.md`` §9).
+"""The **H3 MS VAE Cache** node (VAE → VAE): the VAE's weights in pinned RAM while ComfyUI has it unloaded
+(``docs/comfyui_facts.md`` §9; how and where: ``cache_hooks``).
 
-It hooks ``decode``, ``encode``, ``decode_tiled`` and ``encode_tiled`` on ``vae.first_stage_model`` (shared by the
-VAE's clones, e.g. Select VAE Device's shallow copy; place the node after that one).  Each VAE file has its own cache
-group ``vae:<file>``, so the video and the audio VAE do not evict each other.
+It attaches the weight cache to the VAE's patcher and hooks ``decode``, ``encode``, ``decode_tiled`` and
+``encode_tiled`` on ``vae.first_stage_model`` (shared by the VAE's clones, e.g. Select VAE Device's shallow copy;
+place the node after that one) to count the loads ComfyUI made from the pinned copy.  Each VAE file has its own
+cache group ``vae:<file>``, so the video and the audio VAE do not evict each other.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from h3ms_async import caches
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .cache_hooks import DYNAMIC_NOTE, stage_weights, vae_key, weights_managed_by_comfy
+from .cache_hooks import attach, detach, note_loaded, vae_key
 from .inputs import PatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("VAE cache")
@@ -26,9 +28,10 @@ def _make_wrapper(original: Callable[..., Any], cfg: dict) -> Callable[..., Any]
     model = original.__self__
 
     def cached_call(*args: Any, **kwargs: Any) -> Any:
-        if cfg["weight_cache"]:
-            stage_weights(model, cfg["group"], cfg["key"], cfg["reserve_gb"], cfg, cfg["load_device"])
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            note_loaded(model)
 
     return cached_call
 
@@ -46,11 +49,11 @@ class H3MSVAECacheAsync(PatchNode):
         "required": {
             "vae": ("VAE",),
             "enabled": enabled_input("Off removes the hooks and the VAE's cache group."),
-            "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "Keep a pinned-RAM copy of the weights "
-                             "(0.56 GB for the H3 audio VAE; a quantized (int8) VAE runs without it, with one "
-                             "warning). Under DynamicVRAM (ComfyUI's default on NVIDIA) ComfyUI keeps and pins "
-                             "the weights itself and this node does nothing; use --disable-dynamic-vram to get "
-                             "it."}),
+            "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "While ComfyUI has the VAE unloaded, keep "
+                             "its weights in pinned RAM, so ComfyUI's next load copies them at full speed (0.56 GB "
+                             "for the H3 audio VAE). Holds nothing (and says why) where ComfyUI never unloads the "
+                             "weights: --cpu, --gpu-only, DynamicVRAM (ComfyUI's default on NVIDIA; use "
+                             "--disable-dynamic-vram), or a quantized (int8) VAE. Off frees the copy."}),
             "cache_ram_reserve_gb": ram_reserve_input("Fill the cache only while at least this much RAM stays "
                                                       "available."),
         },
@@ -60,20 +63,19 @@ class H3MSVAECacheAsync(PatchNode):
         model = vae.first_stage_model
         key = vae_key(vae)
         group = f"vae:{type(model).__name__ if key[1] == 'object' else os.path.basename(key[1])}"
-        managed = enabled and weight_cache and weights_managed_by_comfy(getattr(vae, "patcher", None))
-        if managed:
-            log.warning("%s: %s", group, DYNAMIC_NOTE)
-        if not enabled or not weight_cache or managed:
-            # the weights are this node's only job: without them an installed hook would keep filling the cache
+        caches.register_status()
+        patcher = getattr(vae, "patcher", None)
+        if not enabled or not weight_cache or patcher is None or not attach(patcher, group, key,
+                                                                             cache_ram_reserve_gb):
+            # the weights are this node's only job: without the cache its hooks have nothing to count
             for attr in HOOK_ATTRS:
                 method_hooks.uninstall(model, attr)
-            caches.weight_cache().release(group)
+            if not enabled or not weight_cache or patcher is None:
+                detach(model, group)
             return (vae,)
-        cfg = {"group": group, "key": key, "weight_cache": True, "reserve_gb": float(cache_ram_reserve_gb),
-               "load_device": getattr(getattr(vae, "patcher", None), "load_device", None)}
+        cfg = {"group": group, "reserve_gb": float(cache_ram_reserve_gb)}
         for attr in HOOK_ATTRS:
             if callable(getattr(model, attr, None)):
                 method_hooks.install(model, attr, HOOK_LABEL, _make_wrapper, cfg)
-        caches.register_status()
         log.info("node configured: group %s, RAM reserve %g GiB", group, cache_ram_reserve_gb)
         return (vae,)

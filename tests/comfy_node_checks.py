@@ -556,7 +556,8 @@ def test_verify_input_checks_the_first_split_step_of_each_prompt(split, monkeypa
 OUR_ROUTES = {("GET", "/h3multistream/status"), ("GET", "/h3multistream/steps"),
               ("GET", "/h3multistream/workers/{rank}/log"), ("POST", "/h3multistream/workers/release"),
               ("POST", "/h3multistream/cache/clear_weights"), ("POST", "/h3multistream/hooks/detach"),
-              ("GET", "/h3multistream/panel"), ("GET", "/h3multistream/web/{name}")}
+              ("POST", "/h3multistream/cache/clear_text"), ("GET", "/h3multistream/panel"),
+              ("GET", "/h3multistream/web/{name}")}
 
 
 @pytest.fixture
@@ -647,7 +648,7 @@ def test_routes_over_a_running_split(prompt_server, split, monkeypatch):
             _item, running_id = q.get(timeout=1)
             try:
                 for path in ("/h3multistream/workers/release", "/h3multistream/cache/clear_weights",
-                             "/h3multistream/hooks/detach"):
+                             "/h3multistream/hooks/detach", "/h3multistream/cache/clear_text"):
                     answer = await post(path)
                     assert answer["busy"] is True and "a prompt is running" in answer["message"]
                 st = await get("/h3multistream/status")
@@ -658,6 +659,9 @@ def test_routes_over_a_running_split(prompt_server, split, monkeypatch):
 
             answer = await post("/h3multistream/cache/clear_weights")
             assert answer["busy"] is False and "weight store cleared" in answer["message"]
+            assert "weight caches: 0.00 GiB freed" in answer["message"]
+            answer = await post("/h3multistream/cache/clear_text")
+            assert answer["busy"] is False and "text-encoder output cache cleared" in answer["message"]
             st = await get("/h3multistream/status")
             assert st["weight_store"]["state"] == "empty" and [w["pid"] for w in st["workers"]] == pids
             answer = await post("/h3multistream/hooks/detach")

@@ -1,6 +1,10 @@
 """The weight cache and the text-encoder output cache (h3ms_async/caches.py), on real tensors and modules."""
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import pytest
 import torch
 
@@ -84,27 +88,62 @@ def test_output_cache_honours_the_ram_reserve() -> None:
     assert c.stats()["entries"] == 0  # the reserve also evicted what was there
 
 
-def test_weight_cache_restores_evicted_weights_exactly_and_keeps_one_key_per_group() -> None:
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_output_cache_clear_gives_the_bytes_back() -> None:
+    c = OutputCache()
+    big = torch.ones(64 << 20)  # 256 MiB
+    before = _rss()
+    assert c.put("k", (big, {"pooled_output": big[:8]}), max_entries=4)
+    stored = weakref.ref(c.get("k")[0])  # a copy: dies at once
+    held = c.stats()["bytes"]
+    grown = _rss() - before
+    assert held == big.nbytes + 32 and grown > 200 << 20, (held, grown)
+    assert c.clear() == 1 and c.stats()["bytes"] == 0
+    gc.collect()
+    assert stored() is None and _rss() - before < 64 << 20, _rss() - before
+
+
+def test_weight_cache_homes_host_weights_counts_a_load_and_releases_its_copy() -> None:
     torch.manual_seed(0)
-    mod = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    mod = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128))
     want = {n: t.clone() for n, t in caches.named_tensors(mod).items()}
     wc = WeightCache()
-    entry = wc.fill("te", ("te", "file-a", 1), caches.named_tensors(mod))
-    assert wc.fill("te", ("te", "file-a", 1), {}) is entry  # same key: no refill
-    with torch.no_grad():
-        for p in mod.parameters():
-            p.zero_()  # evicted
-    assert wc.restore(entry, mod) == entry.nbytes
-    assert all(torch.equal(t, want[n]) for n, t in caches.named_tensors(mod).items())
-    other = wc.fill("te", ("te", "file-b", 1), caches.named_tensors(mod))
-    assert wc.get("te", ("te", "file-a", 1)) is None and wc.get("te", other.key) is other
+    assert wc.home("te:a", ("te", "file-a", 1), mod) == "homed"
+    [entry] = [wc.get("te:a", ("te", "file-a", 1))]
+    # the module's host tensors are the cache's buffers: no second copy
+    assert all(t.data_ptr() == entry.tensors[n].data_ptr() for n, t in caches.named_tensors(mod).items())
+    assert wc.bytes_held() == entry.nbytes == sum(t.nbytes for t in want.values())
+    assert not wc.note_loaded("te:a", mod)  # nothing moved yet
+    for t in caches.named_tensors(mod).values():
+        t.data = t.data.clone()  # what a load to another device leaves: the tensors no longer in the buffers
+    assert wc.note_loaded("te:a", mod) and entry.restores == 1 and not wc.note_loaded("te:a", mod)
+    assert wc.home("te:a", ("te", "file-a", 1), mod) == "homed" and wc.get("te:a", ("te", "file-a", 1)) is entry
+    assert entry.homes == 2
+    buffers = [weakref.ref(t) for t in entry.tensors.values()]
     [row] = wc.summaries()
-    assert row["group"] == "te" and row["bytes"] == entry.nbytes and row["restores"] == 0
-    with pytest.raises(ValueError, match="no longer matches"):
-        wc.restore(other, torch.nn.Linear(8, 4))
+    assert row["state"] == "held" and row["bytes"] == entry.nbytes and row["restores"] == 1
+    assert wc.release("te:a") == entry.nbytes and wc.bytes_held() == 0 and wc.summaries() == []
+    del entry
+    gc.collect()
+    assert all(r() is None for r in buffers), "a released copy must not stay referenced"
+    assert all(torch.equal(t, want[n]) for n, t in caches.named_tensors(mod).items())
     with pytest.raises(CacheRefused, match="cache_ram_reserve_gb"):
-        wc.fill("vae:x", ("vae", "x"), caches.named_tensors(mod), reserve_gb=1e6)
-    assert wc.clear() == other.nbytes and wc.summaries() == []
+        wc.home("vae:x", ("vae", "x"), mod, reserve_gb=1e6)
+    wc.stand_aside("te:b", "its load device and offload device are both cpu")
+    assert wc.summaries() == [{"group": "te:b", "state": "aside", "bytes": 0,
+                               "reason": "its load device and offload device are both cpu"}]
+
+
+def test_digest_refuses_objects_it_cannot_key_by_content() -> None:
+    class Opaque:
+        pass
+    with pytest.raises(TypeError, match="cannot key"):
+        digest({"a": Opaque()})
+    assert digest(torch.float16, torch.device("cpu")) != digest(torch.bfloat16, torch.device("cpu"))
 
 
 def test_caches_report_to_the_status_route() -> None:

@@ -73,5 +73,7 @@ def test_quantized_vae_splits_and_equals_comfyui(device: str) -> None:
     # every rank decoded chunks of its own (2 ranks, then 3): the workers really ran the quantized decoder
     assert len(r["shares"]) == 2 and [len(s) for s in r["shares"]] == [2, 3] and all(min(s) > 0 for s in r["shares"])
     assert not [ln for ln in proc.stderr.splitlines() if "decoding unsplit" in ln], "the split must not fall back"
-    assert r["cache_rows"] == [], "quantized weights must not be cached as plain bytes"
+    # quantized weights are never cached as plain bytes: the group holds nothing and says why, once
+    assert [(row["state"], row["bytes"]) for row in r["cache_rows"]] == [("aside", 0)], r["cache_rows"]
+    assert "are QuantizedTensor, not plain tensors" in r["cache_rows"][0]["reason"]
     assert sum("are QuantizedTensor, not plain tensors" in ln for ln in proc.stderr.splitlines()) == 1

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import get_logger, tail_file
-from h3ms_async.observability.status import RING_SIZE, StatusHub, get_hub
+from h3ms_async.observability.status import GIB, RING_SIZE, StatusHub, get_hub
 
 _log = get_logger("Status")
 
@@ -44,6 +44,7 @@ MUTATING = (
     ("/workers/release", "release_workers", "a prompt is running; workers left running"),
     ("/cache/clear_weights", "clear_weights", "a prompt is running; weight store left in place"),
     ("/hooks/detach", "detach_hooks", "a prompt is running; hooks left attached"),
+    ("/cache/clear_text", "clear_text_cache", "a prompt is running; text-encoder outputs left in place"),
 )
 
 
@@ -131,12 +132,23 @@ def action_release_workers() -> dict:
 
 
 def action_clear_weights() -> dict:
-    """Drop every live engine's shared-memory weight store; the workers stay up and reload it on the next step."""
+    """Drop every live engine's shared-memory weight store (the workers stay up and reload it on the next step)
+    and every pinned copy of the VAE / text-encoder weight caches (refilled at ComfyUI's next unload)."""
+    from h3ms_async.caches import weight_cache
     from h3ms_async.runtime.engines import live_engines
     n = sum(eng.release_weights() for eng in live_engines())
-    if n == 0:
-        return {"message": "no weight store was held"}
-    return {"message": f"weight store cleared ({n} dropped; workers kept, the next step refills it)"}
+    freed = weight_cache().clear()
+    store = (f"weight store cleared ({n} dropped; workers kept, the next step refills it)" if n
+             else "no weight store was held")
+    return {"message": f"{store}; weight caches: {freed / GIB:.2f} GiB freed"}
+
+
+def action_clear_text_cache() -> dict:
+    """Drop every cached text-encoder output (the hit/miss counters stay)."""
+    from h3ms_async.caches import output_cache
+    held = output_cache().stats()["bytes"]
+    n = output_cache().clear()
+    return {"message": f"text-encoder output cache cleared ({n} entries, {held / GIB:.3f} GiB freed)"}
 
 
 def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:

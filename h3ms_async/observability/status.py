@@ -42,7 +42,7 @@ SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "vae_workers"
 #: ``devices``, ``helpers`` as worker rows, ``splits`` (the tuned head splits) and ``recent_calls`` with per-device
 #: transport and timings).
 OPTIONAL_SECTIONS = ("attention",)
-ACTIONS = ("release_workers", "clear_weights", "detach_hooks")
+ACTIONS = ("release_workers", "clear_weights", "detach_hooks", "clear_text_cache")
 GIB = 1024 ** 3
 
 
