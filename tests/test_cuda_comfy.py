@@ -50,9 +50,11 @@ for cid, ranks, shares, int8, lora in {cases!r}:
                 model = comfy.sd.load_lora_for_models(model, None, comfy_h3.lora_state_dict(2, rank=16), 0.8, 0)[0]
         os.environ["H3MS_RANK_MAP"] = ranks
         gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
-        split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus)[0]
+        split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus, {verify!r})[0]
+        n_verify = len(get_hub().exactness()["verify"])
         first = comfy_h3.ksample(split, **KW)   # the first calls after this rank map's workers start
         rec = get_hub().recent_steps(1)[-1]
+        verified = get_hub().exactness()["verify"][n_verify:]
         plain = comfy_h3.ksample(model, **KW)
         second = comfy_h3.ksample(split, **KW)
         r = dict(case=cid, ranks=ranks, shares=shares, int8=int8, lora=lora, patcher=type(model).__name__,
@@ -60,7 +62,7 @@ for cid, ranks, shares, int8, lora in {cases!r}:
                  compute_dtype=str(model.model.get_dtype() if model.model.manual_cast_dtype is None
                                    else model.model.manual_cast_dtype),
                  tokens=rec["tokens"], devices=rec["devices"], first=comfy_h3.same(plain, first),
-                 second=comfy_h3.same(plain, second))
+                 second=comfy_h3.same(plain, second), verify=verified)
         print("CASE " + json.dumps(r), flush=True)
     finally:
         os.unlink(path)
@@ -88,7 +90,8 @@ GROUPS = [
 @pytest.mark.parametrize("group", GROUPS, ids=[g[0] for g in GROUPS])
 def test_split_equals_comfyui_on_cuda(group):
     gid, flags, cases, patcher = group
-    body = _BODY.format(tests=os.path.dirname(os.path.abspath(__file__)), cases=cases)
+    verify = patcher == "ModelPatcherDynamic"  # the opt-in verify, checked where DynamicVRAM is on
+    body = _BODY.format(tests=os.path.dirname(os.path.abspath(__file__)), cases=cases, verify=verify)
     with tempfile.TemporaryDirectory() as web_root:  # ComfyUI's frontend package is not on the GPU machine
         r = comfy_tree.run_comfy_script(body, ["--disable-api-nodes", "--front-end-root", web_root, *flags],
                                         timeout_s=300)
@@ -105,3 +108,6 @@ def test_split_equals_comfyui_on_cuda(group):
         assert case["int8"] or case["compute_dtype"] == "torch.bfloat16", case  # bf16 weights compute in bf16
         assert case["devices"] == case["ranks"].split(","), case
         assert case["first"][0] and case["second"][0], case
+        if verify:  # one result per prompt's first split step, each bit-exact on the ranks' GPUs
+            assert case["verify"], case
+            assert all(v["bit_exact"] and v["first_difference"] is None for v in case["verify"]), case
