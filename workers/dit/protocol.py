@@ -30,12 +30,19 @@ serve.  Field meanings:
     blocks      [b0, b1): the blocks to run (normally all)
     residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm);
                 a change between steps re-places the weights from the same store
+    sparse      {} (dense attention), or {config, sigma, branch}: sparse attention over this rank's heads
+                (``workers.dit.sparse``: config = ``SparseConfig.to_wire()``, sigma = the step's sigma or None,
+                branch = the conditioning branch the pooled statistics are kept for)
+
+``dit_sparse_reset`` drop the pooled sparse-attention statistics (sampling ended).
 
 ``dit_release`` drop this rank's weights, exchange objects and process group.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal, Union, get_args
+
+import msgspec
 
 from workers.runtime.protocol import Plain, Request, TensorDesc
 
@@ -71,7 +78,12 @@ class DitStep(Request, tag="dit_step"):
     deadline_s: float
     blocks: tuple[int, int]
     residency: Residency
-    PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
+    sparse: Plain = msgspec.field(default_factory=dict)
+    PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
+
+
+class DitSparseReset(Request, tag="dit_sparse_reset"):
+    pass
 
 
 class DitRelease(Request, tag="dit_release"):
