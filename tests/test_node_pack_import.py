@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NODES = {"H3MultiStreamAsync": "H3 MultiStream", "H3MSGPUSetAsync": "H3 MS GPU Set",
          "H3MSReleaseResourcesAsync": "H3 MS Release Resources", "H3MSVAESplitDecodeAsync": "H3 MS VAE Split Decode",
          "H3MSVAECacheAsync": "H3 MS VAE Cache", "H3MSTextEncoderCacheAsync": "H3 MS Text Encoder Cache",
-         "H3AttentionParallelAsync": "H3 Attention Parallel"}
+         "H3AttentionParallelAsync": "H3 Attention Parallel", "H3MSSparseAttentionAsync": "H3 MS Sparse Attention"}
 
 
 def import_pack(root: Path, name: str):

@@ -622,6 +622,11 @@ def release_all_engines() -> int:
     return ENGINES.release_all()[0]
 
 
+def end_sampling() -> int:
+    """Sampling ended: every engine's ranks drop their sparse attention statistics; returns the entries dropped."""
+    return sum(eng.end_sampling() for eng in engines())
+
+
 def clear_weight_stores() -> int:
     """Drop every engine's weight store, keeping the workers; returns how many stores were dropped."""
     return sum(eng.release_weights() for eng in engines())
