@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench] [extra bench args...]
+#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|sparse] [extra bench args...]
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: vae-tests then vae-bench (over 600 s: one device call runs at most that, so call the halves one by one)
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
 #   logical CUDA ranks) and the cache benchmarks; vae-bench: the split decode (full-size H3 VAE, fp16 and bf16, 2 and
 #   4 logical ranks). Both need the ComfyUI tree (tests/comfy_tree.py unpacks it from shared/) and its imports.
+#   sparse: sparse attention's CUDA tests (split == unsplit sparse at 1-4 logical ranks, Sol-Attn and top-k, pooled
+#   statistics over steps) then `bench sparse` (dense vs sparse per step at full width, 75794 tokens, unsplit and 2/4
+#   logical ranks); results in $OUT/sparse.json (pytest counts + the bench summary), logs beside it; each half has
+#   its own deadline (170 s, 180 s) and the bench rewrites bench_sparse.json after every variant.
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,5 +51,31 @@ if [ "$what" = vae ] || [ "$what" = vae-bench ]; then
       --out "$out" "$@" 2>&1 | tee "$out/bench_vae_$dt.log" || rc=1
   done
   echo "vae-bench: ${SECONDS} s wall" | tee -a "$out/bench_vae_bf16.log"
+fi
+if [ "$what" = sparse ]; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -s -rs tests/test_sparse_cuda.py 2>&1 \
+    | tee "$out/pytest_sparse_cuda.log"
+  trc=${PIPESTATUS[0]}
+  [ "$trc" = 0 ] || rc=1
+  timeout 180 python3 -m h3ms_async bench sparse --out "$out" "$@" \
+    > "$out/bench_sparse.stdout" 2> "$out/bench_sparse.log"
+  brc=$?
+  [ "$brc" = 0 ] || rc=1
+  TRC=$trc BRC=$brc WALL=$SECONDS OUTDIR="$out" python3 - <<'PY' > "$out/sparse.json"
+import json, os, re
+out = os.environ["OUTDIR"]
+log = open(os.path.join(out, "pytest_sparse_cuda.log"), errors="replace").read()
+summary = next((ln for ln in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed|error)", ln)), "")
+counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+bench = {}
+try:
+    bench = json.load(open(os.path.join(out, "bench_sparse.json")))
+except (OSError, ValueError) as exc:
+    bench = {"error": f"no bench_sparse.json: {exc}"}
+print(json.dumps({"tests_rc": int(os.environ["TRC"]), "tests": counts, "bench_rc": int(os.environ["BRC"]),
+                  "bench_summary": bench.get("summary"), "bench_errors": bench.get("errors") or bench.get("error"),
+                  "wall_s": int(os.environ["WALL"])}, indent=1))
+PY
+  cat "$out/sparse.json"
 fi
 exit $rc
