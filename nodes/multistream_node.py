@@ -76,7 +76,6 @@ class H3MultiStreamAsync(ModelPatchNode):
                 "H3 Attention Parallel is already on this model; keep one of the two: H3 MultiStream when the model "
                 "does not fit on one GPU (it splits whole blocks), H3 Attention Parallel when it does (only attention "
                 "moves). Remove the other node from the model chain")
-        refuse_comfy_sparse(model)
         sparse = _sparse_config(model, dm, sparse_attention)
         devices, shares, why = _plan_devices(model, gpus, second_gpu, 1 if sparse is not None else 2)
         if devices is None:
@@ -86,6 +85,8 @@ class H3MultiStreamAsync(ModelPatchNode):
         if unsafe:
             log.warning("H3 MultiStream: running unsplit: %s", unsafe)
             return (model,)
+        # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would without the node
+        refuse_comfy_sparse(model)
         from h3ms_async.dit.split import COMFY_ATTENTION, SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
                                cache_ram_reserve_gb=float(cache_ram_reserve_gb), shares=shares,

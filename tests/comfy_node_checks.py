@@ -602,7 +602,8 @@ def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split,
 
 def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):
     """Plain ComfyUI here has no sparse attention: with one usable GPU and the settings connected, the blocks run on
-    one worker rank (the same sparse attention as a split); without the settings the model stays unsplit."""
+    one worker rank (the same sparse attention as a split); without the settings the model stays unsplit, and then
+    ComfyUI's own Model Sparse Attention is left alone."""
     monkeypatch.delenv(NODE.RANK_MAP_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -613,6 +614,9 @@ def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):
     assert out is not patcher and out.wrappers
     state = next(s for s in MA.live_states() if s.patcher() is out)
     assert state.devices == ["cuda:0"] and state.options.sparse is not None
+    # ComfyUI's own Model Sparse Attention on a model this node leaves unsplit is not refused: it runs as without us
+    theirs = _comfy_sparse_patch(patcher)
+    assert NODE.H3MultiStreamAsync().patch(theirs, True, -1, "host", 0, True, 0.0, "auto")[0] is theirs
 
 
 # --- routes on ComfyUI's real PromptServer ---------------------------------------------------------------------------
