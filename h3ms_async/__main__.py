@@ -1,4 +1,5 @@
-"""``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches,sparse} | serve``: the standalone entry.
+"""``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches,sparse} | serve``: the
+standalone entry.
 
 Each sub-command lives in its own module (with a ``main(argv) -> int``) and is imported only when chosen, so
 ``--help`` stays fast.
