@@ -34,6 +34,7 @@ _NODES = (
     (".nodes.vae_cache_node", "H3MSVAECacheAsync", "H3 MS VAE Cache"),
     (".nodes.text_cache_node", "H3MSTextEncoderCacheAsync", "H3 MS Text Encoder Cache"),
     (".nodes.attention_parallel_node", "H3AttentionParallelAsync", "H3 Attention Parallel"),
+    (".nodes.sparse_attention_node", "H3MSSparseAttentionAsync", "H3 MS Sparse Attention"),
 )
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches] [extra bench args...]
+#   bash benchmarks/device_run.sh TARGET [extra bench args...]
+#   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: vae-tests then vae-bench (over 600 s: one device call runs at most that, so call the halves one by one)
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
@@ -15,6 +16,12 @@
 #   caches: the weight and output caches through ComfyUI's own unload/load at H3's sizes (14.6 GB text encoder,
 #   full-size video VAE) under DynamicVRAM, --disable-dynamic-vram, --lowvram and --novram (tests/test_caches_cuda.py:
 #   hit vs miss, reload vs restore, bytes held), then `bench caches` (about 4 min).
+#   sparse: sparse attention's CUDA tests (engine: split == unsplit sparse at 1-4 logical ranks, Sol-Attn and top-k,
+#   pooled statistics over steps; real ComfyUI graph: 2 and 3 ranks == one GPU, needs the ComfyUI tree, else skipped)
+#   then `bench sparse` (dense vs sparse per step at full width, 75794 tokens, unsplit and 2/4 logical ranks);
+#   summary in $OUT/sparse.json (pytest counts + the bench summary), logs and JSON beside it. Deadlines: 220 s for the
+#   tests, the rest of ~6 min (>= 130 s) for the bench; the bench rewrites bench_sparse.json after every variant, so
+#   a cut run keeps its numbers.
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,5 +92,32 @@ if [ "$what" = invariance-demo ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done
   echo "invariance-demo: ${SECONDS} s wall" | tee -a "$out/invariance_demo.log"
+fi
+if [ "$what" = sparse ]; then
+  OUT="$out" timeout 220 python3 -m pytest -q -p no:cacheprovider -s -rs tests/test_sparse_cuda.py \
+    tests/test_sparse_cuda_comfy.py 2>&1 | tee "$out/pytest_sparse_cuda.log"
+  trc=${PIPESTATUS[0]}
+  [ "$trc" = 0 ] || rc=1
+  left=$((345 - SECONDS)); [ "$left" -ge 130 ] || left=130  # the bench gets what the tests left of ~6 min
+  timeout "$left" python3 -m h3ms_async bench sparse --out "$out" "$@" \
+    > "$out/bench_sparse.stdout" 2> "$out/bench_sparse.log"
+  brc=$?
+  [ "$brc" = 0 ] || rc=1
+  TRC=$trc BRC=$brc WALL=$SECONDS OUTDIR="$out" python3 - <<'PY' > "$out/sparse.json"
+import json, os, re
+out = os.environ["OUTDIR"]
+log = open(os.path.join(out, "pytest_sparse_cuda.log"), errors="replace").read()
+summary = next((ln for ln in reversed(log.splitlines()) if re.search(r"\d+ (passed|failed|error)", ln)), "")
+counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+bench = {}
+try:
+    bench = json.load(open(os.path.join(out, "bench_sparse.json")))
+except (OSError, ValueError) as exc:
+    bench = {"error": f"no bench_sparse.json: {exc}"}
+print(json.dumps({"tests_rc": int(os.environ["TRC"]), "tests": counts, "bench_rc": int(os.environ["BRC"]),
+                  "bench_summary": bench.get("summary"), "bench_errors": bench.get("errors") or bench.get("error"),
+                  "wall_s": int(os.environ["WALL"])}, indent=1))
+PY
+  cat "$out/sparse.json"
 fi
 exit $rc

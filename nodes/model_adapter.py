@@ -319,6 +319,42 @@ def collect_user_patches(transformer_options: Mapping, n_blocks: int) -> dict[in
     return found
 
 
+#: How ComfyUI's Model Sparse Attention node (ComfyUI 0.35+, ``comfy_extras/nodes_sparse_attention.py``) marks a
+#: model: the key of its ON_PREPARE_STATE / ON_CLEANUP callbacks, and the module its attention override
+#: (``transformer_options['optimized_attention_override']``) and H3 block patches (``("double_block", i)``) come from.
+COMFY_SPARSE_KEY = "block_sparse_attention"
+COMFY_SPARSE_MODULE = "nodes_sparse_attention"
+
+
+def _from_comfy_sparse(fn: Any) -> bool:
+    return str(getattr(fn, "__module__", "") or "").rsplit(".", 1)[-1] == COMFY_SPARSE_MODULE
+
+
+def refuse_comfy_sparse(patcher: Any, transformer_options: Mapping | None = None) -> None:
+    """Raise when ComfyUI's Model Sparse Attention patch is on the model: its sparse attention runs in ComfyUI's
+    process on whole blocks (a block patch with its own attention, an attention override), which the ranks cannot
+    run, and a split that ignored it would silently attend dense. ``transformer_options``: the call's (default:
+    the patcher's)."""
+    to = transformer_options if transformer_options is not None else \
+        getattr(patcher, "model_options", {}).get("transformer_options", {})
+    found = []
+    if any(COMFY_SPARSE_KEY in by_key for by_key in (getattr(patcher, "callbacks", None) or {}).values()):
+        found.append(f"callbacks '{COMFY_SPARSE_KEY}'")
+    if _from_comfy_sparse(to.get("optimized_attention_override")):
+        found.append("its attention override")
+    dit = to.get("patches_replace", {}).get("dit", {})
+    blocks = [k[1] for k, p in dit.items() if isinstance(k, tuple) and len(k) == 2
+              and _from_comfy_sparse(p.displaced if isinstance(p, _OwnPatch) else p)]
+    if blocks:
+        found.append(f"block patches on {len(blocks)} block(s)")
+    if found:
+        raise MultiStreamError(
+            f"the model carries ComfyUI's Model Sparse Attention patch ({', '.join(found)}); it runs sparse attention "
+            "inside ComfyUI's own blocks, which the split's rank workers cannot run. To run sparse attention split, "
+            "remove the Model Sparse Attention node and connect an H3 MS Sparse Attention node (same settings) to "
+            "H3 MultiStream's sparse_attention input; or set H3 MultiStream's enabled=false to keep ComfyUI's node")
+
+
 def _replaces(i: int, why: str) -> MultiStreamError:
     return MultiStreamError(
         f"block {i} carries a patch that replaces the block computation ({why}); H3 MultiStream only supports "
@@ -397,7 +433,16 @@ class SplitState:
             log.warning(message, *args)
 
     def after_sampling(self, patcher: Any) -> None:
-        """ComfyUI's ON_CLEANUP: with ``weight_cache`` off, the store goes when sampling ends (workers stay)."""
+        """ComfyUI's ON_CLEANUP: the ranks drop sparse attention's pooled statistics; with ``weight_cache`` off, the
+        store goes too (workers stay)."""
+        from h3ms_async.dit.split import end_sampling
+        try:
+            dropped = end_sampling()
+        except Exception as exc:  # noqa: BLE001 - cleanup must finish; a rank that failed here is restarted next step
+            log.warning("dropping sparse attention statistics after sampling failed: %s", exc)
+        else:
+            if dropped:
+                log.info("sampling ended: %d sparse attention statistics entries dropped on the ranks", dropped)
         if not self.weight_cache:
             from h3ms_async.dit.split import clear_weight_stores
             if clear_weight_stores():
@@ -461,6 +506,7 @@ class _RunStack:
         return patch(args, extra) if patch is not None else extra["original_block"](args)
 
     def __call__(self, args: dict, extra: dict) -> dict:
+        from h3ms_async.dit.sparse import branch_key
         from h3ms_async.dit.split import SplitError, SplitInterrupted, SplitUnsafe, check_block_options, get_engine
         interrupt = progress.interrupt_probe()
         if interrupt():  # cancelled between steps: start nothing
@@ -490,7 +536,8 @@ class _RunStack:
         try:
             out = engine.run_blocks(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
                                     block_options=block_options, interrupt=interrupt, sigma=_sigma(args),
-                                    in_place=True)
+                                    in_place=True,
+                                    sparse_branch=branch_key(args["transformer_options"].get("uuids", ())))
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
         except SplitUnsafe as exc:
@@ -542,6 +589,8 @@ class SplitWrapper:
             return executor(x, timestep, context, transformer_options, *args, **kwargs)
         n = len(dm.blocks)
         user = collect_user_patches(transformer_options, n)
+        if not self.state.detached:
+            refuse_comfy_sparse(self.state.patcher(), transformer_options)
         to = dict(transformer_options)
         to["patches_replace"] = dict(to.get("patches_replace", {}))
         override = to.get("optimized_attention_override")

@@ -8,7 +8,8 @@ from h3ms_async.log import get_logger
 from workers.runtime import config
 
 from .attention_parallel_node import has_parallel_attention
-from .model_adapter import MultiStreamError, diffusion_model_of, install_split, is_h3
+from .model_adapter import MultiStreamError, diffusion_model_of, install_split, is_h3, refuse_comfy_sparse
+from .sparse_attention_node import SPARSE_TYPE
 from .inputs import SECOND_GPU_INPUT, ModelPatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("MultiStream")
@@ -57,12 +58,16 @@ class H3MultiStreamAsync(ModelPatchNode):
                        "first split step of each prompt also runs unsplit on the model's GPU (block by block, "
                        "streaming the weights) and is compared with torch.equal; the log and the panel say "
                        "'bit-exact on <GPUs>' or where it differs. Costs one unsplit step per prompt."}),
+            "sparse_attention": (SPARSE_TYPE, {"tooltip": "Sparse attention settings from an H3 MS Sparse "
+                                 "Attention node: each rank runs comfy-kitchen's sparse kernel over its own heads, "
+                                 "so the split equals the same sparse attention on one GPU. With one usable GPU the "
+                                 "blocks then run on one worker. Not connected: dense attention."}),
         },
     }
 
     def patch(self, model: Any, enabled: bool, second_gpu: int, exchange: str, exchange_chunks: int,
               weight_cache: bool, cache_ram_reserve_gb: float, vram_residency: str, gpus: Any = None,
-              verify: bool = False) -> tuple:
+              verify: bool = False, sparse_attention: Any = None) -> tuple:
         if not enabled:
             return (model,)
         dm = diffusion_model_of(model)
@@ -75,7 +80,8 @@ class H3MultiStreamAsync(ModelPatchNode):
                 "H3 Attention Parallel is already on this model; keep one of the two: H3 MultiStream when the model "
                 "does not fit on one GPU (it splits whole blocks), H3 Attention Parallel when it does (only attention "
                 "moves). Remove the other node from the model chain")
-        devices, shares, why = _plan_devices(model, gpus, second_gpu)
+        sparse = _sparse_config(model, dm, sparse_attention)
+        devices, shares, why = _plan_devices(model, gpus, second_gpu, 1 if sparse is not None else 2)
         if devices is None:
             log.info("H3 MultiStream: running unsplit (%s)", why)
             return (model,)
@@ -83,16 +89,19 @@ class H3MultiStreamAsync(ModelPatchNode):
         if unsafe:
             log.warning("H3 MultiStream: running unsplit: %s", unsafe)
             return (model,)
+        # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would without the node
+        refuse_comfy_sparse(model)
         from h3ms_async.dit.split import COMFY_ATTENTION, SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
                                cache_ram_reserve_gb=float(cache_ram_reserve_gb), shares=shares,
-                               attention=COMFY_ATTENTION, comfy_host=host, verify=bool(verify))
+                               attention=COMFY_ATTENTION, comfy_host=host, verify=bool(verify), sparse=sparse)
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb), bool(weight_cache))
         log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
-                 "%g GiB, vram residency %s, verify %s", type(dm).__name__, getattr(model, "load_device", "?"),
-                 ",".join(devices), why, exchange, exchange_chunks, "on" if weight_cache else "off",
-                 cache_ram_reserve_gb, vram_residency, "on" if verify else "off")
+                 "%g GiB, vram residency %s, verify %s, sparse attention %s", type(dm).__name__,
+                 getattr(model, "load_device", "?"), ",".join(devices), why, exchange, exchange_chunks,
+                 "on" if weight_cache else "off", cache_ram_reserve_gb, vram_residency, "on" if verify else "off",
+                 sparse_attention.describe() if sparse is not None else "off")
         return (clone,)
 
 
@@ -120,14 +129,32 @@ def _comfy_host() -> tuple[Any, str | None]:
                   f"ComfyUI without {flag} (e.g. with --use-pytorch-cross-attention) to split H3")
 
 
-def _plan_devices(model: Any, gpus: Any,
-                  second_gpu: int) -> tuple[list[str] | None, tuple[float, ...] | None, str]:
+def _sparse_config(model: Any, dm: Any, settings: Any) -> Any:
+    """The ranks' sparse attention config from an H3 MS Sparse Attention node's settings (None: not connected): the
+    percent window through the model's own ``model_sampling.percent_to_sigma``, the dense blocks checked against the
+    model's block count."""
+    if settings is None:
+        return None
+    from h3ms_async.dit.sparse import SparseSettings
+    if not isinstance(settings, SparseSettings):
+        raise MultiStreamError(f"sparse_attention got {type(settings).__name__}; connect an H3 MS Sparse Attention "
+                               "node's output")
+    sampling = model.get_model_object("model_sampling")
+    try:
+        return settings.resolve(sampling.percent_to_sigma, len(dm.blocks))
+    except ValueError as exc:
+        raise MultiStreamError(f"H3 MS Sparse Attention: {exc}") from None
+
+
+def _plan_devices(model: Any, gpus: Any, second_gpu: int,
+                  min_ranks: int = 2) -> tuple[list[str] | None, tuple[float, ...] | None, str]:
     """``(devices, shares, why)``: the rank devices and their shares (None: equal), or None with the reason the
     model runs unsplit.
 
     ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for); a connected GPU set's shares
     still apply, one per rank. Otherwise the model must be on CUDA, and the resolved plan (the model's GPU is rank 0)
-    needs at least two ranks.
+    needs at least ``min_ranks`` ranks (1 with sparse attention: plain ComfyUI here has no sparse attention, so one
+    usable GPU runs the blocks on one worker).
     """
     from h3ms_async.runtime.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
     if config.RANK_MAP.is_set():
@@ -144,7 +171,7 @@ def _plan_devices(model: Any, gpus: Any,
     gpu_set = gpus if gpus is not None else GPUSet.legacy(int(second_gpu))
     plan = resolve_cuda(gpu_set, 0 if load_device.index is None else load_device.index)
     notes = "; ".join(plan.notes) if plan.notes else "no notes"
-    if len(plan.devices) < 2:
+    if len(plan.devices) < min_ranks:
         return None, None, f"one usable GPU ({', '.join(plan.devices)}; {notes})"
     return list(plan.devices), _uneven(plan.shares), f"{plan.describe()}; {gpu_set.describe()}"
 

@@ -551,6 +551,97 @@ def test_verify_input_checks_the_first_split_step_of_each_prompt(split, monkeypa
     assert "verify: bit-exact on cpu " in caplog.text
 
 
+# --- sparse attention ---------------------------------------------------------------------------------------------
+
+SPARSE_NODE = comfy_h3.pack_module("nodes.sparse_attention_node")
+
+
+def _comfy_sparse_patch(patcher, marks=("callbacks", "override", "blocks")):
+    """What ComfyUI's Model Sparse Attention node (ComfyUI 0.35+, comfy_extras/nodes_sparse_attention.py; not in this
+    0.33.0 tree) leaves on a model, through ComfyUI's own ModelPatcher API: callbacks keyed 'block_sparse_attention',
+    an attention override and one ('double_block', i) patch per H3 block, defined in that module. ``marks``: which of
+    the three to leave (each alone must be refused)."""
+    from comfy.patcher_extension import CallbacksMP
+
+    def override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    def block_patch(args, extra):  # it passes the call through on anything but a CUDA bf16 stream
+        return extra["original_block"](args)
+    for fn in (override, block_patch):
+        fn.__module__ = "comfy_extras.nodes_sparse_attention"
+    m = patcher.clone()
+    if "override" in marks:
+        m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = override
+    if "callbacks" in marks:
+        m.add_callback_with_key(CallbacksMP.ON_PREPARE_STATE, "block_sparse_attention", lambda *a: None)
+        m.add_callback_with_key(CallbacksMP.ON_CLEANUP, "block_sparse_attention", lambda *a: None)
+    if "blocks" in marks:
+        for i in range(len(m.get_model_object("diffusion_model").blocks)):
+            m.set_model_patch_replace(block_patch, "dit", "double_block", i)
+    return m
+
+
+@pytest.mark.parametrize("marks", [("callbacks", "override", "blocks"), ("callbacks",), ("override",), ("blocks",)])
+def test_comfy_model_sparse_attention_is_refused_naming_our_node(split, monkeypatch, marks):
+    """Before H3 MultiStream in the chain: refused when the node runs; after it: refused when sampling starts (a
+    split that ignored it would silently attend dense)."""
+    patcher = comfy_h3.model(layers=2)
+    monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
+    with pytest.raises(MA.MultiStreamError, match="Model Sparse Attention patch") as ei:
+        NODE.H3MultiStreamAsync().patch(_comfy_sparse_patch(patcher, marks), True, -1, "host", 0, True, 0.0, "auto")
+    assert "H3 MS Sparse Attention" in str(ei.value) and "sparse_attention input" in str(ei.value)
+    after = _comfy_sparse_patch(_patch_node(patcher, "cpu,cpu", monkeypatch), marks)
+    with pytest.raises(MA.MultiStreamError, match="H3 MS Sparse Attention"):
+        sample(after)
+    assert NODE.H3MultiStreamAsync().patch(_comfy_sparse_patch(patcher, marks), False, -1, "host", 0, True, 0.0,
+                                           "auto")[0] is not None  # enabled=false keeps ComfyUI's node
+
+
+def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split, monkeypatch, caplog):
+    """The settings node's output on H3 MultiStream's sparse_attention input: the window becomes the model's own
+    sigmas, the ranks (CPU: comfy-kitchen has no CPU sparse kernel) report the kernel cannot run, the split runs
+    dense with ONE log line over several steps and two prompts, and equals plain ComfyUI."""
+    patcher = comfy_h3.model(layers=3, int8=True)
+    reference = sample(patcher, steps=2)
+    (settings,) = SPARSE_NODE.H3MSSparseAttentionAsync().build("top-k", 1.3, 20.0, 0.25, 1.0, dense_blocks="2",
+                                                               min_tokens=0)
+    monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
+    (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, settings)
+    with caplog.at_level("WARNING", logger="h3_multistream"):
+        assert same(reference, sample(patched, steps=2))
+        assert same(reference, sample(patched, steps=2))
+    (engine,) = split.engines()
+    cfg = engine.options.sparse
+    sampling = patcher.get_model_object("model_sampling")
+    assert (cfg.topk_ratio, cfg.dense_blocks, cfg.min_tokens) == (0.2, (2,), 0)
+    assert cfg.sigma_start == pytest.approx(float(sampling.percent_to_sigma(0.25))) and cfg.sigma_end == 0.0
+    lines = [r.getMessage() for r in caplog.records if "sparse attention cannot run" in r.getMessage()]
+    assert len(lines) == 1 and "not a CUDA device" in lines[0], lines
+    with pytest.raises(MA.MultiStreamError, match=r"H3 MS Sparse Attention: dense_blocks: block\(s\) \[3\]"):
+        bad = SPARSE_NODE.H3MSSparseAttentionAsync().build("sol-attn", 1.3, 10.0, 0.2, 1.0, dense_blocks="3")[0]
+        NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, bad)
+
+
+def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):
+    """Plain ComfyUI here has no sparse attention: with one usable GPU and the settings connected, the blocks run on
+    one worker rank (the same sparse attention as a split); without the settings the model stays unsplit, and then
+    ComfyUI's own Model Sparse Attention is left alone."""
+    monkeypatch.delenv(NODE.RANK_MAP_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    patcher = comfy_h3.model(layers=2).clone()
+    patcher.load_device = torch.device("cuda", 0)
+    settings = SPARSE_NODE.H3MSSparseAttentionAsync().build("sol-attn", 1.3, 10.0, 0.2, 1.0)[0]
+    (out,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, settings)
+    assert out is not patcher and out.wrappers
+    state = next(s for s in MA.live_states() if s.patcher() is out)
+    assert state.devices == ["cuda:0"] and state.options.sparse is not None
+    # ComfyUI's own Model Sparse Attention on a model this node leaves unsplit is not refused: it runs as without us
+    theirs = _comfy_sparse_patch(patcher)
+    assert NODE.H3MultiStreamAsync().patch(theirs, True, -1, "host", 0, True, 0.0, "auto")[0] is theirs
+
+
 # --- routes on ComfyUI's real PromptServer ---------------------------------------------------------------------------
 
 OUR_ROUTES = {("GET", "/h3multistream/status"), ("GET", "/h3multistream/steps"),

@@ -63,11 +63,15 @@ CASES = [
     ("bench-attention-helpers", ["bench", "attention", "--helpers", "x"], {}, ["--helpers", "e.g."]),
     ("bench-vae-ranks", ["bench", "vae", "--ranks", "9"], {}, ["--ranks", "2..8"]),
     ("bench-caches-int", ["bench", "caches", "--te-layers", "x"], {}, ["--te-layers", "'x'"]),
+    ("bench-sparse-steps", ["bench", "sparse", "--steps", "1"], {}, ["--steps 1", "at least 2"]),
+    ("bench-sparse-tau", ["bench", "sparse", "--tau", "9"], {}, ["tau=9", "between 0 and 4"]),
     ("bench-unknown", ["bench", "nope"], {}, ["'nope'", "bench {ipc|split|exchange|gpu|"]),
     ("command-unknown", ["nope"], {}, ["'nope'", "bench, demo, serve"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("bench-gpu-no-cuda", ["bench", "gpu"], {}, ["bench gpu needs a CUDA GPU", "GPU machine"]))
+    CASES.append(("bench-sparse-no-cuda", ["bench", "sparse"], {}, ["bench sparse needs a CUDA GPU",
+                                                                    "no CPU sparse attention kernel"]))
 
 
 def _leftovers(pid: int, run_base: Path, mark: str) -> list[str]:

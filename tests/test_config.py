@@ -14,8 +14,8 @@ from h3ms_async.runtime.plans import GPUSelectionError, rank_map
 from workers.runtime import config
 
 ROOT = Path(__file__).resolve().parent.parent
-#: H3MS_* words that are not environment variables: the GPU set's ComfyUI socket type.
-NOT_VARIABLES = {"H3MS_GPUS"}
+#: H3MS_* words that are not environment variables: the GPU set's and the sparse settings' ComfyUI socket types.
+NOT_VARIABLES = {"H3MS_GPUS", "H3MS_SPARSE_ATTENTION"}
 _NAME = re.compile(r"\bH3MS_[A-Z0-9_]+\b")
 
 

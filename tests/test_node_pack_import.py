@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NODES = {"H3MultiStreamAsync": "H3 MultiStream", "H3MSGPUSetAsync": "H3 MS GPU Set",
          "H3MSReleaseResourcesAsync": "H3 MS Release Resources", "H3MSVAESplitDecodeAsync": "H3 MS VAE Split Decode",
          "H3MSVAECacheAsync": "H3 MS VAE Cache", "H3MSTextEncoderCacheAsync": "H3 MS Text Encoder Cache",
-         "H3AttentionParallelAsync": "H3 Attention Parallel"}
+         "H3AttentionParallelAsync": "H3 Attention Parallel", "H3MSSparseAttentionAsync": "H3 MS Sparse Attention"}
 
 
 def import_pack(root: Path, name: str):
@@ -111,3 +111,15 @@ def test_requirements_leave_comfyuis_own_packages_to_comfyui():
     standalone = (ROOT / "pyproject.toml").read_text() + (ROOT / "scripts" / "h3ms.sh").read_text()
     for pkg in ("torch", "comfy-kitchen", "comfy-aimdo"):
         assert pkg in standalone, f"the standalone install does not declare {pkg}"
+
+
+def test_requires_comfyui_is_the_tested_version():
+    """pyproject's requires-comfyui claims the ComfyUI the tests run in (tests/comfy_tree.py), not a newer one."""
+    import re
+    sys.path.insert(0, str(ROOT / "tests"))
+    import comfy_tree
+    if comfy_tree.skip_reason() is not None:
+        pytest.skip(str(comfy_tree.skip_reason()))
+    version = re.search(r'__version__ = "([^"]+)"', (comfy_tree.ensure_tree() / "comfyui_version.py").read_text())
+    claim = re.search(r'^requires-comfyui = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert version and claim and claim.group(1) == f">={version.group(1)}", (claim, version)

@@ -58,6 +58,7 @@ def test_multistream_node_inputs():
     assert (reserve["default"], reserve["min"], reserve["max"], reserve["step"]) == (0.0, 0.0, 512.0, 0.5)
     assert req["vram_residency"][0] == ["auto", "resident", "stream"]
     assert spec["optional"]["gpus"][0] == "H3MS_GPUS"
+    assert spec["optional"]["sparse_attention"][0] == "H3MS_SPARSE_ATTENTION"
     assert N.RETURN_TYPES == ("MODEL",)
     assert "dynamic_vram" in N.DESCRIPTION and "vram_block_cache" in N.DESCRIPTION
 
@@ -85,6 +86,26 @@ def test_gpu_set_node_validates():
     with pytest.raises(GPUSelectionError, match="not a CUDA index"):
         H3MSGPUSetAsync().build("0,x", "", "", 0.0, 8)
 
+
+def test_sparse_attention_node_inputs_and_validation():
+    from h3ms_async.dit.sparse import SparseSettings
+    from nodes.sparse_attention_node import H3MSSparseAttentionAsync as S
+    spec = _check_node_class(S)
+    assert list(spec["required"]) == ["method", "tau", "keep_percent", "start_percent", "end_percent"]
+    assert list(spec["optional"]) == ["dense_blocks", "min_tokens", "extra_tokens", "sink_conditioning"]
+    assert spec["required"]["method"][0] == ["sol-attn", "top-k"]
+    assert S.RETURN_TYPES == ("H3MS_SPARSE_ATTENTION",) and "Model Sparse Attention" in S.DESCRIPTION
+    # the optional inputs' defaults are the build defaults (an old workflow without them behaves the same)
+    defaults = {k: v[1]["default"] for k, v in spec["optional"].items()}
+    (built,) = S().build("sol-attn", 1.3, 10.0, 0.2, 1.0)
+    assert built == S().build("sol-attn", 1.3, 10.0, 0.2, 1.0, **defaults)[0] == SparseSettings()
+    (topk,) = S().build("top-k", 1.3, 12.5, 0.1, 0.9, dense_blocks="0, 1, 47-49", min_tokens=0, extra_tokens=0,
+                        sink_conditioning="exact_kv")
+    assert topk.resolve(None, 50).topk_ratio == 0.125 and topk.resolve(None, 50).dense_blocks == (0, 1, 47, 48, 49)
+    with pytest.raises(ValueError, match="dense_blocks: 'x' is not a block index"):
+        S().build("sol-attn", 1.3, 10.0, 0.2, 1.0, dense_blocks="1, x")
+    with pytest.raises(ValueError, match="end_percent=0.1 is before start_percent=0.2"):
+        S().build("sol-attn", 1.3, 10.0, 0.2, 0.1)
 
 
 # --- everything that needs ComfyUI: one real ComfyUI process -----------------------------------------------------

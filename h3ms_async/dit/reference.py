@@ -24,6 +24,7 @@ from workers.transports.exchange import InProcessExchange, NoExchange
 from workers.transports.host import ArenaLayout
 
 from h3ms_async.dit.layout import Layout
+from h3ms_async.dit.sparse import UnsplitSparse
 
 WEIGHT_KINDS = ("int8", "bf16", "fp32")
 INIT_STD = 0.02
@@ -184,15 +185,21 @@ class ReferenceDiT:
 
     def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[ModSegment],
                        rope_freqs: torch.Tensor, *, attention: str = "sdpa",
-                       on_block: Callable[[int], None] | None = None) -> torch.Tensor:
+                       on_block: Callable[[int], None] | None = None, sparse: UnsplitSparse | None = None,
+                       sigma: float | None = None, branch: str = "") -> torch.Tensor:
         """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned).
 
-        ``on_block(i)`` is called after block ``i`` (progress bars)."""
+        ``on_block(i)`` is called after block ``i`` (progress bars).  ``sparse``: sparse attention over every head
+        with these settings and statistics, at ``sigma`` for conditioning ``branch`` (what a split with the same
+        settings must equal)."""
         c = self.config
         weights = CpuWeights(self.block_weights, c.layers, (0, c.heads), c.heads, c.head_dim, eager=False)
+        step = None if sparse is None else sparse.step(heads=c.heads, head_dim=c.head_dim, segments=segments,
+                                                        sigma=sigma, branch=branch, device=x.device, dtype=x.dtype)
         with torch.inference_mode():
             run_blocks(x, t_emb, segments, rope_freqs, weights, NoExchange(), range(c.layers), heads_local=c.heads,
-                       head_dim=c.head_dim, eps=c.eps, attend=dit_ops.builtin_attend(attention), after_block=on_block)
+                       head_dim=c.head_dim, eps=c.eps, attend=dit_ops.builtin_attend(attention), after_block=on_block,
+                       sparse=step)
         return x
 
 

@@ -29,11 +29,13 @@ from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.reference import DiTConfig
+from h3ms_async.dit.sparse import DenseFallback, step_wire
 from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso, record_verdict
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
+from workers.dit.sparse import SparseConfig
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
 from workers.transports.host import ArenaLayout, decode_seq
@@ -80,8 +82,10 @@ class SplitOptions:
 
     Only ``shares``, ``attention`` and ``comfy_host`` need other worker processes (:func:`process_key`); exchange,
     chunks and residency travel with every step, and the RAM reserve applies when the store is filled.
-    ``attention="comfy"`` runs ``comfy_host.attention`` (ComfyUI's selected function) on the ranks.  ``verify``: the
-    first split step of each prompt also runs unsplit on rank 0's device and is compared (``h3ms_async.dit.verify``).
+    ``attention="comfy"`` runs ``comfy_host.attention`` (ComfyUI's selected function) on the ranks; ``sparse``
+    runs attention through comfy-kitchen's sparse kernel where its settings say so (``workers.dit.sparse``).
+    ``verify``: the first split step of each prompt also runs unsplit on rank 0's device and is compared
+    (``h3ms_async.dit.verify``, dense attention only).
     """
 
     exchange: str = "host"
@@ -94,6 +98,7 @@ class SplitOptions:
     step_timeout_s: float = 600.0
     exchange_deadline_s: float = 120.0
     verify: bool = False
+    sparse: SparseConfig | None = None
 
     def __post_init__(self) -> None:
         if self.exchange not in EXCHANGES + (BASELINE_EXCHANGE,):
@@ -110,6 +115,11 @@ class SplitOptions:
                              "its attention function")
         if self.cache_ram_reserve_gb < 0:
             raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
+        if self.verify and self.sparse is not None:
+            raise ValueError("verify compares the split with a dense unsplit step; disconnect sparse_attention (or "
+                             "turn verify off) to verify this model")
+        if self.sparse is not None and not isinstance(self.sparse, SparseConfig):
+            raise ValueError(f"sparse={self.sparse!r} must be a SparseConfig (SparseSettings.resolve) or None")
 
 
 @dataclass
@@ -177,6 +187,9 @@ class SplitEngine(Engine):
         self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
         self._fingerprints: list[dict] = []  # per rank, from dit_load (invariance.fingerprint)
         self._verify_due = True  # the next split step is a prompt's first (SplitOptions.verify)
+        self._sparse_kernel: list[str | None] = []  # per rank, from dit_load: why the sparse kernel cannot run
+        self._sparse_fallback = DenseFallback()
+        self._sparse_ran = False  # a step has sent sparse settings since the last end_sampling
         super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
         #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
         #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
@@ -249,6 +262,7 @@ class SplitEngine(Engine):
         self._rank_starts = self.pool.starts
         self._sm_counts = [r.get("sm_count") for r in results]
         self._fingerprints = [dict(r["fingerprint"]) for r in results]
+        self._sparse_kernel = [r.get("sparse_kernel") for r in results]
 
     def _drop_store(self) -> None:
         if self._loaded is None:
@@ -272,7 +286,7 @@ class SplitEngine(Engine):
                    *, block_options: list[dict] | None = None, interrupt: Callable[[], bool] | None = None,
                    sigma: float | None = None, exchange: str | None = None,
                    exchange_chunks: int | None = None, progress: StepProgress | None = None,
-                   in_place: bool = False) -> torch.Tensor:
+                   in_place: bool = False, sparse_branch: str = "") -> torch.Tensor:
         """Run every loaded block on the ranks; returns the new residual stream on ``x``'s device, in its dtype.
 
         ``block_options``: per-block transformer_options adjustments captured from user patches; only plain data
@@ -282,6 +296,8 @@ class SplitEngine(Engine):
         (read from the arena's sequence words), otherwise it is called once, when the step is done.
         ``in_place``: write the result into ``x`` and return ``x`` (H3's blocks update the stream in place too), so
         a CUDA stream gets one host-to-device copy from the step segment and no new tensor; otherwise a new tensor.
+        ``sparse_branch``: the conditioning branch (``h3ms_async.dit.sparse.branch_key``) whose pooled statistics a
+        sparse step reuses; ``sigma`` decides the sparse window.
         """
         opts = self.options
         if exchange is not None or exchange_chunks is not None:
@@ -300,13 +316,14 @@ class SplitEngine(Engine):
             raise SplitError("head plan changed since the weights were loaded; call load_weights again")
         plan = self._measured_plan(plan, int(t_emb.shape[0]))
         with self.job():
-            if opts.verify and self._verify_due:
+            if opts.verify and self._verify_due:  # never with sparse (SplitOptions refuses both)
                 from h3ms_async.dit.verify import verify_step
                 out = verify_step(self, plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress,
                                   in_place)
                 self._verify_due = False
                 return out
-            return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress, in_place)
+            return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress, in_place,
+                              sparse_branch)
 
     def new_prompt(self) -> None:
         """A new prompt starts sampling: with ``SplitOptions.verify`` its first split step is verified."""
@@ -421,7 +438,8 @@ class SplitEngine(Engine):
 
     def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
               rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None,
-              progress: StepProgress | None, in_place: bool, *, trace: bool = False) -> torch.Tensor:
+              progress: StepProgress | None, in_place: bool, sparse_branch: str = "", *,
+              trace: bool = False) -> torch.Tensor:
         """One step on the ranks; ``trace``: the ranks also digest each op's output (``last_rank_results``)."""
         ld = self._loaded
         assert ld is not None
@@ -445,13 +463,18 @@ class SplitEngine(Engine):
         self._steps += 1
         blocks = len(ld.store.manifest)
         layout = buf.layout.to_dict()
+        sparse = {}
+        if opts.sparse is not None and not self._sparse_fallback.blocked(x.dtype, ld.config.head_dim,
+                                                                         self._sparse_kernel):
+            sparse = step_wire(opts.sparse, sigma, sparse_branch)
+            self._sparse_ran = True
         steps = [dit_protocol.DitStep(
             job=self._steps, x=buf.descs["x"], t_emb=buf.descs["t_emb"], rope=buf.descs["rope"],
             segments=segments, tokens=(plan.token_bounds[r], plan.token_bounds[r + 1]),
             arena=buf.arena.name if buf.arena is not None else "", layout=layout,
             exchange={"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
             chunks=opts.exchange_chunks, abort_gen=0, deadline_s=opts.exchange_deadline_s, blocks=(0, blocks),
-            residency=opts.vram_residency, trace=trace) for r in range(self.ranks)]
+            residency=opts.vram_residency, trace=trace, sparse=sparse) for r in range(self.ranks)]
         t_sent = time.perf_counter()
         try:
             results = self.run(self._dispatch(steps), self.options.step_timeout_s, "split step", interrupt,
@@ -597,6 +620,20 @@ class SplitEngine(Engine):
             moved_bytes=sum(r.moved_bytes for r in ranks), weight_store=self.weight_state, ranks=ranks,
         ))
 
+    def end_sampling(self) -> int:
+        """Sampling ended: the ranks drop sparse attention's pooled statistics (the next prompt starts afresh).
+        Returns how many entries the ranks dropped (0, sending nothing, when no step ran sparse)."""
+        with self.job():
+            # fresh workers after a crash hold no statistics; a dead rank would first restart the whole pool
+            dead = any(w["state"] == "dead" for w in self.pool.snapshot())
+            if not self._sparse_ran or not self.pool.running or dead:
+                self._sparse_ran = False
+                return 0
+            self._sparse_ran = False
+            results = self.run(self.pool.all([dit_protocol.DitSparseReset()] * self.ranks, 30.0), 60.0,
+                               "dropping the sparse attention statistics")
+            return sum(int(r.get("dropped", 0)) for r in results)
+
     # -- resident state ---------------------------------------------------------------------------------------
     def holds_resident(self) -> bool:
         return self.pool.running or self._loaded is not None or self._buffers is not None
@@ -637,6 +674,7 @@ def _options_dict(o: SplitOptions) -> dict:
     return {"exchange": o.exchange, "exchange_chunks": o.exchange_chunks, "vram_residency": o.vram_residency,
             "attention": o.comfy_host.attention if o.comfy_host else o.attention,
             "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
+            "sparse": o.sparse.to_wire() if o.sparse else None,
             "shares": list(o.shares) if o.shares else None}
 
 
@@ -699,6 +737,11 @@ def live_engines() -> list[SplitEngine]:
 def release_all_engines() -> int:
     """Release every split engine (workers, weight stores, buffers); returns how many were released."""
     return ENGINES.release_all()[0]
+
+
+def end_sampling() -> int:
+    """Sampling ended: every engine's ranks drop their sparse attention statistics; returns the entries dropped."""
+    return sum(eng.end_sampling() for eng in engines())
 
 
 def clear_weight_stores() -> int:

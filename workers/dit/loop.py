@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.sparse import SparseStep
 from workers.dit.weights import CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
 
@@ -30,9 +31,13 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
                heads_local: int, head_dim: int, eps: float, attend: dit_ops.Attend | None = None, chunks: int = 0,
                before_block: Callable[[int], None] | None = None,
                after_block: Callable[[int], None] | None = None,
-               trace: Callable[[int, str, torch.Tensor], None] | None = None) -> list[list[float]]:
+               trace: Callable[[int, str, torch.Tensor], None] | None = None,
+               sparse: SparseStep | None = None) -> list[list[float]]:
     """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns per block ``[compute, copy, wait]``
     seconds on the host clock (copy and wait as the exchange counts them, compute the rest).
+
+    ``sparse``: run attention through comfy-kitchen's sparse kernel over this rank's heads where its settings say
+    sparse (``workers.dit.sparse``); the dense path otherwise.
 
     ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers all tokens.
     ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after it (progress);
@@ -51,9 +56,11 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         n1_full = exchange.all_gather_rows(n1, chunks)
-        attn = dit_ops.attention_heads(n1_full, blk.qkv, blk.qkv_scale, w["attn.q_norm.weight"],
-                                       w["attn.k_norm.weight"], rope_freqs, heads_local, head_dim, eps,
-                                       quant=blk.quant["attn.qkv_proj"], attend=attend, trace=op_trace)
+        attn = None if sparse is None else sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
+        if attn is None:
+            attn = dit_ops.attention_heads(n1_full, blk.qkv, blk.qkv_scale, w["attn.q_norm.weight"],
+                                           w["attn.k_norm.weight"], rope_freqs, heads_local, head_dim, eps,
+                                           quant=blk.quant["attn.qkv_proj"], attend=attend, trace=op_trace)
         attn_rows = exchange.all_to_all_cols(attn, chunks)
         dit_ops.out_mlp(x_rows, attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps, blk.quant,
                         trace=op_trace)

@@ -30,9 +30,13 @@ serve.  Field meanings:
     blocks      [b0, b1): the blocks to run (normally all)
     residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm);
                 a change between steps re-places the weights from the same store
-
+    sparse      {} (dense attention), or {config, sigma, branch}: sparse attention over this rank's heads
+                (``workers.dit.sparse``: config = ``SparseConfig.to_wire()``, sigma = the step's sigma or None,
+                branch = the conditioning branch the pooled statistics are kept for)
     trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and answer them
                 (the ``verify`` setting's localisation of a difference); off for normal steps
+
+``dit_sparse_reset`` drop the pooled sparse-attention statistics (sampling ended).
 
 ``dit_probe``   measure on this rank's device whether its shards give the unsplit call's bits
                 (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against each of
@@ -45,6 +49,8 @@ serve.  Field meanings:
 from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional, Union, get_args
+
+import msgspec
 
 import msgspec
 
@@ -83,7 +89,12 @@ class DitStep(Request, tag="dit_step"):
     blocks: tuple[int, int]
     residency: Residency
     trace: bool = False
-    PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
+    sparse: Plain = msgspec.field(default_factory=dict)
+    PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
+
+
+class DitSparseReset(Request, tag="dit_sparse_reset"):
+    pass
 
 
 #: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same call everywhere).

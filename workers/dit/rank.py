@@ -19,6 +19,7 @@ from workers.runtime import comfy_host
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
+from workers.dit import sparse as dit_sparse
 from workers.dit.cuda import CudaExchange, CudaWeights
 from workers.dit.loop import run_blocks
 from workers.dit.weights import CpuWeights, WeightProvider
@@ -68,6 +69,8 @@ class RankState:
     weights: RankWeights | None = None
     exchanges: dict[tuple, Exchange] = field(default_factory=dict)
     dist_backend: str | None = None
+    #: sparse attention's statistics carried from step to step (dropped at sampling end and with the weights)
+    pooled: dit_sparse.PooledStats = field(default_factory=dit_sparse.PooledStats)
 
 
 def _state(ctx: WorkerContext) -> RankState:
@@ -97,7 +100,8 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
     st = _state(ctx)
     if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
         return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": _sm_count(ctx),
-                "fingerprint": invariance.fingerprint(torch.device(ctx.device))}
+                "fingerprint": invariance.fingerprint(torch.device(ctx.device)),
+                "sparse_kernel": dit_sparse.kernel_unavailable(torch.device(ctx.device))}
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg.config.get("devices")
     attend = _attend(msg.config["attention"])
@@ -113,7 +117,8 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
                  _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
     return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t,
-            "sm_count": _sm_count(ctx), "fingerprint": invariance.fingerprint(torch.device(ctx.device))}
+            "sm_count": _sm_count(ctx), "fingerprint": invariance.fingerprint(torch.device(ctx.device)),
+            "sparse_kernel": dit_sparse.kernel_unavailable(torch.device(ctx.device))}
 
 
 @handler(dit_protocol.DitProbe)
@@ -142,6 +147,7 @@ def _sm_count(ctx: WorkerContext) -> int | None:
 
 
 def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
+    st.pooled.clear()
     if st.weights is not None:
         st.weights.provider.close()
         st.weights = None
@@ -164,6 +170,11 @@ async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> dict
     if store is not None:
         ctx.forget_segment(store)
     return {"released": True}
+
+
+@handler(dit_protocol.DitSparseReset)
+async def _dit_sparse_reset(ctx: WorkerContext, msg: dit_protocol.DitSparseReset) -> dict:
+    return {"dropped": _state(ctx).pooled.clear()}
 
 
 @on_release
@@ -262,10 +273,12 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     def trace(i: int, op: str, out: torch.Tensor) -> None:
         digests[f"{i}:{op}"] = invariance.digest(out)
 
+    sparse = dit_sparse.sparse_step(msg.sparse, st.pooled, w.heads, msg.segments) if msg.sparse else None
     setup_s = time.perf_counter() - t_start
     per_block = run_blocks(x_rows, t_emb, segs, rope, w.provider, ex, range(b0, b1), heads_local=g1 - g0,
                            head_dim=int(cfg["head_dim"]), eps=float(cfg["eps"]), attend=_attend(cfg["attention"]),
-                           chunks=int(msg.chunks), before_block=check_abort, trace=trace if msg.trace else None)
+                           chunks=int(msg.chunks), before_block=check_abort, trace=trace if msg.trace else None,
+                           sparse=sparse)
     t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)
@@ -295,6 +308,8 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
         "cuda_alloc": _alloc_delta(alloc0, _alloc_counters(device)) if cuda else None,
         # with msg.trace: "block:op" -> digest of this rank's output rows (or head columns) of that op
         "trace": digests,
+        # sparse attention: blocks run sparse / dense by the settings, and how many reused last step's statistics
+        "sparse": sparse.counts if sparse is not None else None,
     }
 
 
