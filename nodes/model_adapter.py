@@ -414,8 +414,9 @@ class SplitState:
         return p
 
     def describe(self) -> dict:
+        from h3ms_async.dit.split import options_dict
         return {"kind": "dit_split", "devices": list(self.devices), "detached": self.detached,
-                "options": repr(self.options)}
+                "options": options_dict(self.options)}
 
 
 _STATES: "weakref.WeakSet[SplitState]" = weakref.WeakSet()
