@@ -142,7 +142,9 @@ class Api extends EventTarget {
 }
 export const api = new Api();
 """
-HARNESS = """<!DOCTYPE html><html><body><pre id="out"></pre><div id="sidebar"></div><script type="module">
+HARNESS = """<!DOCTYPE html><html><body><pre id="out"></pre><div id="sidebar"></div><div id="exact"></div>
+<script type="module">
+const EXACTNESS = EXACTNESS_JSON;
 import { app } from "/scripts/app.js";
 import { api } from "/scripts/api.js";
 await import("/extensions/h3ms/h3ms_async.js");
@@ -159,11 +161,30 @@ tab.render(document.getElementById("sidebar"));
 const rec = (await (await api.fetchApi("/h3multistream/steps?n=1")).json()).steps[0];
 api.dispatchEvent(new CustomEvent("h3multistream.step", { detail: { ...rec, seq: rec.seq + 1 } }));
 await new Promise((r) => setTimeout(r, 300));
+// the exactness section as STATUS_CONTRACT.md shapes it, rendered by the panel the tab and the page share
+const { Panel } = await import("/extensions/h3ms/panel.js");
+const st = await (await api.fetchApi("/h3multistream/status")).json();
+st.exactness = EXACTNESS;
+new Panel(document.getElementById("exact"), api.apiURL("/h3multistream/")).renderStatus(st);
 document.getElementById("out").textContent = JSON.stringify({
   name: ext.name, ids: ext.commands.map((c) => c.id), menu: ext.menuCommands, toasts: window.__toasts,
   tab: { id: tab.id, title: tab.title, type: tab.type }, executed: window.__commands });
 document.body.setAttribute("data-done", "1");
 </script></body></html>"""
+
+
+#: An exactness section shaped as STATUS_CONTRACT.md says (the probe and VAE helpers produce it).
+EXACTNESS = {
+    "verdicts": [
+        {"program": "dit", "op": "mlp.fc2", "device": "cuda:0 NVIDIA H200", "dtype": "bfloat16",
+         "shape": "78491x14336x5376", "shards": [39246, 39245], "verdict": "exact",
+         "detail": "row shards give the same bits", "probe_ms": 12.5, "at": "2026-12-03T19:00:00"},
+        {"program": "dit", "op": "attn.qkv_proj", "device": "cuda:1 NVIDIA H200", "dtype": "int8",
+         "shape": "78491x5376x16128", "shards": [39248, 39243], "verdict": "adjusted",
+         "detail": "shard boundary moved to a multiple of 16 rows", "probe_ms": 8.25, "at": "2026-12-03T19:00:01"}],
+    "verify": [{"at": "2026-12-03T19:05:00", "devices": ["cuda:0 NVIDIA H200", "cuda:1 NVIDIA H200"],
+                "bit_exact": True, "max_abs_diff": 0.0, "first_difference": None, "steps_checked": 1}],
+}
 
 
 def test_comfyui_extension_commands_and_sidebar_tab(tmp_path):
@@ -190,7 +211,8 @@ def test_comfyui_extension_commands_and_sidebar_tab(tmp_path):
             return handler
         for path, body in js.items():
             app.router.add_get(path, static(body, "text/css" if path.endswith(".css") else "text/javascript"))
-        app.router.add_get("/harness.html", static(HARNESS, "text/html"))
+        app.router.add_get("/harness.html", static(HARNESS.replace("EXACTNESS_JSON", json.dumps(EXACTNESS)),
+                                                   "text/html"))
         return app
 
     # reuse the standalone server's loop plumbing: serve this app on the coordinator loop
@@ -229,7 +251,19 @@ def test_comfyui_extension_commands_and_sidebar_tab(tmp_path):
     assert release["severity"] == "warn" and "workers left running" in release["detail"]
     assert detach["severity"] == "warn" and "hooks left attached" in detach["detail"]
     # the sidebar tab: the recorded step, then the one the websocket event brought, as the page shows them
-    tab = re.search(r'<div id="sidebar">(.*)', dom, re.S).group(1)
+    tab = re.search(r'<div id="sidebar">(.*)<div id="exact"', dom, re.S).group(1)
     assert 'class="h3ms-tab h3ms-panel"' in tab and 'data-loaded="1"' in tab
     assert re.findall(r'data-seq="(\d+)"', tab) == ["1", "0"]
     assert rank_row(tab, 1)[5] == "0.777" and "live (websocket)" in tab
+    assert "no plan probed yet" in tab and "no verify run yet" in tab  # the hub has no exactness section
+    # the exactness rows, newest first, in words
+    exact = re.search(r'<div id="exact"[^>]*>(.*)', dom, re.S).group(1)
+    rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
+            for r in re.findall(r'<tr class="verdict [^"]*">(.*?)</tr>', exact, re.S)]
+    assert rows[0] == ["dit", "attn.qkv_proj", "cuda:1 NVIDIA H200", "int8", "78491x5376x16128", "39248, 39243",
+                       "adjusted", "shard boundary moved to a multiple of 16 rows", "8.3 ms", "2026-12-03T19:00:01"]
+    assert rows[1][6] == "exact" and rows[1][5] == "39246, 39245"
+    assert rows[2] == ["2026-12-03T19:05:00", "cuda:0 NVIDIA H200, cuda:1 NVIDIA H200", "yes", "0", "none", "1"]
+    # the status sections are rows of words: no JSON braces, no reprs
+    sections = re.search(r'class="cols">(.*?)</section>', exact, re.S).group(1)
+    assert "{" not in sections and "GPU plan" in sections and "no plan yet" in sections, sections
