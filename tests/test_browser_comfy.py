@@ -143,6 +143,9 @@ def test_pack_in_running_comfyui_frontend(comfy):
             assert panel.url == f"{server.url}/api/h3multistream/panel"
             panel.wait_for_selector('#h3ms-panel[data-loaded="1"]')
             panel.wait_for_function('document.getElementById("h3ms-feed").textContent === "live (websocket)"')
+            # the graph next to the tab: the pack's own example workflow, as the template browser opens it
+            comfy_page.evaluate("""async () => window.app.loadGraphData(await (await fetch(
+                "/api/workflow_templates/h3_multistream_async/h3_text_to_video_audio_multistream.json")).json())""")
             comfy_page.get_by_test_id("h3multistream-tab-button").click()
             comfy_page.wait_for_selector('.h3ms-tab[data-loaded="1"]')
             assert comfy_page.locator(".h3ms-tab #h3ms-feed").text_content() == "live (websocket)"
@@ -163,6 +166,8 @@ def test_pack_in_running_comfyui_frontend(comfy):
                 (st := comfy_page.evaluate(PANEL_STATE)) and len(st["seqs"]) >= 5 and st), 30, server)
             assert len(tab_mid["ranks"]) == 2 and [r for r, _ in tab_mid["lines"]] == ["0", "1"], tab_mid
             assert all(re.fullmatch(NUM, v) for row in tab_mid["ranks"] for v in row[5:8]), tab_mid["ranks"]
+            for close in comfy_page.get_by_test_id("toast-close").all():  # its standard model files are not here
+                close.click()
             shoot(comfy_page, "comfyui_sidebar_tab.png", docs=True)
             assert server.wait_done(prompt_a, 120)["status"]["status_str"] == "success"
             final = wait_until("the panel showed every step", lambda: (

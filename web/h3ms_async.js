@@ -50,8 +50,9 @@ function statusLines(st) {
     ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}`).join(", ") : "none"));
   for (const eng of (st.attention && st.attention.engines) || []) {
     const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
-    lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` + (last ? `; last ` +
-      `${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s` : ""));
+    lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` +
+      (last ? `; last ${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s`
+        : ""));
   }
   const ws = st.weight_store || {};
   lines.push("Weight store: " + (ws.error || describe(ws)));
@@ -67,8 +68,8 @@ const FAILURE_LINE_CHARS = 140;
 
 // What a failed prompt's ComfyUI "execution_error" detail says about the pack: null when the pack did not raise it,
 // else { summary, detail }. A worker failure's message is "worker rank R on DEV (pid P, STATE) WHAT",
-// then "--- last lines of LOG ---" and the log's tail (h3ms_async/runtime/pool.py words it so); the summary names the rank,
-// the detail the log file and its last lines.
+// then "--- last lines of LOG ---" and the log's tail (h3ms_async/runtime/pool.py words it so); the summary names the
+// rank, the detail the log file and its last lines.
 function packFailure(err) {
   if (!err || typeof err.exception_message !== "string") return null;
   const msg = err.exception_message;

@@ -38,9 +38,10 @@ function el(tag, text, attrs) {
 
 // One stacked bar (compute | exchange | wait) for a rank, scaled so that `scale` seconds fill the width.
 export function rankBar(rank, scale) {
-  const bar = el("div", null, { class: "h3ms-bar", title:
-    `rank ${rank.rank}: compute ${fmtSec(rank.compute_s)}s, exchange ${fmtSec(rank.exchange_s)}s, wait ${fmtSec(rank.wait_s)}s` });
-  bar.style.cssText = "display:flex;height:12px;width:100%;background:rgba(128,128,128,.15);border-radius:3px;overflow:hidden";
+  const bar = el("div", null, { class: "h3ms-bar", title: `rank ${rank.rank}: compute ${fmtSec(rank.compute_s)}s, ` +
+    `exchange ${fmtSec(rank.exchange_s)}s, wait ${fmtSec(rank.wait_s)}s` });
+  bar.style.cssText = "display:flex;height:12px;width:100%;background:rgba(128,128,128,.15);border-radius:3px;" +
+    "overflow:hidden";
   for (const part of ["compute", "exchange", "wait"]) {
     const seg = el("div", null, { class: `h3ms-seg ${part}` });
     const pct = scale > 0 ? (100 * rank[`${part}_s`]) / scale : 0;
