@@ -212,9 +212,10 @@ function buildPanel(root) {
     ["hooks/detach", "Detach hooks"]]) actions.appendChild(el("button", text, { "data-action": path }));
   actions.appendChild(el("span", "", { id: "h3ms-action-result", class: "dim" }));
   const exact = el("div", null, { id: "h3ms-exactness" });
-  exact.append(el("h3", "Plan verdicts"), scroll(table("h3ms-verdicts", VERDICT_COLS.map(label))),
+  const heads = (cols) => cols.map((c) => c.replace(/_/g, " "));
+  exact.append(el("h3", "Plan verdicts"), scroll(table("h3ms-verdicts", heads(VERDICT_COLS))),
     el("div", "", { id: "h3ms-verdicts-empty", class: "dim" }), el("h3", "Verify runs"),
-    scroll(table("h3ms-verify", VERIFY_COLS.map(label))), el("div", "", { id: "h3ms-verify-empty", class: "dim" }));
+    scroll(table("h3ms-verify", heads(VERIFY_COLS))), el("div", "", { id: "h3ms-verify-empty", class: "dim" }));
   const status = el("div", null, { class: "cols" });
   for (const [key, title] of SECTIONS) {
     const box = el("div", null, { id: `h3ms-section-${key}`, class: "h3ms-rows" });
