@@ -416,7 +416,7 @@ class SplitState:
     def describe(self) -> dict:
         from h3ms_async.dit.split import options_dict
         return {"kind": "dit_split", "devices": list(self.devices), "detached": self.detached,
-                "options": options_dict(self.options)}
+                "options": None if self.options is None else options_dict(self.options)}
 
 
 _STATES: "weakref.WeakSet[SplitState]" = weakref.WeakSet()

@@ -142,6 +142,8 @@ export function human(key, v) {
   }
   if (Array.isArray(v)) {
     if (v.length === 0) return "none";
+    // a cache key: its parts are digests (sizes, times, option reprs); the file it names is what a user knows
+    if (key === "key") return v.filter((x) => String(x).includes("/")).join(", ") || String(v[0]);
     return v.map((x) => (x !== null && typeof x === "object" ? `(${describe(x)})` : human(key, x))).join(", ");
   }
   if (typeof v === "object") return describe(v);
