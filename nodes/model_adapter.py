@@ -469,8 +469,9 @@ class SplitState:
         return p
 
     def describe(self) -> dict:
+        from h3ms_async.dit.split import options_dict
         return {"kind": "dit_split", "devices": list(self.devices), "detached": self.detached,
-                "options": repr(self.options)}
+                "options": None if self.options is None else options_dict(self.options)}
 
 
 _STATES: "weakref.WeakSet[SplitState]" = weakref.WeakSet()

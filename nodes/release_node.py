@@ -53,6 +53,10 @@ class H3MSReleaseResourcesAsync:
                 "detach_hooks": ("BOOLEAN", {"default": False, "tooltip": "Make models already patched by H3 "
                                  "MultiStream run unsplit until the node runs again, and remove the VAE split, VAE "
                                  "cache and text-encoder cache hooks."}),
+            },
+            # added after the node's first release: optional, so a workflow saved before them still validates
+            # (ComfyUI refuses a graph that lacks a required input) and runs with these defaults
+            "optional": {
                 "release_vae_workers": ("BOOLEAN", {"default": True, "tooltip": "Stop the VAE split's worker "
                                         "processes (refused while a decode runs; they restart at the next one)."}),
                 "clear_text_cache": ("BOOLEAN", {"default": False, "tooltip": "Drop the cached text-encoder "
@@ -65,7 +69,7 @@ class H3MSReleaseResourcesAsync:
         return float("nan")  # never equal to itself, so ComfyUI never serves this node from its cache
 
     def run(self, release_workers: bool, clear_weight_store: bool, detach_hooks: bool,
-            release_vae_workers: bool = False, clear_text_cache: bool = False) -> dict:
+            release_vae_workers: bool = True, clear_text_cache: bool = False) -> dict:
         lines = []
         if detach_hooks:
             lines.append(action_detach_hooks()["message"])

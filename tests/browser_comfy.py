@@ -7,6 +7,7 @@ without a text encoder.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,8 +17,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from tests import comfy_tree
 from tests.comfy_tree import main_py_command
 
 CKPT_NAME = "h3ms_browser_tiny.safetensors"
@@ -26,8 +28,9 @@ HIDDEN, HEADS, HEAD_DIM, FFN, T_IN, T_HID, T_DIM, ROPE = 64, 2, 32, 96, 32, 64, 
 VIDEO_PATCH, AUDIO_DIM = 24 * 4, 32  # latent channels x patch 1x2x2; audio latent channels (fixed by the family)
 
 
-def tiny_h3_state_dict(layers: int, seed: int = 0) -> dict:
-    """Random fp32 weights under H3's key names: ``layers`` DiT blocks, one token-refiner block."""
+def tiny_h3_state_dict(layers: int, seed: int = 0, text_dim: int = TEXT_DIM) -> dict:
+    """Random fp32 weights under H3's key names: ``layers`` DiT blocks, one token-refiner block; ``text_dim``: the
+    width of the conditioning it takes."""
     import torch
     g = torch.Generator().manual_seed(seed)
 
@@ -47,7 +50,7 @@ def tiny_h3_state_dict(layers: int, seed: int = 0) -> dict:
 
     sd = {"video_patch_proj.weight": w(HIDDEN, VIDEO_PATCH), "video_patch_proj.bias": w(HIDDEN),
           "audio_patch_proj.weight": w(HIDDEN, AUDIO_DIM), "audio_patch_proj.bias": w(HIDDEN),
-          "condition_proj.weight": w(HIDDEN, TEXT_DIM), "condition_proj.bias": w(HIDDEN),
+          "condition_proj.weight": w(HIDDEN, text_dim), "condition_proj.bias": w(HIDDEN),
           "time_embedder.proj_in.weight": w(T_HID, T_IN), "time_embedder.proj_in.bias": w(T_HID),
           "time_embedder.proj_out.weight": w(T_DIM, T_HID), "time_embedder.proj_out.bias": w(T_DIM),
           "rope.inv_freq": 1.0 / (100.0 ** (torch.arange(ROPE, dtype=torch.float32) / ROPE)),
@@ -63,13 +66,15 @@ def tiny_h3_state_dict(layers: int, seed: int = 0) -> dict:
     return sd
 
 
-def write_models_dir(root: Path, layers: int = 2) -> Path:
-    """``root/diffusion_models/<CKPT_NAME>`` plus an extra-model-paths YAML naming it; returns the YAML's path."""
+def write_models_dir(root: Path, layers: int = 2, text_dim: int = TEXT_DIM, extra: str = "") -> Path:
+    """``root/diffusion_models/<CKPT_NAME>`` plus an extra-model-paths YAML naming it (and ``extra`` YAML lines of
+    the same entry, e.g. more model folders); returns the YAML's path."""
     import safetensors.torch
     (root / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(tiny_h3_state_dict(layers), str(root / "diffusion_models" / CKPT_NAME))
+    safetensors.torch.save_file(tiny_h3_state_dict(layers, text_dim=text_dim),
+                                str(root / "diffusion_models" / CKPT_NAME))
     cfg = root / "extra_model_paths.yaml"
-    cfg.write_text(f"h3ms_browser_test:\n  base_path: {root}\n  diffusion_models: diffusion_models\n")
+    cfg.write_text(f"h3ms_browser_test:\n  base_path: {root}\n  diffusion_models: diffusion_models\n{extra}")
     return cfg
 
 
@@ -110,14 +115,16 @@ def free_port() -> int:
 class ComfyServer:
     """``main.py`` in its own process group, with its log in a file; :meth:`stop` ends it and its workers."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path):
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path, prelude: str = ""):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        full = ["--cpu", "--use-pytorch-cross-attention", "--disable-api-nodes", "--listen", "127.0.0.1",
-                "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(main_py_command(full), cwd=cwd, env={**os.environ, **env},
+        # PyTorch's attention unless ``args`` choose another (ComfyUI takes one attention flag)
+        attention = [] if any(a.startswith("--use-") and a.endswith("-attention") for a in args) else [
+            "--use-pytorch-cross-attention"]
+        full = ["--cpu", *attention, "--disable-api-nodes", "--listen", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(main_py_command(full, prelude), cwd=cwd, env={**os.environ, **env},
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
 
@@ -179,3 +186,36 @@ class ComfyServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+
+
+@contextlib.contextmanager
+def comfy_server(tmp_path: Path, models_cfg: Path, env: dict[str, str], log_path: Path,
+                 args: tuple[str, ...] = (), prelude: str = "") -> Iterator[ComfyServer]:
+    """A real ComfyUI ``main.py`` with the pack (``models_cfg``: its extra-model-paths YAML; ``prelude``: code run
+    before ``main.py``), in a private user dir (no first-run template browser over the canvas), output dir and
+    run-dir base; on exit it stops, and no worker process, shm segment or run dir of it may be left."""
+    import psutil
+    root = comfy_tree.ensure_tree()
+    user = tmp_path / "user" / "default"
+    user.mkdir(parents=True)
+    (user / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
+    run_base = tmp_path / "run"
+    run_base.mkdir()
+    server = ComfyServer(
+        ["--extra-model-paths-config", str(models_cfg), "--user-directory", str(tmp_path / "user"),
+         "--output-directory", str(tmp_path / "output"), "--temp-directory", str(tmp_path / "temp"), *args],
+        {"H3MS_RUN_DIR": str(run_base), **env}, log_path, root, prelude)
+    children: list = []
+    try:
+        server.wait_ready(120)
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            children = psutil.Process(server.proc.pid).children(recursive=True)
+        server.stop()
+    log = server.log_tail(40)
+    left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for pid in left:  # fail, but leave nothing running
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"worker processes left behind: {left}\n{log}"
+    assert not list(run_base.iterdir()), f"run dirs left behind: {list(run_base.iterdir())}\n{log}"

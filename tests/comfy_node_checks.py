@@ -366,9 +366,10 @@ def test_release_node_detaches_and_a_detached_split_runs_plain_comfyui():
     reference = sample(patcher)
     n = len(calls)
     clone, state = split_clone(patcher)
-    out = RELEASE.H3MSReleaseResourcesAsync().run(False, False, True)
+    out = RELEASE.H3MSReleaseResourcesAsync().run(False, False, True, release_vae_workers=False)
     assert state.detached and "detached" in out["ui"]["text"][0] and "RAM available" in out["ui"]["text"][-1]
-    assert RELEASE.H3MSReleaseResourcesAsync().run(False, False, False)["ui"]["text"][0] == "nothing selected"
+    nothing = RELEASE.H3MSReleaseResourcesAsync().run(False, False, False, release_vae_workers=False)
+    assert nothing["ui"]["text"][0] == "nothing selected"
     assert same(reference, sample(clone))
     assert n > 0 and calls == [1] * (2 * n)
 
@@ -481,12 +482,12 @@ def test_release_node_clears_store_keeps_workers_then_releases(split, monkeypatc
     sample(patched)
     (engine,) = split.engines()
     pids = [w["pid"] for w in engine.pool.snapshot()]
-    text = RELEASE.H3MSReleaseResourcesAsync().run(False, True, False)["ui"]["text"]
+    text = RELEASE.H3MSReleaseResourcesAsync().run(False, True, False, release_vae_workers=False)["ui"]["text"]
     assert "weight store cleared" in text[0] and engine.weight_state == "empty"
     assert [w["pid"] for w in engine.pool.snapshot()] == pids  # workers kept
     assert same(reference, sample(patched))  # refilled on the next step, same workers
     assert [w["pid"] for w in engine.pool.snapshot()] == pids
-    text = RELEASE.H3MSReleaseResourcesAsync().run(True, False, False)["ui"]["text"]
+    text = RELEASE.H3MSReleaseResourcesAsync().run(True, False, False, release_vae_workers=False)["ui"]["text"]
     assert "released (1 engine" in text[0] and split.engines() == []
     assert same(reference, sample(patched))  # a new engine starts on demand
 

@@ -80,11 +80,24 @@ sys.argv = ["main.py"] + {argv!r}
 """
 
 
-def main_py_command(comfy_args: list[str]) -> list[str]:
+#: Code that installs the pack's CPU stand-in for kitchen's INT8 attention (``workers/attention/ck_cpu.py``) before
+#: ComfyUI's attention module asks kitchen whether it is available (``--use-ck-attention`` on a CPU); needs
+#: ``H3MS_PACK`` (the pack root) in the environment.
+CK_CPU_HOOK = r'''
+import importlib.util, os
+spec = importlib.util.spec_from_file_location("h3ms_ck_cpu_hook", os.path.join(os.environ["H3MS_PACK"], "workers",
+                                                                               "attention", "ck_cpu.py"))
+hook = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hook)
+hook.install()  # before ComfyUI's attention module asks kitchen whether INT8 attention is available
+'''
+
+
+def main_py_command(comfy_args: list[str], prelude: str = "") -> list[str]:
     """The command that starts ComfyUI's ``main.py`` with ``comfy_args``, shims last on ``sys.path`` (cwd: the
-    tree's root)."""
+    tree's root), after ``prelude`` (code run first, e.g. :data:`CK_CPU_HOOK`)."""
     root = ensure_tree()
-    code = _PRELUDE.format(root=str(root), shims=shim_dirs(), argv=list(comfy_args)) + (
+    code = _PRELUDE.format(root=str(root), shims=shim_dirs(), argv=list(comfy_args)) + prelude + (
         "import runpy\nrunpy.run_path('main.py', run_name='__main__')\n")
     return [sys.executable, "-c", code]
 

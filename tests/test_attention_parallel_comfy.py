@@ -16,14 +16,7 @@ import comfy_tree
 
 pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=str(comfy_tree.skip_reason()))
 
-_HOOK = r'''
-import importlib.util, os
-spec = importlib.util.spec_from_file_location("h3ms_ck_cpu_hook", os.path.join(os.environ["H3MS_PACK"], "workers",
-                                                                               "attention", "ck_cpu.py"))
-hook = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(hook)
-hook.install()  # before ComfyUI's attention module asks kitchen whether INT8 attention is available
-'''
+_HOOK = comfy_tree.CK_CPU_HOOK
 
 #: Builds a tiny MiniMax H3 (H3MS_TEST_HEADS heads) through ComfyUI's own loader, loads the pack, and defines
 #: ``sample(model)`` (2 euler steps at cfg 2 on an H3MS_TEST_LATENT=width,height,length AV latent).

@@ -4,14 +4,18 @@ A real ``main.py`` server from the ComfyUI tree (``tests/comfy_tree.py``) with t
 ranks (``H3MS_RANK_MAP=cpu,cpu``) and a tiny H3 checkpoint (``tests/browser_comfy.py``); Playwright drives Debian's
 chromium (``executable_path``: there is no browser download). One test walks what a user does:
 
-1. the H3 MultiStream entry in ComfyUI's main menu lists the pack's commands; *Open live panel* opens the panel;
-2. a sampling prompt queued through ``POST /prompt``: the panel shows each rank's compute / exchange / wait per step
-   as the steps arrive over ComfyUI's websocket (every step, in order: the 3 s status poll could not), plots them
-   per rank, and ComfyUI's page shows the docked panel; a screenshot mid-run;
-3. the worker-log view shows the tail of rank 1's log file;
+1. the H3 MultiStream entry in ComfyUI's main menu lists the pack's commands; *Open live panel* opens the panel
+   page; the H3 MultiStream sidebar tab opens the same panel next to the graph;
+2. a sampling prompt queued through ``POST /prompt``: the page and the tab show each rank's compute / exchange /
+   wait per step as the steps arrive over ComfyUI's websocket (every step, in order: the 3 s status poll could
+   not) and plot them per rank; screenshots mid-run (the page, and ComfyUI with the tab);
+3. the worker-log view shows the tail of rank 1's log file; the GPU plan, hooks, caches and text-encoder outputs
+   are readable rows (no JSON, no Python reprs) holding the status route's values; the exactness section shows
+   its rows or its empty state;
 4. a second sampling prompt whose rank 1 hangs mid-run (SIGSTOP; the pool's heartbeat check kills it and fails the
    job): ComfyUI's page, whose client id the prompts carry, shows a toast naming the rank and its log;
-5. the panel's *Release workers* frees the rank the failed run left and says so; a screenshot;
+5. the tab's *Release workers* frees the rank the failed run left and says so, and the page shows it; a
+   screenshot;
 6. a third prompt, *H3 MS Release Resources*, finds nothing left to free and says so.
 
 Then the server stops; no process, shm segment or run dir of it may be left. Screenshots and ComfyUI's log go to
@@ -28,11 +32,10 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests import comfy_tree
-from tests.browser_comfy import ComfyServer, release_workflow, sample_workflow, write_models_dir
+from tests.browser_comfy import ComfyServer, comfy_server, release_workflow, sample_workflow, write_models_dir
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 try:
@@ -51,7 +54,7 @@ pytestmark = [
 
 OUT = Path(os.environ.get("H3MS_BROWSER_OUT", comfy_tree.ROOT / ".out" / "browser_comfy"))
 DOCS = comfy_tree.ROOT / "docs"
-MENU_LABELS = ["Show status", "Open live panel", "Show docked panel", "Release workers", "Clear weight store",
+MENU_LABELS = ["Show status", "Open live panel", "Show live panel tab", "Release workers", "Clear weight store",
                "Detach hooks"]
 STEPS_A = 12
 NUM = r"\d+\.\d{3}"
@@ -61,35 +64,11 @@ HEARTBEAT_S = 4  # a stopped worker is declared dead this soon (mid-step: a samp
 @pytest.fixture
 def comfy(tmp_path):
     """A real ComfyUI server with the pack, in a private user dir, models dir and run-dir base."""
-    root = comfy_tree.ensure_tree()
-    user = tmp_path / "user" / "default"
-    user.mkdir(parents=True)
-    # no first-run template browser over the canvas
-    (user / "comfy.settings.json").write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     OUT.mkdir(parents=True, exist_ok=True)
-    run_base = tmp_path / "run"
-    run_base.mkdir()
     cfg = write_models_dir(tmp_path / "models")
-    server = ComfyServer(
-        ["--extra-model-paths-config", str(cfg), "--user-directory", str(tmp_path / "user"),
-         "--output-directory", str(tmp_path / "output"), "--temp-directory", str(tmp_path / "temp")],
-        {"H3MS_RANK_MAP": "cpu,cpu", "H3MS_RUN_DIR": str(run_base),
-         "H3MS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)},
-        OUT / "comfyui.log", root)
-    children: list[psutil.Process] = []
-    try:
-        server.wait_ready(120)
+    with comfy_server(tmp_path, cfg, {"H3MS_RANK_MAP": "cpu,cpu", "H3MS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)},
+                      OUT / "comfyui.log") as server:
         yield server
-    finally:
-        if server.proc.poll() is None:
-            children = psutil.Process(server.proc.pid).children(recursive=True)
-        server.stop()
-    log = server.log_tail(40)
-    left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for pid in left:  # fail, but leave nothing running
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"worker processes left behind: {left}\n{log}"
-    assert not list(run_base.iterdir()), f"run dirs left behind: {list(run_base.iterdir())}\n{log}"
 
 
 def wait_until(what: str, probe, timeout_s: float, server: ComfyServer, every: float = 0.1):
@@ -113,6 +92,7 @@ def shoot(page, name: str, docs: bool = False) -> Path:
     return path
 
 
+# The panel's state in a page: the standalone page's, or ComfyUI's page with the sidebar tab (one panel each).
 PANEL_STATE = """() => ({
   feed: document.getElementById("h3ms-feed").textContent,
   running: document.getElementById("h3ms-running").textContent,
@@ -121,6 +101,18 @@ PANEL_STATE = """() => ({
     [...tr.querySelectorAll("td")].map((td) => td.textContent)),
   lines: [...document.querySelectorAll("#h3ms-chart polyline.h3ms-chart-rank")].map((l) =>
     [l.dataset.rank, l.getAttribute("points").trim().split(/\\s+/).length]),
+})"""
+# The readable rows of each status section: {section: [[label, text], ...]}, and the exactness tables' state.
+SECTION_ROWS = """() => Object.fromEntries([...document.querySelectorAll(".h3ms-rows")].map((box) =>
+  [box.id.replace("h3ms-section-", ""), [...box.querySelectorAll("dt")].map((dt) =>
+    [dt.textContent, dt.nextElementSibling.textContent])]))"""
+EXACTNESS = """() => ({
+  verdicts: document.querySelectorAll("#h3ms-verdicts tbody tr").length,
+  verify: document.querySelectorAll("#h3ms-verify tbody tr").length,
+  empty: [document.getElementById("h3ms-verdicts-empty").textContent,
+          document.getElementById("h3ms-verify-empty").textContent],
+  text: [...document.querySelectorAll(".h3ms-rows, #h3ms-exactness, #h3ms-attention-summary, .summary")]
+    .map((e) => e.textContent).join("\\n"),
 })"""
 
 
@@ -151,6 +143,12 @@ def test_pack_in_running_comfyui_frontend(comfy):
             assert panel.url == f"{server.url}/api/h3multistream/panel"
             panel.wait_for_selector('#h3ms-panel[data-loaded="1"]')
             panel.wait_for_function('document.getElementById("h3ms-feed").textContent === "live (websocket)"')
+            # the graph next to the tab: the pack's own example workflow, as the template browser opens it
+            comfy_page.evaluate("""async () => window.app.loadGraphData(await (await fetch(
+                "/api/workflow_templates/h3_multistream_async/h3_text_to_video_audio_multistream.json")).json())""")
+            comfy_page.get_by_test_id("h3multistream-tab-button").click()
+            comfy_page.wait_for_selector('.h3ms-tab[data-loaded="1"]')
+            assert comfy_page.locator(".h3ms-tab #h3ms-feed").text_content() == "live (websocket)"
 
             # 2. a prompt runs: every step reaches the panel as it happens
             prompt_a = server.queue(sample_workflow(STEPS_A, seed=1), client)
@@ -164,6 +162,13 @@ def test_pack_in_running_comfyui_frontend(comfy):
                 assert all(re.fullmatch(NUM, v) for v in row[5:8]), f"compute/exchange/wait of rank {rank}: {row}"
             assert [r for r, _ in mid["lines"]] == ["0", "1"], mid["lines"]
             shoot(panel, "panel_midrun.png", docs=True)
+            tab_mid = wait_until("the sidebar tab showed 5 steps of the running prompt", lambda: (
+                (st := comfy_page.evaluate(PANEL_STATE)) and len(st["seqs"]) >= 5 and st), 30, server)
+            assert len(tab_mid["ranks"]) == 2 and [r for r, _ in tab_mid["lines"]] == ["0", "1"], tab_mid
+            assert all(re.fullmatch(NUM, v) for row in tab_mid["ranks"] for v in row[5:8]), tab_mid["ranks"]
+            for close in comfy_page.get_by_test_id("toast-close").all():  # its standard model files are not here
+                close.click()
+            shoot(comfy_page, "comfyui_sidebar_tab.png", docs=True)
             assert server.wait_done(prompt_a, 120)["status"]["status_str"] == "success"
             final = wait_until("the panel showed every step", lambda: (
                 (st := panel.evaluate(PANEL_STATE)) and len(st["seqs"]) >= STEPS_A and st), 10, server)
@@ -171,10 +176,9 @@ def test_pack_in_running_comfyui_frontend(comfy):
             assert final["seqs"][:STEPS_A] == list(range(final["seqs"][0], final["seqs"][0] - STEPS_A, -1))
             assert all(n >= STEPS_A for _, n in final["lines"]), final["lines"]
             assert final["seqs"][0] == server.get("/h3multistream/steps?n=1")["latest_seq"]
-            dock = comfy_page.locator("#h3ms-dock")
-            dock.wait_for()
-            assert dock.locator(".h3ms-compact-rank").count() == 2
-            assert dock.locator("polyline.h3ms-chart-rank").count() == 2
+            tab_final = wait_until("the tab showed every step", lambda: (
+                (st := comfy_page.evaluate(PANEL_STATE)) and st["seqs"][:1] == final["seqs"][:1] and st), 10, server)
+            assert tab_final["seqs"][:STEPS_A] == final["seqs"][:STEPS_A], tab_final["seqs"]
 
             # 3. the worker-log view: the tail of rank 1's own log file
             status = server.get("/h3multistream/status")
@@ -185,16 +189,24 @@ def test_pack_in_running_comfyui_frontend(comfy):
             shown = panel.locator("#h3ms-log").text_content().splitlines()
             assert shown[1:] and shown[1:] == log1.read_text().splitlines()[-len(shown[1:]):], shown
 
-            # 3b. the panel's cache, VAE-worker and text-encoder-output sections are the status route's own
-            panel.wait_for_function('JSON.parse(document.getElementById("h3ms-te-outputs").textContent || "null")')
-            shown_sections = panel.evaluate("""() => Object.fromEntries(["h3ms-caches", "h3ms-vae-workers",
-                "h3ms-vae-split", "h3ms-te-outputs"].map((id) =>
-                [id, JSON.parse(document.getElementById(id).textContent)]))""")
+            # 3b. the status sections are readable rows with the status route's values, in the page and the tab
             route = server.get("/h3multistream/status")
-            assert shown_sections == {"h3ms-caches": route["caches"], "h3ms-vae-workers": route["vae_workers"],
-                                      "h3ms-vae-split": route["vae_split"],
-                                      "h3ms-te-outputs": route["text_encoder_outputs"]}, shown_sections
-            assert {"entries", "hits", "misses", "bytes"} <= set(route["text_encoder_outputs"])
+            te = route["text_encoder_outputs"]
+            want_te = f"entries {te['entries']} · hits {te['hits']} · misses {te['misses']}"
+            for where in (panel, comfy_page):
+                rows = wait_until("the text-encoder output row", lambda: (
+                    (r := where.evaluate(SECTION_ROWS)) and r["text_encoder_outputs"] and r), 10, server)
+                assert rows["text_encoder_outputs"][0][1].startswith(want_te), rows["text_encoder_outputs"]
+                hooks = dict(rows["hooks"])
+                assert "exchange host" in hooks["dit_split"] and "devices cpu, cpu" in hooks["dit_split"], hooks
+                assert [k for k, _ in rows["plans"]] == ["dit on cpu + cpu"], rows["plans"]
+                ex = where.evaluate(EXACTNESS)
+                for bad in ("{", "SplitOptions(", "[object"):
+                    assert bad not in ex["text"], f"{bad!r} in the panel: {ex['text'][:3000]}"
+                exactness = route.get("exactness") or {}
+                assert ex["verdicts"] == len(exactness.get("verdicts", [])), ex
+                assert ex["verify"] == len(exactness.get("verify", [])), ex
+                assert all(e for e in ex["empty"]) == (not exactness.get("verdicts") and not exactness.get("verify"))
 
             # 4. a worker hangs mid-run (SIGSTOP: it misses its heartbeats and the step's answer): the pool kills it
             #    and fails the prompt; a toast on ComfyUI's page (the prompt's client) names the rank and its log
@@ -213,10 +225,11 @@ def test_pack_in_running_comfyui_frontend(comfy):
             # 5. the panel's release frees the workers the failed run left (rank 0) and says so
             left = {w["rank"]: w["state"] for w in server.get("/h3multistream/status")["workers"]}
             assert left.get(1) == "dead" and left.get(0) not in (None, "dead"), left
-            panel.wait_for_selector("#h3ms-worker-1 td:text-is('dead')")
-            panel.get_by_role("button", name="Release workers").click()
-            panel.wait_for_function('document.getElementById("h3ms-action-result").textContent'
-                                    '.includes("split workers released (1 engine(s))")')
+            comfy_page.wait_for_selector(".h3ms-tab #h3ms-worker-1 td:text-is('dead')")
+            comfy_page.locator(".h3ms-tab").get_by_role("button", name="Release workers").click()
+            comfy_page.wait_for_function('document.getElementById("h3ms-action-result").textContent'
+                                         '.includes("split workers released (1 engine(s))")')
+            comfy_page.wait_for_selector(".h3ms-tab #h3ms-workers td:text('no workers running')")
             panel.wait_for_selector("#h3ms-workers td:text('no workers running')")
             assert server.get("/h3multistream/status")["workers"] == []
             shoot(panel, "panel_released.png", docs=True)

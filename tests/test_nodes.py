@@ -70,8 +70,8 @@ def test_gpu_set_and_release_node_inputs():
     assert list(spec["required"]) == ["gpus", "exclude", "shares", "min_free_vram_gb", "max_gpus"]
     assert H3MSGPUSetAsync.RETURN_TYPES == ("H3MS_GPUS",)
     spec = _check_node_class(H3MSReleaseResourcesAsync)
-    assert list(spec["required"]) == ["release_workers", "clear_weight_store", "detach_hooks", "release_vae_workers",
-                                      "clear_text_cache"]
+    assert list(spec["required"]) == ["release_workers", "clear_weight_store", "detach_hooks"]
+    assert list(spec["optional"]) == ["release_vae_workers", "clear_text_cache"]
     assert H3MSReleaseResourcesAsync.OUTPUT_NODE is True and H3MSReleaseResourcesAsync.RETURN_TYPES == ()
     assert math.isnan(H3MSReleaseResourcesAsync.IS_CHANGED(release_workers=True))
 

@@ -122,9 +122,15 @@ def test_panel_live_feed_over_events(served, tmp_path):
 
 FAKE_APP = """
 window.__toasts = [];
+window.__tabs = [];
+window.__commands = [];
 export const app = {
   extensions: [],
-  extensionManager: { toast: { add: (t) => window.__toasts.push(t) } },
+  extensionManager: {
+    toast: { add: (t) => window.__toasts.push(t) },
+    registerSidebarTab: (t) => window.__tabs.push(t),
+    command: { execute: (id) => window.__commands.push(id) },
+  },
   registerExtension(ext) { this.extensions.push(ext); },
 };
 """
@@ -136,7 +142,9 @@ class Api extends EventTarget {
 }
 export const api = new Api();
 """
-HARNESS = """<!DOCTYPE html><html><body><pre id="out"></pre><script type="module">
+HARNESS = """<!DOCTYPE html><html><body><pre id="out"></pre><div id="sidebar"></div><div id="exact"></div>
+<script type="module">
+const EXACTNESS = EXACTNESS_JSON;
 import { app } from "/scripts/app.js";
 import { api } from "/scripts/api.js";
 await import("/extensions/h3ms/h3ms_async.js");
@@ -146,16 +154,41 @@ const run = async (id) => ext.commands.find((c) => c.id === id).function();
 await run("H3MultiStreamAsync.Status");
 await run("H3MultiStreamAsync.ReleaseWorkers");
 await run("H3MultiStreamAsync.DetachHooks");
+await run("H3MultiStreamAsync.ShowTab");
+// the frontend mounts the tab when it opens (what ShowTab's command does there)
+const tab = window.__tabs[0];
+tab.render(document.getElementById("sidebar"));
 const rec = (await (await api.fetchApi("/h3multistream/steps?n=1")).json()).steps[0];
-api.dispatchEvent(new CustomEvent("h3multistream.step", { detail: rec }));
+api.dispatchEvent(new CustomEvent("h3multistream.step", { detail: { ...rec, seq: rec.seq + 1 } }));
+await new Promise((r) => setTimeout(r, 300));
+// the exactness section as STATUS_CONTRACT.md shapes it, rendered by the panel the tab and the page share
+const { Panel } = await import("/extensions/h3ms/panel.js");
+const st = await (await api.fetchApi("/h3multistream/status")).json();
+st.exactness = EXACTNESS;
+new Panel(document.getElementById("exact"), api.apiURL("/h3multistream/")).renderStatus(st);
 document.getElementById("out").textContent = JSON.stringify({
-  name: ext.name, ids: ext.commands.map((c) => c.id), menu: ext.menuCommands, toasts: window.__toasts });
+  name: ext.name, ids: ext.commands.map((c) => c.id), menu: ext.menuCommands, toasts: window.__toasts,
+  tab: { id: tab.id, title: tab.title, type: tab.type }, executed: window.__commands });
 document.body.setAttribute("data-done", "1");
 </script></body></html>"""
 
 
-def test_comfyui_extension_commands_and_docked_panel(tmp_path):
-    """h3ms_async.js against stand-ins for ComfyUI's app.js/api.js (ComfyUI's frontend is not available here)."""
+#: An exactness section shaped as STATUS_CONTRACT.md says (the probe and VAE helpers produce it).
+EXACTNESS = {
+    "verdicts": [
+        {"program": "dit", "op": "mlp.fc2", "device": "cuda:0 NVIDIA H200", "dtype": "bfloat16",
+         "shape": "78491x14336x5376", "shards": [39246, 39245], "verdict": "exact",
+         "detail": "row shards give the same bits", "probe_ms": 12.5, "at": "2026-12-03T19:00:00"},
+        {"program": "dit", "op": "attn.qkv_proj", "device": "cuda:1 NVIDIA H200", "dtype": "int8",
+         "shape": "78491x5376x16128", "shards": [39248, 39243], "verdict": "adjusted",
+         "detail": "shard boundary moved to a multiple of 16 rows", "probe_ms": 8.25, "at": "2026-12-03T19:00:01"}],
+    "verify": [{"at": "2026-12-03T19:05:00", "devices": ["cuda:0 NVIDIA H200", "cuda:1 NVIDIA H200"],
+                "bit_exact": True, "max_abs_diff": 0.0, "first_difference": None, "steps_checked": 1}],
+}
+
+
+def test_comfyui_extension_commands_and_sidebar_tab(tmp_path):
+    """h3ms_async.js against stand-ins for ComfyUI's app.js/api.js (the real frontend: tests/test_browser_comfy.py)."""
     hub = StatusHub()
     rec = make_record(0, wall=1.5)
     rec.ranks[1].compute_s = 0.777
@@ -170,14 +203,16 @@ def test_comfyui_extension_commands_and_docked_panel(tmp_path):
             app.add_routes([web.route(r.method, prefix + r.path, r.handler) for r in routes])
         js = {"/scripts/app.js": FAKE_APP, "/scripts/api.js": FAKE_API,
               "/extensions/h3ms/h3ms_async.js": (WEB_DIR / "h3ms_async.js").read_text(),
-              "/extensions/h3ms/panel.js": (WEB_DIR / "panel.js").read_text()}
+              "/extensions/h3ms/panel.js": (WEB_DIR / "panel.js").read_text(),
+              "/extensions/h3ms/panel.css": (WEB_DIR / "panel.css").read_text()}
         def static(body: str, ctype: str):
             async def handler(request: web.Request) -> web.Response:
                 return web.Response(text=body, content_type=ctype)
             return handler
         for path, body in js.items():
-            app.router.add_get(path, static(body, "text/javascript"))
-        app.router.add_get("/harness.html", static(HARNESS, "text/html"))
+            app.router.add_get(path, static(body, "text/css" if path.endswith(".css") else "text/javascript"))
+        app.router.add_get("/harness.html", static(HARNESS.replace("EXACTNESS_JSON", json.dumps(EXACTNESS)),
+                                                   "text/html"))
         return app
 
     # reuse the standalone server's loop plumbing: serve this app on the coordinator loop
@@ -201,9 +236,11 @@ def test_comfyui_extension_commands_and_docked_panel(tmp_path):
                      .replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"'))
     assert out["name"] == "H3MultiStreamAsync.Controls"
     assert out["menu"] == [{"path": ["H3 MultiStream"], "commands": out["ids"]}]
-    assert out["ids"] == ["H3MultiStreamAsync.Status", "H3MultiStreamAsync.OpenPanel", "H3MultiStreamAsync.ToggleDock",
+    assert out["ids"] == ["H3MultiStreamAsync.Status", "H3MultiStreamAsync.OpenPanel", "H3MultiStreamAsync.ShowTab",
                           "H3MultiStreamAsync.ReleaseWorkers", "H3MultiStreamAsync.ClearWeightStore",
                           "H3MultiStreamAsync.DetachHooks"]
+    assert out["executed"] == ["Workspace.ToggleSidebarTab.h3multistream"]
+    assert out["tab"] == {"id": "h3multistream", "title": "H3 MultiStream", "type": "custom"}
     status, release, detach = out["toasts"]
     assert status["severity"] == "info" and status["summary"] == "H3 MultiStream status"
     lines = status["detail"].split("\n")
@@ -213,7 +250,20 @@ def test_comfyui_extension_commands_and_docked_panel(tmp_path):
     assert lines[2] == "Workers: none" and lines[-1].startswith("RAM available")
     assert release["severity"] == "warn" and "workers left running" in release["detail"]
     assert detach["severity"] == "warn" and "hooks left attached" in detach["detail"]
-    # the docked panel: one bar per rank, from the websocket event
-    dock = re.search(r'<div id="h3ms-dock".*', dom, re.S).group(0)
-    assert dock.count('class="h3ms-compact-rank"') == 2 and "r1 cuda:1" in dock and dock.count('class="h3ms-chart-rank"') == 2
-    assert "step 0 · sigma 0.9375 · 1000 tokens × 50 blocks" in dock
+    # the sidebar tab: the recorded step, then the one the websocket event brought, as the page shows them
+    tab = re.search(r'<div id="sidebar">(.*)<div id="exact"', dom, re.S).group(1)
+    assert 'class="h3ms-tab h3ms-panel"' in tab and 'data-loaded="1"' in tab
+    assert re.findall(r'data-seq="(\d+)"', tab) == ["1", "0"]
+    assert rank_row(tab, 1)[5] == "0.777" and "live (websocket)" in tab
+    assert "no plan probed yet" in tab and "no verify run yet" in tab  # the hub has no exactness section
+    # the exactness rows, newest first, in words
+    exact = re.search(r'<div id="exact"[^>]*>(.*)', dom, re.S).group(1)
+    rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
+            for r in re.findall(r'<tr class="verdict [^"]*">(.*?)</tr>', exact, re.S)]
+    assert rows[0] == ["dit", "attn.qkv_proj", "cuda:1 NVIDIA H200", "int8", "78491x5376x16128", "39248, 39243",
+                       "adjusted", "shard boundary moved to a multiple of 16 rows", "8.3 ms", "2026-12-03T19:00:01"]
+    assert rows[1][6] == "exact" and rows[1][5] == "39246, 39245"
+    assert rows[2] == ["2026-12-03T19:05:00", "cuda:0 NVIDIA H200, cuda:1 NVIDIA H200", "yes", "0", "none", "1"]
+    # the status sections are rows of words: no JSON braces, no reprs
+    sections = re.search(r'class="cols">(.*?)</section>', exact, re.S).group(1)
+    assert "{" not in sections and "GPU plan" in sections and "no plan yet" in sections, sections

@@ -1,15 +1,15 @@
 // H3 MultiStream (async) — ComfyUI frontend extension.
 //
-// Main-menu entry "H3 MultiStream" with the status toast, the live panel, and the release/clear/detach actions,
-// plus a small docked panel fed by the "h3multistream.step" websocket event (per-rank compute / exchange / wait bars
-// of the latest step and the per-rank chart of step times), and a toast naming the rank and its log when a prompt
-// fails in a worker.
+// The live panel as a sidebar tab next to the graph (panel.js's Panel, fed by ComfyUI's websocket through its api
+// events: every "h3multistream.step" record as it happens, the status on each queue change); a main-menu entry
+// "H3 MultiStream" with the status toast, the panel tab, the standalone panel page and the release/clear/detach
+// actions; and a toast naming the rank and its log when a prompt fails in a worker.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { renderCompact, fmtBytes, fmtSec } from "./panel.js";
+import { Panel, describe, fmtBytes, fmtSec, human } from "./panel.js";
 
 const EXT = "H3MultiStreamAsync";
-const STEPS_KEPT = 60;
+const TAB_ID = "h3multistream";
 
 function toast(severity, summary, detail) {
   const t = app.extensionManager && app.extensionManager.toast;
@@ -35,7 +35,7 @@ function statusLines(st) {
   const plans = Object.entries(st.plans || {});
   if (st.plans && st.plans.error) lines.push(`GPUs: ${st.plans.error}`);
   else if (plans.length === 0) lines.push("GPUs: no plan yet");
-  else for (const [k, v] of plans) lines.push(`GPUs (${k}): ${typeof v === "string" ? v : JSON.stringify(v)}`);
+  else for (const [k, v] of plans) lines.push(`GPUs (${k}): ${human(k, v)}`);
   const s = st.last_step;
   if (s && s.ranks) {
     const per = (k) => s.ranks.map((r) => fmtSec(r[k])).join("/");
@@ -50,11 +50,12 @@ function statusLines(st) {
     ? st.workers.map((w) => `r${w.rank} ${w.device}: ${w.state}`).join(", ") : "none"));
   for (const eng of (st.attention && st.attention.engines) || []) {
     const last = eng.recent_calls.length ? eng.recent_calls[eng.recent_calls.length - 1] : null;
-    lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` + (last ? `; last ` +
-      `${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s` : ""));
+    lines.push(`Attention parallel: ${eng.devices.join("+")} (${eng.transport}), ${eng.calls} call(s)` +
+      (last ? `; last ${fmtSec(last.wall_s)}s, compute ${last.ranks.map((r) => fmtSec(r.compute_s)).join("/")}s`
+        : ""));
   }
   const ws = st.weight_store || {};
-  lines.push("Weight store: " + (ws.error || ws.state || JSON.stringify(ws)));
+  lines.push("Weight store: " + (ws.error || describe(ws)));
   const list = (v, f) => (!Array.isArray(v) ? v.error : v.length ? v.map(f).join(", ") : "none");
   lines.push("Caches: " + list(st.caches, (c) => c.group));
   lines.push("Hooks attached: " + list(st.hooks, (h) => h.hook || h.kind));
@@ -67,8 +68,8 @@ const FAILURE_LINE_CHARS = 140;
 
 // What a failed prompt's ComfyUI "execution_error" detail says about the pack: null when the pack did not raise it,
 // else { summary, detail }. A worker failure's message is "worker rank R on DEV (pid P, STATE) WHAT",
-// then "--- last lines of LOG ---" and the log's tail (h3ms_async/runtime/pool.py words it so); the summary names the rank,
-// the detail the log file and its last lines.
+// then "--- last lines of LOG ---" and the log's tail (h3ms_async/runtime/pool.py words it so); the summary names the
+// rank, the detail the log file and its last lines.
 function packFailure(err) {
   if (!err || typeof err.exception_message !== "string") return null;
   const msg = err.exception_message;
@@ -88,49 +89,42 @@ function packFailure(err) {
   return { summary: `H3 MultiStream: worker rank ${rank} failed`, detail: lines.join("\n") };
 }
 
-// ---- docked live panel
+// ---- the sidebar tab
 
-const dock = { el: null, body: null, steps: [], dismissed: false };
+// One panel for the page's life: the step records keep arriving while the tab is closed, the status refreshes
+// only while it is open.
+const tab = { root: null, panel: null };
 
-function ensureDock() {
-  if (dock.el) return dock.el;
-  const el = document.createElement("div");
-  el.id = "h3ms-dock";
-  el.style.cssText = "position:fixed;right:12px;bottom:12px;z-index:1000;width:360px;padding:8px 10px;" +
-    "background:rgba(22,24,29,.94);color:#e4e6eb;border:1px solid #3a3f4a;border-radius:8px;" +
-    "font:12px/1.35 system-ui,sans-serif;box-shadow:0 4px 16px rgba(0,0,0,.4)";
-  const head = document.createElement("div");
-  head.style.cssText = "display:flex;justify-content:space-between;align-items:center;margin-bottom:4px";
-  const title = document.createElement("b");
-  title.textContent = "H3 MultiStream — live";
-  const close = document.createElement("button");
-  close.textContent = "×";
-  close.title = "hide (H3 MultiStream menu: Show docked panel)";
-  close.style.cssText = "background:none;border:none;color:inherit;font-size:16px;cursor:pointer";
-  close.addEventListener("click", () => { dock.dismissed = true; el.style.display = "none"; });
-  head.append(title, close);
-  dock.body = document.createElement("div");
-  el.append(head, dock.body);
-  document.body.appendChild(el);
-  dock.el = el;
-  renderCompact(dock.body, dock.steps);
-  return el;
+function tabPanel() {
+  if (!tab.panel) {
+    const css = document.createElement("link");
+    css.rel = "stylesheet";
+    css.href = new URL("./panel.css", import.meta.url).href;
+    document.head.appendChild(css);
+    tab.root = document.createElement("div");
+    tab.root.className = "h3ms-tab";
+    tab.panel = new Panel(tab.root, api.apiURL("/h3multistream/"));
+    tab.panel.followComfyApi(api);
+  }
+  return tab.panel;
 }
 
-function onStep(rec) {
-  if (!rec || !Array.isArray(rec.ranks)) return;
-  dock.steps.push(rec);
-  if (dock.steps.length > STEPS_KEPT) dock.steps.splice(0, dock.steps.length - STEPS_KEPT);
-  if (dock.dismissed) return;
-  ensureDock().style.display = "";
-  renderCompact(dock.body, dock.steps);
-}
-
-function toggleDock() {
-  const el = ensureDock();
-  const hidden = el.style.display === "none";
-  dock.dismissed = !hidden;
-  el.style.display = hidden ? "" : "none";
+function registerTab() {
+  const em = app.extensionManager;
+  if (!em || typeof em.registerSidebarTab !== "function") {
+    console.warn("[H3 MultiStream] this ComfyUI frontend has no sidebar tabs; use the menu's Open live panel");
+    return;
+  }
+  em.registerSidebarTab({
+    id: TAB_ID, icon: "pi pi-chart-bar", title: "H3 MultiStream", tooltip: "H3 MultiStream live panel",
+    type: "custom",
+    render: (container) => {
+      const panel = tabPanel();
+      container.appendChild(tab.root);
+      panel.load();
+    },
+    destroy: () => { if (tab.panel) tab.panel.stopStatus(); },
+  });
 }
 
 // ---- commands
@@ -139,7 +133,7 @@ function action(path, summary) {
   return async () => {
     try {
       const body = await call(path);
-      toast(body.busy ? "warn" : "success", summary, body.message || JSON.stringify(body));
+      toast(body.busy ? "warn" : "success", summary, body.message || describe(body));
     } catch (err) {
       toast("error", summary, err.message);
     }
@@ -161,7 +155,8 @@ const commands = [
     id: `${EXT}.OpenPanel`, label: "Open live panel", icon: "pi pi-chart-bar",
     function: () => window.open(api.apiURL("/h3multistream/panel"), "_blank", "noopener"),
   },
-  { id: `${EXT}.ToggleDock`, label: "Show docked panel", icon: "pi pi-window-maximize", function: toggleDock },
+  { id: `${EXT}.ShowTab`, label: "Show live panel tab", icon: "pi pi-window-maximize",
+    function: () => app.extensionManager.command.execute(`Workspace.ToggleSidebarTab.${TAB_ID}`) },
   { id: `${EXT}.ReleaseWorkers`, label: "Release workers", icon: "pi pi-power-off",
     function: action("/h3multistream/workers/release", "Release workers") },
   { id: `${EXT}.ClearWeightStore`, label: "Clear weight store", icon: "pi pi-trash",
@@ -175,7 +170,8 @@ app.registerExtension({
   commands,
   menuCommands: [{ path: ["H3 MultiStream"], commands: commands.map((c) => c.id) }],
   setup() {
-    api.addEventListener("h3multistream.step", (e) => onStep(e.detail));
+    registerTab();
+    tabPanel(); // follows the step records from the start, so the tab shows the run it opens into
     // ComfyUI's own error dialog shows the whole traceback; this toast says which rank failed and where its log is
     api.addEventListener("execution_error", (e) => {
       const failure = packFailure(e.detail);

@@ -1,11 +1,10 @@
-// H3 MultiStream live panel.
-//
-// An ES module with two uses:
-//  - on web/panel.html (standalone server, or /api/h3multistream/panel inside ComfyUI) it finds #h3ms-panel and runs
-//    the full page: step history with the per-rank chart, per-rank bars, workers and their logs, plans/caches/hooks,
-//    fed live by the standalone server's event stream or ComfyUI's websocket;
-//  - ComfyUI loads every .js of the pack's web/ as an extension module, so on ComfyUI's page this file is imported
-//    too: it then only exports the renderers (the docked panel of h3ms_async.js uses them) and starts nothing.
+// H3 MultiStream live panel: one renderer (class Panel, which also builds its own DOM) for two places.
+//  - web/panel.html (standalone `python -m h3ms_async serve`, or /api/h3multistream/panel inside ComfyUI): the page
+//    finds #h3ms-panel and runs the panel fed by the standalone server's event stream or ComfyUI's websocket;
+//  - ComfyUI's sidebar tab (h3ms_async.js): the same Panel, fed by ComfyUI's own api events. ComfyUI loads every
+//    .js of the pack's web/ as an extension module, so on ComfyUI's page this file only exports and starts nothing.
+// Step history with the per-rank chart, per-rank bars, workers and their logs, the GPU plan, weight store, caches,
+// hooks and exactness verdicts as readable rows, and the release actions.
 // All data goes into the DOM through textContent, never innerHTML: worker states and paths are not trusted markup.
 
 export const COLORS = { compute: "#4e9af1", exchange: "#f0a53a", wait: "#8a8f99" };
@@ -39,9 +38,10 @@ function el(tag, text, attrs) {
 
 // One stacked bar (compute | exchange | wait) for a rank, scaled so that `scale` seconds fill the width.
 export function rankBar(rank, scale) {
-  const bar = el("div", null, { class: "h3ms-bar", title:
-    `rank ${rank.rank}: compute ${fmtSec(rank.compute_s)}s, exchange ${fmtSec(rank.exchange_s)}s, wait ${fmtSec(rank.wait_s)}s` });
-  bar.style.cssText = "display:flex;height:12px;width:100%;background:rgba(128,128,128,.15);border-radius:3px;overflow:hidden";
+  const bar = el("div", null, { class: "h3ms-bar", title: `rank ${rank.rank}: compute ${fmtSec(rank.compute_s)}s, ` +
+    `exchange ${fmtSec(rank.exchange_s)}s, wait ${fmtSec(rank.wait_s)}s` });
+  bar.style.cssText = "display:flex;height:12px;width:100%;background:rgba(128,128,128,.15);border-radius:3px;" +
+    "overflow:hidden";
   for (const part of ["compute", "exchange", "wait"]) {
     const seg = el("div", null, { class: `h3ms-seg ${part}` });
     const pct = scale > 0 ? (100 * rank[`${part}_s`]) / scale : 0;
@@ -121,37 +121,144 @@ export function stepSummary(rec) {
     `weight store ${rec.weight_store}`;
 }
 
-// Compact view for the docked panel inside ComfyUI: one bar per rank of the latest step + the per-rank chart.
-export function renderCompact(container, steps) {
-  const rec = steps[steps.length - 1];
-  container.replaceChildren();
-  if (!rec) {
-    container.appendChild(el("div", "no split step yet"));
-    return;
-  }
-  container.appendChild(el("div", stepSummary(rec), { class: "h3ms-compact-summary" }));
-  const scale = barScale(rec);
-  for (const r of rec.ranks) {
-    const row = el("div", null, { class: "h3ms-compact-rank", "data-rank": String(r.rank) });
-    row.style.cssText = "display:grid;grid-template-columns:8.5em 1fr;gap:6px;align-items:center;margin:3px 0";
-    row.appendChild(el("span", `r${r.rank} ${r.device}`));
-    row.appendChild(rankBar(r, scale));
-    container.appendChild(row);
-  }
-  container.appendChild(stepChart(steps, 340, 110));
+// ---------------------------------------------------------------------------------------------------------------
+// readable rows: a status entry as "label value · label value" text, never JSON
+
+// "fill_seconds" -> "fill", "vram_peak_bytes" -> "vram peak", "max_entries" -> "max entries"
+function label(key) {
+  return key.replace(/_(bytes|s|seconds|ms|gb)$/, "").replace(/_/g, " ");
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// the full page
+// One value in words; the key's unit suffix picks the format (bytes, seconds, milliseconds, GB).
+export function human(key, v) {
+  if (v === null || v === undefined) return "none";
+  if (typeof v === "boolean") return v ? "yes" : "no";
+  if (typeof v === "number") {
+    if (key === "bytes" || key.endsWith("_bytes")) return fmtBytes(v);
+    if (key.endsWith("_s") || key.endsWith("_seconds")) return `${fmtSec(v)} s`;
+    if (key.endsWith("_ms")) return `${Number(v).toFixed(1)} ms`;
+    if (key.endsWith("_gb")) return `${v} GB`;
+    return String(v);
+  }
+  if (Array.isArray(v)) {
+    if (v.length === 0) return "none";
+    // a cache key: its parts are digests (sizes, times, option reprs); the file it names is what a user knows
+    if (key === "key") return v.filter((x) => String(x).includes("/")).join(", ") || String(v[0]);
+    return v.map((x) => (x !== null && typeof x === "object" ? `(${describe(x)})` : human(key, x))).join(", ");
+  }
+  if (typeof v === "object") return describe(v);
+  return String(v);
+}
 
-class Panel {
+// Every field of `obj` but `skip`, in words: "exchange host · exchange chunks 8 · shares 1, 1".
+export function describe(obj, skip = []) {
+  const parts = Object.entries(obj || {}).filter(([k]) => !skip.includes(k))
+    .map(([k, v]) => (v !== null && typeof v === "object" && !Array.isArray(v)
+      ? `${label(k)}: ${describe(v)}` : `${label(k)} ${human(k, v)}`));
+  return parts.length ? parts.join(" · ") : "—";
+}
+
+// The rows of one status section: [label, text] pairs, or an empty-state line.
+const SECTIONS = [
+  ["plans", "GPU plan", (v) => Object.entries(v).flatMap(([kind, plans]) => (Array.isArray(plans) ? plans : [plans])
+    .map((p) => [`${kind} on ${(p.devices || []).join(" + ")}`, describe(p, ["devices"])])), "no plan yet"],
+  ["weight_store", "Weight store", (v) => [[v.state || "store", describe(v, ["state"])]], "empty"],
+  ["caches", "Caches", (v) => v.map((c) => [c.group, describe(c, ["group"])]), "none"],
+  ["hooks", "Hooks", (v) => v.map((h) => [h.hook || h.kind, describe(h, ["hook", "kind"])]), "none attached"],
+  ["vae_workers", "VAE workers", (v) => v.map((w) => [`rank ${w.rank} ${w.device}`, describe(w, ["rank", "device"])]),
+    "none running"],
+  ["vae_split", "VAE split", (v) => (v.engines || []).map((e) => [(e.devices || []).join(" + "),
+    describe(e, ["devices"])]), "no engine"],
+  ["text_encoder_outputs", "Text-encoder outputs", (v) => [["output cache", describe(v)]], "off"],
+];
+
+const VERDICT_COLS = ["program", "op", "device", "dtype", "shape", "shards", "verdict", "detail", "probe_ms", "at"];
+const VERIFY_COLS = ["at", "devices", "bit_exact", "max_abs_diff", "first_difference", "steps_checked"];
+
+function table(id, cols) {
+  const t = el("table", null, { id });
+  const tr = el("tr");
+  for (const c of cols) tr.appendChild(el("th", c));
+  t.appendChild(el("thead")).appendChild(tr);
+  t.appendChild(el("tbody"));
+  return t;
+}
+
+function section(title, ...children) {
+  const s = el("section");
+  s.appendChild(el("h2", title));
+  s.append(...children);
+  return s;
+}
+
+const scroll = (child) => { const d = el("div", null, { class: "h3ms-scroll" }); d.appendChild(child); return d; };
+
+// The panel's DOM, built here so the page and the sidebar tab are the same panel.
+function buildPanel(root) {
+  root.classList.add("h3ms-panel");
+  const head = el("header");
+  head.appendChild(el("h1", "H3 MultiStream")).appendChild(el("span", " live panel", { class: "sub" }));
+  const badges = el("div", null, { class: "badges" });
+  badges.append(el("span", "…", { id: "h3ms-running", class: "badge" }), el("span", "", { id: "h3ms-version",
+    class: "badge dim" }), el("span", "", { id: "h3ms-feed", class: "badge dim" }));
+  head.append(badges, el("div", "", { id: "h3ms-ram", class: "dim" }), el("div", "", { id: "h3ms-error",
+    class: "error", hidden: "" }));
+  const legend = el("div", null, { class: "legend" });
+  for (const part of ["compute", "exchange", "wait"]) {
+    const s = el("span");
+    s.append(el("i", null, { class: `sw ${part}` }), part);
+    legend.appendChild(s);
+  }
+  const actions = el("div", null, { class: "actions" });
+  for (const [path, text] of [["workers/release", "Release workers"], ["cache/clear_weights", "Clear weight store"],
+    ["hooks/detach", "Detach hooks"]]) actions.appendChild(el("button", text, { "data-action": path }));
+  actions.appendChild(el("span", "", { id: "h3ms-action-result", class: "dim" }));
+  const exact = el("div", null, { id: "h3ms-exactness" });
+  const heads = (cols) => cols.map((c) => c.replace(/_/g, " "));
+  exact.append(el("h3", "Plan verdicts"), scroll(table("h3ms-verdicts", heads(VERDICT_COLS))),
+    el("div", "", { id: "h3ms-verdicts-empty", class: "dim" }), el("h3", "Verify runs"),
+    scroll(table("h3ms-verify", heads(VERIFY_COLS))), el("div", "", { id: "h3ms-verify-empty", class: "dim" }));
+  const status = el("div", null, { class: "cols" });
+  for (const [key, title] of SECTIONS) {
+    const box = el("div", null, { id: `h3ms-section-${key}`, class: "h3ms-rows" });
+    box.appendChild(el("h3", title));
+    box.appendChild(el("dl"));
+    status.appendChild(box);
+  }
+  root.replaceChildren(
+    head,
+    section("Latest step", el("div", "no split step recorded yet", { id: "h3ms-last-summary", class: "summary" }),
+      legend, scroll(table("h3ms-ranks", ["rank", "device", "tokens", "heads", "time split", "compute s",
+        "exchange s", "wait s", "moved", "VRAM peak"]))),
+    section("Step history", el("div", null, { id: "h3ms-chart", class: "chart", title: "per step: each rank's " +
+      "compute + exchange seconds (solid) and the step's wall time (dashed); the gap is the rank's wait" }),
+    scroll(table("h3ms-history", ["seq", "at", "sigma", "tokens × blocks", "ranks", "exchange", "wall s", "moved",
+      "weight store"]))),
+    section("Workers", scroll(table("h3ms-workers", ["rank", "device", "pid", "state", "uptime", "RSS", "VRAM",
+      "jobs", "log"])), actions, el("pre", "", { id: "h3ms-log", hidden: "" })),
+    section("Exactness", exact),
+    section("Attention parallel", scroll(table("h3ms-attention", ["device", "role", "pid", "state", "heads",
+      "transport", "stage s", "copy in s", "compute s", "copy out s", "take-back s", "calls"])),
+    el("div", "", { id: "h3ms-attention-summary", class: "dim" })),
+    section("Resources", status),
+  );
+  root.querySelector("#h3ms-ranks th:nth-child(5)").classList.add("barcol");
+}
+
+export class Panel {
+  // root: an empty element; base: the routes' URL ending in "/" (e.g. http://127.0.0.1:8189/h3multistream/)
   constructor(root, base) {
     this.root = root;
-    this.base = base; // ends with "/", e.g. http://127.0.0.1:8189/h3multistream/
+    this.base = base;
     this.steps = [];
     this.lastSeq = null;
     this.pollTimer = null;
+    this.statusTimer = null;
+    buildPanel(root);
     this.$ = (id) => root.querySelector("#" + id);
+    for (const b of root.querySelectorAll("button[data-action]")) {
+      b.addEventListener("click", () => this.runAction(b.dataset.action));
+    }
   }
 
   async getJSON(path, opts) {
@@ -226,18 +333,37 @@ class Panel {
     running.className = "badge " + (st.running ? "running" : "idle");
     this.$("h3ms-version").textContent = "v" + st.version;
     this.$("h3ms-ram").textContent = st.ram.text;
+    this.renderWorkers(st.workers);
+    this.renderAttention(st.attention);
+    this.renderExactness(st.exactness);
+    for (const [key, , rows, empty] of SECTIONS) {
+      const dl = this.$(`h3ms-section-${key}`).querySelector("dl");
+      const v = st[key];
+      let pairs;
+      if (v && v.error) pairs = [["unavailable", v.error]];
+      else pairs = v && (Array.isArray(v) ? v.length : Object.keys(v).length) ? rows(v) : [];
+      dl.replaceChildren();
+      if (!pairs.length) dl.appendChild(el("dd", empty, { class: "dim" }));
+      for (const [k, text] of pairs) dl.append(el("dt", k), el("dd", text));
+    }
+    if (st.last_step && st.last_step.seq !== undefined) this.addSteps([st.last_step]);
+  }
+
+  renderWorkers(workers) {
     const tbody = this.$("h3ms-workers").tBodies[0];
     tbody.replaceChildren();
-    if (!Array.isArray(st.workers)) {
+    if (!Array.isArray(workers)) {
       const tr = el("tr");
-      tr.appendChild(el("td", `workers unavailable: ${st.workers.error}`, { colspan: "9", class: "error" }));
+      tr.appendChild(el("td", `workers unavailable: ${workers.error}`, { colspan: "9", class: "error" }));
       tbody.appendChild(tr);
-    } else if (st.workers.length === 0) {
+      return;
+    }
+    if (workers.length === 0) {
       const tr = el("tr");
       tr.appendChild(el("td", "no workers running", { colspan: "9", class: "dim" }));
       tbody.appendChild(tr);
     }
-    for (const w of Array.isArray(st.workers) ? st.workers : []) {
+    for (const w of workers) {
       const tr = el("tr", null, { id: `h3ms-worker-${w.rank}` });
       tr.appendChild(el("td", w.rank));
       tr.appendChild(el("td", w.device));
@@ -254,16 +380,29 @@ class Panel {
       tr.appendChild(logTd);
       tbody.appendChild(tr);
     }
-    this.renderAttention(st.attention);
-    const show = (id, v) => { this.$(id).textContent = JSON.stringify(v, null, 1); };
-    show("h3ms-plans", st.plans);
-    show("h3ms-weight-store", st.weight_store);
-    show("h3ms-caches", st.caches);
-    show("h3ms-hooks", st.hooks);
-    show("h3ms-vae-workers", st.vae_workers);
-    show("h3ms-vae-split", st.vae_split);
-    show("h3ms-te-outputs", st.text_encoder_outputs);
-    if (st.last_step && st.last_step.seq !== undefined) this.addSteps([st.last_step]);
+  }
+
+  // The exactness section of the status document (STATUS_CONTRACT: the plan's probed verdicts and the verify
+  // runs), newest first; an empty state where a producer has nothing (or the server has no such section).
+  renderExactness(ex) {
+    const fill = (id, cols, list, empty, cls) => {
+      const tbody = this.$(id).tBodies[0];
+      tbody.replaceChildren();
+      const rows = Array.isArray(list) ? list : [];
+      this.$(`${id}-empty`).textContent = ex && ex.error ? `unavailable: ${ex.error}` : rows.length ? "" : empty;
+      for (const rec of [...rows].reverse()) {
+        const tr = el("tr", null, { class: cls(rec) });
+        for (const c of cols) {
+          const v = c === "bit_exact" ? (rec[c] ? "yes" : "NO") : human(c, rec[c]);
+          tr.appendChild(el("td", v, { class: c }));
+        }
+        tbody.appendChild(tr);
+      }
+    };
+    fill("h3ms-verdicts", VERDICT_COLS, ex && ex.verdicts, "no plan probed yet",
+      (r) => `verdict ${r.verdict}`);
+    fill("h3ms-verify", VERIFY_COLS, ex && ex.verify, "no verify run yet (H3 MultiStream's verify input)",
+      (r) => (r.bit_exact ? "verdict exact" : "verdict differs"));
   }
 
   // H3 Attention Parallel: one row per device of each engine (rank 0 = the model's device, in ComfyUI's process),
@@ -286,12 +425,15 @@ class Panel {
           helper ? helper.state : "ComfyUI", rank ? `${rank.heads[0]}–${rank.heads[1]}` : "",
           rank ? rank.transport : (r === 0 ? "local" : eng.transport)]) tr.appendChild(el("td", text));
         // the phases of the last call in pipeline order (summed over a helper's pieces)
-        for (const k of ["stage_s", "h2d_s", "compute_s", "d2h_s", "return_s"]) tr.appendChild(el("td", rank ? fmtSec(rank[k]) : "", { class: "num" }));
+        for (const k of ["stage_s", "h2d_s", "compute_s", "d2h_s", "return_s"]) {
+          tr.appendChild(el("td", rank ? fmtSec(rank[k]) : "", { class: "num" }));
+        }
         tr.appendChild(el("td", r === 0 ? eng.calls : helper ? helper.jobs_done ?? "" : "", { class: "num" }));
         tbody.appendChild(tr);
       });
       if (last) lines.push(`last call: ${last.tokens} tokens × ${last.heads} heads in ${fmtSec(last.wall_s)} s, ` +
-        `${fmtBytes(last.moved_bytes)} moved (${last.transport}${last.gb_per_s ? `, ${last.gb_per_s.toFixed(1)} GB/s` : ""})`);
+        `${fmtBytes(last.moved_bytes)} moved (${last.transport}` +
+        `${last.gb_per_s ? `, ${last.gb_per_s.toFixed(1)} GB/s` : ""})`);
     }
     summary.textContent = section.engines.length ? lines.join(" · ") : "no engine";
   }
@@ -311,7 +453,7 @@ class Panel {
     const out = this.$("h3ms-action-result");
     try {
       const body = await this.getJSON(path, { method: "POST" });
-      out.textContent = (body.busy ? "busy: " : "") + (body.message || JSON.stringify(body));
+      out.textContent = (body.busy ? "busy: " : "") + (body.message || describe(body));
     } catch (err) {
       out.textContent = "failed: " + err.message;
     }
@@ -335,8 +477,20 @@ class Panel {
     else if (type === "status") this.refreshStatus();
   }
 
-  // Inside ComfyUI there is no event stream; ComfyUI's own websocket carries the step records instead. Without it
-  // (or while it reconnects) the page polls.
+  // Inside ComfyUI's own page: its api object already holds the websocket and re-dispatches each message as an
+  // event of that type. Returns the function that detaches the listeners.
+  followComfyApi(api) {
+    const handlers = ["h3multistream.step", "status"].map((type) => {
+      const h = (e) => this.onComfyMessage(type, e.detail);
+      api.addEventListener(type, h);
+      return [type, h];
+    });
+    this.$("h3ms-feed").textContent = "live (websocket)";
+    return () => { for (const [type, h] of handlers) api.removeEventListener(type, h); };
+  }
+
+  // On the page inside ComfyUI there is no event stream; ComfyUI's websocket carries the step records instead.
+  // Without it (or while it reconnects) the page polls.
   startSocket() {
     let ws;
     try {
@@ -395,17 +549,26 @@ class Panel {
     });
   }
 
-  // feed: "poll" forces polling; streamSeconds: how long one event stream lasts before EventSource reconnects
-  async start(feed, streamSeconds) {
-    for (const b of this.root.querySelectorAll("button[data-action]")) {
-      b.addEventListener("click", () => this.runAction(b.dataset.action));
-    }
+  // The steps so far and the status now, then the status every 3 s until stopStatus().
+  async load() {
     await this.pollSteps();
     await this.refreshStatus();
-    setInterval(() => this.refreshStatus(), 3000);
+    clearInterval(this.statusTimer);
+    this.statusTimer = setInterval(() => this.refreshStatus(), 3000);
+    this.root.setAttribute("data-loaded", "1");
+  }
+
+  stopStatus() {
+    clearInterval(this.statusTimer);
+    this.statusTimer = null;
+  }
+
+  // The page: feed "poll" forces polling; streamSeconds: how long one event stream lasts before EventSource
+  // reconnects.
+  async start(feed, streamSeconds) {
+    await this.load();
     if (feed !== "poll" && typeof EventSource !== "undefined") this.startEvents(streamSeconds);
     else this.startPolling();
-    this.root.setAttribute("data-loaded", "1");
   }
 }
 

@@ -652,7 +652,7 @@ class SplitEngine(Engine):
 
     def snapshot(self) -> dict:
         """Plans/weights summary for the status route."""
-        return {"devices": list(self.devices), "options": _options_dict(self.options),
+        return {"devices": list(self.devices), "options": options_dict(self.options),
                 "weight_store": self._loaded.store.summary() if self._loaded else {"state": "empty"},
                 "running": self._running, "steps": self._steps}
 
@@ -670,7 +670,8 @@ def _segment_bytes(specs: dict[str, tuple[torch.dtype, Sequence[int]]]) -> int:
     return sum(slot_bytes(dtype_name(dt), shp) for dt, shp in specs.values())
 
 
-def _options_dict(o: SplitOptions) -> dict:
+def options_dict(o: SplitOptions) -> dict:
+    """``o`` as plain data for the status document (what a user chose; the panel shows it as rows)."""
     return {"exchange": o.exchange, "exchange_chunks": o.exchange_chunks, "vram_residency": o.vram_residency,
             "attention": o.comfy_host.attention if o.comfy_host else o.attention,
             "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
