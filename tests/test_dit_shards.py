@@ -20,6 +20,7 @@ from workers.dit.ops import Shard
 
 CFG = DiTConfig(hidden=256, layers=2, heads=10, head_dim=32, ffn=320, t_dim=16, rope_pairs=12)
 TAGS = [1, 1, 0, 0, 1, 2, 1, 1, 1]
+pytestmark = pytest.mark.exactness
 
 
 def _layouts():

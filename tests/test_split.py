@@ -70,6 +70,7 @@ def engine_factory():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("ranks", [1, 2, 5, 8])
 def test_rank_counts_int8_exact(engine_factory, int8_model, ranks):
     eng = engine_factory(["cpu"] * ranks)
@@ -77,6 +78,7 @@ def test_rank_counts_int8_exact(engine_factory, int8_model, ranks):
     _check_exact(eng, int8_model, _layouts())
 
 
+@pytest.mark.exactness
 def test_three_ranks_chunks_and_weights(engine_factory, int8_model):
     """3 ranks: exchange_chunks 0, 1 and 8 (more chunks than some ranks' rows for the small layout), then fp32 and
     bf16 weights on the same workers (the store is refilled for the new key)."""
@@ -92,6 +94,7 @@ def test_three_ranks_chunks_and_weights(engine_factory, int8_model):
         _check_exact(eng, model, _layouts(), exchange_chunks=4)
 
 
+@pytest.mark.exactness
 def test_shares_and_uneven_heads(engine_factory):
     """Shares 1,1,0.7 over 10 heads: head groups 4/4/2 and token ranges by the same shares."""
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
