@@ -18,6 +18,7 @@ import json
 import sys
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 # Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy 2-core box).
@@ -269,6 +270,9 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     log.info("weights %s (%s); %s", weights, why, compute_note(weights, device))
     model = ReferenceDiT(cfg, weights=weights, seed=a.seed, device=device)
     dtype = model.compute_dtype
+    # bf16 q/k norm weights on an fp32 stream: kitchen's rms_rope upcasts them unfused, as in ComfyUI on a CPU (norm
+    # weights are moved, not cast: docs/comfyui_facts.md); torch's note about the unfused path says nothing new here.
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
     nbytes = model_nbytes(model)
     timed = keep_resident(model, device, nbytes)
     if not timed:
