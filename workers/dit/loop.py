@@ -29,12 +29,14 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
                rope_freqs: torch.Tensor, weights: WeightProvider, exchange: Exchange, blocks: range, *,
                heads_local: int, head_dim: int, eps: float, attend: dit_ops.Attend | None = None, chunks: int = 0,
                before_block: Callable[[int], None] | None = None,
-               after_block: Callable[[int], None] | None = None) -> list[list[float]]:
+               after_block: Callable[[int], None] | None = None,
+               trace: Callable[[int, str, torch.Tensor], None] | None = None) -> list[list[float]]:
     """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns per block ``[compute, copy, wait]``
     seconds on the host clock (copy and wait as the exchange counts them, compute the rest).
 
     ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers all tokens.
-    ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after it (progress).  On a CUDA
+    ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after it (progress);
+    ``trace(i, op, output)`` sees each op's output of block i and the block's rows as op ``"block"`` (``verify``).  On a CUDA
     rank the host waits for a block's compute before each exchange (``workers.dit.cuda``), so "compute" is the GPU
     time up to there.
     """
@@ -45,14 +47,18 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
             before_block(i)
         blk = weights.block(i)
         w = blk.weights
+        op_trace = None if trace is None else (lambda op, t, i=i: trace(i, op, t))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         n1_full = exchange.all_gather_rows(n1, chunks)
         attn = dit_ops.attention_heads(n1_full, blk.qkv, blk.qkv_scale, w["attn.q_norm.weight"],
                                        w["attn.k_norm.weight"], rope_freqs, heads_local, head_dim, eps,
-                                       quant=blk.quant["attn.qkv_proj"], attend=attend)
+                                       quant=blk.quant["attn.qkv_proj"], attend=attend, trace=op_trace)
         attn_rows = exchange.all_to_all_cols(attn, chunks)
-        dit_ops.out_mlp(x_rows, attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps, blk.quant)
+        dit_ops.out_mlp(x_rows, attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps, blk.quant,
+                        trace=op_trace)
+        if op_trace is not None:
+            op_trace("block", x_rows)
         weights.done(i)
         now = (time.perf_counter(), *exchange.counters())
         d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))

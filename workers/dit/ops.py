@@ -17,14 +17,17 @@ attention heads are independent.  Float GEMMs under sliced shapes are *not* guar
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 import comfy_kitchen as ck
+
+from workers.runtime import config
 
 Row = Union[int, torch.Tensor]
 """A mod-segment row: an int, or a LongTensor of per-token rows (masked segments)."""
@@ -43,8 +46,6 @@ def apply_kitchen_policy() -> None:
     ComfyUI (comfy/quant_ops.py) disables kitchen's ``cuda`` backend unless torch was built with CUDA >= 13, and its
     ``triton`` backend unless ``--enable-triton-backend`` was given (here: ``H3MS_ENABLE_TRITON_BACKEND=1``).
     """
-    from workers.runtime import config
-
     cuda = torch.version.cuda
     if cuda is None or int(cuda.split(".")[0]) < 13:
         ck.disable_backend("cuda")
@@ -92,6 +93,53 @@ class QuantInfo:
     convrot_groupsize: int = 256
 
 
+@dataclass(frozen=True)
+class ShapeFault:
+    """Test hook: one call shape rounds differently on purpose, as a kernel library that picks another kernel for it
+    would.  ``kind`` "linear" matches ``(rows, in_features)``, "attention" matches ``(heads,)``; ``steps_only``: the
+    invariance probe (:func:`probing`) does not see it, a difference only ``verify`` can catch.
+
+    Text form (``H3MS_TEST_SHAPE_FAULT``): ``linear:ROWS:IN_FEATURES`` or ``attention:HEADS``, ``:step`` appended
+    for ``steps_only``.
+    """
+
+    kind: str
+    shape: tuple[int, ...]
+    steps_only: bool = False
+
+    @classmethod
+    def parse(cls, raw: str) -> "ShapeFault":
+        parts = raw.strip().split(":")
+        steps_only = parts[-1] == "step"
+        if steps_only:
+            parts = parts[:-1]
+        arity = {"linear": 2, "attention": 1}.get(parts[0])
+        if arity is None or len(parts) != arity + 1 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
+            raise ValueError("is not linear:ROWS:IN_FEATURES or attention:HEADS (optionally followed by :step)")
+        return cls(parts[0], tuple(int(p) for p in parts[1:]), steps_only)
+
+    def apply(self, kind: str, shape: tuple[int, ...], out: torch.Tensor) -> None:
+        """Perturb ``out``'s first row in place when this call is the faulty one."""
+        if kind == self.kind and tuple(shape) == self.shape and not (self.steps_only and _PROBING[0]):
+            out[0].add_(1.0)
+
+
+#: The test hook's fault for this process (read once, at import; None outside tests).
+SHAPE_FAULT: ShapeFault | None = (config.TEST_SHAPE_FAULT.get(ShapeFault.parse) or None) \
+    if config.TEST_HOOKS.get() else None
+_PROBING = [False]
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Calls made inside are the invariance probe's (a ``steps_only`` shape fault leaves them alone)."""
+    _PROBING[0] = True
+    try:
+        yield
+    finally:
+        _PROBING[0] = False
+
+
 def is_int8(weight: torch.Tensor) -> bool:
     """True for a quantized linear weight (int8 storage); its scale lives under ``<linear>.weight_scale``."""
     return weight.dtype == torch.int8
@@ -114,6 +162,15 @@ def quant_info(weights: dict[str, torch.Tensor], linear: str) -> QuantInfo:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            *, quant: QuantInfo = QuantInfo(), input_act: str | None = None) -> torch.Tensor:
+    """:func:`_linear` (below), through the test hook's shape fault when one is set (:data:`SHAPE_FAULT`)."""
+    out = _linear(x, weight, scale, bias, quant=quant, input_act=input_act)
+    if SHAPE_FAULT is not None:
+        SHAPE_FAULT.apply("linear", (x.shape[0], weight.shape[1]), out)
+    return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            *, quant: QuantInfo, input_act: str | None) -> torch.Tensor:
     """One H3 linear as ComfyUI dispatches it: int8 weight → ``ck.int8_linear``, else ``F.linear``.
 
     ``input_act="swiglu"`` means the input is ``[gate | up]`` and the linear sees ``silu(gate) * up``.  The int8
@@ -279,6 +336,8 @@ ATTENTION_BACKENDS = ("sdpa", "ck_int8")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``attend(q, k, v, heads) -> [S, h·D]`` from q, k, v ``[1, h, S, D]`` views (see ``workers.runtime.comfy_host``)."""
+Trace = Callable[[str, torch.Tensor], None]
+"""``trace(op, output)``: sees each op's output in a block (``verify`` digests them to find the first difference)."""
 
 
 def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -324,13 +383,13 @@ def warm_up(attend: Attend, device: torch.device, dtypes: Sequence[torch.dtype])
 def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch.Tensor | None,
                     q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, rope_freqs: torch.Tensor, n_heads_local: int,
                     head_dim: int, eps: float, *, quant: QuantInfo = QuantInfo(),
-                    attend: Attend | None = None) -> torch.Tensor:
+                    attend: Attend | None = None, trace: Trace | None = None) -> torch.Tensor:
     """Attention of ``n_heads_local`` heads over all tokens: ``[S, H]`` modulated states → ``[S, h·D]`` (head-major).
 
     ``qkv_w``/``qkv_scale`` are the group's rows (``slice_qkv_weights``).  Like ComfyUI: q, k, v are strided views
     of one packed projection buffer; the fused per-head RMSNorm + split-half rope runs in place on q and k (both
     with the q-norm epsilon); v is cloned; attention sees ``[1, h, S, D]`` transposed views. ``attend`` defaults
-    to SDPA (``builtin_attend("sdpa")``).
+    to SDPA (``builtin_attend("sdpa")``); ``trace`` sees the projection and the attention output.
     """
     seq = n1_full.shape[0]
     inner = n_heads_local * head_dim
@@ -341,29 +400,50 @@ def attention_heads(n1_full: torch.Tensor, qkv_w: torch.Tensor, qkv_scale: torch
         raise ValueError(f"rope_freqs covers {rope_freqs.shape[1]} tokens but the sequence has {seq}; "
                          "pass the full table (head groups see all tokens)")
     qkv = linear(n1_full, qkv_w, qkv_scale, None, quant=quant)
-    q, k, v = qkv.split(inner, dim=-1)
-    v = v.view(seq, n_heads_local, head_dim)
-    q4 = q.view(1, seq, n_heads_local, head_dim)
-    k4 = k.view(1, seq, n_heads_local, head_dim)
+    if trace is not None:
+        trace("attn.qkv_proj", qkv)
+    q4, k4, v = qkv_views(qkv, n_heads_local, head_dim)
     qw = q_norm_w.to(device=n1_full.device)
     kw = k_norm_w.to(device=n1_full.device)
     ck.rms_rope_split_half_(q4, k4, rope_freqs, qw, kw, epsilon=eps, rot_dim=2 * rope_freqs.shape[-3])
-    q3, k3 = q4[0], k4[0]
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q3, k3, v.clone()))
-    return (attend or _SDPA)(qh, kh, vh, n_heads_local)
+    out = attend_views(q4, k4, v, attend or _SDPA)
+    if trace is not None:
+        trace("attention", out)
+    return out
+
+
+def qkv_views(qkv: torch.Tensor, n_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k as ``[1, S, h, D]`` and v as ``[S, h, D]``: strided views of one packed ``[S, 3·h·D]`` projection."""
+    seq = qkv.shape[0]
+    q, k, v = qkv.split(n_heads * head_dim, dim=-1)
+    return q.view(1, seq, n_heads, head_dim), k.view(1, seq, n_heads, head_dim), v.view(seq, n_heads, head_dim)
+
+
+def attend_views(q4: torch.Tensor, k4: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """``attend`` on :func:`qkv_views`' views as ComfyUI passes them: ``[1, h, S, D]`` transposes, v cloned."""
+    n_heads = q4.shape[2]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q4[0], k4[0], v.clone()))
+    out = attend(qh, kh, vh, n_heads)
+    if SHAPE_FAULT is not None:
+        SHAPE_FAULT.apply("attention", (n_heads,), out)
+    return out
 
 
 def out_mlp(x_rows: torch.Tensor, attn_rows: torch.Tensor, weights: dict[str, torch.Tensor], gate_msa: torch.Tensor,
             shift_mlp: torch.Tensor, scale_mlp: torch.Tensor, gate_mlp: torch.Tensor,
-            segments_local: Sequence[ModSegment], eps: float, quant: dict[str, QuantInfo]) -> torch.Tensor:
+            segments_local: Sequence[ModSegment], eps: float, quant: dict[str, QuantInfo],
+            trace: Trace | None = None) -> torch.Tensor:
     """Rest of the block on a token range: out_proj, gated residual, norm2 + modulation, fc1, swiglu fc2, gated
     residual.  ``attn_rows`` holds all heads (``[n, h·D]``, head-major) for these tokens; ``quant`` is the block's
-    :func:`block_quant`.  Mutates and returns ``x_rows``."""
+    :func:`block_quant`; ``trace`` sees each linear's output.  Mutates and returns ``x_rows``."""
     a = _linear_named(attn_rows, weights, "attn.out_proj", quant=quant["attn.out_proj"])
     gated_residual_(x_rows, a, gate_msa, segments_local)
     n2 = norm_modulate(x_rows, weights["norm2.weight"], shift_mlp, scale_mlp, segments_local, eps)
     f = _linear_named(n2, weights, "mlp.fc1", quant=quant["mlp.fc1"])
     m = _linear_named(f, weights, "mlp.fc2", input_act="swiglu", quant=quant["mlp.fc2"])
+    if trace is not None:
+        for name, t in (("attn.out_proj", a), ("mlp.fc1", f), ("mlp.fc2", m)):
+            trace(name, t)
     return gated_residual_(x_rows, m, gate_mlp, segments_local)
 
 

@@ -31,11 +31,22 @@ serve.  Field meanings:
     residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm);
                 a change between steps re-places the weights from the same store
 
+    trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and answer them
+                (the ``verify`` setting's localisation of a difference); off for normal steps
+
+``dit_probe``   measure on this rank's device whether its shards give the unsplit call's bits
+                (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against each of
+                ``candidates`` (this rank's token range in each candidate plan), the qkv projection and attention
+                for its head group ``heads``; random data of the real shapes, in the loaded compute dtype, with the
+                loaded attention function.  Answers the rank's fingerprint and one verdict per op.
+
 ``dit_release`` drop this rank's weights, exchange objects and process group.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Union, get_args
+from typing import ClassVar, Literal, Optional, Union, get_args
+
+import msgspec
 
 from workers.runtime.protocol import Plain, Request, TensorDesc
 
@@ -71,7 +82,37 @@ class DitStep(Request, tag="dit_step"):
     deadline_s: float
     blocks: tuple[int, int]
     residency: Residency
+    trace: bool = False
     PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
+
+
+#: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same call everywhere).
+Split = Literal["tokens", "heads", "none"]
+
+
+class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One linear of the block as the ranks call it: its name, weight shape and storage, int8 settings.
+
+    ``in_features`` is the weight's; ``mlp.fc2`` (``input_act="swiglu"``) sees twice that many input columns."""
+
+    name: str
+    out_features: int
+    in_features: int
+    weight_dtype: str
+    scale_numel: int = 0
+    bias: bool = False
+    convrot: bool = False
+    convrot_groupsize: int = 256
+    input_act: Optional[str] = None
+    split: Split = "tokens"
+
+
+class DitProbe(Request, tag="dit_probe"):
+    ops: list[LinearOp]
+    tokens: int
+    candidates: list[tuple[int, int]]
+    heads: tuple[int, int]
+    t_rows: int = 2
 
 
 class DitRelease(Request, tag="dit_release"):

@@ -8,6 +8,7 @@ store, ``workers.dit.cuda.CudaWeights``) and the exchange (``workers.transports`
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.runtime import comfy_host
+from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.dit.cuda import CudaExchange, CudaWeights
@@ -111,6 +113,24 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
                  time.perf_counter() - t)
     return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t,
             "sm_count": _sm_count(ctx)}
+
+
+@handler(dit_protocol.DitProbe)
+async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dict:
+    """Measure this rank's shards against the unsplit calls on its own device (``workers.dit.invariance``), in the
+    loaded compute dtype and with the loaded attention function."""
+    w = _state(ctx).weights
+    if w is None:
+        raise RuntimeError(f"rank {ctx.rank}: dit_probe before dit_load; the coordinator must load weights first")
+    cfg = w.config
+    report = await ctx.run_compute(functools.partial(
+        invariance.run_probe, msg.ops, tokens=int(msg.tokens), candidates=[(int(a), int(b)) for a, b in msg.candidates],
+        heads=(int(msg.heads[0]), int(msg.heads[1])), total_heads=int(cfg["heads"]), head_dim=int(cfg["head_dim"]),
+        dtype=getattr(torch, cfg["compute_dtype"]), attend=_attend(cfg["attention"]), device=torch.device(ctx.device),
+        t_rows=int(msg.t_rows)))
+    if ctx.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the probe's random buffers and products are not the steps' working set
+    return report.to_dict()
 
 
 def _sm_count(ctx: WorkerContext) -> int | None:

@@ -187,6 +187,11 @@ TEST_HOOKS = _flag_var("H3MS_TEST_HOOKS",
 CK_ATTENTION_CPU = _flag_var("H3MS_CK_ATTENTION_CPU",
                              "With `H3MS_TEST_HOOKS=1`: attention helpers run kitchen's INT8 attention API on the CPU "
                              "through the pack's test hook (`workers/attention/ck_cpu.py`). Tests only.")
+TEST_SHAPE_FAULT = _var("H3MS_TEST_SHAPE_FAULT", "text", "", "unset",
+                        "With `H3MS_TEST_HOOKS=1`: one call shape rounds differently on purpose "
+                        "(`linear:ROWS:IN_FEATURES` or `attention:HEADS`, `:step` appended = the invariance probe does "
+                        "not see it), so tests show the probe and `verify` catch it; read once per process. Tests "
+                        "only.", "give e.g. linear:10:64 or attention:1:step, or unset it", _text)
 TEST_VAE_CRASH_FILE = _var("H3MS_TEST_VAE_CRASH_FILE", "path", "", "unset",
                            "With `H3MS_TEST_HOOKS=1`: a VAE worker that finds this file deletes it and dies at its "
                            "next chunk. Tests only.", "give a file path or unset it", _text)
