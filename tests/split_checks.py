@@ -25,21 +25,26 @@ from workers.runtime.shm import dtype_name
 def probe_refusals(model: ReferenceDiT, plan: SplitPlan, dtype: torch.dtype, t_rows: int,
                    attention: str = "sdpa") -> list[str]:
     """What the invariance probe finds inexact on this CPU for ``plan`` over ``model``'s blocks computed in
-    ``dtype`` (each rank's token shard and head group); empty when every op gives the unsplit call's bits."""
+    ``dtype``; empty when every op gives the unsplit call's bits.  Every token shard is a candidate of one probe call
+    (the token-split linears' full products are made once), and each rank's head group gets the head-split ops."""
     c = model.config
+    ranks = len(plan.token_bounds) - 1
+    if ranks == 1:
+        return []
     blocks = [model.block_weights(i) for i in range(c.layers)]
     manifest = [{k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in b.items()} for b in blocks]
     ops = invariance.block_ops(manifest, lambda i: dit_ops.block_quant(blocks[i]))
-    tokens = plan.token_bounds[-1]
+    shards = list(zip(plan.token_bounds, plan.token_bounds[1:]))
     out = []
-    for r in range(len(plan.token_bounds) - 1):
-        shard = (plan.token_bounds[r], plan.token_bounds[r + 1])
-        heads = (plan.head_bounds[r], plan.head_bounds[r + 1])
-        report = invariance.run_probe(ops, tokens=tokens, candidates=[shard], heads=heads, total_heads=c.heads,
-                                      head_dim=c.head_dim, dtype=dtype, attend=dit_ops.builtin_attend(attention),
-                                      device=torch.device("cpu"), t_rows=t_rows)
-        out += [f"rank {r}: {v.op} ({v.dtype}, {v.shape}, {v.split} {v.shards}) max |diff| {max(v.max_abs_diff):g}"
-                for v in report.ops if not all(v.exact)]
+    for r in range(ranks):
+        report = invariance.run_probe(
+            ops if r == 0 else [op for op in ops if op.split == "heads"], tokens=plan.token_bounds[-1],
+            candidates=shards if r == 0 else [], heads=(plan.head_bounds[r], plan.head_bounds[r + 1]),
+            total_heads=c.heads, head_dim=c.head_dim, dtype=dtype, attend=dit_ops.builtin_attend(attention),
+            device=torch.device("cpu"), t_rows=t_rows)
+        for v in report.ops:
+            out += [f"{v.op} ({v.dtype}, {v.shape}, {v.split} {shard}) max |diff| {d:g}"
+                    for ok, shard, d in zip(v.exact, v.shards, v.max_abs_diff) if not ok]
     return out
 
 

@@ -177,3 +177,23 @@ def test_small_token_shards_of_four_rows(kind) -> None:
     plan = make_split_plan(["cpu"] * 3, (1, 24, 1), inp.x.shape[0], CFG.heads)
     assert plan.tokens_per_rank()[0] == 4 and plan.tokens_per_rank()[2] == 4
     _check_split(model, (1, 24, 1), [inp])
+
+
+def test_a_shape_dependent_gemm_is_refused_not_compared(monkeypatch) -> None:
+    # The checks above cannot pass by comparing nothing: fc2 made to round differently at the shards' row count (the
+    # probe's test hook, as a kernel library picking another kernel for that shape) is refused by the probe, and the
+    # split at that plan does differ from unsplit.
+    model = ReferenceDiT(CFG, "fp32", seed=8)
+    inp = make_step_inputs(CFG, _layouts()[0], seed=4, dtype=model.dtype)
+    plan = make_split_plan(["cpu"] * 3, None, inp.x.shape[0], CFG.heads)
+    rows = plan.tokens_per_rank()[1]
+    assert probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0]) == []
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault("linear", (rows, CFG.ffn)))
+    refusals = probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0])
+    # (out_proj has fc2's 320 input features in this config: both are hit, nothing else)
+    assert any(r.startswith("mlp.fc2") for r in refusals), refusals
+    assert all(r.startswith(("mlp.fc2", "attn.out_proj")) for r in refusals), refusals
+    assert any(f"[{plan.token_bounds[1]}, {plan.token_bounds[2]}]" in r for r in refusals), refusals
+    out = SimulatedSplit(model, plan.head_bounds).forward_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs,
+                                                                 plan.token_bounds)
+    assert not torch.equal(out, model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs))
