@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
-#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|demo-gpu] [extra bench args...]
+#   bash benchmarks/device_run.sh [tests|bench|all|attention|vae|vae-tests|vae-bench|invariance|invariance-demo|demo-gpu]
+#     [extra bench args...]
 #   demo-gpu: the demo on 2 logical ranks of cuda:0 at full H3 width (20000 tokens, 2 blocks, 3 steps), int8 then
 #   bf16: its per-step table and summary must compare like with like (unsplit and split times of one order)
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
@@ -8,6 +9,10 @@
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
 #   logical CUDA ranks) and the cache benchmarks; vae-bench: the split decode (full-size H3 VAE, fp16 and bf16, 2 and
 #   4 logical ranks). Both need the ComfyUI tree (tests/comfy_tree.py unpacks it from shared/) and its imports.
+#   invariance: `bench invariance` (row/head invariance table of H3's shapes, the engine's decision per size, the
+#   probe's cost at full width), then the split's CUDA probe/verify tests (tests/test_invariance_cuda.py)
+#   invariance-demo: the issue's bf16 demo whose first rank gets ~10 rows: it must adjust and stay exact (or run
+#   unsplit with one warning), then the same with --verify
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,5 +62,22 @@ if [ "$what" = demo-gpu ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done
   echo "demo-gpu: ${SECONDS} s wall" | tee -a "$out/demo_gpu_bf16.log"
+fi
+if [ "$what" = invariance ]; then
+  python3 -m h3ms_async bench invariance --out "$out/bench_invariance.json" "$@" > "$out/bench_invariance.log" 2>&1 \
+    || rc=1
+  tail -5 "$out/bench_invariance.log"
+  python3 -m pytest -q -p no:cacheprovider -s tests/test_invariance_cuda.py 2>&1 | tee "$out/pytest_invariance_cuda.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  echo "invariance: ${SECONDS} s wall" | tee -a "$out/bench_invariance.log"
+fi
+if [ "$what" = invariance-demo ]; then
+  for extra in "" "--verify"; do
+    # shellcheck disable=SC2086  # --verify or nothing
+    python3 -m h3ms_async demo --ranks cuda:0,cuda:0 --shares 1,2000 --tokens 20000 --hidden 5376 --heads 56 \
+      --head-dim 128 --layers 2 --weights bf16 --steps 2 $extra "$@" 2>&1 | tee -a "$out/invariance_demo.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+  echo "invariance-demo: ${SECONDS} s wall" | tee -a "$out/invariance_demo.log"
 fi
 exit $rc

@@ -387,6 +387,7 @@ class SplitState:
         self.detached = False
         self._patcher = weakref.ref(patcher)
         self._lock = threading.Lock()
+        self._new_prompt = True
         self.warned: set[str] = set()
 
     def warn_once(self, what: str, message: str, *args: Any) -> None:
@@ -403,8 +404,17 @@ class SplitState:
                 log.info("weight_cache is off: weight store released after sampling")
 
     def set_patcher(self, patcher: Any) -> None:
+        """ComfyUI's ON_PRE_RUN: sampling of a new prompt starts (its first split step is the one ``verify``
+        checks)."""
         with self._lock:
             self._patcher = weakref.ref(patcher)
+            self._new_prompt = True
+
+    def take_new_prompt(self) -> bool:
+        """Whether sampling started since the last call (then the engine is told: ``SplitEngine.new_prompt``)."""
+        with self._lock:
+            new, self._new_prompt = self._new_prompt, False
+            return new
 
     def patcher(self) -> Any:
         with self._lock:
@@ -472,6 +482,8 @@ class _RunStack:
         if warning:
             self.state.warn_once("key", warning)
         engine = get_engine(self.state.devices, self.state.options)
+        if self.state.take_new_prompt():
+            engine.new_prompt()
         dtype = args["img"].dtype
         engine.load_weights(key, read_config(self.dm), block_reader(patcher, self.state.reserve_gb, dtype), n,
                             compute_dtype=dtype)
@@ -482,9 +494,9 @@ class _RunStack:
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
         except SplitUnsafe as exc:
-            # A sequence too short to split exactly on these GPUs: this step runs unsplit in ComfyUI, as it would
-            # without the node (the ranks stay up for the next, longer, call).
-            log.warning("%s; running this step unsplit", exc)
+            # A plan measured not bit-exact on these GPUs: this step runs unsplit in ComfyUI, as it would without
+            # the node (the ranks stay up for the next plan). Warned once per plan; later steps only at DEBUG.
+            (log.warning if exc.first else log.debug)("%s; running this step unsplit", exc)
             self.unsplit = True
             return self.run_unsplit(0, args, extra)
         return {"img": out}

@@ -53,11 +53,16 @@ class H3MultiStreamAsync(ModelPatchNode):
         },
         "optional": {
             "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node."}),
+            "verify": ("BOOLEAN", {"default": False, "tooltip": "Prove the split bit-exact on this machine: the "
+                       "first split step of each prompt also runs unsplit on the model's GPU (block by block, "
+                       "streaming the weights) and is compared with torch.equal; the log and the panel say "
+                       "'bit-exact on <GPUs>' or where it differs. Costs one unsplit step per prompt."}),
         },
     }
 
     def patch(self, model: Any, enabled: bool, second_gpu: int, exchange: str, exchange_chunks: int,
-              weight_cache: bool, cache_ram_reserve_gb: float, vram_residency: str, gpus: Any = None) -> tuple:
+              weight_cache: bool, cache_ram_reserve_gb: float, vram_residency: str, gpus: Any = None,
+              verify: bool = False) -> tuple:
         if not enabled:
             return (model,)
         dm = diffusion_model_of(model)
@@ -81,13 +86,13 @@ class H3MultiStreamAsync(ModelPatchNode):
         from h3ms_async.dit.split import COMFY_ATTENTION, SplitOptions
         options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
                                cache_ram_reserve_gb=float(cache_ram_reserve_gb), shares=shares,
-                               attention=COMFY_ATTENTION, comfy_host=host)
+                               attention=COMFY_ATTENTION, comfy_host=host, verify=bool(verify))
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb), bool(weight_cache))
         log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
-                 "%g GiB, vram residency %s", type(dm).__name__, getattr(model, "load_device", "?"),
+                 "%g GiB, vram residency %s, verify %s", type(dm).__name__, getattr(model, "load_device", "?"),
                  ",".join(devices), why, exchange, exchange_chunks, "on" if weight_cache else "off",
-                 cache_ram_reserve_gb, vram_residency)
+                 cache_ram_reserve_gb, vram_residency, "on" if verify else "off")
         return (clone,)
 
 

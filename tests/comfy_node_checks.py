@@ -507,13 +507,18 @@ def test_weight_cache_keeps_or_releases_the_store_after_sampling(split, monkeypa
     assert [w["pid"] for w in engine.pool.snapshot()] == pids
 
 
-def test_step_too_short_to_split_exactly_runs_unsplit(split, monkeypatch, caplog):
-    """A plan that would leave a rank fewer than 4 tokens is refused by the engine (SplitUnsafe) and the node runs
-    that step in ComfyUI, unsplit: same bits as the unpatched model. (The smallest H3 latent packs 19 tokens; shares
-    1 : 0.15 leave the second rank 2 of them.)"""
+def test_step_measured_not_exact_runs_unsplit_with_one_warning(split, monkeypatch, caplog):
+    """A plan the ranks measure not bit-exact is refused by the engine (SplitUnsafe) and the node runs that step in
+    ComfyUI, unsplit: same bits as the unpatched model, one warning for the plan, not one per step. The test hook
+    makes fc2 round differently at the second rank's 2 rows (the smallest H3 latent packs 19 tokens; shares
+    1 : 0.15 leave that rank 2 of them), too few tokens for any adjusted plan."""
     from h3ms_async.runtime.plans import GPUSet
     from h3ms_async.observability.status import get_hub
+    from h3ms_async.dit import split as split_module
+    split_module._VERDICTS.clear()  # this process may have measured the plan before, without the fault
     patcher = comfy_h3.model(layers=2, int8=True)
+    ffn = int(patcher.get_model_object("diffusion_model").blocks[0].mlp.fc2.weight.shape[1])
+    monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", f"linear:2:{ffn}")  # read by the rank workers at their start
     tiny = dict(width=32, height=32, length=5, text_len=1)
     reference = sample(patcher, **tiny)
     patched = _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1", "", "1,0.15"))
@@ -521,11 +526,29 @@ def test_step_too_short_to_split_exactly_runs_unsplit(split, monkeypatch, caplog
     with caplog.at_level("WARNING", logger="h3_multistream"):
         out = sample(patched, **tiny)
     assert same(reference, out)
-    assert "running this step unsplit" in caplog.text and "fewer than 4" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if "running this step unsplit" in r.getMessage()]
+    assert len(warned) == 1 and "mlp.fc2" in warned[0] and "2-row shard" in warned[0] and "cpu " in warned[0]
     assert get_hub().next_seq() == before  # no split step was recorded
     inputs = dict(width=128, height=128, length=5)  # a larger step on the same patched model still splits
     assert same(sample(patcher, **inputs), sample(patched, **inputs))
     assert get_hub().next_seq() > before
+
+
+def test_verify_input_checks_the_first_split_step_of_each_prompt(split, monkeypatch, caplog):
+    """verify=True: each prompt's first split step also runs unsplit on the model's device and is compared; the
+    log says bit-exact and the status's exactness.verify gets one result per prompt."""
+    from h3ms_async.observability.status import get_hub
+    patcher = comfy_h3.model(layers=2, int8=True)
+    reference = sample(patcher)
+    monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
+    (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, True)
+    n0 = len(get_hub().exactness()["verify"])
+    with caplog.at_level("INFO", logger="h3_multistream"):
+        assert same(reference, sample(patched))
+        assert same(reference, sample(patched))
+    got = get_hub().exactness()["verify"][n0:]
+    assert len(got) == 2 and all(v["bit_exact"] and v["first_difference"] is None for v in got)
+    assert "verify: bit-exact on cpu " in caplog.text
 
 
 # --- routes on ComfyUI's real PromptServer ---------------------------------------------------------------------------

@@ -324,3 +324,32 @@ def test_helper_error_fails_the_call_with_its_message(engine):
         engine.attend(pq)
     engine._drop_buffers()
     assert torch.equal(engine.attend(pq), whole)
+
+
+def test_head_ranges_are_measured_and_a_faulty_range_runs_unsplit(monkeypatch, caplog):
+    """Before a shape's first call every helper probes its head ranges on its own device: exact ranges split
+    (status verdict "exact"); a range made to round differently by the test hook (2-head pieces) sends that
+    shape's calls to the model's device unsplit, equal to the whole call, with one warning."""
+    pq = packed(heads=7, tokens=96, seed=4)
+    whole = ck.int8_attention_from_prequantized(pq)
+    eng = ap.AttentionParallelEngine(["cpu", "cpu"], chunk_heads=0)
+    try:
+        assert torch.equal(eng.attend(pq), whole)
+        v = get_hub().exactness()["verdicts"][-1]
+        assert v["program"] == "attention" and v["verdict"] == "exact" and v["shards"] == [3, 4]
+    finally:
+        eng.release()
+    monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", "attention:2")  # read by the helpers when they start
+    eng = ap.AttentionParallelEngine(["cpu", "cpu"], chunk_heads=2)
+    try:
+        with caplog.at_level("WARNING", logger="h3_multistream"):
+            for _ in range(2):
+                assert torch.equal(eng.attend(pq), whole)
+        warned = [r.getMessage() for r in caplog.records if "run unsplit" in r.getMessage()]
+        assert len(warned) == 1 and "heads [3, 5) of 7" in warned[0] and "cpu " in warned[0]
+        v = get_hub().exactness()["verdicts"][-1]
+        assert v["program"] == "attention" and v["verdict"] == "unsplit"
+        assert eng.recent_calls() == []  # nothing ran on the helper
+    finally:
+        eng.release()
+    no_leaks()

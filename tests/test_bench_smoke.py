@@ -91,3 +91,26 @@ def test_bench_exchange_minimal_report():
     assert [s["mode"] for s in rep["signalling"]] == ["no spin", "spin 50 us"]
     assert "Direct signalling" in rep["choice"]
     assert _ours() <= before
+
+
+@pytest.mark.timeout(300)
+def test_bench_invariance_tiny_and_a_faulty_shape(monkeypatch):
+    """The CPU variant's table: every linear at every row count (start, middle, end), attention per head count,
+    the engine's decision per size and the probe's cost; a shape made to round differently on purpose shows up in
+    all three places where it should, and nowhere else."""
+    from h3ms_async.tools.bench.invariance import TINY, run_bench_invariance
+    from workers.dit import ops as dit_ops
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault("linear", (5, TINY.ffn)))
+    rep = run_bench_invariance(tiny=True, rows=(2, 5, 16), kinds=("int8",), print_json=False)
+    assert rep["bench"] == "invariance" and rep["machine"]["device"].startswith("cpu ")
+    by_op = {t["op"]: t for t in rep["linears"]}
+    assert set(by_op) == {"attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"}
+    assert by_op["mlp.fc2"]["rows"]["5"] == {"start": False, "middle": False, "end": False,
+                                             "max_abs_diff": by_op["mlp.fc2"]["rows"]["5"]["max_abs_diff"]}
+    assert by_op["mlp.fc2"]["rows"]["5"]["max_abs_diff"] > 0
+    engine = {e["rows"]: e["engine"] for e in rep["engine"]}
+    assert engine[5] == "adjusted to [16, 184]" and engine[16] == "exact"
+    assert [a["kernel"] for a in rep["attention"]] == ["sdpa"]
+    assert set(rep["attention"][0]["heads"]) == {"1", "2", "3"}
+    cost = rep["probe_cost"][0]
+    assert cost["probe_ms"] > 0 and cost["step_ms_est"] == pytest.approx(cost["block_ms"] * TINY.layers)

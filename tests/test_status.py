@@ -126,8 +126,9 @@ def test_status_defaults_shape_and_json():
     hub = StatusHub()
     st = hub.status()
     assert set(st) == {"version", "running", "plans", "last_step", "steps_recorded", "workers", "weight_store",
-                       "caches", "hooks", "ram", "vae_workers", "vae_split", "text_encoder_outputs"}
+                       "caches", "hooks", "ram", "vae_workers", "vae_split", "text_encoder_outputs", "exactness"}
     msgspec.convert(st, Status)
+    assert st["exactness"] == {"verdicts": [], "verify": []}
     assert st["running"] is False and st["last_step"] == {} and st["workers"] == [] and st["plans"] == {}
     assert st["vae_workers"] == [] and st["vae_split"] == {"engines": []}
     assert st["text_encoder_outputs"] == {"entries": 0, "hits": 0, "misses": 0, "bytes": 0}
@@ -240,3 +241,28 @@ def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
     info = ram_info(unlimited)
     assert info.container_limit is False and info.text.startswith("RAM available ")
     assert 0 < info.available_bytes <= info.total_bytes
+
+
+def test_exactness_verdicts_and_verify_are_typed_and_bounded():
+    from h3ms_async.observability.status import (VERDICTS_KEPT, VerdictRecord, VerifyRecord, now_iso)
+    hub = StatusHub()
+    for i in range(VERDICTS_KEPT + 3):
+        hub.record_verdict(VerdictRecord(program="dit", op="mlp.fc2", device="cpu X", dtype="bfloat16",
+                                         shape=f"{i}x64x128", shards=[i, 1], verdict="adjusted",
+                                         detail="moved to 16", probe_ms=1.5, at=now_iso()))
+    hub.record_verify(VerifyRecord(at=now_iso(), devices=["cpu X"], bit_exact=False, max_abs_diff=0.5,
+                                   first_difference="block 1 mlp.fc2", steps_checked=1))
+    ex = hub.status()["exactness"]
+    assert len(ex["verdicts"]) == VERDICTS_KEPT and ex["verdicts"][-1]["shape"] == f"{VERDICTS_KEPT + 2}x64x128"
+    assert ex["verify"][0]["first_difference"] == "block 1 mlp.fc2"
+    with pytest.raises(SchemaError, match="VerdictRecord"):
+        hub.record_verdict({"op": "x"})  # type: ignore[arg-type]
+    msgspec.convert(hub.status(), Status)
+
+
+def test_record_verdict_refuses_an_unknown_verdict():
+    from h3ms_async.observability.status import record_verdict
+    with pytest.raises(SchemaError, match="exact\\|adjusted\\|unsplit"):
+        record_verdict("dit", "mlp.fc2", "cpu", "float32", "8x8x8", [4, 4], "maybe", "", 0.0)
+    out = record_verdict("vae", "vae.chunk", "cpu", "float16", "1x16x8x8", [2, 3], "exact", "", 3.0)
+    assert out["verdict"] == "exact" and out["shards"] == [2, 3]

@@ -38,7 +38,7 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
-from h3ms_async.observability.status import now_iso
+from h3ms_async.observability.status import now_iso, record_verdict
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
@@ -236,6 +236,8 @@ class AttentionParallelEngine(Engine):
         self._buffers: _Buffers | None = None
         self._splits: dict[tuple, list[int]] = {}
         self._tuning: dict[tuple, dict] = {}
+        #: (shape key, pieces) -> None when measured exact, else why that shape's calls run unsplit
+        self._verdicts: dict[tuple, str | None] = {}
         self.shares: tuple[float, ...] | None = None
         self._set_shares(shares)
         self._calls = 0
@@ -287,6 +289,8 @@ class AttentionParallelEngine(Engine):
             # a helper that died since the last call restarts the pool (helpers hold no state)
             self.run(self.pool.start(), self.pool.start_timeout + 10.0, "starting helpers")
             plan = attention_schedule.pieces(bounds, self.chunk_heads)
+            if self._measure(pq, plan, bounds) is not None:
+                return ck_attention_unsplit(pq)
             slices = [attn_ops.head_slice(pq, h0, h1) for _, h0, h1 in plan]
             buf = self._buffers_for(pq, plan, slices, device)
             call = _Call(plan, bounds, attn_ops.head_slice(pq, bounds[0], bounds[1]), slices, dict(fields),
@@ -300,6 +304,49 @@ class AttentionParallelEngine(Engine):
             if key not in self._splits and self.pool.starts == starts:  # timings of a call with warm helpers
                 self._tune(key, result, bounds)
             return call.out
+
+    def _measure(self, pq: Any, plan: list[tuple[int, int, int]], bounds: list[int]) -> str | None:
+        """Before a shape's pieces are first used: every helper probes its head ranges on its own device while the
+        model's device probes its own range (``attn_ops.probe_ranges``); a range that differs from the whole call,
+        or a whole call with other bits on a helper's device, makes that shape run unsplit (one warning). Returns
+        None when exact, else why not (cached per shape and pieces)."""
+        key = (_shape_key(pq), tuple(plan))
+        if key in self._verdicts:
+            return self._verdicts[key]
+        b, heads, sq, _ = pq.q.shape
+        shape = (int(b), int(heads), int(sq), int(pq.original_head_dim))
+        dtype = str(pq.input_dtype).removeprefix("torch.")
+        kv = int(pq.k.shape[2])
+        futs = [get_coordinator().submit(self.pool.request(r - 1, attn_protocol.AttnProbe(
+            shape=shape, kv_len=kv, dtype=dtype, ranges=[(h0, h1) for rr, h0, h1 in plan if rr == r]),
+            self.call_timeout_s)) for r in range(1, len(self.devices))]
+        local = attn_ops.probe_ranges(shape, kv, pq.input_dtype, [(bounds[0], bounds[1])], pq.q.device)
+        reports = [local] + self.wait(futs, self.call_timeout_s + 5.0, "probing the attention helpers' head ranges")
+        ranges = [[(bounds[0], bounds[1])]] + [[(h0, h1) for rr, h0, h1 in plan if rr == r]
+                                               for r in range(1, len(self.devices))]
+        why = None
+        for rep, rr in zip(reports, ranges):
+            bad = next(((rng, d) for rng, ok, d in zip(rr, rep["exact"], rep["max_abs_diff"]) if not ok), None)
+            if bad is not None:
+                why = (f"heads [{bad[0][0]}, {bad[0][1]}) of {heads} at {sq} tokens differ from the whole call on "
+                       f"{rep['fingerprint']['device']} (max abs difference {bad[1]:g})")
+            elif rep["digest"] != local["digest"]:
+                why = (f"the whole call computes other bits on {rep['fingerprint']['device']} than on "
+                       f"{local['fingerprint']['device']}")
+            if why is not None:
+                break
+        self._verdicts[key] = why
+        devices = ", ".join(dict.fromkeys(rep["fingerprint"]["device"] for rep in reports))
+        ms = max(float(rep["ms"]) for rep in reports)
+        record_verdict("attention", "attention", devices, dtype, "x".join(map(str, shape)),
+                       [hi - lo for lo, hi in zip(bounds, bounds[1:])], "exact" if why is None else "unsplit",
+                       "measured exact" if why is None else f"{why}; this shape's calls run unsplit", ms)
+        if why is None:
+            log.info("attention parallel: heads %s at %d tokens measured exact on %s (probe %.0f ms)",
+                     [hi - lo for lo, hi in zip(bounds, bounds[1:])], sq, devices, ms)
+        else:
+            log.warning("H3 Attention Parallel: %s; calls of this shape run unsplit on the model's GPU", why)
+        return why
 
     def _submit(self, buf: _Buffers, call: "_Call", p: int) -> "cf.Future[dict]":
         """Send piece ``p`` to its helper now."""
@@ -534,6 +581,12 @@ class AttentionParallelEngine(Engine):
 
     def _drop_resident(self) -> None:
         self._drop_buffers()
+
+
+def ck_attention_unsplit(pq: Any) -> torch.Tensor:
+    """The whole call on the model's device, as ComfyUI makes it (a shape whose head ranges are not exact)."""
+    import comfy_kitchen as ck
+    return ck.int8_attention_from_prequantized(pq)
 
 
 def _shape_key(pq: Any) -> tuple:

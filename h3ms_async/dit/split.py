@@ -23,12 +23,15 @@ import msgspec
 import torch
 
 from h3ms_async.runtime import plans
+from h3ms_async.dit import exactness
+from h3ms_async.dit.exactness import MIN_SHARD_TOKENS, PlanVerdict
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.reference import DiTConfig
-from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso
+from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso, record_verdict
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
+from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
@@ -42,8 +45,6 @@ log = get_logger("MultiStream")
 EXCHANGES = ("host", "nccl")
 #: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
 BASELINE_EXCHANGE = "none"
-#: Smallest token shard a rank may get (see SplitEngine._check_exact_plan).
-MIN_SHARD_TOKENS = 4
 #: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has reached.
 EXCHANGE_OPS_PER_BLOCK = 2
 
@@ -60,7 +61,13 @@ class SplitInterrupted(SplitError):
 
 
 class SplitUnsafe(SplitError):
-    """This step cannot be split bit-exactly on these ranks (the caller should run it unsplit, or use fewer ranks)."""
+    """This step cannot be split bit-exactly on these ranks (the caller should run it unsplit, or use fewer ranks).
+
+    ``first`` is True the first time this plan is refused in this process: callers warn then, and only then."""
+
+    def __init__(self, message: str, *, first: bool = True) -> None:
+        super().__init__(message)
+        self.first = first
 
 
 #: The attention name that means "the parent ComfyUI's selected function" (``SplitOptions.comfy_host``).
@@ -73,7 +80,8 @@ class SplitOptions:
 
     Only ``shares``, ``attention`` and ``comfy_host`` need other worker processes (:func:`process_key`); exchange,
     chunks and residency travel with every step, and the RAM reserve applies when the store is filled.
-    ``attention="comfy"`` runs ``comfy_host.attention`` (ComfyUI's selected function) on the ranks.
+    ``attention="comfy"`` runs ``comfy_host.attention`` (ComfyUI's selected function) on the ranks.  ``verify``: the
+    first split step of each prompt also runs unsplit on rank 0's device and is compared (``h3ms_async.dit.verify``).
     """
 
     exchange: str = "host"
@@ -85,6 +93,7 @@ class SplitOptions:
     comfy_host: ComfyHost | None = None
     step_timeout_s: float = 600.0
     exchange_deadline_s: float = 120.0
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.exchange not in EXCHANGES + (BASELINE_EXCHANGE,):
@@ -134,6 +143,12 @@ class _Loaded:
     config: DiTConfig
     head_bounds: tuple[int, ...]
     compute_dtype: str
+    ops: list[dit_protocol.LinearOp] | None = None  # the block stack's distinct linears, for the probe (lazily)
+
+
+#: Plan verdicts for the life of the process (``exactness.verdict_key``): a new engine over the same devices, dtype
+#: and shapes reuses them.
+_VERDICTS: dict[tuple, PlanVerdict] = {}
 
 
 class SplitEngine(Engine):
@@ -160,6 +175,8 @@ class SplitEngine(Engine):
         self._steps = 0
         self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
         self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
+        self._fingerprints: list[dict] = []  # per rank, from dit_load (invariance.fingerprint)
+        self._verify_due = True  # the next split step is a prompt's first (SplitOptions.verify)
         super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
         #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
         #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
@@ -231,6 +248,7 @@ class SplitEngine(Engine):
         results = await self.pool.all(loads, self.options.step_timeout_s)
         self._rank_starts = self.pool.starts
         self._sm_counts = [r.get("sm_count") for r in results]
+        self._fingerprints = [dict(r["fingerprint"]) for r in results]
 
     def _drop_store(self) -> None:
         if self._loaded is None:
@@ -280,34 +298,131 @@ class SplitEngine(Engine):
         plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
         if tuple(plan.head_bounds) != ld.head_bounds:
             raise SplitError("head plan changed since the weights were loaded; call load_weights again")
-        self._check_exact_plan(plan, ld.config.heads)
+        plan = self._measured_plan(plan, int(t_emb.shape[0]))
         with self.job():
+            if opts.verify and self._verify_due:
+                from h3ms_async.dit.verify import verify_step
+                out = verify_step(self, plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress,
+                                  in_place)
+                self._verify_due = False
+                return out
             return self._step(plan, opts, x, t_emb, mod_segments, rope_freqs, interrupt, sigma, progress, in_place)
 
-    def _check_exact_plan(self, plan: plans.SplitPlan, heads: int) -> None:
-        """Refuse (``SplitUnsafe``) a plan whose shards would take other kernel paths than the unsplit run: fewer than
-        ``MIN_SHARD_TOKENS`` tokens on a rank (1-3 row GEMMs round differently: MKL's small-M path on CPU, kitchen's
-        GEMV kernels on CUDA), or a sequence so short that a rank's CUDA attention would change its schedule."""
-        tokens = plan.token_bounds[-1]
+    def new_prompt(self) -> None:
+        """A new prompt starts sampling: with ``SplitOptions.verify`` its first split step is verified."""
+        self._verify_due = True
+
+    # -- exactness ---------------------------------------------------------------------------------------------
+    def _measured_plan(self, plan: plans.SplitPlan, t_rows: int) -> plans.SplitPlan:
+        """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with its token bounds
+        adjusted, or refused (``SplitUnsafe``, ``first`` only the first time).  Probed once per new plan."""
+        if self.ranks == 1:
+            return plan
+        ld = self._loaded
+        assert ld is not None
+        self.run(self._ensure_loaded(), self.options.step_timeout_s, "starting the ranks")
+        key = exactness.verdict_key(self._fingerprints, ld.compute_dtype, self._ops(), self._attention_name(),
+                                    plan.token_bounds, plan.head_bounds, ld.config.head_dim)
+        verdict = _VERDICTS.get(key)
+        first = verdict is None
+        if verdict is None:
+            with self.job():
+                verdict = _VERDICTS[key] = self._probe_plan(plan, t_rows)
+        if verdict.token_bounds is None:
+            raise SplitUnsafe(verdict.detail, first=first)
+        return replace(plan, token_bounds=verdict.token_bounds)
+
+    def _ops(self) -> list[dit_protocol.LinearOp]:
+        ld = self._loaded
+        assert ld is not None
+        if ld.ops is None:
+            man = [{n: (d.dtype, tuple(d.shape)) for n, d in blk.items()} for blk in ld.store.manifest]
+            ld.ops = invariance.block_ops(man, lambda i: dit_ops.block_quant(ld.store.block(i)))
+        return ld.ops
+
+    def _attention_name(self) -> str:
+        host = self.options.comfy_host
+        return f"comfy:{host.attention}" if host is not None else self.options.attention
+
+    def _prior_refusal(self, plan: plans.SplitPlan) -> str | None:
+        """What the fixed rules (now priors) would have said about ``plan``: a reason to refuse, or None."""
         small = min(plan.tokens_per_rank())
-        if self.ranks > 1 and small < MIN_SHARD_TOKENS:
-            raise SplitUnsafe(f"{tokens} tokens over {self.ranks} ranks leave a rank only {small} token(s); shards of "
-                              f"fewer than {MIN_SHARD_TOKENS} rows are not guaranteed bit-exact. Run this step unsplit "
-                              "or with fewer ranks")
+        if small < MIN_SHARD_TOKENS:
+            return f"a {small}-row shard is under the {MIN_SHARD_TOKENS}-row prior"
+        heads, tokens = plan.head_bounds[-1], plan.token_bounds[-1]
         for r, sms in enumerate(self._sm_counts):
-            if sms is None:
-                continue
             h = plan.head_bounds[r + 1] - plan.head_bounds[r]
-            if not dit_ops.flash_tiles_ok(h, heads, tokens, sms):
-                raise SplitUnsafe(
-                    f"{tokens} tokens are too few for {self.ranks} ranks to stay bit-exact on {self.devices[r]}: rank "
-                    f"{r} would attend with {h} of {heads} heads ({h * -(-tokens // 64)} query tiles, under the "
-                    f"{int(1.6 * sms)} at which CUDA attention switches to a split-KV schedule). Run this step "
-                    "unsplit or with fewer ranks")
+            if sms is not None and not dit_ops.flash_tiles_ok(h, heads, tokens, sms):
+                return f"rank {r}'s {h} heads have too few query tiles by the flash-tiles prior"
+        return None
+
+    def _probe_plan(self, plan: plans.SplitPlan, t_rows: int) -> PlanVerdict:
+        """Probe ``plan`` on every rank (concurrently); on a token-split failure probe the adjusted candidates."""
+        ld = self._loaded
+        assert ld is not None
+        tokens = plan.token_bounds[-1]
+        reports = self._probe_round([plan.token_bounds], plan, t_rows)
+        rounds = [reports]
+        failing = exactness.fixed_failure(reports)
+        if failing is not None:
+            verdict = PlanVerdict(None, "unsplit", f"{failing}; this step runs unsplit there",
+                                  exactness.slowest_ms(*rounds))
+        elif (failing := exactness.token_failure(reports)) is None:
+            verdict = PlanVerdict(tuple(plan.token_bounds), "exact", "measured exact", exactness.slowest_ms(*rounds))
+        else:
+            cands = exactness.adjusted_bounds(plan.token_bounds)
+            pick = None
+            if cands:
+                rounds.append(self._probe_round(cands, plan, t_rows))
+                pick = exactness.first_exact(rounds[-1], len(cands))
+            ms = exactness.slowest_ms(*rounds)
+            if pick is None:
+                verdict = PlanVerdict(None, "unsplit", f"{failing}, and no adjusted plan (shards moved to multiples "
+                                      f"or minimums of {'/'.join(map(str, exactness.ADJUST_MULTIPLES))} rows) is "
+                                      "exact there; this step runs unsplit", ms)
+            else:
+                verdict = PlanVerdict(cands[pick], "adjusted", f"{failing}; shards moved from "
+                                      f"{exactness.sizes(plan.token_bounds)} to {exactness.sizes(cands[pick])} rows, "
+                                      "measured exact", ms)
+        for row in exactness.op_rows(reports, verdict, failing):
+            record_verdict("dit", **row)
+        prior = self._prior_refusal(plan)
+        devices = ", ".join(sorted({fp["device"] for fp in self._fingerprints}))
+        note = ""
+        if prior is not None and verdict.verdict == "exact":
+            note = f" (the prior would have refused it: {prior})"
+        elif prior is None and verdict.verdict != "exact":
+            note = " (the prior accepted it; the measurement overrides)"
+        if verdict.token_bounds is not None:
+            log.info("plan %d tokens %s x heads %s on %s: %s (%s; probe %.0f ms)%s", tokens,
+                     exactness.sizes(verdict.token_bounds), plan.heads_per_rank(), devices, verdict.verdict,
+                     verdict.detail, verdict.probe_ms, note)
+        else:
+            log.info("plan %d tokens %s x heads %s on %s: unsplit (probe %.0f ms)%s", tokens,
+                     exactness.sizes(plan.token_bounds), plan.heads_per_rank(), devices, verdict.probe_ms, note)
+        return verdict
+
+    def _probe_round(self, candidates: Sequence[Sequence[int]], plan: plans.SplitPlan, t_rows: int) -> list[dict]:
+        hb = plan.head_bounds
+        msgs = [dit_protocol.DitProbe(ops=self._ops(), tokens=plan.token_bounds[-1],
+                                      candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
+                                      heads=(hb[r], hb[r + 1]), t_rows=t_rows) for r in range(self.ranks)]
+        return self.run(self._probe_all(msgs), self.options.step_timeout_s, "measuring the plan's invariance")
+
+    async def _ensure_loaded(self) -> None:
+        # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
+        await self.pool.start()
+        if self._rank_starts != self.pool.starts:
+            await self._load_ranks()
+
+    async def _probe_all(self, msgs: list[dit_protocol.DitProbe]) -> list[dict]:
+        await self._ensure_loaded()
+        return await self.pool.all(msgs, self.options.step_timeout_s)
 
     def _step(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, mod_segments: Sequence[tuple],
               rope_freqs: torch.Tensor, interrupt: Callable[[], bool] | None, sigma: float | None,
-              progress: StepProgress | None, in_place: bool) -> torch.Tensor:
+              progress: StepProgress | None, in_place: bool, *, trace: bool = False) -> torch.Tensor:
+        """One step on the ranks; ``trace``: the ranks also digest each op's output (``last_rank_results``)."""
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
@@ -336,7 +451,7 @@ class SplitEngine(Engine):
             arena=buf.arena.name if buf.arena is not None else "", layout=layout,
             exchange={"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
             chunks=opts.exchange_chunks, abort_gen=0, deadline_s=opts.exchange_deadline_s, blocks=(0, blocks),
-            residency=opts.vram_residency) for r in range(self.ranks)]
+            residency=opts.vram_residency, trace=trace) for r in range(self.ranks)]
         t_sent = time.perf_counter()
         try:
             results = self.run(self._dispatch(steps), self.options.step_timeout_s, "split step", interrupt,
@@ -384,10 +499,7 @@ class SplitEngine(Engine):
         return poll
 
     async def _dispatch(self, steps: list[dit_protocol.DitStep]) -> list[dict]:
-        # (Re)start first: a crashed worker restarts the whole pool, whose fresh workers hold no weights yet.
-        await self.pool.start()
-        if self._rank_starts != self.pool.starts:
-            await self._load_ranks()
+        await self._ensure_loaded()
         # The abort generation is read on the loop right before the job is sent, so an abort between steps
         # cannot leave ranks disagreeing about it.
         gen = self.pool.abort_generation

@@ -140,6 +140,40 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ranks: list[RankRecord]
 
 
+#: Bounds of the exactness lists in the status JSON (newest last).
+VERDICTS_KEPT = 64
+VERIFY_KEPT = 16
+
+
+class VerdictRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One measured exactness verdict of a plan's op on one device (``exactness.verdicts``): ``shards`` are the
+    plan's shard sizes (tokens, heads or chunks) as probed; ``detail`` one sentence (what was adjusted, or why
+    unsplit)."""
+
+    program: Literal["dit", "attention", "vae"]
+    op: str
+    device: str
+    dtype: str
+    shape: str
+    shards: list[int]
+    verdict: Literal["exact", "adjusted", "unsplit"]
+    detail: str
+    probe_ms: float
+    at: str
+
+
+class VerifyRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One result of the opt-in ``verify`` setting (``exactness.verify``): a split step against the same step run
+    unsplit on the model's device; ``first_difference`` e.g. ``"block 3 mlp.fc2"`` (None when bit-exact)."""
+
+    at: str
+    devices: list[str]
+    bit_exact: bool
+    max_abs_diff: float
+    first_difference: str | None
+    steps_checked: int
+
+
 def now_iso() -> str:
     """The ``at`` field of a step record: local time, second precision, ISO-8601."""
     return _dt.datetime.now().isoformat(timespec="seconds")
@@ -220,6 +254,7 @@ class Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defa
     vae_workers: Any
     vae_split: Any
     text_encoder_outputs: Any
+    exactness: dict[str, list[Any]]
     attention: Any = msgspec.UNSET
 
 
@@ -406,6 +441,33 @@ class StatusHub:
         self._actions: dict[str, Callable[[], dict]] = {}
         self._busy_probe: Callable[[], bool] | None = None
         self._version = _pack_version()
+        self._verdicts: collections.deque[dict] = collections.deque(maxlen=VERDICTS_KEPT)
+        self._verify: collections.deque[dict] = collections.deque(maxlen=VERIFY_KEPT)
+
+    # ---- exactness verdicts (the invariance probe, the VAE chunk check, verify)
+
+    def record_verdict(self, rec: VerdictRecord) -> dict:
+        """Append one exactness verdict (``exactness.verdicts``); returns its JSON form."""
+        if not isinstance(rec, VerdictRecord):
+            raise SchemaError(f"verdict: got a {type(rec).__name__}; build a status.VerdictRecord")
+        out = msgspec.to_builtins(rec)
+        with self._lock:
+            self._verdicts.append(out)
+        return out
+
+    def record_verify(self, rec: VerifyRecord) -> dict:
+        """Append one ``verify`` result (``exactness.verify``); returns its JSON form."""
+        if not isinstance(rec, VerifyRecord):
+            raise SchemaError(f"verify: got a {type(rec).__name__}; build a status.VerifyRecord")
+        out = msgspec.to_builtins(rec)
+        with self._lock:
+            self._verify.append(out)
+        return out
+
+    def exactness(self) -> dict[str, list[dict]]:
+        """The ``exactness`` section: verdicts and verify results, oldest first."""
+        with self._lock:
+            return {"verdicts": list(self._verdicts), "verify": list(self._verify)}
 
     # ---- step records
 
@@ -540,7 +602,7 @@ class StatusHub:
             optional = {s: None for s in OPTIONAL_SECTIONS if s in self._providers}
         sections = {s: self.section(s) for s in (*SECTIONS, *optional)}
         st = Status(version=self._version, running=self.busy(), last_step=last, steps_recorded=recorded,
-                    ram=ram_info(), **sections)
+                    ram=ram_info(), exactness=self.exactness(), **sections)
         return msgspec.to_builtins(st)
 
 
@@ -555,3 +617,16 @@ def get_hub() -> StatusHub:
         if _hub is None:
             _hub = StatusHub()
         return _hub
+
+
+def record_verdict(program: str, op: str, device: str, dtype: str, shape: str, shards: Iterable[int], verdict: str,
+                   detail: str, probe_ms: float) -> dict:
+    """Record one exactness verdict on the process-wide hub (stamped now); see :class:`VerdictRecord`."""
+    try:
+        rec = VerdictRecord(program=program, op=op, device=device, dtype=dtype, shape=shape,  # type: ignore[arg-type]
+                            shards=[int(s) for s in shards], verdict=verdict, detail=detail,  # type: ignore[arg-type]
+                            probe_ms=float(probe_ms), at=now_iso())
+        msgspec.convert(msgspec.to_builtins(rec), VerdictRecord)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"verdict: {exc}; program is dit|attention|vae, verdict exact|adjusted|unsplit") from None
+    return get_hub().record_verdict(rec)

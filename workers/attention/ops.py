@@ -63,5 +63,44 @@ def attend(tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> to
     """Kitchen's INT8 attention on one slice (looked up on the module at call time, so a test hook applies)."""
     import comfy_kitchen as ck
 
+    from workers.dit import ops as dit_ops
+
     # a head slice of a batch > 1 is strided; kitchen's kernels take dense tensors (a no-op for batch 1 and shm views)
-    return ck.int8_attention_from_prequantized(rebuild({k: t.contiguous() for k, t in tensors.items()}, fields))
+    out = ck.int8_attention_from_prequantized(rebuild({k: t.contiguous() for k, t in tensors.items()}, fields))
+    if dit_ops.SHAPE_FAULT is not None:  # the test hook (tests/test_attention_parallel.py)
+        dit_ops.SHAPE_FAULT.apply("attention", (out.shape[1],), out)
+    return out
+
+
+def probe_ranges(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dtype, ranges: list[tuple[int, int]],
+                 device: torch.device) -> dict:
+    """Whether each head range of ``ranges`` attends to the whole call's bits on ``device``: random q of ``shape``
+    ``[B, H, S, D]`` and k, v of ``kv_len`` tokens (the same numbers on every device,
+    ``workers.dit.invariance.RandomPool``), packed once by kitchen as the node packs them, the whole call and each
+    range's :func:`attend` compared with ``torch.equal``.
+    Answers per range ``exact`` and ``max_abs_diff``, the whole call's ``digest`` (compared across devices), the
+    device ``fingerprint`` and ``ms``."""
+    import comfy_kitchen as ck
+
+    from workers.dit import invariance
+
+    clock = invariance.Clock(device)
+    t0 = clock.start()
+    pool = invariance.RandomPool(device)
+    with torch.inference_mode():
+        b, h, _, d = shape
+        q = pool.view(dtype, *shape)
+        k = pool.view(dtype, b, h, kv_len, d)
+        pq = ck.prequantize_int8_attention(q, k, k.clone(), scale=None, attn_mask=None)
+        full = ck.int8_attention_from_prequantized(pq)
+        fields = meta(pq)
+        exact: list[bool] = []
+        diffs: list[float] = []
+        for h0, h1 in ranges:
+            part = attend(head_slice(pq, h0, h1), fields)
+            ok = bool(torch.equal(full[:, h0:h1], part))
+            exact.append(ok)
+            diffs.append(0.0 if ok else float((full[:, h0:h1].float() - part.float()).abs().max()))
+        dig = invariance.digest(full)
+    return {"fingerprint": invariance.fingerprint(device), "exact": exact, "max_abs_diff": diffs, "digest": dig,
+            "ms": clock.ms(t0)}

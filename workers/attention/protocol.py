@@ -19,6 +19,11 @@ Both sides import this module: the coordinator (``h3ms_async.attention.engine``)
                  buffers' ``UntypedStorage._share_cuda_()`` handles (the same for all its pieces), tensors:
                  {name: {off, dtype, shape}} inside ``in``, result: {off, dtype, shape} inside ``out``}
 
+``attn_probe``   measure on this helper's device whether its head ranges give the whole call's bits
+                 (``workers.attention.ops.probe_ranges``): random data of ``shape`` [B, H, S, D] in ``dtype``, keys
+                 and values of ``kv_len`` tokens
+    ranges       the head ranges [h0, h1) this helper runs for that shape (its pieces)
+
 ``attn_release`` drop this helper's shm mappings and cached device memory (it keeps running).
 """
 
@@ -41,6 +46,13 @@ class AttnCall(Request, tag="attn_call"):
     out: TensorDesc | None
     ipc: Plain | None = None
     PLAIN: ClassVar[tuple[str, ...]] = ("meta", "ipc")
+
+
+class AttnProbe(Request, tag="attn_probe"):
+    shape: tuple[int, int, int, int]
+    kv_len: int
+    dtype: str
+    ranges: list[tuple[int, int]]
 
 
 class AttnRelease(Request, tag="attn_release"):

@@ -184,6 +184,18 @@ async def _attn_call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
     return dict(result, wall_s=time.perf_counter() - t0)
 
 
+@handler(attn_protocol.AttnProbe)
+async def _attn_probe(ctx: WorkerContext, msg: attn_protocol.AttnProbe) -> dict:
+    """This helper's head ranges against the whole call, on its own device (``attn_ops.probe_ranges``)."""
+    shape = tuple(int(v) for v in msg.shape)
+    ranges = [(int(a), int(b)) for a, b in msg.ranges]
+    out = await ctx.run_compute(attn_ops.probe_ranges, shape, int(msg.kv_len), getattr(torch, msg.dtype), ranges,
+                                torch.device(ctx.device))
+    if ctx.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
 @handler(attn_protocol.AttnRelease)
 async def _attn_release(ctx: WorkerContext, msg: attn_protocol.AttnRelease) -> dict:
     _map_segments(ctx, set())

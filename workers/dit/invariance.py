@@ -68,11 +68,12 @@ def fingerprint(device: torch.device) -> dict[str, str]:
         kitchen = metadata.version("comfy-kitchen")
     except metadata.PackageNotFoundError:
         kitchen = "unknown"
-    out = {"torch": torch.__version__, "comfy_kitchen": kitchen}
+    out = {"torch": str(torch.__version__), "comfy_kitchen": kitchen}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out["device"] = f"{device} {props.name}"
-        out["runtime"] = f"cuda {torch.version.cuda} sm_{props.major}{props.minor} cudnn {torch.backends.cudnn.version()}"
+        out["runtime"] = (f"cuda {torch.version.cuda} sm_{props.major}{props.minor} "
+                          f"cudnn {torch.backends.cudnn.version()}")
     else:
         out["device"] = f"cpu {_cpu_model()}"
         out["runtime"] = (f"{torch.backends.cpu.get_cpu_capability()} "
@@ -149,7 +150,9 @@ def _in_features(op: LinearOp) -> int:
     return op.in_features * (2 if op.input_act == "swiglu" else 1)
 
 
-class _Clock:
+class Clock:
+    """Wall time of device work: synchronises a CUDA device before reading the clock."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -174,7 +177,7 @@ def _compare(full_part: torch.Tensor, part: torch.Tensor) -> tuple[bool, float]:
 
 def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence[tuple[int, int]],
                  act: torch.dtype, heads: tuple[int, int], total_heads: int, head_dim: int,
-                 clock: _Clock) -> OpVerdict:
+                 clock: Clock) -> OpVerdict:
     """One linear: the unsplit call over ``rows`` rows against each token shard (``split="tokens"``), against the
     head group's rows of the fused qkv weight (``"heads"``), or alone (``"none"``: only its digest)."""
     t0 = clock.start()
@@ -205,12 +208,12 @@ def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence
         shards.append([g0, g1])
     dig = digest(full)
     dtype = "int8" + ("+convrot" if op.convrot else "") if op.weight_dtype == "int8" else str(act).split(".")[-1]
-    return OpVerdict(op.name, dtype, f"{rows}x{op.out_features}x{_in_features(op)}", op.split, shards, exact,
+    return OpVerdict(op.name, dtype, f"{rows}x{op.out_features}x{op.in_features}", op.split, shards, exact,
                      diffs, dig, clock.ms(t0))
 
 
 def probe_attention(pool: RandomPool, seq: int, heads: tuple[int, int], total_heads: int, head_dim: int,
-                    act: torch.dtype, attend: dit_ops.Attend, clock: _Clock, name: str = "attention") -> OpVerdict:
+                    act: torch.dtype, attend: dit_ops.Attend, clock: Clock, name: str = "attention") -> OpVerdict:
     """Attention over all ``seq`` tokens: every head against the head group ``heads``' own call, as the rank lays
     its q, k, v out (a packed projection of the group's heads only)."""
     t0 = clock.start()
@@ -238,7 +241,7 @@ def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tupl
     ``t_rows``: rows of the adaLN call (the step's timestep rows).  Runs under inference mode and
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
-    clock = _Clock(device)
+    clock = Clock(device)
     report = ProbeReport(fingerprint(device))
     pool = RandomPool(device)
     t0 = clock.start()

@@ -36,9 +36,9 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
 
     ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers all tokens.
     ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after it (progress);
-    ``trace(i, op, output)`` sees each op's output of block i and the block's rows as op ``"block"`` (``verify``).  On a CUDA
-    rank the host waits for a block's compute before each exchange (``workers.dit.cuda``), so "compute" is the GPU
-    time up to there.
+    ``trace(i, op, output)`` sees each op's output of block i and the block's rows as op ``"block"`` (``verify``).
+    On a CUDA rank the host waits for a block's compute before each exchange (``workers.dit.cuda``), so "compute" is
+    the GPU time up to there.
     """
     per_block: list[list[float]] = []
     mark = (time.perf_counter(), *exchange.counters())

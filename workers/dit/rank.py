@@ -96,7 +96,8 @@ def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
 async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
     st = _state(ctx)
     if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
-        return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": _sm_count(ctx)}
+        return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": _sm_count(ctx),
+                "fingerprint": invariance.fingerprint(torch.device(ctx.device))}
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg.config.get("devices")
     attend = _attend(msg.config["attention"])
@@ -112,7 +113,7 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
                  _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
     return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t,
-            "sm_count": _sm_count(ctx)}
+            "sm_count": _sm_count(ctx), "fingerprint": invariance.fingerprint(torch.device(ctx.device))}
 
 
 @handler(dit_protocol.DitProbe)
@@ -256,10 +257,15 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
         if ctx.abort_generation() != gen:
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg.job} aborted before block {i}")
 
+    digests: dict[str, str] = {}
+
+    def trace(i: int, op: str, out: torch.Tensor) -> None:
+        digests[f"{i}:{op}"] = invariance.digest(out)
+
     setup_s = time.perf_counter() - t_start
     per_block = run_blocks(x_rows, t_emb, segs, rope, w.provider, ex, range(b0, b1), heads_local=g1 - g0,
                            head_dim=int(cfg["head_dim"]), eps=float(cfg["eps"]), attend=_attend(cfg["attention"]),
-                           chunks=int(msg.chunks), before_block=check_abort)
+                           chunks=int(msg.chunks), before_block=check_abort, trace=trace if msg.trace else None)
     t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)
@@ -287,6 +293,8 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
         "setup_s": setup_s,
         "tail_s": time.perf_counter() - t_tail,
         "cuda_alloc": _alloc_delta(alloc0, _alloc_counters(device)) if cuda else None,
+        # with msg.trace: "block:op" -> digest of this rank's output rows (or head columns) of that op
+        "trace": digests,
     }
 
 

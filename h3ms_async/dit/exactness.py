@@ -1,0 +1,148 @@
+"""Which token plan a split step may run, from what the ranks measured (``workers.dit.invariance``).
+
+Before a plan (token bounds + head bounds) is first used, every rank probes its own shard on its own device.  The
+plan runs as planned when every op is exact there; when only token-split ops differ, the shard boundaries move to
+a measured safe size (multiples of :data:`ADJUST_MULTIPLES` rows, or that many rows at least, shares kept as close
+as possible) and the candidates are probed again; otherwise (a head group's attention or qkv rows differ, or a rank's
+device computes the unsplit products with other bits than rank 0's) the step runs unsplit.
+
+The old fixed rules are priors now: :data:`MIN_SHARD_TOKENS` and ``dit_ops.flash_tiles_ok`` only order the
+adjustments and are named in the log when the measurement overrides them.  The decision is cached for the life of
+the process, keyed by everything a kernel choice may depend on (:func:`verdict_key`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from workers.dit.protocol import LinearOp
+
+#: The prior for GEMMs: fewer rows than this took other kernel paths on the machines first measured (MKL's
+#: small-M path, kitchen's GEMV kernels). Adjusted plans keeping every shard at or above it are tried first.
+MIN_SHARD_TOKENS = 4
+#: Shard sizes (multiples, or minimums) an adjusted plan tries, smallest move first.
+ADJUST_MULTIPLES = (16, 32, 64, 128)
+
+Verdict = Literal["exact", "adjusted", "unsplit"]
+
+
+@dataclass(frozen=True)
+class PlanVerdict:
+    """The engine's decision about one plan: the token bounds to run (None: run the step unsplit), the verdict,
+    one sentence saying why, and what the probe cost (the slowest rank's wall time, all rounds)."""
+
+    token_bounds: tuple[int, ...] | None
+    verdict: Verdict
+    detail: str
+    probe_ms: float
+
+
+def verdict_key(fingerprints: Sequence[dict], compute_dtype: str, ops: Sequence[LinearOp], attention: str,
+                token_bounds: Sequence[int], head_bounds: Sequence[int], head_dim: int) -> tuple:
+    """Everything a plan's verdict depends on: each rank's device, runtime, torch and comfy-kitchen (its
+    fingerprint), the dtype, the ops' shapes and storage, the attention function, the shards."""
+    fps = tuple(tuple(sorted(fp.items())) for fp in fingerprints)
+    return fps, compute_dtype, tuple(ops), attention, tuple(token_bounds), tuple(head_bounds), head_dim
+
+
+def sizes(bounds: Sequence[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def adjusted_bounds(bounds: Sequence[int], multiples: Sequence[int] = ADJUST_MULTIPLES) -> list[tuple[int, ...]]:
+    """Token bounds near ``bounds`` whose shards avoid small row counts: for each ``m`` of ``multiples``, every
+    inner boundary rounded to the nearest multiple of ``m`` (each shard keeps >= m rows), and every shard raised to
+    at least ``m`` rows (taken from the largest shards).  Ordered by how far the boundaries move (shares kept as
+    close as possible), plans whose shards all keep the :data:`MIN_SHARD_TOKENS` prior first; ``bounds`` itself and
+    duplicates left out."""
+    total, n = bounds[-1], len(bounds) - 1
+    out: dict[tuple[int, ...], None] = {}
+    for m in multiples:
+        if total < n * m:
+            continue
+        rounded = [0]
+        for i in range(1, n):
+            b = int(round(bounds[i] / m)) * m
+            rounded.append(min(max(b, rounded[-1] + m), total - m * (n - i)))
+        rounded.append(total)
+        out[tuple(rounded)] = None
+        sz = sizes(bounds)
+        for r in range(n):
+            while sz[r] < m:
+                big = max(range(n), key=lambda j: sz[j])
+                take = min(m - sz[r], sz[big] - m)
+                sz[r] += take
+                sz[big] -= take
+        acc = [0]
+        for v in sz:
+            acc.append(acc[-1] + v)
+        out[tuple(acc)] = None
+    out.pop(tuple(bounds), None)
+    return sorted(out, key=lambda c: (min(sizes(c)) < MIN_SHARD_TOKENS, sum(abs(a - b) for a, b in zip(c, bounds))))
+
+
+def first_exact(reports: Sequence[dict], n_candidates: int) -> int | None:
+    """The first candidate on which every rank's token-split ops are exact, or None."""
+    for c in range(n_candidates):
+        if all(v["exact"][c] for rep in reports for v in rep["ops"] if v["split"] == "tokens"):
+            return c
+    return None
+
+
+def _device(rep: dict) -> str:
+    return rep["fingerprint"]["device"]
+
+
+def token_failure(reports: Sequence[dict], c: int = 0) -> str | None:
+    """The first token-split op that differs on candidate ``c``: op, dtype, shape, shard rows, device, difference."""
+    for rep in reports:
+        for v in rep["ops"]:
+            if v["split"] == "tokens" and not v["exact"][c]:
+                a, b = v["shards"][c]
+                return (f"{v['op']} ({v['dtype']}, {v['shape']}) gives a {b - a}-row shard other bits than the "
+                        f"unsplit call on {_device(rep)} (max abs difference {v['max_abs_diff'][c]:g})")
+    return None
+
+
+def fixed_failure(reports: Sequence[dict]) -> str | None:
+    """What no token adjustment can fix: a head group's qkv rows or attention differ from the unsplit call's, or a
+    rank's device computes an unsplit product with other bits than rank 0's device (ranks on other GPU models)."""
+    for rep in reports:
+        for v in rep["ops"]:
+            if v["split"] == "heads" and v["exact"] and not v["exact"][0]:
+                g0, g1 = v["shards"][0]
+                return (f"{v['op']} ({v['dtype']}, {v['shape']}) of heads [{g0}, {g1}) differs from the unsplit "
+                        f"call's on {_device(rep)} (max abs difference {v['max_abs_diff'][0]:g})")
+    first = {v["op"]: v["digest"] for v in reports[0]["ops"]}
+    for rep in reports[1:]:
+        for v in rep["ops"]:
+            if first.get(v["op"]) != v["digest"]:
+                return (f"{v['op']} ({v['dtype']}, {v['shape']}) computes other bits on {_device(rep)} than on "
+                        f"{_device(reports[0])}")
+    return None
+
+
+def slowest_ms(*rounds: Sequence[dict]) -> float:
+    return sum(max(float(rep["ms"]) for rep in reps) for reps in rounds)
+
+
+def op_rows(reports: Sequence[dict], verdict: PlanVerdict, failing: str | None) -> list[dict]:
+    """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as probed, its
+    verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, the others "exact" or, when
+    the step runs unsplit, "unsplit"), and its slowest rank's probe time."""
+    rows = []
+    for i, v in enumerate(reports[0]["ops"]):
+        per_rank = [rep["ops"][i] for rep in reports]
+        shards = [b - a for rv in per_rank for a, b in rv["shards"][:1]]
+        bad = failing is not None and failing.startswith(v["op"] + " ")
+        if bad:
+            state: Verdict = verdict.verdict
+            detail = verdict.detail
+        else:
+            state = "unsplit" if verdict.token_bounds is None else "exact"
+            detail = "measured exact" if state == "exact" else "the step runs unsplit (another op differs)"
+        devices = sorted({_device(rep) for rep in reports})
+        rows.append({"op": v["op"], "device": ", ".join(devices), "dtype": v["dtype"], "shape": v["shape"],
+                     "shards": shards, "verdict": state, "detail": detail,
+                     "probe_ms": max(float(rv["ms"]) for rv in per_rank)})
+    return rows

@@ -1,0 +1,227 @@
+"""``python -m h3ms_async bench invariance``: the row and head invariance table of H3's shapes on this device.
+
+Prints one JSON object (also to ``--out``):
+
+* ``linears``: per weight kind (bf16, int8, int8 with ConvRot, as the ops compute them), per full product
+  ``M`` (``--products``, default H3's 9355 and 78491 rows) and per linear of the block: for each row count of
+  ``--rows`` (log-spaced, 1 ... 39245), whether a shard of that many rows taken from the start, the middle and the
+  end of the product gives the unsplit call's bits (``torch.equal``), and the largest difference;
+* ``attention``: per kernel (SDPA under ComfyUI's backend policy, kitchen INT8 attention where available) and
+  sequence length, for each head count 1 ... heads-1, whether that head group attends to the unsplit call's bits,
+  beside what the old flash-tiles rule (now a prior) would have said;
+* ``engine``: what the split engine now does with a 2-rank plan whose first rank gets ``n`` rows (exact, adjusted
+  to which shard sizes, or unsplit), from the same measurements and the engine's own candidate order;
+* ``probe_cost``: the probe's one-time cost for a 2-rank plan at full width (what each rank runs before a new
+  plan) against one unsplit block, times the layers = one step.
+
+The calls are the rank's (``workers.dit.invariance`` over ``workers.dit.ops``). ``--tiny`` is the CPU smoke variant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Sequence
+
+import msgspec
+import torch
+
+from h3ms_async.dit import exactness
+from h3ms_async.dit.layout import build_layout, layout_for_tokens
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
+from h3ms_async.tools.cli import ArgParser, UsageError
+from workers.dit import invariance
+from workers.dit import ops as dit_ops
+from workers.dit.protocol import LinearOp
+
+H3 = DiTConfig(layers=50)
+PRODUCTS = (9355, 78491)
+ROWS = (1, 2, 3, 4, 5, 8, 16, 31, 32, 33, 64, 100, 128, 256, 512, 1000, 1024, 2048, 4096, 8192, 16384, 32768, 39245)
+KINDS = ("bf16", "int8", "int8_convrot")
+TINY = DiTConfig(hidden=64, layers=2, heads=4, head_dim=16, ffn=128, t_dim=32, rope_pairs=6)
+TINY_PRODUCTS = (200,)
+TINY_ROWS = (1, 2, 3, 4, 5, 8, 16, 31, 32, 64, 100)
+
+
+def h3_ops(cfg: DiTConfig, kind: str) -> list[LinearOp]:
+    """The block's linears as a checkpoint of ``kind`` stores them (int8: tensorwise scale, ConvRot groups of 256)."""
+    man = {}
+    for name, shape in cfg.block_shapes().items():
+        int8 = kind != "bf16" and any(name == f"{n}.weight" for n in dit_ops.INT8_LINEARS)
+        man[name] = ("int8" if int8 else "bfloat16", shape)
+        if int8:
+            man[name.replace(".weight", ".weight_scale")] = ("float32", (1,))
+    quant = dit_ops.QuantInfo(kind == "int8_convrot", 256)
+    return invariance.block_ops([man], lambda i: {n: quant for n in dit_ops.INT8_LINEARS})
+
+
+def _slices(m: int, n: int) -> dict[str, tuple[int, int]]:
+    mid = (m - n) // 2
+    return {"start": (0, n), "middle": (mid, mid + n), "end": (m - n, m)}
+
+
+def _plan_shards(m: int, n: int) -> list[tuple[int, int]]:
+    """Every shard the engine would probe for a 2-rank plan with ``n`` rows on rank 0: the plan's, then each
+    adjusted candidate's (``exactness.adjusted_bounds``)."""
+    out = [(0, n), (n, m)]
+    for c in exactness.adjusted_bounds((0, n, m)):
+        out += [(c[0], c[1]), (c[1], c[2])]
+    return out
+
+
+def linear_table(cfg: DiTConfig, kind: str, m: int, rows: Sequence[int], device: torch.device,
+                 pool: invariance.RandomPool) -> tuple[list[dict], list[dict]]:
+    """The ``linears`` rows of one weight kind and product size, and the engine's decision per row count."""
+    rows = [n for n in rows if n < m]
+    shards: dict[tuple[int, int], None] = {}
+    for n in rows:
+        for s in _slices(m, n).values():
+            shards[s] = None
+        for s in _plan_shards(m, n):
+            shards[s] = None
+    cands = list(shards)
+    clock = invariance.Clock(device)
+    ok: dict[tuple[int, int], bool] = {s: True for s in cands}
+    table = []
+    with torch.inference_mode():
+        for op in h3_ops(cfg, kind):
+            if op.split == "none":
+                continue
+            # qkv is head-split in the engine; its rows are measured too, for the table only
+            v = invariance.probe_linear(pool, msgspec.structs.replace(op, split="tokens"), m, cands, torch.bfloat16,
+                                        (0, cfg.heads), cfg.heads, cfg.head_dim, clock)
+            res = dict(zip(cands, zip(v.exact, v.max_abs_diff)))
+            if op.split == "tokens":
+                for s, (e, _) in res.items():
+                    ok[s] = ok[s] and e
+            table.append({"weights": kind, "M": m, "op": op.name, "dtype": v.dtype, "shape": v.shape, "ms": v.ms,
+                          "rows": {str(n): {**{k: res[s][0] for k, s in _slices(m, n).items()},
+                                            "max_abs_diff": max(res[s][1] for s in _slices(m, n).values())}
+                                   for n in rows}})
+    engine = []
+    for n in rows:
+        if ok[(0, n)] and ok[(n, m)]:
+            engine.append({"weights": kind, "M": m, "rows": n, "engine": "exact"})
+            continue
+        pick = next((c for c in exactness.adjusted_bounds((0, n, m)) if ok[(c[0], c[1])] and ok[(c[1], c[2])]), None)
+        engine.append({"weights": kind, "M": m, "rows": n,
+                       "engine": f"adjusted to {exactness.sizes(pick)}" if pick else "unsplit"})
+    return table, engine
+
+
+def attention_table(cfg: DiTConfig, kernel: str, seq: int, device: torch.device,
+                    pool: invariance.RandomPool, sm_count: int | None) -> dict:
+    """Head groups 1 ... heads-1 of one kernel at one sequence length, beside the flash-tiles prior."""
+    attend = dit_ops.builtin_attend(kernel)
+    clock = invariance.Clock(device)
+    heads: dict[str, dict] = {}
+    with torch.inference_mode():
+        for g in range(1, cfg.heads):
+            v = invariance.probe_attention(pool, seq, (0, g), cfg.heads, cfg.head_dim, torch.bfloat16, attend, clock)
+            prior = None if sm_count is None else dit_ops.flash_tiles_ok(g, cfg.heads, seq, sm_count)
+            heads[str(g)] = {"exact": v.exact[0], "max_abs_diff": v.max_abs_diff[0], "prior_ok": prior}
+    return {"kernel": kernel, "dtype": "bfloat16", "S": seq, "heads": heads}
+
+
+def probe_cost(cfg: DiTConfig, kind: str, m: int, device: torch.device) -> dict:
+    """The probe a rank runs before a new 2-rank plan, against one unsplit block of the reference model."""
+    model = ReferenceDiT(dataclasses.replace(cfg, layers=1), weights="int8" if kind != "bf16" else "bf16", seed=1,
+                         device=device)
+    layout = layout_for_tokens(m) if m >= 4000 else build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7)
+    inp = make_step_inputs(model.config, layout, 2, model.dtype)
+    args = (inp.x.to(device), inp.t_emb.to(device), inp.segments, inp.rope_freqs.to(device))
+    dit_ops.warm_up(dit_ops.builtin_attend("sdpa"), device, [model.dtype])
+    clock = invariance.Clock(device)
+    block_ms = []
+    for _ in range(2):
+        t = clock.start()
+        model.forward_blocks(args[0].clone(), *args[1:])
+        block_ms.append(clock.ms(t))
+    seq = args[0].shape[0]
+    half = seq // 2
+    rep = invariance.run_probe(h3_ops(cfg, kind), tokens=seq, candidates=[(0, half)], heads=(0, cfg.heads // 2),
+                               total_heads=cfg.heads, head_dim=cfg.head_dim, dtype=model.dtype,
+                               attend=dit_ops.builtin_attend("sdpa"), device=device)
+    step_ms = block_ms[-1] * cfg.layers
+    return {"weights": kind, "tokens": seq, "probe_ms": rep.ms, "per_op_ms": {v.op: v.ms for v in rep.ops},
+            "block_ms": block_ms[-1], "layers": cfg.layers, "step_ms_est": step_ms,
+            "fraction_of_step": rep.ms / step_ms}
+
+
+def run_bench_invariance(*, tiny: bool, device: str | None = None, products: Sequence[int] | None = None,
+                         rows: Sequence[int] | None = None, kinds: Sequence[str] | None = None,
+                         print_json: bool = True) -> dict:
+    """Run it; returns (and unless ``print_json`` is false prints) the JSON object."""
+    dev = torch.device(device or ("cuda:0" if torch.cuda.is_available() and not tiny else "cpu"))
+    cfg = TINY if tiny else H3
+    products = tuple(products or (TINY_PRODUCTS if tiny else PRODUCTS))
+    rows = tuple(rows or (TINY_ROWS if tiny else ROWS))
+    kinds = tuple(kinds or (KINDS[:2] if tiny else KINDS))  # ConvRot needs 256-column groups: not at tiny width
+    if dev.type == "cpu" and not tiny:
+        raise UsageError("bench invariance at full H3 width needs a CUDA device; use --tiny on a CPU")
+    if dev.type == "cuda":
+        dit_ops.apply_kitchen_policy()
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
+    t0 = time.perf_counter()
+    linears, engine, attention = [], [], []
+    for kind in kinds:
+        for m in products:
+            pool = invariance.RandomPool(dev)
+            table, eng = linear_table(cfg, kind, m, rows, dev, pool)
+            linears += table
+            engine += eng
+            del pool
+    kernels = ["sdpa"] + (["ck_int8"] if dev.type == "cuda" and _ck_attention(dev) else [])
+    for kernel in kernels:
+        for m in products:
+            attention.append(attention_table(cfg, kernel, m, dev, invariance.RandomPool(dev), sm))
+    cost = [probe_cost(cfg, kind, max(products), dev) for kind in kinds[:2]]
+    report = {"bench": "invariance", "machine": invariance.fingerprint(dev),
+              "config": {"hidden": cfg.hidden, "heads": cfg.heads, "head_dim": cfg.head_dim, "ffn": cfg.ffn,
+                         "layers": cfg.layers, "products": list(products), "rows": list(rows), "kinds": list(kinds),
+                         "attention_kernels": kernels, "sm_count": sm},
+              "linears": linears, "attention": attention, "engine": engine, "probe_cost": cost,
+              "wall_s": time.perf_counter() - t0}
+    if print_json:
+        print(json.dumps(report, indent=2))
+    return report
+
+
+def _ck_attention(dev: torch.device) -> bool:
+    import comfy_kitchen as ck
+    return bool(ck.int8_attention_is_available(dev))
+
+
+def build_parser() -> ArgParser:
+    p = ArgParser(prog="python -m h3ms_async bench invariance", description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="small CPU variant (the smoke test)")
+    p.add_argument("--device", default=None, help="device to measure (default cuda:0, cpu with --tiny)")
+    p.add_argument("--products", default="", help="full product row counts, e.g. 9355,78491")
+    p.add_argument("--rows", default="", help="shard row counts, e.g. 1,2,3,16,32")
+    p.add_argument("--kinds", default="", help=f"weight kinds, of {','.join(KINDS)}")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    return p
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give comma-separated positive integers, e.g. 1,2,16") from None
+    if any(v < 1 for v in vals):
+        raise UsageError(f"{flag} {text!r}: every value must be >= 1")
+    return vals
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise UsageError(f"--kinds {a.kinds!r}: {bad} not among {','.join(KINDS)}")
+    rep = run_bench_invariance(tiny=a.tiny, device=a.device, products=_ints(a.products, "--products"),
+                               rows=_ints(a.rows, "--rows"), kinds=kinds)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=2)
+    return 0

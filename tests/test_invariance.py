@@ -1,0 +1,169 @@
+"""Invariance measured, not assumed: the probe (``workers.dit.invariance``), the engine's plan decisions
+(``h3ms_async.dit.exactness``) and ``verify`` (``h3ms_async.dit.verify``), on real CPU rank workers.
+
+A test hook (``H3MS_TEST_SHAPE_FAULT``, ``workers.dit.ops.ShapeFault``) makes one call shape round differently on
+purpose, so neither the probe nor ``verify`` can pass vacuously.
+"""
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+from h3ms_async.dit import exactness, split
+from h3ms_async.dit.layout import build_layout
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
+from h3ms_async.dit.split import SplitEngine, SplitOptions, SplitUnsafe
+from h3ms_async.observability.status import get_hub
+from workers.dit import invariance
+from workers.dit import ops as dit_ops
+
+CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
+TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
+FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
+
+
+@pytest.fixture(scope="module")
+def model():
+    # int8: kitchen's int8 GEMMs are row-invariant on every CPU measured, so only the fault can make a shard differ
+    return ReferenceDiT(CFG, weights="int8", seed=5)
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    made: list[SplitEngine] = []
+
+    def make(fault: str | None = None, **opts) -> SplitEngine:
+        if fault is not None:
+            monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", fault)  # read by the workers when they start
+        split._VERDICTS.clear()  # the verdict cache is per process: each test measures its own plans
+        eng = SplitEngine(["cpu", "cpu"], SplitOptions(**opts))
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.release()
+    kids = [k for k in psutil.Process().children(recursive=True) if k.status() != psutil.STATUS_ZOMBIE]
+    assert not kids
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
+
+
+def _step(eng: SplitEngine, model: ReferenceDiT, seed: int = 3):
+    inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), seed, model.dtype)
+    assert inp.x.shape[0] == TOKENS
+    ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
+    return eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs), ref
+
+
+def _ops() -> list:
+    man = [{n: ("float32", s) for n, s in CFG.block_shapes().items()}]
+    return invariance.block_ops(man, lambda i: {})
+
+
+def test_probe_sees_a_shape_fault_and_only_at_its_shape(monkeypatch):
+    """In process: the faulty row count on fc2 differs, every other shard and op stays exact; a ``:step`` fault is
+    invisible to the probe (verify's job)."""
+    kw = dict(tokens=TOKENS, candidates=[(0, 100), (0, 96), (96, 200)], heads=(0, 4), total_heads=CFG.heads,
+              head_dim=CFG.head_dim, dtype=torch.bfloat16, attend=dit_ops.builtin_attend("sdpa"),
+              device=torch.device("cpu"))
+    clean = invariance.run_probe(_ops(), **kw)
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault.parse(FC2_FAULT))
+    faulty = invariance.run_probe(_ops(), **kw)
+    by_op = {v.op: v for v in faulty.ops}
+    assert by_op["mlp.fc2"].exact == [False] + clean.ops[-1].exact[1:] and by_op["mlp.fc2"].max_abs_diff[0] > 0
+    assert [v.op for v in faulty.ops] == list(invariance.OP_ORDER)
+    for v, c in zip(faulty.ops, clean.ops):
+        if v.op != "mlp.fc2":
+            assert v.exact == c.exact and v.digest == c.digest
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault.parse(FC2_FAULT + ":step"))
+    assert [v.exact for v in invariance.run_probe(_ops(), **kw).ops] == [v.exact for v in clean.ops]
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault.parse("attention:4"))
+    assert {v.op: v.exact for v in invariance.run_probe(_ops(), **kw).ops}["attention"] == [False]
+
+
+def test_digest_and_fault_text():
+    a = torch.randn(64, 33).to(torch.bfloat16)
+    b = a.clone()
+    assert invariance.digest(a) == invariance.digest(b)
+    b.view(torch.int16)[17, 5] ^= 1  # one bit
+    assert invariance.digest(a) != invariance.digest(b)
+    with pytest.raises(ValueError, match="linear:ROWS:IN_FEATURES"):
+        dit_ops.ShapeFault.parse("linear:10")
+
+
+def test_adjusted_bounds_keep_shares_close():
+    cands = exactness.adjusted_bounds((0, 10, 20000))
+    assert cands[0] == (0, 16, 20000) and (0, 32, 20000) in cands and (0, 10, 20000) not in cands
+    assert all(min(exactness.sizes(c)) >= 16 for c in cands)
+    assert exactness.adjusted_bounds((0, 3, 6)) == []  # too few tokens for any safe size
+    assert exactness.adjusted_bounds((0, 100, 200))[0] == (0, 96, 200)
+
+
+def test_exact_plan_runs_split_and_is_recorded(engine, model):
+    eng = engine()
+    eng.load_weights(("inv", 1), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref)
+    rows = get_hub().status()["exactness"]["verdicts"][-6:]
+    assert [r["op"] for r in rows] == list(invariance.OP_ORDER)
+    assert {r["verdict"] for r in rows} == {"exact"} and all(r["program"] == "dit" for r in rows)
+    assert rows[-1]["shards"] == [100, 100] and rows[-1]["shape"] == f"{TOKENS}x{CFG.hidden}x{CFG.ffn}"
+
+
+def test_faulty_shard_is_adjusted_and_stays_exact(engine, model, caplog):
+    """fc2 rounds differently at the plan's 100-row shards on both ranks: the engine moves the boundary to a
+    measured safe place (96/104) and the split equals the unsplit output; the status names the op."""
+    eng = engine(FC2_FAULT)
+    eng.load_weights(("inv", 2), CFG, model.block_weights)
+    for seed in (3, 4):  # the second step reuses the cached verdict
+        out, ref = _step(eng, model, seed)
+        assert torch.equal(out, ref)
+    assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]
+    fc2 = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "mlp.fc2"][-1]
+    assert fc2["verdict"] == "adjusted" and "100-row shard" in fc2["detail"] and "[96, 104]" in fc2["detail"]
+
+
+def test_unfixable_fault_runs_unsplit_with_one_warning(engine, model):
+    """Attention differs for a 4-head group: no token adjustment helps, the step is refused (the caller runs it
+    unsplit) naming the op, the shard and the device; the second step is refused from the cache, first=False."""
+    eng = engine("attention:4")
+    eng.load_weights(("inv", 3), CFG, model.block_weights)
+    with pytest.raises(SplitUnsafe, match=r"attention .* heads \[0, 4\) .* on cpu ") as first:
+        _step(eng, model)
+    assert first.value.first
+    with pytest.raises(SplitUnsafe) as again:
+        _step(eng, model, 4)
+    assert not again.value.first
+    att = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attention"][-1]
+    assert att["verdict"] == "unsplit"
+
+
+def test_verify_reports_bit_exact_then_names_the_faulty_block_and_op(engine, model, monkeypatch):
+    """verify on a clean split says bit-exact; with a fault the probe cannot see (``:step``) it reports the max
+    difference and the first block and op that differ (block 0, mlp.fc2), and the split result is returned."""
+    hub = get_hub()
+    seen: list[dict] = []
+    record = hub.record_verify
+    monkeypatch.setattr(hub, "record_verify", lambda rec: seen.append(record(rec)) or seen[-1])
+    eng = engine(verify=True)
+    eng.load_weights(("inv", 4), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref)
+    assert len(seen) == 1 and seen[0]["bit_exact"] and seen[0]["max_abs_diff"] == 0.0
+    assert seen[0]["first_difference"] is None and seen[0]["devices"][0].startswith("cpu ")
+    _step(eng, model, 4)  # the same prompt: not verified again
+    eng.new_prompt()
+    _step(eng, model, 5)
+    assert len(seen) == 2 and seen[1]["bit_exact"]
+    eng.release()
+
+    eng = engine(FC2_FAULT + ":step", verify=True)
+    eng.load_weights(("inv", 5), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert not torch.equal(out, ref)
+    v = seen[-1]
+    assert len(seen) == 3 and v == get_hub().status()["exactness"]["verify"][-1]
+    assert not v["bit_exact"] and v["max_abs_diff"] > 0 and v["first_difference"] == "block 0 mlp.fc2"
