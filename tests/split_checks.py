@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3ms_async.dit.reference import ReferenceDiT
+from h3ms_async.dit.reference import ReferenceDiT, StepInputs
 from h3ms_async.dit.split import SplitEngine, SplitUnsafe
 from h3ms_async.runtime.plans import SplitPlan
 from workers.dit import invariance
@@ -56,8 +56,8 @@ class Compared:
         self.refused: list[str] = []
 
     def equal(self, out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-        diff = (out.float() - ref.float()).abs().max().item()
         assert out.dtype == ref.dtype and out.shape == ref.shape, what
+        diff = (out.float() - ref.float()).abs().max().item()
         assert torch.equal(out, ref), f"{what}: split differs from unsplit (max |diff| {diff:g})"
         self.compared += 1
 
@@ -66,7 +66,7 @@ class Compared:
             pytest.skip(f"every plan of this check is refused on this machine, e.g. {self.refused[0]}")
 
 
-def engine_step(engine: SplitEngine, inp: object, seen: Compared, ref: torch.Tensor, what: str,
+def engine_step(engine: SplitEngine, inp: StepInputs, seen: Compared, ref: torch.Tensor, what: str,
                 **step_kw: object) -> None:
     """One engine step against ``ref``: a refused plan (``SplitUnsafe``) is the engine's verdict for this machine,
     and the engine must stay usable after it (the caller's next step runs)."""
