@@ -24,6 +24,8 @@ CFG = DiTConfig(hidden=256, layers=2, heads=10, head_dim=32, ffn=320, t_dim=16, 
 TAGS = [1, 1, 0, 0, 1, 2, 1, 1, 1]
 #: The second CPU pass (scripts/h3ms.sh) takes the even, the uneven and the smallest shards of these.
 EXACTNESS = pytest.mark.exactness
+# bf16 q/k norm weights on an fp32 stream (bf16-cpu) take torch's unfused rms_norm, as ComfyUI on a CPU does
+pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
 
 
 def _layouts():
@@ -56,7 +58,7 @@ def _check_split(model: ReferenceDiT, shares, steps) -> None:
 def model_and_steps(request):
     # bf16-cpu: bf16 weights computed in fp32, as ComfyUI computes a bf16 checkpoint on a CPU (reference.compute_dtype)
     kind, _, device = request.param.partition("-")
-    model = ReferenceDiT(CFG, kind, seed=11)
+    model = ReferenceDiT(CFG, kind, seed=11).materialize()  # every check and probe reads the blocks again
     dtype = compute_dtype(kind, device) if device else model.dtype
     steps = [make_step_inputs(CFG, layout, seed=5 + i, dtype=dtype) for i, layout in enumerate(_layouts())]
     return model, steps
