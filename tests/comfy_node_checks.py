@@ -514,8 +514,8 @@ def test_step_measured_not_exact_runs_unsplit_with_one_warning(split, monkeypatc
     1 : 0.15 leave that rank 2 of them), too few tokens for any adjusted plan."""
     from h3ms_async.runtime.plans import GPUSet
     from h3ms_async.observability.status import get_hub
-    from h3ms_async.dit import split as split_module
-    split_module._VERDICTS.clear()  # this process may have measured the plan before, without the fault
+    from h3ms_async.dit import exactness
+    exactness.VERDICTS.clear()  # this process may have measured the plan before, without the fault
     patcher = comfy_h3.model(layers=2, int8=True)
     ffn = int(patcher.get_model_object("diffusion_model").blocks[0].mlp.fc2.weight.shape[1])
     monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", f"linear:2:{ffn}")  # read by the rank workers at their start

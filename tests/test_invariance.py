@@ -6,13 +6,14 @@ purpose, so neither the probe nor ``verify`` can pass vacuously.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import psutil
 import pytest
 import torch
 
-from h3ms_async.dit import exactness, split
+from h3ms_async.dit import exactness
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, SplitUnsafe
@@ -38,7 +39,7 @@ def engine(monkeypatch):
     def make(fault: str | None = None, **opts) -> SplitEngine:
         if fault is not None:
             monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", fault)  # read by the workers when they start
-        split._VERDICTS.clear()  # the verdict cache is per process: each test measures its own plans
+        exactness.VERDICTS.clear()  # the verdict cache is per process: each test measures its own plans
         eng = SplitEngine(["cpu", "cpu"], SplitOptions(**opts))
         made.append(eng)
         return eng
@@ -167,3 +168,20 @@ def test_verify_reports_bit_exact_then_names_the_faulty_block_and_op(engine, mod
     v = seen[-1]
     assert len(seen) == 3 and v == get_hub().status()["exactness"]["verify"][-1]
     assert not v["bit_exact"] and v["max_abs_diff"] > 0 and v["first_difference"] == "block 0 mlp.fc2"
+
+
+def test_verdicts_persist_in_the_cache_file(engine, model, monkeypatch, tmp_path):
+    """H3MS_INVARIANCE_CACHE keeps the measured verdicts across processes: with the memory cleared (as in a new
+    process) the adjusted plan is taken from the file, not probed again, and still equals the unsplit output."""
+    path = tmp_path / "verdicts.json"
+    monkeypatch.setenv("H3MS_INVARIANCE_CACHE", str(path))
+    eng = engine(FC2_FAULT)
+    eng.load_weights(("inv", 6), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref)
+    assert [v["verdict"] for v in json.loads(path.read_text()).values()] == ["adjusted"]
+    exactness.VERDICTS.clear()
+    monkeypatch.setattr(SplitEngine, "_probe_round", lambda *a: pytest.fail("a cached plan was probed again"))
+    out, ref = _step(eng, model, 4)
+    assert torch.equal(out, ref)
+    assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]

@@ -12,10 +12,19 @@ the process, keyed by everything a kernel choice may depend on (:func:`verdict_k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
 from typing import Literal, Sequence
 
+import msgspec
+
+from h3ms_async.log import get_logger
 from workers.dit.protocol import LinearOp
+from workers.runtime import config
+
+log = get_logger("MultiStream")
 
 #: The prior for GEMMs: fewer rows than this took other kernel paths on the machines first measured (MKL's
 #: small-M path, kitchen's GEMV kernels). Adjusted plans keeping every shard at or above it are tried first.
@@ -38,11 +47,76 @@ class PlanVerdict:
 
 
 def verdict_key(fingerprints: Sequence[dict], compute_dtype: str, ops: Sequence[LinearOp], attention: str,
-                token_bounds: Sequence[int], head_bounds: Sequence[int], head_dim: int) -> tuple:
-    """Everything a plan's verdict depends on: each rank's device, runtime, torch and comfy-kitchen (its
-    fingerprint), the dtype, the ops' shapes and storage, the attention function, the shards."""
-    fps = tuple(tuple(sorted(fp.items())) for fp in fingerprints)
-    return fps, compute_dtype, tuple(ops), attention, tuple(token_bounds), tuple(head_bounds), head_dim
+                token_bounds: Sequence[int], head_bounds: Sequence[int], head_dim: int) -> str:
+    """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch and
+    comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention function, the shards."""
+    key = {"devices": [dict(sorted(fp.items())) for fp in fingerprints], "dtype": compute_dtype,
+           "ops": msgspec.to_builtins(list(ops)), "attention": attention, "tokens": list(token_bounds),
+           "heads": list(head_bounds), "head_dim": head_dim}
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+class VerdictCache:
+    """Plan verdicts for the life of the process, and across processes in the JSON file ``H3MS_INVARIANCE_CACHE``
+    names (read once, rewritten whole after each new verdict; unset: memory only)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._verdicts: dict[str, PlanVerdict] = {}
+        self._read: str | None = None
+
+    def get(self, key: str) -> PlanVerdict | None:
+        path = config.INVARIANCE_CACHE.get()
+        with self._lock:
+            if path and self._read != path:
+                self._read = path
+                self._verdicts.update({k: v for k, v in _load(path).items() if k not in self._verdicts})
+            return self._verdicts.get(key)
+
+    def put(self, key: str, verdict: PlanVerdict) -> None:
+        path = config.INVARIANCE_CACHE.get()
+        with self._lock:
+            self._verdicts[key] = verdict
+            if path:
+                _save(path, self._verdicts)
+
+    def clear(self) -> None:
+        """Forget every verdict of this process (the file stays)."""
+        with self._lock:
+            self._verdicts.clear()
+            self._read = None
+
+
+def _load(path: str) -> dict[str, PlanVerdict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        out = {}
+        for k, v in raw.items():
+            tb = v["token_bounds"]
+            out[k] = PlanVerdict(None if tb is None else tuple(int(b) for b in tb), v["verdict"], str(v["detail"]),
+                                 float(v["probe_ms"]))
+        return out
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("H3MS_INVARIANCE_CACHE=%s is unreadable (%s: %s); measuring plans anew (the file is rewritten)",
+                    path, type(exc).__name__, exc)
+        return {}
+
+
+def _save(path: str, verdicts: dict[str, PlanVerdict]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({k: asdict(v) for k, v in verdicts.items()}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("H3MS_INVARIANCE_CACHE=%s cannot be written (%s); verdicts stay in memory only", path, exc)
+
+
+#: The process-wide cache (``SplitEngine`` reads and fills it).
+VERDICTS = VerdictCache()
 
 
 def sizes(bounds: Sequence[int]) -> list[int]:

@@ -146,10 +146,6 @@ class _Loaded:
     ops: list[dit_protocol.LinearOp] | None = None  # the block stack's distinct linears, for the probe (lazily)
 
 
-#: Plan verdicts for the life of the process (``exactness.verdict_key``): a new engine over the same devices, dtype
-#: and shapes reuses them.
-_VERDICTS: dict[tuple, PlanVerdict] = {}
-
 
 class SplitEngine(Engine):
     """One rank map's workers, weight store and step buffers."""
@@ -323,11 +319,12 @@ class SplitEngine(Engine):
         self.run(self._ensure_loaded(), self.options.step_timeout_s, "starting the ranks")
         key = exactness.verdict_key(self._fingerprints, ld.compute_dtype, self._ops(), self._attention_name(),
                                     plan.token_bounds, plan.head_bounds, ld.config.head_dim)
-        verdict = _VERDICTS.get(key)
+        verdict = exactness.VERDICTS.get(key)
         first = verdict is None
         if verdict is None:
             with self.job():
-                verdict = _VERDICTS[key] = self._probe_plan(plan, t_rows)
+                verdict = self._probe_plan(plan, t_rows)
+            exactness.VERDICTS.put(key, verdict)
         if verdict.token_bounds is None:
             raise SplitUnsafe(verdict.detail, first=first)
         return replace(plan, token_bounds=verdict.token_bounds)

@@ -212,24 +212,25 @@ def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence
                      diffs, dig, clock.ms(t0))
 
 
-def probe_attention(pool: RandomPool, seq: int, heads: tuple[int, int], total_heads: int, head_dim: int,
+def probe_attention(pool: RandomPool, seq: int, groups: Sequence[tuple[int, int]], total_heads: int, head_dim: int,
                     act: torch.dtype, attend: dit_ops.Attend, clock: Clock, name: str = "attention") -> OpVerdict:
-    """Attention over all ``seq`` tokens: every head against the head group ``heads``' own call, as the rank lays
-    its q, k, v out (a packed projection of the group's heads only)."""
+    """Attention over all ``seq`` tokens: every head (one call) against each head group of ``groups`` called alone,
+    as a rank lays its q, k, v out (a packed projection of the group's heads only)."""
     t0 = clock.start()
-    g0, g1 = heads
     qkv = pool.view(act, seq, 3 * total_heads * head_dim)
     full = dit_ops.attend_views(*dit_ops.qkv_views(qkv, total_heads, head_dim), attend)
     exact: list[bool] = []
     diffs: list[float] = []
-    if (g0, g1) != (0, total_heads):
+    for g0, g1 in groups:
+        if (g0, g1) == (0, total_heads):
+            continue  # the whole model's heads: the unsplit call itself
         grp = torch.cat([qkv[:, r.start:r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)], dim=1)
         part = dit_ops.attend_views(*dit_ops.qkv_views(grp, g1 - g0, head_dim), attend)
         ok, d = _compare(full[:, g0 * head_dim:g1 * head_dim], part)
         exact.append(ok)
         diffs.append(d)
-    return OpVerdict(name, str(act).split(".")[-1], f"{seq}x{total_heads}x{head_dim}", "heads", [[g0, g1]], exact,
-                     diffs, digest(full), clock.ms(t0))
+    return OpVerdict(name, str(act).split(".")[-1], f"{seq}x{total_heads}x{head_dim}", "heads",
+                     [[g0, g1] for g0, g1 in groups], exact, diffs, digest(full), clock.ms(t0))
 
 
 def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tuple[int, int]], heads: tuple[int, int],
@@ -249,7 +250,7 @@ def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tupl
         for op in ops:
             rows = t_rows if op.split == "none" else tokens
             report.ops.append(probe_linear(pool, op, rows, candidates, dtype, heads, total_heads, head_dim, clock))
-        report.ops.append(probe_attention(pool, tokens, heads, total_heads, head_dim, dtype, attend, clock))
+        report.ops.append(probe_attention(pool, tokens, [heads], total_heads, head_dim, dtype, attend, clock))
     report.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
     report.ms = clock.ms(t0)
     return report

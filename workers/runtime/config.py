@@ -162,6 +162,10 @@ ENABLE_TRITON_BACKEND = _flag_var("H3MS_ENABLE_TRITON_BACKEND",
 COMFY_HOST = _var("H3MS_COMFY_HOST", "JSON", "", "set by the pool",
                   "Internal, parent to worker: the ComfyUI root, argv and attention function a rank started from "
                   "inside ComfyUI runs (`workers/runtime/comfy_host.py`).", "leave it to the pool", _text)
+INVARIANCE_CACHE = _var("H3MS_INVARIANCE_CACHE", "path", "", "unset (memory only)",
+                        "A JSON file keeping the split's measured plan verdicts across restarts (keyed by device, "
+                        "runtime, torch, comfy-kitchen, dtype, shapes and shards); unset: each process measures its "
+                        "plans once.", "give a writable file path or unset it", _text)
 # -- H3 Attention Parallel -------------------------------------------------------------------------------------------
 ATTN_HELPERS = _devices_var("H3MS_ATTN_HELPERS",
                             "H3 Attention Parallel: explicit helper devices replacing the GPU plan (`cpu,cpu`, "
