@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh TARGET [extra bench args...]
-#   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse
+#   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu
+#   demo-gpu: the demo on 2 logical ranks of cuda:0 at full H3 width (20000 tokens, 2 blocks, 3 steps), int8 then
+#   bf16: its per-step table and summary must compare like with like (unsplit and split times of one order)
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
 #   vae: vae-tests then vae-bench (over 600 s: one device call runs at most that, so call the halves one by one)
 #   vae-tests: the VAE split and cache CUDA tests (first decode after start; DynamicVRAM; the int8 VAE split on
@@ -75,6 +77,14 @@ if [ "$what" = vae ] || [ "$what" = vae-bench ]; then
       --out "$out" "$@" 2>&1 | tee "$out/bench_vae_$dt.log" || rc=1
   done
   echo "vae-bench: ${SECONDS} s wall" | tee -a "$out/bench_vae_bf16.log"
+fi
+if [ "$what" = demo-gpu ]; then
+  for w in int8 bf16; do
+    python3 -m h3ms_async demo --ranks cuda:0,cuda:0 --tokens 20000 --hidden 5376 --heads 56 --head-dim 128 \
+      --layers 2 --steps 3 --weights "$w" "$@" 2>&1 | tee "$out/demo_gpu_$w.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+  echo "demo-gpu: ${SECONDS} s wall" | tee -a "$out/demo_gpu_bf16.log"
 fi
 if [ "$what" = invariance ]; then
   python3 -m h3ms_async bench invariance --out "$out/bench_invariance.json" "$@" > "$out/bench_invariance.log" 2>&1 \

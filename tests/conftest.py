@@ -1,16 +1,14 @@
 """Test-wide settings.
 
-The golden tensors in ../shared/golden were recorded with ATen's AVX2 kernels; on an AVX-512 host the default
-kernels round differently in the last bit.  The capability must be fixed before torch is imported, and worker
-subprocesses inherit it through the environment.
+The suite runs with the CPU's own kernels: no CPU-ISA setting here (on an AMX CPU ``ATEN_CPU_CAPABILITY=avx2`` breaks
+torch's bf16 attention).  A test that needs another code path sets it for a process of its own
+(``tests/cpu_paths.py``); ``scripts/h3ms.sh test`` runs the ``exactness`` tests a second time under other settings.
 """
 import os
 import signal
 import sys
 from pathlib import Path
 
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
-os.environ.setdefault("MKL_CBWR", "AVX2")
 os.environ.setdefault("H3MS_TEST_HOOKS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent

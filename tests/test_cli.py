@@ -160,6 +160,7 @@ def _assert_nothing_left(proc: subprocess.Popen, tmp_path: Path, children: list[
     assert not [c for c in children if psutil.pid_exists(c)]
 
 
+@pytest.mark.exactness
 @pytest.mark.timeout(300)
 def test_demo_ends_with_the_summary_line_and_moves_its_bar(tmp_path: Path) -> None:
     proc, err, reader = _start_demo([*TINY, "--steps", "2"], tmp_path)
@@ -216,4 +217,31 @@ def test_demo_weight_formats_are_the_reference_models() -> None:
     """The demo names the formats without importing torch; they must stay the reference model's."""
     from h3ms_async.tools import demo
     from h3ms_async.dit import reference as reference_dit
-    assert demo.WEIGHT_KINDS == reference_dit.WEIGHT_KINDS and set(demo.MODEL_DTYPES) == set(demo.WEIGHT_KINDS)
+    assert demo.WEIGHT_KINDS == reference_dit.WEIGHT_KINDS
+    # as ComfyUI: every format computes in fp32 on a CPU, in its model dtype on a GPU
+    assert {reference_dit.compute_dtype(k, "cpu") for k in demo.WEIGHT_KINDS} == {torch.float32}
+    assert [reference_dit.compute_dtype(k, "cuda") for k in ("int8", "bf16", "fp32")] == [
+        torch.bfloat16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.timeout(300)
+def test_demo_without_room_for_its_shared_memory_ends_with_one_line_exit_2(tmp_path: Path) -> None:
+    """A shared-memory segment that cannot be reserved ends the demo with one error line naming the limit and the fix,
+    exit 2, nothing left.  The limit is the process's file-size limit (RLIMIT_FSIZE, 256 KiB: below the weight
+    store's 0.6 MiB): the segment's page reservation then fails as on a full /dev/shm (EFBIG instead of ENOSPC),
+    without root or a private mount; the /dev/shm message itself is tested on a private tmpfs
+    (tests/test_faults_shm.py)."""
+    import resource
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "H3MS_RUN_DIR": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
+    limit = 256 << 10
+    proc = subprocess.Popen([sys.executable, "-m", "h3ms_async", "demo", *TINY, "--weights", "fp32"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    out, err = proc.communicate(timeout=240)
+    errors = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err + out, err[-3000:]
+    assert len(errors) == 1 and "/dev/shm" in errors[0] and "ulimit -f" in errors[0], err[-3000:]
+    assert err.rstrip().endswith(errors[0]), "the error line is the demo's last word"
+    assert glob.glob(f"/dev/shm/h3ms-{proc.pid}-*") == [] and list(tmp_path.glob("h3ms-*")) == []

@@ -1,11 +1,13 @@
 """The reference block math reproduces ComfyUI's recorded H3 DiT blocks bit for bit (shared/golden/dit_*.pt).
 
-oneDNN picks its GEMM kernels from the CPU, and the golden files were recorded where the bf16 GEMMs took the
-AVX2-class path while int8 ``torch._int_mm`` ran exact integer kernels (VNNI/AVX-512).  On a CPU with
-avx512_bf16 no single oneDNN ISA cap gives both: bf16 matches only under ``ONEDNN_MAX_CPU_ISA=AVX2``, and under that
-cap ``_int_mm`` is no longer exact integer arithmetic (AVX2 int8 saturates 16-bit pair sums) so int8 matches only
-uncapped.  The ISA is fixed at oneDNN's first use, so each file is checked in a fresh interpreter with its
-setting.  Each check also compares the rope table built from the recorded positions.
+The recording ran ATen's AVX2 kernels (8-float lanes: an AVX-512 CPU's default 16-lane norms and softmax round
+differently) and MKL's AVX2 branch, while oneDNN picked its GEMM kernels from the CPU: the bf16 GEMMs took the
+AVX2-class path and int8 ``torch._int_mm`` ran exact integer kernels (VNNI/AVX-512).  On a CPU with avx512_bf16 no
+single oneDNN ISA cap gives both: bf16 matches only under ``ONEDNN_MAX_CPU_ISA=AVX2``, and under that cap ``_int_mm``
+is no longer exact integer arithmetic (AVX2 int8 saturates 16-bit pair sums) so int8 matches only uncapped.  These
+settings are read once per process, so each file is checked in a fresh interpreter with its own
+(``tests/cpu_paths.py``), and skipped with the reason where that path cannot run on this CPU.  Each check also
+compares the rope table built from the recorded positions.
 """
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ import pytest
 import torch
 
 from conftest import GOLDEN_DIR, ROOT
+from cpu_paths import GOLDEN_CAPABILITY, golden_env, golden_refusal
 
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig
 
-CASES = {"fp32": None, "bf16": "AVX2", "int8": None}  # case -> ONEDNN_MAX_CPU_ISA (None: the CPU's best)
+#: case -> (ONEDNN_MAX_CPU_ISA: None for the CPU's best, whether its attention runs in bf16)
+CASES = {"fp32": (None, False), "bf16": ("AVX2", True), "int8": (None, True)}
 
 _CHILD = r"""
 import json, sys, torch
@@ -63,18 +67,21 @@ def _golden(case: str):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_golden_blocks_bit_exact(case: str) -> None:
     path = _golden(case)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("ONEDNN_MAX_CPU_ISA", None)
-    if CASES[case]:
-        env["ONEDNN_MAX_CPU_ISA"] = CASES[case]
+    isa, bf16_attention = CASES[case]
+    refusal = golden_refusal(isa, bf16_attention)
+    if refusal:
+        pytest.skip(f"dit_{case}.pt: {refusal}")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")}
+    env.update(golden_env(isa), PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, cwd=str(ROOT), capture_output=True,
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
     report = json.loads(line[len("REPORT "):])
+    assert report["isa"] == GOLDEN_CAPABILITY, report["isa"]
     assert report["rope_equal"], "rope table from model.position_ids differs from the recorded rope_freqs"
     for i, (equal, diff) in enumerate(report["blocks"]):
-        assert equal, f"{case} block {i} differs (max |diff| {diff}; ISA cap {CASES[case]}, ATen {report['isa']})"
+        assert equal, f"{case} block {i} differs (max |diff| {diff}; oneDNN cap {isa}, ATen {report['isa']})"
     assert report["final_equal"] and report["forward_blocks_equal"]
 
 

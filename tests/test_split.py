@@ -19,6 +19,8 @@ from h3ms_async.runtime.plans import GPUSelectionError
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions, SplitUnsafe
 
+from split_checks import Compared, engine_step
+
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 CFG_UNEVEN = DiTConfig(hidden=160, layers=2, heads=10, head_dim=32, ffn=224, t_dim=16, rope_pairs=12)
 TEXT_TAGS = [1, 1, 0, 0, 1, 1, 1, 0, 1]
@@ -34,14 +36,13 @@ def _reference(model: ReferenceDiT, inp) -> torch.Tensor:
     return model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
 
 
-def _check_exact(engine: SplitEngine, model: ReferenceDiT, layouts, *, seed=10, **step_kw) -> None:
+def _check_exact(engine: SplitEngine, model: ReferenceDiT, layouts, seen: Compared, *, seed=10,
+                 **step_kw) -> None:
+    """Each layout's step on the engine against the unsplit reference, where the engine accepts its plan here
+    (split_checks: a refusal is counted in ``seen``, whose ``done()`` ends the test)."""
     for s, lay in enumerate(layouts):
         inp = make_step_inputs(model.config, lay, seed + s, model.dtype)
-        ref = _reference(model, inp)
-        out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **step_kw)
-        assert out.dtype == ref.dtype and out.shape == ref.shape
-        diff = (out.float() - ref.float()).abs().max().item()
-        assert torch.equal(out, ref), f"step {s}: split differs from unsplit (max |diff| {diff:g})"
+        engine_step(engine, inp, seen, _reference(model, inp), f"{model.weights} step {s} {step_kw}", **step_kw)
 
 
 def _no_workers_alive() -> bool:
@@ -70,34 +71,42 @@ def engine_factory():
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 5, 8])
+# the second CPU pass (scripts/h3ms.sh) takes one rank count: tests/test_dit_shards.py covers the others in-process
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.exactness), 5, 8])
 def test_rank_counts_int8_exact(engine_factory, int8_model, ranks):
+    seen = Compared()
     eng = engine_factory(["cpu"] * ranks)
     eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
-    _check_exact(eng, int8_model, _layouts())
+    _check_exact(eng, int8_model, _layouts(), seen)
+    seen.done()
 
 
+@pytest.mark.exactness
 def test_three_ranks_chunks_and_weights(engine_factory, int8_model):
     """3 ranks: exchange_chunks 0, 1 and 8 (more chunks than some ranks' rows for the small layout), then fp32 and
     bf16 weights on the same workers (the store is refilled for the new key)."""
+    seen = Compared()
     eng = engine_factory(["cpu"] * 3)
     eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
     for chunks in (0, 1, 8):
-        _check_exact(eng, int8_model, _layouts(), exchange_chunks=chunks)
+        _check_exact(eng, int8_model, _layouts(), seen, exchange_chunks=chunks)
     # a long sequence so that 8 chunks are real pipelining
-    _check_exact(eng, int8_model, [layout_for_tokens(700), layout_for_tokens(650)], exchange_chunks=8)
+    _check_exact(eng, int8_model, [layout_for_tokens(700), layout_for_tokens(650)], seen, exchange_chunks=8)
     for kind in ("fp32", "bf16"):
         model = ReferenceDiT(CFG, weights=kind, seed=6)
         assert eng.load_weights(("t", kind, 6), CFG, model.block_weights)
-        _check_exact(eng, model, _layouts(), exchange_chunks=4)
+        _check_exact(eng, model, _layouts(), seen, exchange_chunks=4)
+    seen.done()
 
 
 def test_shares_and_uneven_heads(engine_factory):
     """Shares 1,1,0.7 over 10 heads: head groups 4/4/2 and token ranges by the same shares."""
+    seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
     eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7))
     eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
-    _check_exact(eng, model, _layouts(), exchange_chunks=2)
+    _check_exact(eng, model, _layouts(), seen, exchange_chunks=2)
+    seen.done()
     from h3ms_async.observability.status import get_hub
     heads = [r["heads"] for r in get_hub().recent_steps(1)[0]["ranks"]]
     assert heads == [[0, 4], [4, 8], [8, 10]]
@@ -105,12 +114,14 @@ def test_shares_and_uneven_heads(engine_factory):
 
 def test_gloo_exchange_matches_host(engine_factory, int8_model):
     """exchange=nccl on CPU ranks runs torch.distributed over gloo: same bits as host, 2 and 4 ranks."""
+    seen = Compared()
     for ranks in (2, 4):
         eng = engine_factory(["cpu"] * ranks, exchange="nccl")
         assert eng.transport == "gloo"
         eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
-        _check_exact(eng, int8_model, _layouts())
-        _check_exact(eng, int8_model, _layouts(), exchange="host", exchange_chunks=3)
+        _check_exact(eng, int8_model, _layouts(), seen)
+        _check_exact(eng, int8_model, _layouts(), seen, exchange="host", exchange_chunks=3)
+    seen.done()
 
 
 def test_bad_plans_fail_before_workers_start(int8_model):

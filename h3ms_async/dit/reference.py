@@ -85,6 +85,17 @@ class DiTConfig:
                    rope_pairs=3 * model_kwargs["rope_inv_freq_len"], eps=eps)
 
 
+def compute_dtype(weights: str, device_type: str) -> torch.dtype:
+    """The dtype ComfyUI computes a checkpoint of format ``weights`` in on a ``device_type`` device: fp32 on a CPU,
+    where it casts bf16 and int8 checkpoints' weights per layer (docs/comfyui_facts.md, Casting), else the model
+    dtype.  The ranks compute in the residual stream's dtype and cast each weight to it as ComfyUI's ops do."""
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights={weights!r}; use one of {', '.join(WEIGHT_KINDS)}")
+    if device_type == "cpu" or weights == "fp32":
+        return torch.float32
+    return torch.bfloat16
+
+
 def _is_norm(name: str) -> bool:
     return name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("_norm.weight")
 
@@ -118,8 +129,13 @@ class ReferenceDiT:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The model (compute) dtype: the residual stream and activations."""
+        """The model dtype: the stored dtype of the float tensors (the int8 format's non-quantized ones)."""
         return torch.float32 if self.weights == "fp32" else torch.bfloat16
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The residual stream's and activations' dtype on the model's device: :func:`compute_dtype`."""
+        return compute_dtype(self.weights, self.device.type)
 
     def _generate_block(self, i: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)

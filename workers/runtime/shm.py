@@ -23,6 +23,7 @@ import errno
 import logging
 import mmap
 import os
+import resource
 import stat
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -92,6 +93,10 @@ def _reserve(fd: int, nbytes: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc}") from None
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if exc.errno == errno.EFBIG and limit != resource.RLIM_INFINITY and limit < nbytes:
+            raise ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: this process's file-size limit "
+                           f"(ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)") from None
         st = os.statvfs(SHM_DIR)
         raise ShmError(
             f"{SHM_DIR} is too small: {nbytes / 2**20:.1f} MiB are needed but it has "

@@ -1,0 +1,78 @@
+"""Split-vs-unsplit checks that use the shard sizes the engine accepts on this machine, never sizes that only happen
+to be exact on the CPU the tests were written on.
+
+A token split is exact only where every GEMM gives a row the same bits whatever the rows computed with it, a head
+split only where attention gives a head the same bits whatever the other heads; kernel libraries choose by shape and
+CPU.  So a check asks first: an in-process split (``SimulatedSplit``) asks the invariance probe
+(``workers.dit.invariance``, what the engine measures before it uses a plan) about each rank's shard and head group;
+an engine step asks the engine, which refuses a plan it cannot keep exact (``SplitUnsafe``: the caller runs that step
+unsplit).  Whatever splits must equal the unsplit reference bit for bit; a check whose every plan was refused skips
+with the refusal, so it never passes without having compared anything.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3ms_async.dit.reference import ReferenceDiT, StepInputs
+from h3ms_async.dit.split import SplitEngine, SplitUnsafe
+from h3ms_async.runtime.plans import SplitPlan
+from workers.dit import invariance
+from workers.dit import ops as dit_ops
+from workers.runtime.shm import dtype_name
+
+
+def probe_refusals(model: ReferenceDiT, plan: SplitPlan, dtype: torch.dtype, t_rows: int,
+                   attention: str = "sdpa") -> list[str]:
+    """What the invariance probe finds inexact on this CPU for ``plan`` over ``model``'s blocks computed in
+    ``dtype``; empty when every op gives the unsplit call's bits.  Every token shard is a candidate of one probe call
+    (the token-split linears' full products are made once), and each rank's head group gets the head-split ops."""
+    c = model.config
+    ranks = len(plan.token_bounds) - 1
+    if ranks == 1:
+        return []
+    blocks = [model.block_weights(i) for i in range(c.layers)]
+    manifest = [{k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in b.items()} for b in blocks]
+    ops = invariance.block_ops(manifest, lambda i: dit_ops.block_quant(blocks[i]))
+    shards = list(zip(plan.token_bounds, plan.token_bounds[1:]))
+    out = []
+    for r in range(ranks):
+        report = invariance.run_probe(
+            ops if r == 0 else [op for op in ops if op.split == "heads"], tokens=plan.token_bounds[-1],
+            candidates=shards if r == 0 else [], heads=(plan.head_bounds[r], plan.head_bounds[r + 1]),
+            total_heads=c.heads, head_dim=c.head_dim, dtype=dtype, attend=dit_ops.builtin_attend(attention),
+            device=torch.device("cpu"), t_rows=t_rows)
+        for v in report.ops:
+            out += [f"{v.op} ({v.dtype}, {v.shape}, {v.split} {shard}) max |diff| {d:g}"
+                    for ok, shard, d in zip(v.exact, v.shards, v.max_abs_diff) if not ok]
+    return out
+
+
+class Compared:
+    """Counts what a check compared and why plans were refused; :meth:`done` skips a check that compared nothing."""
+
+    def __init__(self) -> None:
+        self.compared = 0
+        self.refused: list[str] = []
+
+    def equal(self, out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+        assert out.dtype == ref.dtype and out.shape == ref.shape, what
+        diff = (out.float() - ref.float()).abs().max().item()
+        assert torch.equal(out, ref), f"{what}: split differs from unsplit (max |diff| {diff:g})"
+        self.compared += 1
+
+    def done(self) -> None:
+        if not self.compared:
+            pytest.skip(f"every plan of this check is refused on this machine, e.g. {self.refused[0]}")
+
+
+def engine_step(engine: SplitEngine, inp: StepInputs, seen: Compared, ref: torch.Tensor, what: str,
+                **step_kw: object) -> None:
+    """One engine step against ``ref``: a refused plan (``SplitUnsafe``) is the engine's verdict for this machine,
+    and the engine must stay usable after it (the caller's next step runs)."""
+    try:
+        out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **step_kw)
+    except SplitUnsafe as exc:
+        seen.refused.append(f"{what}: {exc}")
+        return
+    seen.equal(out, ref, what)
