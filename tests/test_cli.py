@@ -168,12 +168,19 @@ def test_demo_ends_with_the_summary_line_and_moves_its_bar(tmp_path: Path) -> No
     stderr = "".join(err)
     assert proc.returncode == 0, stderr[-2000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith("bit-exact: yes - split vs unsplit equal on all 2 steps; unsplit "), last
-    assert " s/step on 3 ranks; demo " in last
+    assert last.startswith("bit-exact: yes - split vs unsplit equal "), last
+    # The engine measures the plan on this CPU first: where the tiny shards are not row-invariant (seen on an Intel
+    # Xeon with AMX) both steps run unsplit, with the refusal logged once, and the demo says so.
+    refused = "ran unsplit: the plan is not exact on these ranks" in last
+    if refused:
+        assert "(2 ran unsplit: the plan is not exact on these ranks) on all 2 steps; no speed figures" in last, last
+        assert stderr.count("; running this step unsplit") == 1, stderr[-2000:]
+    else:
+        assert "equal on all 2 steps; unsplit " in last and " s/step on 3 ranks; demo " in last, last
     # the bar moves per block: every unsplit block (positions 1-2 and 5-6 of 2 steps x unsplit+split x 2 blocks);
     # split blocks as the slowest rank reaches them (a tiny block can finish between two polls); log lines are never
     # glued to the bar
-    for n in (1, 2, 5, 6, 8):
+    for n in (1, 2) if refused else (1, 2, 5, 6, 8):
         assert f"| {n}/8 blocks" in stderr
     assert "step 2/2 split on 3 ranks" in stderr
     assert "weights " in stderr and "[demo]" in stderr
