@@ -608,7 +608,8 @@ def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split,
     (settings,) = SPARSE_NODE.H3MSSparseAttentionAsync().build("top-k", 1.3, 20.0, 0.25, 1.0, dense_blocks="2",
                                                                min_tokens=0)
     monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
-    (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, settings)
+    (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None,
+                                                 sparse_attention=settings)
     with caplog.at_level("WARNING", logger="h3_multistream"):
         assert same(reference, sample(patched, steps=2))
         assert same(reference, sample(patched, steps=2))
@@ -621,7 +622,7 @@ def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split,
     assert len(lines) == 1 and "not a CUDA device" in lines[0], lines
     with pytest.raises(MA.MultiStreamError, match=r"H3 MS Sparse Attention: dense_blocks: block\(s\) \[3\]"):
         bad = SPARSE_NODE.H3MSSparseAttentionAsync().build("sol-attn", 1.3, 10.0, 0.2, 1.0, dense_blocks="3")[0]
-        NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, bad)
+        NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, sparse_attention=bad)
 
 
 def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):
@@ -634,7 +635,8 @@ def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):
     patcher = comfy_h3.model(layers=2).clone()
     patcher.load_device = torch.device("cuda", 0)
     settings = SPARSE_NODE.H3MSSparseAttentionAsync().build("sol-attn", 1.3, 10.0, 0.2, 1.0)[0]
-    (out,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, settings)
+    (out,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None,
+                                             sparse_attention=settings)
     assert out is not patcher and out.wrappers
     state = next(s for s in MA.live_states() if s.patcher() is out)
     assert state.devices == ["cuda:0"] and state.options.sparse is not None

@@ -45,7 +45,8 @@ try:
         for ranks, shares in (("cuda:0", ""), ("cuda:0,cuda:0", ""), ("cuda:0,cuda:0,cuda:0", "1,2,1")):
             os.environ["H3MS_RANK_MAP"] = ranks
             gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
-            split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus, settings)[0]
+            split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus,
+                                                    sparse_attention=settings)[0]
             outs[ranks] = comfy_h3.ksample(split, **KW)  # the first calls after this rank map's workers start
             (eng,) = S.engines()
             counts = [r["sparse"] for r in eng.last_rank_results]
