@@ -10,7 +10,9 @@ What each setting does, from torch 2.13's source:
   attention packs its blocks for AMX (``cpublas::could_pack`` asks oneDNN's effective ISA); the packing routine exists
   only in ATen's AVX-512 build of the kernel, so ``ATEN_CPU_CAPABILITY=avx2`` on an AMX CPU with oneDNN uncapped
   raises "pack_vnni2 is only supported when avx512 is supported".
-* ``MKL_CBWR=AVX2``: MKL's fp32 GEMMs take their AVX2 code branch.
+* ``MKL_CBWR=AVX2``: MKL's fp32 GEMMs take their AVX2 code branch.  That branch is reproducible among CPUs of one
+  vendor only: on an Intel CPU (Xeon, AVX-512 + AMX) its fp32 GEMMs differ from the recording's by 6e-8, under every
+  ``MKL_CBWR`` / ``MKL_ENABLE_INSTRUCTIONS`` value (measured).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import torch
 
 #: The capability the golden tensors were recorded with (``provenance.cpu_capability`` of every golden file).
 GOLDEN_CAPABILITY = "AVX2"
+#: The CPU vendor of the recording machine (an AMD EPYC): MKL's fp32 GEMM branches are reproducible within a vendor.
+GOLDEN_CPU_VENDOR = "AuthenticAMD"
 
 
 @functools.cache
@@ -32,6 +36,17 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return frozenset(line.partition(":")[2].split())
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """``vendor_id`` of ``/proc/cpuinfo`` ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
 
 
 def has_avx2() -> bool:
@@ -52,8 +67,9 @@ def golden_env(onednn_isa: str | None) -> dict[str, str]:
     return env
 
 
-def golden_refusal(onednn_isa: str | None, bf16_attention: bool) -> str | None:
-    """Why the golden recording's code path cannot run here (None when it can)."""
+def golden_refusal(onednn_isa: str | None, bf16_attention: bool, mkl_gemms: bool = False) -> str | None:
+    """Why the golden recording's code path cannot run here (None when it can); ``mkl_gemms``: the case's GEMMs are
+    MKL's fp32 ones."""
     if not has_avx2():
         return (f"the golden tensors were recorded with ATen's {GOLDEN_CAPABILITY} kernels and this CPU has no AVX2 "
                 f"(capability {torch.backends.cpu.get_cpu_capability()})")
@@ -61,4 +77,8 @@ def golden_refusal(onednn_isa: str | None, bf16_attention: bool) -> str | None:
         return ("ATEN_CPU_CAPABILITY=avx2 crashes torch's bf16 CPU attention on this AMX CPU (its AMX packing exists "
                 "only in the AVX-512 build), and this recording's int8 GEMMs need oneDNN uncapped (a cap below AMX, "
                 "which would avoid the crash, is not the path it was recorded with)")
+    if mkl_gemms and cpu_vendor() != GOLDEN_CPU_VENDOR:
+        return (f"MKL's fp32 GEMMs round differently on this {cpu_vendor() or 'unknown'} CPU than on the "
+                f"{GOLDEN_CPU_VENDOR} CPU the recording was made on (MKL_CBWR reproduces a branch within one vendor); "
+                "the real-ComfyUI parity tests compare with ComfyUI's own fp32 blocks on this CPU instead")
     return None

@@ -4,6 +4,8 @@ run inside the ComfyUI tree (``comfy_tree.run_comfy_script``; they put this fold
 makes those defaults small, in whichever process then builds or loads one."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 #: Audio VAE sizes: encoder width, latent width (8 heads), decoder width (halved by each of its 7 upsamplings).
@@ -27,6 +29,20 @@ def shrink_h3_vae_classes() -> None:
     A.MiniMaxH3AudioVAE.__init__.__defaults__ = tuple(defaults)
 
 
+@contextlib.contextmanager
+def _eager_comfy_ops():
+    """ComfyUI's ops with their weights allocated at construction: under DynamicVRAM (comfy-aimdo on) a
+    ``Linear`` leaves its weight ``None`` until a state dict is loaded, so the template would lack those keys."""
+    import comfy.memory_management as mm
+
+    before = mm.aimdo_enabled
+    mm.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        mm.aimdo_enabled = before
+
+
 def _random_like(module: torch.nn.Module, seed: int, ones: tuple[str, ...], unit_stats: bool = False
                  ) -> dict[str, torch.Tensor]:
     """Seeded random weights for every key of ``module``; names ending in ``ones`` around 1; the latent statistics
@@ -48,7 +64,9 @@ def small_h3_vae_state_dict(seed: int = 4321) -> dict[str, torch.Tensor]:
     import comfy.ldm.minimax.vae as V
 
     shrink_h3_vae_classes()
-    return _random_like(V.MiniMaxH3VideoVAE(), seed, ("norm1.weight", "norm2.weight", "norm_out.weight"))
+    with _eager_comfy_ops():
+        module = V.MiniMaxH3VideoVAE()
+    return _random_like(module, seed, ("norm1.weight", "norm2.weight", "norm_out.weight"))
 
 
 def small_h3_audio_vae_state_dict(seed: int = 4322) -> dict[str, torch.Tensor]:
@@ -56,4 +74,6 @@ def small_h3_audio_vae_state_dict(seed: int = 4322) -> dict[str, torch.Tensor]:
     import comfy.ldm.minimax.audio_vae as A
 
     shrink_h3_vae_classes()
-    return _random_like(A.MiniMaxH3AudioVAE(), seed, (".alpha", "norm.weight"), unit_stats=True)
+    with _eager_comfy_ops():
+        module = A.MiniMaxH3AudioVAE()
+    return _random_like(module, seed, (".alpha", "norm.weight"), unit_stats=True)

@@ -49,6 +49,17 @@ def rand_sd(shapes, bump):
     return {n: (torch.randn(t.shape, generator=GEN, device="cuda") * 0.02 + (1.0 if n.endswith(bump) else 0.0))
             .to(torch.bfloat16).cpu() for n, t in sorted(shapes.items()) if t.is_floating_point()}
 
+def shapes_of(build):
+    # ComfyUI's ops allocate their weights at construction only with comfy-aimdo off: under DynamicVRAM a Linear's
+    # weight stays None until a state dict is loaded, and the template would lack those keys
+    import comfy.memory_management as mem
+    before, mem.aimdo_enabled = mem.aimdo_enabled, False
+    try:
+        with torch.device("meta"):
+            return build().state_dict()
+    finally:
+        mem.aimdo_enabled = before
+
 def big_clip(gib):
     cfg = json.load(open("comfy/sd1_clip_config.json"))
     h = 5120
@@ -60,8 +71,7 @@ def big_clip(gib):
         def __init__(self, device="cpu", dtype=None, model_options={}):
             super().__init__(device=device, dtype=dtype, model_options=model_options, textmodel_json_config=path,
                              return_projected_pooled=False)
-    with torch.device("meta"):
-        shapes = Big(device="meta", dtype=torch.bfloat16).transformer.state_dict()
+    shapes = shapes_of(lambda: Big(device="meta", dtype=torch.bfloat16).transformer)
     sd = rand_sd(shapes, ("layer_norm1.weight", "layer_norm2.weight", "final_layer_norm.weight"))
     target = comfy.supported_models_base.ClipTarget(comfy.sd1_clip.SD1Tokenizer, comfy.sd1_clip.SD1ClipModel)
     clip = comfy.sd.CLIP(target, state_dict=[sd], parameters=sum(t.numel() for t in sd.values()),
@@ -75,8 +85,7 @@ def big_clip(gib):
     return clip, comfy.sd.load_lora_for_models(None, clip, lora, 1.0, 1.0)[1], layers
 
 def big_vae():
-    with torch.device("meta"):
-        shapes = V.MiniMaxH3VideoVAE().state_dict()
+    shapes = shapes_of(V.MiniMaxH3VideoVAE)
     sd = rand_sd(shapes, ("norm1.weight", "norm2.weight", "norm_out.weight"))
     for n in ("latents_mean", "latents_std"):
         if n in shapes:

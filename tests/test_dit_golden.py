@@ -27,6 +27,8 @@ from h3ms_async.dit.reference import DiTConfig
 
 #: case -> (ONEDNN_MAX_CPU_ISA: None for the CPU's best, whether its attention runs in bf16)
 CASES = {"fp32": (None, False), "bf16": ("AVX2", True), "int8": (None, True)}
+#: The cases whose GEMMs are MKL's (fp32 weights); the others' are oneDNN's.
+MKL_CASES = {"fp32"}
 
 _CHILD = r"""
 import json, sys, torch
@@ -68,7 +70,7 @@ def _golden(case: str):
 def test_golden_blocks_bit_exact(case: str) -> None:
     path = _golden(case)
     isa, bf16_attention = CASES[case]
-    refusal = golden_refusal(isa, bf16_attention)
+    refusal = golden_refusal(isa, bf16_attention, mkl_gemms=case in MKL_CASES)
     if refusal:
         pytest.skip(f"dit_{case}.pt: {refusal}")
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")}
