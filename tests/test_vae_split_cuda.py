@@ -89,6 +89,8 @@ def test_bf16_checkpoint_splits_exactly_under_dynamic_vram_and_without(dynamic: 
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     r = json.loads(lines[-1][len("RESULT "):])
+    ours = "\n".join(ln for ln in proc.stderr.splitlines() if "H3 MultiStream" in ln)[-4000:]
+    r = {**r, "log": ours}  # the pack's own log lines, so that a failed assertion shows why
     assert (r["patcher"] == "ModelPatcherDynamic") is dynamic and r["vae_dtype"] == "torch.float16", r
     if dynamic:
         assert r["blocks"] == ["torch.bfloat16", "torch.float16"], r  # the mixed case itself
