@@ -367,15 +367,18 @@ def builtin_attend(attention: str) -> Attend:
 
 
 def warm_up(attend: Attend, device: torch.device, dtypes: Sequence[torch.dtype]) -> None:
-    """One attention call per dtype, large enough for ComfyUI's CUDA SDPA backend priority (>= 128k elements).
+    """Two attention calls per dtype: one large enough for ComfyUI's CUDA SDPA backend priority (>= 128k
+    elements) and one below it, which ComfyUI sends to torch's default priority.
 
     On the H200 a fresh process's first call under that priority returns cuDNN attention's result and every later
-    call FlashAttention's; ComfyUI's own process is long warm when the split starts, so a rank must be too.
+    call FlashAttention's; ComfyUI's own process is long warm when the split starts, so a rank must be too, on
+    both paths (a small VAE decoder's attention takes the second).
     """
     for dt in dtypes:
-        q = torch.full((1, 1, 1024, 128), 0.01, dtype=dt, device=device)
-        with torch.inference_mode():
-            attend(q, q.clone(), q.clone(), 1)
+        for seq in (1024, 32):
+            q = torch.full((1, 1, seq, 128), 0.01, dtype=dt, device=device)
+            with torch.inference_mode():
+                attend(q, q.clone(), q.clone(), 1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
