@@ -1,4 +1,5 @@
-"""``bench model``: the command end to end on a parts file, its byte counts against the plan and against what the
+"""``bench model``: the command end to end on a parts file, its byte counts against the plan and
+against what the
 real transports count, the N=1 identity, and the directions every prediction must move in."""
 from __future__ import annotations
 
@@ -56,14 +57,16 @@ def test_byte_counts_follow_the_plan(report):
             assert nccl[r]["all_gather_input_out"] == (n - 1) * big * W * e  # padded to the largest shard
             assert uly[r]["all_to_all_qkv_out"] == 3 * rows * (C - cols) * e
             assert uly[r]["all_to_all_qkv_in"] == 3 * (S - rows) * cols * e
-    # the one-H200 figures of docs/performance.md: 407 MB gathered + 272 MB all-to-all out per rank at N = 2
+    # the one-H200 figures of docs/performance.md: 407 MB gathered + 272 MB all-to-all out per rank
+    # at N = 2
     two = _pred(report, 2, "pcie5-host")["bytes_per_rank"][0]
     assert round(two["all_gather_input_out"] / 1e6) == 407 and round(two["all_to_all_attn_out"] / 1e6) == 272
 
 
 @pytest.mark.timeout(120)
 def test_byte_counts_match_what_the_real_transports_move():
-    """Uneven shares on 3 rank processes: the host exchange's and gloo's own byte counters equal the model's."""
+    """Uneven shares on 3 rank processes: the host exchange's and gloo's own byte counters equal
+    the model's."""
     world, tokens, heads, d = 3, 29, 7, 4
     shares = [1.0, 1.0, 0.7]
     shape = sm.Shape(tokens, 12, heads, d, 1, "bfloat16")
@@ -103,7 +106,8 @@ def test_predictions_move_the_right_way(report):
     for link in ("pcie5-host", "nvlink-nccl"):
         steps = [_pred(report, n, link)["step_s"] for n in (1, 2, 4, 8)]
         assert steps == sorted(steps, reverse=True)
-    # the all-gather moves W per token, Ulysses 3 x heads x head_dim / N: it prefers the gather at 2 ranks on PCIe
+    # the all-gather moves W per token, Ulysses 3 x heads x head_dim / N: it prefers the gather at
+    # 2 ranks on PCIe
     # and Ulysses at 8
     pref = {(q["world"], q["link"], q["attention"]): q["pattern"] for q in report["preferred_pattern"]}
     assert pref[(2, "pcie4-host", "dense")] == "gather" and pref[(8, "pcie4-host", "dense")] == "ulysses"

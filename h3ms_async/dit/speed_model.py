@@ -1,22 +1,36 @@
 """Speed model of the DiT split: predicted step time and speed-up at N ranks from measured parts.
 
-Per block every rank computes its 1/N shard and runs two collectives (``workers/dit/loop.py``): an all-gather of
-the modulated block input (all tokens x hidden) and an all-to-all of the attention output by head columns.  The
-Ulysses pattern instead all-to-alls q, k and v (each rank's tokens x every head) and then the attention output.
-The bytes each rank moves per op follow from the token and head plan exactly as the transports move them:
+Per block every rank computes its 1/N shard and runs two collectives (``workers/dit/loop.py``): an
+all-gather of
+the modulated block input (all tokens x hidden) and an all-to-all of the attention output by head
+columns.  The
+Ulysses pattern instead all-to-alls q, k and v (each rank's tokens x every head) and then the
+attention output.
+The bytes each rank moves per op follow from the token and head plan exactly as the transports move
+them:
 
-* host exchange (``workers/transports/host.py``): an all-gather writes a rank's rows to the arena once for all
-  peers and reads every peer's rows; an all-to-all writes each peer's rows of its columns and reads its own rows of
+* host exchange (``workers/transports/host.py``): an all-gather writes a rank's rows to the arena
+  once for all
+  peers and reads every peer's rows; an all-to-all writes each peer's rows of its columns and reads
+  its own rows of
   every peer's columns.  A rank without peers moves nothing.
-* NCCL (``workers/transports/dist.py``): an all-gather of uneven shards is padded to the largest shard, a rank
-  sends and receives (N-1) padded shards; an all-to-all sends and receives exactly the rows and columns it owes.
+* NCCL (``workers/transports/dist.py``): an all-gather of uneven shards is padded to the largest
+  shard, a rank
+  sends and receives (N-1) padded shards; an all-to-all sends and receives exactly the rows and
+  columns it owes.
 
-Times: a host-staged op takes each rank's device->host then host->device copies in sequence (today's default,
-``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host memory; an NCCL op takes
-the larger of a rank's send and receive bytes at the collective's bus bandwidth (for an all-gather that is the
-nccl-tests "busbw" convention).  Ranks on several hosts add the bytes each host must receive from the others over
-its network link, after the intra-host part (no overlap of the two levels).  Today's schedule does not overlap the
-exchange with compute: the exposed exchange is the whole exchange time, ``overlap`` (0..1) is the hidden fraction
+Times: a host-staged op takes each rank's device->host then host->device copies in sequence
+(today's default,
+``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host memory; an
+NCCL op takes
+the larger of a rank's send and receive bytes at the collective's bus bandwidth (for an all-gather
+that is the
+nccl-tests "busbw" convention).  Ranks on several hosts add the bytes each host must receive from
+the others over
+its network link, after the intra-host part (no overlap of the two levels).  Today's schedule does
+not overlap the
+exchange with compute: the exposed exchange is the whole exchange time, ``overlap`` (0..1) is the
+hidden fraction
 for modelling future overlap work.
 """
 from __future__ import annotations
@@ -42,7 +56,8 @@ class PartsError(ValueError):
 
 @dataclass(frozen=True)
 class Shape:
-    """The model and the step: packed tokens, block sizes, blocks per step, the residual stream's dtype."""
+    """The model and the step: packed tokens, block sizes, blocks per step, the residual stream's
+    dtype."""
 
     tokens: int
     hidden: int
@@ -63,9 +78,12 @@ class Shape:
 
 @dataclass(frozen=True)
 class Link:
-    """How ranks exchange: ``transport`` host (staged through host memory) or nccl; ``gbps`` GB/s per direction
-    per GPU (host: the PCIe link; nccl: the collective's bus bandwidth); ``net_gbps`` the network link of each host
-    when ranks span hosts of ``gpus_per_host`` GPUs (0: one host); ``shared``: every rank on one GPU and its link
+    """How ranks exchange: ``transport`` host (staged through host memory) or nccl; ``gbps`` GB/s
+    per direction
+    per GPU (host: the PCIe link; nccl: the collective's bus bandwidth); ``net_gbps`` the network
+    link of each host
+    when ranks span hosts of ``gpus_per_host`` GPUs (0: one host); ``shared``: every rank on one
+    GPU and its link
     (logical ranks, ``--validate``); ``source`` says where each figure comes from."""
 
     name: str
@@ -90,11 +108,15 @@ class Link:
 class Parts:
     """Measured (or stated) inputs of the model; :func:`parts_from_dict` validates the JSON form.
 
-    ``unsplit_block_s``: one dense block over all tokens on one GPU.  ``attention_fraction``: the attention's share
-    of it (splits by heads; the rest by tokens).  ``shard_block_s``: measured compute of the slowest rank's 1/N
+    ``unsplit_block_s``: one dense block over all tokens on one GPU.  ``attention_fraction``: the
+    attention's share
+    of it (splits by heads; the rest by tokens).  ``shard_block_s``: measured compute of the
+    slowest rank's 1/N
     shard per block, by N; an N without one is modelled as the share of the unsplit block plus
-    ``rank_overhead_s``.  ``step_overhead_s``: what a split step adds once (staging, rank set-up, tail).
-    ``sparse_step_ratio``: measured dense / sparse unsplit step time (sets the sparse attention ratio).
+    ``rank_overhead_s``.  ``step_overhead_s``: what a split step adds once (staging, rank set-up,
+    tail).
+    ``sparse_step_ratio``: measured dense / sparse unsplit step time (sets the sparse attention
+    ratio).
     """
 
     shape: Shape
@@ -110,7 +132,8 @@ class Parts:
     sources: dict[str, str] = field(default_factory=dict)
 
     def sparse_attention_ratio(self) -> float | None:
-        """Sparse / dense attention time implied by ``sparse_step_ratio`` when only attention changes."""
+        """Sparse / dense attention time implied by ``sparse_step_ratio`` when only attention
+        changes."""
         if self.sparse_step_ratio is None:
             return None
         rho = 1.0 - (1.0 - 1.0 / self.sparse_step_ratio) / self.attention_fraction
@@ -120,7 +143,8 @@ class Parts:
         return rho
 
 
-# -- the plan and its bytes --------------------------------------------------------------------------------------
+# -- the plan and its bytes
+# --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
     """Token and head bounds for N ranks (``plans.partition``, largest remainder by shares)."""
@@ -165,7 +189,8 @@ def traffic(shape: Shape, plan: Plan, kind: str) -> list[list[int]]:
 
 
 def host_bytes(shape: Shape, plan: Plan, kind: str) -> list[tuple[int, int]]:
-    """Per rank (device->host written, host->device read) for one host-exchange op (an all-gather writes a rank's
+    """Per rank (device->host written, host->device read) for one host-exchange op (an all-gather
+    writes a rank's
     rows once for every peer)."""
     m = traffic(shape, plan, kind)
     N = plan.world
@@ -179,8 +204,10 @@ def host_bytes(shape: Shape, plan: Plan, kind: str) -> list[tuple[int, int]]:
 
 
 def nccl_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0) -> list[tuple[int, int]]:
-    """Per rank (sent, received) for one torch.distributed op (all-gather padded to the largest shard); with
-    ``gpus_per_host`` only the part between ranks of the same host (the network part is :func:`net_bytes`)."""
+    """Per rank (sent, received) for one torch.distributed op (all-gather padded to the largest
+    shard); with
+    ``gpus_per_host`` only the part between ranks of the same host (the network part is
+    :func:`net_bytes`)."""
     N = plan.world
     local = min(gpus_per_host or N, N)
     same = [[p // local == r // local and p != r for r in range(N)] for p in range(N)]
@@ -193,7 +220,8 @@ def nccl_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0) -> l
 
 
 def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
-    """Largest bytes one host receives from the other hosts for one op (an all-gather brings each remote row once
+    """Largest bytes one host receives from the other hosts for one op (an all-gather brings each
+    remote row once
     per host)."""
     N = plan.world
     host = [r // gpus_per_host for r in range(N)]
@@ -210,7 +238,8 @@ def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
     return worst
 
 
-# -- times -------------------------------------------------------------------------------------------------------
+# -- times
+# -------------------------------------------------------------------------------------------------------
 def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:
     """One op's wall time on ``link`` (the slowest rank's), latency included."""
     if plan.world == 1:
@@ -232,8 +261,10 @@ def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: f
 
 
 def shard_seconds(parts: Parts, plan: Plan, attention_ratio: float = 1.0) -> list[float]:
-    """Each rank's compute per block: tokens share of the non-attention work, heads share of the attention
-    (times ``attention_ratio`` for sparse steps), plus the per-rank overhead at N > 1; a measured shard time for
+    """Each rank's compute per block: tokens share of the non-attention work, heads share of the
+    attention
+    (times ``attention_ratio`` for sparse steps), plus the per-rank overhead at N > 1; a measured
+    shard time for
     this N replaces the slowest rank's and scales the others alike."""
     s, a = parts.shape, parts.attention_fraction
     N = plan.world
@@ -272,8 +303,10 @@ class Prediction:
 def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sparse: bool = False,
             overlap: float = 0.0, shares: Sequence[float] | None = None, compute_scale: float = 1.0,
             sparse_attention_ratio: float | None = None) -> Prediction:
-    """Step time and speed-up of the split at ``world`` ranks on ``link`` against the unsplit step on one GPU of
-    the same kind (``compute_scale`` multiplies every compute time, e.g. a slower GPU than the parts')."""
+    """Step time and speed-up of the split at ``world`` ranks on ``link`` against the unsplit step
+    on one GPU of
+    the same kind (``compute_scale`` multiplies every compute time, e.g. a slower GPU than the
+    parts')."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
     if not 0.0 <= overlap <= 1.0:
@@ -304,7 +337,8 @@ def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sp
                       block, step, unsplit_step, unsplit_step / step, ops, per_rank)
 
 
-# -- parts documents ---------------------------------------------------------------------------------------------
+# -- parts documents
+# ---------------------------------------------------------------------------------------------
 def _num(d: dict, key: str, lo: float, hi: float = math.inf, *, optional: bool = False) -> float | None:
     if key not in d and optional:
         return None
@@ -317,7 +351,8 @@ def _num(d: dict, key: str, lo: float, hi: float = math.inf, *, optional: bool =
 
 
 def parts_from_dict(d: dict) -> Parts:
-    """Validate a parts document (``schema`` = :data:`PARTS_SCHEMA`); every error names the field."""
+    """Validate a parts document (``schema`` = :data:`PARTS_SCHEMA`); every error names the
+    field."""
     if not isinstance(d, dict):
         raise PartsError("parts: the document must be a JSON object")
     if d.get("schema") != PARTS_SCHEMA:

@@ -1,13 +1,20 @@
-"""``python -m h3ms_async bench model``: predicted step time and speed-up of the DiT split at N ranks per link.
+"""``python -m h3ms_async bench model``: predicted step time and speed-up of the DiT split at N
+ranks per link.
 
 The model is ``h3ms_async.dit.speed_model``.  Its measured parts come from ``--parts FILE`` (schema
 ``h3ms_async.speed_parts/1``; ``benchmarks/speed_parts_h200.json`` holds the one-H200 figures of
-docs/performance.md) or, on a CUDA GPU without ``--parts``, are measured here: the unsplit block and the slowest
-rank's 1/N shard of the reference block at full H3 width, timed alone in this process, the block without its
-attention (the attention fraction) and the pinned host<->device copy rates.  Links: PCIe Gen4 and Gen5 with host
-staging and NVLink with NCCL at stated rates (``--pcie4-gbps``...), plus the measured host link when the parts carry
-pinned copy rates, plus a multi-host network with ``--net-gbit``.  Every prediction is made for the block-input
-all-gather (what the split runs) and for Ulysses, dense and sparse.  ``--validate`` (CUDA only) runs the real split
+docs/performance.md) or, on a CUDA GPU without ``--parts``, are measured here: the unsplit block
+and the slowest
+rank's 1/N shard of the reference block at full H3 width, timed alone in this process, the block
+without its
+attention (the attention fraction) and the pinned host<->device copy rates.  Links: PCIe Gen4 and
+Gen5 with host
+staging and NVLink with NCCL at stated rates (``--pcie4-gbps``...), plus the measured host link
+when the parts carry
+pinned copy rates, plus a multi-host network with ``--net-gbit``.  Every prediction is made for the
+block-input
+all-gather (what the split runs) and for Ulysses, dense and sparse.  ``--validate`` (CUDA only)
+runs the real split
 on 2 and 4 logical ranks of one GPU and prints predicted vs measured step time.
 """
 from __future__ import annotations
@@ -22,7 +29,8 @@ import torch
 from h3ms_async.dit import speed_model as sm
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 
-#: Stated link rates (GB/s per direction) and where they come from; the model marks them as assumptions.
+#: Stated link rates (GB/s per direction) and where they come from; the model marks them as
+#: assumptions.
 PCIE4_GBPS = 25.0
 PCIE5_GBPS = 50.0
 NVLINK_GBPS = 360.0
@@ -63,7 +71,8 @@ def default_links(parts: sm.Parts, a) -> list[sm.Link]:
 
 
 def host_memcpy_gbps(nbytes: int = 256 << 20, reps: int = 3) -> float:
-    """GB/s of one large tensor copy in host memory on this machine (read + write counted once, as a copy)."""
+    """GB/s of one large tensor copy in host memory on this machine (read + write counted once, as
+    a copy)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -77,7 +86,8 @@ def host_memcpy_gbps(nbytes: int = 256 << 20, reps: int = 3) -> float:
 def run(parts: sm.Parts, ranks: Sequence[int], links: Sequence[sm.Link], *, overlap: float = 0.0,
         sparse_attention_ratio: float | None = None, compute_scale: float = 1.0,
         shares: Sequence[float] | None = None) -> dict:
-    """Every (N, link, pattern, dense/sparse) prediction, and the pattern the model prefers per (N, link)."""
+    """Every (N, link, pattern, dense/sparse) prediction, and the pattern the model prefers per (N,
+    link)."""
     rho = sparse_attention_ratio if sparse_attention_ratio is not None else parts.sparse_attention_ratio()
     modes = [False] + ([True] if rho is not None else [])
     preds, prefer = [], []
@@ -113,7 +123,8 @@ def run(parts: sm.Parts, ranks: Sequence[int], links: Sequence[sm.Link], *, over
 
 
 def table(res: dict) -> str:
-    """Compact text: speed-up of the gather pattern (Ulysses in brackets) per N and link, dense and sparse."""
+    """Compact text: speed-up of the gather pattern (Ulysses in brackets) per N and link, dense and
+    sparse."""
     rows = {}
     for p in res["predictions"]:
         key = (p["link"], p["attention"])
@@ -135,7 +146,8 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-# -- measuring the parts on a CUDA GPU ------------------------------------------------------------------------------
+# -- measuring the parts on a CUDA GPU
+# ------------------------------------------------------------------------------
 def _timed(fn, reps: int = 3) -> float:
     fn()
     torch.cuda.synchronize()
@@ -150,7 +162,8 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def measure_parts(tokens: int, weights: str, ranks: Sequence[int], layers: int, host_mem_gbps: float) -> sm.Parts:
-    """The parts of this GPU at full H3 width: unsplit block, block without attention, the slowest rank's shard for
+    """The parts of this GPU at full H3 width: unsplit block, block without attention, the slowest
+    rank's shard for
     each N (timed alone, no exchange: ``NoExchange`` gives the real shapes), pinned copy rates."""
     from h3ms_async.dit.layout import layout_for_tokens
     from h3ms_async.dit.reference import DiTConfig, make_step_inputs
@@ -205,7 +218,8 @@ def measure_parts(tokens: int, weights: str, ranks: Sequence[int], layers: int, 
 
 
 def validate(parts: sm.Parts, tokens: int, weights: str, layers: int, ranks: Sequence[int]) -> list[dict]:
-    """Predicted vs measured block time of the real split on logical ranks of this one GPU (time-sliced, sharing
+    """Predicted vs measured block time of the real split on logical ranks of this one GPU
+    (time-sliced, sharing
     its link; host exchange, chunks 0)."""
     from h3ms_async.dit.layout import layout_for_tokens
     from h3ms_async.dit.reference import DiTConfig, make_step_inputs
