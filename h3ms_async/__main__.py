@@ -1,5 +1,5 @@
-"""``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches,invariance,sparse} | serve``: the
-standalone entry.
+"""``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches,invariance,sparse,model} |
+serve``: the standalone entry.
 
 Each sub-command lives in its own module (with a ``main(argv) -> int``) and is imported only when chosen, so
 ``--help`` stays fast.
@@ -14,7 +14,7 @@ from h3ms_async.tools.cli import ArgParser, UsageError, fail
 
 #: command -> its module; ``bench <name>`` runs ``h3ms_async.tools.bench.<name>``
 COMMANDS = {"demo": "h3ms_async.tools.demo", "serve": "h3ms_async.observability.serve"}
-BENCHES = ("ipc", "split", "exchange", "gpu", "attention", "vae", "caches", "invariance", "sparse")
+BENCHES = ("ipc", "split", "exchange", "gpu", "attention", "vae", "caches", "invariance", "sparse", "model")
 NAMES = sorted([*COMMANDS, "bench"])
 
 

@@ -1,0 +1,414 @@
+"""Speed model of the DiT split: predicted step time and speed-up at N ranks from measured parts.
+
+Per block every rank computes its 1/N shard and runs two collectives (``workers/dit/loop.py``): an
+all-gather of
+the modulated block input (all tokens x hidden) and an all-to-all of the attention output by head
+columns.  The
+Ulysses pattern instead all-to-alls q, k and v (each rank's tokens x every head) and then the
+attention output.
+The bytes each rank moves per op follow from the token and head plan exactly as the transports move
+them:
+
+* host exchange (``workers/transports/host.py``): an all-gather writes a rank's rows to the arena
+  once for all
+  peers and reads every peer's rows; an all-to-all writes each peer's rows of its columns and reads
+  its own rows of
+  every peer's columns.  A rank without peers moves nothing.
+* NCCL (``workers/transports/dist.py``): an all-gather of uneven shards is padded to the largest
+  shard, a rank
+  sends and receives (N-1) padded shards; an all-to-all sends and receives exactly the rows and
+  columns it owes.
+
+Times: a host-staged op takes each rank's device->host then host->device copies in sequence
+(today's default,
+``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host memory; an
+NCCL op takes
+the larger of a rank's send and receive bytes at the collective's bus bandwidth (for an all-gather
+that is the
+nccl-tests "busbw" convention).  Ranks on several hosts add the bytes each host must receive from
+the others over
+its network link, after the intra-host part (no overlap of the two levels).  Today's schedule does
+not overlap the
+exchange with compute: the exposed exchange is the whole exchange time, ``overlap`` (0..1) is the
+hidden fraction
+for modelling future overlap work.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from h3ms_async.runtime.plans import partition
+
+PATTERNS = ("gather", "ulysses")
+TRANSPORTS = ("host", "nccl")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: Each pattern's two ops per block, in block order: (name, op kind of :func:`traffic`).
+_OPS = {"gather": (("all_gather_input", "gather"), ("all_to_all_attn", "a2a_out")),
+        "ulysses": (("all_to_all_qkv", "a2a_qkv"), ("all_to_all_attn", "a2a_out"))}
+PARTS_SCHEMA = "h3ms_async.speed_parts/1"
+
+
+class PartsError(ValueError):
+    """A parts document is malformed; the message names the field and what it must be."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and the step: packed tokens, block sizes, blocks per step, the residual stream's
+    dtype."""
+
+    tokens: int
+    hidden: int
+    heads: int
+    head_dim: int
+    layers: int
+    dtype: str
+
+    @property
+    def columns(self) -> int:
+        """Width of the attention output (heads x head_dim): the all-to-all's row width."""
+        return self.heads * self.head_dim
+
+    @property
+    def elem(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Link:
+    """How ranks exchange: ``transport`` host (staged through host memory) or nccl; ``gbps`` GB/s
+    per direction
+    per GPU (host: the PCIe link; nccl: the collective's bus bandwidth); ``net_gbps`` the network
+    link of each host
+    when ranks span hosts of ``gpus_per_host`` GPUs (0: one host); ``shared``: every rank on one
+    GPU and its link
+    (logical ranks, ``--validate``); ``source`` says where each figure comes from."""
+
+    name: str
+    transport: str
+    gbps: float
+    op_latency_s: float
+    source: str
+    assumed: bool
+    d2h_gbps: float | None = None
+    net_gbps: float = 0.0
+    gpus_per_host: int = 0
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"link {self.name}: transport {self.transport!r} is not one of {TRANSPORTS}")
+        if not self.gbps > 0:
+            raise ValueError(f"link {self.name}: gbps must be > 0, got {self.gbps}")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Measured (or stated) inputs of the model; :func:`parts_from_dict` validates the JSON form.
+
+    ``unsplit_block_s``: one dense block over all tokens on one GPU.  ``attention_fraction``: the
+    attention's share
+    of it (splits by heads; the rest by tokens).  ``shard_block_s``: measured compute of the
+    slowest rank's 1/N
+    shard per block, by N; an N without one is modelled as the share of the unsplit block plus
+    ``rank_overhead_s``.  ``step_overhead_s``: what a split step adds once (staging, rank set-up,
+    tail).
+    ``sparse_step_ratio``: measured dense / sparse unsplit step time (sets the sparse attention
+    ratio).
+    """
+
+    shape: Shape
+    unsplit_block_s: float
+    attention_fraction: float
+    host_mem_gbps: float
+    rank_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    shard_block_s: dict[int, float] = field(default_factory=dict)
+    sparse_step_ratio: float | None = None
+    pinned_h2d_gbps: float | None = None
+    pinned_d2h_gbps: float | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def sparse_attention_ratio(self) -> float | None:
+        """Sparse / dense attention time implied by ``sparse_step_ratio`` when only attention
+        changes."""
+        if self.sparse_step_ratio is None:
+            return None
+        rho = 1.0 - (1.0 - 1.0 / self.sparse_step_ratio) / self.attention_fraction
+        if rho <= 0:
+            raise PartsError(f"sparse_step_ratio {self.sparse_step_ratio} with attention_fraction "
+                             f"{self.attention_fraction} leaves attention no time; raise attention_fraction")
+        return rho
+
+
+# -- the plan and its bytes
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """Token and head bounds for N ranks (``plans.partition``, largest remainder by shares)."""
+
+    tokens: tuple[int, ...]
+    heads: tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.tokens) - 1
+
+    def n(self, r: int) -> int:
+        return self.tokens[r + 1] - self.tokens[r]
+
+    def h(self, r: int) -> int:
+        return self.heads[r + 1] - self.heads[r]
+
+
+def make_plan(shape: Shape, world: int, shares: Sequence[float] | None = None) -> Plan:
+    shares = list(shares) if shares else [1.0] * world
+    return Plan(tuple(partition(shape.tokens, shares)), tuple(partition(shape.heads, shares, "attention heads")))
+
+
+def traffic(shape: Shape, plan: Plan, kind: str) -> list[list[int]]:
+    """Bytes rank p's data that rank r needs, ``m[p][r]`` (p != r), for one op of ``kind``."""
+    e, w, d = shape.elem, shape.hidden, shape.head_dim
+    N = plan.world
+    m = [[0] * N for _ in range(N)]
+    for p in range(N):
+        for r in range(N):
+            if p == r:
+                continue
+            if kind == "gather":      # r gets p's rows of the block input
+                m[p][r] = plan.n(p) * w * e
+            elif kind == "a2a_out":   # r gets p's head columns of the attention output, for r's tokens
+                m[p][r] = plan.n(r) * plan.h(p) * d * e
+            elif kind == "a2a_qkv":   # r gets q, k, v of r's heads for p's tokens
+                m[p][r] = 3 * plan.n(p) * plan.h(r) * d * e
+            else:
+                raise ValueError(f"unknown op kind {kind!r}")
+    return m
+
+
+def host_bytes(shape: Shape, plan: Plan, kind: str) -> list[tuple[int, int]]:
+    """Per rank (device->host written, host->device read) for one host-exchange op (an all-gather
+    writes a rank's
+    rows once for every peer)."""
+    m = traffic(shape, plan, kind)
+    N = plan.world
+    out = []
+    for r in range(N):
+        peers = [q for q in range(N) if q != r]
+        written = (plan.n(r) * shape.hidden * shape.elem if peers else 0) if kind == "gather" \
+            else sum(m[r][q] for q in peers)
+        out.append((written, sum(m[p][r] for p in peers)))
+    return out
+
+
+def nccl_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0) -> list[tuple[int, int]]:
+    """Per rank (sent, received) for one torch.distributed op (all-gather padded to the largest
+    shard); with
+    ``gpus_per_host`` only the part between ranks of the same host (the network part is
+    :func:`net_bytes`)."""
+    N = plan.world
+    local = min(gpus_per_host or N, N)
+    same = [[p // local == r // local and p != r for r in range(N)] for p in range(N)]
+    if kind == "gather":
+        biggest = max(plan.n(r) for r in range(N)) * shape.hidden * shape.elem
+        return [((local - 1) * biggest, (local - 1) * biggest)] * N
+    m = traffic(shape, plan, kind)
+    return [(sum(m[r][q] for q in range(N) if same[r][q]), sum(m[p][r] for p in range(N) if same[p][r]))
+            for r in range(N)]
+
+
+def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
+    """Largest bytes one host receives from the other hosts for one op (an all-gather brings each
+    remote row once
+    per host)."""
+    N = plan.world
+    host = [r // gpus_per_host for r in range(N)]
+    m = traffic(shape, plan, kind)
+    worst = 0
+    for h in set(host):
+        mine = [r for r in range(N) if host[r] == h]
+        remote = [p for p in range(N) if host[p] != h]
+        if kind == "gather":
+            got = sum(plan.n(p) * shape.hidden * shape.elem for p in remote)
+        else:
+            got = sum(m[p][r] for p in remote for r in mine)
+        worst = max(worst, got)
+    return worst
+
+
+# -- times
+# -------------------------------------------------------------------------------------------------------
+def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:
+    """One op's wall time on ``link`` (the slowest rank's), latency included."""
+    if plan.world == 1:
+        return 0.0
+    if link.transport == "host":
+        moved = host_bytes(shape, plan, kind)
+        d2h = (link.d2h_gbps or link.gbps) * 1e9
+        h2d = link.gbps * 1e9
+        per_rank = [w / d2h + r / h2d for w, r in moved]
+        copies = (sum(per_rank) if link.shared else max(per_rank))
+        memory = sum(w + r for w, r in moved) / (host_mem_gbps * 1e9)
+        t = max(copies, memory)
+    elif link.net_gbps and link.gpus_per_host and plan.world > link.gpus_per_host:
+        t = (max(max(s, r) for s, r in nccl_bytes(shape, plan, kind, link.gpus_per_host)) / (link.gbps * 1e9)
+             + net_bytes(shape, plan, kind, link.gpus_per_host) / (link.net_gbps * 1e9))
+    else:
+        t = max(max(s, r) for s, r in nccl_bytes(shape, plan, kind)) / (link.gbps * 1e9)
+    return t + link.op_latency_s
+
+
+def shard_seconds(parts: Parts, plan: Plan, attention_ratio: float = 1.0) -> list[float]:
+    """Each rank's compute per block: tokens share of the non-attention work, heads share of the
+    attention
+    (times ``attention_ratio`` for sparse steps), plus the per-rank overhead at N > 1; a measured
+    shard time for
+    this N replaces the slowest rank's and scales the others alike."""
+    s, a = parts.shape, parts.attention_fraction
+    N = plan.world
+    over = parts.rank_overhead_s if N > 1 else 0.0
+    model = [parts.unsplit_block_s * ((1 - a) * plan.n(r) / s.tokens + a * attention_ratio * plan.h(r) / s.heads)
+             + over for r in range(N)]
+    measured = parts.shard_block_s.get(N)
+    if measured is None or N == 1:
+        return model
+    dense = [parts.unsplit_block_s * ((1 - a) * plan.n(r) / s.tokens + a * plan.h(r) / s.heads) + over
+             for r in range(N)]
+    scale = measured / max(dense)
+    return [m * scale for m in model]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    world: int
+    link: str
+    pattern: str
+    attention: str
+    compute_block_s: float
+    exchange_block_s: float
+    exposed_block_s: float
+    block_s: float
+    step_s: float
+    unsplit_step_s: float
+    speedup: float
+    ops: dict[str, float]
+    bytes_per_rank: list[dict[str, int]]
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sparse: bool = False,
+            overlap: float = 0.0, shares: Sequence[float] | None = None, compute_scale: float = 1.0,
+            sparse_attention_ratio: float | None = None) -> Prediction:
+    """Step time and speed-up of the split at ``world`` ranks on ``link`` against the unsplit step
+    on one GPU of
+    the same kind (``compute_scale`` multiplies every compute time, e.g. a slower GPU than the
+    parts')."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap={overlap} must be between 0 (today: none) and 1 (fully hidden)")
+    s = parts.shape
+    plan = make_plan(s, world, shares)
+    ratio = 1.0
+    if sparse:
+        ratio = sparse_attention_ratio if sparse_attention_ratio is not None else parts.sparse_attention_ratio()
+        if ratio is None:
+            raise PartsError("sparse steps need sparse_step_ratio in the parts or --sparse-attention-ratio")
+    compute = shard_seconds(parts, plan, ratio)
+    compute_block = (sum(compute) if link.shared else max(compute)) * compute_scale
+    ops = {name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]}
+    exchange = sum(ops.values())
+    exposed = exchange * (1.0 - overlap)
+    block = compute_block + exposed
+    unsplit_block = parts.unsplit_block_s * ((1 - parts.attention_fraction) + parts.attention_fraction * ratio)
+    unsplit_step = s.layers * unsplit_block * compute_scale
+    step = s.layers * block + (parts.step_overhead_s if world > 1 else 0.0)
+    moved = host_bytes if link.transport == "host" else nccl_bytes
+    per_rank = [{"rank": r, "tokens": plan.n(r), "heads": plan.h(r)} for r in range(world)]
+    for name, kind in _OPS[pattern]:
+        for r, (o, i) in enumerate(moved(s, plan, kind)):
+            per_rank[r][f"{name}_out"] = o
+            per_rank[r][f"{name}_in"] = i
+    return Prediction(world, link.name, pattern, "sparse" if sparse else "dense", compute_block, exchange, exposed,
+                      block, step, unsplit_step, unsplit_step / step, ops, per_rank)
+
+
+# -- parts documents
+# ---------------------------------------------------------------------------------------------
+def _num(d: dict, key: str, lo: float, hi: float = math.inf, *, optional: bool = False) -> float | None:
+    if key not in d and optional:
+        return None
+    if key not in d:
+        raise PartsError(f"parts: {key!r} is missing (schema {PARTS_SCHEMA})")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or not math.isfinite(v):
+        raise PartsError(f"parts: {key!r} must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def parts_from_dict(d: dict) -> Parts:
+    """Validate a parts document (``schema`` = :data:`PARTS_SCHEMA`); every error names the
+    field."""
+    if not isinstance(d, dict):
+        raise PartsError("parts: the document must be a JSON object")
+    if d.get("schema") != PARTS_SCHEMA:
+        raise PartsError(f"parts: 'schema' must be {PARTS_SCHEMA!r}, got {d.get('schema')!r}")
+    known = {"schema", "shape", "unsplit_block_s", "attention_fraction", "host_mem_gbps", "rank_overhead_s",
+             "step_overhead_s", "shard_block_s", "sparse_step_ratio", "pinned_h2d_gbps", "pinned_d2h_gbps",
+             "sources"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise PartsError(f"parts: unknown field(s) {unknown}; known: {sorted(known)}")
+    sd = d.get("shape")
+    if not isinstance(sd, dict):
+        raise PartsError("parts: 'shape' must be an object with tokens, hidden, heads, head_dim, layers, dtype")
+    ints = {}
+    for k in ("tokens", "hidden", "heads", "head_dim", "layers"):
+        v = sd.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PartsError(f"parts: shape.{k} must be a positive integer, got {v!r}")
+        ints[k] = v
+    if sd.get("dtype") not in DTYPE_BYTES:
+        raise PartsError(f"parts: shape.dtype must be one of {sorted(DTYPE_BYTES)}, got {sd.get('dtype')!r}")
+    shards = d.get("shard_block_s", {})
+    if not isinstance(shards, dict):
+        raise PartsError("parts: 'shard_block_s' must be an object {\"N\": seconds}")
+    shard = {}
+    for k, v in shards.items():
+        if not str(k).isdigit() or int(k) < 1:
+            raise PartsError(f"parts: shard_block_s key {k!r} must be a rank count >= 1")
+        shard[int(k)] = _num(shards, k, 1e-9)
+    sources = d.get("sources", {})
+    if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
+        raise PartsError("parts: 'sources' must be an object of strings (where each figure comes from)")
+    parts = Parts(
+        shape=Shape(dtype=sd["dtype"], **ints), unsplit_block_s=_num(d, "unsplit_block_s", 1e-9),
+        attention_fraction=_num(d, "attention_fraction", 0.0, 1.0), host_mem_gbps=_num(d, "host_mem_gbps", 1e-3),
+        rank_overhead_s=_num(d, "rank_overhead_s", 0.0, optional=True) or 0.0,
+        step_overhead_s=_num(d, "step_overhead_s", 0.0, optional=True) or 0.0, shard_block_s=shard,
+        sparse_step_ratio=_num(d, "sparse_step_ratio", 1.0, optional=True),
+        pinned_h2d_gbps=_num(d, "pinned_h2d_gbps", 1e-3, optional=True),
+        pinned_d2h_gbps=_num(d, "pinned_d2h_gbps", 1e-3, optional=True), sources=dict(sources))
+    if parts.shape.heads * parts.shape.head_dim < 1:
+        raise PartsError("parts: shape.heads x shape.head_dim must be >= 1")
+    parts.sparse_attention_ratio()  # refuses a ratio the attention fraction cannot explain
+    return parts
+
+
+def parts_to_dict(p: Parts) -> dict:
+    s = p.shape
+    d = {"schema": PARTS_SCHEMA,
+         "shape": {"tokens": s.tokens, "hidden": s.hidden, "heads": s.heads, "head_dim": s.head_dim,
+                   "layers": s.layers, "dtype": s.dtype},
+         "unsplit_block_s": p.unsplit_block_s, "attention_fraction": p.attention_fraction,
+         "host_mem_gbps": p.host_mem_gbps, "rank_overhead_s": p.rank_overhead_s,
+         "step_overhead_s": p.step_overhead_s, "shard_block_s": {str(k): v for k, v in p.shard_block_s.items()},
+         "sources": dict(p.sources)}
+    for key in ("sparse_step_ratio", "pinned_h2d_gbps", "pinned_d2h_gbps"):
+        if getattr(p, key) is not None:
+            d[key] = getattr(p, key)
+    return d

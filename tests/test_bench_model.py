@@ -1,0 +1,135 @@
+"""``bench model``: the command end to end on a parts file, its byte counts against the plan and
+against what the
+real transports count, the N=1 identity, and the directions every prediction must move in."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_probe_cases
+from h3ms_async.dit import speed_model as sm
+from h3ms_async.runtime.plans import partition
+from workers.transports.host import ArenaLayout
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ROOT / "benchmarks" / "speed_parts_h200.json"
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "h3ms_async", "bench", "model", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    run = _bench("--parts", str(PARTS), "--ranks", "1,2,4,8")
+    assert run.returncode == 0, run.stderr
+    assert "not yet validated on a gpu" in run.stderr.lower() and "nvlink-nccl" in run.stderr
+    return json.loads(run.stdout)
+
+
+def _pred(rep: dict, world: int, link: str, pattern: str = "gather", attention: str = "dense") -> dict:
+    return next(p for p in rep["predictions"] if (p["world"], p["link"], p["pattern"], p["attention"])
+                == (world, link, pattern, attention))
+
+
+def test_byte_counts_follow_the_plan(report):
+    shape = json.loads(PARTS.read_text())["shape"]
+    S, W, e, D = shape["tokens"], shape["hidden"], 2, shape["head_dim"]
+    C = shape["heads"] * D
+    for n in (2, 4, 8):
+        tb, hb = partition(S, [1.0] * n), partition(shape["heads"], [1.0] * n)
+        host = _pred(report, n, "pcie5-host")["bytes_per_rank"]
+        nccl = _pred(report, n, "nvlink-nccl")["bytes_per_rank"]
+        uly = _pred(report, n, "pcie5-host", "ulysses")["bytes_per_rank"]
+        big = max(b - a for a, b in zip(tb, tb[1:]))
+        for r in range(n):
+            rows, cols = tb[r + 1] - tb[r], (hb[r + 1] - hb[r]) * D
+            assert host[r]["all_gather_input_out"] == rows * W * e       # written once for every peer
+            assert host[r]["all_gather_input_in"] == (S - rows) * W * e
+            assert host[r]["all_to_all_attn_out"] == (S - rows) * cols * e
+            assert host[r]["all_to_all_attn_in"] == rows * (C - cols) * e
+            assert nccl[r]["all_gather_input_out"] == (n - 1) * big * W * e  # padded to the largest shard
+            assert uly[r]["all_to_all_qkv_out"] == 3 * rows * (C - cols) * e
+            assert uly[r]["all_to_all_qkv_in"] == 3 * (S - rows) * cols * e
+    # the one-H200 figures of docs/performance.md: 407 MB gathered + 272 MB all-to-all out per rank
+    # at N = 2
+    two = _pred(report, 2, "pcie5-host")["bytes_per_rank"][0]
+    assert round(two["all_gather_input_out"] / 1e6) == 407 and round(two["all_to_all_attn_out"] / 1e6) == 272
+
+
+@pytest.mark.timeout(120)
+def test_byte_counts_match_what_the_real_transports_move():
+    """Uneven shares on 3 rank processes: the host exchange's and gloo's own byte counters equal
+    the model's."""
+    world, tokens, heads, d = 3, 29, 7, 4
+    shares = [1.0, 1.0, 0.7]
+    shape = sm.Shape(tokens, 12, heads, d, 1, "bfloat16")
+    plan = sm.make_plan(shape, world, shares)
+    lay = ArenaLayout.plan(world, list(plan.tokens), [h * d for h in plan.heads], shape.hidden, "bfloat16")
+    recs = run_probe_cases(world, [{"transport": "both", "layout": lay.to_dict(), "chunks": [0], "rounds": 1,
+                                    "blocks": 1}])
+    for rank, rec in enumerate(sorted(recs, key=lambda r: r["rank"])):
+        by = {run["transport"]: run["stats"] for run in rec["cases"][0]["runs"]}
+        w_host, r_host = (sum(o for o, _ in (sm.host_bytes(shape, plan, k)[rank] for k in ("gather", "a2a_out"))),
+                          sum(i for _, i in (sm.host_bytes(shape, plan, k)[rank] for k in ("gather", "a2a_out"))))
+        assert (by["host"]["bytes_written"], by["host"]["bytes_read"]) == (w_host, r_host)
+        sent = sum(sm.nccl_bytes(shape, plan, k)[rank][0] for k in ("gather", "a2a_out"))
+        got = sum(sm.nccl_bytes(shape, plan, k)[rank][1] for k in ("gather", "a2a_out"))
+        assert (by["dist"]["bytes_written"], by["dist"]["bytes_read"]) == (sent, got)
+    assert plan.n(2) < plan.n(0) and plan.h(0) < plan.h(1)  # the shares really were uneven
+
+
+def test_one_rank_is_the_unsplit_step(report):
+    for p in (q for q in report["predictions"] if q["world"] == 1):
+        assert p["exchange_block_s"] == 0.0 and p["speedup"] == pytest.approx(1.0, abs=1e-12)
+        assert p["step_s"] == pytest.approx(p["unsplit_step_s"])
+        assert all(v == 0 for row in p["bytes_per_rank"] for k, v in row.items() if k.endswith(("_in", "_out")))
+
+
+def test_predictions_move_the_right_way(report):
+    for n in (2, 4, 8):
+        for pattern in sm.PATTERNS:
+            for attn in ("dense", "sparse"):
+                s4, s5, nv = (_pred(report, n, ln, pattern, attn)["speedup"]
+                              for ln in ("pcie4-host", "pcie5-host", "nvlink-nccl"))
+                assert s4 <= s5 <= nv and s4 < nv
+                assert 1.0 < nv <= n
+            # sparse steps compute less, so the same exchange weighs more
+            assert _pred(report, n, "pcie4-host", pattern, "sparse")["speedup"] < \
+                _pred(report, n, "pcie4-host", pattern)["speedup"]
+    for link in ("pcie5-host", "nvlink-nccl"):
+        steps = [_pred(report, n, link)["step_s"] for n in (1, 2, 4, 8)]
+        assert steps == sorted(steps, reverse=True)
+    # the all-gather moves W per token, Ulysses 3 x heads x head_dim / N: it prefers the gather at
+    # 2 ranks on PCIe
+    # and Ulysses at 8
+    pref = {(q["world"], q["link"], q["attention"]): q["pattern"] for q in report["preferred_pattern"]}
+    assert pref[(2, "pcie4-host", "dense")] == "gather" and pref[(8, "pcie4-host", "dense")] == "ulysses"
+
+
+def test_overlap_and_bandwidth_options_change_the_prediction():
+    full = _bench("--parts", str(PARTS), "--ranks", "4", "--overlap", "1")
+    slow = _bench("--parts", str(PARTS), "--ranks", "4", "--pcie4-gbps", "5")
+    assert full.returncode == 0 and slow.returncode == 0, full.stderr + slow.stderr
+    hidden, narrow = json.loads(full.stdout), json.loads(slow.stdout)
+    p = _pred(hidden, 4, "pcie4-host")
+    assert p["exposed_block_s"] == 0.0 and p["block_s"] == pytest.approx(p["compute_block_s"])
+    assert _pred(narrow, 4, "pcie4-host")["exchange_block_s"] > _pred(narrow, 4, "pcie5-host")["exchange_block_s"]
+
+
+def test_bad_inputs_fail_with_one_line(tmp_path):
+    doc = json.loads(PARTS.read_text())
+    doc["attention_fraction"] = 1.5
+    bad = tmp_path / "parts.json"
+    bad.write_text(json.dumps(doc))
+    run = _bench("--parts", str(bad))
+    assert run.returncode == 2 and "attention_fraction" in run.stderr and "Traceback" not in run.stderr
+    if not torch.cuda.is_available():
+        run = _bench("--validate", "--parts", str(PARTS))
+        assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
