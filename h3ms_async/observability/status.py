@@ -20,16 +20,14 @@ import collections
 import datetime as _dt
 import json
 import math
-import os
 import threading
-from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, get_args
 
 import msgspec
-import psutil
 
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import get_logger
+from h3ms_async.runtime.host_memory import GIB, RamInfo, ram_info
 
 _log = get_logger("MultiStream")
 _status_log = get_logger("Status")
@@ -43,7 +41,6 @@ SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "vae_workers"
 #: transport and timings).
 OPTIONAL_SECTIONS = ("attention",)
 ACTIONS = ("release_workers", "clear_weights", "detach_hooks", "clear_text_cache")
-GIB = 1024 ** 3
 
 
 class SchemaError(ValueError):
@@ -228,15 +225,6 @@ WORKER_FIELDS = ("rank", "device", "pid", "state")
 WORKER_OPTIONAL = ("uptime_s", "rss_bytes", "vram_bytes", "jobs_done", "log", "error")
 
 
-class RamInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The ``ram`` section: psutil's figures capped by the memory cgroup (:func:`ram_info`)."""
-
-    available_bytes: int
-    total_bytes: int
-    text: str
-    container_limit: bool
-
-
 class Status(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """The status JSON.  The provider-filled sections are plain JSON values, checked by :func:`validate_section`
     when they come in; ``attention`` is present only while H3 Attention Parallel provides it."""
@@ -325,78 +313,6 @@ def validate_section(section: str, value: Any) -> Any:
     except (TypeError, ValueError) as exc:
         _fail(what, section, f"is not JSON-serialisable ({exc}); return plain dicts/lists/str/numbers")
     return value
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# RAM, cgroup-aware
-
-_NO_LIMIT = 1 << 60  # cgroup v1 reports "unlimited" as a page-rounded 2**63-1
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        v = int(text)
-    except ValueError:
-        return None
-    return None if v >= _NO_LIMIT else v
-
-
-def _read_stat(path: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if v.strip().isdigit():
-                out[k] = int(v)
-    except OSError:
-        pass
-    return out
-
-
-def _container_memory(root: Path) -> tuple[int, int] | None:
-    """(limit, available) of the memory cgroup we run in, or None without a limit.
-
-    Page cache counts as available (the kernel drops it under pressure) except dirty and writeback pages, minus a
-    margin of 5% of the limit because reclaim starts before the limit is hit.
-    """
-    candidates = [(root / "memory.max", root / "memory.current", root / "memory.stat", "")]
-    v1 = root / "memory"
-    candidates.append((v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat", "total_"))
-    for limit_p, cur_p, stat_p, prefix in candidates:
-        limit = _read_int(limit_p)
-        current = _read_int(cur_p)
-        if limit is None or current is None:
-            continue
-        stat = _read_stat(stat_p)
-
-        def g(k: str) -> int:
-            return stat.get(prefix + k, stat.get(k, 0))
-        reclaimable = g("active_file") + g("inactive_file") - g("dirty") - g("writeback")
-        reclaimable = max(0, reclaimable - int(0.05 * limit))
-        return limit, max(0, limit - current + reclaimable)
-    return None
-
-
-def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> RamInfo:
-    """``{available_bytes, total_bytes, text, container_limit}``: psutil's figures capped by the memory cgroup.
-
-    Reads cgroup v2 (``memory.max``/``memory.current``/``memory.stat`` under ``cgroup_root``), falling back to v1
-    (``cgroup_root/memory/memory.limit_in_bytes`` ...). Available RAM is the smaller of the host and container
-    figures, so a container limit below the host's RAM is what the weight store's reserve is checked against.
-    """
-    vm = psutil.virtual_memory()
-    avail, total, limited = int(vm.available), int(vm.total), False
-    cont = _container_memory(Path(cgroup_root))
-    if cont is not None and cont[0] < total:
-        total, avail, limited = cont[0], min(avail, cont[1]), True
-    text = f"RAM available {avail / GIB:.1f} of {total / GIB:.1f} GiB" + (" (container limit)" if limited else "")
-    return RamInfo(available_bytes=avail, total_bytes=total, text=text, container_limit=limited)
 
 
 # --------------------------------------------------------------------------------------------------------------------
