@@ -24,15 +24,17 @@ class UnsplitRunner(Protocol):
 
 
 class OwnPatch:
-    """Marks the patches this pack installs; ``displaced`` is the user patch that held the key before ours."""
+    """Marks the patches this pack installs; ``displaced`` is the user patch that held the key
+    before ours."""
 
     def __init__(self, displaced: Any = None):
         self.displaced = displaced
 
 
 class PassThroughPatch(OwnPatch):
-    """Blocks 1..L-1: block 0 already ran them on the workers, unless it fell back to running this step unsplit
-    (``stack.unsplit``): then each block runs here as in plain ComfyUI, with the user's own patch if any."""
+    """Blocks 1..L-1: block 0 already ran them on the workers, unless it fell back to running this
+    step unsplit (``stack.unsplit``): then each block runs here as in plain ComfyUI, with the user's
+    own patch if any."""
 
     def __init__(self, displaced: Any = None, stack: UnsplitRunner | None = None, index: int = 0) -> None:
         super().__init__(displaced)
@@ -55,7 +57,8 @@ class StackPatch(OwnPatch):
 
 
 def collect_user_patches(transformer_options: Mapping, n_blocks: int) -> dict[int, Any]:
-    """User ``("double_block", i)`` patches by block, ours set aside; any other ``dit`` key is refused."""
+    """User ``("double_block", i)`` patches by block, ours set aside; any other ``dit`` key is
+    refused."""
     dit = transformer_options.get("patches_replace", {}).get("dit", {})
     found: dict[int, Any] = {}
     other = []
@@ -85,10 +88,10 @@ def _from_comfy_sparse(fn: Any) -> bool:
 
 
 def refuse_comfy_sparse(patcher: Any, transformer_options: Mapping | None = None) -> None:
-    """Raise when ComfyUI's Model Sparse Attention patch is on the model: its sparse attention runs in ComfyUI's
-    process on whole blocks (a block patch with its own attention, an attention override), which the ranks cannot
-    run, and a split that ignored it would silently attend dense. ``transformer_options``: the call's (default:
-    the patcher's)."""
+    """Raise when ComfyUI's Model Sparse Attention patch is on the model: its sparse attention runs
+    in ComfyUI's process on whole blocks (a block patch with its own attention, an attention
+    override), which the ranks cannot run, and a split that ignored it would silently attend dense.
+    ``transformer_options``: the call's (default: the patcher's)."""
     to = transformer_options if transformer_options is not None else \
         getattr(patcher, "model_options", {}).get("transformer_options", {})
     found = []
@@ -117,12 +120,14 @@ def _replaces(i: int, why: str) -> MultiStreamError:
 
 
 def capture_block_options(user_patches: Mapping[int, Any], args: Mapping, n_blocks: int) -> list[dict] | None:
-    """Run each user patch against a recording ``original_block`` and keep what it changes in transformer_options.
+    """Run each user patch against a recording ``original_block`` and keep what it changes in
+    transformer_options.
 
-    The patch sees block ``i``'s args with a meta-device ``img`` (same shape and dtype, no data, so a patch that
-    computes on the stream cannot touch the real one). It must call ``original_block`` exactly once, with the args it
-    got except for ``transformer_options``, pass no ``attention`` callable, and return what ``original_block``
-    returned. Returns one dict per block (the keys the patch set or replaced), or None when nothing changed.
+    The patch sees block ``i``'s args with a meta-device ``img`` (same shape and dtype, no data, so
+    a patch that computes on the stream cannot touch the real one). It must call ``original_block``
+    exactly once, with the args it got except for ``transformer_options``, pass no ``attention``
+    callable, and return what ``original_block`` returned. Returns one dict per block (the keys the
+    patch set or replaced), or None when nothing changed.
     """
     if not user_patches:
         return None

@@ -24,10 +24,10 @@ from .errors import MultiStreamError
 def weight_key(patcher: Any) -> tuple[tuple, str | None]:
     """``(key, warning)``: the shm weight-store key of what ``patcher`` would run.
 
-    From the loader's reload factory
-    (``cached_patcher_init = (factory, (path, model_options, ...))``):
-    ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it the key is tied to
-    this model object (``id``), with a warning: the store is refilled for every reloaded model.
+    From the loader's reload factory (``cached_patcher_init = (factory, (path, model_options,
+    ...))``): ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it the key
+    is tied to this model object (``id``), with a warning: the store is refilled for every reloaded
+    model.
     """
     patches = str(getattr(patcher, "patches_uuid", ""))
     init = getattr(patcher, "cached_patcher_init", None)
@@ -53,9 +53,10 @@ def _is_quantized(t: Any) -> bool:
 
 
 def _patched_in_cast(module: Any) -> bool:
-    """True when ComfyUI applies ``module``'s weight patches inside its cast (``comfy.ops.cast_bias_weight``) rather
-    than into the live weight: ``ModelPatcherDynamic`` sets ``<param>_lowvram_function``; the classic patcher, for a
-    module it leaves offloaded (``--lowvram``, a partial load), puts a ``LowVramPatch`` in ``<param>_function``."""
+    """True when ComfyUI applies ``module``'s weight patches inside its cast
+    (``comfy.ops.cast_bias_weight``) rather than into the live weight: ``ModelPatcherDynamic`` sets
+    ``<param>_lowvram_function``; the classic patcher, for a module it leaves offloaded
+    (``--lowvram``, a partial load), puts a ``LowVramPatch`` in ``<param>_function``."""
     for param in ("weight", "bias"):
         if getattr(module, f"{param}_lowvram_function", None) is not None:
             return True
@@ -67,9 +68,9 @@ def _patched_in_cast(module: Any) -> bool:
 def _wants_requant(module: Any, name: str) -> bool:
     """The ``want_requant`` ComfyUI's forward passes to the cast for this module at inference.
 
-    An int8 linear keeps its quantized path (and asks the cast to re-quantize a patched weight) when it has no
-    weight functions and no full-precision flags; H3's ``mlp.fc2`` goes through ``comfy.ops.linear_input_act``,
-    which always asks for it on a tensorwise int8 weight.
+    An int8 linear keeps its quantized path (and asks the cast to re-quantize a patched weight) when
+    it has no weight functions and no full-precision flags; H3's ``mlp.fc2`` goes through
+    ``comfy.ops.linear_input_act``, which always asks for it on a tensorwise int8 weight.
     """
     weight = getattr(module, "weight", None)
     if not _is_quantized(weight):
@@ -84,14 +85,16 @@ def _wants_requant(module: Any, name: str) -> bool:
 
 def _cast_path_tensors(patcher: Any, module: Any, name: str, compute_dtype: torch.dtype,
                        out: dict[str, torch.Tensor]) -> None:
-    """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into ``out`` (host copies,
-    store names; ``name`` is the module's in-block name).
+    """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into
+    ``out`` (host copies, store names; ``name`` is the module's in-block name).
 
-    The weight a patch-in-the-cast module computes with exists only inside ``comfy.ops.cast_bias_weight``: under
-    ``ModelPatcherDynamic`` the module's own storage may be comfy-aimdo's read-only mapping of the checkpoint file, and
-    the patch is applied to the copy the cast faults in on ``load_device``. So the split asks that function for the
-    module's tensors with the arguments the forward gives it (compute dtype, load device, ``want_requant``), copies
-    them to the host before the cast buffer can be reused, and then hands the buffer back (``uncast_bias_weight``).
+    The weight a patch-in-the-cast module computes with exists only inside
+    ``comfy.ops.cast_bias_weight``: under ``ModelPatcherDynamic`` the module's own storage may be
+    comfy-aimdo's read-only mapping of the checkpoint file, and the patch is applied to the copy the
+    cast faults in on ``load_device``. So the split asks that function for the module's tensors with
+    the arguments the forward gives it (compute dtype, load device, ``want_requant``), copies them
+    to the host before the cast buffer can be reused, and then hands the buffer back
+    (``uncast_bias_weight``).
     """
     import comfy.ops
     weight, bias, offload = comfy.ops.cast_bias_weight(
@@ -106,19 +109,21 @@ def _cast_path_tensors(patcher: Any, module: Any, name: str, compute_dtype: torc
 
 
 def effective_weight(patcher: Any, key: str) -> Any:
-    """The tensor ComfyUI computes with for state-dict ``key`` of a module whose patches ComfyUI bakes into the
-    weight (a module that patches in its cast goes through :func:`_cast_path_tensors` instead): LoRA/weight patches
-    and weight wrappers applied.
+    """The tensor ComfyUI computes with for state-dict ``key`` of a module whose patches ComfyUI
+    bakes into the weight (a module that patches in its cast goes through :func:`_cast_path_tensors`
+    instead): LoRA/weight patches and weight wrappers applied.
 
     A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
-    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are, never patched twice;
-    when the live weight holds another clone's patches, the original comes from ``backup``. Otherwise
-    ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching the model: an unpatched key
-    is the live tensor as it is (no device work); a patched key is computed on ``patcher.load_device``, because
-    ComfyUI's load computes patches there, in that device's patch dtype (``lora_compute_dtype``), and the split must
-    match it bit for bit (quantized layers re-quantize through their ``set_weight``). That is one transient
-    tensor at a time, moved to the host by :func:`block_tensors` before the next is made. Weight wrappers
-    (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's ``weight_function`` list.
+    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are,
+    never patched twice; when the live weight holds another clone's patches, the original comes from
+    ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` gives the weight
+    without touching the model: an unpatched key is the live tensor as it is (no device work); a
+    patched key is computed on ``patcher.load_device``, because ComfyUI's load computes patches
+    there, in that device's patch dtype (``lora_compute_dtype``), and the split must match it bit
+    for bit (quantized layers re-quantize through their ``set_weight``). That is one transient
+    tensor at a time, moved to the host by :func:`block_tensors` before the next is made. Weight
+    wrappers (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's
+    ``weight_function`` list.
     """
     backup = getattr(patcher, "backup", {})
     if key not in backup:
@@ -146,9 +151,9 @@ def _convrot_tag(params: Any) -> torch.Tensor | None:
 
 
 def _put_host(out: dict[str, torch.Tensor], name: str, w: Any) -> None:
-    """Store ``w`` under ``name`` on the CPU as the weight store takes it: an int8 ``QuantizedTensor`` becomes
-    ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``, fp32) + ``<linear>.comfy_quant`` (JSON bytes)
-    when it is ConvRot."""
+    """Store ``w`` under ``name`` on the CPU as the weight store takes it: an int8
+    ``QuantizedTensor`` becomes ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``,
+    fp32) + ``<linear>.comfy_quant`` (JSON bytes) when it is ConvRot."""
     if _is_quantized(w):
         out[name] = w._qdata.detach().to("cpu").contiguous()
         out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
@@ -161,12 +166,14 @@ def _put_host(out: dict[str, torch.Tensor], name: str, w: Any) -> None:
 
 def block_tensors(patcher: Any, block_index: int, compute_dtype: torch.dtype,
                   prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
-    """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight store takes them.
+    """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight
+    store takes them.
 
-    A module whose patches ComfyUI applies in its cast gives what that cast gives (:func:`_cast_path_tensors`: the
-    compute dtype, or int8 re-quantized where the forward asks for it); every other module gives its stored tensors
-    (:func:`effective_weight`), which ranks cast to the activation dtype exactly as ComfyUI's ops do. A weight that a
-    patch left dequantized stays a float weight, which is what ComfyUI then computes with.
+    A module whose patches ComfyUI applies in its cast gives what that cast gives
+    (:func:`_cast_path_tensors`: the compute dtype, or int8 re-quantized where the forward asks for
+    it); every other module gives its stored tensors (:func:`effective_weight`), which ranks cast to
+    the activation dtype exactly as ComfyUI's ops do. A weight that a patch left dequantized stays a
+    float weight, which is what ComfyUI then computes with.
     """
     dm = patcher.get_model_object(prefix.rstrip("."))
     block = dm.blocks[block_index]
@@ -200,7 +207,8 @@ def available_ram() -> int:
 
 def block_reader(patcher: Any, reserve_gb: float, compute_dtype: torch.dtype,
                  ram: Callable[[], int] = available_ram) -> Callable[[int], dict[str, torch.Tensor]]:
-    """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into the RAM reserve."""
+    """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into
+    the RAM reserve."""
     dm = patcher.get_model_object("diffusion_model")
     reserve = int(reserve_gb * GIB)
 

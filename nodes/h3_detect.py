@@ -18,7 +18,8 @@ def diffusion_model_of(patcher: Any) -> Any | None:
 
 
 def is_h3(diffusion_model: Any) -> bool:
-    """True for ComfyUI's ``comfy.ldm.minimax.model.MiniMaxH3Model`` (or a subclass); not for minimax_music."""
+    """True for ComfyUI's ``comfy.ldm.minimax.model.MiniMaxH3Model`` (or a subclass); not for
+    minimax_music."""
     return any(c.__name__ == H3_CLASS_NAME and c.__module__.endswith("minimax.model")
                for c in type(diffusion_model).__mro__)
 

@@ -55,8 +55,8 @@ class SplitState:
             log.warning(message, *args)
 
     def after_sampling(self, patcher: Any) -> None:
-        """ComfyUI's ON_CLEANUP: the ranks drop sparse attention's pooled statistics; with ``weight_cache`` off, the
-        store goes too (workers stay)."""
+        """ComfyUI's ON_CLEANUP: the ranks drop sparse attention's pooled statistics; with
+        ``weight_cache`` off, the store goes too (workers stay)."""
         from h3ms_async.dit.split import end_sampling
         try:
             dropped = end_sampling()
@@ -71,14 +71,15 @@ class SplitState:
                 log.info("weight_cache is off: weight store released after sampling")
 
     def set_patcher(self, patcher: Any) -> None:
-        """ComfyUI's ON_PRE_RUN: sampling of a new prompt starts (its first split step is the one ``verify``
-        checks)."""
+        """ComfyUI's ON_PRE_RUN: sampling of a new prompt starts (its first split step is the one
+        ``verify`` checks)."""
         with self._lock:
             self._patcher = weakref.ref(patcher)
             self._new_prompt = True
 
     def take_new_prompt(self) -> bool:
-        """Whether sampling started since the last call (then the engine is told: ``SplitEngine.new_prompt``)."""
+        """Whether sampling started since the last call (then the engine is told:
+        ``SplitEngine.new_prompt``)."""
         with self._lock:
             new, self._new_prompt = self._new_prompt, False
             return new
@@ -105,7 +106,8 @@ def live_states() -> list[SplitState]:
 
 
 def detach_all() -> int:
-    """Make every installed split run unsplit until its node runs again; returns how many were attached."""
+    """Make every installed split run unsplit until its node runs again; returns how many were
+    attached."""
     n = 0
     for state in live_states():
         if not state.detached:
@@ -115,7 +117,8 @@ def detach_all() -> int:
 
 
 class _RunStack:
-    """Block 0 for one diffusion-model call: capture user patches, fill the store, run all blocks on the workers."""
+    """Block 0 for one diffusion-model call: capture user patches, fill the store, run all blocks on
+    the workers."""
 
     def __init__(self, state: SplitState, dm: Any, user_patches: dict[int, Any]):
         self.state = state
@@ -174,8 +177,9 @@ class _RunStack:
     def _attention_unsafe(self, img: torch.Tensor) -> str | None:
         """Why ComfyUI's sub-quadratic attention could chunk this call otherwise on a rank, or None.
 
-        Its chunk sizes follow free memory; when the unsplit call takes the largest chunks, every rank (fewer heads,
-        less memory) takes them too (``workers.runtime.comfy_host.subquad_unchunked``).
+        Its chunk sizes follow free memory; when the unsplit call takes the largest chunks, every
+        rank (fewer heads, less memory) takes them too
+        (``workers.runtime.comfy_host.subquad_unchunked``).
         """
         host = getattr(self.state.options, "comfy_host", None)
         if host is None or host.attention != "attention_sub_quad":
@@ -192,7 +196,8 @@ class _RunStack:
 
 
 def _sigma(args: Mapping) -> float | None:
-    """The step's sigma for the step record: ComfyUI puts the sampler's sigmas in transformer_options."""
+    """The step's sigma for the step record: ComfyUI puts the sampler's sigmas in
+    transformer_options."""
     sigmas = args.get("transformer_options", {}).get("sigmas")
     if isinstance(sigmas, torch.Tensor) and sigmas.numel() >= 1:
         return float(sigmas.reshape(-1)[0])
@@ -200,7 +205,8 @@ def _sigma(args: Mapping) -> float | None:
 
 
 class SplitWrapper:
-    """The DIFFUSION_MODEL wrapper: swaps our block patches in for this call and runs H3's own ``_forward``."""
+    """The DIFFUSION_MODEL wrapper: swaps our block patches in for this call and runs H3's own
+    ``_forward``."""
 
     def __init__(self, state: SplitState):
         self.state = state
@@ -236,8 +242,8 @@ class SplitWrapper:
 
 def install_split(clone: Any, devices: list[str], options: Any, reserve_gb: float,
                   weight_cache: bool = True) -> SplitState:
-    """Put the wrapper, the block patches and the pre-run / cleanup callbacks on ``clone`` (a fresh clone); returns
-    the state."""
+    """Put the wrapper, the block patches and the pre-run / cleanup callbacks on ``clone`` (a fresh
+    clone); returns the state."""
     from comfy.patcher_extension import CallbacksMP, WrappersMP
     dm = clone.get_model_object("diffusion_model")
     state = SplitState(devices, options, reserve_gb, clone, weight_cache)

@@ -1,11 +1,12 @@
 """The DiT split's shared-memory step buffers and their lifetime.
 
-One :class:`StepBufferSlot` per split engine owns the buffers a step runs in: the step segment (residual
-stream in and out, rope table), the host exchange's arena, and the small side segment (t_emb, per-token
-mod rows). They are made at the first step, reused while the step's shapes stay, replaced when they change
-and freed by :meth:`StepBufferSlot.drop` (a failed step, a weight-store release, the engine's release).
-Freeing closes and unlinks the coordinator's side; each rank drops its mapping when told
-(``DropReleased``) or at its next attach, so a segment lives until its last user lets go.
+One :class:`StepBufferSlot` per split engine owns the buffers a step runs in: the step segment
+(residual stream in and out, rope table), the host exchange's arena, and the small side segment
+(t_emb, per-token mod rows). They are made at the first step, reused while the step's shapes stay,
+replaced when they change and freed by :meth:`StepBufferSlot.drop` (a failed step, a weight-store
+release, the engine's release). Freeing closes and unlinks the coordinator's side; each rank drops
+its mapping when told (``DropReleased``) or at its next attach, so a segment lives until its last
+user lets go.
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ Specs = dict[str, tuple[torch.dtype, Sequence[int]]]
 
 @dataclass
 class StepBuffers:
-    """The step segment (residual stream in/out, rope) and the exchange arena, reused while the token
-    plan stays the same, plus the side segment for t_emb and per-token mod rows.
+    """The step segment (residual stream in/out, rope) and the exchange arena, reused while the
+    token plan stays the same, plus the side segment for t_emb and per-token mod rows.
 
-    Those two change shape between the steps of one prompt (H3's first step has one modulation row, the
-    next ones two), so they live apart: a new shape replaces the few-KiB side segment only, never the step
-    segment or the multi-GiB arena that every rank has mapped and registered with CUDA."""
+    Those two change shape between the steps of one prompt (H3's first step has one modulation row,
+    the next ones two), so they live apart: a new shape replaces the few-KiB side segment only,
+    never the step segment or the multi-GiB arena that every rank has mapped and registered with
+    CUDA."""
 
     shape_key: tuple
     step: Segment
@@ -49,8 +51,8 @@ class StepBuffers:
 class StepBufferSlot:
     """The one set of step buffers of a split engine, made, reused, replaced and freed here.
 
-    ``unmap_released`` asks the ranks to unmap the buffers dropped so far; it runs before new buffers are
-    reserved, so a tight /dev/shm gets the old pages back first."""
+    ``unmap_released`` asks the ranks to unmap the buffers dropped so far; it runs before new
+    buffers are reserved, so a tight /dev/shm gets the old pages back first."""
 
     def __init__(self, unmap_released: Callable[[], None]) -> None:
         self._unmap_released = unmap_released
@@ -61,12 +63,12 @@ class StepBufferSlot:
         """The buffers the last step ran in, or None when none are held."""
         return self._current
 
-    def for_step(self, plan: plans.SplitPlan, head_bounds: Sequence[int], head_dim: int, hidden: int,
-                 exchange: str, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
-                 mod_segments: Sequence[tuple]) -> StepBuffers:
+    def for_step(self, plan: plans.SplitPlan, head_bounds: Sequence[int], head_dim: int,
+                 hidden: int, exchange: str, x: torch.Tensor, t_emb: torch.Tensor,
+                 rope: torch.Tensor, mod_segments: Sequence[tuple]) -> StepBuffers:
         """The buffers for this step: the held ones when the shapes match, else new ones (the step
-        segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for a new
-        t_emb or per-token row shape)."""
+        segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
+        a new t_emb or per-token row shape)."""
         key = (tuple(plan.token_bounds), tuple(head_bounds), x.dtype, tuple(rope.shape), rope.dtype,
                exchange, str(x.device))
         buf = self._current
@@ -109,8 +111,8 @@ class StepBufferSlot:
 
 
 def _new_side(buf: StepBuffers, side_key: tuple, t_emb: torch.Tensor, rows: tuple) -> None:
-    """Replace ``buf``'s side segment (t_emb and per-token rows) for new shapes; ranks map the new one at
-    the step that names it and drop the old one (its owner let go) at their next attach."""
+    """Replace ``buf``'s side segment (t_emb and per-token rows) for new shapes; ranks map the new
+    one at the step that names it and drop the old one (its owner let go) at their next attach."""
     specs: Specs = {"t_emb": (t_emb.dtype, t_emb.shape)}
     specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
     side = Segment.create(_segment_bytes(specs), "side")

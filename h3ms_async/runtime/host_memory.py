@@ -55,8 +55,8 @@ def _read_stat(path: Path) -> dict[str, int]:
 def _container_memory(root: Path) -> tuple[int, int] | None:
     """(limit, available) of the memory cgroup we run in, or None without a limit.
 
-    Page cache counts as available (the kernel drops it under pressure) except dirty and writeback pages, minus a
-    margin of 5% of the limit because reclaim starts before the limit is hit.
+    Page cache counts as available (the kernel drops it under pressure) except dirty and writeback
+    pages, minus a margin of 5% of the limit because reclaim starts before the limit is hit.
     """
     candidates = [(root / "memory.max", root / "memory.current", root / "memory.stat", "")]
     v1 = root / "memory"
@@ -77,11 +77,13 @@ def _container_memory(root: Path) -> tuple[int, int] | None:
 
 
 def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> RamInfo:
-    """``{available_bytes, total_bytes, text, container_limit}``: psutil's figures capped by the memory cgroup.
+    """``{available_bytes, total_bytes, text, container_limit}``: psutil's figures capped by the
+    memory cgroup.
 
-    Reads cgroup v2 (``memory.max``/``memory.current``/``memory.stat`` under ``cgroup_root``), falling back to v1
-    (``cgroup_root/memory/memory.limit_in_bytes`` ...). Available RAM is the smaller of the host and container
-    figures, so a container limit below the host's RAM is what the weight store's reserve is checked against.
+    Reads cgroup v2 (``memory.max``/``memory.current``/``memory.stat`` under ``cgroup_root``),
+    falling back to v1 (``cgroup_root/memory/memory.limit_in_bytes`` ...). Available RAM is the
+    smaller of the host and container figures, so a container limit below the host's RAM is what the
+    weight store's reserve is checked against.
     """
     vm = psutil.virtual_memory()
     avail, total, limited = int(vm.available), int(vm.total), False
