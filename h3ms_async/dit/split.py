@@ -31,7 +31,8 @@ from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.reference import DiTConfig
 from h3ms_async.dit.sparse import DenseFallback, step_wire
 from h3ms_async.dit.step_buffers import StepBuffers, StepBufferSlot
-from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso, record_verdict
+from h3ms_async.observability.records import RankRecord, StepRecord, now_iso
+from h3ms_async.observability.status import get_hub, record_verdict
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
