@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import get_hub, ram_info
+from h3ms_async.observability.status import get_hub
+from h3ms_async.runtime.host_memory import ram_info
 
 log = get_logger("Caches")
 GIB = 1 << 30

@@ -14,8 +14,9 @@ import torch
 from h3ms_async.log import get_logger
 from workers.runtime import config
 
-from .model_adapter import WRAPPER_KEY, diffusion_model_of, is_h3
+from .h3_detect import diffusion_model_of, is_h3
 from .inputs import ModelPatchNode
+from .model_wrapper import WRAPPER_KEY
 
 log = get_logger("AttentionParallel")
 

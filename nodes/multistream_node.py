@@ -8,7 +8,10 @@ from h3ms_async.log import get_logger
 from workers.runtime import config
 
 from .attention_parallel_node import has_parallel_attention
-from .model_adapter import MultiStreamError, diffusion_model_of, install_split, is_h3, refuse_comfy_sparse
+from .block_patches import refuse_comfy_sparse
+from .errors import MultiStreamError
+from .h3_detect import diffusion_model_of, is_h3
+from .model_wrapper import install_split
 from .sparse_attention_node import SPARSE_TYPE
 from .inputs import SECOND_GPU_INPUT, ModelPatchNode, enabled_input, ram_reserve_input
 

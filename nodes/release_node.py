@@ -6,7 +6,7 @@ from h3ms_async.observability.routes import action_clear_text_cache, action_clea
 from h3ms_async.log import get_logger
 
 from . import method_hooks
-from .model_adapter import detach_all
+from .model_wrapper import detach_all
 
 log = get_logger("Release")
 
@@ -83,7 +83,7 @@ class H3MSReleaseResourcesAsync:
             lines.append(action_release_workers()["message"])
         if not lines:
             lines.append("nothing selected")
-        from h3ms_async.observability.status import ram_info
+        from h3ms_async.runtime.host_memory import ram_info
         lines.append(ram_info().text)
         log.info(" | ".join(lines))
         return {"ui": {"text": lines}}

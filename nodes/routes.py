@@ -14,7 +14,7 @@ from h3ms_async.log import get_logger
 from h3ms_async.observability.status import get_hub
 
 from . import method_hooks
-from .model_adapter import live_states
+from .model_wrapper import live_states
 from .release_node import action_detach_hooks
 
 log = get_logger("Routes")

@@ -201,7 +201,7 @@ def start(extras: tuple[str, ...] = ("nodes_minimax_h3.py",), server: bool = Tru
 
 
 def pack_module(name: str) -> Any:
-    """The pack's module ``name`` (e.g. ``nodes.model_adapter``) as ComfyUI's loader loaded it: under the package
+    """The pack's module ``name`` (e.g. ``nodes.model_wrapper``) as ComfyUI's loader loaded it: under the package
     name the loader gave the pack's folder (its path, dots escaped), never as top-level ``nodes`` (ComfyUI's own)."""
     import importlib
     import sys

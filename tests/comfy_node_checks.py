@@ -24,7 +24,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 H, FFN = comfy_h3.HIDDEN, comfy_h3.FFN
-MA = comfy_h3.pack_module("nodes.model_adapter")
+MW = comfy_h3.pack_module("nodes.model_wrapper")
+BP = comfy_h3.pack_module("nodes.block_patches")
+CW = comfy_h3.pack_module("nodes.comfy_weights")
+DETECT = comfy_h3.pack_module("nodes.h3_detect")
+MultiStreamError = comfy_h3.pack_module("nodes.errors").MultiStreamError
 NODE = comfy_h3.pack_module("nodes.multistream_node")
 RELEASE = comfy_h3.pack_module("nodes.release_node")
 ROUTES = comfy_h3.pack_module("nodes.routes")
@@ -50,7 +54,7 @@ def same(a, b) -> bool:
 
 def split_clone(patcher, devices=("cpu", "cpu"), reserve_gb: float = 0.0):
     clone = patcher.clone()
-    return clone, MA.install_split(clone, list(devices), None, reserve_gb)
+    return clone, MW.install_split(clone, list(devices), None, reserve_gb)
 
 
 # --- pass-throughs ------------------------------------------------------------------------------------------------
@@ -101,13 +105,13 @@ def test_install_puts_wrapper_and_patches_on_a_clone_only():
     clone, state = split_clone(patcher)
     assert not patcher.wrappers
     assert patcher.model_options["transformer_options"]["patches_replace"]["dit"][("double_block", 2)] is upstream
-    assert len(clone.wrappers[WrappersMP.DIFFUSION_MODEL][MA.WRAPPER_KEY]) == 1
+    assert len(clone.wrappers[WrappersMP.DIFFUSION_MODEL][MW.WRAPPER_KEY]) == 1
     dit = clone.model_options["transformer_options"]["patches_replace"]["dit"]
-    assert isinstance(dit[("double_block", 0)], MA.StackPatch)
-    assert all(isinstance(dit[("double_block", i)], MA.PassThroughPatch) for i in (1, 2))
+    assert isinstance(dit[("double_block", 0)], BP.StackPatch)
+    assert all(isinstance(dit[("double_block", i)], BP.PassThroughPatch) for i in (1, 2))
     assert dit[("double_block", 2)].displaced is upstream  # kept, and captured at run time
     again, _ = split_clone(clone)  # a second H3 MultiStream node replaces the first, never stacks
-    assert len(again.wrappers[WrappersMP.DIFFUSION_MODEL][MA.WRAPPER_KEY]) == 1
+    assert len(again.wrappers[WrappersMP.DIFFUSION_MODEL][MW.WRAPPER_KEY]) == 1
     assert again.model_options["transformer_options"]["patches_replace"]["dit"][("double_block", 2)].displaced \
         is upstream
     # ComfyUI's pre_run (every sampling) points the split at the patcher actually sampled, e.g. a LoRA clone
@@ -137,7 +141,7 @@ def _run_with_patch(patch, key=("double_block", 1)):
     (lambda args, extra: extra["original_block"](dict(args, t_emb=args["t_emb"] + 1)), "changes args"),
 ])
 def test_block_replacing_patch_is_refused_naming_the_block(patch, why):
-    with pytest.raises(MA.MultiStreamError, match=r"block 1 carries a patch that replaces the block computation") \
+    with pytest.raises(MultiStreamError, match=r"block 1 carries a patch that replaces the block computation") \
             as ei:
         _run_with_patch(patch)
     assert re.search(why, str(ei.value)), str(ei.value)
@@ -145,7 +149,7 @@ def test_block_replacing_patch_is_refused_naming_the_block(patch, why):
 
 
 def test_other_dit_keys_are_refused():
-    with pytest.raises(MA.MultiStreamError, match="unsupported dit patches"):
+    with pytest.raises(MultiStreamError, match="unsupported dit patches"):
         _run_with_patch(lambda args, extra: extra["original_block"](args), key=("single_block", 0))
 
 
@@ -166,16 +170,16 @@ def test_option_only_patches_are_captured_as_data():
     patcher.set_model_patch_replace(set_backend, "dit", "double_block", 0)
     clone, _ = split_clone(patcher)
     clone.set_model_patch_replace(in_place, "dit", "double_block", 2)
-    user = MA.collect_user_patches(clone.model_options["transformer_options"], 3)
+    user = BP.collect_user_patches(clone.model_options["transformer_options"], 3)
     assert user == {0: set_backend, 2: in_place}
     img = torch.zeros(10, H)
     args = {"img": img, "t_emb": torch.zeros(2, comfy_h3.T_DIM), "mod_segments": [(0, 10, 1)],
             "rope_freqs": torch.zeros(1), "transformer_options": {"block_index": 0, "keep": 1}}
-    opts = MA.capture_block_options(user, args, 3)
+    opts = BP.capture_block_options(user, args, 3)
     assert opts == [{"optimized_attention_override": marker, "seen_block": 0}, {}, {"h3_flag": True}]
     assert args["transformer_options"] == {"block_index": 0, "keep": 1}  # the live options are not touched
     assert torch.equal(img, torch.zeros(10, H))
-    assert MA.capture_block_options({}, args, 3) is None
+    assert BP.capture_block_options({}, args, 3) is None
 
 
 # --- weights through ComfyUI's patch path -------------------------------------------------------------------------
@@ -186,27 +190,27 @@ def test_block_tensors_are_what_comfyui_patches_in_without_double_applying():
     comes from ComfyUI's backup."""
     patcher = comfy_h3.model(layers=2, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
     dm = patcher.model.diffusion_model
-    cfg = MA.read_config(dm)
+    cfg = DETECT.read_config(dm)
     assert (cfg.hidden, cfg.layers, cfg.heads, cfg.head_dim, cfg.ffn) == (H, 2, comfy_h3.HEADS, comfy_h3.HEAD_DIM, FFN)
-    plain = MA.block_tensors(patcher, 1, torch.bfloat16)
+    plain = CW.block_tensors(patcher, 1, torch.bfloat16)
     assert {k: tuple(v.shape) for k, v in plain.items()} == cfg.block_shapes()
     assert torch.equal(plain["mlp.fc1.weight"], dm.blocks[1].mlp.fc1.weight)
 
     lora = patcher.clone()
     lora.add_patches({"diffusion_model.blocks.1.mlp.fc1.weight": (torch.full((2 * FFN, H), 0.25),)})
     lora.add_weight_wrapper("diffusion_model.blocks.1.norm1.weight", lambda w: w * 2)
-    got = MA.block_tensors(lora, 1, torch.bfloat16)
+    got = CW.block_tensors(lora, 1, torch.bfloat16)
     assert not torch.equal(got["mlp.fc1.weight"], plain["mlp.fc1.weight"])
     assert torch.equal(got["norm1.weight"], dm.blocks[1].norm1.weight * 2)
     with torch.inference_mode():
         lora.patch_model()  # ComfyUI's full load bakes the patch into the live weight
     try:
         assert torch.equal(dm.blocks[1].mlp.fc1.weight, got["mlp.fc1.weight"])
-        assert torch.equal(MA.block_tensors(lora, 1, torch.bfloat16)["mlp.fc1.weight"], got["mlp.fc1.weight"])
-        assert torch.equal(MA.block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
+        assert torch.equal(CW.block_tensors(lora, 1, torch.bfloat16)["mlp.fc1.weight"], got["mlp.fc1.weight"])
+        assert torch.equal(CW.block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
     finally:
         lora.unpatch_model()
-    assert torch.equal(MA.block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
+    assert torch.equal(CW.block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
@@ -221,13 +225,13 @@ def test_modules_that_patch_in_the_cast_ship_what_the_cast_gives(int8):
         patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.bfloat16})
         lora = comfy.sd.load_lora_for_models(patcher, None, comfy_h3.lora_state_dict(2), 0.8, 0)[0]
     block = patcher.model.diffusion_model.blocks[1]
-    stored = {k: (v._qdata if MA._is_quantized(v) else v).clone() for k, v in block.state_dict().items()
+    stored = {k: (v._qdata if CW._is_quantized(v) else v).clone() for k, v in block.state_dict().items()
               if isinstance(v, torch.Tensor)}
     with torch.inference_mode():
         lora.load(torch.device("cpu"), lowvram_model_memory=1)  # nothing fits: every layer casts, patches on the fly
     try:
-        assert MA._patched_in_cast(block.mlp.fc1) and MA._patched_in_cast(block.attn.qkv_proj)
-        got = MA.block_tensors(lora, 1, torch.bfloat16)
+        assert CW._patched_in_cast(block.mlp.fc1) and CW._patched_in_cast(block.attn.qkv_proj)
+        got = CW.block_tensors(lora, 1, torch.bfloat16)
         x = torch.randn(5, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         with torch.inference_mode():
             for name in ("mlp.fc1", "attn.qkv_proj"):
@@ -235,7 +239,7 @@ def test_modules_that_patch_in_the_cast_ship_what_the_cast_gives(int8):
                 assert w.dtype == torch.bfloat16, name  # the LoRA left the int8 layer dequantized, as ComfyUI runs it
                 want = block.get_submodule(name)(x)
                 assert torch.equal(torch.nn.functional.linear(x, w, got.get(f"{name}.bias")), want), name
-        after = {k: (v._qdata if MA._is_quantized(v) else v) for k, v in block.state_dict().items()
+        after = {k: (v._qdata if CW._is_quantized(v) else v) for k, v in block.state_dict().items()
                  if isinstance(v, torch.Tensor)}
         assert all(torch.equal(after[k], v) for k, v in stored.items())
     finally:
@@ -246,7 +250,7 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
     from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
     sd = comfy_h3.state_dict(layers=1, int8=True)
     patcher = comfy_h3.model(layers=1, int8=True)
-    got = MA.block_tensors(patcher, 0, torch.float32)
+    got = CW.block_tensors(patcher, 0, torch.float32)
     assert got["mlp.fc1.weight"].dtype == torch.int8
     assert torch.equal(got["mlp.fc1.weight"], sd["blocks.0.mlp.fc1.weight"])
     assert torch.equal(got["mlp.fc1.weight_scale"].flatten(), sd["blocks.0.mlp.fc1.weight_scale"].flatten())
@@ -258,37 +262,37 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
                                          orig_shape=(3 * H, H), convrot=True, convrot_groupsize=256)
     block.attn.qkv_proj.weight = torch.nn.Parameter(QuantizedTensor(q, "TensorWiseINT8Layout", params),
                                                     requires_grad=False)
-    got = MA.block_tensors(patcher, 0, torch.float32)
+    got = CW.block_tensors(patcher, 0, torch.float32)
     assert torch.equal(got["attn.qkv_proj.weight"], q)
     assert json.loads(bytes(got["attn.qkv_proj.comfy_quant"].numpy())) == {
         "format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
-    assert MA.block_nbytes(patcher.model.diffusion_model, 0) == sum(
+    assert CW.block_nbytes(patcher.model.diffusion_model, 0) == sum(
         v.numel() * v.element_size() for k, v in got.items() if not k.endswith(("_scale", "comfy_quant")))
 
 
 def test_ram_reserve_refuses_to_fill():
     patcher = comfy_h3.model(layers=1)
-    need = MA.block_nbytes(patcher.model.diffusion_model, 0)
+    need = CW.block_nbytes(patcher.model.diffusion_model, 0)
     gib = 1024 ** 3
-    with pytest.raises(MA.MultiStreamError, match="cache_ram_reserve_gb"):
-        MA.block_reader(patcher, 1.0, torch.float32, ram=lambda: gib + need - 1)(0)
-    assert set(MA.block_reader(patcher, 1.0, torch.float32, ram=lambda: gib + need)(0)) >= {"norm1.weight"}
+    with pytest.raises(MultiStreamError, match="cache_ram_reserve_gb"):
+        CW.block_reader(patcher, 1.0, torch.float32, ram=lambda: gib + need - 1)(0)
+    assert set(CW.block_reader(patcher, 1.0, torch.float32, ram=lambda: gib + need)(0)) >= {"norm1.weight"}
 
 
 def test_weight_key_from_loader_file_or_object():
     patcher = comfy_h3.model(layers=1)
-    key, warning = MA.weight_key(patcher)
+    key, warning = CW.weight_key(patcher)
     assert warning and "cached_patcher_init" in warning and key[0] == "dit-object"
     name = f"h3key-{os.getpid()}.safetensors"
     path = comfy_h3.write_checkpoint(os.path.join(comfy_h3.checkpoint_dir(), name), layers=1)
     try:
         loaded = comfy_h3.load(name)  # UNETLoader registers ComfyUI's reload factory (cached_patcher_init)
-        key, warning = MA.weight_key(loaded)
+        key, warning = CW.weight_key(loaded)
         st = os.stat(path)
         assert warning is None and key[:4] == ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns)
         lora = loaded.clone()
         lora.add_patches({"diffusion_model.blocks.0.norm1.weight": (torch.ones(H),)})
-        assert MA.weight_key(lora)[0] != key and MA.weight_key(loaded.clone())[0] == key
+        assert CW.weight_key(lora)[0] != key and CW.weight_key(loaded.clone())[0] == key
     finally:
         os.unlink(path)
 
@@ -328,13 +332,13 @@ def test_filling_the_store_never_puts_block_weights_on_the_model_gpu():
     keys = ["diffusion_model.blocks.0.norm1.weight", "diffusion_model.blocks.1.attn.q_norm.weight"]
     sd = lora.model.state_dict()
     lora.add_patches({k: (torch.full_like(sd[k], 0.01),) for k in keys})
-    read = MA.block_reader(lora, 0.0, torch.float32)
+    read = CW.block_reader(lora, 0.0, torch.float32)
     watch = _DeviceWatch()
     with watch:
         blocks = [read(i) for i in range(2)]
     assert watch.cuda_calls and all(c.startswith("to(") or "device=" in c for c in watch.cuda_calls)
     assert all(t.device.type == "cpu" for b in blocks for t in b.values())
-    unpatched = MA.block_reader(comfy_h3.model(layers=2).clone(), 0.0, torch.float32)
+    unpatched = CW.block_reader(comfy_h3.model(layers=2).clone(), 0.0, torch.float32)
     watch = _DeviceWatch()
     with watch:
         unpatched(0)
@@ -432,7 +436,7 @@ def test_block_option_the_workers_cannot_run_is_refused_first(split, value, why,
     patcher = comfy_h3.model(layers=2)
     patcher.set_model_patch_replace(set_option, "dit", "double_block", 1)
     patched = _patch_node(patcher, "cpu,cpu", monkeypatch)
-    with pytest.raises(MA.MultiStreamError, match=r"block 1: .*optimized_attention_override") as ei:
+    with pytest.raises(MultiStreamError, match=r"block 1: .*optimized_attention_override") as ei:
         sample(patched)
     msg = str(ei.value)
     assert why in msg and "Remove" in msg and "disable H3 MultiStream" in msg  # the cause and what to do
@@ -589,11 +593,11 @@ def test_comfy_model_sparse_attention_is_refused_naming_our_node(split, monkeypa
     split that ignored it would silently attend dense)."""
     patcher = comfy_h3.model(layers=2)
     monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
-    with pytest.raises(MA.MultiStreamError, match="Model Sparse Attention patch") as ei:
+    with pytest.raises(MultiStreamError, match="Model Sparse Attention patch") as ei:
         NODE.H3MultiStreamAsync().patch(_comfy_sparse_patch(patcher, marks), True, -1, "host", 0, True, 0.0, "auto")
     assert "H3 MS Sparse Attention" in str(ei.value) and "sparse_attention input" in str(ei.value)
     after = _comfy_sparse_patch(_patch_node(patcher, "cpu,cpu", monkeypatch), marks)
-    with pytest.raises(MA.MultiStreamError, match="H3 MS Sparse Attention"):
+    with pytest.raises(MultiStreamError, match="H3 MS Sparse Attention"):
         sample(after)
     assert NODE.H3MultiStreamAsync().patch(_comfy_sparse_patch(patcher, marks), False, -1, "host", 0, True, 0.0,
                                            "auto")[0] is not None  # enabled=false keeps ComfyUI's node
@@ -620,7 +624,7 @@ def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split,
     assert cfg.sigma_start == pytest.approx(float(sampling.percent_to_sigma(0.25))) and cfg.sigma_end == 0.0
     lines = [r.getMessage() for r in caplog.records if "sparse attention cannot run" in r.getMessage()]
     assert len(lines) == 1 and "not a CUDA device" in lines[0], lines
-    with pytest.raises(MA.MultiStreamError, match=r"H3 MS Sparse Attention: dense_blocks: block\(s\) \[3\]"):
+    with pytest.raises(MultiStreamError, match=r"H3 MS Sparse Attention: dense_blocks: block\(s\) \[3\]"):
         bad = SPARSE_NODE.H3MSSparseAttentionAsync().build("sol-attn", 1.3, 10.0, 0.2, 1.0, dense_blocks="3")[0]
         NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, sparse_attention=bad)
 
@@ -638,7 +642,7 @@ def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):
     (out,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None,
                                              sparse_attention=settings)
     assert out is not patcher and out.wrappers
-    state = next(s for s in MA.live_states() if s.patcher() is out)
+    state = next(s for s in MW.live_states() if s.patcher() is out)
     assert state.devices == ["cuda:0"] and state.options.sparse is not None
     # ComfyUI's own Model Sparse Attention on a model this node leaves unsplit is not refused: it runs as without us
     theirs = _comfy_sparse_patch(patcher)

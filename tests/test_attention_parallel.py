@@ -21,7 +21,8 @@ import torch
 from h3ms_async.attention import engine as ap
 from h3ms_async.attention import schedule as sched
 from h3ms_async.runtime.pool import WorkerPool
-from h3ms_async.observability.status import get_hub, validate_section
+from h3ms_async.observability.document import validate_section
+from h3ms_async.observability.status import get_hub
 from workers.attention import ops as attn_ops
 from workers.attention import ck_cpu as ck_attention_cpu
 from workers.runtime.shm import held_shm

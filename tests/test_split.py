@@ -252,7 +252,7 @@ def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_m
         t_emb = torch.cat([inp.t_emb, torch.randn(extra_rows, CFG.t_dim).to(inp.t_emb.dtype)])
         ref = int8_model.forward_blocks(inp.x.clone(), t_emb, inp.segments, inp.rope_freqs)
         assert torch.equal(eng.run_blocks(inp.x, t_emb, inp.segments, inp.rope_freqs), ref), f"step {s}"
-        buf = eng._buffers
+        buf = eng.step_buffers.current
         names.append((buf.step.name, buf.arena.name, buf.side.name))
         assert eng.last_phases["new_buffers"] == (s == 0) and eng.last_phases["new_side"] == (s < 2)
     assert names[0][:2] == names[1][:2] == names[2][:2] and names[0][2] != names[1][2] == names[2][2]

@@ -11,8 +11,10 @@ import msgspec
 import psutil
 import pytest
 
-from h3ms_async.observability.status import (RING_SIZE, RankRecord, SchemaError, Status, StatusHub, StepRecord,
-                                             format_step_line, now_iso, ram_info)
+from h3ms_async.observability.document import SchemaError, Status
+from h3ms_async.observability.records import RankRecord, StepRecord, format_step_line, now_iso
+from h3ms_async.observability.status import RING_SIZE, StatusHub
+from h3ms_async.runtime.host_memory import ram_info
 
 GIB = 1024 ** 3
 
@@ -71,7 +73,7 @@ def test_the_typed_shape_refuses_a_malformed_record(mutate, fragment):
 
 
 def test_record_step_takes_only_typed_records():
-    with pytest.raises(SchemaError, match="build a status.StepRecord"):
+    with pytest.raises(SchemaError, match="build a records.StepRecord"):
         StatusHub().record_step(msgspec.to_builtins(make_record()), log=False)
 
 
@@ -154,7 +156,8 @@ def test_providers_fill_sections_and_failures_stay_in_their_section():
     assert st["plans"] == {"dit": "cuda:0 (60%) + cuda:1 (40%)"}
     assert st["workers"][0]["pid"] == 1234
     assert st["caches"] == {"error": "ZeroDivisionError: division by zero"}
-    assert "hooks[0]' must be an object" in st["hooks"]["error"]
+    assert "status section 'hooks': Expected `object`" in st["hooks"]["error"]
+    assert "at `$[0]`" in st["hooks"]["error"]
     assert "not JSON-serialisable" in st["weight_store"]["error"]
     assert st["running"] is True
     msgspec.convert(st, Status)
@@ -166,7 +169,8 @@ def test_providers_fill_sections_and_failures_stay_in_their_section():
 def test_bad_worker_rows_and_unknown_sections_are_refused():
     hub = StatusHub()
     hub.register_provider("workers", lambda: [{"rank": 0, "device": "cpu", "state": "running"}])
-    assert "workers[0]' is missing 'pid'" in hub.status()["workers"]["error"]
+    assert "status section 'workers': Object missing required field `pid` - at `$[0]`" in \
+        hub.status()["workers"]["error"]
     with pytest.raises(ValueError, match="unknown status section 'gpus'"):
         hub.register_provider("gpus", dict)
     with pytest.raises(ValueError, match="unknown action 'reboot'"):
@@ -244,7 +248,8 @@ def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
 
 
 def test_exactness_verdicts_and_verify_are_typed_and_bounded():
-    from h3ms_async.observability.status import (VERDICTS_KEPT, VerdictRecord, VerifyRecord, now_iso)
+    from h3ms_async.observability.records import VerdictRecord, VerifyRecord
+    from h3ms_async.observability.status import VERDICTS_KEPT
     hub = StatusHub()
     for i in range(VERDICTS_KEPT + 3):
         hub.record_verdict(VerdictRecord(program="dit", op="mlp.fc2", device="cpu X", dtype="bfloat16",

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from h3ms_async.observability import status
+from h3ms_async.observability import records, status
 from h3ms_async.vae import exactness
 
 
@@ -41,7 +41,7 @@ def test_verdicts_are_kept_warned_once_and_recorded(hub, caplog, differing: set[
     rows = hub.status()["exactness"]["verdicts"]
     assert [v["verdict"] for v in rows[:2]] == ["exact" if 1 not in differing else verdict, verdict]
     for row in rows:
-        msgspec.convert(row, status.VerdictRecord)
+        msgspec.convert(row, records.VerdictRecord)
         assert row["program"] == "vae" and row["op"] == "vae.chunk" and row["shards"] == [1, 1, 1]
         assert row["device"].startswith("cpu") and row["dtype"] == "float16" and row["probe_ms"] == 12.5
 

@@ -38,7 +38,8 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.log import get_logger
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
-from h3ms_async.observability.status import now_iso, record_verdict
+from h3ms_async.observability.records import now_iso
+from h3ms_async.observability.status import record_verdict
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes

@@ -30,7 +30,9 @@ from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.reference import DiTConfig
 from h3ms_async.dit.sparse import DenseFallback, step_wire
-from h3ms_async.observability.status import RankRecord, StepRecord, get_hub, now_iso, record_verdict
+from h3ms_async.dit.step_buffers import StepBuffers, StepBufferSlot
+from h3ms_async.observability.records import RankRecord, StepRecord, now_iso
+from h3ms_async.observability.status import get_hub, record_verdict
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
@@ -38,9 +40,9 @@ from workers.dit import protocol as dit_protocol
 from workers.dit.sparse import SparseConfig
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import ArenaLayout, decode_seq
+from workers.transports.host import decode_seq
 from workers.runtime.protocol import DropReleased, TensorDesc
-from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
+from workers.runtime.shm import dtype_name
 
 log = get_logger("MultiStream")
 
@@ -123,31 +125,6 @@ class SplitOptions:
 
 
 @dataclass
-class _StepBuffers:
-    """The step segment (residual stream in/out, rope) and the exchange arena, reused while the token plan stays the
-    same, plus the side segment for t_emb and per-token mod rows.
-
-    Those two change shape between the steps of one prompt (H3's first step has one modulation row, the next ones
-    two), so they live apart: a new shape replaces the few-KiB side segment only, never the step segment or the
-    multi-GiB arena that every rank has mapped and registered with CUDA."""
-
-    shape_key: tuple
-    step: Segment
-    descs: dict[str, TensorDesc]
-    arena: Segment | None
-    layout: ArenaLayout
-    pinned: bool = False
-    side_key: tuple | None = None
-    side: Segment | None = None
-
-    def close(self) -> None:
-        for seg in (self.step, self.arena, self.side):
-            if seg is not None:
-                seg.close()
-                seg.unlink()
-
-
-@dataclass
 class _Loaded:
     store: WeightStore
     config: DiTConfig
@@ -177,7 +154,8 @@ class SplitEngine(Engine):
         if options.comfy_host is not None:
             env.update(options.comfy_host.to_env())
         self._loaded: _Loaded | None = None
-        self._buffers: _StepBuffers | None = None
+        #: The shm buffers steps run in (``h3ms_async/dit/step_buffers.py``).
+        self.step_buffers = StepBufferSlot(self._unmap_released)
         self._steps = 0
         self._rank_starts = -1  # pool.starts when the ranks last loaded the weights
         self._sm_counts: list[int | None] = []  # per rank, from dit_load (None on CPU)
@@ -265,7 +243,7 @@ class SplitEngine(Engine):
             return
         # dit_release closes the ranks' exchanges; a fresh exchange on the old arena would read its stale sequence
         # words as "ready", so the next step must get new step buffers.
-        self._drop_buffers()
+        self.step_buffers.drop()
         # With a dead rank, pool.all would first restart the whole pool just to hear this; fresh workers hold no
         # views, and the survivors' go with their pool (a release) or their restart (the next step).
         if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
@@ -441,9 +419,10 @@ class SplitEngine(Engine):
         ld = self._loaded
         assert ld is not None
         t_wall = time.perf_counter()
-        before = self._buffers
+        before = self.step_buffers.current
         side_before = before.side if before is not None else None
-        buf = self._buffers_for(plan, opts, x, t_emb, rope_freqs, mod_segments)
+        buf = self.step_buffers.for_step(plan, ld.head_bounds, ld.config.head_dim, ld.config.hidden, opts.exchange,
+                                         x, t_emb, rope_freqs, mod_segments)
         t_staged = time.perf_counter()
         step, side = buf.step, buf.side
         assert side is not None
@@ -478,7 +457,7 @@ class SplitEngine(Engine):
                                self._block_probe(buf, blocks, progress))
         except BaseException:
             # A failed or aborted job leaves sequence words mid-op: the next step gets a fresh arena.
-            self._drop_buffers()
+            self.step_buffers.drop()
             raise
         result = step.tensor(buf.descs["x"])
         # The step segment is registered pinned memory when x lives on a GPU: the copy back is queued on x's
@@ -498,7 +477,7 @@ class SplitEngine(Engine):
         return out
 
     @staticmethod
-    def _block_probe(buf: _StepBuffers, blocks: int, progress: StepProgress | None) -> Callable[[], None] | None:
+    def _block_probe(buf: StepBuffers, blocks: int, progress: StepProgress | None) -> Callable[[], None] | None:
         """A poll that reports the blocks every rank has reached, from the arena's sequence words.
 
         The words are snapshotted before the job is sent: until a rank begins this job its word still shows the
@@ -526,68 +505,6 @@ class SplitEngine(Engine):
         return await self.pool.all([msgspec.structs.replace(m, abort_gen=gen) for m in steps],
                                    self.options.step_timeout_s)
 
-    def _buffers_for(self, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor, t_emb: torch.Tensor, rope: torch.Tensor,
-                     mod_segments: Sequence[tuple]) -> _StepBuffers:
-        ld = self._loaded
-        assert ld is not None
-        key = (tuple(plan.token_bounds), ld.head_bounds, x.dtype, tuple(rope.shape), rope.dtype, opts.exchange,
-               str(x.device))
-        buf = self._buffers
-        if buf is None or buf.shape_key != key:
-            buf = self._new_buffers(key, plan, opts, x, rope)
-        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments) if isinstance(r, torch.Tensor))
-        side_key = (tuple(t_emb.shape), t_emb.dtype, rows)
-        if buf.side_key != side_key:
-            self._new_side(buf, side_key, t_emb, rows)
-        return buf
-
-    def _new_buffers(self, key: tuple, plan: plans.SplitPlan, opts: SplitOptions, x: torch.Tensor,
-                     rope: torch.Tensor) -> _StepBuffers:
-        ld = self._loaded
-        assert ld is not None
-        self._drop_buffers()
-        self._unmap_released()
-        specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
-        step = Segment.create(_segment_bytes(specs), "step")
-        arena_seg = None
-        try:
-            a = Arena(step)
-            descs = {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
-            col_bounds = [g * ld.config.head_dim for g in ld.head_bounds]
-            layout = ArenaLayout.plan(self.ranks, list(plan.token_bounds), col_bounds, ld.config.hidden, x.dtype)
-            if opts.exchange == "host":
-                arena_seg = Segment.create(layout.nbytes, "arena")
-                layout.init_header(arena_seg.base_tensor())
-        except BaseException:
-            for seg in (step, arena_seg):
-                if seg is not None:
-                    seg.close()
-                    seg.unlink()
-            raise
-        pinned = x.is_cuda and register_cuda(step, str(x.device))
-        self._buffers = _StepBuffers(key, step, descs, arena_seg, layout, pinned)
-        return self._buffers
-
-    @staticmethod
-    def _new_side(buf: _StepBuffers, side_key: tuple, t_emb: torch.Tensor, rows: tuple) -> None:
-        """Replace ``buf``'s side segment (t_emb and per-token rows) for new shapes; ranks map the new one at the
-        step that names it and drop the old one (its owner let go) at their next attach."""
-        specs = {"t_emb": (t_emb.dtype, t_emb.shape)}
-        specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
-        side = Segment.create(_segment_bytes(specs), "side")
-        try:
-            a = Arena(side)
-            descs = {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
-        except BaseException:
-            side.close()
-            side.unlink()
-            raise
-        if buf.side is not None:
-            buf.side.close()
-            buf.side.unlink()
-        buf.descs = {k: v for k, v in buf.descs.items() if k in ("x", "rope")} | descs
-        buf.side, buf.side_key = side, side_key
-
     def _unmap_released(self) -> None:
         """Have the ranks unmap the buffers dropped so far, so that a tight /dev/shm gets their pages back before
         new ones are reserved.  A rank that dies or stops answering here fails the step, as it would mid-step (the
@@ -595,11 +512,6 @@ class SplitEngine(Engine):
         if self.pool.running:
             self.run(self.pool.all([DropReleased()] * self.ranks, 30.0), 60.0,
                      "unmapping the old step buffers on the ranks")
-
-    def _drop_buffers(self) -> None:
-        if self._buffers is not None:
-            self._buffers.close()
-            self._buffers = None
 
     def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dict], wall: float, tokens: int, blocks: int,
                 sigma: float | None) -> None:
@@ -633,12 +545,12 @@ class SplitEngine(Engine):
 
     # -- resident state ---------------------------------------------------------------------------------------
     def holds_resident(self) -> bool:
-        return self.pool.running or self._loaded is not None or self._buffers is not None
+        return self.pool.running or self._loaded is not None or self.step_buffers.current is not None
 
     def _drop_resident(self) -> None:
         """Unlink the store and the step buffers (the workers that viewed them are gone)."""
         self._drop_store()
-        self._drop_buffers()
+        self.step_buffers.drop()
 
     def release_weights(self) -> bool:
         """Drop only the weight store (the workers stay up).  Returns whether one was held."""
@@ -660,11 +572,6 @@ def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
     if not n_cpu or "OMP_NUM_THREADS" in os.environ:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n_cpu))}
-
-
-def _segment_bytes(specs: dict[str, tuple[torch.dtype, Sequence[int]]]) -> int:
-    """Bytes of a segment holding one 4 KiB-aligned tensor per ``name: (dtype, shape)``."""
-    return sum(slot_bytes(dtype_name(dt), shp) for dt, shp in specs.values())
 
 
 def options_dict(o: SplitOptions) -> dict:

@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import VerifyRecord, get_hub, now_iso
+from h3ms_async.observability.records import VerifyRecord, now_iso
+from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
 from workers.dit import invariance
 from workers.dit import ops as dit_ops

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import ram_info
+from h3ms_async.runtime.host_memory import ram_info
 from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
 

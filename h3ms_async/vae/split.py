@@ -36,7 +36,7 @@ from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.dit.split import _cpu_thread_env
-from h3ms_async.observability.status import now_iso
+from h3ms_async.observability.records import now_iso
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime import config
 from workers.vae import protocol as vae_protocol

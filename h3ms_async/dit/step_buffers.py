@@ -1,0 +1,143 @@
+"""The DiT split's shared-memory step buffers and their lifetime.
+
+One :class:`StepBufferSlot` per split engine owns the buffers a step runs in: the step segment
+(residual stream in and out, rope table), the host exchange's arena, and the small side segment
+(t_emb, per-token mod rows). They are made at the first step, reused while the step's shapes stay,
+replaced when they change and freed by :meth:`StepBufferSlot.drop` (a failed step, a weight-store
+release, the engine's release). Freeing closes and unlinks the coordinator's side; each rank drops
+its mapping when told (``DropReleased``) or at its next attach, so a segment lives until its last
+user lets go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from h3ms_async.runtime import plans
+from workers.runtime.protocol import TensorDesc
+from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
+from workers.transports.host import ArenaLayout
+
+#: ``name: (dtype, shape)`` of the tensors one segment holds.
+Specs = dict[str, tuple[torch.dtype, Sequence[int]]]
+
+
+@dataclass
+class StepBuffers:
+    """The step segment (residual stream in/out, rope) and the exchange arena, reused while the
+    token plan stays the same, plus the side segment for t_emb and per-token mod rows.
+
+    Those two change shape between the steps of one prompt (H3's first step has one modulation row,
+    the next ones two), so they live apart: a new shape replaces the few-KiB side segment only,
+    never the step segment or the multi-GiB arena that every rank has mapped and registered with
+    CUDA."""
+
+    shape_key: tuple
+    step: Segment
+    descs: dict[str, TensorDesc]
+    arena: Segment | None
+    layout: ArenaLayout
+    pinned: bool = False
+    side_key: tuple | None = None
+    side: Segment | None = None
+
+    def close(self) -> None:
+        """Close and unlink every segment (ranks keep their mappings until they drop them)."""
+        _free(self.step, self.arena, self.side)
+
+
+class StepBufferSlot:
+    """The one set of step buffers of a split engine, made, reused, replaced and freed here.
+
+    ``unmap_released`` asks the ranks to unmap the buffers dropped so far; it runs before new
+    buffers are reserved, so a tight /dev/shm gets the old pages back first."""
+
+    def __init__(self, unmap_released: Callable[[], None]) -> None:
+        self._unmap_released = unmap_released
+        self._current: StepBuffers | None = None
+
+    @property
+    def current(self) -> StepBuffers | None:
+        """The buffers the last step ran in, or None when none are held."""
+        return self._current
+
+    def for_step(self, plan: plans.SplitPlan, head_bounds: Sequence[int], head_dim: int,
+                 hidden: int, exchange: str, x: torch.Tensor, t_emb: torch.Tensor,
+                 rope: torch.Tensor, mod_segments: Sequence[tuple]) -> StepBuffers:
+        """The buffers for this step: the held ones when the shapes match, else new ones (the step
+        segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
+        a new t_emb or per-token row shape)."""
+        key = (tuple(plan.token_bounds), tuple(head_bounds), x.dtype, tuple(rope.shape), rope.dtype,
+               exchange, str(x.device))
+        buf = self._current
+        if buf is None or buf.shape_key != key:
+            buf = self._new(key, plan, head_bounds, head_dim, hidden, exchange, x, rope)
+        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments)
+                     if isinstance(r, torch.Tensor))
+        side_key = (tuple(t_emb.shape), t_emb.dtype, rows)
+        if buf.side_key != side_key:
+            _new_side(buf, side_key, t_emb, rows)
+        return buf
+
+    def drop(self) -> None:
+        """Free the held buffers, if any; the next step makes new ones."""
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def _new(self, key: tuple, plan: plans.SplitPlan, head_bounds: Sequence[int], head_dim: int,
+             hidden: int, exchange: str, x: torch.Tensor, rope: torch.Tensor) -> StepBuffers:
+        self.drop()
+        self._unmap_released()
+        specs: Specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
+        step = Segment.create(_segment_bytes(specs), "step")
+        arena_seg = None
+        try:
+            descs = _alloc(step, specs)
+            col_bounds = [g * head_dim for g in head_bounds]
+            ranks = len(plan.token_bounds) - 1
+            layout = ArenaLayout.plan(ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype)
+            if exchange == "host":
+                arena_seg = Segment.create(layout.nbytes, "arena")
+                layout.init_header(arena_seg.base_tensor())
+        except BaseException:
+            _free(step, arena_seg)
+            raise
+        pinned = x.is_cuda and register_cuda(step, str(x.device))
+        self._current = StepBuffers(key, step, descs, arena_seg, layout, pinned)
+        return self._current
+
+
+def _new_side(buf: StepBuffers, side_key: tuple, t_emb: torch.Tensor, rows: tuple) -> None:
+    """Replace ``buf``'s side segment (t_emb and per-token rows) for new shapes; ranks map the new
+    one at the step that names it and drop the old one (its owner let go) at their next attach."""
+    specs: Specs = {"t_emb": (t_emb.dtype, t_emb.shape)}
+    specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
+    side = Segment.create(_segment_bytes(specs), "side")
+    try:
+        descs = _alloc(side, specs)
+    except BaseException:
+        _free(side)
+        raise
+    _free(buf.side)
+    buf.descs = {k: v for k, v in buf.descs.items() if k in ("x", "rope")} | descs
+    buf.side, buf.side_key = side, side_key
+
+
+def _alloc(seg: Segment, specs: Specs) -> dict[str, TensorDesc]:
+    a = Arena(seg)
+    return {name: a.alloc(dtype_name(dt), list(shp)) for name, (dt, shp) in specs.items()}
+
+
+def _free(*segments: Segment | None) -> None:
+    for seg in segments:
+        if seg is not None:
+            seg.close()
+            seg.unlink()
+
+
+def _segment_bytes(specs: Specs) -> int:
+    """Bytes of a segment holding one 4 KiB-aligned tensor per ``name: (dtype, shape)``."""
+    return sum(slot_bytes(dtype_name(dt), shp) for dt, shp in specs.values())

@@ -1,0 +1,135 @@
+"""The pack's typed records: one split step (:class:`StepRecord`, with its INFO log line), one
+exactness verdict (:class:`VerdictRecord`) and one ``verify`` result (:class:`VerifyRecord`).
+
+Each is a msgspec Struct built by the code that produces it; the status hub (``status.py``) keeps
+their JSON forms and serves them, so a consumer can check one with ``msgspec.convert(obj,
+StepRecord)``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Annotated, Iterable, Literal, Mapping
+
+import msgspec
+
+from h3ms_async.runtime.host_memory import GIB
+
+Exchange = Literal["host", "nccl", "gloo", "none"]
+
+#: ``[start, end)``, a JSON array of two ints.
+Range = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
+
+
+class RankRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One rank's share of a step: its token range and head group (``[start, end)``), its seconds
+    and bytes."""
+
+    rank: int
+    device: str
+    tokens: Range
+    heads: Range
+    compute_s: float
+    exchange_s: float
+    wait_s: float
+    moved_bytes: int
+    vram_peak_bytes: int | None
+
+
+class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One split denoising step.  The ranks are listed 0..N-1; their token ranges tile ``[0,
+    tokens)`` and their head groups tile ``[0, H)``, in order (the split plan's invariants; tests
+    check them)."""
+
+    at: str
+    seq: int
+    kind: Literal["dit"] = "dit"
+    sigma: float | None
+    tokens: int
+    blocks: int
+    devices: list[str]
+    exchange: Exchange
+    chunks: int
+    wall_s: float
+    moved_bytes: int
+    weight_store: str
+    ranks: list[RankRecord]
+
+
+
+class VerdictRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One measured exactness verdict of a plan's op on one device (``exactness.verdicts``):
+    ``shards`` are the plan's shard sizes (tokens, heads or chunks) as probed; ``detail`` one
+    sentence (what was adjusted, or why unsplit)."""
+
+    program: Literal["dit", "attention", "vae"]
+    op: str
+    device: str
+    dtype: str
+    shape: str
+    shards: list[int]
+    verdict: Literal["exact", "adjusted", "unsplit"]
+    detail: str
+    probe_ms: float
+    at: str
+
+
+class VerifyRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One result of the opt-in ``verify`` setting (``exactness.verify``): a split step against the
+    same step run unsplit on the model's device; ``first_difference`` e.g. ``"block 3 mlp.fc2"``
+    (None when bit-exact)."""
+
+    at: str
+    devices: list[str]
+    bit_exact: bool
+    max_abs_diff: float
+    first_difference: str | None
+    steps_checked: int
+
+
+def now_iso() -> str:
+    """The ``at`` field of a step record: local time, second precision, ISO-8601."""
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Human bytes for log lines and the status text: GiB at >= 1 GiB, else MiB (KiB for tiny
+    amounts)."""
+    if n is None:
+        return "n/a"
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if n >= 1024 ** 2:
+        return f"{n / 1024 ** 2:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _joined(values: Iterable[float]) -> str:
+    return "/".join(f"{v:.3f}" for v in values)
+
+
+def format_step_line(rec: Mapping) -> str:
+    """The one INFO line per split step (the logger adds ``[H3 MultiStream] [MultiStream]``).
+
+    Example: ``sigma 0.9375 step 12: 45000 tokens x 50 blocks on cuda:0+cuda:1, 3.214s (exchange
+    host x4; compute 2.100/2.050s, exchange 0.410/0.430s, wait 0.020/0.050s; 1.23 GiB moved), weight
+    store warm, 18.5 GiB, VRAM peak cuda:0 12.30 GiB / cuda:1 11.90 GiB``. Ranks that share a device
+    add up (they are separate processes on one GPU); the VRAM clause is left out when no rank
+    reports a peak (CPU runs).
+    """
+    ranks = rec["ranks"]
+    sigma = f"sigma {rec['sigma']:.4f} " if rec.get("sigma") is not None else ""
+    chunks = f" x{rec['chunks']}" if rec["chunks"] > 1 else ""
+    line = (
+        f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
+        f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s "
+        f"(exchange {rec['exchange']}{chunks}; compute {_joined(r['compute_s'] for r in ranks)}s, "
+        f"exchange {_joined(r['exchange_s'] for r in ranks)}s, wait {_joined(r['wait_s'] for r in ranks)}s; "
+        f"{fmt_bytes(rec['moved_bytes'])} moved), weight store {rec['weight_store']}"
+    )
+    peaks: dict[str, int] = {}
+    for r in ranks:
+        if r["vram_peak_bytes"] is not None:
+            peaks[r["device"]] = peaks.get(r["device"], 0) + r["vram_peak_bytes"]
+    if peaks:
+        line += ", VRAM peak " + " / ".join(f"{d} {fmt_bytes(b)}" for d, b in peaks.items())
+    return line

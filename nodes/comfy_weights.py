@@ -1,0 +1,226 @@
+"""What the split reads out of ComfyUI's model internals: the weight key and each block's weights.
+
+The one node module on ComfyUI's private API: ``ModelPatcher.cached_patcher_init``,
+``patches_uuid``, ``backup``, ``patches``, ``patch_weight_to_device``, ``weight_wrapper_patches``,
+the ``<param>_lowvram_function`` / ``LowVramPatch`` markers, ``comfy.ops.cast_bias_weight`` /
+``uncast_bias_weight`` and comfy-kitchen's ``QuantizedTensor`` internals (``_qdata``, ``_params``,
+``_layout_cls``); a ComfyUI change that moves them breaks here and nowhere else. Weights go through
+ComfyUI's own patch path (``docs/comfyui_facts.md`` §5.1), so the split computes with exactly the
+tensors plain ComfyUI would.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping
+
+import torch
+
+from h3ms_async.runtime.host_memory import GIB, ram_info
+
+from .errors import MultiStreamError
+
+
+def weight_key(patcher: Any) -> tuple[tuple, str | None]:
+    """``(key, warning)``: the shm weight-store key of what ``patcher`` would run.
+
+    From the loader's reload factory (``cached_patcher_init = (factory, (path, model_options,
+    ...))``): ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it the key
+    is tied to this model object (``id``), with a warning: the store is refilled for every reloaded
+    model.
+    """
+    patches = str(getattr(patcher, "patches_uuid", ""))
+    init = getattr(patcher, "cached_patcher_init", None)
+    if init and len(init) >= 2 and init[1]:
+        args = init[1]
+        path = args[0]
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+            st = os.stat(path)
+            options = args[1] if len(args) > 1 else None
+            opts = (repr(sorted(options.items(), key=lambda kv: str(kv[0]))) if isinstance(options, Mapping)
+                    else repr(options))
+            return ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns, opts, patches), None
+    model = getattr(patcher, "model", patcher)
+    return ("dit-object", id(model), patches), (
+        "weight store keyed by model object: the loader gave no single-file reload factory (cached_patcher_init); "
+        "load the DiT with a core loader (UNETLoader / CheckpointLoaderSimple) to keep the store across reloads")
+
+
+# --- weights through ComfyUI's own patch path ------------------------------------------------------------------
+
+def _is_quantized(t: Any) -> bool:
+    return hasattr(t, "_qdata") and hasattr(t, "_params")
+
+
+def _patched_in_cast(module: Any) -> bool:
+    """True when ComfyUI applies ``module``'s weight patches inside its cast
+    (``comfy.ops.cast_bias_weight``) rather than into the live weight: ``ModelPatcherDynamic`` sets
+    ``<param>_lowvram_function``; the classic patcher, for a module it leaves offloaded
+    (``--lowvram``, a partial load), puts a ``LowVramPatch`` in ``<param>_function``."""
+    for param in ("weight", "bias"):
+        if getattr(module, f"{param}_lowvram_function", None) is not None:
+            return True
+        if any(getattr(f, "is_lowvram_patch", False) for f in getattr(module, f"{param}_function", ())):
+            return True
+    return False
+
+
+def _wants_requant(module: Any, name: str) -> bool:
+    """The ``want_requant`` ComfyUI's forward passes to the cast for this module at inference.
+
+    An int8 linear keeps its quantized path (and asks the cast to re-quantize a patched weight) when
+    it has no weight functions and no full-precision flags; H3's ``mlp.fc2`` goes through
+    ``comfy.ops.linear_input_act``, which always asks for it on a tensorwise int8 weight.
+    """
+    weight = getattr(module, "weight", None)
+    if not _is_quantized(weight):
+        return False
+    if name.endswith("mlp.fc2") and weight._layout_cls == "TensorWiseINT8Layout" and \
+            not getattr(weight._params, "transposed", False):
+        return True
+    return (getattr(module, "layout_type", None) is not None and not getattr(module, "_full_precision_mm", False)
+            and not getattr(module, "comfy_force_cast_weights", False)
+            and not getattr(module, "weight_function", ()) and not getattr(module, "bias_function", ()))
+
+
+def _cast_path_tensors(patcher: Any, module: Any, name: str, compute_dtype: torch.dtype,
+                       out: dict[str, torch.Tensor]) -> None:
+    """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into
+    ``out`` (host copies, store names; ``name`` is the module's in-block name).
+
+    The weight a patch-in-the-cast module computes with exists only inside
+    ``comfy.ops.cast_bias_weight``: under ``ModelPatcherDynamic`` the module's own storage may be
+    comfy-aimdo's read-only mapping of the checkpoint file, and the patch is applied to the copy the
+    cast faults in on ``load_device``. So the split asks that function for the module's tensors with
+    the arguments the forward gives it (compute dtype, load device, ``want_requant``), copies them
+    to the host before the cast buffer can be reused, and then hands the buffer back
+    (``uncast_bias_weight``).
+    """
+    import comfy.ops
+    weight, bias, offload = comfy.ops.cast_bias_weight(
+        module, None, dtype=compute_dtype, device=patcher.load_device, bias_dtype=compute_dtype, offloadable=True,
+        compute_dtype=compute_dtype, want_requant=_wants_requant(module, name))
+    try:
+        _put_host(out, f"{name}.weight", weight)
+        if bias is not None:
+            _put_host(out, f"{name}.bias", bias)
+    finally:
+        comfy.ops.uncast_bias_weight(module, weight, bias, offload)
+
+
+def effective_weight(patcher: Any, key: str) -> Any:
+    """The tensor ComfyUI computes with for state-dict ``key`` of a module whose patches ComfyUI
+    bakes into the weight (a module that patches in its cast goes through :func:`_cast_path_tensors`
+    instead): LoRA/weight patches and weight wrappers applied.
+
+    A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
+    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are,
+    never patched twice; when the live weight holds another clone's patches, the original comes from
+    ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` gives the weight
+    without touching the model: an unpatched key is the live tensor as it is (no device work); a
+    patched key is computed on ``patcher.load_device``, because ComfyUI's load computes patches
+    there, in that device's patch dtype (``lora_compute_dtype``), and the split must match it bit
+    for bit (quantized layers re-quantize through their ``set_weight``). That is one transient
+    tensor at a time, moved to the host by :func:`block_tensors` before the next is made. Weight
+    wrappers (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's
+    ``weight_function`` list.
+    """
+    backup = getattr(patcher, "backup", {})
+    if key not in backup:
+        device = patcher.load_device if key in patcher.patches else None
+        weight = patcher.patch_weight_to_device(key, device_to=device, return_weight=True)
+    elif getattr(patcher.model, "current_weight_patches_uuid", None) == patcher.patches_uuid:
+        path, attr = key.rsplit(".", 1)
+        weight = getattr(patcher.get_model_object(path), attr)
+    elif key not in patcher.patches:
+        weight = backup[key].weight  # the live weight carries another clone's patches; ours has none here
+    else:
+        raise MultiStreamError(
+            f"{key} currently holds another model clone's LoRA/weight patches, so this clone's patched weight cannot "
+            "be computed; let ComfyUI load this model (queue the prompt again) before the split reads its weights")
+    for fn in getattr(patcher, "weight_wrapper_patches", {}).get(key, []):
+        weight = fn(weight)
+    return weight
+
+
+def _convrot_tag(params: Any) -> torch.Tensor | None:
+    if not getattr(params, "convrot", False):
+        return None
+    conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int(params.convrot_groupsize)}
+    return torch.frombuffer(bytearray(json.dumps(conf).encode("utf-8")), dtype=torch.uint8).clone()
+
+
+def _put_host(out: dict[str, torch.Tensor], name: str, w: Any) -> None:
+    """Store ``w`` under ``name`` on the CPU as the weight store takes it: an int8
+    ``QuantizedTensor`` becomes ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``,
+    fp32) + ``<linear>.comfy_quant`` (JSON bytes) when it is ConvRot."""
+    if _is_quantized(w):
+        out[name] = w._qdata.detach().to("cpu").contiguous()
+        out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
+        tag = _convrot_tag(w._params)
+        if tag is not None:
+            out[f"{name.rsplit('.', 1)[0]}.comfy_quant"] = tag
+    else:
+        out[name] = w.detach().to("cpu").contiguous()
+
+
+def block_tensors(patcher: Any, block_index: int, compute_dtype: torch.dtype,
+                  prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+    """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight
+    store takes them.
+
+    A module whose patches ComfyUI applies in its cast gives what that cast gives
+    (:func:`_cast_path_tensors`: the compute dtype, or int8 re-quantized where the forward asks for
+    it); every other module gives its stored tensors (:func:`effective_weight`), which ranks cast to
+    the activation dtype exactly as ComfyUI's ops do. A weight that a patch left dequantized stays a
+    float weight, which is what ComfyUI then computes with.
+    """
+    dm = patcher.get_model_object(prefix.rstrip("."))
+    block = dm.blocks[block_index]
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, module in block.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        if _patched_in_cast(module):
+            _cast_path_tensors(patcher, module, mod_name, compute_dtype, out)
+            own = [n for n in own if n not in ("weight", "bias")]
+        for n in own:
+            name = f"{mod_name}.{n}" if mod_name else n
+            _put_host(out, name, effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}"))
+    return out
+
+
+def block_nbytes(dm: Any, block_index: int) -> int:
+    """Bytes the block occupies as stored (int8 data counts one byte per element)."""
+    total = 0
+    for p in dm.blocks[block_index].parameters():
+        data = p._qdata if _is_quantized(p) else p
+        total += data.numel() * data.element_size()
+    return total
+
+
+def available_ram() -> int:
+    """Available RAM in bytes: the smaller of the host's and the memory cgroup's figure."""
+    return int(ram_info().available_bytes)
+
+
+def block_reader(patcher: Any, reserve_gb: float, compute_dtype: torch.dtype,
+                 ram: Callable[[], int] = available_ram) -> Callable[[int], dict[str, torch.Tensor]]:
+    """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into
+    the RAM reserve."""
+    dm = patcher.get_model_object("diffusion_model")
+    reserve = int(reserve_gb * GIB)
+
+    def read(i: int) -> dict[str, torch.Tensor]:
+        need = block_nbytes(dm, i)
+        avail = ram()
+        if avail - need < reserve:
+            raise MultiStreamError(
+                f"weight store: block {i} needs {need / GIB:.2f} GiB but only {avail / GIB:.2f} GiB RAM is available "
+                f"and cache_ram_reserve_gb keeps {reserve_gb:g} GiB free; lower cache_ram_reserve_gb, free RAM, or "
+                "run the model unsplit")
+        with torch.inference_mode():
+            return block_tensors(patcher, i, compute_dtype)
+    return read
+
