@@ -48,7 +48,7 @@ def test_silent_strangers_get_bounded_slots_and_a_reason(caplog, tmp_path, monke
         extra = _connect(pool.socket_path)
         assert _first_frame(extra) is None  # over the limit: closed at once, nothing buffered for it
         extra.close()
-        assert coord.run(pool.request(0, protocol.Ping(), timeout=30), 60)["pong"] is True  # the pool serves on
+        assert coord.run(pool.request(0, protocol.Ping(), timeout=30), 60).pong is True  # the pool serves on
         t0 = time.monotonic()
         for s in silent:  # each silent stranger is dropped after the 10 s auth deadline, with the reason
             answer = _first_frame(s)

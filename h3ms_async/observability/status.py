@@ -23,20 +23,22 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Literal, Mapping, get_args
+from typing import Annotated, Any, Callable, Iterable, Literal, Mapping
 
 import msgspec
 import psutil
 
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import get_logger
+from workers.dit.protocol import Transport
 
 _log = get_logger("MultiStream")
 _status_log = get_logger("Status")
 
 RING_SIZE = 256
-Exchange = Literal["host", "nccl", "gloo", "none"]
-EXCHANGE_MODES: tuple[str, ...] = get_args(Exchange)
+#: A step record's ``exchange``: the transport as it ran (``workers.dit.protocol.Transport``).
+Exchange = Transport
+EXCHANGE_MODES: tuple[str, ...] = tuple(t.value for t in Transport)
 SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "vae_workers", "vae_split", "text_encoder_outputs")
 #: Sections present only while a module provides them: "attention" (H3 Attention Parallel: its engines, each with
 #: ``devices``, ``helpers`` as worker rows, ``splits`` (the tuned head splits) and ``recent_calls`` with per-device
