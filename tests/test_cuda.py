@@ -47,8 +47,8 @@ def test_cuda_worker_echo_through_registered_shm():
             assert r.registered is True
             assert torch.equal(seg.tensor(dst), data)
             assert r.sha256 == hashlib.sha256(seg.tensor(dst).view(torch.uint8).numpy()).hexdigest()
-            print(f"rank {rank}: 256 MiB host->GPU->host in {r['seconds'] * 1e3:.1f} ms "
-                  f"({2 * 256 / 1024 / r['seconds']:.1f} GB/s both ways)")
+            print(f"rank {rank}: 256 MiB host->GPU->host in {r.seconds * 1e3:.1f} ms "
+                  f"({2 * 256 / 1024 / r.seconds:.1f} GB/s both ways)")
     finally:
         coord.run(pool.release(force=True), 60, "release")
         seg.close()

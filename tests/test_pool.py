@@ -66,7 +66,7 @@ def test_pool_start_ping_echo_release(n):
             want = hashlib.sha256(src.view(torch.uint8).numpy()).hexdigest()
             for r, (a, d) in enumerate(zip(res, dst_ds)):
                 assert (a.bytes, a.sha256, a.registered) == (64 * MiB, want, False)  # CPU: nothing to pin
-                assert a["seconds"] > 0
+                assert a.seconds > 0
                 assert torch.equal(dst_seg.tensor(d).view(torch.int16), src.view(torch.int16)), f"rank {r}"
             assert [w["jobs_done"] for w in pool.snapshot()] == [2] * n
             del src
@@ -118,7 +118,7 @@ def test_busy_release_refused_and_abort_stops_ranks(pool2):
     assert time.monotonic() - t0 < 5
     assert pool2.abort_generation == gen + 2  # ours, then all()'s own fail-fast abort
     assert not pool2.busy
-    assert run(pool2.all([Ping(), Ping()], timeout=5))[0]["pong"]
+    assert run(pool2.all([Ping(), Ping()], timeout=5))[0].pong
 
 
 def test_log_path_and_snapshot(pool2):
