@@ -46,7 +46,9 @@ coord = get_coordinator()
 coord.run(pool.start(), 120)
 pong = coord.run(pool.request(0, Ping(), timeout=60), 90)
 coord.run(pool.release(), 60)
-print("RESULT " + json.dumps({{"pid": os.getpid(), "removed": removed, "pong": sorted(msgspec.structs.asdict(pong))}}), flush=True)
+pong_fields = sorted(msgspec.structs.asdict(pong))
+result = {{"pid": os.getpid(), "removed": removed, "pong": pong_fields}}
+print("RESULT " + json.dumps(result), flush=True)
 """
 
 

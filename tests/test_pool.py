@@ -65,7 +65,8 @@ def test_pool_start_ping_echo_release(n):
             res = run(pool.all([Echo(src=src_d, dst=d) for d in dst_ds], timeout=60), 90)
             want = hashlib.sha256(src.view(torch.uint8).numpy()).hexdigest()
             for r, (a, d) in enumerate(zip(res, dst_ds)):
-                assert (a.bytes, a.sha256, a.registered) == (64 * MiB, want, False)  # CPU: nothing to pin
+                # a CPU rank has nothing to pin
+                assert (a.bytes, a.sha256, a.registered) == (64 * MiB, want, False)
                 assert a.seconds > 0
                 assert torch.equal(dst_seg.tensor(d).view(torch.int16), src.view(torch.int16)), f"rank {r}"
             assert [w["jobs_done"] for w in pool.snapshot()] == [2] * n

@@ -209,7 +209,7 @@ def test_bad_frames_on_authenticated_channels(caplog):
             with pytest.raises(WorkerError, match=f"worker rank {r} on cpu") as ei:
                 fut.result(10)
             assert "protocol error" in str(ei.value) and BAD_FRAMES[case][1] in str(ei.value), case
-        assert job.result(10) == {"slept": 1.0}  # the coordinator kept serving rank 0
+        assert job.result(10) == protocol.Slept(slept=1.0)  # the coordinator kept serving rank 0
         logged = " ".join(r.getMessage() for r in caplog.records)
         for r, case in enumerate(cases, start=1):
             assert f"rank {r} (cpu): protocol error" in logged and BAD_FRAMES[case][1] in logged

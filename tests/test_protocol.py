@@ -29,7 +29,8 @@ class Blob(protocol.Answer):
 
 
 def answer(obj, kind: type[protocol.Answer] = Blob) -> protocol.Answer:
-    """Decode the frame ``{k: ok, id: 1, r: obj}`` and then its ``r`` as ``kind``, as the coordinator does."""
+    """Decode the frame ``{k: ok, id: 1, r: obj}``, then its ``r`` as ``kind`` (as the channel
+    does)."""
     msg = decode(body({"k": "ok", "id": 1, "r": obj}))
     assert isinstance(msg, protocol.Ok)
     return protocol.decode_answer(kind, msg.r)
@@ -44,7 +45,8 @@ def test_frame_is_big_endian_length_plus_msgpack_map():
 
 
 @pytest.mark.parametrize("msg", [
-    protocol.Ok(id=1, r=protocol.encode_answer(protocol.Ping(), protocol.Pong(pong=True, pid=1, rank=0))),
+    protocol.Ok(id=1, r=protocol.encode_answer(protocol.Ping(),
+                                               protocol.Pong(pong=True, pid=1, rank=0))),
     protocol.Err(id=2, error="boom", tb="Traceback..."),
     protocol.Heartbeat(rss=10, vram=None, busy=False),
     protocol.Heartbeat(rss=10, vram=5, busy=True),
@@ -145,7 +147,8 @@ def test_limits_before_allocation():
     ({"a": {"x": msgpack.ExtType(5, b"ab")}}, Blob, "ext type 5"),
 ])
 def test_answer_violations(r, kind, needle):
-    """An ``ok`` frame's envelope decodes alone; its ``r`` is checked as the request kind's answer struct."""
+    """An ``ok`` frame's envelope decodes alone; its ``r`` is checked as the request kind's
+    answer struct."""
     with pytest.raises(ProtocolError) as ei:
         answer(r, kind)
     assert needle in str(ei.value)
@@ -154,8 +157,8 @@ def test_answer_violations(r, kind, needle):
 def test_answers_keep_the_wire_map():
     pong = protocol.Pong(pong=True, pid=7, rank=1, serves=["ping"])
     frame = encode(protocol.Ok(id=3, r=protocol.encode_answer(protocol.Ping(), pong)))
-    assert msgpack.unpackb(frame[4:]) == {"k": "ok", "id": 3,
-                                          "r": {"pong": True, "pid": 7, "rank": 1, "serves": ["ping"]}}
+    wire = {"pong": True, "pid": 7, "rank": 1, "serves": ["ping"]}
+    assert msgpack.unpackb(frame[4:]) == {"k": "ok", "id": 3, "r": wire}
     assert protocol.decode_answer(protocol.Ping.ANSWER, decode(frame[4:]).r) == pong
     assert protocol.Crash.ANSWER is protocol.Done and protocol.Echo.ANSWER is protocol.Echoed
 

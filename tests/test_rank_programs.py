@@ -134,7 +134,8 @@ def test_a_program_from_outside_the_pack_runs_on_the_pool(tally):
 
     serves = tally.pool._workers[0].serves  # from the worker's answer to the admission ping
     assert {"tally_add", "tally_modules", "echo"} <= serves and "dit_step" not in serves
-    assert _run(tally.pool.request(0, protocol.Ping(), timeout=10)).serves is None  # listed once, not every ping
+    # the kinds are listed once, not on every ping
+    assert _run(tally.pool.request(0, protocol.Ping(), timeout=10)).serves is None
     modules = _run(tally.pool.request(1, tally.messages.TallyModules(), timeout=10)).modules
     assert "workers.tally.rank" in modules
     assert not [m for m in modules if m.split(".")[1] in ("dit", "vae", "attention")], modules

@@ -326,7 +326,8 @@ class AttentionParallelEngine(Engine):
                                                for r in range(1, len(self.devices))]
         why = None
         for rep, rr in zip(reports, ranges):
-            bad = next(((rng, d) for rng, ok, d in zip(rr, rep.exact, rep.max_abs_diff) if not ok), None)
+            bad = next(((rng, d) for rng, ok, d in zip(rr, rep.exact, rep.max_abs_diff) if not ok),
+                       None)
             if bad is not None:
                 why = (f"heads [{bad[0][0]}, {bad[0][1]}) of {heads} at {sq} tokens differ from the whole call on "
                        f"{rep.fingerprint['device']} (max abs difference {bad[1]:g})")

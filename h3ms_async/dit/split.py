@@ -45,7 +45,7 @@ from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_
 
 log = get_logger("MultiStream")
 
-#: The node input's exchange choices (:class:`Transport` values; ``nccl`` runs as gloo on CPU ranks).
+#: The node input's exchange choices (:class:`Transport` values; ``nccl`` runs as gloo on CPUs).
 EXCHANGES = (Transport.HOST.value, Transport.NCCL.value)
 #: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
 BASELINE_EXCHANGE = Transport.NONE.value
@@ -189,8 +189,8 @@ class SplitEngine(Engine):
         self._sparse_fallback = DenseFallback()
         self._sparse_ran = False  # a step has sent sparse settings since the last end_sampling
         super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
-        #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
-        #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
+        #: The last successful step's per-rank answers (rank order), including fields the hub's
+        #: step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
         #: ``cuda_alloc``); benchmarks read it.
         self.last_rank_results: list[dit_protocol.DitStepped] = []
         #: Where the last successful step's wall time went on this side: new step buffers (``new_buffers``), a new
@@ -602,8 +602,9 @@ class SplitEngine(Engine):
             self._buffers.close()
             self._buffers = None
 
-    def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dit_protocol.DitStepped], wall: float,
-                tokens: int, blocks: int, sigma: float | None) -> None:
+    def _record(self, plan: plans.SplitPlan, opts: SplitOptions,
+                results: list[dit_protocol.DitStepped], wall: float, tokens: int, blocks: int,
+                sigma: float | None) -> None:
         hub = get_hub()
         ranks = [RankRecord(
             rank=r, device=self.devices[r], tokens=[plan.token_bounds[r], plan.token_bounds[r + 1]],

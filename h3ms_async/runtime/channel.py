@@ -1,5 +1,5 @@
-"""The coordinator's end of one worker channel: handshake, framing, request ids, deadlines, protocol-error close,
-and the one decode of each answer as its request kind's :class:`~workers.runtime.protocol.Answer` struct.
+"""The coordinator's end of one worker channel: handshake, framing, request ids, deadlines,
+protocol-error close, and the one decode of each answer as its request kind's answer struct.
 
 All methods run on the coordinator loop.  A protocol error or EOF closes the channel, fails every pending request
 with :class:`ChannelClosed`, and calls ``on_close`` once; other channels are unaffected.
@@ -101,8 +101,9 @@ class Channel:
         await self._writer.drain()
 
     async def request(self, msg: protocol.Request, timeout: float = 60.0) -> protocol.Answer:
-        """Send a request (under a fresh request id; ``msg`` itself is left as it is) and wait for its answer, a
-        ``msg.ANSWER`` struct (an answer that is not one breaks the protocol: the channel closes).
+        """Send a request (under a fresh request id; ``msg`` itself is left as it is) and wait for
+        its answer, a ``msg.ANSWER`` struct (an answer that is not one breaks the protocol: the
+        channel closes).
 
         Raises :class:`RemoteError` when the worker's handler failed, :class:`ChannelClosed` when the channel
         closes first, ``TimeoutError`` naming the channel and kind when ``timeout`` passes.
@@ -174,7 +175,8 @@ class Channel:
         self._writer.close()
         for req, fut in list(self._pending.values()):
             if not fut.done():
-                fut.set_exception(ChannelClosed(f"{self.name}: {reason} while {req.kind!r} was pending"))
+                fut.set_exception(
+                    ChannelClosed(f"{self.name}: {reason} while {req.kind!r} was pending"))
         if self._on_close is not None:
             self._on_close(reason)
 

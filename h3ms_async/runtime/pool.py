@@ -371,7 +371,8 @@ class WorkerPool:
         self._unwatch_exit(w)
         w.exited.set()
         if w.state in (WorkerState.STARTING, WorkerState.READY):
-            self._mark_dead(w, _exit_text(code) + (" during start" if w.state == WorkerState.STARTING else ""))
+            during = " during start" if w.state == WorkerState.STARTING else ""
+            self._mark_dead(w, _exit_text(code) + during)
 
     async def _wait_ready(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -610,7 +611,7 @@ class WorkerPool:
 
     async def _ensure_ready(self) -> None:
         self._check_loop()
-        if self._state != PoolState.RUNNING or any(w.state == WorkerState.DEAD for w in self._workers):
+        if self._state != PoolState.RUNNING or self.any_dead:
             await self.start()
 
     async def _request(self, w: _Worker, msg: protocol.Request, timeout: float) -> protocol.Answer:
@@ -641,7 +642,8 @@ class WorkerPool:
         w.jobs_done += 1
         return result
 
-    async def request(self, rank: int, msg: protocol.Request, timeout: float = 60.0) -> protocol.Answer:
+    async def request(self, rank: int, msg: protocol.Request,
+                      timeout: float = 60.0) -> protocol.Answer:
         """Send one request to one rank; return its answer (a ``msg.ANSWER`` struct) or raise
         :class:`WorkerError`."""
         if not 0 <= rank < self.world_size:
@@ -654,7 +656,8 @@ class WorkerPool:
             self._jobs -= 1
 
     async def all(self, per_rank: Sequence[protocol.Request], timeout: float) -> list[Any]:
-        """Send ``per_rank[r]`` to rank r, for every rank; return their answers (``ANSWER`` structs) in rank order.
+        """Send ``per_rank[r]`` to rank r, for every rank; return their answers (``ANSWER``
+        structs) in rank order.
 
         Fail fast: the first error or death aborts the other ranks (:meth:`abort`) and raises its
         :class:`WorkerError` at once; cancellation aborts them too.
@@ -676,7 +679,8 @@ class WorkerPool:
             if pending:
                 await asyncio.wait(pending, timeout=2.0)
             # A dead worker is the cause; another rank's error may just be the abort it caused.
-            failed.sort(key=lambda t: (self._workers[getattr(t.exception(), "rank", 0)].state != WorkerState.DEAD,))
+            failed.sort(key=lambda t: (
+                self._workers[getattr(t.exception(), "rank", 0)].state != WorkerState.DEAD,))
             raise failed[0].exception()
         except asyncio.CancelledError:
             self.abort()
@@ -692,12 +696,13 @@ class WorkerPool:
             self._jobs -= 1
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Per worker: rank, device, pid, state (a :class:`WorkerState` value), uptime_s, rss_bytes, vram_bytes, log,
-        jobs_done."""
+        """Per worker: rank, device, pid, state (a :class:`WorkerState` value), uptime_s,
+        rss_bytes, vram_bytes, log, jobs_done."""
         now = time.monotonic()
         if not self._workers:
-            return [{"rank": r, "device": d, "pid": None, "state": WorkerState.STOPPED.value, "uptime_s": 0.0,
-                     "rss_bytes": None, "vram_bytes": None, "log": None, "jobs_done": 0}
+            return [{"rank": r, "device": d, "pid": None, "state": WorkerState.STOPPED.value,
+                     "uptime_s": 0.0, "rss_bytes": None, "vram_bytes": None, "log": None,
+                     "jobs_done": 0}
                     for r, d in enumerate(self._devices)]
         out = []
         for w in self._workers:

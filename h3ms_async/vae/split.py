@@ -269,8 +269,9 @@ class VaeSplitEngine(Engine):
                     local_s += took
                     chunks.append({"index": i, "rank": 0, "decode_s": round(took, 4)})
                 else:
-                    [(res, host, fetch_s)] = self.wait([futures[i]], timeout, f"waiting for chunk {i}", interrupt=interrupt,
-                                              abandon=futures.values())
+                    [(res, host, fetch_s)] = self.wait(
+                        [futures[i]], timeout, f"waiting for chunk {i}", interrupt=interrupt,
+                        abandon=futures.values())
                     if host is None:  # shm: the worker wrote the chunk into the output segment
                         host = segs[1].tensor(out_descs[i])
                     raw = host.to(dev0, copy=True)
@@ -377,12 +378,14 @@ class VaeSplitEngine(Engine):
 
     async def _remote_chunk(self, job: int, i: int, worker: int, z_desc: TensorDesc, out_desc: TensorDesc | None,
                             shape: list[int], dtype: torch.dtype,
-                            timeout: float) -> tuple[vae_protocol.VaeChunkDone, torch.Tensor | None, float]:
-        """The worker's chunk answer, the chunk itself when it came over the socket (else None: it is in
-        ``out_desc``), and the seconds its fetch took."""
+                            timeout: float
+                            ) -> tuple[vae_protocol.VaeChunkDone, torch.Tensor | None, float]:
+        """The worker's chunk answer, the chunk itself when it came over the socket (else None: it
+        is in ``out_desc``), and the seconds its fetch took."""
         res = await self.pool.request(worker, vae_protocol.VaeChunk(job=job, index=i, z=z_desc, out=out_desc), timeout)
         if res.shape != list(shape) or res.dtype != dtype_name(dtype):
-            raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res.dtype} {res.shape}; "
+            raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res.dtype} "
+                                f"{res.shape}; "
                                 f"expected {dtype_name(dtype)} {shape} (does it run another ComfyUI?)")
         if out_desc is not None:
             return res, None, 0.0

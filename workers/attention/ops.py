@@ -104,5 +104,5 @@ def probe_ranges(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dty
             exact.append(ok)
             diffs.append(0.0 if ok else float((full[:, h0:h1].float() - part.float()).abs().max()))
         dig = invariance.digest(full)
-    return AttnProbed(fingerprint=invariance.fingerprint(device), exact=exact, max_abs_diff=diffs, digest=dig,
-                      ms=clock.ms(t0))
+    return AttnProbed(fingerprint=invariance.fingerprint(device), exact=exact, max_abs_diff=diffs,
+                      digest=dig, ms=clock.ms(t0))

@@ -24,7 +24,7 @@ Both sides import this module: the coordinator (``h3ms_async.attention.engine``)
                  (``workers.attention.ops.probe_ranges``): random data of ``shape`` [B, H, S, D] in ``dtype``, keys
                  and values of ``kv_len`` tokens
     ranges       the head ranges [h0, h1) this helper runs for that shape (its pieces)
-    -> AttnProbed: per range exact / max_abs_diff, the whole call's digest, the device fingerprint, ms
+    -> AttnProbed: per range exact / max_abs_diff, the call's digest, device fingerprint, ms
 
 ``attn_release`` drop this helper's shm mappings and cached device memory (it keeps running).
 """
@@ -41,9 +41,10 @@ if TYPE_CHECKING:
 
 
 class AttnPiece(Answer):
-    """One piece on a helper: its copy in, attention and copy out seconds (CUDA: event-timed, each phase's own),
-    ``compute_end_s`` (from the call's first attention start on this helper to this piece's attention end), the
-    bytes it read and wrote, the helper's peak VRAM (None on a CPU), and the request's wall seconds."""
+    """One piece on a helper: its copy in, attention and copy out seconds (CUDA: event-timed,
+    each phase's own), ``compute_end_s`` (from the call's first attention start on this helper
+    to this piece's attention end), the bytes it read and wrote, the helper's peak VRAM (None
+    on a CPU), and the request's wall seconds."""
 
     h2d_s: float
     compute_s: float
@@ -67,8 +68,9 @@ class AttnCall(Request, tag="attn_call"):
 
 
 class AttnProbed(Answer):
-    """Per probed head range ``exact`` and ``max_abs_diff``, the whole call's ``digest`` (compared across devices),
-    the device ``fingerprint`` (``workers.dit.invariance.fingerprint``) and the probe's ``ms``."""
+    """Per probed head range ``exact`` and ``max_abs_diff``, the whole call's ``digest``
+    (compared across devices), the device ``fingerprint``
+    (``workers.dit.invariance.fingerprint``) and the probe's ``ms``."""
 
     fingerprint: dict[str, str]
     exact: list[bool]

@@ -113,7 +113,8 @@ class _Piece:
         assert timings is not None  # set on the CPU, computed from the events on CUDA
         return attn_protocol.AttnPiece(
             **timings, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
-            vram_peak_bytes=int(torch.cuda.max_memory_allocated(self.device)) if self.events else None)
+            vram_peak_bytes=(int(torch.cuda.max_memory_allocated(self.device)) if self.events
+                             else None))
 
 
 def _check_out(out: torch.Tensor, slot: torch.Tensor) -> None:

@@ -21,9 +21,10 @@ serve.  Field meanings:
                 step segment and the arena stay);  rope: descriptor [1, S, 1, P, 2, 2]
     segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row index
     tokens      [t0, t1]
-    arena       exchange arena segment name ("" unless exchange is "host"); layout: ArenaLayout.to_dict()
-    exchange    a :class:`Transport` value: "host" | "nccl" | "gloo" | "none";  chunks: pipelined chunks per
-                exchange (0/1 = single shot).
+    arena       exchange arena segment name ("" unless exchange is "host");
+                layout: ArenaLayout.to_dict()
+    exchange    a :class:`Transport` value: "host" | "nccl" | "gloo" | "none";
+                chunks: pipelined chunks per exchange (0/1 = single shot).
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
@@ -60,14 +61,19 @@ from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, 
 
 
 class Transport(str, enum.Enum):
-    """How the ranks of a split step exchange rows between blocks: the one vocabulary of the node input (``host``,
-    ``nccl``), the wire (a step's ``exchange``), the step records and the status JSON.  The node's ``nccl`` means the
-    collective transport; the coordinator sends ``gloo`` for it on CPU ranks (:meth:`on`)."""
+    """How the ranks of a split step exchange rows between blocks: the one vocabulary of the
+    node input (``host``, ``nccl``), the wire (a step's ``exchange``), the step records and the
+    status JSON.  The node's ``nccl`` means the collective transport; on CPU ranks it runs as
+    ``gloo`` (:meth:`on`)."""
 
-    HOST = "host"  #: shared-memory arena on the host plus eventfd doorbells (CPU and CUDA ranks)
-    NCCL = "nccl"  #: torch.distributed collectives over NCCL (CUDA ranks)
-    GLOO = "gloo"  #: torch.distributed collectives over gloo: the CPU form of ``nccl``
-    NONE = "none"  #: benchmark baseline, no exchange: each rank's compute alone; its output is wrong by design
+    #: shared-memory arena on the host plus eventfd doorbells (CPU and CUDA ranks)
+    HOST = "host"
+    #: torch.distributed collectives over NCCL (CUDA ranks)
+    NCCL = "nccl"
+    #: torch.distributed collectives over gloo: the CPU form of ``nccl``
+    GLOO = "gloo"
+    #: benchmark baseline without exchange (each rank's compute alone; wrong output by design)
+    NONE = "none"
 
     def __str__(self) -> str:
         return self.value
@@ -78,7 +84,8 @@ class Transport(str, enum.Enum):
         return self in (Transport.NCCL, Transport.GLOO)
 
     def on(self, cuda: bool) -> "Transport":
-        """This transport as it runs on ranks of one kind: the collective one is NCCL on CUDA, gloo on the CPU."""
+        """This transport as it runs on CUDA (``cuda``) or CPU ranks: the collective one is NCCL
+        on CUDA, gloo on the CPU."""
         if self.collective:
             return Transport.NCCL if cuda else Transport.GLOO
         return self
@@ -90,9 +97,10 @@ RESIDENCIES: tuple[str, ...] = get_args(Residency)
 
 
 class DitLoaded(Answer):
-    """Whether the weights were mapped now (False: this key and head group were loaded already), their bytes, the
-    load's seconds (when it loaded), the device's SM count (None on a CPU), its fingerprint
-    (``workers.dit.invariance.fingerprint``), and why the sparse kernel cannot run there (None: it can)."""
+    """Whether the weights were mapped now (False: this key and head group were loaded
+    already), their bytes, the load's seconds (when it loaded), the device's SM count (None on a
+    CPU), its fingerprint (``workers.dit.invariance.fingerprint``), and why the sparse kernel
+    cannot run there (None: it can)."""
 
     loaded: bool
     bytes: int
@@ -113,13 +121,15 @@ class DitLoad(Request, tag="dit_load"):
 
 
 class DitStepped(Answer):
-    """One rank's step: wall, compute, exchange-copy and wait seconds, bytes moved, doorbell signals, peak VRAM (None
-    on a CPU); on CUDA the copies' own GPU seconds and the host's waits for compute; the weights' residency timings
-    (None where weights do not move); per block [compute, copy, wait] seconds; the seconds outside the blocks before
-    (``setup_s``: mapping segments, input copies, weight placement, exchange setup) and after (``tail_s``: the copy
-    back); the CUDA caching allocator's growth (``new_segments``, ``retries``, ``reserved_bytes``; None on a CPU);
-    with ``trace`` "block:op" -> digest of this rank's output of that op; with sparse attention the blocks run
-    sparse / dense and how many reused the pooled statistics (None without)."""
+    """One rank's step: wall, compute, exchange-copy and wait seconds, bytes moved, doorbell
+    signals, peak VRAM (None on a CPU); on CUDA the copies' own GPU seconds and the host's waits
+    for compute; the weights' residency timings (None where weights do not move); per block
+    [compute, copy, wait] seconds; the seconds outside the blocks before (``setup_s``: mapping
+    segments, input copies, weight placement, exchange setup) and after (``tail_s``: the copy
+    back); the CUDA caching allocator's growth (``new_segments``, ``retries``,
+    ``reserved_bytes``; None on a CPU); with ``trace`` "block:op" -> digest of this rank's
+    output of that op; with sparse attention the blocks run sparse / dense and how many reused
+    the pooled statistics (None without)."""
 
     wall_s: float
     compute_s: float
@@ -187,8 +197,9 @@ class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class OpVerdict(msgspec.Struct, forbid_unknown_fields=True):
-    """One op on one rank: ``exact[c]`` for candidate ``c`` (token-split ops), one entry for head-split ops, none
-    for ops every rank calls alike; ``digest`` of the unsplit call's output; ``max_abs_diff`` per candidate."""
+    """One op on one rank: ``exact[c]`` for candidate ``c`` (token-split ops), one entry for
+    head-split ops, none for ops every rank calls alike; ``digest`` of the unsplit call's
+    output; ``max_abs_diff`` per candidate."""
 
     op: str
     dtype: str
@@ -202,7 +213,8 @@ class OpVerdict(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ProbeReport(Answer):
-    """What ``dit_probe`` answers: the device's fingerprint, one verdict per op, and the probe's wall time."""
+    """What ``dit_probe`` answers: the device's fingerprint, one verdict per op, and the probe's
+    wall time."""
 
     fingerprint: dict[str, str]
     ops: list[OpVerdict] = msgspec.field(default_factory=list)

@@ -120,8 +120,8 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protoc
                  _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
     return dit_protocol.DitLoaded(
-        loaded=True, bytes=st.weights.provider.nbytes, seconds=time.perf_counter() - t, sm_count=_sm_count(ctx),
-        fingerprint=invariance.fingerprint(torch.device(ctx.device)),
+        loaded=True, bytes=st.weights.provider.nbytes, seconds=time.perf_counter() - t,
+        sm_count=_sm_count(ctx), fingerprint=invariance.fingerprint(torch.device(ctx.device)),
         sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)))
 
 
@@ -217,8 +217,9 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
     from workers.transports.dist import DistExchange, init_group
     if st.dist_backend is None:
         backend = msg.exchange.on(cuda)
-        init_group(ctx.rank, ctx.world_size, backend.value, os.path.join(ctx.run_dir, "dist-rendezvous"),
-                   msg.deadline_s, devices=ctx.state.get("devices"), local_device=ctx.device)
+        init_group(ctx.rank, ctx.world_size, backend.value,
+                   os.path.join(ctx.run_dir, "dist-rendezvous"), msg.deadline_s,
+                   devices=ctx.state.get("devices"), local_device=ctx.device)
         st.dist_backend = backend
     key = (st.dist_backend, tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
     ex = st.exchanges.get(key)

@@ -1,9 +1,10 @@
 """What a worker serves: the handler registry, the per-worker context, and the core commands.
 
-A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> Kind.ANSWER`` registered with ``@handler(Kind)`` for a
-request struct ``Kind`` (a :class:`workers.runtime.protocol.Request` subclass); it receives the decoded, validated
-message, the returned :class:`~workers.runtime.protocol.Answer` struct (of the kind's ``ANSWER``) is the ``r`` of the
-``ok`` answer, an exception becomes an ``err`` answer carrying its traceback.
+A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> Kind.ANSWER`` registered with
+``@handler(Kind)`` for a request struct ``Kind`` (a :class:`workers.runtime.protocol.Request`
+subclass); it receives the decoded, validated message, the returned answer struct (of the
+kind's ``ANSWER``) is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer
+carrying its traceback.
 Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps answering (heartbeats, aborts) while it runs.
 """
 from __future__ import annotations

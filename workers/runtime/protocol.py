@@ -16,14 +16,15 @@ Conversation (every arrow is one frame)::
         ◄──────────────────── auth {rank, pid, mac}     mac = HMAC-SHA256(key, nonce || rank), see auth.py
         ── welcome {...} or refused {error} ──────►
         ── <request kind> {id: n, ...} ───────────►
-        ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}   r: the request kind's answer
+        ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}     r: the kind's answer
         ◄──────── hb {id: 0, rss, vram, busy}        unsolicited, about every second
 
 A rank program declares its requests as :class:`Request` subclasses in its own ``workers/<program>/protocol.py``;
-defining the class is the declaration (importing the module adds it to the decoder).  Each request kind names its
-answer, an :class:`Answer` struct declared next to it (``ANSWER``): the worker's handler returns one, the ``ok``
-frame carries it as the map ``r``, and the coordinator decodes and validates ``r`` as that struct once, when the
-answer arrives (:func:`decode_answer`).
+defining the class is the declaration (importing the module adds it to the decoder).
+Each request kind names its answer, an :class:`Answer` struct declared next to it
+(``ANSWER``): the worker's handler returns one, the ``ok`` frame carries it as the map
+``r``, and the coordinator decodes and validates ``r`` as that struct once, when the answer
+arrives (:func:`decode_answer`).
 """
 from __future__ import annotations
 
@@ -170,9 +171,10 @@ class Message(msgspec.Struct, tag_field="k", kw_only=True, forbid_unknown_fields
 
 
 class Answer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """What a worker answers one request kind with (the ``r`` map of its ``ok`` frame); a subclass declares one."""
+    """What a worker answers one request kind with (the ``r`` map of its ``ok`` frame);
+    a subclass declares one."""
 
-    #: The names of this answer's free-form (:data:`Plain`) fields, checked with :func:`check_plain`.
+    #: The names of this answer's free-form (:data:`Plain`) fields (:func:`check_plain`).
     PLAIN: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
@@ -185,8 +187,8 @@ class Done(Answer):
 
 
 class Request(Message):
-    """A coordinator -> worker request; the worker answers it with :class:`Ok` (carrying an ``ANSWER``) or
-    :class:`Err`."""
+    """A coordinator -> worker request; the worker answers it with :class:`Ok` (carrying an
+    ``ANSWER``) or :class:`Err`."""
 
     #: The struct this kind is answered with.
     ANSWER: ClassVar[type[Answer]] = Done
@@ -251,8 +253,8 @@ class Refused(Message, tag="refused"):
 
 # answers and heartbeats (worker -> coordinator)
 class Ok(Message, tag="ok"):
-    """A request's answer: ``r`` is its kind's :class:`Answer`, encoded (:func:`encode_answer`) and decoded
-    (:func:`decode_answer`) apart from the envelope, as the request's kind says."""
+    """A request's answer: ``r`` is its kind's :class:`Answer`, encoded (:func:`encode_answer`)
+    and decoded (:func:`decode_answer`) apart from the envelope, as the request's kind says."""
 
     r: msgspec.Raw
 
@@ -287,7 +289,7 @@ class Ping(Request, tag="ping"):
 
 
 class Echoed(Answer):
-    """The bytes copied, their sha256, the copies' seconds, and whether ``src`` is CUDA-registered."""
+    """The bytes copied, their sha256, the copies' seconds, whether ``src`` is CUDA-registered."""
 
     bytes: int
     sha256: str
@@ -398,9 +400,11 @@ def encode(msg: Message) -> bytes:
 
 
 def encode_answer(request: Request, answer: Answer) -> msgspec.Raw:
-    """``answer`` as the ``r`` of an :class:`Ok` to ``request``; refuses a struct other than the kind's ``ANSWER``."""
+    """``answer`` as the ``r`` of an :class:`Ok` to ``request``; refuses a struct other than
+    the kind's ``ANSWER``."""
     if type(answer) is not request.ANSWER:
-        raise ProtocolError(f"{request.kind}: answered with {type(answer).__name__}, not {request.ANSWER.__name__}")
+        raise ProtocolError(f"{request.kind}: answered with {type(answer).__name__}, "
+                            f"not {request.ANSWER.__name__}")
     try:
         return msgspec.Raw(_ENCODER.encode(answer))
     except (TypeError, ValueError, OverflowError) as exc:
@@ -420,7 +424,8 @@ def decode_answer(answer: type[Answer], raw: msgspec.Raw | bytes) -> Answer:
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"invalid {answer.__name__} answer: {exc}"[:300]) from None
     except (msgspec.DecodeError, RecursionError, ValueError) as exc:
-        raise ProtocolError(f"{answer.__name__} answer is not one valid msgpack map: {exc}"[:300]) from None
+        text = f"{answer.__name__} answer is not one valid msgpack map: {exc}"
+        raise ProtocolError(text[:300]) from None
 
 
 async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> Message:

@@ -44,9 +44,10 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
     patterns = [case_inputs(layout, seed, k) for k in range(n_pat)]
     r0, r1 = layout.rows(rank)
     c0, c1 = layout.cols(rank)
-    transports = [("host", host)] if case["transport"] == "host" else [(Transport.GLOO.value, dist_ex)]
+    gloo = (Transport.GLOO.value, dist_ex)
+    transports = [("host", host)] if case["transport"] == "host" else [gloo]
     if case["transport"] == "both":
-        transports = [("host", host), (Transport.GLOO.value, dist_ex)]
+        transports = [("host", host), gloo]
     result: dict = {"name": case.get("name", ""), "ok": True, "failures": [], "runs": []}
     op_count = 0
 

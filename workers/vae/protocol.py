@@ -49,8 +49,8 @@ from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, 
 
 
 class VaeLoaded(Answer):
-    """Whether the decoder was built now (False: ``key`` was loaded already); then its bytes and the seconds of
-    the load and of ComfyUI's import."""
+    """Whether the decoder was built now (False: ``key`` was loaded already); then its bytes and
+    the seconds of the load and of ComfyUI's import."""
 
     loaded: bool
     key: str
@@ -71,8 +71,9 @@ class VaeLoad(Request, tag="vae_load"):
 
 
 class VaeChunkDone(Answer):
-    """One decoded chunk: its decode and copy seconds, raw output shape, dtype and bytes, and whether the worker
-    holds it for ``vae_fetch`` (socket return) instead of having written it to ``out``."""
+    """One decoded chunk: its decode and copy seconds, raw output shape, dtype and bytes, and
+    whether the worker holds it for ``vae_fetch`` (socket return) instead of having written it to
+    ``out``."""
 
     index: int
     seconds: float

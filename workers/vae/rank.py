@@ -204,8 +204,8 @@ async def _vae_load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> vae_protoc
     st.model, st.dtype, st.key = res["model"], res["dtype"], msg.key
     ctx.log.info("VAE decoder loaded: %.1f MiB %s in %.2f s (ComfyUI import %.2f s), key %s",
                  res["nbytes"] / 2**20, msg.dtype, res["load_s"], res["import_s"], msg.key)
-    return vae_protocol.VaeLoaded(loaded=True, key=msg.key, bytes=res["nbytes"], seconds=res["load_s"],
-                                  import_s=res["import_s"])
+    return vae_protocol.VaeLoaded(loaded=True, key=msg.key, bytes=res["nbytes"],
+                                  seconds=res["load_s"], import_s=res["import_s"])
 
 
 def _test_crash(ctx: WorkerContext) -> None:
@@ -239,7 +239,8 @@ def _probe(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeProbe) -> vae_
             digest = vae_protocol.chunk_digest(raw)
     finally:
         ctx.forget_segment(msg.z.seg)
-    return vae_protocol.VaeProbed(digest=digest, seconds=time.perf_counter() - t0, shape=list(raw.shape),
+    return vae_protocol.VaeProbed(digest=digest, seconds=time.perf_counter() - t0,
+                                  shape=list(raw.shape),
                                   dtype=str(raw.dtype).removeprefix("torch."))
 
 
@@ -270,8 +271,9 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk,
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
     return vae_protocol.VaeChunkDone(
-        index=msg.index, seconds=t_decode, copy_s=time.perf_counter() - t0 - t_decode, shape=list(raw.shape),
-        dtype=str(raw.dtype).removeprefix("torch."), nbytes=raw.numel() * raw.element_size(), held=out is None)
+        index=msg.index, seconds=t_decode, copy_s=time.perf_counter() - t0 - t_decode,
+        shape=list(raw.shape), dtype=str(raw.dtype).removeprefix("torch."),
+        nbytes=raw.numel() * raw.element_size(), held=out is None)
 
 
 @handler(vae_protocol.VaeChunk)
@@ -281,8 +283,9 @@ async def _vae_chunk(ctx: WorkerContext, msg: vae_protocol.VaeChunk) -> vae_prot
         raise RuntimeError("vae_chunk before vae_load: this worker holds no VAE decoder")
     res = await ctx.run_compute(_decode, ctx, st, msg, ctx.abort_generation())
     st.chunks_done += 1
-    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index, res.dtype,
-                 res.shape, res.seconds, res.copy_s, "held for fetch" if res.held else "shm")
+    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index,
+                 res.dtype, res.shape, res.seconds, res.copy_s,
+                 "held for fetch" if res.held else "shm")
     return res
 
 
@@ -292,8 +295,8 @@ async def _vae_probe(ctx: WorkerContext, msg: vae_protocol.VaeProbe) -> vae_prot
     if st.model is None:
         raise RuntimeError("vae_probe before vae_load: this worker holds no VAE decoder")
     res = await ctx.run_compute(_probe, ctx, st, msg)
-    ctx.log.info("exactness probe: %s %s decoded in %.3f s, digest %s", res.dtype, res.shape, res.seconds,
-                 res.digest[:12])
+    ctx.log.info("exactness probe: %s %s decoded in %.3f s, digest %s", res.dtype, res.shape,
+                 res.seconds, res.digest[:12])
     return res
 
 
