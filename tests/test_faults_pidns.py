@@ -84,7 +84,7 @@ def test_a_sweep_in_another_pid_namespace_leaves_our_pool_alone(tmp_path, monkey
         while pool.snapshot()[0]["state"] != "dead":
             assert time.monotonic() < deadline, "the killed rank was not noticed"
             time.sleep(0.05)
-        assert _echo(pool, arena, b"after a restart")["bytes"] == 15
+        assert _echo(pool, arena, b"after a restart").bytes == 15
         assert pool.starts == 2
     finally:
         coord.run(pool.release(force=True), 60)
