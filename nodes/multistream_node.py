@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from h3ms_async.log import get_logger
+from workers.dit.protocol import Transport
 from workers.runtime import config
 
 from .attention_parallel_node import has_parallel_attention
@@ -39,7 +40,8 @@ class H3MultiStreamAsync(ModelPatchNode):
             "model": ("MODEL", {"tooltip": "A MiniMax H3 model; any other model passes through unchanged."}),
             "enabled": enabled_input("Off returns the model untouched (plain ComfyUI), as bypassing the node does."),
             "second_gpu": SECOND_GPU_INPUT,
-            "exchange": (["host", "nccl"], {"default": "host", "tooltip": "host: per-block exchanges through "
+            "exchange": ([Transport.HOST.value, Transport.NCCL.value], {
+                         "default": "host", "tooltip": "host: per-block exchanges through "
                          "pinned shared memory, works on any PCIe box. nccl: torch.distributed collectives, for "
                          "NVLink machines."}),
             "exchange_chunks": ("INT", {"default": 0, "min": 0, "max": 32, "tooltip": "Pipeline the host "

@@ -44,11 +44,11 @@ def test_cuda_worker_echo_through_registered_shm():
         for rank in range(2):
             seg.tensor(dst).zero_()
             r = coord.run(pool.request(rank, Echo(src=src, dst=dst), timeout=120), 150, "echo")
-            assert r["registered"] is True
+            assert r.registered is True
             assert torch.equal(seg.tensor(dst), data)
-            assert r["sha256"] == hashlib.sha256(seg.tensor(dst).view(torch.uint8).numpy()).hexdigest()
-            print(f"rank {rank}: 256 MiB host->GPU->host in {r['seconds'] * 1e3:.1f} ms "
-                  f"({2 * 256 / 1024 / r['seconds']:.1f} GB/s both ways)")
+            assert r.sha256 == hashlib.sha256(seg.tensor(dst).view(torch.uint8).numpy()).hexdigest()
+            print(f"rank {rank}: 256 MiB host->GPU->host in {r.seconds * 1e3:.1f} ms "
+                  f"({2 * 256 / 1024 / r.seconds:.1f} GB/s both ways)")
     finally:
         coord.run(pool.release(force=True), 60, "release")
         seg.close()
@@ -137,7 +137,7 @@ eng.load_weights(("vram",), cfg, model.block_weights)
 inp = make_step_inputs(cfg, layout_for_tokens(4096), 1, torch.bfloat16)
 for _ in range(2):
     eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
-peaks = [r["vram_peak_bytes"] for r in eng.last_rank_results]
+peaks = [r.vram_peak_bytes for r in eng.last_rank_results]
 print(json.dumps({"parent_cuda_initialized": torch.cuda.is_initialized(), "rank_vram_peaks": peaks,
                   "parent_allocated": torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0,
                   "parent_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0}))

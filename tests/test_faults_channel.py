@@ -6,10 +6,11 @@ import logging
 import socket
 import time
 
+import msgspec
 import pytest
 
 from h3ms_async.observability import serve
-from h3ms_async.runtime.channel import Channel, RemoteError
+from h3ms_async.runtime.channel import Channel, ChannelClosed, RemoteError
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.observability.routes import tail_file
 from h3ms_async.runtime.pool import MAX_HANDSHAKES_PER_RANK, WorkerPool
@@ -48,7 +49,8 @@ def test_silent_strangers_get_bounded_slots_and_a_reason(caplog, tmp_path, monke
         extra = _connect(pool.socket_path)
         assert _first_frame(extra) is None  # over the limit: closed at once, nothing buffered for it
         extra.close()
-        assert coord.run(pool.request(0, protocol.Ping(), timeout=30), 60)["pong"] is True  # the pool serves on
+        pong = coord.run(pool.request(0, protocol.Ping(), timeout=30), 60)
+        assert pong.pong is True  # the pool serves on
         t0 = time.monotonic()
         for s in silent:  # each silent stranger is dropped after the 10 s auth deadline, with the reason
             answer = _first_frame(s)
@@ -103,12 +105,13 @@ async def test_an_answer_landing_while_its_request_is_cancelled_is_never_printed
     task = asyncio.ensure_future(channel.request(protocol.Ping(), timeout=30))
     while not channel.pending:
         await asyncio.sleep(0)
-    ((_, (kind, answer)),) = channel._pending.items()
+    ((_, (req, answer)),) = channel._pending.items()
     task.cancel()
     for _ in range(turns):  # the cancellation unwinds through wait_for and the shield, one loop turn at a time
         await asyncio.sleep(0)
     if not answer.done():
-        answer.set_exception(RemoteError(channel.name, kind, "ExchangeAborted: aborted", "Traceback ..."))
+        answer.set_exception(RemoteError(channel.name, req.kind, "ExchangeAborted: aborted",
+                                         "Traceback ..."))
     with pytest.raises((asyncio.CancelledError, RemoteError)):
         await task
     del answer, task
@@ -117,3 +120,31 @@ async def test_an_answer_landing_while_its_request_is_cancelled_is_never_printed
     writer.close()
     peer.close()
     assert not [c for c in reported if "never retrieved" in c.get("message", "")]
+
+
+@pytest.mark.asyncio
+async def test_an_answer_is_decoded_as_its_request_kinds_struct():
+    """The channel hands back the request kind's answer struct; an ``r`` that is not one closes
+    the channel, naming the field, and fails the request."""
+    ours, peer = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    peer_reader, peer_writer = await asyncio.open_unix_connection(sock=peer)
+    channel = Channel(reader, writer, "rank 0 (cpu)")
+    channel.start()
+
+    async def answer(r: dict) -> None:
+        msg = await protocol.read_message(peer_reader)
+        body = msgspec.msgpack.encode({"k": "ok", "id": msg.id, "r": r})
+        peer_writer.write(protocol.HEADER.pack(len(body)) + body)
+        await peer_writer.drain()
+
+    good = asyncio.ensure_future(channel.request(protocol.Ping(), timeout=10))
+    await answer({"pong": True, "pid": 5, "rank": 0})
+    assert await good == protocol.Pong(pong=True, pid=5, rank=0)
+    bad = asyncio.ensure_future(channel.request(protocol.Ping(), timeout=10))
+    await answer({"pong": True, "pid": "five", "rank": 0})
+    with pytest.raises(ChannelClosed,
+                       match=r"invalid Pong answer: Expected `int`, got `str` - at `\$.pid`"):
+        await bad
+    assert channel.closed
+    peer_writer.close()

@@ -17,7 +17,7 @@ import pytest
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
 from tests.faults_common import ROOT, run_dirs
-from workers.runtime.protocol import Echo
+from workers.runtime.protocol import Echo, Echoed
 from workers.runtime.shm import held_shm, Arena
 
 
@@ -39,17 +39,20 @@ from h3ms_async.runtime import rundir
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
 from workers.runtime.protocol import Ping
+import msgspec
 removed = rundir.sweep_dead()
 pool = WorkerPool(["cpu"], name="otherns")
 coord = get_coordinator()
 coord.run(pool.start(), 120)
 pong = coord.run(pool.request(0, Ping(), timeout=60), 90)
 coord.run(pool.release(), 60)
-print("RESULT " + json.dumps({{"pid": os.getpid(), "removed": removed, "pong": sorted(pong)}}), flush=True)
+pong_fields = sorted(msgspec.structs.asdict(pong))
+result = {{"pid": os.getpid(), "removed": removed, "pong": pong_fields}}
+print("RESULT " + json.dumps(result), flush=True)
 """
 
 
-def _echo(pool: WorkerPool, arena: Arena, payload: bytes) -> dict:
+def _echo(pool: WorkerPool, arena: Arena, payload: bytes) -> Echoed:
     src = arena.alloc("uint8", [len(payload)])
     dst = arena.alloc("uint8", [len(payload)])
     with arena.segment.buffer(src.off, len(payload)) as mv:
@@ -74,14 +77,14 @@ def test_a_sweep_in_another_pid_namespace_leaves_our_pool_alone(tmp_path, monkey
         assert other["pid"] < 10 and other["pid"] != os.getpid()  # really another PID namespace
         assert other["removed"] == [] and "pid" in other["pong"]
         assert os.path.isdir(ours) and os.path.exists(pool.socket_path)
-        assert _echo(pool, arena, b"still ours")["bytes"] == 10
+        assert _echo(pool, arena, b"still ours").bytes == 10
         # a rank that starts now maps our segments again: kill it, the next request restarts the pool
         os.kill(pool.snapshot()[0]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 10
         while pool.snapshot()[0]["state"] != "dead":
             assert time.monotonic() < deadline, "the killed rank was not noticed"
             time.sleep(0.05)
-        assert _echo(pool, arena, b"after a restart")["bytes"] == 15
+        assert _echo(pool, arena, b"after a restart").bytes == 15
         assert pool.starts == 2
     finally:
         coord.run(pool.release(force=True), 60)

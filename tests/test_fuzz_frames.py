@@ -99,4 +99,4 @@ def test_live_pool_survives_random_frames(live_pool, raw):
 
 def test_live_pool_still_answers_after_fuzzing(live_pool):
     pong = get_coordinator().run(live_pool.request(0, protocol.Ping(), timeout=10), 20)
-    assert pong["pong"] and live_pool.starts == 1
+    assert pong.pong and live_pool.starts == 1

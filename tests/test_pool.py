@@ -52,7 +52,7 @@ def test_pool_start_ping_echo_release(n):
         assert os.stat(run_dir).st_mode & 0o777 == 0o700
         assert os.path.basename(run_dir).startswith(f"h3ms-{os.getpid()}-")
         answers = run(pool.all([Ping()] * n, timeout=10))
-        assert [a["pid"] for a in answers] == pids and all(a["pong"] for a in answers)
+        assert [a.pid for a in answers] == pids and all(a.pong for a in answers)
 
         # 64 MiB of bfloat16 in, one 64 MiB copy back per rank, bit-exact
         src_seg = Segment.create(64 * MiB, "src")
@@ -65,8 +65,9 @@ def test_pool_start_ping_echo_release(n):
             res = run(pool.all([Echo(src=src_d, dst=d) for d in dst_ds], timeout=60), 90)
             want = hashlib.sha256(src.view(torch.uint8).numpy()).hexdigest()
             for r, (a, d) in enumerate(zip(res, dst_ds)):
-                assert (a["bytes"], a["sha256"], a["registered"]) == (64 * MiB, want, False)  # CPU: nothing to pin
-                assert a["seconds"] > 0
+                # a CPU rank has nothing to pin
+                assert (a.bytes, a.sha256, a.registered) == (64 * MiB, want, False)
+                assert a.seconds > 0
                 assert torch.equal(dst_seg.tensor(d).view(torch.int16), src.view(torch.int16)), f"rank {r}"
             assert [w["jobs_done"] for w in pool.snapshot()] == [2] * n
             del src
@@ -98,7 +99,7 @@ def test_worker_error_carries_traceback_and_log(pool2):
     assert "worker rank 1 on cpu" in msg and "src has 16 bytes but dst has 8" in msg
     assert "Traceback (most recent call last)" in msg and "rank1.log" in msg
     # a handler error does not kill the worker
-    assert run(pool2.request(1, Ping(), timeout=5))["pong"]
+    assert run(pool2.request(1, Ping(), timeout=5)).pong
     assert pool2.snapshot()[1]["state"] == "ready"
 
 
@@ -118,7 +119,7 @@ def test_busy_release_refused_and_abort_stops_ranks(pool2):
     assert time.monotonic() - t0 < 5
     assert pool2.abort_generation == gen + 2  # ours, then all()'s own fail-fast abort
     assert not pool2.busy
-    assert run(pool2.all([Ping(), Ping()], timeout=5))[0]["pong"]
+    assert run(pool2.all([Ping(), Ping()], timeout=5))[0].pong
 
 
 def test_log_path_and_snapshot(pool2):

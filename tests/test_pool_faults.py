@@ -61,7 +61,7 @@ def test_sigkill_mid_job_fails_fast_then_restarts(pool3):
     assert not pool3.busy
     # the next job restarts the whole pool and succeeds
     answers = run(pool3.all([protocol.Ping()] * 3, timeout=10), 120)
-    new_pids = [a["pid"] for a in answers]
+    new_pids = [a.pid for a in answers]
     assert pool3.starts == starts + 1 and not set(new_pids) & set(old_pids)
     assert all(gone(p) for p in old_pids)
 
@@ -70,7 +70,7 @@ def test_crash_hook_exit_code_is_reported(pool3):
     with pytest.raises(WorkerError, match=r"worker rank 2 on cpu .*exited with code 7") as ei:
         run(pool3.request(2, protocol.Crash(how="exit", code=7), timeout=10))
     assert "test hook: crashing (exit)" in str(ei.value)
-    assert run(pool3.request(2, protocol.Ping(), timeout=10), 120)["pong"]
+    assert run(pool3.request(2, protocol.Ping(), timeout=10), 120).pong
 
 
 def test_hung_worker_hits_the_deadline(pool3):
@@ -80,7 +80,7 @@ def test_hung_worker_hits_the_deadline(pool3):
         run(pool3.request(0, protocol.Hang(seconds=60), timeout=1.0), 10)
     assert isinstance(ei.value, TimeoutError) and time.monotonic() - t0 < 4
     assert pool3.snapshot()[0]["state"] == "dead"
-    assert run(pool3.request(0, protocol.Ping(), timeout=10), 120)["pong"]
+    assert run(pool3.request(0, protocol.Ping(), timeout=10), 120).pong
 
 
 def test_missing_heartbeats_mark_a_worker_dead(monkeypatch):
@@ -161,7 +161,7 @@ def test_wrong_key_is_refused_and_logged(pool3, caplog):
     answer = protocol.decode(reply[4:])
     assert isinstance(answer, protocol.Refused) and "wrong key" in answer.error
     assert any("refused a connection" in r.getMessage() and "wrong key" in r.getMessage() for r in caplog.records)
-    assert [a["pong"] for a in run(pool3.all([protocol.Ping()] * 3, timeout=10))] == [True] * 3
+    assert [a.pong for a in run(pool3.all([protocol.Ping()] * 3, timeout=10))] == [True] * 3
 
 
 def _frame(obj) -> bytes:
@@ -190,7 +190,7 @@ def test_bad_frames_before_auth_close_that_connection_only(pool3, caplog, case):
         s.shutdown(socket.SHUT_WR)
         _read_to_eof(s)  # the coordinator closes it
     assert any("refused a connection" in r.getMessage() and needle in r.getMessage() for r in caplog.records)
-    assert [a["pong"] for a in run(pool3.all([protocol.Ping()] * 3, timeout=10))] == [True] * 3
+    assert [a.pong for a in run(pool3.all([protocol.Ping()] * 3, timeout=10))] == [True] * 3
 
 
 def test_bad_frames_on_authenticated_channels(caplog):
@@ -209,7 +209,7 @@ def test_bad_frames_on_authenticated_channels(caplog):
             with pytest.raises(WorkerError, match=f"worker rank {r} on cpu") as ei:
                 fut.result(10)
             assert "protocol error" in str(ei.value) and BAD_FRAMES[case][1] in str(ei.value), case
-        assert job.result(10) == {"slept": 1.0}  # the coordinator kept serving rank 0
+        assert job.result(10) == protocol.Slept(slept=1.0)  # the coordinator kept serving rank 0
         logged = " ".join(r.getMessage() for r in caplog.records)
         for r, case in enumerate(cases, start=1):
             assert f"rank {r} (cpu): protocol error" in logged and BAD_FRAMES[case][1] in logged

@@ -28,22 +28,33 @@ from workers.runtime.shm import Arena, held_shm
 from workers.vae.protocol import VaeDrop
 
 PROTOCOL = '''
-from workers.runtime.protocol import Request, TensorDesc
+from typing import ClassVar
+
+from workers.runtime.protocol import Answer, Request, TensorDesc
+
+
+class Tallied(Answer):
+    total: int
 
 
 class TallyAdd(Request, tag="tally_add"):
     x: TensorDesc
+    ANSWER: ClassVar[type[Answer]] = Tallied
+
+
+class Modules(Answer):
+    modules: list[str]
 
 
 class TallyModules(Request, tag="tally_modules"):
-    pass
+    ANSWER: ClassVar[type[Answer]] = Modules
 '''
 
 RANK = '''
 import sys
 
 from workers.runtime.handlers import handler
-from workers.tally.protocol import TallyAdd, TallyModules
+from workers.tally.protocol import Modules, Tallied, TallyAdd, TallyModules
 
 
 @handler(TallyAdd)
@@ -51,12 +62,12 @@ async def _add(ctx, msg: TallyAdd):
     """Add the sum of a tensor in shared memory to this rank's resident total."""
     x = ctx.segment(msg.x.seg).tensor(msg.x)
     ctx.state["total"] = ctx.state.get("total", 0) + int(x.sum()) * (ctx.rank + 1)
-    return {"total": ctx.state["total"]}
+    return Tallied(total=ctx.state["total"])
 
 
 @handler(TallyModules)
 async def _modules(ctx, msg: TallyModules):
-    return {"modules": sorted(m for m in sys.modules if m.startswith("workers."))}
+    return Modules(modules=sorted(m for m in sys.modules if m.startswith("workers.")))
 '''
 
 
@@ -90,7 +101,7 @@ class TallyEngine(Engine):
             self.arena.segment.tensor(self.desc).copy_(x)
             add = self.messages.TallyAdd(x=self.desc)
             results = self.run(self.pool.all([add] * self.pool.world_size, 30), 60, "tally")
-            return [r["total"] for r in results]
+            return [r.total for r in results]
 
     def _drop_resident(self):
         self.arena = None  # the pool unlinked its segment
@@ -123,8 +134,9 @@ def test_a_program_from_outside_the_pack_runs_on_the_pool(tally):
 
     serves = tally.pool._workers[0].serves  # from the worker's answer to the admission ping
     assert {"tally_add", "tally_modules", "echo"} <= serves and "dit_step" not in serves
-    assert "serves" not in _run(tally.pool.request(0, protocol.Ping(), timeout=10))  # listed once, not on every ping
-    modules = _run(tally.pool.request(1, tally.messages.TallyModules(), timeout=10))["modules"]
+    # the kinds are listed once, not on every ping
+    assert _run(tally.pool.request(0, protocol.Ping(), timeout=10)).serves is None
+    modules = _run(tally.pool.request(1, tally.messages.TallyModules(), timeout=10)).modules
     assert "workers.tally.rank" in modules
     assert not [m for m in modules if m.split(".")[1] in ("dit", "vae", "attention")], modules
 

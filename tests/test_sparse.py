@@ -20,7 +20,7 @@ from h3ms_async.dit.split import SplitEngine, SplitOptions
 from workers.dit import protocol as dit_protocol
 from workers.dit.sparse import (PooledStats, SparseConfig, dense_reason, kernel_unavailable, sinks, sparse_step,
                                 target_starts)
-from workers.runtime.protocol import decode, encode
+from workers.runtime.protocol import Dropped, decode, encode
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 
@@ -177,7 +177,7 @@ def test_cpu_split_with_sparse_settings_runs_dense_says_so_once_and_equals_the_d
                 ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
                 out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=0.5, sparse_branch="b")
                 assert torch.equal(out, ref), f"step {s}"
-                assert all(r["sparse"] is None for r in eng.last_rank_results)
+                assert all(r.sparse is None for r in eng.last_rank_results)
         lines = [r.getMessage() for r in caplog.records if "sparse attention cannot run" in r.getMessage()]
         assert len(lines) == 1, lines
         assert eng.end_sampling() == 0  # nothing ran sparse: no message
@@ -194,6 +194,6 @@ def test_reset_message_reaches_every_rank():
     try:
         eng.load_weights(("sparse-reset",), CFG, model.block_weights)
         results = get_coordinator().run(eng.pool.all([dit_protocol.DitSparseReset()] * 2, 30.0), 60, "reset")
-        assert results == [{"dropped": 0}, {"dropped": 0}]
+        assert results == [Dropped(dropped=0), Dropped(dropped=0)]
     finally:
         eng.release()

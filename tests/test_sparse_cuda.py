@@ -71,7 +71,7 @@ def _check_split(eng: SplitEngine, refs: list[torch.Tensor], what: str) -> None:
                              exchange_chunks=8)
         diff = (out.float() - refs[s].float()).abs().max().item()
         assert torch.equal(out, refs[s]), f"{what} step {s} (sigma {sigma}, {branch}): max |diff| {diff:g}"
-        counts = [r["sparse"] for r in eng.last_rank_results]
+        counts = [r.sparse for r in eng.last_rank_results]
         inside = 0.2 <= sigma <= 0.95
         assert all(c["sparse_blocks"] == (2 if inside else 0) for c in counts), counts
         assert all(c["stats_reused"] == (2 if inside and branch in seen else 0) for c in counts), (s, counts)

@@ -49,7 +49,7 @@ try:
                                                     sparse_attention=settings)[0]
             outs[ranks] = comfy_h3.ksample(split, **KW)  # the first calls after this rank map's workers start
             (eng,) = S.engines()
-            counts = [r["sparse"] for r in eng.last_rank_results]
+            counts = [r.sparse for r in eng.last_rank_results]
             r = dict(method=method, ranks=ranks, shares=shares, counts=counts,
                      same_as_one_gpu=comfy_h3.same(outs["cuda:0"], outs[ranks]),
                      same_as_dense=comfy_h3.same(plain, outs[ranks]))

@@ -121,9 +121,8 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         try:
             try:
                 result = await fn(ctx, msg)
-                if not isinstance(result, dict):
-                    raise TypeError(f"handler for {msg.kind!r} returned {type(result).__name__}, not a dict")
-                answer: protocol.Message = protocol.Ok(id=msg.id, r=result)
+                r = protocol.encode_answer(msg, result)
+                answer: protocol.Message = protocol.Ok(id=msg.id, r=r)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every handler error (a malformed result included) goes to the coordinator
@@ -144,7 +143,8 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 log.error("protocol error from the coordinator: %s", exc)
                 return "protocol error"
             if isinstance(msg, protocol.Shutdown):
-                send(protocol.Ok(id=msg.id, r={"pid": os.getpid()}))
+                stopping = protocol.Stopping(pid=os.getpid())
+                send(protocol.Ok(id=msg.id, r=protocol.encode_answer(msg, stopping)))
                 await writer.drain()
                 return "shutdown requested"
             fn = HANDLERS.get(type(msg))

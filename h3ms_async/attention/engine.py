@@ -201,12 +201,12 @@ class _Call:
     return_s: list[float] = field(default_factory=list)
     sent: list[float] = field(default_factory=list)
     answered: list[float] = field(default_factory=list)
-    answers: list[dict] = field(default_factory=list)
+    answers: list[attn_protocol.AttnPiece | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.plan)
         self.stage_s, self.return_s, self.sent, self.answered = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-        self.answers = [{} for _ in range(n)]
+        self.answers = [None] * n
 
 
 class AttentionParallelEngine(Engine):
@@ -327,18 +327,19 @@ class AttentionParallelEngine(Engine):
                                                for r in range(1, len(self.devices))]
         why = None
         for rep, rr in zip(reports, ranges):
-            bad = next(((rng, d) for rng, ok, d in zip(rr, rep["exact"], rep["max_abs_diff"]) if not ok), None)
+            bad = next(((rng, d) for rng, ok, d in zip(rr, rep.exact, rep.max_abs_diff) if not ok),
+                       None)
             if bad is not None:
                 why = (f"heads [{bad[0][0]}, {bad[0][1]}) of {heads} at {sq} tokens differ from the whole call on "
-                       f"{rep['fingerprint']['device']} (max abs difference {bad[1]:g})")
-            elif rep["digest"] != local["digest"]:
-                why = (f"the whole call computes other bits on {rep['fingerprint']['device']} than on "
-                       f"{local['fingerprint']['device']}")
+                       f"{rep.fingerprint['device']} (max abs difference {bad[1]:g})")
+            elif rep.digest != local.digest:
+                why = (f"the whole call computes other bits on {rep.fingerprint['device']} than on "
+                       f"{local.fingerprint['device']}")
             if why is not None:
                 break
         self._verdicts[key] = why
-        devices = ", ".join(dict.fromkeys(rep["fingerprint"]["device"] for rep in reports))
-        ms = max(float(rep["ms"]) for rep in reports)
+        devices = ", ".join(dict.fromkeys(rep.fingerprint["device"] for rep in reports))
+        ms = max(rep.ms for rep in reports)
         record_verdict("attention", "attention", devices, dtype, "x".join(map(str, shape)),
                        [hi - lo for lo, hi in zip(bounds, bounds[1:])], "exact" if why is None else "unsplit",
                        "measured exact" if why is None else f"{why}; this shape's calls run unsplit", ms)
@@ -349,7 +350,7 @@ class AttentionParallelEngine(Engine):
             log.warning("H3 Attention Parallel: %s; calls of this shape run unsplit on the model's GPU", why)
         return why
 
-    def _submit(self, buf: _Buffers, call: "_Call", p: int) -> "cf.Future[dict]":
+    def _submit(self, buf: _Buffers, call: "_Call", p: int) -> "cf.Future[attn_protocol.AttnPiece]":
         """Send piece ``p`` to its helper now."""
         r, h0, _ = call.plan[p]
         first = min(h for rr, h, _ in call.plan if rr == r)
@@ -357,11 +358,12 @@ class AttentionParallelEngine(Engine):
         call.sent[p] = time.perf_counter()
         return get_coordinator().submit(self.pool.request(r - 1, msg, self.call_timeout_s))
 
-    def _gather(self, futs: list["cf.Future[dict]"], call: "_Call", on_result: Callable[[int], None]) -> None:
+    def _gather(self, futs: list["cf.Future[attn_protocol.AttnPiece]"], call: "_Call",
+                on_result: Callable[[int], None]) -> None:
         """Each piece's answer (``futs[p]`` is piece p's) as it comes into ``call.answers``, ``on_result(p)`` taking
         it in at once; any failure or the deadline aborts every helper and fails the call."""
 
-        def answer(p: int, result: dict) -> None:
+        def answer(p: int, result: attn_protocol.AttnPiece) -> None:
             call.answers[p] = result
             call.answered[p] = time.perf_counter()
             on_result(p)
@@ -371,7 +373,7 @@ class AttentionParallelEngine(Engine):
 
     def _call_cpu(self, buf: _Buffers, call: "_Call") -> float:
         """One call with the model on the CPU; returns rank 0's own seconds."""
-        futs: list[cf.Future[dict]] = []
+        futs: list[cf.Future[attn_protocol.AttnPiece]] = []
         try:
             for p in range(len(call.plan)):  # each piece goes out as soon as it is staged
                 t = time.perf_counter()
@@ -441,7 +443,7 @@ class AttentionParallelEngine(Engine):
                 e1.record(back)
             back_marks[p] = (e0, e1)
 
-        futs: list[cf.Future[dict]] = []
+        futs: list[cf.Future[attn_protocol.AttnPiece]] = []
         try:
             for p, (_, staged) in enumerate(marks):
                 staged.synchronize()
@@ -469,12 +471,13 @@ class AttentionParallelEngine(Engine):
         first_sent, last_answer = [float("inf")] * n, [0.0] * n
         for p, (r, h0, h1) in enumerate(call.plan):
             i, ans, h = r - 1, call.answers[p], helpers[r - 1]
-            for k in ("compute_s", "h2d_s", "d2h_s"):
-                h[k] += float(ans[k])
-            h["compute_span_s"] = max(h["compute_span_s"], float(ans["compute_end_s"]))
+            h["compute_s"] += ans.compute_s
+            h["h2d_s"] += ans.h2d_s
+            h["d2h_s"] += ans.d2h_s
+            h["compute_span_s"] = max(h["compute_span_s"], ans.compute_end_s)
             h["pieces"] += 1
-            if ans.get("vram_peak_bytes") is not None:
-                h["vram_peak_bytes"] = max(h["vram_peak_bytes"] or 0, int(ans["vram_peak_bytes"]))
+            if ans.vram_peak_bytes is not None:
+                h["vram_peak_bytes"] = max(h["vram_peak_bytes"] or 0, ans.vram_peak_bytes)
             stage_s[i] += call.stage_s[p]
             return_s[i] += call.return_s[p]
             staged[i] += sum(t.numel() * t.element_size() for t in call.slices[p].values())

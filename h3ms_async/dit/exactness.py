@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 import msgspec
 
 from h3ms_async.log import get_logger
-from workers.dit.protocol import LinearOp
+from workers.dit.protocol import LinearOp, ProbeReport
 from workers.runtime import config
 
 log = get_logger("MultiStream")
@@ -155,60 +155,63 @@ def adjusted_bounds(bounds: Sequence[int], multiples: Sequence[int] = ADJUST_MUL
     return sorted(out, key=lambda c: (min(sizes(c)) < MIN_SHARD_TOKENS, sum(abs(a - b) for a, b in zip(c, bounds))))
 
 
-def first_exact(reports: Sequence[dict], n_candidates: int) -> int | None:
+def first_exact(reports: Sequence[ProbeReport], n_candidates: int) -> int | None:
     """The first candidate on which every rank's token-split ops are exact, or None."""
     for c in range(n_candidates):
-        if all(v["exact"][c] for rep in reports for v in rep["ops"] if v["split"] == "tokens"):
+        if all(v.exact[c] for rep in reports for v in rep.ops if v.split == "tokens"):
             return c
     return None
 
 
-def _device(rep: dict) -> str:
-    return rep["fingerprint"]["device"]
+def _device(rep: ProbeReport) -> str:
+    return rep.fingerprint["device"]
 
 
-def token_failure(reports: Sequence[dict], c: int = 0) -> str | None:
+def token_failure(reports: Sequence[ProbeReport], c: int = 0) -> str | None:
     """The first token-split op that differs on candidate ``c``: op, dtype, shape, shard rows, device, difference."""
     for rep in reports:
-        for v in rep["ops"]:
-            if v["split"] == "tokens" and not v["exact"][c]:
-                a, b = v["shards"][c]
-                return (f"{v['op']} ({v['dtype']}, {v['shape']}) gives a {b - a}-row shard other bits than the "
-                        f"unsplit call on {_device(rep)} (max abs difference {v['max_abs_diff'][c]:g})")
+        for v in rep.ops:
+            if v.split == "tokens" and not v.exact[c]:
+                a, b = v.shards[c]
+                return (f"{v.op} ({v.dtype}, {v.shape}) gives a {b - a}-row shard other bits than "
+                        f"the unsplit call on {_device(rep)} (max abs difference "
+                        f"{v.max_abs_diff[c]:g})")
     return None
 
 
-def fixed_failure(reports: Sequence[dict]) -> str | None:
+def fixed_failure(reports: Sequence[ProbeReport]) -> str | None:
     """What no token adjustment can fix: a head group's qkv rows or attention differ from the unsplit call's, or a
     rank's device computes an unsplit product with other bits than rank 0's device (ranks on other GPU models)."""
     for rep in reports:
-        for v in rep["ops"]:
-            if v["split"] == "heads" and v["exact"] and not v["exact"][0]:
-                g0, g1 = v["shards"][0]
-                return (f"{v['op']} ({v['dtype']}, {v['shape']}) of heads [{g0}, {g1}) differs from the unsplit "
-                        f"call's on {_device(rep)} (max abs difference {v['max_abs_diff'][0]:g})")
-    first = {v["op"]: v["digest"] for v in reports[0]["ops"]}
+        for v in rep.ops:
+            if v.split == "heads" and v.exact and not v.exact[0]:
+                g0, g1 = v.shards[0]
+                return (f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from the "
+                        f"unsplit call's on {_device(rep)} (max abs difference "
+                        f"{v.max_abs_diff[0]:g})")
+    first = {v.op: v.digest for v in reports[0].ops}
     for rep in reports[1:]:
-        for v in rep["ops"]:
-            if first.get(v["op"]) != v["digest"]:
-                return (f"{v['op']} ({v['dtype']}, {v['shape']}) computes other bits on {_device(rep)} than on "
-                        f"{_device(reports[0])}")
+        for v in rep.ops:
+            if first.get(v.op) != v.digest:
+                return (f"{v.op} ({v.dtype}, {v.shape}) computes other bits on {_device(rep)} "
+                        f"than on {_device(reports[0])}")
     return None
 
 
-def slowest_ms(*rounds: Sequence[dict]) -> float:
-    return sum(max(float(rep["ms"]) for rep in reps) for reps in rounds)
+def slowest_ms(*rounds: Sequence[ProbeReport]) -> float:
+    return sum(max(rep.ms for rep in reps) for reps in rounds)
 
 
-def op_rows(reports: Sequence[dict], verdict: PlanVerdict, failing: str | None) -> list[dict]:
+def op_rows(reports: Sequence[ProbeReport], verdict: PlanVerdict,
+            failing: str | None) -> list[dict]:
     """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as probed, its
     verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, the others "exact" or, when
     the step runs unsplit, "unsplit"), and its slowest rank's probe time."""
     rows = []
-    for i, v in enumerate(reports[0]["ops"]):
-        per_rank = [rep["ops"][i] for rep in reports]
-        shards = [b - a for rv in per_rank for a, b in rv["shards"][:1]]
-        bad = failing is not None and failing.startswith(v["op"] + " ")
+    for i, v in enumerate(reports[0].ops):
+        per_rank = [rep.ops[i] for rep in reports]
+        shards = [b - a for rv in per_rank for a, b in rv.shards[:1]]
+        bad = failing is not None and failing.startswith(v.op + " ")
         if bad:
             state: Verdict = verdict.verdict
             detail = verdict.detail
@@ -216,7 +219,7 @@ def op_rows(reports: Sequence[dict], verdict: PlanVerdict, failing: str | None) 
             state = "unsplit" if verdict.token_bounds is None else "exact"
             detail = "measured exact" if state == "exact" else "the step runs unsplit (another op differs)"
         devices = sorted({_device(rep) for rep in reports})
-        rows.append({"op": v["op"], "device": ", ".join(devices), "dtype": v["dtype"], "shape": v["shape"],
+        rows.append({"op": v.op, "device": ", ".join(devices), "dtype": v.dtype, "shape": v.shape,
                      "shards": shards, "verdict": state, "detail": detail,
-                     "probe_ms": max(float(rv["ms"]) for rv in per_rank)})
+                     "probe_ms": max(rv.ms for rv in per_rank)})
     return rows

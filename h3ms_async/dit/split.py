@@ -37,6 +37,7 @@ from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
+from workers.dit.protocol import Transport
 from workers.dit.sparse import SparseConfig
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401 - the node layer's view
 from workers.transports.dist import check_nccl_rank_map
@@ -46,9 +47,10 @@ from workers.runtime.shm import dtype_name
 
 log = get_logger("MultiStream")
 
-EXCHANGES = ("host", "nccl")
+#: The node input's exchange choices (:class:`Transport` values; ``nccl`` runs as gloo on CPUs).
+EXCHANGES = (Transport.HOST.value, Transport.NCCL.value)
 #: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing baseline).
-BASELINE_EXCHANGE = "none"
+BASELINE_EXCHANGE = Transport.NONE.value
 #: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has reached.
 EXCHANGE_OPS_PER_BLOCK = 2
 
@@ -165,10 +167,10 @@ class SplitEngine(Engine):
         self._sparse_fallback = DenseFallback()
         self._sparse_ran = False  # a step has sent sparse settings since the last end_sampling
         super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
-        #: The last successful step's raw per-rank results (rank order) as the workers returned them, including
-        #: fields the hub's step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
+        #: The last successful step's per-rank answers (rank order), including fields the hub's
+        #: step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
         #: ``cuda_alloc``); benchmarks read it.
-        self.last_rank_results: list[dict] = []
+        self.last_rank_results: list[dit_protocol.DitStepped] = []
         #: Where the last successful step's wall time went on this side: new step buffers (``new_buffers``), a new
         #: side segment (``new_side``) and their creation (``buffers_s``), staging the inputs into shm, the ranks'
         #: job, queuing the copy back.
@@ -184,14 +186,12 @@ class SplitEngine(Engine):
         return self._loaded.store.describe() if self._loaded else "empty"
 
     @property
-    def transport(self) -> str:
+    def transport(self) -> Transport:
         """The configured transport as it runs here: host, nccl, or gloo (nccl on CPU ranks)."""
         return self._transport(self.options.exchange)
 
-    def _transport(self, exchange: str) -> str:
-        if exchange in ("host", BASELINE_EXCHANGE):
-            return exchange
-        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+    def _transport(self, exchange: str) -> Transport:
+        return Transport(exchange).on(self.devices[0].startswith("cuda"))
 
     # -- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, key: tuple, config: DiTConfig, block_weights: BlockReader, n_blocks: int | None = None,
@@ -234,9 +234,9 @@ class SplitEngine(Engine):
         await self.pool.start()
         results = await self.pool.all(loads, self.options.step_timeout_s)
         self._rank_starts = self.pool.starts
-        self._sm_counts = [r.get("sm_count") for r in results]
-        self._fingerprints = [dict(r["fingerprint"]) for r in results]
-        self._sparse_kernel = [r.get("sparse_kernel") for r in results]
+        self._sm_counts = [r.sm_count for r in results]
+        self._fingerprints = [r.fingerprint for r in results]
+        self._sparse_kernel = [r.sparse_kernel for r in results]
 
     def _drop_store(self) -> None:
         if self._loaded is None:
@@ -246,7 +246,7 @@ class SplitEngine(Engine):
         self.step_buffers.drop()
         # With a dead rank, pool.all would first restart the whole pool just to hear this; fresh workers hold no
         # views, and the survivors' go with their pool (a release) or their restart (the next step).
-        if self.pool.running and all(w["state"] != "dead" for w in self.pool.snapshot()):
+        if self.pool.running and not self.pool.any_dead:
             try:
                 self.run(self.pool.all([dit_protocol.DitRelease()] * self.ranks, 60.0), 90.0, "releasing rank weights")
             except Exception as exc:  # noqa: BLE001 - dead workers hold no views; the store goes anyway
@@ -394,7 +394,8 @@ class SplitEngine(Engine):
                      exactness.sizes(plan.token_bounds), plan.heads_per_rank(), devices, verdict.probe_ms, note)
         return verdict
 
-    def _probe_round(self, candidates: Sequence[Sequence[int]], plan: plans.SplitPlan, t_rows: int) -> list[dict]:
+    def _probe_round(self, candidates: Sequence[Sequence[int]], plan: plans.SplitPlan,
+                     t_rows: int) -> list[dit_protocol.ProbeReport]:
         hb = plan.head_bounds
         msgs = [dit_protocol.DitProbe(ops=self._ops(), tokens=plan.token_bounds[-1],
                                       candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
@@ -407,7 +408,7 @@ class SplitEngine(Engine):
         if self._rank_starts != self.pool.starts:
             await self._load_ranks()
 
-    async def _probe_all(self, msgs: list[dit_protocol.DitProbe]) -> list[dict]:
+    async def _probe_all(self, msgs: list[dit_protocol.DitProbe]) -> list[dit_protocol.ProbeReport]:
         await self._ensure_loaded()
         return await self.pool.all(msgs, self.options.step_timeout_s)
 
@@ -448,7 +449,7 @@ class SplitEngine(Engine):
             job=self._steps, x=buf.descs["x"], t_emb=buf.descs["t_emb"], rope=buf.descs["rope"],
             segments=segments, tokens=(plan.token_bounds[r], plan.token_bounds[r + 1]),
             arena=buf.arena.name if buf.arena is not None else "", layout=layout,
-            exchange={"host": "host", "nccl": "dist"}.get(opts.exchange, opts.exchange),
+            exchange=self._transport(opts.exchange),
             chunks=opts.exchange_chunks, abort_gen=0, deadline_s=opts.exchange_deadline_s, blocks=(0, blocks),
             residency=opts.vram_residency, trace=trace, sparse=sparse) for r in range(self.ranks)]
         t_sent = time.perf_counter()
@@ -466,7 +467,7 @@ class SplitEngine(Engine):
         t_back = time.perf_counter()
         out = x if in_place else torch.empty_like(x)
         out.copy_(result, non_blocking=buf.pinned)
-        self.last_rank_results = [dict(r) for r in results]
+        self.last_rank_results = results
         self.last_phases = {"new_buffers": buf is not before, "new_side": buf.side is not side_before,
                             "buffers_s": t_staged - t_wall,
                             "stage_s": t_sent - t_staged, "ranks_s": t_back - t_sent,
@@ -497,7 +498,7 @@ class SplitEngine(Engine):
                 progress(done, blocks)
         return poll
 
-    async def _dispatch(self, steps: list[dit_protocol.DitStep]) -> list[dict]:
+    async def _dispatch(self, steps: list[dit_protocol.DitStep]) -> list[dit_protocol.DitStepped]:
         await self._ensure_loaded()
         # The abort generation is read on the loop right before the job is sent, so an abort between steps
         # cannot leave ranks disagreeing about it.
@@ -513,14 +514,15 @@ class SplitEngine(Engine):
             self.run(self.pool.all([DropReleased()] * self.ranks, 30.0), 60.0,
                      "unmapping the old step buffers on the ranks")
 
-    def _record(self, plan: plans.SplitPlan, opts: SplitOptions, results: list[dict], wall: float, tokens: int, blocks: int,
+    def _record(self, plan: plans.SplitPlan, opts: SplitOptions,
+                results: list[dit_protocol.DitStepped], wall: float, tokens: int, blocks: int,
                 sigma: float | None) -> None:
         hub = get_hub()
         ranks = [RankRecord(
             rank=r, device=self.devices[r], tokens=[plan.token_bounds[r], plan.token_bounds[r + 1]],
-            heads=[plan.head_bounds[r], plan.head_bounds[r + 1]], compute_s=float(res["compute_s"]),
-            exchange_s=float(res["exchange_s"]), wait_s=float(res["wait_s"]), moved_bytes=int(res["moved_bytes"]),
-            vram_peak_bytes=res.get("vram_peak_bytes"),
+            heads=[plan.head_bounds[r], plan.head_bounds[r + 1]], compute_s=res.compute_s,
+            exchange_s=res.exchange_s, wait_s=res.wait_s, moved_bytes=res.moved_bytes,
+            vram_peak_bytes=res.vram_peak_bytes,
         ) for r, res in enumerate(results)]
         chunks = opts.exchange_chunks if opts.exchange == "host" else 0
         hub.record_step(StepRecord(
@@ -534,14 +536,14 @@ class SplitEngine(Engine):
         Returns how many entries the ranks dropped (0, sending nothing, when no step ran sparse)."""
         with self.job():
             # fresh workers after a crash hold no statistics; a dead rank would first restart the whole pool
-            dead = any(w["state"] == "dead" for w in self.pool.snapshot())
+            dead = self.pool.any_dead
             if not self._sparse_ran or not self.pool.running or dead:
                 self._sparse_ran = False
                 return 0
             self._sparse_ran = False
             results = self.run(self.pool.all([dit_protocol.DitSparseReset()] * self.ranks, 30.0), 60.0,
                                "dropping the sparse attention statistics")
-            return sum(int(r.get("dropped", 0)) for r in results)
+            return sum(r.dropped for r in results)
 
     # -- resident state ---------------------------------------------------------------------------------------
     def holds_resident(self) -> bool:

@@ -110,7 +110,8 @@ def verify_step(engine: Engine, plan: plans.SplitPlan, opts: Any, x: torch.Tenso
     exact = bool(torch.equal(split_out, ref_out))
     diff = 0.0 if exact else float((split_out.float() - ref_out.float()).abs().max())
     blocks = len(engine._loaded.store.manifest) if engine._loaded else 0
-    where = None if exact else first_difference([r.get("trace", {}) for r in engine.last_rank_results], ref, blocks)
+    traces = [r.trace for r in engine.last_rank_results]
+    where = None if exact else first_difference(traces, ref, blocks)
     first = where[0] if where else None
     if exact:
         log.info("verify: bit-exact on %s (split step equals the same step unsplit on %s, %d blocks)",

@@ -13,8 +13,10 @@ from typing import Annotated, Iterable, Literal, Mapping
 import msgspec
 
 from h3ms_async.runtime.host_memory import GIB
+from workers.dit.protocol import Transport
 
-Exchange = Literal["host", "nccl", "gloo", "none"]
+#: A step record's ``exchange``: the transport as it ran.
+Exchange = Transport
 
 #: ``[start, end)``, a JSON array of two ints.
 Range = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]

@@ -1,4 +1,5 @@
-"""The coordinator's end of one worker channel: handshake, framing, request ids, deadlines, protocol-error close.
+"""The coordinator's end of one worker channel: handshake, framing, request ids, deadlines,
+protocol-error close, and the one decode of each answer as its request kind's answer struct.
 
 All methods run on the coordinator loop.  A protocol error or EOF closes the channel, fails every pending request
 with :class:`ChannelClosed`, and calls ``on_close`` once; other channels are unaffected.
@@ -76,7 +77,7 @@ class Channel:
         self._on_heartbeat = on_heartbeat
         self._on_close = on_close
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[str, asyncio.Future]] = {}
+        self._pending: dict[int, tuple[protocol.Request, asyncio.Future]] = {}
         self._task: asyncio.Task | None = None
         self.close_reason: str | None = None
 
@@ -99,9 +100,10 @@ class Channel:
         self._writer.write(protocol.encode(msg))
         await self._writer.drain()
 
-    async def request(self, msg: protocol.Request, timeout: float = 60.0) -> dict:
-        """Send a request (under a fresh request id; ``msg`` itself is left as it is) and wait for its answer's
-        ``r`` map.
+    async def request(self, msg: protocol.Request, timeout: float = 60.0) -> protocol.Answer:
+        """Send a request (under a fresh request id; ``msg`` itself is left as it is) and wait for
+        its answer, a ``msg.ANSWER`` struct (an answer that is not one breaks the protocol: the
+        channel closes).
 
         Raises :class:`RemoteError` when the worker's handler failed, :class:`ChannelClosed` when the channel
         closes first, ``TimeoutError`` naming the channel and kind when ``timeout`` passes.
@@ -111,7 +113,7 @@ class Channel:
         kind = msg.kind
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (kind, fut)
+        self._pending[rid] = (msg, fut)
         try:
             # A copy, not structs.replace: replace re-runs __post_init__, re-checking every free-form field (a
             # step's layout) the sender's build already checked, once per request.
@@ -146,13 +148,13 @@ class Channel:
                 if entry is None:
                     log.debug("%s: answer to request %d that nobody waits for (timed out?)", self.name, msg.id)
                     continue
-                req_kind, fut = entry
+                req, fut = entry
                 if fut.done():
                     continue
                 if isinstance(msg, protocol.Ok):
-                    fut.set_result(msg.r)
+                    fut.set_result(protocol.decode_answer(req.ANSWER, msg.r))
                 else:
-                    fut.set_exception(RemoteError(self.name, req_kind, msg.error, msg.tb))
+                    fut.set_exception(RemoteError(self.name, req.kind, msg.error, msg.tb))
         except EOFError:
             reason = "the worker closed its channel"
         except protocol.ProtocolError as exc:
@@ -171,9 +173,10 @@ class Channel:
             return
         self.close_reason = reason
         self._writer.close()
-        for kind, fut in list(self._pending.values()):
+        for req, fut in list(self._pending.values()):
             if not fut.done():
-                fut.set_exception(ChannelClosed(f"{self.name}: {reason} while {kind!r} was pending"))
+                fut.set_exception(
+                    ChannelClosed(f"{self.name}: {reason} while {req.kind!r} was pending"))
         if self._on_close is not None:
             self._on_close(reason)
 

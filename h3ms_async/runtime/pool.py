@@ -15,6 +15,7 @@ Every public coroutine must run on the coordinator loop (``get_coordinator().run
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
 import re
 import signal
@@ -45,6 +46,33 @@ MAX_HANDSHAKES_PER_RANK = 2
 EXIT_REPORT_WAIT_S = 1.0
 _DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 _PROGRAM_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+class _State(str, enum.Enum):
+    """A state named by its string (what the status JSON and messages show)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WorkerState(_State):
+    """Where one worker process is in its life."""
+
+    STARTING = "starting"  #: spawned; not yet answered its first ping
+    READY = "ready"  #: serving requests
+    BUSY = "busy"  #: ready with a request in flight (only in :meth:`WorkerPool.snapshot`)
+    DEAD = "dead"  #: exited, broke the protocol or missed a deadline (and was killed)
+    STOPPING = "stopping"  #: asked to shut down by a release
+    STOPPED = "stopped"  #: gone after a release
+
+
+class PoolState(_State):
+    """Where a pool is between start and release."""
+
+    STOPPED = "stopped"  #: no workers
+    STARTING = "starting"  #: spawning workers, waiting for their first pings
+    RUNNING = "running"  #: every worker answered its first ping
+    STOPPING = "stopping"  #: releasing its workers
 
 
 class WorkerError(RuntimeError):
@@ -104,7 +132,7 @@ class _Worker:
     log_path: str
     proc: subprocess.Popen | None = None
     channel: Channel | None = None
-    state: str = "starting"  # starting | ready | dead | stopping | stopped
+    state: WorkerState = WorkerState.STARTING
     death: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     last_hb: float = field(default_factory=time.monotonic)
@@ -159,7 +187,7 @@ class WorkerPool:
         self.hb_timeout = config.HEARTBEAT_TIMEOUT.get()
         self._env = dict(env or {})
         self._workers: list[_Worker] = []
-        self._state = "stopped"  # stopped | starting | running | stopping
+        self._state = PoolState.STOPPED
         self._run_dir: str | None = None
         self._socket_path: str | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -197,7 +225,12 @@ class WorkerPool:
 
     @property
     def running(self) -> bool:
-        return self._state == "running"
+        return self._state is PoolState.RUNNING
+
+    @property
+    def any_dead(self) -> bool:
+        """Whether a worker of this start is dead (the next job restarts the pool)."""
+        return any(w.state is WorkerState.DEAD for w in self._workers)
 
     def __repr__(self) -> str:
         return f"WorkerPool({self.name!r}, {self._devices}, program={self.program!r}, state={self._state})"
@@ -224,8 +257,8 @@ class WorkerPool:
         """Start every worker (no-op if all are ready; restarts the pool if one is dead)."""
         self._check_loop()
         async with self._life_lock:
-            if self._state == "running":
-                dead = [w for w in self._workers if w.state == "dead"]
+            if self._state == PoolState.RUNNING:
+                dead = [w for w in self._workers if w.state == WorkerState.DEAD]
                 if not dead:
                     return
                 if self.busy:
@@ -239,7 +272,7 @@ class WorkerPool:
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        self._state = "starting"
+        self._state = PoolState.STARTING
         self._changed = asyncio.Event()
         self._run_dir = rundir.create()
         try:
@@ -256,7 +289,7 @@ class WorkerPool:
         except BaseException:
             await self._stop(grace=0.5, final=False)
             raise
-        self._state = "running"
+        self._state = PoolState.RUNNING
         self.starts += 1
         get_coordinator().register_pool(self)
         log.info("pool %r started: %d worker(s) on %s in %.2f s (run dir %s)", self.name, self.world_size,
@@ -337,21 +370,22 @@ class WorkerPool:
             return
         self._unwatch_exit(w)
         w.exited.set()
-        if w.state in ("starting", "ready"):
-            self._mark_dead(w, _exit_text(code) + (" during start" if w.state == "starting" else ""))
+        if w.state in (WorkerState.STARTING, WorkerState.READY):
+            during = " during start" if w.state == WorkerState.STARTING else ""
+            self._mark_dead(w, _exit_text(code) + during)
 
     async def _wait_ready(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         while True:
             self._changed.clear()
-            if all(w.state == "ready" for w in self._workers):
+            if all(w.state == WorkerState.READY for w in self._workers):
                 return
             for w in self._workers:
-                if w.state == "dead":
+                if w.state == WorkerState.DEAD:
                     raise self._error(w, f"failed to start: {w.death}")
             left = deadline - loop.time()
             if left <= 0:
-                w = next(w for w in self._workers if w.state != "ready")
+                w = next(w for w in self._workers if w.state != WorkerState.READY)
                 self._mark_dead(w, "did not start in time")
                 raise self._error(
                     w, f"did not start within {self.start_timeout:g} s (set {config.WORKER_START_TIMEOUT.name} to allow longer)",
@@ -383,7 +417,7 @@ class WorkerPool:
             peer_pid = peer_credentials(writer)[0]
             if w.proc is None or peer_pid != w.proc.pid:
                 raise auth.AuthError(f"rank {rank} connected from pid {peer_pid}, but its worker is pid {w.pid}")
-            if w.state != "starting" or w.channel is not None:
+            if w.state != WorkerState.STARTING or w.channel is not None:
                 raise auth.AuthError(f"rank {rank} is already connected")
         except (protocol.ProtocolError, auth.AuthError, EOFError, asyncio.TimeoutError, OSError) as exc:
             log.error("pool %r refused a connection on %s: %s: %s", self.name, self._socket_path,
@@ -407,9 +441,9 @@ class WorkerPool:
         except (ChannelClosed, RemoteError, TimeoutError, OSError) as exc:
             self._mark_dead(w, f"failed its first ping: {exc}")
             return
-        if w.state == "starting":
-            w.state = "ready"
-            w.serves = frozenset(pong.get("serves", ()))
+        if w.state == WorkerState.STARTING:
+            w.state = WorkerState.READY
+            w.serves = frozenset(pong.serves or ())
             w.last_hb = time.monotonic()
             self._watch_heartbeat(w)
             self._changed.set()
@@ -423,7 +457,7 @@ class WorkerPool:
         """A timer due when ``w``'s heartbeats are ``hb_timeout`` late: it marks a silent worker dead (a hung loop
         sends none, though its process and channel live on), or re-arms for the latest heartbeat's deadline."""
         w.hb_timer = None
-        if w.state != "ready":
+        if w.state != WorkerState.READY:
             return
         late = time.monotonic() - w.last_hb
         if late > self.hb_timeout:
@@ -432,7 +466,7 @@ class WorkerPool:
         w.hb_timer = asyncio.get_running_loop().call_later(self.hb_timeout - late + 0.01, self._watch_heartbeat, w)
 
     def _on_channel_close(self, w: _Worker, reason: str) -> None:
-        if w.state in ("starting", "ready"):
+        if w.state in (WorkerState.STARTING, WorkerState.READY):
             self._mark_dead(w, f"channel closed: {reason}")
 
     def _note(self, w: _Worker, text: str) -> None:
@@ -443,9 +477,9 @@ class WorkerPool:
             pass
 
     def _mark_dead(self, w: _Worker, reason: str) -> None:
-        if w.state in ("dead", "stopping", "stopped"):
+        if w.state in (WorkerState.DEAD, WorkerState.STOPPING, WorkerState.STOPPED):
             return
-        w.state = "dead"
+        w.state = WorkerState.DEAD
         w.death = reason
         if w.hb_timer is not None:
             w.hb_timer.cancel()
@@ -472,15 +506,15 @@ class WorkerPool:
         get_coordinator().unregister_pool(self)
 
     async def _stop(self, grace: float, final: bool) -> None:
-        if self._state != "stopped" or self._workers:
-            self._state = "stopping"
-        live = [w for w in self._workers if w.state == "ready" and w.channel is not None]
+        if self._state != PoolState.STOPPED or self._workers:
+            self._state = PoolState.STOPPING
+        live = [w for w in self._workers if w.state == WorkerState.READY and w.channel is not None]
         for w in self._workers:
             if w.hb_timer is not None:
                 w.hb_timer.cancel()
                 w.hb_timer = None
-            if w.state != "dead":
-                w.state = "stopping"
+            if w.state != WorkerState.DEAD:
+                w.state = WorkerState.STOPPING
 
         async def _ask(w: _Worker) -> None:
             try:
@@ -501,7 +535,7 @@ class WorkerPool:
             self._unwatch_exit(w)
             if w.channel is not None:
                 w.channel.close("pool released")
-            w.state = "stopped"
+            w.state = WorkerState.STOPPED
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -519,7 +553,7 @@ class WorkerPool:
             rundir.remove(self._run_dir)
             self._run_dir = None
             self._socket_path = None
-        self._state = "stopped"
+        self._state = PoolState.STOPPED
 
     async def _exits(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for every spawned worker's exit (reported by its pidfd)."""
@@ -577,12 +611,12 @@ class WorkerPool:
 
     async def _ensure_ready(self) -> None:
         self._check_loop()
-        if self._state != "running" or any(w.state == "dead" for w in self._workers):
+        if self._state != PoolState.RUNNING or self.any_dead:
             await self.start()
 
-    async def _request(self, w: _Worker, msg: protocol.Request, timeout: float) -> dict:
+    async def _request(self, w: _Worker, msg: protocol.Request, timeout: float) -> protocol.Answer:
         kind = msg.kind
-        if w.state != "ready" or w.channel is None:
+        if w.state != WorkerState.READY or w.channel is None:
             raise self._error(w, f"cannot take {kind!r}: it is {w.state}" + (f" ({w.death})" if w.death else ""))
         if kind not in w.serves:
             raise ValueError(f"pool {self.name!r} (rank program {self.program or 'none'}) does not serve {kind!r}; "
@@ -608,8 +642,10 @@ class WorkerPool:
         w.jobs_done += 1
         return result
 
-    async def request(self, rank: int, msg: protocol.Request, timeout: float = 60.0) -> dict:
-        """Send one request to one rank; return its result map or raise :class:`WorkerError`."""
+    async def request(self, rank: int, msg: protocol.Request,
+                      timeout: float = 60.0) -> protocol.Answer:
+        """Send one request to one rank; return its answer (a ``msg.ANSWER`` struct) or raise
+        :class:`WorkerError`."""
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is not in 0..{self.world_size - 1}")
         await self._ensure_ready()
@@ -619,8 +655,9 @@ class WorkerPool:
         finally:
             self._jobs -= 1
 
-    async def all(self, per_rank: Sequence[protocol.Request], timeout: float) -> list[dict]:
-        """Send ``per_rank[r]`` to rank r, for every rank; return the results in rank order.
+    async def all(self, per_rank: Sequence[protocol.Request], timeout: float) -> list[Any]:
+        """Send ``per_rank[r]`` to rank r, for every rank; return their answers (``ANSWER``
+        structs) in rank order.
 
         Fail fast: the first error or death aborts the other ranks (:meth:`abort`) and raises its
         :class:`WorkerError` at once; cancellation aborts them too.
@@ -642,7 +679,8 @@ class WorkerPool:
             if pending:
                 await asyncio.wait(pending, timeout=2.0)
             # A dead worker is the cause; another rank's error may just be the abort it caused.
-            failed.sort(key=lambda t: (self._workers[getattr(t.exception(), "rank", 0)].state != "dead",))
+            failed.sort(key=lambda t: (
+                self._workers[getattr(t.exception(), "rank", 0)].state != WorkerState.DEAD,))
             raise failed[0].exception()
         except asyncio.CancelledError:
             self.abort()
@@ -658,19 +696,22 @@ class WorkerPool:
             self._jobs -= 1
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Per worker: rank, device, pid, state, uptime_s, rss_bytes, vram_bytes, log, jobs_done."""
+        """Per worker: rank, device, pid, state (a :class:`WorkerState` value), uptime_s,
+        rss_bytes, vram_bytes, log, jobs_done."""
         now = time.monotonic()
         if not self._workers:
-            return [{"rank": r, "device": d, "pid": None, "state": "stopped", "uptime_s": 0.0, "rss_bytes": None,
-                     "vram_bytes": None, "log": None, "jobs_done": 0} for r, d in enumerate(self._devices)]
+            return [{"rank": r, "device": d, "pid": None, "state": WorkerState.STOPPED.value,
+                     "uptime_s": 0.0, "rss_bytes": None, "vram_bytes": None, "log": None,
+                     "jobs_done": 0}
+                    for r, d in enumerate(self._devices)]
         out = []
         for w in self._workers:
-            state = {"stopping": "stopped"}.get(w.state, w.state)
-            if state == "ready" and w.inflight > 0:
-                state = "busy"
-            alive = state in ("starting", "ready", "busy")
+            state = WorkerState.STOPPED if w.state is WorkerState.STOPPING else w.state
+            if state is WorkerState.READY and w.inflight > 0:
+                state = WorkerState.BUSY
+            alive = state in (WorkerState.STARTING, WorkerState.READY, WorkerState.BUSY)
             out.append({
-                "rank": w.rank, "device": w.device, "pid": w.pid, "state": state,
+                "rank": w.rank, "device": w.device, "pid": w.pid, "state": state.value,
                 "uptime_s": round(now - w.started_at, 3) if alive else 0.0,
                 "rss_bytes": w.rss if alive else None,
                 "vram_bytes": w.vram if alive and w.device.startswith("cuda") else None,

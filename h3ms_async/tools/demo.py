@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from h3ms_async.runtime import plans, rundir
 from h3ms_async.tools.cli import ArgParser, UsageError, port, positive_int
 from h3ms_async.log import ensure_console_handler, get_logger
+from workers.dit.protocol import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLP width (default: 8/3 of hidden, rounded to 64; H3: 14336)")
     p.add_argument("--weights", choices=("auto",) + WEIGHT_KINDS, default="auto",
                    help="block weight format; auto: int8 on CUDA, on a CPU the fastest format on this machine")
-    p.add_argument("--exchange", choices=["host", "nccl"], default="host", help="rank exchange transport")
+    p.add_argument("--exchange", choices=[Transport.HOST.value, Transport.NCCL.value],
+                   default="host", help="rank exchange transport (nccl: gloo on CPU ranks)")
     p.add_argument("--exchange-chunks", type=int, default=0, help="pipelined chunks per exchange, 0-32 (0/1: single shot)")
     p.add_argument("--shares", default="", help="relative speed per rank, e.g. 1,1,0.7 (default: equal)")
     p.add_argument("--vram-residency", choices=["auto", "resident", "stream"], default="auto")

@@ -269,17 +269,18 @@ class VaeSplitEngine(Engine):
                     local_s += took
                     chunks.append({"index": i, "rank": 0, "decode_s": round(took, 4)})
                 else:
-                    [(res, host)] = self.wait([futures[i]], timeout, f"waiting for chunk {i}", interrupt=interrupt,
-                                              abandon=futures.values())
+                    [(res, host, fetch_s)] = self.wait(
+                        [futures[i]], timeout, f"waiting for chunk {i}", interrupt=interrupt,
+                        abandon=futures.values())
                     if host is None:  # shm: the worker wrote the chunk into the output segment
                         host = segs[1].tensor(out_descs[i])
                     raw = host.to(dev0, copy=True)
                     waited = time.perf_counter() - t
                     wait_s += waited
-                    moved += res["nbytes"]
-                    chunks.append({"index": i, "rank": owners[i], "decode_s": round(res["seconds"], 4),
-                                   "copy_s": round(res["copy_s"] + res.get("fetch_s", 0.0), 4),
-                                   "waited_s": round(waited, 4), "bytes": res["nbytes"]})
+                    moved += res.nbytes
+                    chunks.append({"index": i, "rank": owners[i], "decode_s": round(res.seconds, 4),
+                                   "copy_s": round(res.copy_s + fetch_s, 4),
+                                   "waited_s": round(waited, 4), "bytes": res.nbytes})
                 t = time.perf_counter()
                 asm.add(raw)
                 del raw
@@ -354,7 +355,7 @@ class VaeSplitEngine(Engine):
             seg.close()
             seg.unlink()
         ms = (time.perf_counter() - t) * 1000
-        return [exactness.Outcome(r, self.devices[r], shape, res["digest"] == ref, ms)
+        return [exactness.Outcome(r, self.devices[r], shape, res.digest == ref, ms)
                 for r, res in zip(ranks, results)]
 
     def _output_segment(self, remote: list[int], raw_shape: Callable[[int], list[int]],
@@ -377,24 +378,27 @@ class VaeSplitEngine(Engine):
 
     async def _remote_chunk(self, job: int, i: int, worker: int, z_desc: TensorDesc, out_desc: TensorDesc | None,
                             shape: list[int], dtype: torch.dtype,
-                            timeout: float) -> tuple[dict, torch.Tensor | None]:
+                            timeout: float
+                            ) -> tuple[vae_protocol.VaeChunkDone, torch.Tensor | None, float]:
+        """The worker's chunk answer, the chunk itself when it came over the socket (else None: it
+        is in ``out_desc``), and the seconds its fetch took."""
         res = await self.pool.request(worker, vae_protocol.VaeChunk(job=job, index=i, z=z_desc, out=out_desc), timeout)
-        if list(res["shape"]) != shape or res["dtype"] != dtype_name(dtype):
-            raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res['dtype']} {res['shape']}; "
+        if res.shape != list(shape) or res.dtype != dtype_name(dtype):
+            raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res.dtype} "
+                                f"{res.shape}; "
                                 f"expected {dtype_name(dtype)} {shape} (does it run another ComfyUI?)")
         if out_desc is not None:
-            return res, None
+            return res, None, 0.0
         t = time.perf_counter()
-        host = torch.empty(res["nbytes"], dtype=torch.uint8)
+        host = torch.empty(res.nbytes, dtype=torch.uint8)
         # the bytes go straight into the chunk's memory (a bytearray for torch.frombuffer would copy each piece twice)
         view = host.numpy().data
         piece = vae_protocol.FETCH_PIECE_BYTES
-        for off in range(0, res["nbytes"], piece):
-            n = min(piece, res["nbytes"] - off)
+        for off in range(0, res.nbytes, piece):
+            n = min(piece, res.nbytes - off)
             got = await self.pool.request(worker, vae_protocol.VaeFetch(job=job, index=i, off=off, n=n), timeout)
-            view[off:off + n] = got["data"]
-        res["fetch_s"] = time.perf_counter() - t
-        return res, host.view(dtype).view(shape)
+            view[off:off + n] = got.data
+        return res, host.view(dtype).view(shape), time.perf_counter() - t
 
     async def _ensure_loaded(self, spec: DecoderSpec) -> None:
         async with self._load_lock:

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
+from workers.attention.protocol import AttnProbed
+
 #: The packed tensors of one call, in the order they travel.
 PACKED = ("q", "k", "v", "q_scale", "k_scale", "v_scale")
 
@@ -73,7 +75,7 @@ def attend(tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> to
 
 
 def probe_ranges(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dtype, ranges: list[tuple[int, int]],
-                 device: torch.device) -> dict:
+                 device: torch.device) -> AttnProbed:
     """Whether each head range of ``ranges`` attends to the whole call's bits on ``device``: random q of ``shape``
     ``[B, H, S, D]`` and k, v of ``kv_len`` tokens (the same numbers on every device,
     ``workers.dit.invariance.RandomPool``), packed once by kitchen as the node packs them, the whole call and each
@@ -102,5 +104,5 @@ def probe_ranges(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dty
             exact.append(ok)
             diffs.append(0.0 if ok else float((full[:, h0:h1].float() - part.float()).abs().max()))
         dig = invariance.digest(full)
-    return {"fingerprint": invariance.fingerprint(device), "exact": exact, "max_abs_diff": diffs, "digest": dig,
-            "ms": clock.ms(t0)}
+    return AttnProbed(fingerprint=invariance.fingerprint(device), exact=exact, max_abs_diff=diffs,
+                      digest=dig, ms=clock.ms(t0))

@@ -18,11 +18,13 @@ Both sides import this module: the coordinator (``h3ms_async.attention.engine``)
                  CUDA IPC instead of shm: {device: the helper's own index of that GPU, in / out: the helper's two
                  buffers' ``UntypedStorage._share_cuda_()`` handles (the same for all its pieces), tensors:
                  {name: {off, dtype, shape}} inside ``in``, result: {off, dtype, shape} inside ``out``}
+    -> AttnPiece: the piece's seconds per phase, bytes in and out, peak VRAM, wall time
 
 ``attn_probe``   measure on this helper's device whether its head ranges give the whole call's bits
                  (``workers.attention.ops.probe_ranges``): random data of ``shape`` [B, H, S, D] in ``dtype``, keys
                  and values of ``kv_len`` tokens
     ranges       the head ranges [h0, h1) this helper runs for that shape (its pieces)
+    -> AttnProbed: per range exact / max_abs_diff, the call's digest, device fingerprint, ms
 
 ``attn_release`` drop this helper's shm mappings and cached device memory (it keeps running).
 """
@@ -31,11 +33,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from workers.runtime.protocol import Plain, Request, TensorDesc, tensor_nbytes
+from workers.runtime.protocol import Answer, Plain, Released, Request, TensorDesc, tensor_nbytes
 from workers.runtime.shm import torch_dtype
 
 if TYPE_CHECKING:
     import torch
+
+
+class AttnPiece(Answer):
+    """One piece on a helper: its copy in, attention and copy out seconds (CUDA: event-timed,
+    each phase's own), ``compute_end_s`` (from the call's first attention start on this helper
+    to this piece's attention end), the bytes it read and wrote, the helper's peak VRAM (None
+    on a CPU), and the request's wall seconds."""
+
+    h2d_s: float
+    compute_s: float
+    d2h_s: float
+    compute_end_s: float
+    bytes_in: int
+    bytes_out: int
+    vram_peak_bytes: int | None
+    wall_s: float = 0.0
 
 
 class AttnCall(Request, tag="attn_call"):
@@ -46,6 +64,19 @@ class AttnCall(Request, tag="attn_call"):
     out: TensorDesc | None
     ipc: Plain | None = None
     PLAIN: ClassVar[tuple[str, ...]] = ("meta", "ipc")
+    ANSWER: ClassVar[type[Answer]] = AttnPiece
+
+
+class AttnProbed(Answer):
+    """Per probed head range ``exact`` and ``max_abs_diff``, the whole call's ``digest``
+    (compared across devices), the device ``fingerprint``
+    (``workers.dit.invariance.fingerprint``) and the probe's ``ms``."""
+
+    fingerprint: dict[str, str]
+    exact: list[bool]
+    max_abs_diff: list[float]
+    digest: str
+    ms: float
 
 
 class AttnProbe(Request, tag="attn_probe"):
@@ -53,10 +84,11 @@ class AttnProbe(Request, tag="attn_probe"):
     kv_len: int
     dtype: str
     ranges: list[tuple[int, int]]
+    ANSWER: ClassVar[type[Answer]] = AttnProbed
 
 
 class AttnRelease(Request, tag="attn_release"):
-    pass
+    ANSWER: ClassVar[type[Answer]] = Released
 
 
 def ipc_view(flat: "torch.Tensor", d: Plain) -> "torch.Tensor":

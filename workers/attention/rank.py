@@ -21,6 +21,7 @@ from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
 from workers.attention import ck_cpu as ck_attention_cpu
 from workers.runtime.handlers import WorkerContext, handler
+from workers.runtime.protocol import Released
 
 ck_attention_cpu.install_if_requested()
 _SEGMENTS = "attn_segments"
@@ -97,7 +98,7 @@ class _Piece:
         self.device, self.bytes_in, self.bytes_out = device, nbytes_in, nbytes_out
         self.timings, self.events, self.call_start = timings, events, call_start
 
-    def finish(self) -> dict:
+    def finish(self) -> attn_protocol.AttnPiece:
         """Wait for the piece's copy out; its seconds per phase (CUDA: event-timed, each phase's own time) and
         ``compute_end_s``, from the call's first attention start on this helper to this piece's attention end (the
         helper's attention span, shorter than the phases added up where pieces overlap)."""
@@ -110,8 +111,10 @@ class _Piece:
                        "d2h_s": ev[4].elapsed_time(ev[5]) / 1e3,
                        "compute_end_s": self.call_start.elapsed_time(ev[3]) / 1e3}
         assert timings is not None  # set on the CPU, computed from the events on CUDA
-        return {**timings, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "vram_peak_bytes": int(torch.cuda.max_memory_allocated(self.device)) if self.events else None}
+        return attn_protocol.AttnPiece(
+            **timings, bytes_in=self.bytes_in, bytes_out=self.bytes_out,
+            vram_peak_bytes=(int(torch.cuda.max_memory_allocated(self.device)) if self.events
+                             else None))
 
 
 def _check_out(out: torch.Tensor, slot: torch.Tensor) -> None:
@@ -175,17 +178,18 @@ def _start_inference(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> _Piece:
 
 
 @handler(attn_protocol.AttnCall)
-async def _attn_call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> dict:
+async def _attn_call(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> attn_protocol.AttnPiece:
     # Pieces reach the compute thread in the order they arrive; waiting for one happens off that thread, so the
     # next piece is queued on the GPU while this one still runs.
     t0 = time.perf_counter()
     piece = await ctx.run_compute(_start_inference, ctx, msg)
     result = await asyncio.get_running_loop().run_in_executor(None, piece.finish)
-    return dict(result, wall_s=time.perf_counter() - t0)
+    result.wall_s = time.perf_counter() - t0
+    return result
 
 
 @handler(attn_protocol.AttnProbe)
-async def _attn_probe(ctx: WorkerContext, msg: attn_protocol.AttnProbe) -> dict:
+async def _attn_probe(ctx: WorkerContext, msg: attn_protocol.AttnProbe) -> attn_protocol.AttnProbed:
     """This helper's head ranges against the whole call, on its own device (``attn_ops.probe_ranges``)."""
     shape = tuple(int(v) for v in msg.shape)
     ranges = [(int(a), int(b)) for a, b in msg.ranges]
@@ -197,11 +201,11 @@ async def _attn_probe(ctx: WorkerContext, msg: attn_protocol.AttnProbe) -> dict:
 
 
 @handler(attn_protocol.AttnRelease)
-async def _attn_release(ctx: WorkerContext, msg: attn_protocol.AttnRelease) -> dict:
+async def _attn_release(ctx: WorkerContext, msg: attn_protocol.AttnRelease) -> Released:
     _map_segments(ctx, set())
     ctx.state.pop(_IPC, None)
     ctx.state.pop(_STREAMS, None)
     ctx.state.pop(_CALL_START, None)
     if ctx.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"released": True}
+    return Released(released=True)

@@ -16,13 +16,12 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from workers.dit import ops as dit_ops
-from workers.dit.protocol import LinearOp
+from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport
 
 #: Period of the random buffer's values (a prime, so no row of any H3 width repeats another).
 _PERIOD = 65521
@@ -31,34 +30,6 @@ _SEED = 20260321
 _DIGEST_CHUNK = 1 << 24
 #: Op names in block order (the order a verdict's first failing op is named in).
 OP_ORDER = ("adaln_proj.linear", "attn.qkv_proj", "attention", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-
-
-@dataclass
-class OpVerdict:
-    """One op on one rank: ``exact[c]`` for candidate ``c`` (token-split ops), one entry for head-split ops, none
-    for ops every rank calls alike; ``digest`` of the unsplit call's output; ``max_abs_diff`` per candidate."""
-
-    op: str
-    dtype: str
-    shape: str
-    split: str
-    shards: list[list[int]]
-    exact: list[bool]
-    max_abs_diff: list[float]
-    digest: str
-    ms: float
-
-
-@dataclass
-class ProbeReport:
-    """What ``dit_probe`` answers: the device's fingerprint, one verdict per op, and the probe's wall time."""
-
-    fingerprint: dict[str, str]
-    ops: list[OpVerdict] = field(default_factory=list)
-    ms: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def fingerprint(device: torch.device) -> dict[str, str]:
@@ -243,7 +214,7 @@ def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tupl
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
     clock = Clock(device)
-    report = ProbeReport(fingerprint(device))
+    report = ProbeReport(fingerprint=fingerprint(device))
     pool = RandomPool(device)
     t0 = clock.start()
     with torch.inference_mode(), dit_ops.probing():

@@ -12,6 +12,7 @@ serve.  Field meanings:
                 warms that attention up in compute_dtype before its first step
     heads       [g0, g1]: this rank's head group
     key         the store's key as text (logged, and a load with the same key is a no-op)
+    -> DitLoaded
 
 ``dit_step``    run every block on this rank's token range, exchanging with the other ranks.
     job         step number (logs)
@@ -20,11 +21,10 @@ serve.  Field meanings:
                 step segment and the arena stay);  rope: descriptor [1, S, 1, P, 2, 2]
     segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row index
     tokens      [t0, t1]
-    arena       exchange arena segment name ("" for exchange "dist"); layout: ArenaLayout.to_dict()
-    exchange    "host" | "dist" | "none";  chunks: pipelined chunks per exchange (0/1 = single shot).
-                "none" is the benchmark baseline: each rank computes its shard with no exchange at all (the other
-                ranks' rows are zeros), which measures what the ranks' compute costs on their own, e.g. two CUDA
-                contexts time-slicing one GPU.  Its output is wrong by design and never returned to a caller.
+    arena       exchange arena segment name ("" unless exchange is "host");
+                layout: ArenaLayout.to_dict()
+    exchange    a :class:`Transport` value: "host" | "nccl" | "gloo" | "none";
+                chunks: pipelined chunks per exchange (0/1 = single shot).
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
@@ -35,33 +35,79 @@ serve.  Field meanings:
                 branch = the conditioning branch the pooled statistics are kept for)
     trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and answer them
                 (the ``verify`` setting's localisation of a difference); off for normal steps
+    -> DitStepped: the rank's timings, bytes moved, and what ``trace`` and ``sparse`` asked for
 
 ``dit_sparse_reset`` drop the pooled sparse-attention statistics (sampling ended).
+    -> Dropped {dropped}: how many pooled entries went
 
 ``dit_probe``   measure on this rank's device whether its shards give the unsplit call's bits
                 (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against each of
                 ``candidates`` (this rank's token range in each candidate plan), the qkv projection and attention
                 for its head group ``heads``; random data of the real shapes, in the loaded compute dtype, with the
-                loaded attention function.  Answers the rank's fingerprint and one verdict per op.
+                loaded attention function.
+    -> ProbeReport: the rank's fingerprint and one verdict per op
 
 ``dit_release`` drop this rank's weights, exchange objects and process group.
+    -> Released {released: True}
 """
 from __future__ import annotations
 
+import enum
 from typing import ClassVar, Literal, Optional, Union, get_args
 
 import msgspec
 
-import msgspec
+from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, TensorDesc
 
-from workers.runtime.protocol import Plain, Request, TensorDesc
 
-#: Exchange transports a step may name.
-Exchange = Literal["host", "dist", "none"]
-EXCHANGES: tuple[str, ...] = get_args(Exchange)
+class Transport(str, enum.Enum):
+    """How the ranks of a split step exchange rows between blocks: the one vocabulary of the
+    node input (``host``, ``nccl``), the wire (a step's ``exchange``), the step records and the
+    status JSON.  The node's ``nccl`` means the collective transport; on CPU ranks it runs as
+    ``gloo`` (:meth:`on`)."""
+
+    #: shared-memory arena on the host plus eventfd doorbells (CPU and CUDA ranks)
+    HOST = "host"
+    #: torch.distributed collectives over NCCL (CUDA ranks)
+    NCCL = "nccl"
+    #: torch.distributed collectives over gloo: the CPU form of ``nccl``
+    GLOO = "gloo"
+    #: benchmark baseline without exchange (each rank's compute alone; wrong output by design)
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def collective(self) -> bool:
+        """Whether this transport runs over a torch.distributed process group."""
+        return self in (Transport.NCCL, Transport.GLOO)
+
+    def on(self, cuda: bool) -> "Transport":
+        """This transport as it runs on CUDA (``cuda``) or CPU ranks: the collective one is NCCL
+        on CUDA, gloo on the CPU."""
+        if self.collective:
+            return Transport.NCCL if cuda else Transport.GLOO
+        return self
+
+
 #: Weight residency choices of a CUDA rank.
 Residency = Literal["auto", "resident", "stream"]
 RESIDENCIES: tuple[str, ...] = get_args(Residency)
+
+
+class DitLoaded(Answer):
+    """Whether the weights were mapped now (False: this key and head group were loaded
+    already), their bytes, the load's seconds (when it loaded), the device's SM count (None on a
+    CPU), its fingerprint (``workers.dit.invariance.fingerprint``), and why the sparse kernel
+    cannot run there (None: it can)."""
+
+    loaded: bool
+    bytes: int
+    sm_count: int | None
+    fingerprint: dict[str, str]
+    sparse_kernel: str | None
+    seconds: float | None = None
 
 
 class DitLoad(Request, tag="dit_load"):
@@ -71,6 +117,37 @@ class DitLoad(Request, tag="dit_load"):
     heads: tuple[int, int]
     key: str
     PLAIN: ClassVar[tuple[str, ...]] = ("config",)
+    ANSWER: ClassVar[type[Answer]] = DitLoaded
+
+
+class DitStepped(Answer):
+    """One rank's step: wall, compute, exchange-copy and wait seconds, bytes moved, doorbell
+    signals, peak VRAM (None on a CPU); on CUDA the copies' own GPU seconds and the host's waits
+    for compute; the weights' residency timings (None where weights do not move); per block
+    [compute, copy, wait] seconds; the seconds outside the blocks before (``setup_s``: mapping
+    segments, input copies, weight placement, exchange setup) and after (``tail_s``: the copy
+    back); the CUDA caching allocator's growth (``new_segments``, ``retries``,
+    ``reserved_bytes``; None on a CPU); with ``trace`` "block:op" -> digest of this rank's
+    output of that op; with sparse attention the blocks run sparse / dense and how many reused
+    the pooled statistics (None without)."""
+
+    wall_s: float
+    compute_s: float
+    exchange_s: float
+    wait_s: float
+    moved_bytes: int
+    signals: int
+    vram_peak_bytes: int | None
+    copy_gpu_s: float
+    compute_wait_s: float
+    weights: Plain | None
+    per_block: list[list[float]]
+    setup_s: float
+    tail_s: float
+    cuda_alloc: dict[str, int] | None
+    trace: dict[str, str]
+    sparse: dict[str, int] | None
+    PLAIN: ClassVar[tuple[str, ...]] = ("weights",)
 
 
 class DitStep(Request, tag="dit_step"):
@@ -82,7 +159,7 @@ class DitStep(Request, tag="dit_step"):
     tokens: tuple[int, int]
     arena: str
     layout: Plain
-    exchange: Exchange
+    exchange: Transport
     chunks: int
     abort_gen: int
     deadline_s: float
@@ -91,10 +168,11 @@ class DitStep(Request, tag="dit_step"):
     trace: bool = False
     sparse: Plain = msgspec.field(default_factory=dict)
     PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
+    ANSWER: ClassVar[type[Answer]] = DitStepped
 
 
 class DitSparseReset(Request, tag="dit_sparse_reset"):
-    pass
+    ANSWER: ClassVar[type[Answer]] = Dropped
 
 
 #: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same call everywhere).
@@ -118,13 +196,39 @@ class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     split: Split = "tokens"
 
 
+class OpVerdict(msgspec.Struct, forbid_unknown_fields=True):
+    """One op on one rank: ``exact[c]`` for candidate ``c`` (token-split ops), one entry for
+    head-split ops, none for ops every rank calls alike; ``digest`` of the unsplit call's
+    output; ``max_abs_diff`` per candidate."""
+
+    op: str
+    dtype: str
+    shape: str
+    split: Split
+    shards: list[list[int]]
+    exact: list[bool]
+    max_abs_diff: list[float]
+    digest: str
+    ms: float
+
+
+class ProbeReport(Answer):
+    """What ``dit_probe`` answers: the device's fingerprint, one verdict per op, and the probe's
+    wall time."""
+
+    fingerprint: dict[str, str]
+    ops: list[OpVerdict] = msgspec.field(default_factory=list)
+    ms: float = 0.0
+
+
 class DitProbe(Request, tag="dit_probe"):
     ops: list[LinearOp]
     tokens: int
     candidates: list[tuple[int, int]]
     heads: tuple[int, int]
     t_rows: int = 2
+    ANSWER: ClassVar[type[Answer]] = ProbeReport
 
 
 class DitRelease(Request, tag="dit_release"):
-    pass
+    ANSWER: ClassVar[type[Answer]] = Released

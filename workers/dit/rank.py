@@ -19,6 +19,7 @@ from workers.runtime import comfy_host
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
+from workers.dit.protocol import Transport
 from workers.dit import sparse as dit_sparse
 from workers.dit.cuda import CudaExchange, CudaWeights
 from workers.dit.loop import run_blocks
@@ -26,7 +27,7 @@ from workers.dit.weights import CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
 from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
 from workers.runtime.handlers import WorkerContext, handler, on_release
-from workers.runtime.protocol import TensorDesc
+from workers.runtime.protocol import Dropped, Released, TensorDesc
 
 _STATE = "dit"
 
@@ -68,7 +69,8 @@ class RankWeights:
 class RankState:
     weights: RankWeights | None = None
     exchanges: dict[tuple, Exchange] = field(default_factory=dict)
-    dist_backend: str | None = None
+    #: the process group's backend (nccl or gloo) once a collective step made one
+    dist_backend: Transport | None = None
     #: sparse attention's statistics carried from step to step (dropped at sampling end and with the weights)
     pooled: dit_sparse.PooledStats = field(default_factory=dit_sparse.PooledStats)
 
@@ -96,12 +98,13 @@ def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
 
 
 @handler(dit_protocol.DitLoad)
-async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
+async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protocol.DitLoaded:
     st = _state(ctx)
     if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
-        return {"loaded": False, "bytes": st.weights.provider.nbytes, "sm_count": _sm_count(ctx),
-                "fingerprint": invariance.fingerprint(torch.device(ctx.device)),
-                "sparse_kernel": dit_sparse.kernel_unavailable(torch.device(ctx.device))}
+        return dit_protocol.DitLoaded(
+            loaded=False, bytes=st.weights.provider.nbytes, sm_count=_sm_count(ctx),
+            fingerprint=invariance.fingerprint(torch.device(ctx.device)),
+            sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)))
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg.config.get("devices")
     attend = _attend(msg.config["attention"])
@@ -116,13 +119,14 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dict:
                  ctx.rank, msg.key, len(msg.manifest), msg.heads,
                  _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
                  time.perf_counter() - t)
-    return {"loaded": True, "bytes": st.weights.provider.nbytes, "seconds": time.perf_counter() - t,
-            "sm_count": _sm_count(ctx), "fingerprint": invariance.fingerprint(torch.device(ctx.device)),
-            "sparse_kernel": dit_sparse.kernel_unavailable(torch.device(ctx.device))}
+    return dit_protocol.DitLoaded(
+        loaded=True, bytes=st.weights.provider.nbytes, seconds=time.perf_counter() - t,
+        sm_count=_sm_count(ctx), fingerprint=invariance.fingerprint(torch.device(ctx.device)),
+        sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)))
 
 
 @handler(dit_protocol.DitProbe)
-async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dict:
+async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReport:
     """Measure this rank's shards against the unsplit calls on its own device (``workers.dit.invariance``), in the
     loaded compute dtype and with the loaded attention function."""
     w = _state(ctx).weights
@@ -136,7 +140,7 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dict:
         t_rows=int(msg.t_rows)))
     if ctx.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the probe's random buffers and products are not the steps' working set
-    return report.to_dict()
+    return report
 
 
 def _sm_count(ctx: WorkerContext) -> int | None:
@@ -156,7 +160,7 @@ def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
 
 
 @handler(dit_protocol.DitRelease)
-async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> dict:
+async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> Released:
     st = _state(ctx)
     store = st.weights.store if st.weights is not None else None
     _drop_weights(ctx, st)
@@ -169,19 +173,19 @@ async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> dict
         st.dist_backend = None
     if store is not None:
         ctx.forget_segment(store)
-    return {"released": True}
+    return Released(released=True)
 
 
 @handler(dit_protocol.DitSparseReset)
-async def _dit_sparse_reset(ctx: WorkerContext, msg: dit_protocol.DitSparseReset) -> dict:
-    return {"dropped": _state(ctx).pooled.clear()}
+async def _dit_sparse_reset(ctx: WorkerContext, msg: dit_protocol.DitSparseReset) -> Dropped:
+    return Dropped(dropped=_state(ctx).pooled.clear())
 
 
 @on_release
 def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
     # A host exchange keeps its arena mapped; one over a released arena is never used again.
     st = _state(ctx)
-    for key in [k for k in st.exchanges if k[0] == "host" and k[1] in names]:
+    for key in [k for k in st.exchanges if k[0] is Transport.HOST and k[1] in names]:
         st.exchanges.pop(key).close()
 
 
@@ -189,16 +193,16 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
     """The exchange object for this step's arena or process group (created once, reused while it matches)."""
     layout = ArenaLayout.from_dict(msg.layout)
     cuda = ctx.device.startswith("cuda")
-    if msg.exchange == "none":
-        key0 = ("none", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
+    if msg.exchange is Transport.NONE:
+        key0 = (Transport.NONE, tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
         if key0 not in st.exchanges:
             st.exchanges[key0] = NoExchange(ctx.rank, layout, torch.device(ctx.device))
         return st.exchanges[key0]
-    if msg.exchange == "host":
-        key: tuple = ("host", msg.arena)
+    if msg.exchange is Transport.HOST:
+        key: tuple = (Transport.HOST, msg.arena)
         ex = st.exchanges.get(key)
         if ex is None:
-            for old in [k for k in st.exchanges if k[0] == "host"]:
+            for old in [k for k in st.exchanges if k[0] is Transport.HOST]:
                 st.exchanges.pop(old).close()
             arena = ctx.segment(msg.arena).base_tensor()
             wrap = copies = None
@@ -212,11 +216,12 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
         return ex
     from workers.transports.dist import DistExchange, init_group
     if st.dist_backend is None:
-        backend = "nccl" if cuda else "gloo"
-        init_group(ctx.rank, ctx.world_size, backend, os.path.join(ctx.run_dir, "dist-rendezvous"),
-                   msg.deadline_s, devices=ctx.state.get("devices"), local_device=ctx.device)
+        backend = msg.exchange.on(cuda)
+        init_group(ctx.rank, ctx.world_size, backend.value,
+                   os.path.join(ctx.run_dir, "dist-rendezvous"), msg.deadline_s,
+                   devices=ctx.state.get("devices"), local_device=ctx.device)
         st.dist_backend = backend
-    key = ("dist", tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
+    key = (st.dist_backend, tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
     ex = st.exchanges.get(key)
     if ex is None:
         ex = DistExchange(ctx.rank, ctx.world_size, layout, control=ctx.control)
@@ -236,7 +241,7 @@ def _segments(ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]],
     return out
 
 
-def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
+def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
     """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank timings."""
     st = _state(ctx)
     w = st.weights
@@ -286,31 +291,27 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
     wall = time.perf_counter() - t_start
     xs = ex.stats()
     exchange_s = float(xs.get("copy_s", 0.0)) + float(xs.get("wait_s", 0.0))
-    return {
-        "wall_s": wall,
-        "compute_s": max(0.0, wall - exchange_s),
-        "exchange_s": float(xs.get("copy_s", 0.0)),
-        "wait_s": float(xs.get("wait_s", 0.0)),
-        "moved_bytes": int(xs.get("bytes_written", 0)) + int(xs.get("bytes_read", 0)),
-        "signals": int(xs.get("signals_sent", 0)),
-        "vram_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+    return dit_protocol.DitStepped(
+        wall_s=wall,
+        compute_s=max(0.0, wall - exchange_s),
+        exchange_s=float(xs.get("copy_s", 0.0)),
+        wait_s=float(xs.get("wait_s", 0.0)),
+        moved_bytes=int(xs.get("bytes_written", 0)) + int(xs.get("bytes_read", 0)),
+        signals=int(xs.get("signals_sent", 0)),
+        vram_peak_bytes=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
         # CUDA ranks: the copies' own durations from events on the copy streams, and the host's waits for compute
-        "copy_gpu_s": float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
-        "compute_wait_s": float(xs.get("compute_wait_s", 0.0)),
-        "weights": w.provider.timer(),
-        # per block [compute, copy, wait] seconds (run_blocks; the last block's GPU tail shows in the step total)
-        "per_block": per_block,
-        # where a slow step's time went outside the blocks: mapping/registering new segments, input copies, weight
-        # placement, the exchange's setup (setup_s); the copy back (tail_s); the CUDA caching allocator growing
-        # (new segments = cudaMalloc calls) or retrying after freeing its cache (a sync per retry)
-        "setup_s": setup_s,
-        "tail_s": time.perf_counter() - t_tail,
-        "cuda_alloc": _alloc_delta(alloc0, _alloc_counters(device)) if cuda else None,
-        # with msg.trace: "block:op" -> digest of this rank's output rows (or head columns) of that op
-        "trace": digests,
-        # sparse attention: blocks run sparse / dense by the settings, and how many reused last step's statistics
-        "sparse": sparse.counts if sparse is not None else None,
-    }
+        copy_gpu_s=float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
+        compute_wait_s=float(xs.get("compute_wait_s", 0.0)),
+        weights=w.provider.timer(),
+        # the last block's GPU tail shows in the step total, not in per_block (run_blocks)
+        per_block=per_block,
+        # (new allocator segments are cudaMalloc calls; a retry after freeing its cache is a sync)
+        setup_s=setup_s,
+        tail_s=time.perf_counter() - t_tail,
+        cuda_alloc=_alloc_delta(alloc0, _alloc_counters(device)) if cuda else None,
+        trace=digests,
+        sparse=sparse.counts if sparse is not None else None,
+    )
 
 
 def _alloc_counters(device: torch.device) -> dict[str, int]:
@@ -325,12 +326,12 @@ def _alloc_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
             "reserved_bytes": after["reserved_bytes"]}
 
 
-def _run_step_inference(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
+def _run_step_inference(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
     # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another code path).
     with torch.inference_mode():
         return run_step(ctx, msg)
 
 
 @handler(dit_protocol.DitStep)
-async def _dit_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dict:
+async def _dit_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
     return await ctx.run_compute(_run_step_inference, ctx, msg)

@@ -1,8 +1,10 @@
 """What a worker serves: the handler registry, the per-worker context, and the core commands.
 
-A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> dict`` registered with ``@handler(Kind)`` for a request
-struct ``Kind`` (a :class:`workers.runtime.protocol.Request` subclass); it receives the decoded, validated message,
-the returned map is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer carrying its traceback.
+A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> Kind.ANSWER`` registered with
+``@handler(Kind)`` for a request struct ``Kind`` (a :class:`workers.runtime.protocol.Request`
+subclass); it receives the decoded, validated message, the returned answer struct (of the
+kind's ``ANSWER``) is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer
+carrying its traceback.
 Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps answering (heartbeats, aborts) while it runs.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from workers.runtime import config, protocol
 from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
 
-Handler = Callable[["WorkerContext", Any], Awaitable[dict]]
+Handler = Callable[["WorkerContext", Any], Awaitable[protocol.Answer]]
 #: request struct -> handler coroutine function.
 HANDLERS: dict[type[protocol.Request], Handler] = {}
 H = TypeVar("H", bound=Handler)
@@ -130,14 +132,14 @@ class WorkerContext:
 
 # -- core commands ----------------------------------------------------------------------------------------------
 @handler(protocol.Ping)
-async def _ping(ctx: WorkerContext, msg: protocol.Ping) -> dict:
+async def _ping(ctx: WorkerContext, msg: protocol.Ping) -> protocol.Pong:
     """Liveness; the first answer (to the pool's admission ping) also lists the kinds this worker serves, which the
     pool then refuses others by.  Only the first: a ping is the round trip the IPC benchmark times."""
-    answer: dict[str, Any] = {"pong": True, "pid": os.getpid(), "rank": ctx.rank}
+    serves = None
     if not ctx.announced:
         ctx.announced = True
-        answer["serves"] = sorted(kind.__struct_config__.tag for kind in HANDLERS)
-    return answer
+        serves = sorted(kind.__struct_config__.tag for kind in HANDLERS)
+    return protocol.Pong(pong=True, pid=os.getpid(), rank=ctx.rank, serves=serves)
 
 
 def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
@@ -157,7 +159,7 @@ def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
 
 
 @handler(protocol.Echo)
-async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> dict:
+async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> protocol.Echoed:
     """Copy the bytes of ``src`` to ``dst`` (both shm descriptors of equal byte size); return their sha256."""
     import torch
 
@@ -168,21 +170,21 @@ async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> dict:
     src = ctx.segment(src_d.seg).tensor(src_d).reshape(-1).view(torch.uint8)
     dst = ctx.segment(dst_d.seg).tensor(dst_d).reshape(-1).view(torch.uint8)
     digest, seconds = await ctx.run_compute(_copy_and_hash, src, dst, ctx.device)
-    return {"bytes": n_src, "sha256": digest, "seconds": seconds,
-            "registered": ctx.segment(src_d.seg).registered}
+    return protocol.Echoed(bytes=n_src, sha256=digest, seconds=seconds,
+                           registered=ctx.segment(src_d.seg).registered)
 
 
 @handler(protocol.DropReleased)
-async def _drop_released(ctx: WorkerContext, msg: protocol.DropReleased) -> dict:
+async def _drop_released(ctx: WorkerContext, msg: protocol.DropReleased) -> protocol.Dropped:
     """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a tight
     /dev/shm has the old ones' pages back first)."""
-    return {"dropped": ctx.forget_released()}
+    return protocol.Dropped(dropped=ctx.forget_released())
 
 
 # -- test hooks (only with H3MS_TEST_HOOKS=1) ------------------------------------------------------------------
 if TEST_HOOKS:
     @handler(protocol.Sleep)
-    async def _sleep(ctx: WorkerContext, msg: protocol.Sleep) -> dict:
+    async def _sleep(ctx: WorkerContext, msg: protocol.Sleep) -> protocol.Slept:
         """Sleep, but stop early with an error when the pool aborts (doorbell + abort generation)."""
         seconds = float(msg.seconds)
         gen = ctx.abort_generation()
@@ -210,10 +212,10 @@ if TEST_HOOKS:
                     raise RuntimeError(f"rank {ctx.rank}: sleep aborted by the pool")
         finally:
             loop.remove_reader(fd)
-        return {"slept": seconds}
+        return protocol.Slept(slept=seconds)
 
     @handler(protocol.Crash)
-    async def _crash(ctx: WorkerContext, msg: protocol.Crash) -> dict:
+    async def _crash(ctx: WorkerContext, msg: protocol.Crash) -> protocol.Done:
         how = msg.how
         ctx.log.warning("test hook: crashing (%s)", how)
         for h in ctx.log.handlers + logging.getLogger().handlers:
@@ -221,20 +223,20 @@ if TEST_HOOKS:
         if how == "exit":
             os._exit(int(msg.code))
         os.kill(os.getpid(), signal.SIGKILL)
-        return {}
+        return protocol.Done()
 
     @handler(protocol.Hang)
-    async def _hang(ctx: WorkerContext, msg: protocol.Hang) -> dict:
+    async def _hang(ctx: WorkerContext, msg: protocol.Hang) -> protocol.Done:
         ctx.log.warning("test hook: blocking the loop for %.1f s", msg.seconds)
         time.sleep(float(msg.seconds))  # on purpose: the loop (and its heartbeats) stop
-        return {}
+        return protocol.Done()
 
     @handler(protocol.Inject)
-    async def _inject(ctx: WorkerContext, msg: protocol.Inject) -> dict:
+    async def _inject(ctx: WorkerContext, msg: protocol.Inject) -> protocol.Done:
         """Write raw bytes on this worker's channel (to test the coordinator's protocol checks)."""
         writer = ctx.state["_writer"]
         writer.write(bytes(msg.raw))
         if msg.close:
             writer.write_eof()
         await writer.drain()
-        return {}
+        return protocol.Done()

@@ -16,11 +16,15 @@ Conversation (every arrow is one frame)::
         ◄──────────────────── auth {rank, pid, mac}     mac = HMAC-SHA256(key, nonce || rank), see auth.py
         ── welcome {...} or refused {error} ──────►
         ── <request kind> {id: n, ...} ───────────►
-        ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}
+        ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}     r: the kind's answer
         ◄──────── hb {id: 0, rss, vram, busy}        unsolicited, about every second
 
 A rank program declares its requests as :class:`Request` subclasses in its own ``workers/<program>/protocol.py``;
 defining the class is the declaration (importing the module adds it to the decoder).
+Each request kind names its answer, an :class:`Answer` struct declared next to it
+(``ANSWER``): the worker's handler returns one, the ``ok`` frame carries it as the map
+``r``, and the coordinator decodes and validates ``r`` as that struct once, when the answer
+arrives (:func:`decode_answer`).
 """
 from __future__ import annotations
 
@@ -166,8 +170,28 @@ class Message(msgspec.Struct, tag_field="k", kw_only=True, forbid_unknown_fields
         return self.__struct_config__.tag
 
 
+class Answer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a worker answers one request kind with (the ``r`` map of its ``ok`` frame);
+    a subclass declares one."""
+
+    #: The names of this answer's free-form (:data:`Plain`) fields (:func:`check_plain`).
+    PLAIN: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name in self.PLAIN:
+            check_plain(getattr(self, name), f"{type(self).__name__}.{name}")
+
+
+class Done(Answer):
+    """The answer of a request that reports nothing but its completion."""
+
+
 class Request(Message):
-    """A coordinator -> worker request; the worker answers it with :class:`Ok` or :class:`Err`."""
+    """A coordinator -> worker request; the worker answers it with :class:`Ok` (carrying an
+    ``ANSWER``) or :class:`Err`."""
+
+    #: The struct this kind is answered with.
+    ANSWER: ClassVar[type[Answer]] = Done
 
 
 def kinds() -> dict[str, type[Message]]:
@@ -229,8 +253,10 @@ class Refused(Message, tag="refused"):
 
 # answers and heartbeats (worker -> coordinator)
 class Ok(Message, tag="ok"):
-    r: Plain
-    PLAIN: ClassVar[tuple[str, ...]] = ("r",)
+    """A request's answer: ``r`` is its kind's :class:`Answer`, encoded (:func:`encode_answer`)
+    and decoded (:func:`decode_answer`) apart from the envelope, as the request's kind says."""
+
+    r: msgspec.Raw
 
 
 class Err(Message, tag="err"):
@@ -248,9 +274,27 @@ class Heartbeat(Message, tag="hb"):
 WORKER_TO_COORDINATOR = (Ok, Err, Heartbeat)
 
 
-# core requests (coordinator -> worker)
+# core requests (coordinator -> worker) and their answers
+class Pong(Answer):
+    """The worker's pid and rank; ``serves`` (the kinds it serves) only in its first answer."""
+
+    pong: bool
+    pid: int
+    rank: int
+    serves: list[str] | None = None
+
+
 class Ping(Request, tag="ping"):
-    pass
+    ANSWER: ClassVar[type[Answer]] = Pong
+
+
+class Echoed(Answer):
+    """The bytes copied, their sha256, the copies' seconds, whether ``src`` is CUDA-registered."""
+
+    bytes: int
+    sha256: str
+    seconds: float
+    registered: bool
 
 
 class Echo(Request, tag="echo"):
@@ -258,19 +302,47 @@ class Echo(Request, tag="echo"):
 
     src: TensorDesc
     dst: TensorDesc
+    ANSWER: ClassVar[type[Answer]] = Echoed
+
+
+class Dropped(Answer):
+    """How many things (segments, held chunks, statistics) the request dropped."""
+
+    dropped: int
 
 
 class DropReleased(Request, tag="drop_released"):
     """Unmap every segment the coordinator has released."""
 
+    ANSWER: ClassVar[type[Answer]] = Dropped
+
+
+class Released(Answer):
+    """Whether the worker held what a release request dropped."""
+
+    released: bool
+
+
+class Stopping(Answer):
+    """The pid of the worker that stops serving."""
+
+    pid: int
+
 
 class Shutdown(Request, tag="shutdown"):
     """Answer, then stop serving (the worker exits)."""
 
+    ANSWER: ClassVar[type[Answer]] = Stopping
+
 
 # test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
+class Slept(Answer):
+    slept: float
+
+
 class Sleep(Request, tag="sleep"):
     seconds: float
+    ANSWER: ClassVar[type[Answer]] = Slept
 
 
 class Crash(Request, tag="crash"):
@@ -292,6 +364,7 @@ TEST_HOOK_KINDS = ("sleep", "crash", "hang", "inject")
 
 # -- encode, decode ---------------------------------------------------------------------------------------------
 _ENCODER = msgspec.msgpack.Encoder()
+_ANSWER_DECODERS: dict[type[Answer], msgspec.msgpack.Decoder] = {}
 
 
 def decode(body: bytes) -> Message:
@@ -324,6 +397,35 @@ def encode(msg: Message) -> bytes:
             f"{msg.kind}: message of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}; "
             "move large payloads to shared memory and send a tensor descriptor")
     return HEADER.pack(len(body)) + body
+
+
+def encode_answer(request: Request, answer: Answer) -> msgspec.Raw:
+    """``answer`` as the ``r`` of an :class:`Ok` to ``request``; refuses a struct other than
+    the kind's ``ANSWER``."""
+    if type(answer) is not request.ANSWER:
+        raise ProtocolError(f"{request.kind}: answered with {type(answer).__name__}, "
+                            f"not {request.ANSWER.__name__}")
+    try:
+        return msgspec.Raw(_ENCODER.encode(answer))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{request.kind}: cannot encode answer: {exc}") from None
+
+
+def decode_answer(answer: type[Answer], raw: msgspec.Raw | bytes) -> Answer:
+    """Decode and validate the ``r`` of an :class:`Ok` as the struct ``answer``.  Raises only
+    :class:`ProtocolError`."""
+    dec = _ANSWER_DECODERS.get(answer)
+    if dec is None:
+        dec = _ANSWER_DECODERS[answer] = msgspec.msgpack.Decoder(answer, ext_hook=_refuse_ext)
+    try:
+        return dec.decode(raw)
+    except ProtocolError:
+        raise
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid {answer.__name__} answer: {exc}"[:300]) from None
+    except (msgspec.DecodeError, RecursionError, ValueError) as exc:
+        text = f"{answer.__name__} answer is not one valid msgpack map: {exc}"
+        raise ProtocolError(text[:300]) from None
 
 
 async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> Message:

@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from workers.dit.protocol import Transport
 from workers.runtime.shm import Segment
 from workers.transports.host import ArenaLayout, ExchangeError, HostExchange
 
@@ -43,9 +44,10 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
     patterns = [case_inputs(layout, seed, k) for k in range(n_pat)]
     r0, r1 = layout.rows(rank)
     c0, c1 = layout.cols(rank)
-    transports = [("host", host)] if case["transport"] == "host" else [("dist", dist_ex)]
+    gloo = (Transport.GLOO.value, dist_ex)
+    transports = [("host", host)] if case["transport"] == "host" else [gloo]
     if case["transport"] == "both":
-        transports = [("host", host), ("dist", dist_ex)]
+        transports = [("host", host), gloo]
     result: dict = {"name": case.get("name", ""), "ok": True, "failures": [], "runs": []}
     op_count = 0
 

@@ -14,6 +14,7 @@ to serve.  Field meanings:
     dtype       the VAE's compute dtype ("float16", "float32", ...)
     comfy       {root, sys_path, argv}: the ComfyUI root whose ``comfy`` package runs the decode, the parent's
                 ``sys.path`` entries to add, and ComfyUI's command-line flags (attention choice, precision flags)
+    -> VaeLoaded {loaded, key, bytes, seconds, import_s}
 
 ``vae_chunk``   decode one temporal chunk.
     job         decode number (logs, and the key of chunks held for ``vae_fetch``)
@@ -21,18 +22,20 @@ to serve.  Field meanings:
     z           descriptor of the chunk's padded, denormalised latent slice [B, C, t, h, w] in the VAE dtype
     out         descriptor where the raw decoder output goes (shm return), or None: the worker keeps the output
                 and the coordinator reads it with ``vae_fetch`` (socket return)
-    -> {index, seconds, shape, dtype, nbytes, held}
+    -> VaeChunkDone {index, seconds, copy_s, shape, dtype, nbytes, held}
 
 ``vae_probe``   the exactness probe: decode one random chunk of a plan's chunk shape, answer its digest (compared
                 with rank 0's decode of the same latent by ``h3ms_async.vae.exactness``).
     z           descriptor of the probe latent [B, C, t, h, w] in the VAE dtype
-    -> {digest, seconds, shape, dtype}
+    -> VaeProbed {digest, seconds, shape, dtype}
 
 ``vae_fetch``   read ``n`` bytes at ``off`` of a held chunk output (socket return); the last read frees it.
-    -> {data}
+    -> VaeFetched {data}
 
 ``vae_drop``    end of ``job``: forget its held chunk outputs (an abandoned decode) and unmap its segments.
+    -> Dropped {dropped}: how many held chunk outputs it forgot
 ``vae_release`` drop the decoder (the worker stays up).
+    -> Released {released}: whether a decoder was loaded
 """
 from __future__ import annotations
 
@@ -42,7 +45,18 @@ from typing import ClassVar
 import torch
 
 from workers.runtime import protocol
-from workers.runtime.protocol import Plain, Request, TensorDesc
+from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, TensorDesc
+
+
+class VaeLoaded(Answer):
+    """Whether the decoder was built now (False: ``key`` was loaded already); then its bytes and
+    the seconds of the load and of ComfyUI's import."""
+
+    loaded: bool
+    key: str
+    bytes: int | None = None
+    seconds: float | None = None
+    import_s: float | None = None
 
 
 class VaeLoad(Request, tag="vae_load"):
@@ -53,6 +67,21 @@ class VaeLoad(Request, tag="vae_load"):
     dtype: str
     comfy: Plain
     PLAIN: ClassVar[tuple[str, ...]] = ("arch", "comfy")
+    ANSWER: ClassVar[type[Answer]] = VaeLoaded
+
+
+class VaeChunkDone(Answer):
+    """One decoded chunk: its decode and copy seconds, raw output shape, dtype and bytes, and
+    whether the worker holds it for ``vae_fetch`` (socket return) instead of having written it to
+    ``out``."""
+
+    index: int
+    seconds: float
+    copy_s: float
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    held: bool
 
 
 class VaeChunk(Request, tag="vae_chunk"):
@@ -60,10 +89,27 @@ class VaeChunk(Request, tag="vae_chunk"):
     index: int
     z: TensorDesc
     out: TensorDesc | None
+    ANSWER: ClassVar[type[Answer]] = VaeChunkDone
+
+
+class VaeProbed(Answer):
+    """The probe chunk's digest (:func:`chunk_digest`), decode seconds, shape and dtype."""
+
+    digest: str
+    seconds: float
+    shape: list[int]
+    dtype: str
 
 
 class VaeProbe(Request, tag="vae_probe"):
     z: TensorDesc
+    ANSWER: ClassVar[type[Answer]] = VaeProbed
+
+
+class VaeFetched(Answer):
+    """One piece of a held chunk output."""
+
+    data: bytes
 
 
 class VaeFetch(Request, tag="vae_fetch"):
@@ -71,14 +117,16 @@ class VaeFetch(Request, tag="vae_fetch"):
     index: int
     off: int
     n: int
+    ANSWER: ClassVar[type[Answer]] = VaeFetched
 
 
 class VaeDrop(Request, tag="vae_drop"):
     job: int
+    ANSWER: ClassVar[type[Answer]] = Dropped
 
 
 class VaeRelease(Request, tag="vae_release"):
-    pass
+    ANSWER: ClassVar[type[Answer]] = Released
 
 
 #: The parameter/buffer prefixes of ``MiniMaxH3VideoVAE`` that a decode uses; the encoder never travels.

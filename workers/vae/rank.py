@@ -24,7 +24,7 @@ from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
 from workers.runtime import config
 from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
-from workers.runtime.protocol import TensorDesc
+from workers.runtime.protocol import Dropped, Released, TensorDesc
 from workers.runtime.shm import torch_dtype
 
 _STATE = "vae"
@@ -194,18 +194,18 @@ def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
 
 
 @handler(vae_protocol.VaeLoad)
-async def _vae_load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
+async def _vae_load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> vae_protocol.VaeLoaded:
     st = _state(ctx)
     if st.key == msg.key and st.model is not None:
-        return {"loaded": False, "key": st.key}
+        return vae_protocol.VaeLoaded(loaded=False, key=st.key)
     st.model = None
     st.key = None
     res = await ctx.run_compute(_load, ctx, msg)
     st.model, st.dtype, st.key = res["model"], res["dtype"], msg.key
     ctx.log.info("VAE decoder loaded: %.1f MiB %s in %.2f s (ComfyUI import %.2f s), key %s",
                  res["nbytes"] / 2**20, msg.dtype, res["load_s"], res["import_s"], msg.key)
-    return {"loaded": True, "key": st.key, "bytes": res["nbytes"], "seconds": res["load_s"],
-            "import_s": res["import_s"]}
+    return vae_protocol.VaeLoaded(loaded=True, key=msg.key, bytes=res["nbytes"],
+                                  seconds=res["load_s"], import_s=res["import_s"])
 
 
 def _test_crash(ctx: WorkerContext) -> None:
@@ -231,7 +231,7 @@ def _decode_raw(ctx: WorkerContext, st: VaeState, z_desc: TensorDesc) -> torch.T
     return raw
 
 
-def _probe(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeProbe) -> dict:
+def _probe(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeProbe) -> vae_protocol.VaeProbed:
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -239,11 +239,13 @@ def _probe(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeProbe) -> dict
             digest = vae_protocol.chunk_digest(raw)
     finally:
         ctx.forget_segment(msg.z.seg)
-    return {"digest": digest, "seconds": time.perf_counter() - t0, "shape": list(raw.shape),
-            "dtype": str(raw.dtype).removeprefix("torch.")}
+    return vae_protocol.VaeProbed(digest=digest, seconds=time.perf_counter() - t0,
+                                  shape=list(raw.shape),
+                                  dtype=str(raw.dtype).removeprefix("torch."))
 
 
-def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: int) -> dict:
+def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk,
+            gen: int) -> vae_protocol.VaeChunkDone:
     if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
         raise RuntimeError(f"chunk {msg.index} of job {msg.job} skipped: the coordinator aborted the decode")
     _test_crash(ctx)
@@ -268,36 +270,38 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk, gen: i
             st.held[(msg.job, msg.index)] = raw.to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if ctx.device.startswith("cuda"):
             torch.cuda.synchronize(ctx.device)
-    return {"index": msg.index, "seconds": t_decode, "copy_s": time.perf_counter() - t0 - t_decode,
-            "shape": list(raw.shape), "dtype": str(raw.dtype).removeprefix("torch."),
-            "nbytes": raw.numel() * raw.element_size(), "held": out is None}
+    return vae_protocol.VaeChunkDone(
+        index=msg.index, seconds=t_decode, copy_s=time.perf_counter() - t0 - t_decode,
+        shape=list(raw.shape), dtype=str(raw.dtype).removeprefix("torch."),
+        nbytes=raw.numel() * raw.element_size(), held=out is None)
 
 
 @handler(vae_protocol.VaeChunk)
-async def _vae_chunk(ctx: WorkerContext, msg: vae_protocol.VaeChunk) -> dict:
+async def _vae_chunk(ctx: WorkerContext, msg: vae_protocol.VaeChunk) -> vae_protocol.VaeChunkDone:
     st = _state(ctx)
     if st.model is None:
         raise RuntimeError("vae_chunk before vae_load: this worker holds no VAE decoder")
     res = await ctx.run_compute(_decode, ctx, st, msg, ctx.abort_generation())
     st.chunks_done += 1
-    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index, res["dtype"],
-                 res["shape"], res["seconds"], res["copy_s"], "held for fetch" if res["held"] else "shm")
+    ctx.log.info("job %d chunk %d: %s %s in %.3f s (+%.3f s copy, %s)", msg.job, msg.index,
+                 res.dtype, res.shape, res.seconds, res.copy_s,
+                 "held for fetch" if res.held else "shm")
     return res
 
 
 @handler(vae_protocol.VaeProbe)
-async def _vae_probe(ctx: WorkerContext, msg: vae_protocol.VaeProbe) -> dict:
+async def _vae_probe(ctx: WorkerContext, msg: vae_protocol.VaeProbe) -> vae_protocol.VaeProbed:
     st = _state(ctx)
     if st.model is None:
         raise RuntimeError("vae_probe before vae_load: this worker holds no VAE decoder")
     res = await ctx.run_compute(_probe, ctx, st, msg)
-    ctx.log.info("exactness probe: %s %s decoded in %.3f s, digest %s", res["dtype"], res["shape"], res["seconds"],
-                 res["digest"][:12])
+    ctx.log.info("exactness probe: %s %s decoded in %.3f s, digest %s", res.dtype, res.shape,
+                 res.seconds, res.digest[:12])
     return res
 
 
 @handler(vae_protocol.VaeFetch)
-async def _vae_fetch(ctx: WorkerContext, msg: vae_protocol.VaeFetch) -> dict:
+async def _vae_fetch(ctx: WorkerContext, msg: vae_protocol.VaeFetch) -> vae_protocol.VaeFetched:
     st = _state(ctx)
     key = (msg.job, msg.index)
     flat = st.held.get(key)
@@ -310,25 +314,25 @@ async def _vae_fetch(ctx: WorkerContext, msg: vae_protocol.VaeFetch) -> dict:
     data = flat[off:off + n].numpy().tobytes()
     if off + n == flat.numel():
         del st.held[key]
-    return {"data": data}
+    return vae_protocol.VaeFetched(data=data)
 
 
 @handler(vae_protocol.VaeDrop)
-async def _vae_drop(ctx: WorkerContext, msg: vae_protocol.VaeDrop) -> dict:
+async def _vae_drop(ctx: WorkerContext, msg: vae_protocol.VaeDrop) -> Dropped:
     st = _state(ctx)
     keys = [k for k in st.held if k[0] == msg.job]
     for k in keys:
         del st.held[k]
     for name in st.segments.pop(msg.job, ()):
         ctx.forget_segment(name)
-    return {"dropped": len(keys)}
+    return Dropped(dropped=len(keys))
 
 
 @handler(vae_protocol.VaeRelease)
-async def _vae_release(ctx: WorkerContext, msg: vae_protocol.VaeRelease) -> dict:
+async def _vae_release(ctx: WorkerContext, msg: vae_protocol.VaeRelease) -> Released:
     st = _state(ctx)
     had = st.model is not None
     ctx.state.pop(_STATE, None)
     if had and ctx.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"released": had}
+    return Released(released=had)

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Sequence
 
+import msgspec
 import torch
 
 from h3ms_async.tools.cli import ArgParser, int_list
@@ -117,7 +118,8 @@ def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) ->
             exact = exact and bool(torch.equal(out, ref))
             diff = max(diff, float((out.float() - ref.float()).abs().max()))
         if best is None or wall < best["step_wall_s"]:
-            best = {"step_wall_s": wall, "ranks": rec["ranks"], "raw": eng.last_rank_results}
+            best = {"step_wall_s": wall, "ranks": rec["ranks"],
+                    "raw": msgspec.to_builtins(eng.last_rank_results)}
     best["rank_wall_s"] = max(r["wall_s"] for r in best["raw"]) if best.get("raw") else None
     if ref is not None:
         best.update(bit_exact=exact, max_abs_diff=diff)

@@ -94,7 +94,7 @@ def run(tokens: Sequence[int], layers: int, weights: str, ranks_list: Sequence[i
                     row = {"tokens": n, "mode": mode, "ranks": nr, **_row(walls, layers), "bit_exact": all(exact),
                            "bit_exact_per_step": exact,
                            "max_abs_diff": max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, ref)),
-                           "rank_sparse_counts": [r.get("sparse") for r in eng.last_rank_results]}
+                           "rank_sparse_counts": [r.sparse for r in eng.last_rank_results]}
                     res["runs"].append(row)
                     print(f"split{nr} {n} {mode}: {row['ms_per_block']:.1f} ms/block exact={row['bit_exact']}",
                           file=sys.stderr)

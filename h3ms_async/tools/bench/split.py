@@ -176,7 +176,7 @@ class VariantRun:
             self.walls.append(dt)
             self.engine_walls.append(rec["wall_s"])
             # The hub record has no signal count; the engine keeps the workers' raw results (same rank order).
-            self.per_rank.append([{**r, "signals": int(raw.get("signals", 0))}
+            self.per_rank.append([{**r, "signals": raw.signals}
                                   for r, raw in zip(rec["ranks"], self.engine.last_rank_results)])
 
     def summary(self, layers: int, probe: dict | None) -> dict:
