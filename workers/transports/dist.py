@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.transports.host import ArenaLayout, ExchangeAborted
+from workers.transports.host import ArenaLayout, ExchangeAborted, ExchangeStats
 
 log = logging.getLogger("h3_multistream.worker")
 
@@ -173,8 +173,9 @@ class DistExchange:
         return dict(self._stats)
 
     def reset_stats(self) -> None:
-        self._stats = {"transport": f"dist-{dist.get_backend()}", "rank": self.rank, "ops": 0, "bytes_written": 0,
-                       "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0}
+        self._stats: ExchangeStats = {
+            "transport": f"dist-{dist.get_backend()}", "rank": self.rank, "ops": 0,
+            "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0}
 
     def _check(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         if tuple(t.shape) != shape or t.dtype != self.layout.torch_dtype:
