@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Linux machine: sets up .venv (once) and runs the demo, the tests or a benchmark.
 #   bash scripts/h3ms.sh demo [demo options]     the standalone demo (unsplit vs split across 3 CPU ranks)
-#   bash scripts/h3ms.sh test                    CI: the test suite, then its exactness tests under AVX2 code paths
-#   bash scripts/h3ms.sh test [pytest options]   pytest with these options (one pass)
+#   bash scripts/h3ms.sh test                    CI: lint (ruff check, ruff format --check, mypy), the test
+#                                                suite, then its exactness tests under AVX2 code paths
+#   bash scripts/h3ms.sh test [pytest options]   pytest with these options (one pass, no lint)
+#   bash scripts/h3ms.sh lint                    only the lint step (settings: pyproject.toml)
 #   bash scripts/h3ms.sh exactness [pytest opts] only the second pass: the exactness tests under AVX2 code paths
 #   bash scripts/h3ms.sh bench ipc|split|exchange|gpu|attention
 # Environment: H3MS_VENV (default .venv), H3MS_TORCH_SPEC (default torch==2.13.0), H3MS_PYTHON (default python3).
@@ -13,7 +15,9 @@ venv="${H3MS_VENV:-$root/.venv}"
 py="${H3MS_PYTHON:-python3}"
 torch_spec="${H3MS_TORCH_SPEC:-torch==2.13.0}"
 stamp="$venv/.h3ms-installed"
-want="$(cat requirements.txt pyproject.toml | sha256sum | cut -c1-16) $torch_spec"
+# lint tools, pinned: a new ruff or mypy release must not fail CI on unchanged code
+lint_tools=("ruff==0.17.6" "mypy==2.4.1" "types-psutil==7.2.2.20261122" "types-tqdm==4.70.0.20261106")
+want="$(cat requirements.txt pyproject.toml | sha256sum | cut -c1-16) $torch_spec ${lint_tools[*]}"
 
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
@@ -25,7 +29,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # ComfyUI's own packages, which requirements.txt (what a ComfyUI install adds) must not list
   "$venv/bin/python" -m pip install -q "comfy-kitchen>=0.2.36" "comfy-aimdo>=0.5.5"
   "$venv/bin/python" -m pip install -q -r requirements.txt \
-      "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3"
+      "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3" "${lint_tools[@]}"
   echo "$want" > "$stamp"
 fi
 
@@ -56,6 +60,13 @@ exactness_pass() {
   ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2 "$venv/bin/python" -m pytest -q -m exactness "$@"
 }
 
+# mypy runs in this venv, so it sees torch's and the other dependencies' own types
+lint() {
+  "$venv/bin/python" -m ruff check
+  "$venv/bin/python" -m ruff format --check
+  "$venv/bin/python" -m mypy
+}
+
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
   demo)  exec "$venv/bin/python" -m h3ms_async demo "$@" ;;
@@ -69,11 +80,13 @@ case "$cmd" in
     fi
     setup_comfy
     if [ "$#" -gt 0 ]; then exec "$venv/bin/python" -m pytest -q "$@"; fi
-    # Both passes must pass (set -e; pytest's 5, "no tests collected", fails too).
+    # Lint and both passes must pass (set -e; pytest's 5, "no tests collected", fails too).
+    lint
     "$venv/bin/python" -m pytest -q
     exactness_pass ;;
+  lint) lint ;;
   exactness)
     setup_comfy
     exactness_pass "$@" ;;
-  *) echo "usage: bash scripts/h3ms.sh demo|test|exactness|bench|serve [options]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/h3ms.sh demo|test|lint|exactness|bench|serve [options]" >&2; exit 2 ;;
 esac

@@ -110,7 +110,7 @@ def build_layout(text_len: int, frames: int, height_tokens: int, width_tokens: i
     keyframe_audio_frames = _positive_int(keyframe_audio_frames, "keyframe_audio_frames", 0)
     if not (0.0 < float(sigma) <= 1.0):
         raise ValueError(f"sigma must be in (0, 1], got {sigma}")
-    if isinstance(keyframes, int) and not isinstance(keyframes, bool):
+    if isinstance(keyframes, int):
         count = _positive_int(keyframes, "keyframes", 0)
         if count > frames:
             raise ValueError(f"keyframes={count} but there are only {frames} latent frames; use at most {frames}")

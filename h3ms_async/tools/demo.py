@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
 
 # Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy 2-core box).
 from h3ms_async.runtime import plans, rundir
@@ -232,7 +232,7 @@ class _Progress:
         self.bar = tqdm(total=total, desc="starting workers", unit="block", file=sys.stderr, disable=disable,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
                         dynamic_ncols=True, mininterval=0, miniters=1)  # blocks take seconds: draw every one
-        self._base = 0
+        self._base: float = 0  # tqdm counts in floats
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="h3ms-demo-bar", daemon=True)
         if not disable:
@@ -256,6 +256,17 @@ class _Progress:
         if self._ticker.is_alive():
             self._ticker.join()
         self.bar.close()
+
+
+class StepResult(TypedDict):
+    """One step of the demo: its times and how the split output compares with the unsplit one."""
+
+    step: int
+    unsplit_s: float | None
+    split_s: float
+    split: bool
+    bit_exact: bool
+    max_abs_diff: float
 
 
 def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
@@ -291,7 +302,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
                                             vram_residency=a.vram_residency, shares=c["shares"],
                                             verify=a.verify))
     bar = _Progress(a.steps * 2 * cfg.layers, disable=a.json)
-    steps = []
+    steps: list[StepResult] = []
     try:
         t = time.perf_counter()
         engine.load_weights(("demo", a.seed, weights, cfg), cfg, model.block_weights, compute_dtype=dtype)

@@ -182,14 +182,22 @@ class CudaWeights:
         self._copy_block(dst, i)
         return dst
 
+    @property
+    def _n_resident(self) -> int:
+        """Blocks resident in VRAM; the rank calls :meth:`prepare` before a step's first block."""
+        if self.n_resident is None:
+            raise RuntimeError("CudaWeights.prepare() must run before the first block")
+        return self.n_resident
+
     def _fetch(self, i: int) -> None:
-        slot = (i - self.n_resident) % 2
+        slot = (i - self._n_resident) % 2
         if self.slot_block[slot] == i:
             return
         t = time.perf_counter()
         with torch.cuda.stream(self.side):
-            if self.freed[slot] is not None:
-                self.side.wait_event(self.freed[slot])
+            freed = self.freed[slot]
+            if freed is not None:
+                self.side.wait_event(freed)
             tok = self.timer_events.start("prefetch", self.side)
             self._copy_block(self.slots[slot], i)
             self.timer_events.stop(tok, self.side)
@@ -199,13 +207,13 @@ class CudaWeights:
 
     # -- the weight provider protocol (workers.dit.weights) -------------------------------------------------------
     def block(self, i: int) -> BlockView:
-        if i < self.n_resident:
-            nxt = self.n_resident
-            if i == self.n_resident - 1 and nxt < len(self.host):
+        nxt = self._n_resident
+        if i < nxt:
+            if i == nxt - 1 and nxt < len(self.host):
                 self._fetch(nxt)  # the first streamed block loads while the last resident one computes
             return self._view(i, self.resident[i])
         self._fetch(i)
-        slot = (i - self.n_resident) % 2
+        slot = (i - nxt) % 2
         torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
         if i + 1 < len(self.host):
             self._fetch(i + 1)
@@ -216,10 +224,10 @@ class CudaWeights:
         return BlockView(b, w, b.get("attn.qkv_proj.weight_scale") if dit_ops.is_int8(w) else None, self.quant[i])
 
     def done(self, i: int) -> None:
-        if i >= self.n_resident:
+        if i >= self._n_resident:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
-            self.freed[(i - self.n_resident) % 2] = ev
+            self.freed[(i - self._n_resident) % 2] = ev
 
     def timer(self) -> dict:
         """Residency summary and prefetch timings of the step just run."""
@@ -253,6 +261,12 @@ class CudaExchange:
         """Wrap ``inner`` (built with ``to_host=self.to_host, to_device=self.to_device`` for the host exchange)."""
         self.inner = inner
         return self
+
+    @property
+    def _inner(self) -> HostExchange | DistExchange:
+        if self.inner is None:
+            raise RuntimeError("CudaExchange.bind() must run before the exchange is used")
+        return self.inner
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.d2h):
@@ -292,35 +306,35 @@ class CudaExchange:
         return out
 
     def begin(self, gen: int) -> None:
-        self.inner.begin(gen)
+        self._inner.begin(gen)
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         cur = self._pre()
-        lay = self.inner.layout
+        lay = self._inner.layout
         out = torch.empty((lay.tokens, lay.row_width), dtype=local.dtype, device=self.device)
         out.record_stream(self.h2d)
-        return self._post(cur, self.inner.all_gather_rows(local, chunks, out=out))
+        return self._post(cur, self._inner.all_gather_rows(local, chunks, out=out))
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         cur = self._pre()
-        lay = self.inner.layout
-        t0, t1 = lay.rows(self.inner.rank)
+        lay = self._inner.layout
+        t0, t1 = lay.rows(self._inner.rank)
         out = torch.empty((t1 - t0, lay.columns), dtype=local.dtype, device=self.device)
         out.record_stream(self.h2d)
-        return self._post(cur, self.inner.all_to_all_cols(local, chunks, out=out))
+        return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with :meth:`stats`)."""
-        return self.inner.counters()
+        return self._inner.counters()
 
     def reset_stats(self) -> None:
-        self.inner.reset_stats()
+        self._inner.reset_stats()
         self.timer.collect()
         self.compute_wait_s = 0.0
         self.sync_s = 0.0
 
     def stats(self) -> dict:
-        s = dict(self.inner.stats())
+        s = dict(self._inner.stats())
         copies = self.timer.collect()
         s["d2h_gpu_s"] = copies.get("d2h", 0.0)
         s["h2d_gpu_s"] = copies.get("h2d", 0.0)

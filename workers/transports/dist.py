@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from workers.dit.protocol import Transport
-from workers.transports.host import ArenaLayout, ExchangeAborted
+from workers.transports.host import ArenaLayout, ExchangeAborted, ExchangeStats
 
 log = logging.getLogger("h3_multistream.worker")
 
@@ -174,9 +174,9 @@ class DistExchange:
         return dict(self._stats)
 
     def reset_stats(self) -> None:
-        self._stats = {"transport": Transport(dist.get_backend()).value, "rank": self.rank,
-                       "ops": 0, "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0,
-                       "signals_sent": 0}
+        self._stats: ExchangeStats = {
+            "transport": Transport(dist.get_backend()).value, "rank": self.rank, "ops": 0,
+            "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0}
 
     def _check(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         if tuple(t.shape) != shape or t.dtype != self.layout.torch_dtype:

@@ -85,6 +85,7 @@ class NoExchange(InProcessExchange):
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         if self._g is None:
             return local
+        assert self.layout is not None  # the buffers exist only with a layout
         t0, t1 = self.layout.rows(self.rank)
         self._g[t0:t1].copy_(local)
         return self._g
@@ -92,6 +93,7 @@ class NoExchange(InProcessExchange):
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         if self._a is None:
             return local
+        assert self.layout is not None  # the buffers exist only with a layout
         t0, t1 = self.layout.rows(self.rank)
         c0, c1 = self.layout.cols(self.rank)
         self._a[:, c0:c1].copy_(local[t0:t1])

@@ -62,7 +62,7 @@ import platform
 import select
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 import numpy as np
 import torch
@@ -268,6 +268,27 @@ def _default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 _AHEAD = 1 << 62  # a peer in the next job has published everything of ours
 
 
+class ExchangeStats(TypedDict):
+    """Counters of a cross-process exchange since its last ``reset_stats()``."""
+
+    transport: str
+    rank: int
+    ops: int
+    bytes_written: int
+    bytes_read: int
+    copy_s: float
+    wait_s: float
+    signals_sent: int
+
+
+class HostStats(ExchangeStats):
+    """The host exchange's counters: chunks published, doorbell wake-ups, waits ended spinning."""
+
+    chunks_published: int
+    wakeups: int
+    spin_hits: int
+
+
 class HostExchange:
     """One rank's side of the host exchange.  See the module docstring for the protocol.
 
@@ -397,9 +418,10 @@ class HostExchange:
         return dict(self._stats)
 
     def reset_stats(self) -> None:
-        self._stats = {"transport": "host", "rank": self.rank, "ops": 0, "chunks_published": 0,
-                       "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0,
-                       "wakeups": 0, "spin_hits": 0}
+        self._stats: HostStats = {
+            "transport": "host", "rank": self.rank, "ops": 0, "chunks_published": 0,
+            "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0,
+            "wakeups": 0, "spin_hits": 0}
 
     def close(self) -> None:
         """Drop the poll registration (the fds belong to the pool)."""
@@ -460,7 +482,8 @@ class HostExchange:
         self._last_use[kind] = self._op
 
     def _publish(self, kind: int, n_chunks: int, j: int) -> None:
-        self._words[_seq_index(self.rank)] = encode_seq(self._gen, self._job, self._op, kind, n_chunks, j + 1)
+        word = encode_seq(self._job_gen, self._job, self._op, kind, n_chunks, j + 1)
+        self._words[_seq_index(self.rank)] = word
         self._stats["chunks_published"] += 1
         self._ring()
 
@@ -473,7 +496,7 @@ class HostExchange:
         """Chunks of the current op that peer p has published (``_AHEAD`` past it, -1 not yet on this op)."""
         word = int(self._words[_seq_index(p)])
         gen, job, op, pkind, pn, count = decode_seq(word)
-        if gen != (self._gen & 0xFFFF):
+        if gen != (self._job_gen & 0xFFFF):
             return -1
         if job != self._job:
             return _AHEAD if job == self._job % _JOB_CYCLE + 1 else -1
@@ -492,7 +515,7 @@ class HostExchange:
     def _past(self, p: int, op: int) -> bool:
         """Peer p has begun this job and published something after ``op`` (so it is done reading op's data)."""
         gen, job, pop = decode_seq(int(self._words[_seq_index(p)]))[:3]
-        if gen != (self._gen & 0xFFFF):
+        if gen != (self._job_gen & 0xFFFF):
             return False
         if job != self._job:
             return job == self._job % _JOB_CYCLE + 1
@@ -553,6 +576,12 @@ class HostExchange:
                 return True
         return False
 
+    @property
+    def _job_gen(self) -> int:
+        """The running job's abort generation (ops run only after ``begin()``: ``_start_op``)."""
+        assert self._gen is not None
+        return self._gen
+
     def _check_abort(self, where: str) -> None:
         now = int(self._ctl[0])
         if now != self._gen:
@@ -560,11 +589,12 @@ class HostExchange:
                                   f"started under {self._gen})")
 
     def _post_fault(self) -> None:
-        self._words[_fault_index(self.rank)] = _epoch_bits(self._gen, self._job) | (self._op << 17) | 1
+        epoch = _epoch_bits(self._job_gen, self._job)
+        self._words[_fault_index(self.rank)] = epoch | (self._op << 17) | 1
         self._ring()
 
     def _check_faults(self) -> None:
-        mine = _epoch_bits(self._gen, self._job)
+        mine = _epoch_bits(self._job_gen, self._job)
         for p in self._peers:
             f = int(self._words[_fault_index(p)])
             if f and (f & ~((1 << 33) - 1)) == mine:

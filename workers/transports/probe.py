@@ -64,8 +64,10 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
 
     for chunks in case.get("chunks", [0]):
         for tname, ex in transports:
+            assert ex is not None  # main() builds the exchange of every transport the case names
             ex.reset_stats()
-            gather_s, a2a_s = [], []
+            gather_s: list[float] = []
+            a2a_s: list[float] = []
             for rnd in range(rounds):
                 ex.begin(gen)
                 for blk in range(blocks):
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             layout = ArenaLayout.from_dict(case["layout"])
             host = None
             if case["transport"] in ("host", "both"):
+                if control is None:
+                    raise ValueError("a host case needs --control (the abort generation's segment)")
                 segments.append(Segment.attach(case["arena"]))
                 host = HostExchange(args.rank, args.world, segments[-1].base_tensor()[: layout.nbytes], layout, doorbells, control,
                                     float(case.get("deadline_s", 30)), spin_us=float(case.get("spin_us", 0)))

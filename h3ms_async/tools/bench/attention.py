@@ -25,7 +25,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypedDict
 
 import torch
 
@@ -67,7 +67,14 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def peer_rate(nbytes: int = 1 << 30, reps: int = 5) -> dict:
+class PeerRate(TypedDict):
+    """A measured GPU-to-GPU copy rate, or None and why it was not measured."""
+
+    GBps: float | None
+    why: str
+
+
+def peer_rate(nbytes: int = 1 << 30, reps: int = 5) -> PeerRate:
     """GB/s of a cuda:0 -> cuda:1 copy when both GPUs reach each other (else the reason it was not measured)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return {"GBps": None, "why": "fewer than 2 CUDA GPUs visible: run on a machine with 2 GPUs to measure P2P"}
@@ -226,7 +233,7 @@ def run(shape: Sequence[int], helper_counts: Sequence[int], transports: Sequence
         runs = [_parallel_run(device, n, t, chunk_heads, pq, ref, quant_s, attn_s, reps)
                 for n in helper_counts for t in transports]
     host = _host_rates(device, int(in_per_head * heads))
-    p2p = peer_rate() if device.type == "cuda" else {"GBps": None, "why": "CPU run"}
+    p2p: PeerRate = peer_rate() if device.type == "cuda" else {"GBps": None, "why": "CPU run"}
     ipc_runs = [r for r in runs if r["transport"] == "cuda_ipc" and r["stage_GBps"] and r["return_GBps"]]
     ipc_local = [r["stage_GBps"] for r in ipc_runs]
     per_head = statistics.median(s / h for h, s in slice_s.items() if h in needed | {heads})

@@ -149,15 +149,16 @@ def main(argv: Sequence[str]) -> int:
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     stream = a.te_stream == "yes" or (a.te_stream == "auto" and device.type == "cuda")
-    result = {"outputs": bench_outputs(device, a.te_layers, a.te_hidden, a.tokens, a.repeats, stream, dtype),
-              "weights": bench_weights(device, a.weights_gb, dtype), "torch": torch.__version__,
+    outputs = bench_outputs(device, a.te_layers, a.te_hidden, a.tokens, a.repeats, stream, dtype)
+    w = bench_weights(device, a.weights_gb, dtype)
+    result = {"outputs": outputs, "weights": w, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "bench_caches.json").write_text(text)
-    w = result["weights"]
-    ok = (result["outputs"]["hit_equals_miss"] and w["restore_exact"] and w["released_bytes"] == w["bytes"]
-          and result["outputs"]["hit_fraction_of_miss"] < 0.01 and (device.type == "cpu" or w["restore_counted"]))
+    ok = (outputs["hit_equals_miss"] and w["restore_exact"] and w["released_bytes"] == w["bytes"]
+          and outputs["hit_fraction_of_miss"] < 0.01
+          and (device.type == "cpu" or w["restore_counted"]))
     return 0 if ok else 1

@@ -47,7 +47,7 @@ class ProbeGroup:
         try:
             self.control = Segment.create(4096, "xctl")
             self._shm.append(self.control)
-            self.control_words = self.control.base_tensor().view(torch.int64)
+            self.control_words: torch.Tensor | None = self.control.base_tensor().view(torch.int64)
             self.control_words[0] = gen
             self.doorbells = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(world)]
             self.cases = []
@@ -142,6 +142,7 @@ class ProbeGroup:
 
     def abort(self) -> float:
         """What pool.abort() does: bump the generation, ring every doorbell.  Returns the monotonic time."""
+        assert self.control_words is not None, "abort() after close()"
         self.control_words[0] += 1
         for fd in self.doorbells:
             os.eventfd_write(fd, 1)

@@ -27,7 +27,7 @@ from typing import Sequence
 import msgspec
 import torch
 
-from h3ms_async.tools.cli import ArgParser, int_list
+from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
@@ -40,8 +40,12 @@ FULL = dict(hidden=5376, heads=56, head_dim=128, ffn=14336, t_dim=2688, rope_pai
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
     """GB/s of host<->device copies from/into a registered shm segment, and H2D from an unregistered one."""
-    dev = torch.device("cuda")
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    out = _copy_rates(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), nbytes, reps)
+    torch.cuda.empty_cache()  # the probe buffer is gone with _copy_rates: free it before the runs
+    return out
+
+
+def _copy_rates(buf: torch.Tensor, nbytes: int, reps: int) -> dict[str, float]:
     out = {}
     for registered in (True, False):
         seg = Segment.create(nbytes, "bwprobe")
@@ -65,8 +69,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
         finally:
             seg.close()
             seg.unlink()
-    buf = None  # free the probe buffer before the runs
-    torch.cuda.empty_cache()
     return out
 
 
@@ -102,6 +104,7 @@ def _unsplit(model: CachedModel, inp, steps: int) -> tuple[torch.Tensor, float]:
         out = model.forward(x, *args)
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
+    assert out is not None  # steps >= 1 (--steps is a positive int)
     return out.cpu(), best
 
 
@@ -120,6 +123,7 @@ def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) ->
         if best is None or wall < best["step_wall_s"]:
             best = {"step_wall_s": wall, "ranks": rec["ranks"],
                     "raw": msgspec.to_builtins(eng.last_rank_results)}
+    assert best is not None  # steps >= 1 (--steps is a positive int)
     best["rank_wall_s"] = max(r["wall_s"] for r in best["raw"]) if best.get("raw") else None
     if ref is not None:
         best.update(bit_exact=exact, max_abs_diff=diff)
@@ -179,7 +183,9 @@ def summarize(res: dict) -> dict:
     def find(**kw):
         return next((r for r in runs if all(r.get(k) == v for k, v in kw.items())), None)
 
-    out = {"all_split_outputs_bit_exact": all(r.get("bit_exact", True) for r in runs), "by_case": []}
+    by_case: list[dict] = []
+    out = {"all_split_outputs_bit_exact": all(r.get("bit_exact", True) for r in runs),
+           "by_case": by_case}
     for r in runs:
         if r["mode"] != "unsplit":
             continue
@@ -204,7 +210,7 @@ def summarize(res: dict) -> dict:
             moved = sum(x["moved_bytes"] for x in rs["raw"])
             copy = max(x.get("copy_gpu_s", 0.0) for x in rs["raw"]) or None
             case["host_exchange_GBps_per_rank"] = (moved / len(rs["raw"]) / copy / 1e9) if copy else None
-        out["by_case"].append(case)
+        by_case.append(case)
     bw = res["copy_bandwidth"]
     out["pinned_copy_GBps"] = min(bw.get("h2d_registered_GBps", 0), bw.get("d2h_registered_GBps", 0))
     return out
@@ -216,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="blocks (>= 4 for the parity claim)")
     p.add_argument("--weights", default="int8,bf16", help="comma-separated: int8,bf16")
     p.add_argument("--ranks", type=int_list, default=[2, 4], help="logical rank counts on cuda:0")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per variant (best is kept)")
+    p.add_argument("--steps", type=positive_int, default=2,
+                   help="timed steps per variant (best is kept)")
     p.add_argument("--residency", default="resident,stream", help="comma-separated: resident,stream")
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)

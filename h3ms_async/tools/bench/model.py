@@ -125,7 +125,8 @@ def run(parts: sm.Parts, ranks: Sequence[int], links: Sequence[sm.Link], *, over
 def table(res: dict) -> str:
     """Compact text: speed-up of the gather pattern (Ulysses in brackets) per N and link, dense and
     sparse."""
-    rows = {}
+    # (link, attention) -> world -> pattern -> prediction
+    rows: dict[tuple[str, str], dict[int, dict[str, dict]]] = {}
     for p in res["predictions"]:
         key = (p["link"], p["attention"])
         rows.setdefault(key, {}).setdefault(p["world"], {})[p["pattern"]] = p

@@ -70,7 +70,7 @@ def run(tokens: Sequence[int], layers: int, weights: str, ranks_list: Sequence[i
     refs: dict = {}
     for n in tokens:
         inp = make_step_inputs(cfg, layout_for_tokens(n), seed + n, torch.bfloat16)
-        dev = [inp.t_emb.cuda(), inp.segments, inp.rope_freqs.cuda()]
+        dev = (inp.t_emb.cuda(), inp.segments, inp.rope_freqs.cuda())
         model.forward_blocks(inp.x.cuda(), *dev)  # warm this shape (a fresh process's first pass differs)
         for mode, sc in modes.items():
             unsplit = UnsplitSparse(sc) if sc is not None else None

@@ -61,6 +61,7 @@ def machine_info(devices: Sequence[str]) -> dict:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
+    cuda_devices: dict[str, str] = {}
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_model": model, "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
@@ -68,10 +69,10 @@ def machine_info(devices: Sequence[str]) -> dict:
         "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads_here": torch.get_num_threads(),
-        "cuda_available": torch.cuda.is_available(), "cuda_devices": {},
+        "cuda_available": torch.cuda.is_available(), "cuda_devices": cuda_devices,
     }
     for name in sorted({d for d in devices if d.startswith("cuda")}):
-        info["cuda_devices"][name] = torch.cuda.get_device_name(torch.device(name))
+        cuda_devices[name] = torch.cuda.get_device_name(torch.device(name))
     return info
 
 
