@@ -44,7 +44,7 @@ def _walk(h: "hashlib._Hash", obj: Any) -> None:
         t = obj.detach().to("cpu").contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
         # the array itself, not .tobytes(): hashlib reads its buffer, so a large embedding is not copied once more
-        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
         return
     if type(obj) in (list, tuple):
         # Token lists are long runs of (int, float) pairs: marshal encodes such plain builtins in C, exactly

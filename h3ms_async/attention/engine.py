@@ -28,7 +28,7 @@ import collections
 import concurrent.futures as cf
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NotRequired, Sequence, TypedDict
 
 import torch
 
@@ -209,6 +209,18 @@ class _Call:
         self.answers = [None] * n
 
 
+class _HelperTotals(TypedDict):
+    """One helper's pieces added up (:meth:`AttentionParallelEngine._result`)."""
+
+    compute_s: float
+    compute_span_s: float
+    h2d_s: float
+    d2h_s: float
+    pieces: int
+    vram_peak_bytes: int | None
+    wall_s: NotRequired[float]
+
+
 class AttentionParallelEngine(Engine):
     """Head-parallel INT8 attention over ``devices``: ``devices[0]`` is the model's device (this process), the rest
     are helper devices, one worker process each (a device may repeat: logical helpers on one GPU).  ``transport`` is
@@ -356,7 +368,13 @@ class AttentionParallelEngine(Engine):
         first = min(h for rr, h, _ in call.plan if rr == r)
         msg = attn_protocol.AttnCall(job=self._calls, meta=call.fields, first=h0 == first, **buf.fields(p))
         call.sent[p] = time.perf_counter()
-        return get_coordinator().submit(self.pool.request(r - 1, msg, self.call_timeout_s))
+        return get_coordinator().submit(self._piece(r, msg))
+
+    async def _piece(self, r: int, msg: attn_protocol.AttnCall) -> attn_protocol.AttnPiece:
+        """Helper ``r``'s answer to one piece."""
+        got = await self.pool.request(r - 1, msg, self.call_timeout_s)
+        assert isinstance(got, attn_protocol.AttnPiece)  # the channel decodes msg.ANSWER
+        return got
 
     def _gather(self, futs: list["cf.Future[attn_protocol.AttnPiece]"], call: "_Call",
                 on_result: Callable[[int], None]) -> None:
@@ -465,12 +483,14 @@ class AttentionParallelEngine(Engine):
         where consecutive pieces overlap on the helper's two compute streams) and its wall time from its first piece
         sent to its last answer."""
         n = len(self.devices) - 1
-        helpers = [{"compute_s": 0.0, "compute_span_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "pieces": 0,
-                    "vram_peak_bytes": None} for _ in range(n)]
+        helpers: list[_HelperTotals] = [
+            {"compute_s": 0.0, "compute_span_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0, "pieces": 0,
+             "vram_peak_bytes": None} for _ in range(n)]
         stage_s, return_s, staged, returned = [0.0] * n, [0.0] * n, [0] * n, [0] * n
         first_sent, last_answer = [float("inf")] * n, [0.0] * n
         for p, (r, h0, h1) in enumerate(call.plan):
             i, ans, h = r - 1, call.answers[p], helpers[r - 1]
+            assert ans is not None  # _gather took in every piece's answer or raised
             h["compute_s"] += ans.compute_s
             h["h2d_s"] += ans.h2d_s
             h["d2h_s"] += ans.d2h_s

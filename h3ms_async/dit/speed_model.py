@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence, overload
 
 from h3ms_async.runtime.plans import partition
 
@@ -315,9 +315,11 @@ def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sp
     plan = make_plan(s, world, shares)
     ratio = 1.0
     if sparse:
-        ratio = sparse_attention_ratio if sparse_attention_ratio is not None else parts.sparse_attention_ratio()
-        if ratio is None:
+        given = sparse_attention_ratio
+        given = given if given is not None else parts.sparse_attention_ratio()
+        if given is None:
             raise PartsError("sparse steps need sparse_step_ratio in the parts or --sparse-attention-ratio")
+        ratio = given
     compute = shard_seconds(parts, plan, ratio)
     compute_block = (sum(compute) if link.shared else max(compute)) * compute_scale
     ops = {name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]}
@@ -339,6 +341,11 @@ def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sp
 
 # -- parts documents
 # ---------------------------------------------------------------------------------------------
+@overload
+def _num(d: dict, key: str, lo: float, hi: float = ..., *,
+         optional: Literal[False] = ...) -> float: ...
+@overload
+def _num(d: dict, key: str, lo: float, hi: float = ..., *, optional: bool) -> float | None: ...
 def _num(d: dict, key: str, lo: float, hi: float = math.inf, *, optional: bool = False) -> float | None:
     if key not in d and optional:
         return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import msgspec
 import torch
@@ -451,7 +451,9 @@ class SplitEngine(Engine):
             arena=buf.arena.name if buf.arena is not None else "", layout=layout,
             exchange=self._transport(opts.exchange),
             chunks=opts.exchange_chunks, abort_gen=0, deadline_s=opts.exchange_deadline_s, blocks=(0, blocks),
-            residency=opts.vram_residency, trace=trace, sparse=sparse) for r in range(self.ranks)]
+            # __post_init__ checked vram_residency against RESIDENCIES
+            residency=cast(dit_protocol.Residency, opts.vram_residency), trace=trace,
+            sparse=sparse) for r in range(self.ranks)]
         t_sent = time.perf_counter()
         try:
             results = self.run(self._dispatch(steps), self.options.step_timeout_s, "split step", interrupt,

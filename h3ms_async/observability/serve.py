@@ -11,7 +11,7 @@ import errno
 import json
 import logging
 import socket
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 from aiohttp import web
 
@@ -29,7 +29,8 @@ CLIENT_POLL_S = 1.0  # how soon a stream notices that its client left (and frees
 MAX_STREAMS = 16
 QUEUE_SIZE = 64  # per stream; on overflow the oldest record is dropped and the client sees a seq gap
 
-_STREAMS = web.AppKey("h3ms_streams", set)
+#: each open event stream's ``put`` (None ends the stream)
+_STREAMS = web.AppKey("h3ms_streams", set[Callable[[dict | None], None]])
 
 
 def _sse(rec: dict) -> bytes:
@@ -90,9 +91,9 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
             await resp.write(b"retry: 2000\n\n")
             last = after
             if after is not None:
-                for rec in the_hub.recent_steps(RING_SIZE, after=after):
-                    await resp.write(_sse(rec))
-                    last = rec["seq"]
+                for past in the_hub.recent_steps(RING_SIZE, after=after):
+                    await resp.write(_sse(past))
+                    last = past["seq"]
             deadline = loop.time() + timeout
             next_beat = loop.time() + HEARTBEAT_S
             while (remaining := deadline - loop.time()) > 0:
@@ -143,7 +144,7 @@ def _allow_header(exc: web.HTTPException) -> dict:
 
 
 async def _close_streams(app: web.Application) -> None:
-    for put in list(app[_STREAMS]):
+    for put in app[_STREAMS].copy():
         put(None)
 
 
@@ -197,7 +198,7 @@ def serve(host: str = "127.0.0.1", port: int = 8189, *, hub: StatusHub | None = 
                 print=lambda _: _log.info("live panel on http://%s:%d%s/panel", host, port, PREFIX))
 
 
-RunOnLoop = Callable[[Awaitable[Any], float], Any]
+RunOnLoop = Callable[[Coroutine[Any, Any, Any], float], Any]
 
 
 def _coordinator_runner() -> RunOnLoop:

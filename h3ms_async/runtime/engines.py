@@ -194,9 +194,13 @@ class EngineRegistry(Generic[E]):
             if not self._on_hub:
                 hub = get_hub()
                 for section, fn in self._status.items():
-                    hub.register_provider(section, lambda fn=fn: fn(self.live()))
+                    hub.register_provider(section, self._provider(fn))
                 hub.add_busy_source(lambda: any(e.running for e in self.live()))
                 self._on_hub = True
+
+    def _provider(self, fn: Callable[[list], Any]) -> Callable[[], Any]:
+        """The status provider that applies ``fn`` to the live engines at each read."""
+        return lambda: fn(self.live())
 
     def get(self, key: tuple, make: Callable[[], E]) -> E:
         """The cached engine for ``key``, made by ``make()`` the first time.  Engines cached for another key are

@@ -105,7 +105,7 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
                 seg.tensor(desc).copy_(tensors[name].detach().to("cpu"))
                 entry[name] = desc
             manifest.append(entry)
-            first = None  # let block 0's source tensors go
+            first = {}  # let block 0's source tensors go
         store = WeightStore(key, seg, manifest, total, time.perf_counter() - t)
     except BaseException:
         seg.close()

@@ -273,7 +273,9 @@ class VaeSplitEngine(Engine):
                         [futures[i]], timeout, f"waiting for chunk {i}", interrupt=interrupt,
                         abandon=futures.values())
                     if host is None:  # shm: the worker wrote the chunk into the output segment
-                        host = segs[1].tensor(out_descs[i])
+                        out_desc = out_descs[i]
+                        assert out_desc is not None  # no tensor back means an out desc was given
+                        host = segs[1].tensor(out_desc)
                     raw = host.to(dev0, copy=True)
                     waited = time.perf_counter() - t
                     wait_s += waited
@@ -383,6 +385,7 @@ class VaeSplitEngine(Engine):
         """The worker's chunk answer, the chunk itself when it came over the socket (else None: it
         is in ``out_desc``), and the seconds its fetch took."""
         res = await self.pool.request(worker, vae_protocol.VaeChunk(job=job, index=i, z=z_desc, out=out_desc), timeout)
+        assert isinstance(res, vae_protocol.VaeChunkDone)  # decoded as the request's ANSWER
         if res.shape != list(shape) or res.dtype != dtype_name(dtype):
             raise VaeSplitError(f"worker rank {worker + 1} decoded chunk {i} as {res.dtype} "
                                 f"{res.shape}; "
@@ -397,6 +400,7 @@ class VaeSplitEngine(Engine):
         for off in range(0, res.nbytes, piece):
             n = min(piece, res.nbytes - off)
             got = await self.pool.request(worker, vae_protocol.VaeFetch(job=job, index=i, off=off, n=n), timeout)
+            assert isinstance(got, vae_protocol.VaeFetched)  # decoded as the request's ANSWER
             view[off:off + n] = got.data
         return res, host.view(dtype).view(shape), time.perf_counter() - t
 

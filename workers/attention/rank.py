@@ -60,9 +60,12 @@ def _sources(ctx: WorkerContext, msg: attn_protocol.AttnCall) -> tuple[dict[str,
     """The slice's tensors and the output slot: shm views, or views of the model GPU's IPC buffers."""
     ipc = msg.ipc
     if ipc is None:
-        _map_segments(ctx, {d.seg for d in msg.tensors.values()} | {msg.out.seg})
+        out = msg.out
+        if out is None:
+            raise ValueError("attn_call names neither an output slot (out) nor IPC buffers (ipc)")
+        _map_segments(ctx, {d.seg for d in msg.tensors.values()} | {out.seg})
         return ({name: ctx.segment(d.seg).tensor(d) for name, d in msg.tensors.items()},
-                ctx.segment(msg.out.seg).tensor(msg.out))
+                ctx.segment(out.seg).tensor(out))
     src, dst = (_ipc_storage(ctx, ipc[side], ipc["device"]) for side in ("in", "out"))
     live = {(ipc["device"], bytes(ipc[side][1]), int(ipc[side][3])) for side in ("in", "out")}
     opened = ctx.state[_IPC]

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from workers.dit import ops as dit_ops
-from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport
+from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, Split
 
 #: Period of the random buffer's values (a prime, so no row of any H3 width repeats another).
 _PERIOD = 65521
@@ -234,9 +234,11 @@ def block_ops(manifest: Sequence[Mapping[str, tuple[str, Sequence[int]]]],
     out: dict[LinearOp, None] = {}
     for i, block in enumerate(manifest):
         q = quant(i) if any(block.get(f"{n}.weight", ("", ()))[0] == "int8" for n in dit_ops.INT8_LINEARS) else {}
-        for name, split, act in (("adaln_proj.linear", "none", None), ("attn.qkv_proj", "heads", None),
-                                 ("attn.out_proj", "tokens", None), ("mlp.fc1", "tokens", None),
-                                 ("mlp.fc2", "tokens", "swiglu")):
+        linears: tuple[tuple[str, Split, str | None], ...] = (
+            ("adaln_proj.linear", "none", None), ("attn.qkv_proj", "heads", None),
+            ("attn.out_proj", "tokens", None), ("mlp.fc1", "tokens", None),
+            ("mlp.fc2", "tokens", "swiglu"))
+        for name, split, act in linears:
             dt, shape = block[f"{name}.weight"]
             scale = block.get(f"{name}.weight_scale")
             qi = q.get(name, dit_ops.QuantInfo()) if dt == "int8" else dit_ops.QuantInfo()

@@ -205,12 +205,10 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
             for old in [k for k in st.exchanges if k[0] is Transport.HOST]:
                 st.exchanges.pop(old).close()
             arena = ctx.segment(msg.arena).base_tensor()
-            wrap = copies = None
-            if cuda:
-                wrap = CudaExchange(torch.device(ctx.device), host=True)
-                copies = {"to_host": wrap.to_host, "to_device": wrap.to_device}
+            wrap = CudaExchange(torch.device(ctx.device), host=True) if cuda else None
             ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
-                              msg.deadline_s, **(copies or {}))
+                              msg.deadline_s, to_host=wrap.to_host if wrap is not None else None,
+                              to_device=wrap.to_device if wrap is not None else None)
             ex = wrap.bind(ex) if wrap is not None else ex
             st.exchanges[key] = ex
         return ex
@@ -235,9 +233,8 @@ def _segments(ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]],
               device: torch.device) -> list[dit_ops.ModSegment]:
     out: list[dit_ops.ModSegment] = []
     for a, b, row in raw:
-        if isinstance(row, TensorDesc):
-            row = ctx.segment(row.seg).tensor(row).to(device)
-        out.append((int(a), int(b), row))
+        got = ctx.segment(row.seg).tensor(row).to(device) if isinstance(row, TensorDesc) else row
+        out.append((int(a), int(b), got))
     return out
 
 
@@ -308,7 +305,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         # (new allocator segments are cudaMalloc calls; a retry after freeing its cache is a sync)
         setup_s=setup_s,
         tail_s=time.perf_counter() - t_tail,
-        cuda_alloc=_alloc_delta(alloc0, _alloc_counters(device)) if cuda else None,
+        cuda_alloc=_alloc_delta(alloc0, _alloc_counters(device)) if alloc0 is not None else None,
         trace=digests,
         sparse=sparse.counts if sparse is not None else None,
     )

@@ -137,4 +137,5 @@ FETCH_PIECE_BYTES = min(8 * 1024 * 1024, protocol.MAX_FRAME_BYTES // 2)
 
 def chunk_digest(raw: torch.Tensor) -> str:
     """SHA-256 of a decoded chunk's bytes (shape and dtype are compared apart): equal digests, equal bits."""
-    return hashlib.sha256(raw.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    flat = raw.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().data).hexdigest()

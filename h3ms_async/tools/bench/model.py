@@ -243,7 +243,7 @@ def validate(parts: sm.Parts, tokens: int, weights: str, layers: int, ranks: Seq
                 t = time.perf_counter()
                 eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
                 walls.append(time.perf_counter() - t)
-            measured = max(r["wall_s"] for r in eng.last_rank_results) / layers
+            measured = max(r.wall_s for r in eng.last_rank_results) / layers
         finally:
             eng.release()
         pred = sm.predict(parts, n, link).block_s
