@@ -81,7 +81,7 @@ def test_byte_counts_match_what_the_real_transports_move():
         assert (by["host"]["bytes_written"], by["host"]["bytes_read"]) == (w_host, r_host)
         sent = sum(sm.nccl_bytes(shape, plan, k)[rank][0] for k in ("gather", "a2a_out"))
         got = sum(sm.nccl_bytes(shape, plan, k)[rank][1] for k in ("gather", "a2a_out"))
-        assert (by["dist"]["bytes_written"], by["dist"]["bytes_read"]) == (sent, got)
+        assert (by["gloo"]["bytes_written"], by["gloo"]["bytes_read"]) == (sent, got)
     assert plan.n(2) < plan.n(0) and plan.h(0) < plan.h(1)  # the shares really were uneven
 
 
