@@ -80,12 +80,6 @@ def cuda_visible_for(device: str, parent_visible: str | None) -> str:
     return entries[index]
 
 
-def _retrieve(task: "asyncio.Task[Any]") -> None:
-    """Mark a finished task's exception as seen (its job already failed for another reason)."""
-    if not task.cancelled():
-        task.exception()
-
-
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -630,32 +624,32 @@ class WorkerPool:
             raise ValueError(f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks")
         await self._ensure_ready()
         self._jobs += 1
-        tasks = [asyncio.ensure_future(self._request(w, m, timeout)) for w, m in zip(self._workers, per_rank)]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
-            if not failed:
-                return [t.result() for t in tasks]
-            self.abort()
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=2.0)
-            # A dead worker is the cause; another rank's error may just be the abort it caused.
-            failed.sort(key=lambda t: (self._workers[getattr(t.exception(), "rank", 0)].state != "dead",))
-            raise failed[0].exception()
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._request_or_abort(w, m, timeout))
+                         for w, m in zip(self._workers, per_rank)]
+        except ExceptionGroup as failed:
+            # In failure order; a dead worker is the cause, another rank's error may just be the abort it caused.
+            errors = sorted(failed.exceptions, key=self._not_dead)
+            raise errors[0] from None
         except asyncio.CancelledError:
             self.abort()
             raise
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-                    # a rank's answer (the abort's error) may land before the cancellation does
-                    t.add_done_callback(_retrieve)
-                elif not t.cancelled():
-                    t.exception()  # retrieved: no "never retrieved" warnings for the ranks we did not report
             self._jobs -= 1
+        return [t.result() for t in tasks]
+
+    def _not_dead(self, error: Exception) -> bool:
+        rank = getattr(error, "rank", None)
+        return rank is None or self._workers[rank].state != "dead"
+
+    async def _request_or_abort(self, w: _Worker, msg: protocol.Request, timeout: float) -> dict:
+        """One rank's part of :meth:`all`: its failure aborts the other ranks' exchange at once."""
+        try:
+            return await self._request(w, msg, timeout)
+        except Exception:
+            self.abort()
+            raise
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per worker: rank, device, pid, state, uptime_s, rss_bytes, vram_bytes, log, jobs_done."""
