@@ -24,9 +24,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q "$torch_spec"
   # ComfyUI's own packages, which requirements.txt (what a ComfyUI install adds) must not list
   "$venv/bin/python" -m pip install -q "comfy-kitchen>=0.2.36" "comfy-aimdo>=0.5.5"
-  # the test tools (import-linter: tests/test_repo_map.py)
+  # the test tools (import-linter: tests/test_repo_map.py), the bench's msgpack: pyproject's test, bench extras
   "$venv/bin/python" -m pip install -q -r requirements.txt \
-      "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3" "import-linter>=2.1"
+      "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3" "msgpack>=1.0" \
+      "import-linter>=2.1"
   echo "$want" > "$stamp"
 fi
 
