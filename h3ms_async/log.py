@@ -1,9 +1,9 @@
 """The pack's one logger: ``h3_multistream``, every line prefixed ``[H3 MultiStream] [<subsystem>]``.
 
-Records never get glued onto a tqdm bar.  Standalone, a bar's owner wraps its lifetime in :func:`above_bars`
-(tqdm's ``logging_redirect_tqdm``), so our console handler prints through ``tqdm.write`` and the bar redraws
-below the line.  Inside ComfyUI (its handlers, its bars) a newline goes to stderr first when a bar is live, since
-tqdm redraws without one.
+Records never get glued onto a tqdm bar.  Standalone, a bar's owner wraps its lifetime in
+:func:`above_bars` (tqdm's ``logging_redirect_tqdm``), so our console handler prints through
+``tqdm.write`` and the bar redraws below the line.  Inside ComfyUI (its handlers, its bars) a
+newline goes to stderr first when a bar is live, since tqdm redraws without one.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def ensure_console_handler(level: int = logging.INFO) -> None:
 
 @contextlib.contextmanager
 def above_bars() -> Iterator[None]:
-    """While a standalone run's tqdm bar lives: our console lines print above it (``tqdm.write``)."""
+    """While a standalone run's tqdm bar lives, our console lines print above it (tqdm.write)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
     with logging_redirect_tqdm(loggers=[_logger]):
         yield

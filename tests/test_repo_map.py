@@ -1,6 +1,7 @@
-"""docs/architecture.md is the map of the code: every module on disk is on it and everything on it exists. Imports
-point one way (nodes -> h3ms_async -> workers), ComfyUI only where its code runs, with no module cycles: the
-``[tool.importlinter]`` contracts of pyproject.toml, checked by ``lint-imports``, and a cycle check on its graph."""
+"""docs/architecture.md is the map of the code: every module on disk is on it and everything on it
+exists.  Imports point one way (nodes -> h3ms_async -> workers), ComfyUI only where its code runs,
+with no module cycles: the ``[tool.importlinter]`` contracts of pyproject.toml, checked by
+``lint-imports``, and a cycle check on its import graph."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("h3ms_async", "workers", "nodes")
-MISSING_TOOL = "import-linter is a test requirement: pip install import-linter (scripts/h3ms.sh test installs it)"
+MISSING_TOOL = ("import-linter is a test requirement: pip install import-linter "
+                "(scripts/h3ms.sh test installs it)")
 
 
 def _modules() -> dict[str, Path]:
@@ -53,8 +55,9 @@ def test_import_contracts_hold() -> None:
 
 
 def test_no_module_import_cycles() -> None:
-    """No module reaches itself through imports (function-level ones included).  import-linter's own cycle
-    contract works on packages, where the core's runtime and observability rightly use each other's modules."""
+    """No module reaches itself through imports (function-level ones included).  import-linter's own
+    cycle contract works on packages, where the core's runtime and observability rightly use each
+    other's modules."""
     try:
         import grimp  # import-linter's import graph
     except ImportError:
@@ -66,10 +69,12 @@ def test_no_module_import_cycles() -> None:
         sys.path.remove(str(ROOT))
     edges = {(m, d) for m in graph.modules for d in graph.find_modules_directly_imported_by(m)}
     for m, d in edges:
-        if m.startswith(d + "."):  # a module reading its own package's __init__ (PACK_ROOT, a registry)
+        if m.startswith(d + "."):  # a module reading its own package's __init__ (PACK_ROOT)
             graph.remove_import(importer=m, imported=d)
     cycles = []
     for m, d in sorted(edges):
-        if not m.startswith(d + ".") and (back := graph.find_shortest_chain(importer=d, imported=m)):
+        if m.startswith(d + "."):
+            continue
+        if back := graph.find_shortest_chain(importer=d, imported=m):
             cycles.append(" -> ".join((m, *back)))
     assert not cycles, "import cycles:\n" + "\n".join(cycles)

@@ -629,7 +629,7 @@ class WorkerPool:
                 tasks = [group.create_task(self._request_or_abort(w, m, timeout))
                          for w, m in zip(self._workers, per_rank)]
         except ExceptionGroup as failed:
-            # In failure order; a dead worker is the cause, another rank's error may just be the abort it caused.
+            # In failure order; a dead worker is the cause (another rank's error may be its abort).
             errors = sorted(failed.exceptions, key=self._not_dead)
             raise errors[0] from None
         except asyncio.CancelledError:

@@ -224,9 +224,8 @@ def keep_resident(model: Any, device: "torch.device", nbytes: int) -> bool:
 
 
 class _Progress:
-    """One bar over every block of every pass; redrawn each second so the clock moves even inside a slow block.
-
-    Log lines print above it while it lives."""
+    """One bar over every block of every pass; redrawn each second so the clock moves even inside a
+    slow block.  Log lines print above it while it lives."""
 
     def __init__(self, total: int, disable: bool) -> None:
         from tqdm import tqdm
