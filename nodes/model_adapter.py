@@ -55,7 +55,8 @@ def is_h3(diffusion_model: Any) -> bool:
 
 
 def read_config(dm: Any):
-    """The block-stack config read from the live modules, never from defaults (pruned checkpoints differ; §1.1)."""
+    """The block-stack config, read from the live modules, never from defaults (pruned checkpoints
+    differ)."""
     from h3ms_async.dit.reference import DiTConfig
     b0 = dm.blocks[0]
     head_dim = int(b0.attn.q_norm.weight.shape[0])
@@ -66,7 +67,8 @@ def read_config(dm: Any):
         head_dim=head_dim,
         ffn=int(b0.mlp.fc1.weight.shape[0] // 2),
         t_dim=int(b0.adaln_proj.linear.weight.shape[1]),
-        rope_pairs=3 * int(dm.rope.inv_freq.shape[0]),  # t, h and w axes (§2.2)
+        # t, h and w axes (docs/comfyui_facts.md §2.2)
+        rope_pairs=3 * int(dm.rope.inv_freq.shape[0]),
         eps=float(b0.norm1.eps),
     )
 
@@ -167,8 +169,9 @@ def effective_weight(patcher: Any, key: str) -> Any:
     ``patch_weight_to_device(key, return_weight=True)`` gives the weight without touching the model: an unpatched key
     is the live tensor as it is (no device work); a patched key is computed on ``patcher.load_device``, because
     ComfyUI's load computes patches there, in that device's patch dtype (``lora_compute_dtype``), and the split must
-    match it bit for bit (quantized layers re-quantize through their ``set_weight``, §6.3). That is one transient
-    tensor at a time, moved to the host by :func:`block_tensors` before the next is made. Weight wrappers
+    match it bit for bit (quantized layers re-quantize through their ``set_weight``,
+    ``docs/comfyui_facts.md`` §5.1). That is one transient tensor at a time, moved to the host by
+    :func:`block_tensors` before the next is made. Weight wrappers
     (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's ``weight_function`` list.
     """
     backup = getattr(patcher, "backup", {})

@@ -227,8 +227,8 @@ def adaln(weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: 
 def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModSegment]:
     """Mod segments restricted to tokens [t0, t1) and shifted to shard coordinates (row tensors sliced alike).
 
-    Each element gets exactly one sequence of ops whatever the segment boundaries (comfyui_facts §1.3), so clipping is
-    exact.
+    Each element gets exactly one sequence of ops whatever the segment boundaries
+    (``docs/comfyui_facts.md`` §1.3), so clipping is exact.
     """
     if t0 < 0 or t1 <= t0:
         raise ValueError(f"clip_segments: token range [{t0}, {t1}) is empty or negative")
@@ -344,7 +344,8 @@ def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     """comfy-kitchen INT8 attention as ComfyUI's ``--use-ck-attention`` runs it: quantize, then attend.
 
     Every scale is per head (v's per head over the whole sequence), so a head group over all tokens gives exactly
-    the unsplit result's heads (comfyui_facts §4.3; measured on the H200, ``docs/device_runs/``).
+    the unsplit result's heads (``docs/comfyui_facts.md`` §4.3; measured on the H200,
+    ``docs/device_runs/``).
     q, k, v: ``[1, h, S, D]``.
     """
     if not ck.int8_attention_is_available(q.device):
