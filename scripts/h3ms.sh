@@ -2,6 +2,7 @@
 # One entry point for a fresh Linux machine: sets up .venv (once) and runs the demo, the tests or a benchmark.
 #   bash scripts/h3ms.sh demo [demo options]     the standalone demo (unsplit vs split across 3 CPU ranks)
 #   bash scripts/h3ms.sh test                    CI: the test suite, then its exactness tests under AVX2 code paths
+#   bash scripts/h3ms.sh test --fast [pytest opts] the fast tier: pure-function and in-process tests
 #   bash scripts/h3ms.sh test [pytest options]   pytest with these options (one pass)
 #   bash scripts/h3ms.sh exactness [pytest opts] only the second pass: the exactness tests under AVX2 code paths
 #   bash scripts/h3ms.sh bench ipc|split|exchange|gpu|attention
@@ -64,6 +65,8 @@ case "$cmd" in
   bench) exec "$venv/bin/python" -m h3ms_async bench "$@" ;;
   serve) exec "$venv/bin/python" -m h3ms_async serve "$@" ;;
   test)
+    # The fast tier needs neither the browser nor ComfyUI's tree.
+    if [ "${1:-}" = "--fast" ]; then shift; exec "$venv/bin/python" -m pytest -q -m fast "$@"; fi
     # The web panel is tested in a real headless browser (Debian's chromium).
     if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
@@ -77,5 +80,6 @@ case "$cmd" in
   exactness)
     setup_comfy
     exactness_pass "$@" ;;
-  *) echo "usage: bash scripts/h3ms.sh demo|test|exactness|bench|serve [options]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/h3ms.sh demo|test [--fast]|exactness|bench|serve [options]" >&2
+     exit 2 ;;
 esac

@@ -13,6 +13,8 @@ import pytest
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
 from workers.runtime import config
 
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 #: H3MS_* words that are not environment variables: the GPU set's and the sparse settings' ComfyUI socket types.
 NOT_VARIABLES = {"H3MS_GPUS", "H3MS_SPARSE_ATTENTION"}

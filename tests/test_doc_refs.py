@@ -6,6 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("h3ms_async", "workers", "nodes", "tests", "web", "scripts", "benchmarks")
 SUFFIXES = {".py", ".js", ".sh", ".css", ".html"}

@@ -9,6 +9,8 @@ import pytest
 from workers.runtime import auth, protocol
 from workers.runtime.protocol import ProtocolError, decode, encode
 
+pytestmark = pytest.mark.fast
+
 SEG = "h3ms-123-0123456789abcdef-x"
 
 

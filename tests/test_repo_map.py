@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("h3ms_async", "workers", "nodes")
 MISSING_TOOL = ("import-linter is a test requirement: pip install import-linter "

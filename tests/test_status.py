@@ -14,6 +14,8 @@ import pytest
 from h3ms_async.observability.status import (RING_SIZE, RankRecord, SchemaError, Status, StatusHub, StepRecord,
                                              format_step_line, now_iso, ram_info)
 
+pytestmark = pytest.mark.fast
+
 GIB = 1024 ** 3
 
 
