@@ -623,11 +623,22 @@ class WorkerPool:
             kinds = sorted({m.kind for m in per_rank})
             raise ValueError(f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks")
         await self._ensure_ready()
+        first_failure = True
+
+        async def one_rank(w: _Worker, msg: protocol.Request) -> dict:
+            nonlocal first_failure
+            try:
+                return await self._request(w, msg, timeout)
+            except Exception:
+                if first_failure:  # the other ranks stop at once (their errors need no abort)
+                    first_failure = False
+                    self.abort()
+                raise
+
         self._jobs += 1
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._request_or_abort(w, m, timeout))
-                         for w, m in zip(self._workers, per_rank)]
+                tasks = [group.create_task(one_rank(w, m)) for w, m in zip(self._workers, per_rank)]
         except ExceptionGroup as failed:
             # In failure order; a dead worker is the cause (another rank's error may be its abort).
             errors = sorted(failed.exceptions, key=self._not_dead)
@@ -642,14 +653,6 @@ class WorkerPool:
     def _not_dead(self, error: Exception) -> bool:
         rank = getattr(error, "rank", None)
         return rank is None or self._workers[rank].state != "dead"
-
-    async def _request_or_abort(self, w: _Worker, msg: protocol.Request, timeout: float) -> dict:
-        """One rank's part of :meth:`all`: its failure aborts the other ranks' exchange at once."""
-        try:
-            return await self._request(w, msg, timeout)
-        except Exception:
-            self.abort()
-            raise
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per worker: rank, device, pid, state, uptime_s, rss_bytes, vram_bytes, log, jobs_done."""
