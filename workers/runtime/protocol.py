@@ -28,7 +28,7 @@ import asyncio
 import re
 import struct
 import threading
-from typing import Annotated, Any, ClassVar, Literal, Sequence, Union
+from typing import Annotated, Any, ClassVar, Sequence, Union
 
 import msgspec
 
@@ -266,28 +266,6 @@ class DropReleased(Request, tag="drop_released"):
 
 class Shutdown(Request, tag="shutdown"):
     """Answer, then stop serving (the worker exits)."""
-
-
-# test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
-class Sleep(Request, tag="sleep"):
-    seconds: float
-
-
-class Crash(Request, tag="crash"):
-    how: Literal["kill", "exit"] = "kill"
-    code: int = 3
-
-
-class Hang(Request, tag="hang"):
-    seconds: float
-
-
-class Inject(Request, tag="inject"):
-    raw: bytes
-    close: bool = False
-
-
-TEST_HOOK_KINDS = ("sleep", "crash", "hang", "inject")
 
 
 # -- encode, decode ---------------------------------------------------------------------------------------------
