@@ -43,6 +43,8 @@ LOG_TAIL_LINES = 20
 MAX_HANDSHAKES_PER_RANK = 2
 #: How long a request whose channel closed waits for its worker's exit, so the error can name the exit status.
 EXIT_REPORT_WAIT_S = 1.0
+#: How long a connecting peer has to answer the auth challenge before it is refused.
+AUTH_TIMEOUT_S = 10.0
 _DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 _PROGRAM_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
@@ -370,7 +372,7 @@ class WorkerPool:
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]) -> None:
         try:
-            rank, _pid = await authenticate(reader, writer, self._key, timeout=10.0)
+            rank, _pid = await authenticate(reader, writer, self._key, timeout=AUTH_TIMEOUT_S)
             if not 0 <= rank < len(workers):
                 raise auth.AuthError(f"rank {rank} is not in this pool of {len(workers)}")
             w = workers[rank]
