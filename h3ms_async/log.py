@@ -1,14 +1,17 @@
 """The pack's one logger: ``h3_multistream``, every line prefixed ``[H3 MultiStream] [<subsystem>]``.
 
-Records never get glued onto a tqdm bar.  Standalone, our console handler prints through ``tqdm.write`` while a bar
-is live, so the line lands above the bar and the bar redraws below it.  Inside ComfyUI (its handlers, its bars) a
+Records never get glued onto a tqdm bar.  Standalone, a bar's owner wraps its lifetime in
+:func:`above_bars` (tqdm's ``logging_redirect_tqdm``), so our console handler prints through
+``tqdm.write`` and the bar redraws below the line.  Inside ComfyUI (its handlers, its bars) a
 newline goes to stderr first when a bar is live, since tqdm redraws without one.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from typing import Iterator
 
 from workers.runtime import config
 
@@ -23,7 +26,7 @@ class _PrefixFilter(logging.Filter):
         if isinstance(record.msg, str) and not record.msg.startswith(PREFIX):
             sub = getattr(record, "subsystem", None)
             record.msg = PREFIX + (f"[{sub}] " if sub else "") + record.msg
-        if not any(isinstance(h, _BarSafeHandler) for h in _logger.handlers) and _live_bar_class() is not None:
+        if not _logger.handlers and _bar_is_live():
             try:
                 sys.stderr.write("\n")
             except Exception:  # noqa: BLE001 - a closed stderr must not break logging
@@ -31,29 +34,11 @@ class _PrefixFilter(logging.Filter):
         return True
 
 
-def _live_bar_class() -> type | None:
-    """tqdm's bar class when at least one enabled bar exists (tqdm is never imported for this)."""
+def _bar_is_live() -> bool:
+    """Whether at least one enabled tqdm bar exists (tqdm is never imported for this)."""
     tqdm_mod = sys.modules.get("tqdm.std")
-    if tqdm_mod is None:
-        return None
-    bars = getattr(tqdm_mod.tqdm, "_instances", None)
-    if bars and any(not getattr(b, "disable", False) for b in list(bars)):
-        return tqdm_mod.tqdm
-    return None
-
-
-class _BarSafeHandler(logging.StreamHandler):
-    """Prints a record above a live tqdm bar (``tqdm.write`` clears the bar, prints, redraws it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        bar_cls = _live_bar_class()
-        if bar_cls is None:
-            super().emit(record)
-            return
-        try:
-            bar_cls.write(self.format(record), file=self.stream)
-        except Exception:  # noqa: BLE001 - logging must never raise into the caller
-            self.handleError(record)
+    bars = getattr(tqdm_mod.tqdm, "_instances", None) if tqdm_mod is not None else None
+    return bool(bars) and any(not getattr(b, "disable", False) for b in list(bars))
 
 
 _logger = logging.getLogger(LOGGER_NAME)
@@ -71,11 +56,19 @@ def get_logger(subsystem: str) -> logging.LoggerAdapter:
 def ensure_console_handler(level: int = logging.INFO) -> None:
     """Standalone runs (no ComfyUI handlers): print our records to stderr once."""
     if not _logger.handlers and not logging.getLogger().handlers:
-        handler = _BarSafeHandler(sys.stderr)
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         _logger.addHandler(handler)
     if _logger.level == logging.NOTSET or _logger.level > level:
         _logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def above_bars() -> Iterator[None]:
+    """While a standalone run's tqdm bar lives, our console lines print above it (tqdm.write)."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    with logging_redirect_tqdm(loggers=[_logger]):
+        yield
 
 
 def tail_file(path: str | os.PathLike, lines: int) -> list[str]:

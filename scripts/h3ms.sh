@@ -3,6 +3,7 @@
 #   bash scripts/h3ms.sh demo [demo options]     the standalone demo (unsplit vs split across 3 CPU ranks)
 #   bash scripts/h3ms.sh test                    CI: lint (ruff check, ruff format --check, mypy), the test
 #                                                suite, then its exactness tests under AVX2 code paths
+#   bash scripts/h3ms.sh test --fast [pytest opts] the fast tier: pure-function and in-process tests
 #   bash scripts/h3ms.sh test [pytest options]   pytest with these options (one pass, no lint)
 #   bash scripts/h3ms.sh lint                    only the lint step (settings: pyproject.toml)
 #   bash scripts/h3ms.sh exactness [pytest opts] only the second pass: the exactness tests under AVX2 code paths
@@ -28,8 +29,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q "$torch_spec"
   # ComfyUI's own packages, which requirements.txt (what a ComfyUI install adds) must not list
   "$venv/bin/python" -m pip install -q "comfy-kitchen>=0.2.36" "comfy-aimdo>=0.5.5"
+  # the test tools (import-linter: tests/test_repo_map.py), the bench's msgpack: pyproject's test, bench extras
   "$venv/bin/python" -m pip install -q -r requirements.txt \
-      "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3" "${lint_tools[@]}"
+      "pytest>=8" "hypothesis>=6.100" "pytest-aiohttp>=1.0" "pytest-timeout>=2.3" "msgpack>=1.0" \
+      "import-linter>=2.1" "${lint_tools[@]}"
   echo "$want" > "$stamp"
 fi
 
@@ -73,6 +76,8 @@ case "$cmd" in
   bench) exec "$venv/bin/python" -m h3ms_async bench "$@" ;;
   serve) exec "$venv/bin/python" -m h3ms_async serve "$@" ;;
   test)
+    # The fast tier needs neither the browser nor ComfyUI's tree.
+    if [ "${1:-}" = "--fast" ]; then shift; exec "$venv/bin/python" -m pytest -q -m fast "$@"; fi
     # The web panel is tested in a real headless browser (Debian's chromium).
     if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
@@ -88,5 +93,6 @@ case "$cmd" in
   exactness)
     setup_comfy
     exactness_pass "$@" ;;
-  *) echo "usage: bash scripts/h3ms.sh demo|test|lint|exactness|bench|serve [options]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/h3ms.sh demo|test [--fast]|lint|exactness|bench|serve [options]" >&2
+     exit 2 ;;
 esac

@@ -80,13 +80,14 @@ sys.argv = ["main.py"] + {argv!r}
 """
 
 
-#: Code that installs the pack's CPU stand-in for kitchen's INT8 attention (``workers/attention/ck_cpu.py``) before
+#: Code that installs the pack's CPU stand-in for kitchen's INT8 attention
+#: (``workers/testing/ck_cpu.py``) before
 #: ComfyUI's attention module asks kitchen whether it is available (``--use-ck-attention`` on a CPU); needs
 #: ``H3MS_PACK`` (the pack root) in the environment.
 CK_CPU_HOOK = r'''
 import importlib.util, os
-spec = importlib.util.spec_from_file_location("h3ms_ck_cpu_hook", os.path.join(os.environ["H3MS_PACK"], "workers",
-                                                                               "attention", "ck_cpu.py"))
+spec = importlib.util.spec_from_file_location(
+    "h3ms_ck_cpu_hook", os.path.join(os.environ["H3MS_PACK"], "workers", "testing", "ck_cpu.py"))
 hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 hook.install()  # before ComfyUI's attention module asks kitchen whether INT8 attention is available

@@ -15,10 +15,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Prelude of every script these tests run: the pack on sys.path and a tiny split model with a bit-exact check.
-MODEL_PRELUDE = textwrap.dedent("""\
+#: Prelude of every script these tests run: the pack on sys.path, /dev/shm's use, the result line.
+BASE_PRELUDE = textwrap.dedent("""\
     import json, os, sys, time
     sys.path.insert(0, {root!r})
+
+    def shm_used():
+        st = os.statvfs("/dev/shm")
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def report(**fields):
+        print("RESULT " + json.dumps(fields), flush=True)
+    """).format(root=str(ROOT))
+
+#: ... and a tiny split model with a bit-exact check.
+MODEL_PRELUDE = BASE_PRELUDE + textwrap.dedent("""\
     import torch
     from h3ms_async.dit.layout import layout_for_tokens
     from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
@@ -37,14 +48,7 @@ MODEL_PRELUDE = textwrap.dedent("""\
         out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
         ref = MODEL.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
         return bool(torch.equal(out, ref))
-
-    def shm_used():
-        st = os.statvfs("/dev/shm")
-        return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-    def report(**fields):
-        print("RESULT " + json.dumps(fields), flush=True)
-    """).format(root=str(ROOT))
+    """)
 
 
 @lru_cache(maxsize=1)
@@ -60,9 +64,10 @@ def private_shm_refusal() -> str | None:
     return None
 
 
-def run_with_private_shm(script: str, size_mb: int, env: dict[str, str], timeout_s: float = 540) -> dict:
-    """Run ``MODEL_PRELUDE + script`` with a fresh ``size_mb`` MiB tmpfs on /dev/shm; return its RESULT object."""
-    body = MODEL_PRELUDE + textwrap.dedent(script)
+def run_with_private_shm(script: str, size_mb: int, env: dict[str, str], timeout_s: float = 540,
+                         prelude: str = MODEL_PRELUDE) -> dict:
+    """Run ``prelude + script`` with a fresh ``size_mb`` MiB tmpfs on /dev/shm; its RESULT."""
+    body = prelude + textwrap.dedent(script)
     cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec "$0" -c "$1"',
            sys.executable, body]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env},

@@ -2,7 +2,8 @@
 real helper processes, put back together bit-exact; status; restarts; no leaks.
 
 Kitchen has no CPU kernel for INT8 attention, so these tests run its split API through the pack's CPU test hook
-(``workers.attention.ck_cpu``, kitchen's own packed layout and dataclass); the helpers install it from the environment.
+(``workers.testing.ck_cpu``, kitchen's own packed layout and dataclass); the helpers install it from
+the environment.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.observability.document import validate_section
 from h3ms_async.observability.status import get_hub
 from workers.attention import ops as attn_ops
-from workers.attention import ck_cpu as ck_attention_cpu
+from workers.testing import ck_cpu as ck_attention_cpu
 from workers.runtime.shm import held_shm
 
 

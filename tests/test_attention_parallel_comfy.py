@@ -1,7 +1,8 @@
 """H3 Attention Parallel inside the real ComfyUI tree (tests/comfy_tree.py), on CPU helpers.
 
 ComfyUI runs with ``--cpu --use-ck-attention``; kitchen has no CPU kernel for INT8 attention, so the pack's CPU test
-hook (``workers/attention/ck_cpu.py``: kitchen's packed layout and dataclass) is installed before ComfyUI imports its
+hook (``workers/testing/ck_cpu.py``: kitchen's packed layout and dataclass) is installed
+before ComfyUI imports its
 attention module, in ComfyUI's process and (through ``H3MS_CK_ATTENTION_CPU=1``) in the helpers.  Plain ComfyUI and the
 node then sample the same tiny MiniMax H3 (random weights, real ComfyUI loader, sampler and H3 code) with that same
 attention, and the latents must be equal bit for bit, with 2-4 devices (1-3 CPU helpers through ``H3MS_ATTN_HELPERS``).

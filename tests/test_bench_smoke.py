@@ -100,7 +100,8 @@ def test_bench_invariance_tiny_and_a_faulty_shape(monkeypatch):
     all three places where it should, and nowhere else."""
     from h3ms_async.tools.bench.invariance import TINY, run_bench_invariance
     from workers.dit import ops as dit_ops
-    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault("linear", (5, TINY.ffn)))
+    from workers.testing.faults import ShapeFault
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault("linear", (5, TINY.ffn)))
     rep = run_bench_invariance(tiny=True, rows=(2, 5, 16), kinds=("int8",), print_json=False)
     assert rep["bench"] == "invariance" and rep["machine"]["device"].startswith("cpu ")
     by_op = {t["op"]: t for t in rep["linears"]}

@@ -12,6 +12,8 @@ from h3ms_async import caches
 from h3ms_async.caches import CacheRefused, OutputCache, WeightCache, digest
 from h3ms_async.observability.status import StatusHub, get_hub
 
+pytestmark = pytest.mark.fast
+
 
 def test_digest_covers_dtype_shape_bytes_order_and_keys() -> None:
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)

@@ -12,6 +12,9 @@ import pytest
 
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
 from workers.runtime import config
+from workers.testing import settings
+
+pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
 #: H3MS_* words that are not environment variables: the GPU set's and the sparse settings' ComfyUI socket types.
@@ -29,20 +32,27 @@ def test_every_name_in_the_repository_is_declared() -> None:
     texts = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8", errors="replace")
              for p in _tracked(".py", ".sh", ".js")}
     used = {name: path for path, text in texts.items() for name in _NAME.findall(text)}
-    undeclared = {n: p for n, p in used.items() if n not in config.BY_NAME and n not in NOT_VARIABLES}
-    assert not undeclared, f"declare these in workers/runtime/config.py: {undeclared}"
-    elsewhere = "\n".join(text for path, text in texts.items() if path != "workers/runtime/config.py")
-    attr = {v.name: a for a, v in vars(config).items() if isinstance(v, config.EnvVar)}
-    unused = [n for n in config.BY_NAME if n not in elsewhere and f"config.{attr[n]}" not in elsewhere]
+    declared = {**config.BY_NAME, **settings.BY_NAME}
+    undeclared = {n: p for n, p in used.items() if n not in declared and n not in NOT_VARIABLES}
+    assert not undeclared, ("declare these in workers/runtime/config.py (tests only: "
+                            f"workers/testing/settings.py): {undeclared}")
+    homes = {"workers/runtime/config.py", "workers/testing/settings.py"}
+    elsewhere = "\n".join(text for path, text in texts.items() if path not in homes)
+    attr = {v.name: f"{mod.__name__.rpartition('.')[2]}.{a}" for mod in (config, settings)
+            for a, v in vars(mod).items() if isinstance(v, config.EnvVar)}
+    unused = [n for n in declared if n not in elsewhere and attr[n] not in elsewhere]
     assert not unused, f"declared but read nowhere: {unused}"
 
 
-def test_readme_table_is_the_declarations() -> None:
+@pytest.mark.parametrize("marker, variables, module", [
+    ("env-table", config.ALL, "workers.runtime.config"),
+    ("test-env-table", settings.ALL, "workers.testing.settings")])
+def test_readme_tables_are_the_declarations(marker: str, variables: tuple, module: str) -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    m = re.search(r"<!-- env-table: start -->\n(.*?)\n<!-- env-table: end -->", text, re.S)
-    assert m, "README.md lost its env-table markers"
-    assert m.group(1) == config.markdown_table(), \
-        "README's environment table is stale: paste `python -m workers.runtime.config` between its markers"
+    m = re.search(rf"<!-- {marker}: start -->\n(.*?)\n<!-- {marker}: end -->", text, re.S)
+    assert m, f"README.md lost its {marker} markers"
+    assert m.group(1) == config.markdown_table(variables), \
+        f"README's {marker} is stale: paste `python -m {module}` between its markers"
 
 
 @pytest.mark.parametrize("var,raw,why", [

@@ -16,6 +16,7 @@ from h3ms_async.runtime.coordinator import Coordinator, get_coordinator
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.fast
 def test_singleton_on_a_daemon_thread_with_uvloop():
     coord = get_coordinator()
     assert get_coordinator() is coord
@@ -31,6 +32,7 @@ def test_singleton_on_a_daemon_thread_with_uvloop():
     assert coord.run(where(), 5) is coord.loop and seen["thread"] is coord.thread
 
 
+@pytest.mark.fast
 def test_submit_returns_a_concurrent_future():
     async def add(a, b):
         await asyncio.sleep(0.01)
@@ -40,6 +42,7 @@ def test_submit_returns_a_concurrent_future():
     assert isinstance(fut, cf.Future) and fut.result(5) == 5
 
 
+@pytest.mark.fast
 def test_errors_propagate_unchanged():
     class Boom(ValueError):
         pass
@@ -57,6 +60,7 @@ def test_errors_propagate_unchanged():
         get_coordinator().run(own_timeout(), 5)
 
 
+@pytest.mark.fast
 def test_timeout_cancels_and_names_the_coroutine():
     state = {}
 
@@ -75,6 +79,7 @@ def test_timeout_cancels_and_names_the_coroutine():
         get_coordinator().run(slow_step(), 0.05, what="the VAE decode")
 
 
+@pytest.mark.fast
 def test_cancel():
     started = threading.Event()
 
@@ -88,6 +93,7 @@ def test_cancel():
     assert coord.cancel(fut) and fut.cancelled()
 
 
+@pytest.mark.fast
 def test_run_on_the_loop_thread_is_refused():
     coord = get_coordinator()
 
@@ -100,6 +106,7 @@ def test_run_on_the_loop_thread_is_refused():
         coord.run(nested(), 5)
 
 
+@pytest.mark.fast
 def test_shutdown_stops_the_thread():
     coord = Coordinator()
     assert coord.run(asyncio.sleep(0, result=7), 5) == 7

@@ -17,6 +17,7 @@ from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, SimulatedSplit, co
 from workers.dit import ops as dit_ops
 from workers.dit.loop import block_forward_unsplit
 from workers.dit.ops import Shard
+from workers.testing.faults import ShapeFault
 
 from split_checks import Compared, probe_refusals
 
@@ -194,7 +195,7 @@ def test_a_shape_dependent_gemm_is_refused_not_compared(monkeypatch) -> None:
     plan = make_split_plan(["cpu"] * 3, None, inp.x.shape[0], CFG.heads)
     rows = plan.tokens_per_rank()[1]
     assert probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0]) == []
-    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault("linear", (rows, CFG.ffn)))
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault("linear", (rows, CFG.ffn)))
     refusals = probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0])
     # (out_proj has fc2's 320 input features in this config: both are hit, nothing else)
     assert any(r.startswith("mlp.fc2") for r in refusals), refusals

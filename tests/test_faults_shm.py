@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from tests.faults_common import MODEL_PRELUDE, private_shm_refusal, run_dirs, run_with_private_shm
+from tests.faults_common import (BASE_PRELUDE, MODEL_PRELUDE, private_shm_refusal, run_dirs,
+                                 run_with_private_shm)
 
 pytestmark = [pytest.mark.skipif(private_shm_refusal() is not None, reason=private_shm_refusal() or ""),
               pytest.mark.timeout(600)]  # seconds on a quiet machine; generous for a shared, loaded one
@@ -87,8 +88,9 @@ def test_small_shm_fails_the_step_clearly_then_the_next_step_succeeds(tmp_path):
 @pytest.mark.parametrize("mode", ["kill", "exit"])
 def test_owner_death_or_plain_exit_leaves_nothing(tmp_path, mode):
     owner = MODEL_PRELUDE + OWNER.format(tail="time.sleep(300)" if mode == "kill" else "")
+    # the watcher needs no model: only the owner imports torch and builds one
     res = run_with_private_shm(WATCHER, 64, {"H3MS_RUN_DIR": str(tmp_path), "FAULT_OWNER": owner,
-                                            "FAULT_MODE": mode})
+                                            "FAULT_MODE": mode}, prelude=BASE_PRELUDE)
     assert res["code"] == (-9 if mode == "kill" else 0), res
     assert res["held"] > 1 << 20, res  # the weight store and step buffers were really there
     assert res["used"] == 0, f"{res['used']} bytes of /dev/shm still used 5 s after the owner ended: {res}"

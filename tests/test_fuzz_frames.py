@@ -42,18 +42,21 @@ def check_decode(body: bytes) -> None:
     assert protocol.encode(protocol.decode(frame[4:])) == frame
 
 
+@pytest.mark.fast
 @settings(max_examples=1000, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_decode_only_raises_protocol_error(body):
     check_decode(body)
 
 
+@pytest.mark.fast
 @settings(max_examples=1000, deadline=None)
 @given(messages)
 def test_random_maps_decode_only_raises_protocol_error(msg):
     check_decode(msgpack.packb(msg, use_bin_type=True))
 
 
+@pytest.mark.fast
 @settings(max_examples=300, deadline=None)
 @given(messages, st.integers(0, 40), st.binary(max_size=8))
 def test_mutated_frames_decode_only_raises_protocol_error(msg, cut, junk):

@@ -1,7 +1,8 @@
 """Invariance measured, not assumed: the probe (``workers.dit.invariance``), the engine's plan decisions
 (``h3ms_async.dit.exactness``) and ``verify`` (``h3ms_async.dit.verify``), on real CPU rank workers.
 
-A test hook (``H3MS_TEST_SHAPE_FAULT``, ``workers.dit.ops.ShapeFault``) makes one call shape round differently on
+A test hook (``H3MS_TEST_SHAPE_FAULT``, ``workers.testing.faults.ShapeFault``) makes one
+call shape round differently on
 purpose, so neither the probe nor ``verify`` can pass vacuously.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from h3ms_async.dit.split import SplitEngine, SplitOptions, SplitUnsafe
 from h3ms_async.observability.status import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
+from workers.testing.faults import ShapeFault
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
@@ -71,7 +73,7 @@ def test_probe_sees_a_shape_fault_and_only_at_its_shape(monkeypatch):
               head_dim=CFG.head_dim, dtype=torch.bfloat16, attend=dit_ops.builtin_attend("sdpa"),
               device=torch.device("cpu"))
     clean = invariance.run_probe(_ops(), **kw)
-    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault.parse(FC2_FAULT))
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse(FC2_FAULT))
     faulty = invariance.run_probe(_ops(), **kw)
     by_op = {v.op: v for v in faulty.ops}
     assert by_op["mlp.fc2"].exact == [False] + clean.ops[-1].exact[1:] and by_op["mlp.fc2"].max_abs_diff[0] > 0
@@ -79,9 +81,9 @@ def test_probe_sees_a_shape_fault_and_only_at_its_shape(monkeypatch):
     for v, c in zip(faulty.ops, clean.ops):
         if v.op != "mlp.fc2":
             assert v.exact == c.exact and v.digest == c.digest
-    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault.parse(FC2_FAULT + ":step"))
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse(FC2_FAULT + ":step"))
     assert [v.exact for v in invariance.run_probe(_ops(), **kw).ops] == [v.exact for v in clean.ops]
-    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", dit_ops.ShapeFault.parse("attention:4"))
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse("attention:4"))
     assert {v.op: v.exact for v in invariance.run_probe(_ops(), **kw).ops}["attention"] == [False]
 
 
@@ -92,7 +94,7 @@ def test_digest_and_fault_text():
     b.view(torch.int16)[17, 5] ^= 1  # one bit
     assert invariance.digest(a) != invariance.digest(b)
     with pytest.raises(ValueError, match="linear:ROWS:IN_FEATURES"):
-        dit_ops.ShapeFault.parse("linear:10")
+        ShapeFault.parse("linear:10")
 
 
 def test_adjusted_bounds_keep_shares_close():

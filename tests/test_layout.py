@@ -7,6 +7,8 @@ import torch
 from h3ms_async.dit.layout import build_layout, layout_for_tokens, time_shift_sigma
 from h3ms_async.dit.reference import rope_table
 
+pytestmark = pytest.mark.fast
+
 
 def _covers(segs, seq_len) -> bool:
     return segs[0][0] == 0 and segs[-1][1] == seq_len and all(a[1] == b[0] for a, b in zip(segs, segs[1:]))

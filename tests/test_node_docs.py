@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from tests.node_history import ROOT, node_classes  # noqa: E402
 
+pytestmark = pytest.mark.fast
+
 _spec = importlib.util.spec_from_file_location("node_docs", ROOT / "scripts" / "node_docs.py")
 node_docs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(node_docs)

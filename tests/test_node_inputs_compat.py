@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from tests.node_history import FIRST_RELEASE, node_classes  # noqa: E402
 
+pytestmark = pytest.mark.fast
+
 CLASSES = node_classes()
 
 

@@ -6,6 +6,8 @@ import pytest
 from h3ms_async.runtime.plans import (GPUSelectionError, GPUSet, RankPlan, make_split_plan, parse_index_list, parse_shares,
                               partition, rank_map, resolve)
 
+pytestmark = pytest.mark.fast
+
 GIB = 1024 ** 3
 
 

@@ -13,7 +13,8 @@ from h3ms_async.runtime import rundir
 from h3ms_async.tools.bench.ipc import run_bench_ipc
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
-from workers.runtime.protocol import Echo, Ping, Sleep, TensorDesc
+from workers.runtime.protocol import Echo, Ping, TensorDesc
+from workers.testing.protocol import Sleep
 from workers.runtime.shm import Segment, held_shm
 
 MiB = 1 << 20

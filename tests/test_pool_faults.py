@@ -16,6 +16,7 @@ import pytest
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerError, WorkerPool, WorkerTimeout
 from workers.runtime import auth, protocol
+from workers.testing import protocol as test_protocol
 from workers.runtime.shm import held_shm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +46,7 @@ def test_sigkill_mid_job_fails_fast_then_restarts(pool3):
     run(pool3.start(), 120)
     old_pids = [w["pid"] for w in pool3.snapshot()]
     starts = pool3.starts
-    fut = get_coordinator().submit(pool3.all([protocol.Sleep(seconds=60)] * 3, timeout=120))
+    fut = get_coordinator().submit(pool3.all([test_protocol.Sleep(seconds=60)] * 3, timeout=120))
     deadline = time.monotonic() + 5
     while not all(w["state"] == "busy" for w in pool3.snapshot()):
         assert time.monotonic() < deadline
@@ -68,7 +69,7 @@ def test_sigkill_mid_job_fails_fast_then_restarts(pool3):
 
 def test_crash_hook_exit_code_is_reported(pool3):
     with pytest.raises(WorkerError, match=r"worker rank 2 on cpu .*exited with code 7") as ei:
-        run(pool3.request(2, protocol.Crash(how="exit", code=7), timeout=10))
+        run(pool3.request(2, test_protocol.Crash(how="exit", code=7), timeout=10))
     assert "test hook: crashing (exit)" in str(ei.value)
     assert run(pool3.request(2, protocol.Ping(), timeout=10), 120).pong
 
@@ -77,7 +78,7 @@ def test_hung_worker_hits_the_deadline(pool3):
     run(pool3.start(), 120)
     t0 = time.monotonic()
     with pytest.raises(WorkerTimeout, match=r"rank 0 on cpu .*did not answer 'hang' within 1 s") as ei:
-        run(pool3.request(0, protocol.Hang(seconds=60), timeout=1.0), 10)
+        run(pool3.request(0, test_protocol.Hang(seconds=60), timeout=1.0), 10)
     assert isinstance(ei.value, TimeoutError) and time.monotonic() - t0 < 4
     assert pool3.snapshot()[0]["state"] == "dead"
     assert run(pool3.request(0, protocol.Ping(), timeout=10), 120).pong
@@ -90,7 +91,7 @@ def test_missing_heartbeats_mark_a_worker_dead(monkeypatch):
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="no heartbeat for"):
-            run(pool.request(0, protocol.Hang(seconds=60), timeout=60), 20)
+            run(pool.request(0, test_protocol.Hang(seconds=60), timeout=60), 20)
         assert time.monotonic() - t0 < 5
     finally:
         run(pool.release(), 30)
@@ -201,15 +202,16 @@ def test_bad_frames_on_authenticated_channels(caplog):
     run(pool.start(), 120)
     try:
         coord = get_coordinator()
-        job = coord.submit(pool.request(0, protocol.Sleep(seconds=1.0), timeout=30))
+        job = coord.submit(pool.request(0, test_protocol.Sleep(seconds=1.0), timeout=30))
         cases = list(BAD_FRAMES)
-        futs = [coord.submit(pool.request(r, protocol.Inject(raw=BAD_FRAMES[c][0], close=c == "truncated"),
+        futs = [coord.submit(pool.request(r, test_protocol.Inject(raw=BAD_FRAMES[c][0],
+                                                                  close=c == "truncated"),
                                           timeout=30)) for r, c in enumerate(cases, start=1)]
         for r, (case, fut) in enumerate(zip(cases, futs), start=1):
             with pytest.raises(WorkerError, match=f"worker rank {r} on cpu") as ei:
                 fut.result(10)
             assert "protocol error" in str(ei.value) and BAD_FRAMES[case][1] in str(ei.value), case
-        assert job.result(10) == protocol.Slept(slept=1.0)  # the coordinator kept serving rank 0
+        assert job.result(10) == test_protocol.Slept(slept=1.0)  # the coordinator kept serving rank 0
         logged = " ".join(r.getMessage() for r in caplog.records)
         for r, case in enumerate(cases, start=1):
             assert f"rank {r} (cpu): protocol error" in logged and BAD_FRAMES[case][1] in logged

@@ -9,6 +9,9 @@ import pytest
 
 from workers.runtime import auth, protocol
 from workers.runtime.protocol import ProtocolError, decode, encode
+from workers.testing import protocol as test_protocol
+
+pytestmark = pytest.mark.fast
 
 SEG = "h3ms-123-0123456789abcdef-x"
 
@@ -51,9 +54,9 @@ def test_frame_is_big_endian_length_plus_msgpack_map():
     protocol.Heartbeat(rss=10, vram=None, busy=False),
     protocol.Heartbeat(rss=10, vram=5, busy=True),
     protocol.Echo(id=3, src=desc(off=4096, dtype="bfloat16", shape=[2, 3]), dst=desc(shape=[12])),
-    protocol.Crash(id=4),
-    protocol.Crash(id=4, how="exit", code=3),
-    protocol.Sleep(id=5, seconds=2.0),
+    test_protocol.Crash(id=4),
+    test_protocol.Crash(id=4, how="exit", code=3),
+    test_protocol.Sleep(id=5, seconds=2.0),
 ])
 def test_roundtrip(msg):
     got = decode(encode(msg)[4:])

@@ -25,6 +25,7 @@ from h3ms_async.runtime.engines import Engine, EngineRegistry, live_engines, rel
 from h3ms_async.runtime.pool import WorkerError, WorkerPool
 from workers.runtime import protocol
 from workers.runtime.shm import Arena, held_shm
+from workers.testing import protocol as test_protocol
 from workers.vae.protocol import VaeDrop
 
 PROTOCOL = '''
@@ -159,7 +160,7 @@ def test_a_killed_rank_fails_the_job_at_once_and_an_interrupt_aborts_it(tally):
     threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
     with pytest.raises(TallyError) as ei:
-        tally.run(tally.pool.all([protocol.Sleep(seconds=60)] * 2, 90), 90, "a long tally")
+        tally.run(tally.pool.all([test_protocol.Sleep(seconds=60)] * 2, 90), 90, "a long tally")
     assert time.monotonic() - t0 < 5
     assert "worker rank 1 on cpu" in str(ei.value) and "killed by SIGKILL" in str(ei.value)
     assert "rank1 INFO rank 1/2 ready on cpu" in str(ei.value)  # the dead rank's own log lines
@@ -168,7 +169,7 @@ def test_a_killed_rank_fails_the_job_at_once_and_an_interrupt_aborts_it(tally):
     _run(tally.pool.start(), 120)
     fired = time.monotonic() + 0.5
     with pytest.raises(TallyInterrupted, match="a long tally interrupted; every rank was aborted"):
-        tally.run(tally.pool.all([protocol.Sleep(seconds=60)] * 2, 90), 90, "a long tally",
+        tally.run(tally.pool.all([test_protocol.Sleep(seconds=60)] * 2, 90), 90, "a long tally",
                   interrupt=lambda: time.monotonic() > fired)
     assert time.monotonic() - fired < 4 and not tally.pool.busy
     assert tally.add(torch.ones(16, dtype=torch.int64)) == [16, 32]  # fresh workers: fresh totals

@@ -14,6 +14,7 @@ from h3ms_async.observability.serve import build_app
 from h3ms_async.observability.status import StatusHub
 from tests.test_status import make_record
 
+pytestmark = pytest.mark.fast
 
 
 def app_for(hub: StatusHub, **kw) -> web.Application:

@@ -11,6 +11,8 @@ from workers.runtime import shm
 from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, ShmError
 
+pytestmark = pytest.mark.fast
+
 MiB = 1 << 20
 
 

@@ -16,6 +16,8 @@ from h3ms_async.observability.records import RankRecord, StepRecord, format_step
 from h3ms_async.observability.status import RING_SIZE, StatusHub
 from h3ms_async.runtime.host_memory import ram_info
 
+pytestmark = pytest.mark.fast
+
 GIB = 1024 ** 3
 
 

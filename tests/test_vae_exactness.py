@@ -12,6 +12,8 @@ import torch
 from h3ms_async.observability import records, status
 from h3ms_async.vae import exactness
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture()
 def hub(monkeypatch: pytest.MonkeyPatch) -> status.StatusHub:

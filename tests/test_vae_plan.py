@@ -11,6 +11,8 @@ import torch
 from h3ms_async.vae import plan as vae_plan
 from h3ms_async.vae.plan import Assembler, VaeGeometry, chunk_counts, deal, make_plan
 
+pytestmark = pytest.mark.fast
+
 GOLDEN = Path(__file__).resolve().parent.parent.parent / "shared" / "golden"
 pytestmark = pytest.mark.skipif(not (GOLDEN / "vae_plans.json").is_file(), reason=f"no golden files in {GOLDEN}")
 

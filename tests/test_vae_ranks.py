@@ -8,6 +8,8 @@ import torch
 from h3ms_async.runtime.plans import GPUSelectionError, GPUSet
 from nodes.vae_split_node import plan_devices
 
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 
 

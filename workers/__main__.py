@@ -41,18 +41,23 @@ class ProgramNotFound(ImportError):
 
 
 def load_program(program: str | None) -> None:
-    """Import the runtime's handlers and, when given, the rank program ``workers.<program>.rank``."""
+    """Import the runtime's handlers, the rank program ``workers.<program>.rank`` when given, and
+    the test hooks with ``H3MS_TEST_HOOKS=1``."""
     importlib.import_module("workers.runtime.handlers")
-    if program is None:
-        return
-    name = f"workers.{program}.rank"
-    try:
-        importlib.import_module(name)
-    except ImportError as exc:
-        if exc.name not in (name, f"workers.{program}"):  # the module exists but one of its imports failed
-            raise
-        raise ProgramNotFound(f"rank program {program!r}: there is no module {name} (a rank program is a package "
-                              f"workers/{program}/ with a rank.py that registers its handlers)") from None
+    if program is not None:
+        name = f"workers.{program}.rank"
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if exc.name not in (name, f"workers.{program}"):  # it exists; one of its imports failed
+                raise
+            raise ProgramNotFound(
+                f"rank program {program!r}: there is no module {name} (a rank program is a package "
+                f"workers/{program}/ with a rank.py that registers its handlers)") from None
+    if config.TEST_HOOKS.get():
+        from workers import testing
+
+        testing.load()
 
 
 def _rss() -> int:
@@ -149,8 +154,8 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 return "shutdown requested"
             fn = HANDLERS.get(type(msg))
             if fn is None:
-                hint = " (test hooks are off: set H3MS_TEST_HOOKS=1)" if msg.kind in protocol.TEST_HOOK_KINDS else ""
-                send(protocol.Err(id=msg.id, error=f"this worker does not serve {msg.kind!r}{hint}", tb=""))
+                send(protocol.Err(id=msg.id, error=f"this worker does not serve {msg.kind!r}",
+                                  tb=""))
                 continue
             task = asyncio.create_task(run_one(fn, msg))
             tasks.add(task)

@@ -7,7 +7,9 @@ Synchronous callers (ComfyUI's prompt thread, CLI code) use one thread-safe API:
     result = coord.run(coro, timeout=60)  # waits; on timeout cancels the coroutine and raises TimeoutError
     coord.cancel(fut)
 
-At interpreter exit the coordinator releases the pools registered with it, stops its loop and joins its thread.
+At interpreter exit the coordinator releases the pools registered with it, stops its loop and
+joins its thread: the runtime's one exit hook, registered by the coordinator itself.  Each pool
+releases what it owns (workers, sockets, run dir, segments), so the order of imports plays no part.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Coroutine, Protocol, TypeVar
 
-from h3ms_async.runtime import rundir  # noqa: F401 - imported first so its atexit cleanup runs after ours
 from h3ms_async.log import get_logger
 
 log = get_logger("coordinator")
@@ -48,6 +49,7 @@ class Coordinator:
         self.thread.start()
         if not ready.wait(10):
             raise RuntimeError("the coordinator loop thread did not start within 10 s")
+        atexit.register(self.shutdown)
         log.info("coordinator loop started (%s)", self.backend)
 
     def _run_loop(self, ready: threading.Event) -> None:
@@ -123,6 +125,7 @@ class Coordinator:
         """Release registered pools, stop the loop, join the thread (idempotent)."""
         if self._closed:
             return
+        atexit.unregister(self.shutdown)
         with self._lock:
             pools = list(self._pools)
             self._pools.clear()
@@ -148,6 +151,4 @@ def get_coordinator() -> Coordinator:
     with _instance_lock:
         if _instance is None or _instance.closed:
             _instance = Coordinator()
-            atexit.register(_instance.shutdown)
         return _instance
-

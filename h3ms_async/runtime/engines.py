@@ -17,7 +17,6 @@ new rank program adds its engine class and registry and nothing else.
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import contextlib
 import threading
@@ -256,14 +255,3 @@ def release_engines(force: bool = True) -> list[tuple[EngineRegistry, int, int]]
     """Release every program's engines (:meth:`EngineRegistry.release_all`); per registry ``(registry, released,
     busy)``."""
     return [(reg, *reg.release_all(force)) for reg in registries()]
-
-
-def _release_at_exit() -> None:
-    for reg in registries():
-        try:
-            reg.release_all(force=True)
-        except Exception as exc:  # noqa: BLE001 - exiting: the other programs' engines still go
-            log.error("releasing the %s engines at exit failed: %s", reg.program, exc)
-
-
-atexit.register(_release_at_exit)

@@ -44,6 +44,8 @@ LOG_TAIL_LINES = 20
 MAX_HANDSHAKES_PER_RANK = 2
 #: How long a request whose channel closed waits for its worker's exit, so the error can name the exit status.
 EXIT_REPORT_WAIT_S = 1.0
+#: How long a connecting peer has to answer the auth challenge before it is refused.
+AUTH_TIMEOUT_S = 10.0
 _DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 _PROGRAM_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
@@ -106,12 +108,6 @@ def cuda_visible_for(device: str, parent_visible: str | None) -> str:
             f"device {device} is not visible to this process: CUDA_VISIBLE_DEVICES={parent_visible!r} lists "
             f"{len(entries)} device(s); use cuda:0..cuda:{max(len(entries) - 1, 0)} or widen CUDA_VISIBLE_DEVICES")
     return entries[index]
-
-
-def _retrieve(task: "asyncio.Task[Any]") -> None:
-    """Mark a finished task's exception as seen (its job already failed for another reason)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _exit_text(code: int | None) -> str:
@@ -410,7 +406,7 @@ class WorkerPool:
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]) -> None:
         try:
-            rank, _pid = await authenticate(reader, writer, self._key, timeout=10.0)
+            rank, _pid = await authenticate(reader, writer, self._key, timeout=AUTH_TIMEOUT_S)
             if not 0 <= rank < len(workers):
                 raise auth.AuthError(f"rank {rank} is not in this pool of {len(workers)}")
             w = workers[rank]
@@ -666,34 +662,36 @@ class WorkerPool:
             kinds = sorted({m.kind for m in per_rank})
             raise ValueError(f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks")
         await self._ensure_ready()
+        first_failure = True
+
+        async def one_rank(w: _Worker, msg: protocol.Request) -> Any:
+            nonlocal first_failure
+            try:
+                return await self._request(w, msg, timeout)
+            except Exception:
+                if first_failure:  # the other ranks stop at once (their errors need no abort)
+                    first_failure = False
+                    self.abort()
+                raise
+
         self._jobs += 1
-        tasks = [asyncio.ensure_future(self._request(w, m, timeout)) for w, m in zip(self._workers, per_rank)]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
-            if not failed:
-                return [t.result() for t in tasks]
-            self.abort()
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=2.0)
-            # A dead worker is the cause; another rank's error may just be the abort it caused.
-            failed.sort(key=lambda t: (
-                self._workers[getattr(t.exception(), "rank", 0)].state != WorkerState.DEAD,))
-            raise failed[0].exception()
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one_rank(w, m)) for w, m in zip(self._workers, per_rank)]
+        except ExceptionGroup as failed:
+            # In failure order; a dead worker is the cause (another rank's error may be its abort).
+            errors = sorted(failed.exceptions, key=self._not_dead)
+            raise errors[0] from None
         except asyncio.CancelledError:
             self.abort()
             raise
         finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-                    # a rank's answer (the abort's error) may land before the cancellation does
-                    t.add_done_callback(_retrieve)
-                elif not t.cancelled():
-                    t.exception()  # retrieved: no "never retrieved" warnings for the ranks we did not report
             self._jobs -= 1
+        return [t.result() for t in tasks]
+
+    def _not_dead(self, error: Exception) -> bool:
+        rank = getattr(error, "rank", None)
+        return rank is None or self._workers[rank].state is not WorkerState.DEAD
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per worker: rank, device, pid, state (a :class:`WorkerState` value), uptime_s,

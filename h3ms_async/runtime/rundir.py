@@ -12,7 +12,6 @@ It cannot outlive its owner:
 """
 from __future__ import annotations
 
-import atexit
 import fcntl
 import os
 import re
@@ -158,9 +157,3 @@ def sweep_dead(base: str | None = None) -> list[str]:
     if removed:
         log.info("removed %d run dir(s) left by dead processes: %s", len(removed), removed[:8])
     return removed
-
-
-@atexit.register
-def _remove_live() -> None:
-    for path in list(_live):
-        remove(path)

@@ -14,6 +14,7 @@ after the first, which pays both sides' one-time kernel loading.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
 # Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy 2-core box).
 from h3ms_async.runtime import plans, rundir
 from h3ms_async.tools.cli import ArgParser, UsageError, port, positive_int
-from h3ms_async.log import ensure_console_handler, get_logger
+from h3ms_async.log import above_bars, ensure_console_handler, get_logger
 from workers.dit.protocol import Transport
 
 if TYPE_CHECKING:
@@ -225,10 +226,13 @@ def keep_resident(model: Any, device: "torch.device", nbytes: int) -> bool:
 
 
 class _Progress:
-    """One bar over every block of every pass; redrawn each second so the clock moves even inside a slow block."""
+    """One bar over every block of every pass; redrawn each second so the clock moves even inside a
+    slow block.  Log lines print above it while it lives."""
 
     def __init__(self, total: int, disable: bool) -> None:
         from tqdm import tqdm
+        self._scope = contextlib.ExitStack()
+        self._scope.enter_context(above_bars())
         self.bar = tqdm(total=total, desc="starting workers", unit="block", file=sys.stderr, disable=disable,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
                         dynamic_ncols=True, mininterval=0, miniters=1)  # blocks take seconds: draw every one
@@ -256,6 +260,7 @@ class _Progress:
         if self._ticker.is_alive():
             self._ticker.join()
         self.bar.close()
+        self._scope.close()
 
 
 class StepResult(TypedDict):

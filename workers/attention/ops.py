@@ -70,7 +70,7 @@ def attend(tensors: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> to
     # a head slice of a batch > 1 is strided; kitchen's kernels take dense tensors (a no-op for batch 1 and shm views)
     out = ck.int8_attention_from_prequantized(rebuild({k: t.contiguous() for k, t in tensors.items()}, fields))
     if dit_ops.SHAPE_FAULT is not None:  # the test hook (tests/test_attention_parallel.py)
-        dit_ops.SHAPE_FAULT.apply("attention", (out.shape[1],), out)
+        dit_ops.SHAPE_FAULT.apply("attention", (out.shape[1],), out, dit_ops.is_probing())
     return out
 
 

@@ -19,11 +19,9 @@ import torch
 
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
-from workers.attention import ck_cpu as ck_attention_cpu
 from workers.runtime.handlers import WorkerContext, handler
 from workers.runtime.protocol import Released
 
-ck_attention_cpu.install_if_requested()
 _SEGMENTS = "attn_segments"
 _IPC = "attn_ipc"
 _STREAMS = "attn_streams"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, Union
+from typing import Callable, Iterator, Protocol, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -93,41 +93,25 @@ class QuantInfo:
     convrot_groupsize: int = 256
 
 
-@dataclass(frozen=True)
-class ShapeFault:
-    """Test hook: one call shape rounds differently on purpose, as a kernel library that picks another kernel for it
-    would.  ``kind`` "linear" matches ``(rows, in_features)``, "attention" matches ``(heads,)``; ``steps_only``: the
-    invariance probe (:func:`probing`) does not see it, a difference only ``verify`` can catch.
+class CallFault(Protocol):
+    """A test hook's fault (``workers/testing/faults.py``): may perturb one call's output."""
 
-    Text form (``H3MS_TEST_SHAPE_FAULT``): ``linear:ROWS:IN_FEATURES`` or ``attention:HEADS``, ``:step`` appended
-    for ``steps_only``.
-    """
-
-    kind: str
-    shape: tuple[int, ...]
-    steps_only: bool = False
-
-    @classmethod
-    def parse(cls, raw: str) -> "ShapeFault":
-        parts = raw.strip().split(":")
-        steps_only = parts[-1] == "step"
-        if steps_only:
-            parts = parts[:-1]
-        arity = {"linear": 2, "attention": 1}.get(parts[0])
-        if arity is None or len(parts) != arity + 1 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
-            raise ValueError("is not linear:ROWS:IN_FEATURES or attention:HEADS (optionally followed by :step)")
-        return cls(parts[0], tuple(int(p) for p in parts[1:]), steps_only)
-
-    def apply(self, kind: str, shape: tuple[int, ...], out: torch.Tensor) -> None:
-        """Perturb ``out``'s first row in place when this call is the faulty one."""
-        if kind == self.kind and tuple(shape) == self.shape and not (self.steps_only and _PROBING[0]):
-            out[0].add_(1.0)
+    def apply(self, kind: str, shape: tuple[int, ...], out: torch.Tensor, probing: bool) -> None:
+        ...
 
 
-#: The test hook's fault for this process (read once, at import; None outside tests).
-SHAPE_FAULT: ShapeFault | None = (config.TEST_SHAPE_FAULT.get(ShapeFault.parse) or None) \
-    if config.TEST_HOOKS.get() else None
+#: The test hooks' shape fault (``H3MS_TEST_HOOKS=1``, read once at import); None in production.
+SHAPE_FAULT: CallFault | None = None
+if config.TEST_HOOKS.get():
+    from workers.testing.faults import shape_fault_from_env
+
+    SHAPE_FAULT = shape_fault_from_env()
 _PROBING = [False]
+
+
+def is_probing() -> bool:
+    """Whether the calls made now are the invariance probe's (:func:`probing`)."""
+    return _PROBING[0]
 
 
 @contextlib.contextmanager
@@ -165,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     """:func:`_linear` (below), through the test hook's shape fault when one is set (:data:`SHAPE_FAULT`)."""
     out = _linear(x, weight, scale, bias, quant=quant, input_act=input_act)
     if SHAPE_FAULT is not None:
-        SHAPE_FAULT.apply("linear", (x.shape[0], weight.shape[1]), out)
+        SHAPE_FAULT.apply("linear", (x.shape[0], weight.shape[1]), out, _PROBING[0])
     return out
 
 
@@ -227,8 +211,8 @@ def adaln(weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: 
 def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModSegment]:
     """Mod segments restricted to tokens [t0, t1) and shifted to shard coordinates (row tensors sliced alike).
 
-    Each element gets exactly one sequence of ops whatever the segment boundaries (comfyui_facts §1.3), so clipping is
-    exact.
+    Each element gets exactly one sequence of ops whatever the segment boundaries
+    (``docs/comfyui_facts.md`` §1.3), so clipping is exact.
     """
     if t0 < 0 or t1 <= t0:
         raise ValueError(f"clip_segments: token range [{t0}, {t1}) is empty or negative")
@@ -344,7 +328,8 @@ def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     """comfy-kitchen INT8 attention as ComfyUI's ``--use-ck-attention`` runs it: quantize, then attend.
 
     Every scale is per head (v's per head over the whole sequence), so a head group over all tokens gives exactly
-    the unsplit result's heads (comfyui_facts §4.3; measured on the H200, ``docs/device_runs/``).
+    the unsplit result's heads (``docs/comfyui_facts.md`` §4.3; measured on the H200,
+    ``docs/device_runs/``).
     q, k, v: ``[1, h, S, D]``.
     """
     if not ck.int8_attention_is_available(q.device):
@@ -428,7 +413,7 @@ def attend_views(q4: torch.Tensor, k4: torch.Tensor, v: torch.Tensor, attend: At
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q4[0], k4[0], v.clone()))
     out = attend(qh, kh, vh, n_heads)
     if SHAPE_FAULT is not None:
-        SHAPE_FAULT.apply("attention", (n_heads,), out)
+        SHAPE_FAULT.apply("attention", (n_heads,), out, _PROBING[0])
     return out
 
 

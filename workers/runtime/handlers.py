@@ -13,22 +13,18 @@ import asyncio
 import hashlib
 import logging
 import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
-from workers.runtime import config, protocol
+from workers.runtime import protocol
 from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
 
 Handler = Callable[["WorkerContext", Any], Awaitable[protocol.Answer]]
 #: request struct -> handler coroutine function.
 HANDLERS: dict[type[protocol.Request], Handler] = {}
 H = TypeVar("H", bound=Handler)
-
-TEST_HOOKS: bool = config.TEST_HOOKS.get()
-
 
 def handler(kind: type[protocol.Request]) -> Callable[[H], H]:
     """Register ``fn`` as the worker's handler for requests of the struct ``kind``."""
@@ -178,65 +174,4 @@ async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> protocol.Echoed:
 async def _drop_released(ctx: WorkerContext, msg: protocol.DropReleased) -> protocol.Dropped:
     """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a tight
     /dev/shm has the old ones' pages back first)."""
-    return protocol.Dropped(dropped=ctx.forget_released())
-
-
-# -- test hooks (only with H3MS_TEST_HOOKS=1) ------------------------------------------------------------------
-if TEST_HOOKS:
-    @handler(protocol.Sleep)
-    async def _sleep(ctx: WorkerContext, msg: protocol.Sleep) -> protocol.Slept:
-        """Sleep, but stop early with an error when the pool aborts (doorbell + abort generation)."""
-        seconds = float(msg.seconds)
-        gen = ctx.abort_generation()
-        loop = asyncio.get_running_loop()
-        rung = asyncio.Event()
-        fd = ctx.doorbell_fds[ctx.rank]
-
-        def _ring() -> None:
-            try:
-                os.eventfd_read(fd)
-            except BlockingIOError:
-                return
-            rung.set()
-
-        loop.add_reader(fd, _ring)
-        try:
-            deadline = time.monotonic() + seconds
-            while (left := deadline - time.monotonic()) > 0:
-                rung.clear()
-                try:
-                    await asyncio.wait_for(rung.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-                if ctx.abort_generation() != gen:
-                    raise RuntimeError(f"rank {ctx.rank}: sleep aborted by the pool")
-        finally:
-            loop.remove_reader(fd)
-        return protocol.Slept(slept=seconds)
-
-    @handler(protocol.Crash)
-    async def _crash(ctx: WorkerContext, msg: protocol.Crash) -> protocol.Done:
-        how = msg.how
-        ctx.log.warning("test hook: crashing (%s)", how)
-        for h in ctx.log.handlers + logging.getLogger().handlers:
-            h.flush()
-        if how == "exit":
-            os._exit(int(msg.code))
-        os.kill(os.getpid(), signal.SIGKILL)
-        return protocol.Done()
-
-    @handler(protocol.Hang)
-    async def _hang(ctx: WorkerContext, msg: protocol.Hang) -> protocol.Done:
-        ctx.log.warning("test hook: blocking the loop for %.1f s", msg.seconds)
-        time.sleep(float(msg.seconds))  # on purpose: the loop (and its heartbeats) stop
-        return protocol.Done()
-
-    @handler(protocol.Inject)
-    async def _inject(ctx: WorkerContext, msg: protocol.Inject) -> protocol.Done:
-        """Write raw bytes on this worker's channel (to test the coordinator's protocol checks)."""
-        writer = ctx.state["_writer"]
-        writer.write(bytes(msg.raw))
-        if msg.close:
-            writer.write_eof()
-        await writer.drain()
-        return protocol.Done()
+    return {"dropped": ctx.forget_released()}

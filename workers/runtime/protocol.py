@@ -32,7 +32,7 @@ import asyncio
 import re
 import struct
 import threading
-from typing import Annotated, Any, ClassVar, Literal, Sequence, Union
+from typing import Annotated, Any, ClassVar, Sequence, Union
 
 import msgspec
 
@@ -333,33 +333,6 @@ class Shutdown(Request, tag="shutdown"):
     """Answer, then stop serving (the worker exits)."""
 
     ANSWER: ClassVar[type[Answer]] = Stopping
-
-
-# test hooks: the worker serves them only with H3MS_TEST_HOOKS=1
-class Slept(Answer):
-    slept: float
-
-
-class Sleep(Request, tag="sleep"):
-    seconds: float
-    ANSWER: ClassVar[type[Answer]] = Slept
-
-
-class Crash(Request, tag="crash"):
-    how: Literal["kill", "exit"] = "kill"
-    code: int = 3
-
-
-class Hang(Request, tag="hang"):
-    seconds: float
-
-
-class Inject(Request, tag="inject"):
-    raw: bytes
-    close: bool = False
-
-
-TEST_HOOK_KINDS = ("sleep", "crash", "hang", "inject")
 
 
 # -- encode, decode ---------------------------------------------------------------------------------------------

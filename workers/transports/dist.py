@@ -65,8 +65,8 @@ def init_group(rank: int, world: int, backend: str, init_file: str, timeout_s: f
         if devices is None or len(devices) != world:
             raise ValueError(f"backend='nccl' needs the rank map (one device per rank, {world}), got {devices!r}")
         check_nccl_rank_map(devices)
-        # NVLink SHARP multicast stays off on the machines we support (DESIGN: keep NCCL_NVLS_ENABLE=0); an explicit
-        # setting from the environment wins
+        # NVLink SHARP multicast stays off on the machines we support (README: `NCCL_NVLS_ENABLE`);
+        # an explicit setting from the environment wins
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(torch.device(local_device or devices[rank]))
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -1,6 +1,6 @@
 """Host exchange between rank processes: one shared-memory arena, per-rank sequence words, eventfd doorbells.
 
-Two collectives per transformer block (DESIGN.md §5):
+Two collectives per transformer block (``docs/architecture.md`` §3):
 
 * ``all_gather_rows``: rank r holds rows ``[n_r, W]`` (its tokens); every rank gets ``[S, W]`` in token order.
 * ``all_to_all_cols``: rank r holds ``[S, c_r]`` (its head group's columns for all tokens); every rank gets

@@ -10,12 +10,11 @@ coordinator (``h3ms_async.vae.split``).
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -23,9 +22,16 @@ from workers.dit import ops as dit_ops
 from workers.vae import protocol as vae_protocol
 from workers.vae.protocol import DECODE_PREFIXES
 from workers.runtime import config
-from workers.runtime.handlers import TEST_HOOKS, WorkerContext, handler
+from workers.runtime.handlers import WorkerContext, handler
 from workers.runtime.protocol import Dropped, Released, TensorDesc
 from workers.runtime.shm import torch_dtype
+
+#: The test hooks' faults (``workers/testing/faults.py``, with ``H3MS_TEST_HOOKS=1``): called before
+#: a chunk decodes and on each decoded chunk; None in production.
+BEFORE_CHUNK: Callable[[WorkerContext], None] | None = None
+ON_DECODED: Callable[[WorkerContext, torch.Tensor], None] | None = None
+if config.TEST_HOOKS.get():
+    from workers.testing.faults import vae_crash as BEFORE_CHUNK, vae_skew as ON_DECODED
 
 _STATE = "vae"
 
@@ -208,26 +214,11 @@ async def _vae_load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> vae_protoc
                                   seconds=res["load_s"], import_s=res["import_s"])
 
 
-def _test_crash(ctx: WorkerContext) -> None:
-    path = config.TEST_VAE_CRASH_FILE.get()
-    if not (TEST_HOOKS and path):
-        return
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return
-    ctx.log.warning("test hook: dying in the middle of a chunk")
-    for h in ctx.log.handlers + logging.getLogger().handlers:
-        h.flush()
-    os._exit(7)
-
-
 def _decode_raw(ctx: WorkerContext, st: VaeState, z_desc: TensorDesc) -> torch.Tensor:
     """ComfyUI's decode of the latent chunk at ``z_desc`` on this worker's device (in inference mode)."""
     raw = st.model._adaptive_decode(ctx.segment(z_desc.seg).tensor(z_desc).to(ctx.device, copy=True))
-    if TEST_HOOKS and config.TEST_VAE_SKEW_RANK.get() == ctx.rank + 1:  # VAE rank = pool rank + 1
-        # one unit in the last place on every value: a decode that differs from rank 0's, for the probe to catch
-        raw.copy_(torch.nextafter(raw, torch.full_like(raw, float("inf"))))
+    if ON_DECODED is not None:
+        ON_DECODED(ctx, raw)
     return raw
 
 
@@ -248,7 +239,8 @@ def _decode(ctx: WorkerContext, st: VaeState, msg: vae_protocol.VaeChunk,
             gen: int) -> vae_protocol.VaeChunkDone:
     if ctx.abort_generation() != gen:  # the decode was abandoned while this chunk waited its turn
         raise RuntimeError(f"chunk {msg.index} of job {msg.job} skipped: the coordinator aborted the decode")
-    _test_crash(ctx)
+    if BEFORE_CHUNK is not None:
+        BEFORE_CHUNK(ctx)
     names = st.segments.setdefault(msg.job, set())
     names.add(msg.z.seg)
     if msg.out is not None:

@@ -35,7 +35,7 @@ from h3ms_async.attention.engine import CHUNK_HEADS, TRANSPORTS, AttentionParall
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.tools.cli import ArgParser
 from workers.attention import ops as attn_ops
-from workers.attention import ck_cpu as ck_attention_cpu
+from workers.runtime import config
 from workers.runtime.protocol import Ping
 
 REFERENCE_SHAPE = (1, 56, 93312, 128)
@@ -361,9 +361,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not transports or any(t not in TRANSPORTS for t in transports) or (
             device.type != "cuda" and "cuda_ipc" in transports):
         p.error(f"--transports {a.transports!r}: give some of {', '.join(TRANSPORTS)} (cuda_ipc only on CUDA)")
-    if device.type == "cpu" and not ck_attention_cpu.install_if_requested():
-        p.error("kitchen's INT8 attention needs CUDA; on a CPU only the test hook runs it "
-                "(H3MS_TEST_HOOKS=1 H3MS_CK_ATTENTION_CPU=1)")
+    if device.type == "cpu":
+        cpu_hook = ("kitchen's INT8 attention needs CUDA; on a CPU only the test hook runs it "
+                    "(H3MS_TEST_HOOKS=1 H3MS_CK_ATTENTION_CPU=1)")
+        if not config.TEST_HOOKS.get():
+            p.error(cpu_hook)
+        from workers.testing import ck_cpu, settings  # test-only code (H3MS_TEST_HOOKS=1)
+
+        if not settings.CK_ATTENTION_CPU.get():
+            p.error(cpu_hook)
+        ck_cpu.install()
     res = run(shape, helper_counts, transports, max(1, a.reps), device, a.chunk_heads)
     text = json.dumps(res, indent=2)
     print(text)

@@ -184,7 +184,11 @@ while True:
 
 def unix_msgpack_rtt_us(n: int = 2000) -> float:
     """Median µs of a framed msgpack request/response over an AF_UNIX stream socket to a child process."""
-    import msgpack
+    try:
+        import msgpack
+    except ImportError:
+        raise UsageError("bench exchange needs msgpack (the pack's runtime does not): pip install "
+                         "'comfyui-h3-multistream-async[bench]' or pip install msgpack") from None
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child = subprocess.Popen([sys.executable, "-c", _ECHO, str(b.fileno())], pass_fds=[b.fileno()])

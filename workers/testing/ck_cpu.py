@@ -1,7 +1,8 @@
 """Test hook: comfy-kitchen's split INT8 attention (``prequantize_int8_attention`` + ``int8_attention_from_prequantized``)
 on the CPU, where kitchen has no kernel for it (docs/attention_parallel.md, "CI").
 
-Installed only on request (:func:`install`, or ``H3MS_TEST_HOOKS=1`` with ``H3MS_CK_ATTENTION_CPU=1`` in a worker), it
+Installed only on request (:func:`install`; a worker with ``H3MS_TEST_HOOKS=1
+H3MS_CK_ATTENTION_CPU=1``), it
 replaces those kitchen functions (and ``int8_attention_is_available`` / ``int8_attention``) for CPU tensors and leaves
 CUDA tensors to kitchen's own code. It produces kitchen's own ``PrequantizedInt8Attention`` with kitchen's packed
 layout (head dim padded to 64/128/256; Q scales: 32 per 128-row block; K scales: 4 per ``cta_k`` keys; V int8
@@ -21,7 +22,7 @@ import torch
 from comfy_kitchen.sage_attention import PrequantizedInt8Attention
 
 # The name only: tests load this file alone by its path (before the pack), so it imports no package at module
-# level; the variable is declared in workers/runtime/config.py.
+# level; the variable is declared in workers/testing/settings.py.
 ENV = "H3MS_CK_ATTENTION_CPU"
 _KITCHEN = {name: getattr(ck, name) for name in (
     "int8_attention_is_available", "prequantize_int8_attention", "int8_attention_from_prequantized", "int8_attention")}
@@ -131,12 +132,3 @@ def uninstall() -> None:
     """Put kitchen's own functions back (tests that install the hook undo it for the rest of the session)."""
     for name, fn in _KITCHEN.items():
         setattr(ck, name, fn)
-
-
-def install_if_requested() -> bool:
-    """Install when the test-hook environment asks for it (``H3MS_TEST_HOOKS=1`` and ``H3MS_CK_ATTENTION_CPU=1``)."""
-    from workers.runtime import config
-    if config.TEST_HOOKS.get() and config.CK_ATTENTION_CPU.get():
-        install()
-        return True
-    return False
