@@ -163,7 +163,7 @@ def test_answers_keep_the_wire_map():
     wire = {"pong": True, "pid": 7, "rank": 1, "serves": ["ping"]}
     assert msgpack.unpackb(frame[4:]) == {"k": "ok", "id": 3, "r": wire}
     assert protocol.decode_answer(protocol.Ping.ANSWER, decode(frame[4:]).r) == pong
-    assert protocol.Crash.ANSWER is protocol.Done and protocol.Echo.ANSWER is protocol.Echoed
+    assert test_protocol.Crash.ANSWER is protocol.Done and protocol.Echo.ANSWER is protocol.Echoed
 
 
 def test_senders_meet_the_value_checks():
