@@ -1,20 +1,33 @@
-"""``python -m h3ms_async demo | bench {ipc,split,exchange,gpu,attention,vae,caches,invariance,sparse,model} |
-serve``: the standalone entry.
+"""``python -m h3ms_async demo | bench
+{ipc,split,exchange,gpu,attention,vae,caches,invariance,sparse,model} | serve``: the standalone
+entry.
 
-Each sub-command lives in its own module (with a ``main(argv) -> int``) and is imported only when chosen, so
-``--help`` stays fast.
+Each sub-command lives in its own module (with a ``main(argv) -> int``) and is imported only when
+chosen, so ``--help`` stays fast.
 """
+
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from h3ms_async.tools.cli import ArgParser, UsageError, fail
 
 #: command -> its module; ``bench <name>`` runs ``h3ms_async.tools.bench.<name>``
 COMMANDS = {"demo": "h3ms_async.tools.demo", "serve": "h3ms_async.observability.serve"}
-BENCHES = ("ipc", "split", "exchange", "gpu", "attention", "vae", "caches", "invariance", "sparse", "model")
+BENCHES = (
+    "ipc",
+    "split",
+    "exchange",
+    "gpu",
+    "attention",
+    "vae",
+    "caches",
+    "invariance",
+    "sparse",
+    "model",
+)
 NAMES = sorted([*COMMANDS, "bench"])
 
 
@@ -27,9 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = ArgParser(
         prog="python -m h3ms_async",
-        description="H3 MultiStream (async), standalone: split a reference MiniMax H3 DiT across rank workers.")
-    parser.add_argument("command", choices=NAMES,
-                        help=f"demo, bench {{{','.join(BENCHES)}}} or serve")
+        description="H3 MultiStream (async), standalone: split a reference MiniMax H3 DiT across "
+        "rank workers.",
+    )
+    parser.add_argument(
+        "command", choices=NAMES, help=f"demo, bench {{{','.join(BENCHES)}}} or serve"
+    )
     if not args or args[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if args else 2

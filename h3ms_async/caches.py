@@ -1,17 +1,20 @@
 """Pinned-RAM weight caches and the text-encoder output cache (``docs/comfyui_facts.md`` §9).
 
-* :class:`WeightCache` keeps a model's host weights in page-locked memory (plain RAM without CUDA), one checkpoint
-  per *group* (``te:<file>``, ``vae:<file>``): after ComfyUI's unload moved them to host RAM they become the cache's
-  pinned buffers, so the next load copies them at full bandwidth; a group where ComfyUI never moves them holds
-  nothing and keeps the reason.  Filling honours a RAM reserve: a fill that would leave less than the reserve
-  available is refused and the model runs without the cache.  Releasing gives the bytes back.
-* :class:`OutputCache` is an LRU of encoder outputs keyed by a digest of everything that changes an encoding
-  (:func:`digest`), bounded by an entry count and by the same RAM reserve.  A hit returns copies of the stored
-  tensors, equal bit for bit to what the miss computed.
+* :class:`WeightCache` keeps a model's host weights in page-locked memory (plain RAM without CUDA),
+  one checkpoint per *group* (``te:<file>``, ``vae:<file>``): after ComfyUI's unload moved them to
+  host RAM they become the cache's pinned buffers, so the next load copies them at full bandwidth; a
+  group where ComfyUI never moves them holds nothing and keeps the reason.  Filling honours a RAM
+  reserve: a fill that would leave less than the reserve available is refused and the model runs
+  without the cache.  Releasing gives the bytes back.
+* :class:`OutputCache` is an LRU of encoder outputs keyed by a digest of everything that changes an
+  encoding (:func:`digest`), bounded by an entry count and by the same RAM reserve.  A hit returns
+  copies of the stored tensors, equal bit for bit to what the miss computed.
 
-Both are process-wide (:func:`weight_cache`, :func:`output_cache`) and report to the status route's ``caches`` and
-``text_encoder_outputs`` sections.  This module never imports ComfyUI: it works on plain tensors and modules.
+Both are process-wide (:func:`weight_cache`, :func:`output_cache`) and report to the status route's
+``caches`` and ``text_encoder_outputs`` sections.  This module never imports ComfyUI: it works on
+plain tensors and modules.
 """
+
 from __future__ import annotations
 
 import collections
@@ -21,8 +24,9 @@ import marshal
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -38,18 +42,21 @@ class CacheRefused(RuntimeError):
     """Filling would break the RAM reserve; the caller runs without the cache."""
 
 
-def _walk(h: "hashlib._Hash", obj: Any) -> None:
-    # Every branch writes a distinct leading tag, so no two encodings of different values can run together.
+def _walk(h: hashlib._Hash, obj: Any) -> None:
+    # Every branch writes a distinct leading tag, so no two encodings of different values can run
+    # together.
     if isinstance(obj, torch.Tensor):
         t = obj.detach().to("cpu").contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
-        # the array itself, not .tobytes(): hashlib reads its buffer, so a large embedding is not copied once more
+        # the array itself, not .tobytes(): hashlib reads its buffer, so a large embedding is not
+        # copied once more
         h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
         return
     if type(obj) in (list, tuple):
-        # Token lists are long runs of (int, float) pairs: marshal encodes such plain builtins in C, exactly
-        # (ints whole, floats as their 8 bytes) and without back-references at version 2, so equal values give
-        # equal bytes.  Anything it cannot encode (a tensor, an object) takes the item-by-item walk below.
+        # Token lists are long runs of (int, float) pairs: marshal encodes such plain builtins in C,
+        # exactly (ints whole, floats as their 8 bytes) and without back-references at version 2, so
+        # equal values give equal bytes.  Anything it cannot encode (a tensor, an object) takes the
+        # item-by-item walk below.
         try:
             blob = marshal.dumps(obj, 2)
         except ValueError:
@@ -73,7 +80,8 @@ def _walk(h: "hashlib._Hash", obj: Any) -> None:
     elif isinstance(obj, _PLAIN):
         h.update(b"R" + type(obj).__name__.encode() + b":" + repr(obj).encode())
     else:
-        # repr of an arbitrary object may hold its address (reused after it dies) or omit its state: never a key
+        # repr of an arbitrary object may hold its address (reused after it dies) or omit its state:
+        # never a key
         raise TypeError(f"cannot key a {type(obj).__module__}.{type(obj).__qualname__} by content")
 
 
@@ -81,9 +89,10 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 
 def digest(*parts: Any) -> str:
-    """sha256 hex of ``parts``: tensors by dtype, shape and bytes; lists and tuples of plain builtins by their
-    marshal encoding; maps by sorted key; other sequences item by item; numbers, strings, dtypes, devices and enum
-    members by ``repr``.  Anything else raises TypeError (it has no content key)."""
+    """sha256 hex of ``parts``: tensors by dtype, shape and bytes; lists and tuples of plain
+    builtins by their marshal encoding; maps by sorted key; other sequences item by item; numbers,
+    strings, dtypes, devices and enum members by ``repr``.  Anything else raises TypeError (it has
+    no content key)."""
     h = hashlib.sha256()
     for p in parts:
         _walk(h, p)
@@ -92,7 +101,8 @@ def digest(*parts: Any) -> str:
 
 
 def _copy_out(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors are clones (so a caller that edits a result cannot change the cache)."""
+    """A copy of ``obj`` whose tensors are clones (so a caller that edits a result cannot change the
+    cache)."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, dict):
@@ -121,7 +131,7 @@ class OutputCache:
     """LRU of encoder outputs; see the module doc.  Thread-safe."""
 
     def __init__(self) -> None:
-        self._items: "collections.OrderedDict[str, tuple[Any, int]]" = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -140,10 +150,16 @@ class OutputCache:
             value = item[0]
         return _copy_out(value)
 
-    def fetch(self, key_parts: tuple, compute: Callable[[], Any], max_entries: int,
-              reserve_gb: float = 0.0) -> tuple[Any, str, bool]:
-        """The output for ``key_parts`` (digested with :func:`digest`): a stored copy on a hit, else ``compute()``'s
-        result, stored.  Returns ``(output, key, hit)``.  A hit costs the digest plus one copy of the output."""
+    def fetch(
+        self,
+        key_parts: tuple,
+        compute: Callable[[], Any],
+        max_entries: int,
+        reserve_gb: float = 0.0,
+    ) -> tuple[Any, str, bool]:
+        """The output for ``key_parts`` (digested with :func:`digest`): a stored copy on a hit, else
+        ``compute()``'s result, stored.  Returns ``(output, key, hit)``.  A hit costs the digest
+        plus one copy of the output."""
         key = digest(*key_parts)
         hit = self.get(key)
         if hit is not None:
@@ -153,8 +169,8 @@ class OutputCache:
         return out, key, False
 
     def put(self, key: str, value: Any, max_entries: int, reserve_gb: float = 0.0) -> bool:
-        """Store a copy of ``value``; evict the oldest beyond ``max_entries`` or while the RAM reserve would be
-        broken.  Returns whether it was stored."""
+        """Store a copy of ``value``; evict the oldest beyond ``max_entries`` or while the RAM
+        reserve would be broken.  Returns whether it was stored."""
         n = _nbytes(value)
         with self._lock:
             self.max_entries = max_entries
@@ -186,20 +202,27 @@ class OutputCache:
     def stats(self) -> dict:
         """The status route's ``text_encoder_outputs`` section."""
         with self._lock:
-            return {"entries": len(self._items), "hits": self.hits, "misses": self.misses, "bytes": self._bytes,
-                    "max_entries": self.max_entries}
+            return {
+                "entries": len(self._items),
+                "hits": self.hits,
+                "misses": self.misses,
+                "bytes": self._bytes,
+                "max_entries": self.max_entries,
+            }
 
 
-# -- weight cache -------------------------------------------------------------------------------------------------
+# -- weight cache ----------------------------------------------------------------------------------
 def _pin(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t``, page-locked when CUDA is available (what makes host->GPU copies run at full speed)."""
+    """A host copy of ``t``, page-locked when CUDA is available (what makes host->GPU copies run at
+    full speed)."""
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
     host.copy_(t.detach())
     return host
 
 
 def _free_pinned_pool() -> None:
-    """Give freed page-locked blocks back to the OS (torch's host allocator keeps them for reuse otherwise)."""
+    """Give freed page-locked blocks back to the OS (torch's host allocator keeps them for reuse
+    otherwise)."""
     empty = getattr(torch._C, "_host_emptyCache", None)
     if torch.cuda.is_available() and callable(empty):
         empty()
@@ -207,41 +230,56 @@ def _free_pinned_pool() -> None:
 
 @dataclass
 class CachedWeights:
-    """One group's checkpoint: every cached tensor by parameter/buffer name, in pinned RAM, and the module whose host
-    weights they are while ComfyUI has it unloaded (``owner``, weakly)."""
+    """One group's checkpoint: every cached tensor by parameter/buffer name, in pinned RAM, and the
+    module whose host weights they are while ComfyUI has it unloaded (``owner``, weakly)."""
 
     group: str
     key: tuple
     tensors: dict[str, torch.Tensor]
     nbytes: int
     fill_seconds: float
-    owner: "weakref.ref[torch.nn.Module] | None" = None
+    owner: weakref.ref[torch.nn.Module] | None = None
     homed: bool = False
     homes: int = 0
     restores: int = 0
 
     def summary(self) -> dict:
-        return {"group": self.group, "key": [str(k) for k in self.key], "state": "held", "tensors": len(self.tensors),
-                "bytes": self.nbytes, "fill_seconds": round(self.fill_seconds, 3), "homes": self.homes,
-                "restores": self.restores, "pinned": torch.cuda.is_available(), "reason": None}
+        return {
+            "group": self.group,
+            "key": [str(k) for k in self.key],
+            "state": "held",
+            "tensors": len(self.tensors),
+            "bytes": self.nbytes,
+            "fill_seconds": round(self.fill_seconds, 3),
+            "homes": self.homes,
+            "restores": self.restores,
+            "pinned": torch.cuda.is_available(),
+            "reason": None,
+        }
 
 
-def named_tensors(module: torch.nn.Module, prefixes: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def named_tensors(
+    module: torch.nn.Module, prefixes: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """A module's parameters and buffers by name (only those under ``prefixes`` when given)."""
     pre = tuple(prefixes) if prefixes is not None else None
-    return {n: t for n, t in [*module.named_parameters(), *module.named_buffers()]
-            if pre is None or n.startswith(pre)}
+    return {
+        n: t
+        for n, t in [*module.named_parameters(), *module.named_buffers()]
+        if pre is None or n.startswith(pre)
+    }
 
 
 class WeightCache:
     """Pinned host weights per group, one checkpoint (key) per group.  Thread-safe.
 
-    ComfyUI itself moves a model's weights: its unload copies them to the offload device (host RAM), its next load
-    copies them back to the GPU.  :meth:`home` runs right after such an unload: it copies the host weights into the
-    group's pinned buffers and makes the module's tensors *be* those buffers, so ComfyUI's own next load reads
-    page-locked memory (and no second host copy exists).  :meth:`note_loaded` counts that load as a restore.
-    :meth:`stand_aside` records why a group holds nothing (ComfyUI never unloads that model's weights, or owns their
-    host copy itself).
+    ComfyUI itself moves a model's weights: its unload copies them to the offload device (host RAM),
+    its next load copies them back to the GPU.  :meth:`home` runs right after such an unload: it
+    copies the host weights into the group's pinned buffers and makes the module's tensors *be*
+    those buffers, so ComfyUI's own next load reads page-locked memory (and no second host copy
+    exists).  :meth:`note_loaded` counts that load as a restore.
+    :meth:`stand_aside` records why a group holds nothing (ComfyUI never unloads that model's
+    weights, or owns their host copy itself).
     """
 
     def __init__(self) -> None:
@@ -256,32 +294,54 @@ class WeightCache:
             return entry if entry is not None and entry.key == key else None
 
     def home(self, group: str, key: tuple, module: torch.nn.Module, reserve_gb: float = 0.0) -> str:
-        """Make ``module``'s host (CPU) tensors ``group``'s pinned copy (filled the first time); returns "homed", or
-        "partial" when some tensors are not on the host (nothing done).  Raises :class:`CacheRefused` when a fill
-        would leave less than ``reserve_gb`` available."""
+        """Make ``module``'s host (CPU) tensors ``group``'s pinned copy (filled the first time);
+        returns "homed", or "partial" when some tensors are not on the host (nothing done).  Raises
+        :class:`CacheRefused` when a fill would leave less than ``reserve_gb`` available."""
         tensors = named_tensors(module)
         if not tensors or any(t.device.type != "cpu" for t in tensors.values()):
             return "partial"
         entry = self.get(group, key)
         owner = entry.owner() if entry is not None and entry.owner is not None else None
-        if entry is None or owner is not module or set(entry.tensors) != set(tensors) or any(
-                entry.tensors[n].shape != t.shape or entry.tensors[n].dtype != t.dtype for n, t in tensors.items()):
+        if (
+            entry is None
+            or owner is not module
+            or set(entry.tensors) != set(tensors)
+            or any(
+                entry.tensors[n].shape != t.shape or entry.tensors[n].dtype != t.dtype
+                for n, t in tensors.items()
+            )
+        ):
             self.release(group)
             need = sum(t.numel() * t.element_size() for t in tensors.values())
             if not _reserve_allows(need, reserve_gb):
                 self.refusals += 1
                 raise CacheRefused(
                     f"weight cache {group}: needs {need / GIB:.2f} GiB but only "
-                    f"{ram_info().available_bytes / GIB:.2f} GiB RAM is available and cache_ram_reserve_gb="
-                    f"{reserve_gb:g} must stay free; running without the cache (lower the reserve or free RAM)")
+                    f"{ram_info().available_bytes / GIB:.2f} GiB RAM is available and "
+                    "cache_ram_reserve_gb="
+                    f"{reserve_gb:g} must stay free; running without the cache (lower the reserve "
+                    "or free RAM)"
+                )
             t0 = time.perf_counter()
-            entry = CachedWeights(group, key, {n: _pin(t) for n, t in tensors.items()}, need,
-                                  time.perf_counter() - t0, weakref.ref(module))
+            entry = CachedWeights(
+                group,
+                key,
+                {n: _pin(t) for n, t in tensors.items()},
+                need,
+                time.perf_counter() - t0,
+                weakref.ref(module),
+            )
             with self._lock:
                 self._groups[group] = entry
                 self._asides.pop(group, None)
-            log.info("weight cache %s filled: %.2f GiB %s in %.2f s (%s)", group, need / GIB,
-                     "pinned" if torch.cuda.is_available() else "in RAM", entry.fill_seconds, ram_info().text)
+            log.info(
+                "weight cache %s filled: %.2f GiB %s in %.2f s (%s)",
+                group,
+                need / GIB,
+                "pinned" if torch.cuda.is_available() else "in RAM",
+                entry.fill_seconds,
+                ram_info().text,
+            )
         with torch.no_grad():
             for name, t in tensors.items():
                 dst = entry.tensors[name]
@@ -293,14 +353,23 @@ class WeightCache:
         return "homed"
 
     def note_loaded(self, group: str, module: torch.nn.Module) -> bool:
-        """After a call that made ComfyUI load ``module``: if its weights had been homed and ComfyUI has since moved
-        them out of the pinned copy (to the GPU), count one restore.  Returns whether it counted."""
+        """After a call that made ComfyUI load ``module``: if its weights had been homed and ComfyUI
+        has since moved them out of the pinned copy (to the GPU), count one restore.  Returns
+        whether it counted."""
         with self._lock:
             entry = self._groups.get(group)
-            if entry is None or not entry.homed or entry.owner is None or entry.owner() is not module:
+            if (
+                entry is None
+                or not entry.homed
+                or entry.owner is None
+                or entry.owner() is not module
+            ):
                 return False
-            moved = any(t.data_ptr() != entry.tensors[n].data_ptr() for n, t in named_tensors(module).items()
-                        if n in entry.tensors)
+            moved = any(
+                t.data_ptr() != entry.tensors[n].data_ptr()
+                for n, t in named_tensors(module).items()
+                if n in entry.tensors
+            )
             if moved:
                 entry.homed = False
                 entry.restores += 1
@@ -316,8 +385,8 @@ class WeightCache:
             log.warning("weight cache %s holds nothing: %s", group, reason)
 
     def release(self, group: str) -> int:
-        """Drop ``group``'s copy (a module still using it as its host weights gets plain RAM copies first);
-        returns the pinned bytes freed."""
+        """Drop ``group``'s copy (a module still using it as its host weights gets plain RAM copies
+        first); returns the pinned bytes freed."""
         with self._lock:
             entry = self._groups.pop(group, None)
             self._asides.pop(group, None)
@@ -347,10 +416,14 @@ class WeightCache:
             return sum(e.nbytes for e in self._groups.values())
 
     def summaries(self) -> list[dict]:
-        """The status route's ``caches`` rows: held groups with their bytes, and groups standing aside with why."""
+        """The status route's ``caches`` rows: held groups with their bytes, and groups standing
+        aside with why."""
         with self._lock:
             rows = [e.summary() for e in self._groups.values()]
-            rows += [{"group": g, "state": "aside", "bytes": 0, "reason": r} for g, r in self._asides.items()]
+            rows += [
+                {"group": g, "state": "aside", "bytes": 0, "reason": r}
+                for g, r in self._asides.items()
+            ]
             return rows
 
 

@@ -1,23 +1,26 @@
-"""The pack's one logger: ``h3_multistream``, every line prefixed ``[H3 MultiStream] [<subsystem>]``.
+"""The pack's one logger: ``h3_multistream``, every line prefixed ``[H3 MultiStream]
+[<subsystem>]``.
 
 Records never get glued onto a tqdm bar.  Standalone, a bar's owner wraps its lifetime in
 :func:`above_bars` (tqdm's ``logging_redirect_tqdm``), so our console handler prints through
 ``tqdm.write`` and the bar redraws below the line.  Inside ComfyUI (its handlers, its bars) a
 newline goes to stderr first when a bar is live, since tqdm redraws without one.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 from workers.runtime import config
 
 LOGGER_NAME = "h3_multistream"
 _TAIL_BLOCK = 64 * 1024
-_TAIL_MAX_BYTES = 8 * 1024 * 1024  # 2000 lines of 4 KiB each; a log with longer lines is cut at this many bytes
+# 2000 lines of 4 KiB each; a log with longer lines is cut at this many bytes
+_TAIL_MAX_BYTES = 8 * 1024 * 1024
 PREFIX = "[H3 MultiStream] "
 
 
@@ -67,16 +70,19 @@ def ensure_console_handler(level: int = logging.INFO) -> None:
 def above_bars() -> Iterator[None]:
     """While a standalone run's tqdm bar lives, our console lines print above it (tqdm.write)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
+
     with logging_redirect_tqdm(loggers=[_logger]):
         yield
 
 
 def tail_file(path: str | os.PathLike, lines: int) -> list[str]:
-    """The last ``lines`` lines of a text file, read backwards in blocks from the end (never the whole file).
+    """The last ``lines`` lines of a text file, read backwards in blocks from the end (never the
+    whole file).
 
-    At most 8 MiB are read, so a pathological file costs a bounded read; when those 8 MiB hold no line start, the
-    last line is returned cut to its final 64 KiB rather than nothing. A missing file (a worker that has not
-    written yet) gives an empty list. Undecodable bytes are replaced, not fatal.
+    At most 8 MiB are read, so a pathological file costs a bounded read; when those 8 MiB hold no
+    line start, the last line is returned cut to its final 64 KiB rather than nothing. A missing
+    file (a worker that has not written yet) gives an empty list. Undecodable bytes are replaced,
+    not fatal.
     """
     if lines <= 0:
         return []

@@ -1,13 +1,17 @@
-"""Worker entry: ``python -m workers --rank R --world-size N --socket PATH --parent-pid P --device DEV [--program P]``.
+"""Worker entry: ``python -m workers --rank R --world-size N --socket PATH --parent-pid P --device
+DEV [--program P]``.
 
-Started only by ``h3ms_async.runtime.pool.WorkerPool``: the pool key arrives on stdin, stdout/stderr are the worker's log
-file.  Order matters: die-with-parent first, then pin the device (before any CUDA call), read the key, import the
-runtime's handlers and the rank program's module, connect, authenticate, serve until shutdown or EOF.
+Started only by ``h3ms_async.runtime.pool.WorkerPool``: the pool key arrives on stdin, stdout/stderr
+are the worker's log file.  Order matters: die-with-parent first, then pin the device (before any
+CUDA call), read the key, import the runtime's handlers and the rank program's module, connect,
+authenticate, serve until shutdown or EOF.
 
-A rank program ``P`` is the module ``workers.P.rank``, found by name: importing it declares its message kinds and
-registers its handlers (``workers.runtime.handlers.handler``), so adding a program edits neither this file nor the
-pool.  Without ``--program`` a worker serves only the runtime's own kinds.
+A rank program ``P`` is the module ``workers.P.rank``, found by name: importing it declares its
+message kinds and registers its handlers (``workers.runtime.handlers.handler``), so adding a program
+edits neither this file nor the pool.  Without ``--program`` a worker serves only the runtime's own
+kinds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +34,9 @@ PR_SET_PDEATHSIG = 1
 def _die_with_parent(parent_pid: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on channel EOF", ctypes.get_errno())
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on channel EOF", ctypes.get_errno()
+        )
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         log.error("parent %d is gone before start; exiting", parent_pid)
         os._exit(1)
@@ -53,7 +59,8 @@ def load_program(program: str | None) -> None:
                 raise
             raise ProgramNotFound(
                 f"rank program {program!r}: there is no module {name} (a rank program is a package "
-                f"workers/{program}/ with a rank.py that registers its handlers)") from None
+                f"workers/{program}/ with a rank.py that registers its handlers)"
+            ) from None
     if config.TEST_HOOKS.get():
         from workers import testing
 
@@ -73,12 +80,17 @@ def _vram(device: str) -> int | None:
     return int(torch.cuda.memory_reserved(torch.device(device)))
 
 
-async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
-                     rank: int) -> protocol.Welcome:
+async def _handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, rank: int
+) -> protocol.Welcome:
     msg = await asyncio.wait_for(protocol.read_message(reader), 30)
     if not isinstance(msg, protocol.Challenge):
         raise protocol.ProtocolError(f"expected a challenge first, got {msg.kind!r}")
-    writer.write(protocol.encode(protocol.Auth(rank=rank, pid=os.getpid(), mac=auth.response(key, msg.nonce, rank))))
+    writer.write(
+        protocol.encode(
+            protocol.Auth(rank=rank, pid=os.getpid(), mac=auth.response(key, msg.nonce, rank))
+        )
+    )
     await writer.drain()
     msg = await asyncio.wait_for(protocol.read_message(reader), 30)
     if isinstance(msg, protocol.Refused):
@@ -96,13 +108,21 @@ def _make_context(args: argparse.Namespace, welcome: protocol.Welcome):
     import torch
 
     ctx = WorkerContext(
-        rank=args.rank, world_size=welcome.world_size, device=welcome.device, run_dir=welcome.run_dir,
-        log=log, doorbell_fds=list(welcome.doorbell_fds),
-        control=control.base_tensor().view(torch.int64), control_segment=control)
+        rank=args.rank,
+        world_size=welcome.world_size,
+        device=welcome.device,
+        run_dir=welcome.run_dir,
+        log=log,
+        doorbell_fds=list(welcome.doorbell_fds),
+        control=control.base_tensor().view(torch.int64),
+        control_segment=control,
+    )
     return ctx
 
 
-async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hb_interval: float) -> str:
+async def _serve(
+    ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hb_interval: float
+) -> str:
     from workers.runtime.handlers import HANDLERS, Handler
 
     ctx.state["_writer"] = writer
@@ -112,7 +132,9 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         try:
             frame = protocol.encode(msg)
         except protocol.ProtocolError as exc:
-            frame = protocol.encode(protocol.Err(id=msg.id, error=f"bad answer: {exc}", tb=traceback.format_exc()))
+            frame = protocol.encode(
+                protocol.Err(id=msg.id, error=f"bad answer: {exc}", tb=traceback.format_exc())
+            )
         if not writer.is_closing():
             writer.write(frame)
 
@@ -130,9 +152,12 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 answer: protocol.Message = protocol.Ok(id=msg.id, r=r)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # every handler error (a malformed result included) goes to the coordinator
+            except Exception as exc:
+                # every handler error (a malformed result included) goes to the coordinator
                 log.exception("request %s (id %d) failed", msg.kind, msg.id)
-                answer = protocol.Err(id=msg.id, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
+                answer = protocol.Err(
+                    id=msg.id, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc()
+                )
             send(answer)
         finally:
             ctx.inflight -= 1
@@ -154,8 +179,9 @@ async def _serve(ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                 return "shutdown requested"
             fn = HANDLERS.get(type(msg))
             if fn is None:
-                send(protocol.Err(id=msg.id, error=f"this worker does not serve {msg.kind!r}",
-                                  tb=""))
+                send(
+                    protocol.Err(id=msg.id, error=f"this worker does not serve {msg.kind!r}", tb="")
+                )
                 continue
             task = asyncio.create_task(run_one(fn, msg))
             tasks.add(task)
@@ -170,8 +196,14 @@ async def _main_async(args: argparse.Namespace, key: bytes) -> str:
     reader, writer = await asyncio.open_unix_connection(args.socket, limit=1 << 20)
     welcome = await _handshake(reader, writer, key, args.rank)
     ctx = _make_context(args, welcome)
-    log.info("rank %d/%d ready on %s (pid %d, %s loop)", ctx.rank, ctx.world_size, ctx.device, os.getpid(),
-             type(asyncio.get_running_loop()).__module__.split(".")[0])
+    log.info(
+        "rank %d/%d ready on %s (pid %d, %s loop)",
+        ctx.rank,
+        ctx.world_size,
+        ctx.device,
+        os.getpid(),
+        type(asyncio.get_running_loop()).__module__.split(".")[0],
+    )
     try:
         return await _serve(ctx, reader, writer, welcome.hb_interval)
     finally:
@@ -188,7 +220,9 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers", description="H3 MultiStream worker (started by the pool)")
+    p = argparse.ArgumentParser(
+        prog="python -m workers", description="H3 MultiStream worker (started by the pool)"
+    )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--socket", required=True)
@@ -198,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     logging.basicConfig(
-        stream=sys.stderr, level=logging.DEBUG if config.DEBUG.get() else logging.INFO,
-        format=f"%(asctime)s.%(msecs)03d rank{args.rank} %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        stream=sys.stderr,
+        level=logging.DEBUG if config.DEBUG.get() else logging.INFO,
+        format=f"%(asctime)s.%(msecs)03d rank{args.rank} %(levelname)s %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
     _die_with_parent(args.parent_pid)
     if args.device.startswith("cuda"):
         import torch
@@ -218,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = _new_loop()
     try:
         reason = loop.run_until_complete(_main_async(args, key))
-    except (auth.AuthError, protocol.ProtocolError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, auth.AuthError, protocol.ProtocolError, OSError) as exc:
         log.error("rank %d stopping: %s: %s", args.rank, type(exc).__name__, exc)
         return 2
     log.info("rank %d exiting: %s", args.rank, reason)

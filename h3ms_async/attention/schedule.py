@@ -2,26 +2,29 @@
 
 One call, as ``h3ms_async.attention.engine`` runs it (docs/attention_parallel.md):
 
-* each helper's heads are cut into pieces of at most ``chunk_heads`` heads (0: one piece per helper), and the model
-  GPU stages the pieces one after another over its own link (``stage``), round robin over the helpers, so every
-  helper gets its first piece early (:func:`pieces`);
-* a piece is dispatched the moment it is staged (one message, ``dispatch_s`` one way); its helper copies it in over
-  its own link (``helper_in``), attends its heads and copies the result out (``helper_out``) on three streams, so the
-  copy in of piece i+1 and the copy out of piece i overlap the attention of the pieces around them;
-* each piece's result comes back into the model GPU as soon as its helper answers, one at a time over the model
-  GPU's link (``ret``), overlapped with the compute still running;
-* meanwhile the model GPU attends its own heads, which pay no transfer; with ``local_after_stage`` (CUDA IPC, where
-  staging is a copy inside the model GPU that would otherwise queue behind its attention) they start once every
-  piece is staged.
+* each helper's heads are cut into pieces of at most ``chunk_heads`` heads (0: one piece per
+  helper), and the model GPU stages the pieces one after another over its own link (``stage``),
+  round robin over the helpers, so every helper gets its first piece early (:func:`pieces`);
+* a piece is dispatched the moment it is staged (one message, ``dispatch_s`` one way); its helper
+  copies it in over its own link (``helper_in``), attends its heads and copies the result out
+  (``helper_out``) on three streams, so the copy in of piece i+1 and the copy out of piece i overlap
+  the attention of the pieces around them;
+* each piece's result comes back into the model GPU as soon as its helper answers, one at a time
+  over the model GPU's link (``ret``), overlapped with the compute still running;
+* meanwhile the model GPU attends its own heads, which pay no transfer; with ``local_after_stage``
+  (CUDA IPC, where staging is a copy inside the model GPU that would otherwise queue behind its
+  attention) they start once every piece is staged.
 
-Every cost is a measured quantity: seconds per head of attention on each device and seconds per byte on each leg
-(a leg that does not exist for a transport, e.g. a helper reading a slice in place, costs 0).  Heads are independent,
-so every split gives the same bits; the split and the pieces only move time.
+Every cost is a measured quantity: seconds per head of attention on each device and seconds per byte
+on each leg (a leg that does not exist for a transport, e.g. a helper reading a slice in place,
+costs 0).  Heads are independent, so every split gives the same bits; the split and the pieces only
+move time.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from h3ms_async.runtime import plans
 
@@ -38,8 +41,9 @@ class Legs:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """How the pieces of one call overlap: ``chunk_heads`` (0 = one piece per helper), whether the model GPU's own
-    heads wait for the staging (``local_after_stage``), and one message's one-way latency in seconds."""
+    """How the pieces of one call overlap: ``chunk_heads`` (0 = one piece per helper), whether the
+    model GPU's own heads wait for the staging (``local_after_stage``), and one message's one-way
+    latency in seconds."""
 
     chunk_heads: int = 0
     local_after_stage: bool = False
@@ -48,8 +52,8 @@ class Pipeline:
 
 def pieces(bounds: Sequence[int], chunk_heads: int) -> list[tuple[int, int, int]]:
     """``(helper, h0, h1)`` of every piece, in the order the model GPU stages them: helper r's range
-    ``[bounds[r], bounds[r + 1])`` cut into the fewest near-equal pieces of at most ``chunk_heads`` heads (0: whole),
-    taken round robin over the helpers (rank 0, the model GPU, stages nothing)."""
+    ``[bounds[r], bounds[r + 1])`` cut into the fewest near-equal pieces of at most ``chunk_heads``
+    heads (0: whole), taken round robin over the helpers (rank 0, the model GPU, stages nothing)."""
     cut: list[list[tuple[int, int, int]]] = []
     for r in range(1, len(bounds) - 1):
         a, h = bounds[r], bounds[r + 1] - bounds[r]
@@ -63,10 +67,17 @@ def pieces(bounds: Sequence[int], chunk_heads: int) -> list[tuple[int, int, int]
     return [p[i] for i in range(max((len(p) for p in cut), default=0)) for p in cut if i < len(p)]
 
 
-def critical_path(sizes: Sequence[int], per_head_s: Sequence[float], in_per_head: float, out_per_head: float,
-                  legs: Legs, pipeline: Pipeline = Pipeline()) -> dict:
-    """Predicted seconds of one call with ``sizes[r]`` heads on device r (0 = the model GPU): the model GPU's own
-    heads, and per helper when its last piece is staged, when it is done and when its last result is back."""
+def critical_path(
+    sizes: Sequence[int],
+    per_head_s: Sequence[float],
+    in_per_head: float,
+    out_per_head: float,
+    legs: Legs,
+    pipeline: Pipeline = Pipeline(),
+) -> dict:
+    """Predicted seconds of one call with ``sizes[r]`` heads on device r (0 = the model GPU): the
+    model GPU's own heads, and per helper when its last piece is staged, when it is done and when
+    its last result is back."""
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)
@@ -85,19 +96,34 @@ def critical_path(sizes: Sequence[int], per_head_s: Sequence[float], in_per_head
         done[r - 1] = free_out[r]
         finished.append((free_out[r] + pipeline.dispatch_s, r, h))
     link = 0.0
-    for answered, r, h in sorted(finished, key=lambda f: (f[0], f[1])):  # returns are serial, in answer order
+    for answered, r, h in sorted(finished, key=lambda f: (f[0], f[1])):
+        # returns are serial, in answer order
         link = max(link, answered) + h * out_per_head * legs.ret
         back[r - 1] = link
     local = (t if pipeline.local_after_stage else 0.0) + sizes[0] * per_head_s[0]
-    return {"heads": list(sizes), "chunk_heads": pipeline.chunk_heads, "local_s": local, "staged_s": staged,
-            "helper_done_s": done, "back_s": back, "total_s": max([local] + back)}
+    return {
+        "heads": list(sizes),
+        "chunk_heads": pipeline.chunk_heads,
+        "local_s": local,
+        "staged_s": staged,
+        "helper_done_s": done,
+        "back_s": back,
+        "total_s": max([local] + back),
+    }
 
 
-def best_split(heads: int, per_head_s: Sequence[float], helper_shares: Sequence[float], in_per_head: float,
-               out_per_head: float, legs: Legs, pipeline: Pipeline = Pipeline()) -> dict:
-    """The split with the shortest :func:`critical_path`: every model-GPU head count from 1 up, the rest shared by
-    the helpers in proportion to ``helper_shares`` (largest remainder, at least one head each).  Ties keep the
-    larger helper share (fewer heads on the model GPU)."""
+def best_split(
+    heads: int,
+    per_head_s: Sequence[float],
+    helper_shares: Sequence[float],
+    in_per_head: float,
+    out_per_head: float,
+    legs: Legs,
+    pipeline: Pipeline = Pipeline(),
+) -> dict:
+    """The split with the shortest :func:`critical_path`: every model-GPU head count from 1 up, the
+    rest shared by the helpers in proportion to ``helper_shares`` (largest remainder, at least one
+    head each).  Ties keep the larger helper share (fewer heads on the model GPU)."""
     n = len(per_head_s)
     best: dict | None = None
     for h0 in range(1, heads - (n - 1) + 1):

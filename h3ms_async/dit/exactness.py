@@ -1,22 +1,26 @@
 """Which token plan a split step may run, from what the ranks measured (``workers.dit.invariance``).
 
-Before a plan (token bounds + head bounds) is first used, every rank probes its own shard on its own device.  The
-plan runs as planned when every op is exact there; when only token-split ops differ, the shard boundaries move to
-a measured safe size (multiples of :data:`ADJUST_MULTIPLES` rows, or that many rows at least, shares kept as close
-as possible) and the candidates are probed again; otherwise (a head group's attention or qkv rows differ, or a rank's
-device computes the unsplit products with other bits than rank 0's) the step runs unsplit.
+Before a plan (token bounds + head bounds) is first used, every rank probes its own shard on its own
+device.  The plan runs as planned when every op is exact there; when only token-split ops differ,
+the shard boundaries move to a measured safe size (multiples of :data:`ADJUST_MULTIPLES` rows, or
+that many rows at least, shares kept as close as possible) and the candidates are probed again;
+otherwise (a head group's attention or qkv rows differ, or a rank's device computes the unsplit
+products with other bits than rank 0's) the step runs unsplit.
 
-The old fixed rules are priors now: :data:`MIN_SHARD_TOKENS` and ``dit_ops.flash_tiles_ok`` only order the
-adjustments and are named in the log when the measurement overrides them.  The decision is cached for the life of
-the process, keyed by everything a kernel choice may depend on (:func:`verdict_key`).
+The old fixed rules are priors now: :data:`MIN_SHARD_TOKENS` and ``dit_ops.flash_tiles_ok`` only
+order the adjustments and are named in the log when the measurement overrides them.  The decision is
+cached for the life of the process, keyed by everything a kernel choice may depend on
+(:func:`verdict_key`).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -26,8 +30,9 @@ from workers.runtime import config
 
 log = get_logger("MultiStream")
 
-#: The prior for GEMMs: fewer rows than this took other kernel paths on the machines first measured (MKL's
-#: small-M path, kitchen's GEMV kernels). Adjusted plans keeping every shard at or above it are tried first.
+#: The prior for GEMMs: fewer rows than this took other kernel paths on the machines first measured
+#: (MKL's small-M path, kitchen's GEMV kernels). Adjusted plans keeping every shard at or above it
+#: are tried first.
 MIN_SHARD_TOKENS = 4
 #: Shard sizes (multiples, or minimums) an adjusted plan tries, smallest move first.
 ADJUST_MULTIPLES = (16, 32, 64, 128)
@@ -37,8 +42,9 @@ Verdict = Literal["exact", "adjusted", "unsplit"]
 
 @dataclass(frozen=True)
 class PlanVerdict:
-    """The engine's decision about one plan: the token bounds to run (None: run the step unsplit), the verdict,
-    one sentence saying why, and what the probe cost (the slowest rank's wall time, all rounds)."""
+    """The engine's decision about one plan: the token bounds to run (None: run the step unsplit),
+    the verdict, one sentence saying why, and what the probe cost (the slowest rank's wall time, all
+    rounds)."""
 
     token_bounds: tuple[int, ...] | None
     verdict: Verdict
@@ -46,19 +52,34 @@ class PlanVerdict:
     probe_ms: float
 
 
-def verdict_key(fingerprints: Sequence[dict], compute_dtype: str, ops: Sequence[LinearOp], attention: str,
-                token_bounds: Sequence[int], head_bounds: Sequence[int], head_dim: int) -> str:
-    """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch and
-    comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention function, the shards."""
-    key = {"devices": [dict(sorted(fp.items())) for fp in fingerprints], "dtype": compute_dtype,
-           "ops": msgspec.to_builtins(list(ops)), "attention": attention, "tokens": list(token_bounds),
-           "heads": list(head_bounds), "head_dim": head_dim}
+def verdict_key(
+    fingerprints: Sequence[dict],
+    compute_dtype: str,
+    ops: Sequence[LinearOp],
+    attention: str,
+    token_bounds: Sequence[int],
+    head_bounds: Sequence[int],
+    head_dim: int,
+) -> str:
+    """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch
+    and comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention
+    function, the shards."""
+    key = {
+        "devices": [dict(sorted(fp.items())) for fp in fingerprints],
+        "dtype": compute_dtype,
+        "ops": msgspec.to_builtins(list(ops)),
+        "attention": attention,
+        "tokens": list(token_bounds),
+        "heads": list(head_bounds),
+        "head_dim": head_dim,
+    }
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
 class VerdictCache:
-    """Plan verdicts for the life of the process, and across processes in the JSON file ``H3MS_INVARIANCE_CACHE``
-    names (read once, rewritten whole after each new verdict; unset: memory only)."""
+    """Plan verdicts for the life of the process, and across processes in the JSON file
+    ``H3MS_INVARIANCE_CACHE`` names (read once, rewritten whole after each new verdict; unset:
+    memory only)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -70,7 +91,9 @@ class VerdictCache:
         with self._lock:
             if path and self._read != path:
                 self._read = path
-                self._verdicts.update({k: v for k, v in _load(path).items() if k not in self._verdicts})
+                self._verdicts.update(
+                    {k: v for k, v in _load(path).items() if k not in self._verdicts}
+                )
             return self._verdicts.get(key)
 
     def put(self, key: str, verdict: PlanVerdict) -> None:
@@ -94,14 +117,23 @@ def _load(path: str) -> dict[str, PlanVerdict]:
         out = {}
         for k, v in raw.items():
             tb = v["token_bounds"]
-            out[k] = PlanVerdict(None if tb is None else tuple(int(b) for b in tb), v["verdict"], str(v["detail"]),
-                                 float(v["probe_ms"]))
+            out[k] = PlanVerdict(
+                None if tb is None else tuple(int(b) for b in tb),
+                v["verdict"],
+                str(v["detail"]),
+                float(v["probe_ms"]),
+            )
         return out
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("H3MS_INVARIANCE_CACHE=%s is unreadable (%s: %s); measuring plans anew (the file is rewritten)",
-                    path, type(exc).__name__, exc)
+        log.warning(
+            "H3MS_INVARIANCE_CACHE=%s is unreadable (%s: %s); measuring plans anew (the file is "
+            "rewritten)",
+            path,
+            type(exc).__name__,
+            exc,
+        )
         return {}
 
 
@@ -112,7 +144,11 @@ def _save(path: str, verdicts: dict[str, PlanVerdict]) -> None:
             json.dump({k: asdict(v) for k, v in verdicts.items()}, f)
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("H3MS_INVARIANCE_CACHE=%s cannot be written (%s); verdicts stay in memory only", path, exc)
+        log.warning(
+            "H3MS_INVARIANCE_CACHE=%s cannot be written (%s); verdicts stay in memory only",
+            path,
+            exc,
+        )
 
 
 #: The process-wide cache (``SplitEngine`` reads and fills it).
@@ -123,12 +159,14 @@ def sizes(bounds: Sequence[int]) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def adjusted_bounds(bounds: Sequence[int], multiples: Sequence[int] = ADJUST_MULTIPLES) -> list[tuple[int, ...]]:
-    """Token bounds near ``bounds`` whose shards avoid small row counts: for each ``m`` of ``multiples``, every
-    inner boundary rounded to the nearest multiple of ``m`` (each shard keeps >= m rows), and every shard raised to
-    at least ``m`` rows (taken from the largest shards).  Ordered by how far the boundaries move (shares kept as
-    close as possible), plans whose shards all keep the :data:`MIN_SHARD_TOKENS` prior first; ``bounds`` itself and
-    duplicates left out."""
+def adjusted_bounds(
+    bounds: Sequence[int], multiples: Sequence[int] = ADJUST_MULTIPLES
+) -> list[tuple[int, ...]]:
+    """Token bounds near ``bounds`` whose shards avoid small row counts: for each ``m`` of
+    ``multiples``, every inner boundary rounded to the nearest multiple of ``m`` (each shard keeps
+    >= m rows), and every shard raised to at least ``m`` rows (taken from the largest shards).
+    Ordered by how far the boundaries move (shares kept as close as possible), plans whose shards
+    all keep the :data:`MIN_SHARD_TOKENS` prior first; ``bounds`` itself and duplicates left out."""
     total, n = bounds[-1], len(bounds) - 1
     out: dict[tuple[int, ...], None] = {}
     for m in multiples:
@@ -152,7 +190,13 @@ def adjusted_bounds(bounds: Sequence[int], multiples: Sequence[int] = ADJUST_MUL
             acc.append(acc[-1] + v)
         out[tuple(acc)] = None
     out.pop(tuple(bounds), None)
-    return sorted(out, key=lambda c: (min(sizes(c)) < MIN_SHARD_TOKENS, sum(abs(a - b) for a, b in zip(c, bounds))))
+    return sorted(
+        out,
+        key=lambda c: (
+            min(sizes(c)) < MIN_SHARD_TOKENS,
+            sum(abs(a - b) for a, b in zip(c, bounds)),
+        ),
+    )
 
 
 def first_exact(reports: Sequence[ProbeReport], n_candidates: int) -> int | None:
@@ -168,33 +212,41 @@ def _device(rep: ProbeReport) -> str:
 
 
 def token_failure(reports: Sequence[ProbeReport], c: int = 0) -> str | None:
-    """The first token-split op that differs on candidate ``c``: op, dtype, shape, shard rows, device, difference."""
+    """The first token-split op that differs on candidate ``c``: op, dtype, shape, shard rows,
+    device, difference."""
     for rep in reports:
         for v in rep.ops:
             if v.split == "tokens" and not v.exact[c]:
                 a, b = v.shards[c]
-                return (f"{v.op} ({v.dtype}, {v.shape}) gives a {b - a}-row shard other bits than "
-                        f"the unsplit call on {_device(rep)} (max abs difference "
-                        f"{v.max_abs_diff[c]:g})")
+                return (
+                    f"{v.op} ({v.dtype}, {v.shape}) gives a {b - a}-row shard other bits than "
+                    f"the unsplit call on {_device(rep)} (max abs difference "
+                    f"{v.max_abs_diff[c]:g})"
+                )
     return None
 
 
 def fixed_failure(reports: Sequence[ProbeReport]) -> str | None:
-    """What no token adjustment can fix: a head group's qkv rows or attention differ from the unsplit call's, or a
-    rank's device computes an unsplit product with other bits than rank 0's device (ranks on other GPU models)."""
+    """What no token adjustment can fix: a head group's qkv rows or attention differ from the
+    unsplit call's, or a rank's device computes an unsplit product with other bits than rank 0's
+    device (ranks on other GPU models)."""
     for rep in reports:
         for v in rep.ops:
             if v.split == "heads" and v.exact and not v.exact[0]:
                 g0, g1 = v.shards[0]
-                return (f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from the "
-                        f"unsplit call's on {_device(rep)} (max abs difference "
-                        f"{v.max_abs_diff[0]:g})")
+                return (
+                    f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from the "
+                    f"unsplit call's on {_device(rep)} (max abs difference "
+                    f"{v.max_abs_diff[0]:g})"
+                )
     first = {v.op: v.digest for v in reports[0].ops}
     for rep in reports[1:]:
         for v in rep.ops:
             if first.get(v.op) != v.digest:
-                return (f"{v.op} ({v.dtype}, {v.shape}) computes other bits on {_device(rep)} "
-                        f"than on {_device(reports[0])}")
+                return (
+                    f"{v.op} ({v.dtype}, {v.shape}) computes other bits on {_device(rep)} "
+                    f"than on {_device(reports[0])}"
+                )
     return None
 
 
@@ -202,11 +254,12 @@ def slowest_ms(*rounds: Sequence[ProbeReport]) -> float:
     return sum(max(rep.ms for rep in reps) for reps in rounds)
 
 
-def op_rows(reports: Sequence[ProbeReport], verdict: PlanVerdict,
-            failing: str | None) -> list[dict]:
-    """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as probed, its
-    verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, the others "exact" or, when
-    the step runs unsplit, "unsplit"), and its slowest rank's probe time."""
+def op_rows(
+    reports: Sequence[ProbeReport], verdict: PlanVerdict, failing: str | None
+) -> list[dict]:
+    """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as
+    probed, its verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, the
+    others "exact" or, when the step runs unsplit, "unsplit"), and its slowest rank's probe time."""
     rows = []
     for i, v in enumerate(reports[0].ops):
         per_rank = [rep.ops[i] for rep in reports]
@@ -217,9 +270,22 @@ def op_rows(reports: Sequence[ProbeReport], verdict: PlanVerdict,
             detail = verdict.detail
         else:
             state = "unsplit" if verdict.token_bounds is None else "exact"
-            detail = "measured exact" if state == "exact" else "the step runs unsplit (another op differs)"
+            detail = (
+                "measured exact"
+                if state == "exact"
+                else "the step runs unsplit (another op differs)"
+            )
         devices = sorted({_device(rep) for rep in reports})
-        rows.append({"op": v.op, "device": ", ".join(devices), "dtype": v.dtype, "shape": v.shape,
-                     "shards": shards, "verdict": state, "detail": detail,
-                     "probe_ms": max(rv.ms for rv in per_rank)})
+        rows.append(
+            {
+                "op": v.op,
+                "device": ", ".join(devices),
+                "dtype": v.dtype,
+                "shape": v.shape,
+                "shards": shards,
+                "verdict": state,
+                "detail": detail,
+                "probe_ms": max(rv.ms for rv in per_rank),
+            }
+        )
     return rows

@@ -1,21 +1,25 @@
-"""Reference MiniMax H3 DiT block stack: ComfyUI's parameter names and shapes, seeded weights, the unsplit loop.
+"""Reference MiniMax H3 DiT block stack: ComfyUI's parameter names and shapes, seeded weights, the
+unsplit loop.
 
-The block math is ``workers.dit.ops`` (the same functions the rank processes run).  This module adds the model
-around it: a config of any size (tiny for tests, full width for benchmarks), deterministic weights generated block
-by block (so a 50-block full-width model never needs all weights at once), int8 quantization as H3's int8
-checkpoints store it, step inputs (residual, t_emb, mod segments, rope table), and :class:`SimulatedSplit`: R ranks
-run the ranks' block loop in one process with real slicing, to check the split's exactness without processes.
+The block math is ``workers.dit.ops`` (the same functions the rank processes run).  This module adds
+the model around it: a config of any size (tiny for tests, full width for benchmarks), deterministic
+weights generated block by block (so a 50-block full-width model never needs all weights at once),
+int8 quantization as H3's int8 checkpoints store it, step inputs (residual, t_emb, mod segments,
+rope table), and :class:`SimulatedSplit`: R ranks run the ranks' block loop in one process with real
+slicing, to check the split's exactness without processes.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import torch
 
 import comfy_kitchen as ck
+import torch
 
+from h3ms_async.dit.layout import Layout
+from h3ms_async.dit.sparse import UnsplitSparse
 from workers.dit import ops as dit_ops
 from workers.dit.loop import run_blocks
 from workers.dit.ops import ModSegment, Shard
@@ -23,12 +27,10 @@ from workers.dit.weights import CpuWeights
 from workers.transports.exchange import InProcessExchange, NoExchange
 from workers.transports.host import ArenaLayout
 
-from h3ms_async.dit.layout import Layout
-from h3ms_async.dit.sparse import UnsplitSparse
-
 WEIGHT_KINDS = ("int8", "bf16", "fp32")
 INIT_STD = 0.02
-#: Deadline of a simulated rank thread's wait for the others (a tiny test model takes milliseconds per block).
+#: Deadline of a simulated rank thread's wait for the others (a tiny test model takes milliseconds
+#: per block).
 SIMULATED_WAIT_S = 300.0
 
 
@@ -51,10 +53,14 @@ class DiTConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DiTConfig.{name} must be a positive integer, got {value!r}")
         if self.rope_pairs % 3:
-            raise ValueError(f"DiTConfig.rope_pairs={self.rope_pairs} must be a multiple of 3 (t, h, w axes)")
+            raise ValueError(
+                f"DiTConfig.rope_pairs={self.rope_pairs} must be a multiple of 3 (t, h, w axes)"
+            )
         if 2 * self.rope_pairs > self.head_dim:
-            raise ValueError(f"DiTConfig.rope_pairs={self.rope_pairs} rotates {2 * self.rope_pairs} dims but "
-                             f"head_dim is {self.head_dim}; use rope_pairs <= head_dim/2")
+            raise ValueError(
+                f"DiTConfig.rope_pairs={self.rope_pairs} rotates {2 * self.rope_pairs} dims but "
+                f"head_dim is {self.head_dim}; use rope_pairs <= head_dim/2"
+            )
 
     @property
     def inner(self) -> int:
@@ -77,18 +83,26 @@ class DiTConfig:
         }
 
     @classmethod
-    def from_golden(cls, model_kwargs: dict, eps: float = 1e-5) -> "DiTConfig":
-        """The config of a golden file's ``config.model_kwargs`` (ComfyUI's MiniMaxH3Model arguments)."""
-        return cls(hidden=model_kwargs["hidden_size"], layers=model_kwargs["num_layers"],
-                   heads=model_kwargs["num_attention_heads"], head_dim=model_kwargs["attention_head_dim"],
-                   ffn=model_kwargs["ffn_hidden_size"], t_dim=model_kwargs["time_embed_dim"],
-                   rope_pairs=3 * model_kwargs["rope_inv_freq_len"], eps=eps)
+    def from_golden(cls, model_kwargs: dict, eps: float = 1e-5) -> DiTConfig:
+        """The config of a golden file's ``config.model_kwargs`` (ComfyUI's MiniMaxH3Model
+        arguments)."""
+        return cls(
+            hidden=model_kwargs["hidden_size"],
+            layers=model_kwargs["num_layers"],
+            heads=model_kwargs["num_attention_heads"],
+            head_dim=model_kwargs["attention_head_dim"],
+            ffn=model_kwargs["ffn_hidden_size"],
+            t_dim=model_kwargs["time_embed_dim"],
+            rope_pairs=3 * model_kwargs["rope_inv_freq_len"],
+            eps=eps,
+        )
 
 
 def compute_dtype(weights: str, device_type: str) -> torch.dtype:
-    """The dtype ComfyUI computes a checkpoint of format ``weights`` in on a ``device_type`` device: fp32 on a CPU,
-    where it casts bf16 and int8 checkpoints' weights per layer (docs/comfyui_facts.md, Casting), else the model
-    dtype.  The ranks compute in the residual stream's dtype and cast each weight to it as ComfyUI's ops do."""
+    """The dtype ComfyUI computes a checkpoint of format ``weights`` in on a ``device_type`` device:
+    fp32 on a CPU, where it casts bf16 and int8 checkpoints' weights per layer
+    (docs/comfyui_facts.md, Casting), else the model dtype.  The ranks compute in the residual
+    stream's dtype and cast each weight to it as ComfyUI's ops do."""
     if weights not in WEIGHT_KINDS:
         raise ValueError(f"weights={weights!r}; use one of {', '.join(WEIGHT_KINDS)}")
     if device_type == "cpu" or weights == "fp32":
@@ -97,29 +111,37 @@ def compute_dtype(weights: str, device_type: str) -> torch.dtype:
 
 
 def _is_norm(name: str) -> bool:
-    return name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("_norm.weight")
+    return (
+        name.endswith("norm1.weight")
+        or name.endswith("norm2.weight")
+        or name.endswith("_norm.weight")
+    )
 
 
 def quantize_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 ``[N, K]`` and fp32 ``[N, 1]`` scale of a weight, as H3's int8 checkpoints hold it: the stored
-    (bf16) weight upcast to fp32, scale = row absmax / 127, round to nearest (kitchen's per-row quantizer, equal to
-    ``TensorWiseINT8Layout.quantize(per_channel=True)``)."""
+    """int8 ``[N, K]`` and fp32 ``[N, 1]`` scale of a weight, as H3's int8 checkpoints hold it: the
+    stored (bf16) weight upcast to fp32, scale = row absmax / 127, round to nearest (kitchen's
+    per-row quantizer, equal to ``TensorWiseINT8Layout.quantize(per_channel=True)``)."""
     return ck.quantize_int8_rowwise(weight.float())
 
 
 class ReferenceDiT:
     """Seeded H3 DiT block stack.
 
-    Block i's weights come from their own ``torch.Generator(seed * 1_000_003 + i)`` walking the block's parameters
-    in sorted-name order: fp32 draws of ``0.02*N(0,1)`` (``1 + 0.02*N(0,1)`` for norm weights), cast to the stored
-    dtype.  ``int8`` stores the bf16 weights of the four block linears quantized per row.  So any block can be made
-    on its own, and the same seed gives the same weights whatever the order of requests.
+    Block i's weights come from their own ``torch.Generator(seed * 1_000_003 + i)`` walking the
+    block's parameters in sorted-name order: fp32 draws of ``0.02*N(0,1)`` (``1 + 0.02*N(0,1)`` for
+    norm weights), cast to the stored dtype.  ``int8`` stores the bf16 weights of the four block
+    linears quantized per row.  So any block can be made on its own, and the same seed gives the
+    same weights whatever the order of requests.
     """
 
-    def __init__(self, config: DiTConfig, weights: str, seed: int, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: DiTConfig, weights: str, seed: int, *, device: torch.device | str = "cpu"
+    ) -> None:
         if weights not in WEIGHT_KINDS:
             raise ValueError(f"weights={weights!r}; use one of {', '.join(WEIGHT_KINDS)}")
-        # the reference runs standalone only (CLI, tests), with the kernels the pack's workers use there
+        # the reference runs standalone only (CLI, tests), with the kernels the pack's workers use
+        # there
         dit_ops.apply_kitchen_policy()
         self.config = config
         self.weights = weights
@@ -129,12 +151,14 @@ class ReferenceDiT:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The model dtype: the stored dtype of the float tensors (the int8 format's non-quantized ones)."""
+        """The model dtype: the stored dtype of the float tensors (the int8 format's non-quantized
+        ones)."""
         return torch.float32 if self.weights == "fp32" else torch.bfloat16
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The residual stream's and activations' dtype on the model's device: :func:`compute_dtype`."""
+        """The residual stream's and activations' dtype on the model's device:
+        :func:`compute_dtype`."""
         return compute_dtype(self.weights, self.device.type)
 
     def _generate_block(self, i: int) -> dict[str, torch.Tensor]:
@@ -152,83 +176,138 @@ class ReferenceDiT:
         return out
 
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
-        """Weights of block ``i`` by in-block name (``norm1.weight``, ...), on the model's device."""
+        """Weights of block ``i`` by in-block name (``norm1.weight``, ...), on the model's
+        device."""
         if not 0 <= i < self.config.layers:
             raise IndexError(f"block {i} does not exist; the model has {self.config.layers} blocks")
         block = self._loaded[i] if self._loaded is not None else self._generate_block(i)
         return {k: v.to(self.device) for k, v in block.items()}
 
-    def materialize(self) -> "ReferenceDiT":
+    def materialize(self) -> ReferenceDiT:
         """Generate every block once and keep it on the model's device; returns ``self``.
 
-        Afterwards :meth:`block_weights` is a lookup instead of a fresh seeded draw (and, on CUDA, no host->device
-        copy), so benchmarks time the blocks rather than the weight generator.  Costs all blocks' memory at once;
-        weights set by :meth:`load_state_dict` are moved to the device too.  The values are the same either way.
+        Afterwards :meth:`block_weights` is a lookup instead of a fresh seeded draw (and, on CUDA,
+        no host->device copy), so benchmarks time the blocks rather than the weight generator.
+        Costs all blocks' memory at once; weights set by :meth:`load_state_dict` are moved to the
+        device too.  The values are the same either way.
         """
         if self._loaded is None:
             self._loaded = {i: self._generate_block(i) for i in range(self.config.layers)}
-        self._loaded = {i: {k: v.to(self.device) for k, v in block.items()} for i, block in self._loaded.items()}
+        self._loaded = {
+            i: {k: v.to(self.device) for k, v in block.items()} for i, block in self._loaded.items()
+        }
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """All block weights as ``blocks.{i}.<name>`` (for small models: it materialises every block)."""
-        return {f"blocks.{i}.{k}": v for i in range(self.config.layers) for k, v in self.block_weights(i).items()}
+        """All block weights as ``blocks.{i}.<name>`` (for small models: it materialises every
+        block)."""
+        return {
+            f"blocks.{i}.{k}": v
+            for i in range(self.config.layers)
+            for k, v in self.block_weights(i).items()
+        }
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Replace the seeded weights with ``blocks.{i}.<name>`` tensors (e.g. a golden file's ``state_dict``).
+        """Replace the seeded weights with ``blocks.{i}.<name>`` tensors (e.g. a golden file's
+        ``state_dict``).
 
-        ``.comfy_quant`` entries are kept (they carry ConvRot settings); every expected tensor must be present with
-        its ComfyUI shape."""
+        ``.comfy_quant`` entries are kept (they carry ConvRot settings); every expected tensor must
+        be present with its ComfyUI shape."""
         shapes = self.config.block_shapes()
         blocks: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(self.config.layers)}
         for key, value in sd.items():
             parts = key.split(".", 2)
             if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
-                raise ValueError(f"state dict key {key!r} is not a block parameter (blocks.<i>.<name>)")
+                raise ValueError(
+                    f"state dict key {key!r} is not a block parameter (blocks.<i>.<name>)"
+                )
             i = int(parts[1])
             if i not in blocks:
-                raise ValueError(f"state dict has block {i} but the config has {self.config.layers} blocks")
+                raise ValueError(
+                    f"state dict has block {i} but the config has {self.config.layers} blocks"
+                )
             blocks[i][parts[2]] = value
         for i, block in blocks.items():
             for name, shape in shapes.items():
                 if name not in block:
                     raise ValueError(f"state dict lacks blocks.{i}.{name}")
                 if tuple(block[name].shape) != shape:
-                    raise ValueError(f"blocks.{i}.{name} has shape {tuple(block[name].shape)}, config expects {shape}")
+                    raise ValueError(
+                        f"blocks.{i}.{name} has shape {tuple(block[name].shape)}, config expects "
+                        f"{shape}"
+                    )
                 if dit_ops.is_int8(block[name]) and f"{name}_scale" not in block:
-                    raise ValueError(f"blocks.{i}.{name} is int8 but blocks.{i}.{name}_scale is missing")
+                    raise ValueError(
+                        f"blocks.{i}.{name} is int8 but blocks.{i}.{name}_scale is missing"
+                    )
         self._loaded = blocks
 
-    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[ModSegment],
-                       rope_freqs: torch.Tensor, *, attention: str = "sdpa",
-                       on_block: Callable[[int], None] | None = None, sparse: UnsplitSparse | None = None,
-                       sigma: float | None = None, branch: str = "") -> torch.Tensor:
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        t_emb: torch.Tensor,
+        segments: Sequence[ModSegment],
+        rope_freqs: torch.Tensor,
+        *,
+        attention: str = "sdpa",
+        on_block: Callable[[int], None] | None = None,
+        sparse: UnsplitSparse | None = None,
+        sigma: float | None = None,
+        branch: str = "",
+    ) -> torch.Tensor:
         """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned).
 
-        ``on_block(i)`` is called after block ``i`` (progress bars).  ``sparse``: sparse attention over every head
-        with these settings and statistics, at ``sigma`` for conditioning ``branch`` (what a split with the same
-        settings must equal)."""
+        ``on_block(i)`` is called after block ``i`` (progress bars).  ``sparse``: sparse attention
+        over every head with these settings and statistics, at ``sigma`` for conditioning ``branch``
+        (what a split with the same settings must equal)."""
         c = self.config
-        weights = CpuWeights(self.block_weights, c.layers, (0, c.heads), c.heads, c.head_dim, eager=False)
-        step = None if sparse is None else sparse.step(heads=c.heads, head_dim=c.head_dim, segments=segments,
-                                                        sigma=sigma, branch=branch, device=x.device, dtype=x.dtype)
+        weights = CpuWeights(
+            self.block_weights, c.layers, (0, c.heads), c.heads, c.head_dim, eager=False
+        )
+        step = (
+            None
+            if sparse is None
+            else sparse.step(
+                heads=c.heads,
+                head_dim=c.head_dim,
+                segments=segments,
+                sigma=sigma,
+                branch=branch,
+                device=x.device,
+                dtype=x.dtype,
+            )
+        )
         with torch.inference_mode():
-            run_blocks(x, t_emb, segments, rope_freqs, weights, NoExchange(), range(c.layers), heads_local=c.heads,
-                       head_dim=c.head_dim, eps=c.eps, attend=dit_ops.builtin_attend(attention), after_block=on_block,
-                       sparse=step)
+            run_blocks(
+                x,
+                t_emb,
+                segments,
+                rope_freqs,
+                weights,
+                NoExchange(),
+                range(c.layers),
+                heads_local=c.heads,
+                head_dim=c.head_dim,
+                eps=c.eps,
+                attend=dit_ops.builtin_attend(attention),
+                after_block=on_block,
+                sparse=step,
+            )
         return x
 
 
 def rope_inv_freq(n: int) -> torch.Tensor:
-    """``1/10000**(arange(n)/n)`` in fp32 (the value the golden files assume for ``rope.inv_freq``)."""
+    """``1/10000**(arange(n)/n)`` in fp32 (the value the golden files assume for
+    ``rope.inv_freq``)."""
     return 1.0 / (10000.0 ** (torch.arange(n) / n))
 
 
 def rope_table(position_ids: torch.Tensor, rope_pairs: int, dtype: torch.dtype) -> torch.Tensor:
-    """The rotation table the blocks consume, ``[1, S, 1, rope_pairs, 2, 2]`` of ``[[cos, -sin], [sin, cos]]``.
+    """The rotation table the blocks consume, ``[1, S, 1, rope_pairs, 2, 2]`` of ``[[cos, -sin],
+    [sin, cos]]``.
 
-    As H3's ``rope_freqs``: positions to fp32, per-axis angles ``pos * inv_freq``, the three axes concatenated, cos
-    and sin in fp32, then the table cast to ``dtype``."""
+    As H3's ``rope_freqs``: positions to fp32, per-axis angles ``pos * inv_freq``, the three axes
+    concatenated, cos and sin in fp32, then the table cast to ``dtype``."""
     if position_ids.dim() != 2 or position_ids.shape[1] != 3:
         raise ValueError(f"position_ids must be [S, 3] (t, h, w), got {tuple(position_ids.shape)}")
     if rope_pairs % 3:
@@ -245,24 +324,32 @@ def rope_table(position_ids: torch.Tensor, rope_pairs: int, dtype: torch.dtype) 
 class StepInputs:
     """What the block loop consumes in one denoising step."""
 
-    x: torch.Tensor          # [S, H] residual stream, model dtype
-    t_emb: torch.Tensor      # [M, t_dim], model dtype
+    x: torch.Tensor  # [S, H] residual stream, model dtype
+    t_emb: torch.Tensor  # [M, t_dim], model dtype
     segments: list[ModSegment]  # mod segments (a, b, row)
     rope_freqs: torch.Tensor  # [1, S, 1, rope_pairs, 2, 2], model dtype
 
 
-def make_step_inputs(config: DiTConfig, layout: Layout, seed: int, dtype: torch.dtype) -> StepInputs:
-    """Seeded inputs for one step on ``layout``: N(0,1) residual and t_emb rows, the layout's mod segments and the
-    rope table of its positions."""
+def make_step_inputs(
+    config: DiTConfig, layout: Layout, seed: int, dtype: torch.dtype
+) -> StepInputs:
+    """Seeded inputs for one step on ``layout``: N(0,1) residual and t_emb rows, the layout's mod
+    segments and the rope table of its positions."""
     gen = torch.Generator().manual_seed(int(seed))
     x = torch.randn(layout.seq_len, config.hidden, generator=gen).to(dtype)
     t_emb = torch.randn(len(layout.t_values), config.t_dim, generator=gen).to(dtype)
-    return StepInputs(x, t_emb, list(layout.mod_segments), rope_table(layout.position_ids, config.rope_pairs, dtype))
+    return StepInputs(
+        x,
+        t_emb,
+        list(layout.mod_segments),
+        rope_table(layout.position_ids, config.rope_pairs, dtype),
+    )
 
 
 class _Lockstep:
-    """The meeting point of :class:`SimulatedSplit`'s rank threads: a barrier, and a baton so that one rank computes
-    at a time (the numbers are then those of one thread running the ranks in turn, whatever the core count)."""
+    """The meeting point of :class:`SimulatedSplit`'s rank threads: a barrier, and a baton so that
+    one rank computes at a time (the numbers are then those of one thread running the ranks in turn,
+    whatever the core count)."""
 
     def __init__(self, ranks: int) -> None:
         self.barrier = threading.Barrier(ranks, timeout=SIMULATED_WAIT_S)
@@ -272,7 +359,9 @@ class _Lockstep:
     def take(self) -> None:
         """Wait for this thread's turn to compute."""
         if not self._baton.acquire(timeout=SIMULATED_WAIT_S):
-            raise TimeoutError(f"simulated split: no rank thread handed over in {SIMULATED_WAIT_S:.0f}s")
+            raise TimeoutError(
+                f"simulated split: no rank thread handed over in {SIMULATED_WAIT_S:.0f}s"
+            )
         self._mine.held = True
 
     def give(self) -> None:
@@ -291,18 +380,24 @@ class _Lockstep:
 
 
 class _LocalExchange(InProcessExchange):
-    """One rank thread's side of the in-process exchange: every rank writes its part into shared buffers, meets
-    the others, and reads the whole.
+    """One rank thread's side of the in-process exchange: every rank writes its part into shared
+    buffers, meets the others, and reads the whole.
 
-    A buffer is rewritten only one op after everyone met over it, by when every rank has consumed it: the gather
-    result is read by attention, before its rank reaches the all-to-all; a rank's all-to-all result by out_proj,
-    before it reaches the next gather.
+    A buffer is rewritten only one op after everyone met over it, by when every rank has consumed
+    it: the gather result is read by attention, before its rank reaches the all-to-all; a rank's
+    all-to-all result by out_proj, before it reaches the next gather.
     """
 
     transport = "simulated"
 
-    def __init__(self, rank: int, layout: ArenaLayout, gathered: torch.Tensor, received: list[torch.Tensor],
-                 lockstep: _Lockstep) -> None:
+    def __init__(
+        self,
+        rank: int,
+        layout: ArenaLayout,
+        gathered: torch.Tensor,
+        received: list[torch.Tensor],
+        lockstep: _Lockstep,
+    ) -> None:
         self.rank, self.layout = rank, layout
         self._g, self._a, self._meet = gathered, received, lockstep.meet
 
@@ -323,35 +418,64 @@ class _LocalExchange(InProcessExchange):
 
 class SimulatedSplit:
     """R ranks of the split run in one process, each a thread running the rank's block loop
-    (``workers.dit.loop``) on its own weights view, with the real slicing; the exchanges go through shared
-    buffers (``_LocalExchange``).  The result is each rank's rows concatenated.
+    (``workers.dit.loop``) on its own weights view, with the real slicing; the exchanges go through
+    shared buffers (``_LocalExchange``).  The result is each rank's rows concatenated.
     """
 
     def __init__(self, model: ReferenceDiT, head_bounds: Sequence[int]) -> None:
         c = model.config
-        if len(head_bounds) < 2 or head_bounds[0] != 0 or head_bounds[-1] != c.heads or any(
-                b <= a for a, b in zip(head_bounds, head_bounds[1:])):
-            raise ValueError(f"head_bounds {list(head_bounds)} must rise strictly from 0 to {c.heads}")
+        if (
+            len(head_bounds) < 2
+            or head_bounds[0] != 0
+            or head_bounds[-1] != c.heads
+            or any(b <= a for a, b in zip(head_bounds, head_bounds[1:]))
+        ):
+            raise ValueError(
+                f"head_bounds {list(head_bounds)} must rise strictly from 0 to {c.heads}"
+            )
         self.model = model
         self.head_bounds = list(head_bounds)
         self.ranks = len(head_bounds) - 1
         blocks = [model.block_weights(i) for i in range(c.layers)]
-        self._weights = [CpuWeights(blocks.__getitem__, c.layers, (g0, g1), c.heads, c.head_dim, eager=True)
-                         for g0, g1 in zip(head_bounds, head_bounds[1:])]
+        self._weights = [
+            CpuWeights(blocks.__getitem__, c.layers, (g0, g1), c.heads, c.head_dim, eager=True)
+            for g0, g1 in zip(head_bounds, head_bounds[1:])
+        ]
 
-    def forward_blocks(self, x: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[ModSegment],
-                       rope_freqs: torch.Tensor, token_bounds: Sequence[int]) -> torch.Tensor:
-        """Run all blocks split over the ranks; returns a new ``[S, H]`` tensor (``x`` is not modified)."""
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        t_emb: torch.Tensor,
+        segments: Sequence[ModSegment],
+        rope_freqs: torch.Tensor,
+        token_bounds: Sequence[int],
+    ) -> torch.Tensor:
+        """Run all blocks split over the ranks; returns a new ``[S, H]`` tensor (``x`` is not
+        modified)."""
         c = self.model.config
         seq = x.shape[0]
         if len(token_bounds) != self.ranks + 1 or token_bounds[0] != 0 or token_bounds[-1] != seq:
-            raise ValueError(f"token_bounds {list(token_bounds)} must have {self.ranks + 1} entries from 0 to {seq}")
-        shards = [Shard(t0, t1, g0, g1) for (t0, t1), (g0, g1) in
-                  zip(zip(token_bounds, token_bounds[1:]), zip(self.head_bounds, self.head_bounds[1:]))]
-        layout = ArenaLayout.plan(self.ranks, list(token_bounds), [g * c.head_dim for g in self.head_bounds],
-                                  c.hidden, x.dtype)
+            raise ValueError(
+                f"token_bounds {list(token_bounds)} must have {self.ranks + 1} entries from 0 to "
+                f"{seq}"
+            )
+        shards = [
+            Shard(t0, t1, g0, g1)
+            for (t0, t1), (g0, g1) in zip(
+                zip(token_bounds, token_bounds[1:]), zip(self.head_bounds, self.head_bounds[1:])
+            )
+        ]
+        layout = ArenaLayout.plan(
+            self.ranks,
+            list(token_bounds),
+            [g * c.head_dim for g in self.head_bounds],
+            c.hidden,
+            x.dtype,
+        )
         gathered = torch.empty((seq, c.hidden), dtype=x.dtype, device=x.device)
-        received = [torch.empty((s.n_tokens, c.inner), dtype=x.dtype, device=x.device) for s in shards]
+        received = [
+            torch.empty((s.n_tokens, c.inner), dtype=x.dtype, device=x.device) for s in shards
+        ]
         lockstep = _Lockstep(self.ranks)
         rows = [x[s.tokens].clone() for s in shards]
         errors: list[BaseException] = []
@@ -362,20 +486,34 @@ class SimulatedSplit:
             try:
                 lockstep.take()
                 with torch.inference_mode():
-                    run_blocks(rows[r], t_emb, dit_ops.clip_segments(segments, s.t0, s.t1), rope_freqs,
-                               self._weights[r], ex, range(c.layers), heads_local=s.n_heads, head_dim=c.head_dim,
-                               eps=c.eps)
+                    run_blocks(
+                        rows[r],
+                        t_emb,
+                        dit_ops.clip_segments(segments, s.t0, s.t1),
+                        rope_freqs,
+                        self._weights[r],
+                        ex,
+                        range(c.layers),
+                        heads_local=s.n_heads,
+                        head_dim=c.head_dim,
+                        eps=c.eps,
+                    )
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
                 errors.append(exc)
                 lockstep.barrier.abort()  # the other ranks stop waiting for this one
             finally:
                 lockstep.give()
 
-        threads = [threading.Thread(target=rank, args=(r,), name=f"simulated-rank-{r}") for r in range(self.ranks)]
+        threads = [
+            threading.Thread(target=rank, args=(r,), name=f"simulated-rank-{r}")
+            for r in range(self.ranks)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if errors:  # the first cause, not the others' broken barrier
-            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+            raise next(
+                (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+            )
         return torch.cat(rows)

@@ -33,11 +33,13 @@ exchange with compute: the exposed exchange is the whole exchange time, ``overla
 hidden fraction
 for modelling future overlap work.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, overload
+from typing import Literal, overload
 
 from h3ms_async.runtime.plans import partition
 
@@ -45,8 +47,10 @@ PATTERNS = ("gather", "ulysses")
 TRANSPORTS = ("host", "nccl")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: Each pattern's two ops per block, in block order: (name, op kind of :func:`traffic`).
-_OPS = {"gather": (("all_gather_input", "gather"), ("all_to_all_attn", "a2a_out")),
-        "ulysses": (("all_to_all_qkv", "a2a_qkv"), ("all_to_all_attn", "a2a_out"))}
+_OPS = {
+    "gather": (("all_gather_input", "gather"), ("all_to_all_attn", "a2a_out")),
+    "ulysses": (("all_to_all_qkv", "a2a_qkv"), ("all_to_all_attn", "a2a_out")),
+}
 PARTS_SCHEMA = "h3ms_async.speed_parts/1"
 
 
@@ -99,7 +103,9 @@ class Link:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"link {self.name}: transport {self.transport!r} is not one of {TRANSPORTS}")
+            raise ValueError(
+                f"link {self.name}: transport {self.transport!r} is not one of {TRANSPORTS}"
+            )
         if not self.gbps > 0:
             raise ValueError(f"link {self.name}: gbps must be > 0, got {self.gbps}")
 
@@ -138,8 +144,10 @@ class Parts:
             return None
         rho = 1.0 - (1.0 - 1.0 / self.sparse_step_ratio) / self.attention_fraction
         if rho <= 0:
-            raise PartsError(f"sparse_step_ratio {self.sparse_step_ratio} with attention_fraction "
-                             f"{self.attention_fraction} leaves attention no time; raise attention_fraction")
+            raise PartsError(
+                f"sparse_step_ratio {self.sparse_step_ratio} with attention_fraction "
+                f"{self.attention_fraction} leaves attention no time; raise attention_fraction"
+            )
         return rho
 
 
@@ -165,7 +173,10 @@ class Plan:
 
 def make_plan(shape: Shape, world: int, shares: Sequence[float] | None = None) -> Plan:
     shares = list(shares) if shares else [1.0] * world
-    return Plan(tuple(partition(shape.tokens, shares)), tuple(partition(shape.heads, shares, "attention heads")))
+    return Plan(
+        tuple(partition(shape.tokens, shares)),
+        tuple(partition(shape.heads, shares, "attention heads")),
+    )
 
 
 def traffic(shape: Shape, plan: Plan, kind: str) -> list[list[int]]:
@@ -177,11 +188,12 @@ def traffic(shape: Shape, plan: Plan, kind: str) -> list[list[int]]:
         for r in range(N):
             if p == r:
                 continue
-            if kind == "gather":      # r gets p's rows of the block input
+            if kind == "gather":  # r gets p's rows of the block input
                 m[p][r] = plan.n(p) * w * e
-            elif kind == "a2a_out":   # r gets p's head columns of the attention output, for r's tokens
+            elif kind == "a2a_out":
+                # r gets p's head columns of the attention output, for r's tokens
                 m[p][r] = plan.n(r) * plan.h(p) * d * e
-            elif kind == "a2a_qkv":   # r gets q, k, v of r's heads for p's tokens
+            elif kind == "a2a_qkv":  # r gets q, k, v of r's heads for p's tokens
                 m[p][r] = 3 * plan.n(p) * plan.h(r) * d * e
             else:
                 raise ValueError(f"unknown op kind {kind!r}")
@@ -197,13 +209,18 @@ def host_bytes(shape: Shape, plan: Plan, kind: str) -> list[tuple[int, int]]:
     out = []
     for r in range(N):
         peers = [q for q in range(N) if q != r]
-        written = (plan.n(r) * shape.hidden * shape.elem if peers else 0) if kind == "gather" \
+        written = (
+            (plan.n(r) * shape.hidden * shape.elem if peers else 0)
+            if kind == "gather"
             else sum(m[r][q] for q in peers)
+        )
         out.append((written, sum(m[p][r] for p in peers)))
     return out
 
 
-def nccl_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0) -> list[tuple[int, int]]:
+def nccl_bytes(
+    shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0
+) -> list[tuple[int, int]]:
     """Per rank (sent, received) for one torch.distributed op (all-gather padded to the largest
     shard); with
     ``gpus_per_host`` only the part between ranks of the same host (the network part is
@@ -215,8 +232,10 @@ def nccl_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0) -> l
         biggest = max(plan.n(r) for r in range(N)) * shape.hidden * shape.elem
         return [((local - 1) * biggest, (local - 1) * biggest)] * N
     m = traffic(shape, plan, kind)
-    return [(sum(m[r][q] for q in range(N) if same[r][q]), sum(m[p][r] for p in range(N) if same[p][r]))
-            for r in range(N)]
+    return [
+        (sum(m[r][q] for q in range(N) if same[r][q]), sum(m[p][r] for p in range(N) if same[p][r]))
+        for r in range(N)
+    ]
 
 
 def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
@@ -239,7 +258,7 @@ def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
 
 
 # -- times
-# -------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:
     """One op's wall time on ``link`` (the slowest rank's), latency included."""
     if plan.world == 1:
@@ -249,12 +268,13 @@ def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: f
         d2h = (link.d2h_gbps or link.gbps) * 1e9
         h2d = link.gbps * 1e9
         per_rank = [w / d2h + r / h2d for w, r in moved]
-        copies = (sum(per_rank) if link.shared else max(per_rank))
+        copies = sum(per_rank) if link.shared else max(per_rank)
         memory = sum(w + r for w, r in moved) / (host_mem_gbps * 1e9)
         t = max(copies, memory)
     elif link.net_gbps and link.gpus_per_host and plan.world > link.gpus_per_host:
-        t = (max(max(s, r) for s, r in nccl_bytes(shape, plan, kind, link.gpus_per_host)) / (link.gbps * 1e9)
-             + net_bytes(shape, plan, kind, link.gpus_per_host) / (link.net_gbps * 1e9))
+        t = max(max(s, r) for s, r in nccl_bytes(shape, plan, kind, link.gpus_per_host)) / (
+            link.gbps * 1e9
+        ) + net_bytes(shape, plan, kind, link.gpus_per_host) / (link.net_gbps * 1e9)
     else:
         t = max(max(s, r) for s, r in nccl_bytes(shape, plan, kind)) / (link.gbps * 1e9)
     return t + link.op_latency_s
@@ -269,13 +289,19 @@ def shard_seconds(parts: Parts, plan: Plan, attention_ratio: float = 1.0) -> lis
     s, a = parts.shape, parts.attention_fraction
     N = plan.world
     over = parts.rank_overhead_s if N > 1 else 0.0
-    model = [parts.unsplit_block_s * ((1 - a) * plan.n(r) / s.tokens + a * attention_ratio * plan.h(r) / s.heads)
-             + over for r in range(N)]
+    model = [
+        parts.unsplit_block_s
+        * ((1 - a) * plan.n(r) / s.tokens + a * attention_ratio * plan.h(r) / s.heads)
+        + over
+        for r in range(N)
+    ]
     measured = parts.shard_block_s.get(N)
     if measured is None or N == 1:
         return model
-    dense = [parts.unsplit_block_s * ((1 - a) * plan.n(r) / s.tokens + a * plan.h(r) / s.heads) + over
-             for r in range(N)]
+    dense = [
+        parts.unsplit_block_s * ((1 - a) * plan.n(r) / s.tokens + a * plan.h(r) / s.heads) + over
+        for r in range(N)
+    ]
     scale = measured / max(dense)
     return [m * scale for m in model]
 
@@ -300,9 +326,18 @@ class Prediction:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sparse: bool = False,
-            overlap: float = 0.0, shares: Sequence[float] | None = None, compute_scale: float = 1.0,
-            sparse_attention_ratio: float | None = None) -> Prediction:
+def predict(
+    parts: Parts,
+    world: int,
+    link: Link,
+    *,
+    pattern: str = "gather",
+    sparse: bool = False,
+    overlap: float = 0.0,
+    shares: Sequence[float] | None = None,
+    compute_scale: float = 1.0,
+    sparse_attention_ratio: float | None = None,
+) -> Prediction:
     """Step time and speed-up of the split at ``world`` ranks on ``link`` against the unsplit step
     on one GPU of
     the same kind (``compute_scale`` multiplies every compute time, e.g. a slower GPU than the
@@ -318,15 +353,21 @@ def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sp
         given = sparse_attention_ratio
         given = given if given is not None else parts.sparse_attention_ratio()
         if given is None:
-            raise PartsError("sparse steps need sparse_step_ratio in the parts or --sparse-attention-ratio")
+            raise PartsError(
+                "sparse steps need sparse_step_ratio in the parts or --sparse-attention-ratio"
+            )
         ratio = given
     compute = shard_seconds(parts, plan, ratio)
     compute_block = (sum(compute) if link.shared else max(compute)) * compute_scale
-    ops = {name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]}
+    ops = {
+        name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]
+    }
     exchange = sum(ops.values())
     exposed = exchange * (1.0 - overlap)
     block = compute_block + exposed
-    unsplit_block = parts.unsplit_block_s * ((1 - parts.attention_fraction) + parts.attention_fraction * ratio)
+    unsplit_block = parts.unsplit_block_s * (
+        (1 - parts.attention_fraction) + parts.attention_fraction * ratio
+    )
     unsplit_step = s.layers * unsplit_block * compute_scale
     step = s.layers * block + (parts.step_overhead_s if world > 1 else 0.0)
     moved = host_bytes if link.transport == "host" else nccl_bytes
@@ -335,24 +376,45 @@ def predict(parts: Parts, world: int, link: Link, *, pattern: str = "gather", sp
         for r, (o, i) in enumerate(moved(s, plan, kind)):
             per_rank[r][f"{name}_out"] = o
             per_rank[r][f"{name}_in"] = i
-    return Prediction(world, link.name, pattern, "sparse" if sparse else "dense", compute_block, exchange, exposed,
-                      block, step, unsplit_step, unsplit_step / step, ops, per_rank)
+    return Prediction(
+        world,
+        link.name,
+        pattern,
+        "sparse" if sparse else "dense",
+        compute_block,
+        exchange,
+        exposed,
+        block,
+        step,
+        unsplit_step,
+        unsplit_step / step,
+        ops,
+        per_rank,
+    )
 
 
 # -- parts documents
 # ---------------------------------------------------------------------------------------------
 @overload
-def _num(d: dict, key: str, lo: float, hi: float = ..., *,
-         optional: Literal[False] = ...) -> float: ...
+def _num(
+    d: dict, key: str, lo: float, hi: float = ..., *, optional: Literal[False] = ...
+) -> float: ...
 @overload
 def _num(d: dict, key: str, lo: float, hi: float = ..., *, optional: bool) -> float | None: ...
-def _num(d: dict, key: str, lo: float, hi: float = math.inf, *, optional: bool = False) -> float | None:
+def _num(
+    d: dict, key: str, lo: float, hi: float = math.inf, *, optional: bool = False
+) -> float | None:
     if key not in d and optional:
         return None
     if key not in d:
         raise PartsError(f"parts: {key!r} is missing (schema {PARTS_SCHEMA})")
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or not math.isfinite(v):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not lo <= v <= hi
+        or not math.isfinite(v)
+    ):
         raise PartsError(f"parts: {key!r} must be a number in [{lo}, {hi}], got {v!r}")
     return float(v)
 
@@ -364,15 +426,28 @@ def parts_from_dict(d: dict) -> Parts:
         raise PartsError("parts: the document must be a JSON object")
     if d.get("schema") != PARTS_SCHEMA:
         raise PartsError(f"parts: 'schema' must be {PARTS_SCHEMA!r}, got {d.get('schema')!r}")
-    known = {"schema", "shape", "unsplit_block_s", "attention_fraction", "host_mem_gbps", "rank_overhead_s",
-             "step_overhead_s", "shard_block_s", "sparse_step_ratio", "pinned_h2d_gbps", "pinned_d2h_gbps",
-             "sources"}
+    known = {
+        "schema",
+        "shape",
+        "unsplit_block_s",
+        "attention_fraction",
+        "host_mem_gbps",
+        "rank_overhead_s",
+        "step_overhead_s",
+        "shard_block_s",
+        "sparse_step_ratio",
+        "pinned_h2d_gbps",
+        "pinned_d2h_gbps",
+        "sources",
+    }
     unknown = sorted(set(d) - known)
     if unknown:
         raise PartsError(f"parts: unknown field(s) {unknown}; known: {sorted(known)}")
     sd = d.get("shape")
     if not isinstance(sd, dict):
-        raise PartsError("parts: 'shape' must be an object with tokens, hidden, heads, head_dim, layers, dtype")
+        raise PartsError(
+            "parts: 'shape' must be an object with tokens, hidden, heads, head_dim, layers, dtype"
+        )
     ints = {}
     for k in ("tokens", "hidden", "heads", "head_dim", "layers"):
         v = sd.get(k)
@@ -380,7 +455,9 @@ def parts_from_dict(d: dict) -> Parts:
             raise PartsError(f"parts: shape.{k} must be a positive integer, got {v!r}")
         ints[k] = v
     if sd.get("dtype") not in DTYPE_BYTES:
-        raise PartsError(f"parts: shape.dtype must be one of {sorted(DTYPE_BYTES)}, got {sd.get('dtype')!r}")
+        raise PartsError(
+            f"parts: shape.dtype must be one of {sorted(DTYPE_BYTES)}, got {sd.get('dtype')!r}"
+        )
     shards = d.get("shard_block_s", {})
     if not isinstance(shards, dict):
         raise PartsError("parts: 'shard_block_s' must be an object {\"N\": seconds}")
@@ -391,15 +468,22 @@ def parts_from_dict(d: dict) -> Parts:
         shard[int(k)] = _num(shards, k, 1e-9)
     sources = d.get("sources", {})
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
-        raise PartsError("parts: 'sources' must be an object of strings (where each figure comes from)")
+        raise PartsError(
+            "parts: 'sources' must be an object of strings (where each figure comes from)"
+        )
     parts = Parts(
-        shape=Shape(dtype=sd["dtype"], **ints), unsplit_block_s=_num(d, "unsplit_block_s", 1e-9),
-        attention_fraction=_num(d, "attention_fraction", 0.0, 1.0), host_mem_gbps=_num(d, "host_mem_gbps", 1e-3),
+        shape=Shape(dtype=sd["dtype"], **ints),
+        unsplit_block_s=_num(d, "unsplit_block_s", 1e-9),
+        attention_fraction=_num(d, "attention_fraction", 0.0, 1.0),
+        host_mem_gbps=_num(d, "host_mem_gbps", 1e-3),
         rank_overhead_s=_num(d, "rank_overhead_s", 0.0, optional=True) or 0.0,
-        step_overhead_s=_num(d, "step_overhead_s", 0.0, optional=True) or 0.0, shard_block_s=shard,
+        step_overhead_s=_num(d, "step_overhead_s", 0.0, optional=True) or 0.0,
+        shard_block_s=shard,
         sparse_step_ratio=_num(d, "sparse_step_ratio", 1.0, optional=True),
         pinned_h2d_gbps=_num(d, "pinned_h2d_gbps", 1e-3, optional=True),
-        pinned_d2h_gbps=_num(d, "pinned_d2h_gbps", 1e-3, optional=True), sources=dict(sources))
+        pinned_d2h_gbps=_num(d, "pinned_d2h_gbps", 1e-3, optional=True),
+        sources=dict(sources),
+    )
     if parts.shape.heads * parts.shape.head_dim < 1:
         raise PartsError("parts: shape.heads x shape.head_dim must be >= 1")
     parts.sparse_attention_ratio()  # refuses a ratio the attention fraction cannot explain
@@ -408,13 +492,24 @@ def parts_from_dict(d: dict) -> Parts:
 
 def parts_to_dict(p: Parts) -> dict:
     s = p.shape
-    d = {"schema": PARTS_SCHEMA,
-         "shape": {"tokens": s.tokens, "hidden": s.hidden, "heads": s.heads, "head_dim": s.head_dim,
-                   "layers": s.layers, "dtype": s.dtype},
-         "unsplit_block_s": p.unsplit_block_s, "attention_fraction": p.attention_fraction,
-         "host_mem_gbps": p.host_mem_gbps, "rank_overhead_s": p.rank_overhead_s,
-         "step_overhead_s": p.step_overhead_s, "shard_block_s": {str(k): v for k, v in p.shard_block_s.items()},
-         "sources": dict(p.sources)}
+    d = {
+        "schema": PARTS_SCHEMA,
+        "shape": {
+            "tokens": s.tokens,
+            "hidden": s.hidden,
+            "heads": s.heads,
+            "head_dim": s.head_dim,
+            "layers": s.layers,
+            "dtype": s.dtype,
+        },
+        "unsplit_block_s": p.unsplit_block_s,
+        "attention_fraction": p.attention_fraction,
+        "host_mem_gbps": p.host_mem_gbps,
+        "rank_overhead_s": p.rank_overhead_s,
+        "step_overhead_s": p.step_overhead_s,
+        "shard_block_s": {str(k): v for k, v in p.shard_block_s.items()},
+        "sources": dict(p.sources),
+    }
     for key in ("sparse_step_ratio", "pinned_h2d_gbps", "pinned_d2h_gbps"):
         if getattr(p, key) is not None:
             d[key] = getattr(p, key)

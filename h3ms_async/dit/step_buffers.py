@@ -8,10 +8,11 @@ release, the engine's release). Freeing closes and unlinks the coordinator's sid
 its mapping when told (``DropReleased``) or at its next attach, so a segment lives until its last
 user lets go.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -63,19 +64,38 @@ class StepBufferSlot:
         """The buffers the last step ran in, or None when none are held."""
         return self._current
 
-    def for_step(self, plan: plans.SplitPlan, head_bounds: Sequence[int], head_dim: int,
-                 hidden: int, exchange: str, x: torch.Tensor, t_emb: torch.Tensor,
-                 rope: torch.Tensor, mod_segments: Sequence[tuple]) -> StepBuffers:
+    def for_step(
+        self,
+        plan: plans.SplitPlan,
+        head_bounds: Sequence[int],
+        head_dim: int,
+        hidden: int,
+        exchange: str,
+        x: torch.Tensor,
+        t_emb: torch.Tensor,
+        rope: torch.Tensor,
+        mod_segments: Sequence[tuple],
+    ) -> StepBuffers:
         """The buffers for this step: the held ones when the shapes match, else new ones (the step
         segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
         a new t_emb or per-token row shape)."""
-        key = (tuple(plan.token_bounds), tuple(head_bounds), x.dtype, tuple(rope.shape), rope.dtype,
-               exchange, str(x.device))
+        key = (
+            tuple(plan.token_bounds),
+            tuple(head_bounds),
+            x.dtype,
+            tuple(rope.shape),
+            rope.dtype,
+            exchange,
+            str(x.device),
+        )
         buf = self._current
         if buf is None or buf.shape_key != key:
             buf = self._new(key, plan, head_bounds, head_dim, hidden, exchange, x, rope)
-        rows = tuple((i, int(r.numel())) for i, (_, _, r) in enumerate(mod_segments)
-                     if isinstance(r, torch.Tensor))
+        rows = tuple(
+            (i, int(r.numel()))
+            for i, (_, _, r) in enumerate(mod_segments)
+            if isinstance(r, torch.Tensor)
+        )
         side_key = (tuple(t_emb.shape), t_emb.dtype, rows)
         if buf.side_key != side_key:
             _new_side(buf, side_key, t_emb, rows)
@@ -87,8 +107,17 @@ class StepBufferSlot:
             self._current.close()
             self._current = None
 
-    def _new(self, key: tuple, plan: plans.SplitPlan, head_bounds: Sequence[int], head_dim: int,
-             hidden: int, exchange: str, x: torch.Tensor, rope: torch.Tensor) -> StepBuffers:
+    def _new(
+        self,
+        key: tuple,
+        plan: plans.SplitPlan,
+        head_bounds: Sequence[int],
+        head_dim: int,
+        hidden: int,
+        exchange: str,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+    ) -> StepBuffers:
         self.drop()
         self._unmap_released()
         specs: Specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}

@@ -6,6 +6,7 @@ the checking) when it comes in, so a provider that returns a malformed section s
 ...}`` in that section instead of breaking the route. :class:`Status` is the whole document's shape,
 what a consumer checks it against (``msgspec.convert(doc, Status)``).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,16 @@ from msgspec import UNSET, UnsetType
 from h3ms_async import PACK_ROOT
 from h3ms_async.runtime.host_memory import RamInfo
 
-SECTIONS = ("plans", "workers", "weight_store", "caches", "hooks", "vae_workers", "vae_split",
-            "text_encoder_outputs")
+SECTIONS = (
+    "plans",
+    "workers",
+    "weight_store",
+    "caches",
+    "hooks",
+    "vae_workers",
+    "vae_split",
+    "text_encoder_outputs",
+)
 #: Sections present only while a module provides them: "attention" (H3 Attention Parallel).
 OPTIONAL_SECTIONS = ("attention",)
 
@@ -30,8 +39,7 @@ Object = dict[str, Any]
 
 
 class SchemaError(ValueError):
-    """A record or status section does not match its type; the message names the field and the fix.
-    """
+    """A record or status section does not match its type; the message names the field and the fix."""
 
 
 class WorkerRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -43,11 +51,11 @@ class WorkerRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Text
     pid: Annotated[int, msgspec.Meta(ge=1)] | None
     state: Text
-    uptime_s: NonNegFloat | None | UnsetType = UNSET
-    rss_bytes: NonNegInt | None | UnsetType = UNSET
-    vram_bytes: NonNegInt | None | UnsetType = UNSET
+    uptime_s: NonNegFloat | UnsetType | None = UNSET
+    rss_bytes: NonNegInt | UnsetType | None = UNSET
+    vram_bytes: NonNegInt | UnsetType | None = UNSET
     jobs_done: NonNegInt | UnsetType = UNSET
-    log: Text | None | UnsetType = UNSET
+    log: Text | UnsetType | None = UNSET
     error: str | UnsetType = UNSET
 
 
@@ -59,7 +67,7 @@ class AttentionEngine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     helpers: list[WorkerRow]
     calls: NonNegInt
     recent_calls: Rows
-    shares: list[float] | None | UnsetType = UNSET
+    shares: list[float] | UnsetType | None = UNSET
     transport: str | UnsetType = UNSET
     running: bool | UnsetType = UNSET
     splits: Rows | UnsetType = UNSET
@@ -80,9 +88,15 @@ class SectionError(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 #: Each provider-filled section's type: ``plans``, ``weight_store``, ``vae_split`` and
 #: ``text_encoder_outputs`` are objects, ``caches`` and ``hooks`` lists of objects.
 SECTION_TYPES: dict[str, Any] = {
-    "plans": Object, "workers": list[WorkerRow], "weight_store": Object, "caches": Rows,
-    "hooks": Rows, "vae_workers": list[WorkerRow], "vae_split": Object,
-    "text_encoder_outputs": Object, "attention": AttentionSection,
+    "plans": Object,
+    "workers": list[WorkerRow],
+    "weight_store": Object,
+    "caches": Rows,
+    "hooks": Rows,
+    "vae_workers": list[WorkerRow],
+    "vae_split": Object,
+    "text_encoder_outputs": Object,
+    "attention": AttentionSection,
 }
 
 
@@ -113,8 +127,10 @@ def validate_section(section: str, value: Any) -> Any:
     JSON form; an ``{"error": str}`` section passes as it is. Raises :class:`SchemaError` naming the
     section and the field (an unknown section, a wrong shape, a value JSON cannot carry)."""
     if section not in SECTION_TYPES:
-        raise SchemaError(f"status: unknown section {section!r}; known sections: "
-                          f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
+        raise SchemaError(
+            f"status: unknown section {section!r}; known sections: "
+            f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}"
+        )
     try:
         msgspec.convert(value, SectionError)
         return value
@@ -128,8 +144,10 @@ def validate_section(section: str, value: Any) -> Any:
         out = msgspec.to_builtins(typed)
         json.dumps(out, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise SchemaError(f"status section {section!r} is not JSON-serialisable ({exc}); return "
-                          "plain dicts/lists/str/numbers") from None
+        raise SchemaError(
+            f"status section {section!r} is not JSON-serialisable ({exc}); return "
+            "plain dicts/lists/str/numbers"
+        ) from None
     return out
 
 
@@ -137,12 +155,14 @@ def pack_version() -> str:
     """The pack's version: its pyproject's, else the installed distribution's, else "unknown"."""
     try:
         import tomllib
+
         data = tomllib.loads((PACK_ROOT / "pyproject.toml").read_text())
         return str(data["project"]["version"])
     except Exception:  # noqa: BLE001 - an installed wheel has no pyproject beside it
         pass
     try:
         from importlib.metadata import version
+
         return version("comfyui-h3-multistream-async")
     except Exception:  # noqa: BLE001
         return "unknown"

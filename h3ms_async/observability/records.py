@@ -5,10 +5,12 @@ Each is a msgspec Struct built by the code that produces it; the status hub (``s
 their JSON forms and serves them, so a consumer can check one with ``msgspec.convert(obj,
 StepRecord)``.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Annotated, Iterable, Literal, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -57,7 +59,6 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ranks: list[RankRecord]
 
 
-
 class VerdictRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One measured exactness verdict of a plan's op on one device (``exactness.verdicts``):
     ``shards`` are the plan's shard sizes (tokens, heads or chunks) as probed; ``detail`` one
@@ -100,8 +101,8 @@ def fmt_bytes(n: int | float | None) -> str:
         return "n/a"
     if n >= GIB:
         return f"{n / GIB:.2f} GiB"
-    if n >= 1024 ** 2:
-        return f"{n / 1024 ** 2:.1f} MiB"
+    if n >= 1024**2:
+        return f"{n / 1024**2:.1f} MiB"
     return f"{n / 1024:.1f} KiB"
 
 
@@ -125,7 +126,8 @@ def format_step_line(rec: Mapping) -> str:
         f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
         f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s "
         f"(exchange {rec['exchange']}{chunks}; compute {_joined(r['compute_s'] for r in ranks)}s, "
-        f"exchange {_joined(r['exchange_s'] for r in ranks)}s, wait {_joined(r['wait_s'] for r in ranks)}s; "
+        f"exchange {_joined(r['exchange_s'] for r in ranks)}s, wait "
+        f"{_joined(r['wait_s'] for r in ranks)}s; "
         f"{fmt_bytes(rec['moved_bytes'])} moved), weight store {rec['weight_store']}"
     )
     peaks: dict[str, int] = {}

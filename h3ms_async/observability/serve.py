@@ -1,9 +1,12 @@
-"""Standalone HTTP server: the status/control routes, the live panel, and a Server-Sent-Events feed of step records.
+"""Standalone HTTP server: the status/control routes, the live panel, and a Server-Sent-Events feed
+of step records.
 
-Inside ComfyUI the routes ride on ComfyUI's own server and steps reach the frontend over its websocket; outside it
-(``python -m h3ms_async serve``, or the demo via :func:`start_background_server`) this module is the server, and
-``GET /h3multistream/events`` is the live feed.
+Inside ComfyUI the routes ride on ComfyUI's own server and steps reach the frontend over its
+websocket; outside it (``python -m h3ms_async serve``, or the demo via
+:func:`start_background_server`) this module is the server, and ``GET /h3multistream/events`` is the
+live feed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,23 +14,33 @@ import errno
 import json
 import logging
 import socket
-from typing import Any, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 from aiohttp import web
 
-from h3ms_async.tools.cli import ArgParser, fail, port as port_type
-from h3ms_async.observability.routes import (PREFIX, LogTail, action_clear_weights, action_release_workers, add_routes,
-                                    request_refusal)
 from h3ms_async.log import ensure_console_handler, get_logger
+from h3ms_async.observability.routes import (
+    PREFIX,
+    LogTail,
+    action_clear_weights,
+    action_release_workers,
+    add_routes,
+    request_refusal,
+)
 from h3ms_async.observability.status import RING_SIZE, StatusHub, get_hub
+from h3ms_async.tools.cli import ArgParser, fail
+from h3ms_async.tools.cli import port as port_type
 
 _log = get_logger("Serve")
 
-EVENTS_DEFAULT_S, EVENTS_MAX_S = 60, 300  # a stream closes after this; EventSource reconnects with ?after / Last-Event-ID
+# a stream closes after this; EventSource reconnects with ?after / Last-Event-ID
+EVENTS_DEFAULT_S, EVENTS_MAX_S = 60, 300
 HEARTBEAT_S = 15.0
 CLIENT_POLL_S = 1.0  # how soon a stream notices that its client left (and frees its slot)
 MAX_STREAMS = 16
-QUEUE_SIZE = 64  # per stream; on overflow the oldest record is dropped and the client sees a seq gap
+# per stream; on overflow the oldest record is dropped and the client sees a seq gap
+QUEUE_SIZE = 64
 
 #: each open event stream's ``put`` (None ends the stream)
 _STREAMS = web.AppKey("h3ms_streams", set[Callable[[dict | None], None]])
@@ -46,27 +59,42 @@ def _parse_int(raw: str | None) -> int | None:
 def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) -> None:
     """``GET /h3multistream/events?after=SEQ&timeout=S``: step records as Server-Sent Events.
 
-    Records with ``seq > after`` (or > the ``Last-Event-ID`` header) still in the ring are sent first, then new ones
-    as they are recorded. A stream lives at most ``timeout`` seconds (default 60, max 300), sends a comment every
-    15 s so proxies keep it open, and ends at once when the server shuts down. At most 16 streams at a time.
+    Records with ``seq > after`` (or > the ``Last-Event-ID`` header) still in the ring are sent
+    first, then new ones as they are recorded. A stream lives at most ``timeout`` seconds (default
+    60, max 300), sends a comment every 15 s so proxies keep it open, and ends at once when the
+    server shuts down. At most 16 streams at a time.
     """
+
     @routes.get(PREFIX + "/events")
     async def events(request: web.Request) -> web.StreamResponse:
         the_hub = hub or get_hub()
         try:
-            # a reconnecting EventSource repeats its first URL's ?after but sends the newer Last-Event-ID
-            marks = [m for m in (_parse_int(request.query.get("after")),
-                                 _parse_int(request.headers.get("Last-Event-ID"))) if m is not None]
+            # a reconnecting EventSource repeats its first URL's ?after but sends the newer
+            # Last-Event-ID
+            marks = [
+                m
+                for m in (
+                    _parse_int(request.query.get("after")),
+                    _parse_int(request.headers.get("Last-Event-ID")),
+                )
+                if m is not None
+            ]
             after = max(marks) if marks else None
             timeout = _parse_int(request.query.get("timeout"))
         except ValueError:
-            return web.json_response({"error": "after and timeout must be integers (a step seq, seconds)"},
-                                     status=400)
+            return web.json_response(
+                {"error": "after and timeout must be integers (a step seq, seconds)"}, status=400
+            )
         timeout = EVENTS_DEFAULT_S if timeout is None else max(1, min(EVENTS_MAX_S, timeout))
         streams = request.app[_STREAMS]
         if len(streams) >= MAX_STREAMS:
-            return web.json_response({"error": f"too many event streams open (max {MAX_STREAMS}); "
-                                      f"poll GET {PREFIX}/steps?after=SEQ instead"}, status=503)
+            return web.json_response(
+                {
+                    "error": f"too many event streams open (max {MAX_STREAMS}); "
+                    f"poll GET {PREFIX}/steps?after=SEQ instead"
+                },
+                status=503,
+            )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict | None] = asyncio.Queue(maxsize=QUEUE_SIZE)
 
@@ -78,14 +106,21 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
         def on_step(rec: dict) -> None:
             try:
                 loop.call_soon_threadsafe(put, rec)
-            except RuntimeError:  # the loop closed between removal and this call: the stream is gone anyway
+            except RuntimeError:
+                # the loop closed between removal and this call: the stream is gone anyway
                 pass
 
-        # listen before reading the backlog so nothing recorded in between is lost; seq dedupes the overlap
+        # listen before reading the backlog so nothing recorded in between is lost; seq dedupes the
+        # overlap
         remove = the_hub.add_listener(on_step)
         streams.add(put)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
         try:
             await resp.prepare(request)
             await resp.write(b"retry: 2000\n\n")
@@ -101,7 +136,7 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
                     break  # the client left: free the slot now, not at the next keepalive write
                 try:
                     rec = await asyncio.wait_for(queue.get(), min(remaining, CLIENT_POLL_S))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if loop.time() >= next_beat and deadline - loop.time() > 0:
                         await resp.write(b": keepalive\n\n")
                         next_beat = loop.time() + HEARTBEAT_S
@@ -121,10 +156,12 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
 
 
 @web.middleware
-async def _guard_and_json_errors(request: web.Request,
-                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Every route behind :func:`routes.request_refusal` (these routes stop workers; DNS rebinding and cross-site
-    writes are refused), and the framework's own 404/405 answered as JSON errors like every other reply."""
+async def _guard_and_json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every route behind :func:`routes.request_refusal` (these routes stop workers; DNS rebinding
+    and cross-site writes are refused), and the framework's own 404/405 answered as JSON errors like
+    every other reply."""
     why = request_refusal(request)
     if why is not None:
         return web.json_response({"error": why}, status=403)
@@ -134,8 +171,14 @@ async def _guard_and_json_errors(request: web.Request,
         if exc.status not in (404, 405) or exc.content_type == "application/json":
             raise
         what = "no such route" if exc.status == 404 else f"{request.method} is not allowed here"
-        return web.json_response({"error": f"{what}: {request.method} {request.path[:200]}; the panel is at "
-                                  f"{PREFIX}/panel"}, status=exc.status, headers=_allow_header(exc))
+        return web.json_response(
+            {
+                "error": f"{what}: {request.method} {request.path[:200]}; the panel is at "
+                f"{PREFIX}/panel"
+            },
+            status=exc.status,
+            headers=_allow_header(exc),
+        )
 
 
 def _allow_header(exc: web.HTTPException) -> dict:
@@ -149,12 +192,16 @@ async def _close_streams(app: web.Application) -> None:
 
 
 def build_app(*, hub: StatusHub | None = None, log_tail: LogTail | None = None) -> web.Application:
-    """The standalone aiohttp application: :func:`h3ms_async.observability.routes.add_routes` plus the event stream."""
+    """The standalone aiohttp application: :func:`h3ms_async.observability.routes.add_routes` plus
+    the event stream."""
     app = web.Application(middlewares=[_guard_and_json_errors])
     app[_STREAMS] = set()
     the_hub = hub or get_hub()
     # Outside ComfyUI nobody else registers the release actions: release what this process shows.
-    for name, fn in (("release_workers", action_release_workers), ("clear_weights", action_clear_weights)):
+    for name, fn in (
+        ("release_workers", action_release_workers),
+        ("clear_weights", action_clear_weights),
+    ):
         if the_hub.action(name) is None:
             the_hub.register_action(name, fn)
     routes = web.RouteTableDef()
@@ -171,9 +218,12 @@ def build_app(*, hub: StatusHub | None = None, log_tail: LogTail | None = None) 
 
 
 def bind_error_text(flag: str, host: str, port: int, exc: OSError) -> str:
-    """One line for a failed bind: which input, why, and what to do (port taken, no permission, bad host)."""
+    """One line for a failed bind: which input, why, and what to do (port taken, no permission, bad
+    host)."""
     if exc.errno == errno.EADDRINUSE:
-        why = f"port {port} on {host} is already in use (another server, or an earlier run still up)"
+        why = (
+            f"port {port} on {host} is already in use (another server, or an earlier run still up)"
+        )
         fix = f"choose another {flag} or stop what holds it (ss -ltnp | grep :{port})"
     elif exc.errno == errno.EACCES:
         why = f"port {port} needs privileges on this machine"
@@ -187,15 +237,29 @@ def bind_error_text(flag: str, host: str, port: int, exc: OSError) -> str:
     return f"{flag} {port}: {why}; {fix}"
 
 
-def serve(host: str = "127.0.0.1", port: int = 8189, *, hub: StatusHub | None = None,
-          log_tail: LogTail | None = None) -> None:
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8189,
+    *,
+    hub: StatusHub | None = None,
+    log_tail: LogTail | None = None,
+) -> None:
     """Run the standalone server in the calling thread until interrupted (Ctrl-C)."""
     if host not in ("127.0.0.1", "localhost", "::1"):
-        _log.warning("serving on %s: these routes have no authentication and can stop workers; "
-                     "prefer 127.0.0.1 behind an SSH tunnel", host)
-    # logged once the socket is bound (run_app's print hook), so a bind error is the only line a user sees
-    web.run_app(build_app(hub=hub, log_tail=log_tail), host=host, port=port, shutdown_timeout=5.0,
-                print=lambda _: _log.info("live panel on http://%s:%d%s/panel", host, port, PREFIX))
+        _log.warning(
+            "serving on %s: these routes have no authentication and can stop workers; "
+            "prefer 127.0.0.1 behind an SSH tunnel",
+            host,
+        )
+    # logged once the socket is bound (run_app's print hook), so a bind error is the only line a
+    # user sees
+    web.run_app(
+        build_app(hub=hub, log_tail=log_tail),
+        host=host,
+        port=port,
+        shutdown_timeout=5.0,
+        print=lambda _: _log.info("live panel on http://%s:%d%s/panel", host, port, PREFIX),
+    )
 
 
 RunOnLoop = Callable[[Coroutine[Any, Any, Any], float], Any]
@@ -203,18 +267,27 @@ RunOnLoop = Callable[[Coroutine[Any, Any, Any], float], Any]
 
 def _coordinator_runner() -> RunOnLoop:
     from h3ms_async.runtime.coordinator import get_coordinator
+
     coord = get_coordinator()
     return lambda coro, timeout: coord.run(coro, timeout)
 
 
-def start_background_server(port: int = 0, host: str = "127.0.0.1", *, hub: StatusHub | None = None,
-                            log_tail: LogTail | None = None,
-                            run: RunOnLoop | None = None) -> tuple[str, Callable[[], None]]:
-    """Serve the routes and panel from a loop that is already running (the coordinator's by default).
+def start_background_server(
+    port: int = 0,
+    host: str = "127.0.0.1",
+    *,
+    hub: StatusHub | None = None,
+    log_tail: LogTail | None = None,
+    run: RunOnLoop | None = None,
+) -> tuple[str, Callable[[], None]]:
+    """Serve the routes and panel from a loop that is already running (the coordinator's by
+    default).
 
-    ``run(coro, timeout)`` executes a coroutine on that loop and returns its result; it defaults to the core
+    ``run(coro, timeout)`` executes a coroutine on that loop and returns its result; it defaults to
+    the core
     coordinator's ``run``. Returns ``(base_url, stop)``: ``base_url`` is ``http://host:port`` with the port actually
-    bound (``port=0`` picks a free one); ``stop()`` closes open event streams and the listening socket, within 10 s.
+    bound (``port=0`` picks a free one); ``stop()`` closes open event streams and the listening
+    socket, within 10 s.
     """
     run = run or _coordinator_runner()
     app = build_app(hub=hub, log_tail=log_tail)
@@ -236,14 +309,20 @@ def start_background_server(port: int = 0, host: str = "127.0.0.1", *, hub: Stat
         if not stopped:
             stopped = True
             run(runner.cleanup(), 10.0)
+
     return url, stop
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m h3ms_async serve [--host H] [--port P]``."""
-    p = ArgParser(prog="python -m h3ms_async serve", description="Serve the H3 MultiStream status routes and live panel.")
+    p = ArgParser(
+        prog="python -m h3ms_async serve",
+        description="Serve the H3 MultiStream status routes and live panel.",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=port_type, default=8189, help="TCP port (default 8189; 0: any free port)")
+    p.add_argument(
+        "--port", type=port_type, default=8189, help="TCP port (default 8189; 0: any free port)"
+    )
     args = p.parse_args(list(argv) if argv is not None else None)
     ensure_console_handler(logging.INFO)
     try:

@@ -9,19 +9,32 @@ the sections its providers fill, each checked where it comes in.
 The hub is a process-wide singleton (:func:`get_hub`); it is thread-safe because producers run on
 the coordinator loop or the prompt thread while the HTTP routes run on the server loop.
 """
+
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import msgspec
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.document import (OPTIONAL_SECTIONS, SECTIONS, SchemaError, Status,
-                                               pack_version, validate_section)
-from h3ms_async.observability.records import (StepRecord, VerdictRecord, VerifyRecord, format_step_line,
-                                              now_iso)
+from h3ms_async.observability.document import (
+    OPTIONAL_SECTIONS,
+    SECTIONS,
+    SchemaError,
+    Status,
+    pack_version,
+    validate_section,
+)
+from h3ms_async.observability.records import (
+    StepRecord,
+    VerdictRecord,
+    VerifyRecord,
+    format_step_line,
+    now_iso,
+)
 from h3ms_async.runtime.host_memory import ram_info
 
 _log = get_logger("MultiStream")
@@ -34,15 +47,19 @@ VERDICTS_KEPT = 64
 VERIFY_KEPT = 16
 
 _DEFAULTS: dict[str, Callable[[], Any]] = {
-    "plans": dict, "workers": list, "weight_store": lambda: {"state": "empty"}, "caches": list, "hooks": list,
-    "vae_workers": list, "vae_split": lambda: {"engines": []},
+    "plans": dict,
+    "workers": list,
+    "weight_store": lambda: {"state": "empty"},
+    "caches": list,
+    "hooks": list,
+    "vae_workers": list,
+    "vae_split": lambda: {"engines": []},
     "text_encoder_outputs": lambda: {"entries": 0, "hits": 0, "misses": 0, "bytes": 0},
 }
 
 
 class StatusHub:
-    """Ring of recent step records + the providers, actions and busy probe behind the status routes.
-    """
+    """Ring of recent step records + the providers, actions and busy probe behind the status routes."""
 
     def __init__(self, ring_size: int = RING_SIZE) -> None:
         self._lock = threading.Lock()
@@ -100,12 +117,17 @@ class StatusHub:
         ``seq``.
         """
         if not isinstance(rec, StepRecord):
-            raise SchemaError(f"step record: got a {type(rec).__name__}; build a records.StepRecord")
+            raise SchemaError(
+                f"step record: got a {type(rec).__name__}; build a records.StepRecord"
+            )
         out = msgspec.to_builtins(rec)
         with self._lock:
             if rec.seq <= self._last_seq:
-                raise SchemaError(f"step record: field 'seq' must increase, got {rec.seq} after {self._last_seq}; "
-                                  "take it from get_hub().next_seq()")
+                raise SchemaError(
+                    f"step record: field 'seq' must increase, got {rec.seq} after "
+                    f"{self._last_seq}; "
+                    "take it from get_hub().next_seq()"
+                )
             self._last_seq = rec.seq
             self._ring.append(out)
             self._recorded += 1
@@ -115,7 +137,8 @@ class StatusHub:
         for fn in listeners:
             try:
                 fn(out)
-            except Exception:  # noqa: BLE001 - a broken panel/websocket must never fail a denoising step
+            except Exception:  # noqa: BLE001
+                # a broken panel/websocket must never fail a denoising step
                 _status_log.exception("step listener %r failed; the record is kept", fn)
         return out
 
@@ -137,6 +160,7 @@ class StatusHub:
             with self._lock:
                 if fn in self._listeners:
                     self._listeners.remove(fn)
+
         return remove
 
     # ---- providers, actions, busy
@@ -144,7 +168,10 @@ class StatusHub:
     def register_provider(self, section: str, fn: Callable[[], Any]) -> None:
         """Let another module fill one section of the status JSON (last registration wins)."""
         if section not in SECTIONS + OPTIONAL_SECTIONS:
-            raise ValueError(f"unknown status section {section!r}; use one of {', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
+            raise ValueError(
+                f"unknown status section {section!r}; use one of "
+                f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}"
+            )
         with self._lock:
             self._providers[section] = fn
 
@@ -184,7 +211,9 @@ class StatusHub:
         """The busy probe's answer or any busy source's; one that raises counts as not busy (and is
         logged), like the reference pack."""
         with self._lock:
-            probes = ([self._busy_probe] if self._busy_probe is not None else []) + list(self._busy_sources)
+            probes = ([self._busy_probe] if self._busy_probe is not None else []) + list(
+                self._busy_sources
+            )
         for probe in probes:
             try:
                 if probe():
@@ -202,8 +231,11 @@ class StatusHub:
             return _DEFAULTS[section]()
         try:
             return validate_section(section, fn())
-        except Exception as exc:  # noqa: BLE001 - one broken module must not hide the rest of the status
-            _status_log.warning("status section %r failed: %s: %s", section, type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001
+            # one broken module must not hide the rest of the status
+            _status_log.warning(
+                "status section %r failed: %s: %s", section, type(exc).__name__, exc
+            )
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def worker_log_path(self, rank: int) -> str | None:
@@ -224,8 +256,15 @@ class StatusHub:
             recorded = self._recorded
             optional = {s: None for s in OPTIONAL_SECTIONS if s in self._providers}
         sections = {s: self.section(s) for s in (*SECTIONS, *optional)}
-        st = Status(version=self._version, running=self.busy(), last_step=last, steps_recorded=recorded,
-                    ram=ram_info(), exactness=self.exactness(), **sections)
+        st = Status(
+            version=self._version,
+            running=self.busy(),
+            last_step=last,
+            steps_recorded=recorded,
+            ram=ram_info(),
+            exactness=self.exactness(),
+            **sections,
+        )
         return msgspec.to_builtins(st)
 
 
@@ -242,15 +281,35 @@ def get_hub() -> StatusHub:
         return _hub
 
 
-def record_verdict(program: str, op: str, device: str, dtype: str, shape: str, shards: Iterable[int], verdict: str,
-                   detail: str, probe_ms: float) -> dict:
+def record_verdict(
+    program: str,
+    op: str,
+    device: str,
+    dtype: str,
+    shape: str,
+    shards: Iterable[int],
+    verdict: str,
+    detail: str,
+    probe_ms: float,
+) -> dict:
     """Record one exactness verdict on the process-wide hub (stamped now); see
     :class:`VerdictRecord`."""
     try:
-        rec = VerdictRecord(program=program, op=op, device=device, dtype=dtype, shape=shape,  # type: ignore[arg-type]
-                            shards=[int(s) for s in shards], verdict=verdict, detail=detail,  # type: ignore[arg-type]
-                            probe_ms=float(probe_ms), at=now_iso())
+        rec = VerdictRecord(
+            program=program,
+            op=op,
+            device=device,
+            dtype=dtype,
+            shape=shape,  # type: ignore[arg-type]
+            shards=[int(s) for s in shards],
+            verdict=verdict,
+            detail=detail,  # type: ignore[arg-type]
+            probe_ms=float(probe_ms),
+            at=now_iso(),
+        )
         msgspec.convert(msgspec.to_builtins(rec), VerdictRecord)
     except msgspec.ValidationError as exc:
-        raise SchemaError(f"verdict: {exc}; program is dit|attention|vae, verdict exact|adjusted|unsplit") from None
+        raise SchemaError(
+            f"verdict: {exc}; program is dit|attention|vae, verdict exact|adjusted|unsplit"
+        ) from None
     return get_hub().record_verdict(rec)

@@ -4,20 +4,22 @@ Synchronous callers (ComfyUI's prompt thread, CLI code) use one thread-safe API:
 
     coord = get_coordinator()
     fut = coord.submit(coro)            # concurrent.futures.Future
-    result = coord.run(coro, timeout=60)  # waits; on timeout cancels the coroutine and raises TimeoutError
-    coord.cancel(fut)
+    result = coord.run(coro, timeout=60)  # waits; on timeout cancels the coroutine and raises
+    TimeoutError coord.cancel(fut)
 
 At interpreter exit the coordinator releases the pools registered with it, stops its loop and
 joins its thread: the runtime's one exit hook, registered by the coordinator itself.  Each pool
 releases what it owns (workers, sockets, run dir, segments), so the order of imports plays no part.
 """
+
 from __future__ import annotations
 
 import asyncio
 import atexit
 import concurrent.futures as cf
 import threading
-from typing import Any, Coroutine, Protocol, TypeVar
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 from h3ms_async.log import get_logger
 
@@ -45,7 +47,9 @@ class Coordinator:
         self._lock = threading.Lock()
         self._closed = False
         ready = threading.Event()
-        self.thread = threading.Thread(target=self._run_loop, args=(ready,), name="h3ms-coordinator", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run_loop, args=(ready,), name="h3ms-coordinator", daemon=True
+        )
         self.thread.start()
         if not ready.wait(10):
             raise RuntimeError("the coordinator loop thread did not start within 10 s")
@@ -72,7 +76,7 @@ class Coordinator:
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self.thread
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> "cf.Future[T]":
+    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
         """Schedule ``coro`` on the loop; thread-safe."""
         if self._closed:
             coro.close()
@@ -82,18 +86,21 @@ class Coordinator:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float, what: str | None = None) -> T:
         """Run ``coro`` on the loop and wait at most ``timeout`` seconds for its result.
 
-        On timeout the coroutine is cancelled and ``TimeoutError`` names it (``what`` or the coroutine's name).
-        Exceptions of the coroutine (e.g. a worker's error with its traceback text) are re-raised as they are.
-        An interrupt of the waiting thread (KeyboardInterrupt) cancels the coroutine too.
+        On timeout the coroutine is cancelled and ``TimeoutError`` names it (``what`` or the
+        coroutine's name). Exceptions of the coroutine (e.g. a worker's error with its traceback
+        text) are re-raised as they are. An interrupt of the waiting thread (KeyboardInterrupt)
+        cancels the coroutine too.
         """
         label = what or getattr(coro, "__qualname__", None) or repr(coro)
         if self.in_loop_thread():
             coro.close()
-            raise RuntimeError(f"Coordinator.run({label}) called on the coordinator thread; await it instead")
+            raise RuntimeError(
+                f"Coordinator.run({label}) called on the coordinator thread; await it instead"
+            )
         fut = self.submit(coro)
         try:
-            # Wait first, then read the result: a TimeoutError raised *by* the coroutine must not be mistaken
-            # for our deadline (concurrent.futures.TimeoutError is the same class).
+            # Wait first, then read the result: a TimeoutError raised *by* the coroutine must not be
+            # mistaken for our deadline (concurrent.futures.TimeoutError is the same class).
             done, _ = cf.wait([fut], timeout)
         except BaseException:  # interrupted while waiting
             self.cancel(fut)
@@ -103,8 +110,9 @@ class Coordinator:
             raise TimeoutError(f"{label} did not finish within {timeout:g} s (cancelled)")
         return fut.result()
 
-    def cancel(self, fut: "cf.Future[Any]", wait: float = 2.0) -> bool:
-        """Cancel a submitted coroutine and wait up to ``wait`` s for it to unwind; True if it was cancelled."""
+    def cancel(self, fut: cf.Future[Any], wait: float = 2.0) -> bool:
+        """Cancel a submitted coroutine and wait up to ``wait`` s for it to unwind; True if it was
+        cancelled."""
         cancelled = fut.cancel()
         if not self.in_loop_thread():
             cf.wait([fut], timeout=wait)

@@ -1,20 +1,21 @@
 """The coordinator side of a rank program: one engine base and one registry per program.
 
-An engine (the DiT split, the VAE split decode, attention parallel) owns a :class:`WorkerPool` running its rank
-program and the state that outlives one call (the workers, loaded weights, step buffers).  What every engine needs
-is here, once:
+An engine (the DiT split, the VAE split decode, attention parallel) owns a :class:`WorkerPool`
+running its rank program and the state that outlives one call (the workers, loaded weights, step
+buffers).  What every engine needs is here, once:
 
-* :class:`Engine`: a caller thread runs one job at a time (:meth:`Engine.job`); it waits for the ranks' futures
-  with a deadline while polling the caller's interrupt probe (:meth:`Engine.wait`), and any failure, the interrupt or
-  the deadline aborts every rank before it raises the engine's own error; :meth:`Engine.release` stops the workers
-  and drops the resident state.
-* :class:`EngineRegistry`: per program, the engines alive in this process, the cached one per *process key* (what
-  needs other worker processes; per-call settings are not part of it), releasing all of them, and the program's
-  status sections and busy source on the hub.
+* :class:`Engine`: a caller thread runs one job at a time (:meth:`Engine.job`); it waits for the
+  ranks' futures with a deadline while polling the caller's interrupt probe (:meth:`Engine.wait`),
+  and any failure, the interrupt or the deadline aborts every rank before it raises the engine's own
+  error; :meth:`Engine.release` stops the workers and drops the resident state.
+* :class:`EngineRegistry`: per program, the engines alive in this process, the cached one per
+  *process key* (what needs other worker processes; per-call settings are not part of it), releasing
+  all of them, and the program's status sections and busy source on the hub.
 
-:func:`release_engines` and :func:`live_engines` reach every program's engines (the release routes use them), so a
-new rank program adds its engine class and registry and nothing else.
+:func:`release_engines` and :func:`live_engines` reach every program's engines (the release routes
+use them), so a new rank program adds its engine class and registry and nothing else.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -22,7 +23,13 @@ import contextlib
 import threading
 import time
 import weakref
-from typing import Any, Callable, ClassVar, Coroutine, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from typing import (
+    Any,
+    ClassVar,
+    Generic,
+    TypeVar,
+)
 
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import get_hub
@@ -41,11 +48,13 @@ class Engine:
     """Base of every rank program's coordinator-side engine.
 
     A subclass sets :attr:`error` (and :attr:`interrupted`, a subclass of it), makes its pool, calls
-    ``super().__init__(pool, registry)``, runs each job inside :meth:`job` and overrides :meth:`_drop_resident` (and
+    ``super().__init__(pool, registry)``, runs each job inside :meth:`job` and overrides
+    :meth:`_drop_resident` (and
     :meth:`holds_resident` when it keeps state besides its workers).
     """
 
-    #: What a failed, timed-out job raises (a worker's :class:`WorkerError` becomes one, with its message).
+    #: What a failed, timed-out job raises (a worker's :class:`WorkerError` becomes one, with its
+    #: message).
     error: ClassVar[type[Exception]] = RuntimeError
     #: What a job stopped by the caller's interrupt probe raises.
     interrupted: ClassVar[type[Exception]] = RuntimeError
@@ -54,7 +63,7 @@ class Engine:
     #: Put before a worker's error message when it becomes :attr:`error`.
     failure_prefix: ClassVar[str] = ""
 
-    def __init__(self, pool: WorkerPool, registry: "EngineRegistry") -> None:
+    def __init__(self, pool: WorkerPool, registry: EngineRegistry) -> None:
         self.pool = pool
         self._lock = threading.Lock()
         self._running = False
@@ -67,7 +76,8 @@ class Engine:
 
     @contextlib.contextmanager
     def job(self) -> Iterator[None]:
-        """Hold the engine for one job (jobs of one engine run one after another); :attr:`running` meanwhile."""
+        """Hold the engine for one job (jobs of one engine run one after another); :attr:`running`
+        meanwhile."""
         with self._lock:
             self._running = True
             try:
@@ -75,25 +85,42 @@ class Engine:
             finally:
                 self._running = False
 
-    # -- waiting for the ranks ------------------------------------------------------------------------------------
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float, what: str,
-            interrupt: Callable[[], bool] | None = None, poll: Callable[[], None] | None = None) -> Any:
+    # -- waiting for the ranks ---------------------------------------------------------------------
+    def run(
+        self,
+        coro: Coroutine[Any, Any, Any],
+        timeout: float,
+        what: str,
+        interrupt: Callable[[], bool] | None = None,
+        poll: Callable[[], None] | None = None,
+    ) -> Any:
         """Run ``coro`` on the coordinator loop and return its result; see :meth:`wait`."""
-        return self.wait([get_coordinator().submit(coro)], timeout, what, interrupt=interrupt, poll=poll)[0]
+        return self.wait(
+            [get_coordinator().submit(coro)], timeout, what, interrupt=interrupt, poll=poll
+        )[0]
 
-    def wait(self, futs: Sequence["cf.Future[Any]"], timeout: float, what: str, *,
-             interrupt: Callable[[], bool] | None = None, poll: Callable[[], None] | None = None,
-             on_result: Callable[[int, Any], None] | None = None,
-             abandon: Iterable["cf.Future[Any]"] | None = None) -> list[Any]:
-        """The results of ``futs`` (coordinator futures of this engine's rank requests), in their order.
+    def wait(
+        self,
+        futs: Sequence[cf.Future[Any]],
+        timeout: float,
+        what: str,
+        *,
+        interrupt: Callable[[], bool] | None = None,
+        poll: Callable[[], None] | None = None,
+        on_result: Callable[[int, Any], None] | None = None,
+        abandon: Iterable[cf.Future[Any]] | None = None,
+    ) -> list[Any]:
+        """The results of ``futs`` (coordinator futures of this engine's rank requests), in their
+        order.
 
-        Waits at most ``timeout`` s in all.  ``on_result(i, result)`` runs in this thread as each future finishes
-        (in finishing order), so the caller takes a rank's result in while the others still work.  ``interrupt``
-        and ``poll`` (progress) run in this thread every :data:`INTERRUPT_POLL_S` s while futures are pending.
+        Waits at most ``timeout`` s in all.  ``on_result(i, result)`` runs in this thread as each
+        future finishes (in finishing order), so the caller takes a rank's result in while the
+        others still work.  ``interrupt`` and ``poll`` (progress) run in this thread every
+        :data:`INTERRUPT_POLL_S` s while futures are pending.
 
-        Any failure (a rank's :class:`WorkerError`, the interrupt, the deadline, an exception of ``on_result`` or
-        ``poll``, a KeyboardInterrupt) aborts every rank and cancels the futures of ``abandon`` (default: ``futs``)
-        before it propagates as :attr:`error` / :attr:`interrupted`.
+        Any failure (a rank's :class:`WorkerError`, the interrupt, the deadline, an exception of
+        ``on_result`` or ``poll``, a KeyboardInterrupt) aborts every rank and cancels the futures of
+        ``abandon`` (default: ``futs``) before it propagates as :attr:`error` / :attr:`interrupted`.
         """
         futs = list(futs)
         index = {f: i for i, f in enumerate(futs)}
@@ -106,9 +133,14 @@ class Engine:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     hint = f" ({self.deadline_hint})" if self.deadline_hint else ""
-                    raise self.error(f"{what} did not finish within {timeout:g} s{hint}; every rank was aborted")
-                done, pending = cf.wait(pending, timeout=left if tick is None else min(left, tick),
-                                        return_when=cf.FIRST_COMPLETED)
+                    raise self.error(
+                        f"{what} did not finish within {timeout:g} s{hint}; every rank was aborted"
+                    )
+                done, pending = cf.wait(
+                    pending,
+                    timeout=left if tick is None else min(left, tick),
+                    return_when=cf.FIRST_COMPLETED,
+                )
                 for fut in sorted(done, key=index.__getitem__):
                     i = index[fut]
                     results[i] = fut.result()
@@ -127,8 +159,9 @@ class Engine:
             raise
         return results
 
-    def abandon(self, futs: Iterable["cf.Future[Any]"]) -> None:
-        """Abort every rank's current work and cancel ``futs``, when any of them is still pending."""
+    def abandon(self, futs: Iterable[cf.Future[Any]]) -> None:
+        """Abort every rank's current work and cancel ``futs``, when any of them is still
+        pending."""
         futs = list(futs)
         if all(f.done() for f in futs):
             return
@@ -137,9 +170,10 @@ class Engine:
         for fut in futs:
             coord.cancel(fut, wait=2.0)
 
-    # -- resident state -----------------------------------------------------------------------------------------
+    # -- resident state ----------------------------------------------------------------------------
     def holds_resident(self) -> bool:
-        """Whether this engine holds anything to release: running workers, or state a subclass keeps."""
+        """Whether this engine holds anything to release: running workers, or state a subclass
+        keeps."""
         return self.pool.running
 
     def release(self) -> None:
@@ -147,16 +181,21 @@ class Engine:
         with self._lock:
             try:
                 if self.pool.running:
-                    get_coordinator().run(self.pool.release(force=True), RELEASE_TIMEOUT_S,
-                                          f"releasing the {self.pool.program or self.pool.name} workers")
+                    get_coordinator().run(
+                        self.pool.release(force=True),
+                        RELEASE_TIMEOUT_S,
+                        f"releasing the {self.pool.program or self.pool.name} workers",
+                    )
             finally:
                 self._drop_resident()
 
     def _drop_resident(self) -> None:
-        """Drop what the engine keeps besides its workers (called by :meth:`release`, with the job lock held)."""
+        """Drop what the engine keeps besides its workers (called by :meth:`release`, with the job
+        lock held)."""
 
     def release_weights(self) -> bool:
-        """Drop loaded weights but keep the workers; returns whether any were held (engines that keep none: False)."""
+        """Drop loaded weights but keep the workers; returns whether any were held (engines that
+        keep none: False)."""
         return False
 
 
@@ -168,16 +207,16 @@ StatusProviders = Mapping[str, Callable[[list], Any]]
 class EngineRegistry(Generic[E]):
     """One rank program's engines: every live one, and the cached one of the current process key.
 
-    ``label`` names the program's workers in release messages ("split workers").  ``status`` maps status sections
-    to functions of the live engines; they and a busy source ("any live engine is running") go on the hub when the
-    first engine is made.
+    ``label`` names the program's workers in release messages ("split workers").  ``status`` maps
+    status sections to functions of the live engines; they and a busy source ("any live engine is
+    running") go on the hub when the first engine is made.
     """
 
     def __init__(self, program: str, label: str, status: StatusProviders) -> None:
         self.program = program
         self.label = label
         self._status = dict(status)
-        self._live: "weakref.WeakSet[E]" = weakref.WeakSet()
+        self._live: weakref.WeakSet[E] = weakref.WeakSet()
         self._cached: dict[tuple, E] = {}
         self._lock = threading.RLock()
         self._on_hub = False
@@ -202,8 +241,9 @@ class EngineRegistry(Generic[E]):
         return lambda: fn(self.live())
 
     def get(self, key: tuple, make: Callable[[], E]) -> E:
-        """The cached engine for ``key``, made by ``make()`` the first time.  Engines cached for another key are
-        released first: one runs at a time, and each one's workers and resident state hold memory."""
+        """The cached engine for ``key``, made by ``make()`` the first time.  Engines cached for
+        another key are released first: one runs at a time, and each one's workers and resident
+        state hold memory."""
         with self._lock:
             eng = self._cached.get(key)
             if eng is None:
@@ -223,14 +263,16 @@ class EngineRegistry(Generic[E]):
             return list(self._live)
 
     def release_all(self, force: bool = True) -> tuple[int, int]:
-        """Release the cached engines and every other live engine that still holds resident state; a running one
-        only with ``force`` (it waits for the job).  Returns ``(released, busy)``."""
+        """Release the cached engines and every other live engine that still holds resident state; a
+        running one only with ``force`` (it waits for the job).  Returns ``(released, busy)``."""
         with self._lock:
             live = self.live()
             busy = [e for e in live if e.running and not force]
             cached = [e for e in self._cached.values() if e not in busy]
             self._cached = {k: e for k, e in self._cached.items() if e in busy}
-        todo = cached + [e for e in live if e not in cached and e not in busy and e.holds_resident()]
+        todo = cached + [
+            e for e in live if e not in cached and e not in busy and e.holds_resident()
+        ]
         for eng in todo:
             eng.release()
         return len(todo), len(busy)
@@ -252,6 +294,6 @@ def live_engines() -> list[Engine]:
 
 
 def release_engines(force: bool = True) -> list[tuple[EngineRegistry, int, int]]:
-    """Release every program's engines (:meth:`EngineRegistry.release_all`); per registry ``(registry, released,
-    busy)``."""
+    """Release every program's engines (:meth:`EngineRegistry.release_all`); per registry
+    ``(registry, released, busy)``."""
     return [(reg, *reg.release_all(force)) for reg in registries()]

@@ -3,6 +3,7 @@
 The weight store, the caches and the node layer check their RAM reserve against :func:`ram_info`;
 the status document shows it as its ``ram`` section.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 import msgspec
 import psutil
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 class RamInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -60,7 +61,9 @@ def _container_memory(root: Path) -> tuple[int, int] | None:
     """
     candidates = [(root / "memory.max", root / "memory.current", root / "memory.stat", "")]
     v1 = root / "memory"
-    candidates.append((v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat", "total_"))
+    candidates.append(
+        (v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat", "total_")
+    )
     for limit_p, cur_p, stat_p, prefix in candidates:
         limit = _read_int(limit_p)
         current = _read_int(cur_p)
@@ -70,6 +73,7 @@ def _container_memory(root: Path) -> tuple[int, int] | None:
 
         def g(k: str) -> int:
             return stat.get(prefix + k, stat.get(k, 0))
+
         reclaimable = g("active_file") + g("inactive_file") - g("dirty") - g("writeback")
         reclaimable = max(0, reclaimable - int(0.05 * limit))
         return limit, max(0, limit - current + reclaimable)
@@ -90,5 +94,7 @@ def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> RamInfo:
     cont = _container_memory(Path(cgroup_root))
     if cont is not None and cont[0] < total:
         total, avail, limited = cont[0], min(avail, cont[1]), True
-    text = f"RAM available {avail / GIB:.1f} of {total / GIB:.1f} GiB" + (" (container limit)" if limited else "")
+    text = f"RAM available {avail / GIB:.1f} of {total / GIB:.1f} GiB" + (
+        " (container limit)" if limited else ""
+    )
     return RamInfo(available_bytes=avail, total_bytes=total, text=text, container_limit=limited)

@@ -1,25 +1,29 @@
-"""Which GPUs take part in a split, in which order, with which shares; how tokens and heads are apportioned.
+"""Which GPUs take part in a split, in which order, with which shares; how tokens and heads are
+apportioned.
 
 Rules as the node surface specifies them (``docs/comfyui_facts.md`` §7): the model's device is
-always rank 0; explicit lists keep their order, ``auto`` takes ascending indices; excluded GPUs, GPUs below the free
-VRAM floor and GPUs past ``max_gpus`` drop out with a note; shares default to 1.0.  Every error names the input and
-how to fix it.  Resolution is a pure function of the visible device count and a free-memory probe, so it is tested
-without CUDA; ``resolve_cuda`` supplies those from torch.
+always rank 0; explicit lists keep their order, ``auto`` takes ascending indices; excluded GPUs,
+GPUs below the free VRAM floor and GPUs past ``max_gpus`` drop out with a note; shares default to
+1.0.  Every error names the input and how to fix it.  Resolution is a pure function of the visible
+device count and a free-memory probe, so it is tested without CUDA; ``resolve_cuda`` supplies those
+from torch.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 MAX_GPUS = 8
 DIT_MAX_RANKS = 8
-_GIB = 1024 ** 3
+_GIB = 1024**3
 _AUTO = ("", "auto", "all")
 
 
 class GPUSelectionError(ValueError):
-    """A GPU-set input or the rank plan it leads to is invalid; the message names the input and the fix."""
+    """A GPU-set input or the rank plan it leads to is invalid; the message names the input and the
+    fix."""
 
 
 def _parts(text: str) -> list[str]:
@@ -27,19 +31,24 @@ def _parts(text: str) -> list[str]:
 
 
 def parse_index_list(text: str | None, what: str) -> tuple[int, ...] | None:
-    """Parse a ``gpus``/``exclude`` field: ``"0,1,3"``, ``"cuda:0; cuda:2"``; empty/``auto``/``all`` gives None."""
+    """Parse a ``gpus``/``exclude`` field: ``"0,1,3"``, ``"cuda:0; cuda:2"``; empty/``auto``/``all``
+    gives None."""
     norm = (text or "").strip().lower()
     if norm in _AUTO:
         return None
     out: list[int] = []
     for part in _parts(norm):
-        token = part[len("cuda:"):].strip() if part.startswith("cuda:") else part
+        token = part[len("cuda:") :].strip() if part.startswith("cuda:") else part
         try:
             idx = int(token)
         except ValueError:
-            raise GPUSelectionError(f"{what}: {part!r} is not a CUDA index (use e.g. 0,1,3)") from None
+            raise GPUSelectionError(
+                f"{what}: {part!r} is not a CUDA index (use e.g. 0,1,3)"
+            ) from None
         if idx < 0:
-            raise GPUSelectionError(f"{what}: negative index {idx} (CUDA indices start at 0; use e.g. 0,1,3)")
+            raise GPUSelectionError(
+                f"{what}: negative index {idx} (CUDA indices start at 0; use e.g. 0,1,3)"
+            )
         if idx in out:
             raise GPUSelectionError(f"{what}: cuda:{idx} listed twice (list each GPU once)")
         out.append(idx)
@@ -53,7 +62,9 @@ def parse_shares(text: str | None) -> tuple[float, ...]:
         try:
             value = float(part)
         except ValueError:
-            raise GPUSelectionError(f"shares: {part!r} is not a number (use e.g. 1,1,0.7)") from None
+            raise GPUSelectionError(
+                f"shares: {part!r} is not a number (use e.g. 1,1,0.7)"
+            ) from None
         if not math.isfinite(value) or value <= 0:
             raise GPUSelectionError(f"shares: {part!r} must be greater than 0 (use e.g. 1,1,0.7)")
         out.append(value)
@@ -68,8 +79,9 @@ def _fmt_share(value: float) -> str:
 class GPUSet:
     """A user's GPU selection, as the GPU Set node gives it (validated on construction).
 
-    ``gpus`` None means all visible GPUs; ``shares`` follow the listed (or all visible) GPUs minus the excluded
-    ones.  ``implicit_primary`` marks the legacy single-``second_gpu`` form, which adds the model GPU silently.
+    ``gpus`` None means all visible GPUs; ``shares`` follow the listed (or all visible) GPUs minus
+    the excluded ones.  ``implicit_primary`` marks the legacy single-``second_gpu`` form, which adds
+    the model GPU silently.
     """
 
     gpus: tuple[int, ...] | None = None
@@ -80,39 +92,66 @@ class GPUSet:
     implicit_primary: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_gpus, bool) or not isinstance(self.max_gpus, int) or not 1 <= self.max_gpus <= MAX_GPUS:
-            raise GPUSelectionError(f"max_gpus must be between 1 and {MAX_GPUS}, got {self.max_gpus!r}")
+        if (
+            isinstance(self.max_gpus, bool)
+            or not isinstance(self.max_gpus, int)
+            or not 1 <= self.max_gpus <= MAX_GPUS
+        ):
+            raise GPUSelectionError(
+                f"max_gpus must be between 1 and {MAX_GPUS}, got {self.max_gpus!r}"
+            )
         if not math.isfinite(self.min_free_vram_gb) or self.min_free_vram_gb < 0:
-            raise GPUSelectionError(f"min_free_vram_gb must be 0 or more (0 turns the check off), got {self.min_free_vram_gb!r}")
+            raise GPUSelectionError(
+                "min_free_vram_gb must be 0 or more (0 turns the check off), got "
+                f"{self.min_free_vram_gb!r}"
+            )
         if any(s <= 0 or not math.isfinite(s) for s in self.shares):
-            raise GPUSelectionError(f"shares {self.shares} must all be greater than 0 (use e.g. 1,1,0.7)")
+            raise GPUSelectionError(
+                f"shares {self.shares} must all be greater than 0 (use e.g. 1,1,0.7)"
+            )
         if self.gpus is not None and self.shares:
             listed = [g for g in self.gpus if g not in self.exclude]
             if len(self.shares) != len(listed):
                 raise GPUSelectionError(_shares_mismatch(self.shares, listed))
 
     @classmethod
-    def parse(cls, gpus: str = "auto", exclude: str = "", shares: str = "", min_free_vram_gb: float = 0.0,
-              max_gpus: int = MAX_GPUS) -> "GPUSet":
+    def parse(
+        cls,
+        gpus: str = "auto",
+        exclude: str = "",
+        shares: str = "",
+        min_free_vram_gb: float = 0.0,
+        max_gpus: int = MAX_GPUS,
+    ) -> GPUSet:
         """Build from the node's text fields."""
-        return cls(parse_index_list(gpus, "gpus"), parse_index_list(exclude, "exclude") or (), parse_shares(shares),
-                   float(min_free_vram_gb), max_gpus)
+        return cls(
+            parse_index_list(gpus, "gpus"),
+            parse_index_list(exclude, "exclude") or (),
+            parse_shares(shares),
+            float(min_free_vram_gb),
+            max_gpus,
+        )
 
     @classmethod
-    def legacy(cls, second_gpu: int) -> "GPUSet":
+    def legacy(cls, second_gpu: int) -> GPUSet:
         """The old single ``second_gpu`` input: -1 is auto, N >= 0 is the model GPU plus cuda:N."""
         if second_gpu < -1:
-            raise GPUSelectionError(f"second_gpu must be -1 (auto) or a CUDA index, got {second_gpu}")
+            raise GPUSelectionError(
+                f"second_gpu must be -1 (auto) or a CUDA index, got {second_gpu}"
+            )
         return cls() if second_gpu == -1 else cls(gpus=(second_gpu,), implicit_primary=True)
 
     def describe(self) -> str:
-        """One line, e.g. ``gpus 0,1,3, exclude 2, shares cuda:0=1,cuda:1=0.7, min free 4 GiB, max 4``."""
+        """One line, e.g. ``gpus 0,1,3, exclude 2, shares cuda:0=1,cuda:1=0.7, min free 4 GiB, max
+        4``."""
         text = "gpus " + ("auto" if self.gpus is None else ",".join(map(str, self.gpus)))
         if self.exclude:
             text += ", exclude " + ",".join(map(str, self.exclude))
         if self.shares and self.gpus is not None:
             listed = [g for g in self.gpus if g not in self.exclude]
-            text += ", shares " + ",".join(f"cuda:{g}={_fmt_share(s)}" for g, s in zip(listed, self.shares))
+            text += ", shares " + ",".join(
+                f"cuda:{g}={_fmt_share(s)}" for g, s in zip(listed, self.shares)
+            )
         elif self.shares:
             text += ", shares " + ",".join(_fmt_share(s) for s in self.shares)
         if self.min_free_vram_gb > 0:
@@ -124,13 +163,17 @@ class GPUSet:
 
 def _shares_mismatch(shares: Sequence[float], gpus: Sequence[int]) -> str:
     names = ",".join(f"cuda:{g}" for g in gpus) or "none"
-    return (f"shares: {len(shares)} value(s) for {len(gpus)} GPU(s) ({names}); give one share per GPU in that "
-            "order, or leave shares empty")
+    return (
+        f"shares: {len(shares)} value(s) for {len(gpus)} GPU(s) ({names}); give one share per GPU "
+        "in that "
+        "order, or leave shares empty"
+    )
 
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Resolved ranks: ``devices[0]`` is the model's GPU; ``shares[r]`` is rank r's relative work."""
+    """Resolved ranks: ``devices[0]`` is the model's GPU; ``shares[r]`` is rank r's relative
+    work."""
 
     devices: tuple[str, ...]
     shares: tuple[float, ...]
@@ -147,31 +190,43 @@ class RankPlan:
         text = f"{len(self.devices)} rank(s): " + ", ".join(parts)
         return text + (" | " + "; ".join(self.notes) if self.notes else "")
 
-    def limited(self, n: int) -> "RankPlan":
+    def limited(self, n: int) -> RankPlan:
         """Keep the first ``n`` ranks, with a note naming what was dropped."""
         if n < 1:
             raise GPUSelectionError(f"rank limit must be at least 1, got {n}")
         if len(self.devices) <= n:
             return self
         dropped = ", ".join(self.devices[n:])
-        return RankPlan(self.devices[:n], self.shares[:n],
-                        self.notes + (f"at most {n} ranks: dropped {dropped}",))
+        return RankPlan(
+            self.devices[:n],
+            self.shares[:n],
+            self.notes + (f"at most {n} ranks: dropped {dropped}",),
+        )
 
 
 def _not_visible(idx: int, visible_count: int) -> GPUSelectionError:
-    return GPUSelectionError(f"cuda:{idx} does not exist: {visible_count} CUDA device(s) visible "
-                             "(CUDA_VISIBLE_DEVICES / --cuda-device limit what ComfyUI sees)")
+    return GPUSelectionError(
+        f"cuda:{idx} does not exist: {visible_count} CUDA device(s) visible "
+        "(CUDA_VISIBLE_DEVICES / --cuda-device limit what ComfyUI sees)"
+    )
 
 
-def resolve(gpu_set: GPUSet, primary_index: int | None, *, visible_count: int,
-            free_vram: Callable[[int], int | None]) -> RankPlan:
+def resolve(
+    gpu_set: GPUSet,
+    primary_index: int | None,
+    *,
+    visible_count: int,
+    free_vram: Callable[[int], int | None],
+) -> RankPlan:
     """The rank plan of ``gpu_set`` for a model on ``cuda:primary_index`` (None means 0).
 
-    ``free_vram(i)`` returns free bytes of cuda:i or None when unknown; it is only asked when a floor is set, and
-    never about the primary.
+    ``free_vram(i)`` returns free bytes of cuda:i or None when unknown; it is only asked when a
+    floor is set, and never about the primary.
     """
     if visible_count < 1:
-        raise GPUSelectionError("no CUDA device is visible; the split needs the model on a CUDA GPU")
+        raise GPUSelectionError(
+            "no CUDA device is visible; the split needs the model on a CUDA GPU"
+        )
     p = 0 if primary_index is None else primary_index
     if not 0 <= p < visible_count:
         raise _not_visible(p, visible_count)
@@ -179,8 +234,10 @@ def resolve(gpu_set: GPUSet, primary_index: int | None, *, visible_count: int,
         if idx >= visible_count:
             raise _not_visible(idx, visible_count)
     if p in gpu_set.exclude:
-        raise GPUSelectionError(f"exclude: the model's device cuda:{p} is excluded; it must take part (it runs the "
-                                "H3 forward). Remove it from exclude or move the model to another GPU")
+        raise GPUSelectionError(
+            f"exclude: the model's device cuda:{p} is excluded; it must take part (it runs the "
+            "H3 forward). Remove it from exclude or move the model to another GPU"
+        )
     listed = list(gpu_set.gpus) if gpu_set.gpus is not None else list(range(visible_count))
     candidates = [g for g in listed if g not in gpu_set.exclude]
     if gpu_set.shares and len(gpu_set.shares) != len(candidates):
@@ -199,18 +256,26 @@ def resolve(gpu_set: GPUSet, primary_index: int | None, *, visible_count: int,
         if floor > 0:
             free = free_vram(g)
             if free is not None and free < floor * _GIB:
-                notes.append(f"skipped cuda:{g}: {free / _GIB:.1f} GiB free < min_free_vram_gb {_fmt_share(floor)}")
+                notes.append(
+                    f"skipped cuda:{g}: {free / _GIB:.1f} GiB free < min_free_vram_gb "
+                    f"{_fmt_share(floor)}"
+                )
                 continue
         chosen.append(g)
     if len(chosen) > gpu_set.max_gpus:
-        dropped = ", ".join(f"cuda:{g}" for g in chosen[gpu_set.max_gpus:])
+        dropped = ", ".join(f"cuda:{g}" for g in chosen[gpu_set.max_gpus :])
         notes.append(f"max_gpus {gpu_set.max_gpus}: dropped {dropped}")
-        chosen = chosen[:gpu_set.max_gpus]
-    return RankPlan(tuple(f"cuda:{g}" for g in chosen), tuple(share_of.get(g, 1.0) for g in chosen), tuple(notes))
+        chosen = chosen[: gpu_set.max_gpus]
+    return RankPlan(
+        tuple(f"cuda:{g}" for g in chosen),
+        tuple(share_of.get(g, 1.0) for g in chosen),
+        tuple(notes),
+    )
 
 
-def resolve_cuda(gpu_set: GPUSet, primary: "str | int | None") -> RankPlan:
-    """``resolve`` with the visible devices and free memory from ``torch.cuda`` (primary: ``cuda:N``, N or None)."""
+def resolve_cuda(gpu_set: GPUSet, primary: str | int | None) -> RankPlan:
+    """``resolve`` with the visible devices and free memory from ``torch.cuda`` (primary:
+    ``cuda:N``, N or None)."""
     import torch
 
     if isinstance(primary, str):
@@ -230,19 +295,25 @@ def resolve_cuda(gpu_set: GPUSet, primary: "str | int | None") -> RankPlan:
 
 
 def partition(total: int, shares: Sequence[float], what: str = "tokens") -> list[int]:
-    """Bounds ``[0, b1, ..., total]`` giving rank r the items ``[b_r, b_{r+1})`` in proportion to ``shares``.
+    """Bounds ``[0, b1, ..., total]`` giving rank r the items ``[b_r, b_{r+1})`` in proportion to
+    ``shares``.
 
-    Largest remainder: ``raw_r = total*share_r/sum``, ``size_r = max(1, floor(raw_r))``; while short, +1 to the
-    largest ``raw - size``; while over, -1 (among sizes > 1) from the largest ``size - raw``; ties go to the higher
-    rank.  56 heads on 3 equal ranks → 18/19/19; shares 1,1,0.7 → 21/21/14.
+    Largest remainder: ``raw_r = total*share_r/sum``, ``size_r = max(1, floor(raw_r))``; while
+    short, +1 to the largest ``raw - size``; while over, -1 (among sizes > 1) from the largest
+    ``size - raw``; ties go to the higher rank.  56 heads on 3 equal ranks → 18/19/19; shares
+    1,1,0.7 → 21/21/14.
     """
     n = len(shares)
     if n < 1:
         raise GPUSelectionError("partition needs at least one rank share")
     if any(not math.isfinite(s) or s <= 0 for s in shares):
-        raise GPUSelectionError(f"shares {list(shares)} must all be greater than 0 (use e.g. 1,1,0.7)")
+        raise GPUSelectionError(
+            f"shares {list(shares)} must all be greater than 0 (use e.g. 1,1,0.7)"
+        )
     if total < n:
-        raise GPUSelectionError(f"cannot split {total} {what} across {n} ranks; use at most {total} ranks")
+        raise GPUSelectionError(
+            f"cannot split {total} {what} across {n} ranks; use at most {total} ranks"
+        )
     total_share = float(sum(shares))
     raw = [total * s / total_share for s in shares]
     size = [max(1, math.floor(r)) for r in raw]
@@ -259,29 +330,38 @@ def partition(total: int, shares: Sequence[float], what: str = "tokens") -> list
 
 
 def rank_map(spec: str) -> list[str]:
-    """Parse a rank map, one device per rank: ``"cpu,cpu,cpu"`` or ``"cuda:0,cuda:0,cuda:1"`` (1..8 ranks)."""
+    """Parse a rank map, one device per rank: ``"cpu,cpu,cpu"`` or ``"cuda:0,cuda:0,cuda:1"`` (1..8
+    ranks)."""
     devices = []
     for part in _parts((spec or "").lower()):
         if part == "cpu":
             devices.append("cpu")
             continue
-        idx = part[len("cuda:"):] if part.startswith("cuda:") else None
+        idx = part[len("cuda:") :] if part.startswith("cuda:") else None
         if idx is None or not idx.isdigit():
-            raise GPUSelectionError(f"rank map: {part!r} is not a device; use cpu or cuda:N (e.g. cuda:0,cuda:0,cuda:1)")
+            raise GPUSelectionError(
+                f"rank map: {part!r} is not a device; use cpu or cuda:N (e.g. cuda:0,cuda:0,cuda:1)"
+            )
         devices.append(f"cuda:{int(idx)}")
     if not devices:
-        raise GPUSelectionError("rank map is empty; give one device per rank, e.g. cpu,cpu or cuda:0,cuda:1")
+        raise GPUSelectionError(
+            "rank map is empty; give one device per rank, e.g. cpu,cpu or cuda:0,cuda:1"
+        )
     if len(devices) > DIT_MAX_RANKS:
-        raise GPUSelectionError(f"rank map has {len(devices)} ranks; at most {DIT_MAX_RANKS} are supported")
+        raise GPUSelectionError(
+            f"rank map has {len(devices)} ranks; at most {DIT_MAX_RANKS} are supported"
+        )
     if len({d.split(":")[0] for d in devices}) > 1:
-        raise GPUSelectionError(f"rank map {spec!r} mixes cpu and cuda ranks; use one kind for all ranks")
+        raise GPUSelectionError(
+            f"rank map {spec!r} mixes cpu and cuda ranks; use one kind for all ranks"
+        )
     return devices
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Rank r runs on ``devices[r]`` and owns tokens ``[token_bounds[r], token_bounds[r+1])`` and heads
-    ``[head_bounds[r], head_bounds[r+1])``."""
+    """Rank r runs on ``devices[r]`` and owns tokens ``[token_bounds[r], token_bounds[r+1])`` and
+    heads ``[head_bounds[r], head_bounds[r+1])``."""
 
     devices: tuple[str, ...]
     token_bounds: tuple[int, ...]
@@ -298,7 +378,9 @@ class SplitPlan:
         return [b - a for a, b in zip(self.token_bounds, self.token_bounds[1:])]
 
 
-def make_split_plan(devices: Sequence[str], shares: Sequence[float] | None, tokens: int, heads: int) -> SplitPlan:
+def make_split_plan(
+    devices: Sequence[str], shares: Sequence[float] | None, tokens: int, heads: int
+) -> SplitPlan:
     """Apportion ``tokens`` and ``heads`` over the ranks by ``shares`` (None: equal)."""
     n = len(devices)
     if n < 1:
@@ -308,14 +390,23 @@ def make_split_plan(devices: Sequence[str], shares: Sequence[float] | None, toke
     if len(shares) != n:
         raise GPUSelectionError(_shares_mismatch_ranks(shares, devices))
     if n > heads:
-        raise GPUSelectionError(f"{n} ranks but the model has only {heads} attention heads; "
-                                f"use at most {heads} ranks")
+        raise GPUSelectionError(
+            f"{n} ranks but the model has only {heads} attention heads; use at most {heads} ranks"
+        )
     if tokens < n:
-        raise GPUSelectionError(f"cannot split {tokens} tokens across {n} ranks; use at most {tokens} ranks")
-    return SplitPlan(tuple(devices), tuple(partition(tokens, shares, "tokens")),
-                     tuple(partition(heads, shares, "attention heads")))
+        raise GPUSelectionError(
+            f"cannot split {tokens} tokens across {n} ranks; use at most {tokens} ranks"
+        )
+    return SplitPlan(
+        tuple(devices),
+        tuple(partition(tokens, shares, "tokens")),
+        tuple(partition(heads, shares, "attention heads")),
+    )
 
 
 def _shares_mismatch_ranks(shares: Sequence[float], devices: Sequence[str]) -> str:
-    return (f"shares: {len(shares)} value(s) for {len(devices)} rank(s) ({','.join(devices)}); give one share per "
-            "rank")
+    return (
+        f"shares: {len(shares)} value(s) for {len(devices)} rank(s) ({','.join(devices)}); give "
+        "one share per "
+        "rank"
+    )

@@ -1,17 +1,20 @@
 """WorkerPool: one ``python -m workers`` subprocess per rank, driven from the coordinator loop.
 
-A rank map (``["cpu", "cpu"]``, ``["cuda:0", "cuda:0", "cuda:1"]``) gives each rank its device, and a rank program
-(``program="dit"``) what the workers serve: each imports the worker runtime and ``workers.<program>.rank``, found by
-name, so a new program needs no change here.  Workers start in parallel, authenticate on the pool's socket, and then
-serve requests until released.
+A rank map (``["cpu", "cpu"]``, ``["cuda:0", "cuda:0", "cuda:1"]``) gives each rank its device, and
+a rank program (``program="dit"``) what the workers serve: each imports the worker runtime and
+``workers.<program>.rank``, found by name, so a new program needs no change here.  Workers start in
+parallel, authenticate on the pool's socket, and then serve requests until released.
 
-Liveness is event-driven: the loop watches each worker's pidfd (readable the moment the process exits), its channel
-(EOF, protocol errors) and a heartbeat deadline timer (a hung loop); a request has its own deadline.  A worker that
-exits, closes its channel, breaks the protocol, misses heartbeats or misses a request deadline is marked dead (and
-killed); the job it was part of fails at once with its last log lines, and the next job restarts the whole pool.
+Liveness is event-driven: the loop watches each worker's pidfd (readable the moment the process
+exits), its channel (EOF, protocol errors) and a heartbeat deadline timer (a hung loop); a request
+has its own deadline.  A worker that exits, closes its channel, breaks the protocol, misses
+heartbeats or misses a request deadline is marked dead (and killed); the job it was part of fails at
+once with its last log lines, and the next job restarts the whole pool.
 
-Every public coroutine must run on the coordinator loop (``get_coordinator().run(pool.start(), timeout=...)``).
+Every public coroutine must run on the coordinator loop (``get_coordinator().run(pool.start(),
+timeout=...)``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,18 +26,24 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
-from workers.runtime import auth, config, protocol
-from workers.runtime.shm import ABORT_WORD, CONTROL_SIZE, Segment
-
-from h3ms_async.runtime import rundir
-from h3ms_async.runtime.channel import Channel, ChannelClosed, RemoteError, authenticate, peer_credentials
-from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import get_logger, tail_file
+from h3ms_async.runtime import rundir
+from h3ms_async.runtime.channel import (
+    Channel,
+    ChannelClosed,
+    RemoteError,
+    authenticate,
+    peer_credentials,
+)
+from h3ms_async.runtime.coordinator import get_coordinator
+from workers.runtime import auth, config, protocol
+from workers.runtime.shm import ABORT_WORD, CONTROL_SIZE, Segment
 
 log = get_logger("pool")
 
@@ -42,7 +51,8 @@ HB_INTERVAL = 1.0
 LOG_TAIL_LINES = 20
 #: Unauthenticated connections the pool serves at once, per rank; more are closed at once.
 MAX_HANDSHAKES_PER_RANK = 2
-#: How long a request whose channel closed waits for its worker's exit, so the error can name the exit status.
+#: How long a request whose channel closed waits for its worker's exit, so the error can name the
+#: exit status.
 EXIT_REPORT_WAIT_S = 1.0
 #: How long a connecting peer has to answer the auth challenge before it is refused.
 AUTH_TIMEOUT_S = 10.0
@@ -78,7 +88,8 @@ class PoolState(_State):
 
 
 class WorkerError(RuntimeError):
-    """A worker failed (error, death, deadline); the message names rank and device and quotes its log."""
+    """A worker failed (error, death, deadline); the message names rank and device and quotes its
+    log."""
 
     def __init__(self, message: str, rank: int, device: str) -> None:
         super().__init__(message)
@@ -95,7 +106,8 @@ class PoolBusy(RuntimeError):
 
 
 def cuda_visible_for(device: str, parent_visible: str | None) -> str:
-    """The CUDA_VISIBLE_DEVICES a worker on ``device`` gets: the parent's own entry for that index."""
+    """The CUDA_VISIBLE_DEVICES a worker on ``device`` gets: the parent's own entry for that
+    index."""
     m = _DEVICE_RE.match(device)
     if not m or not device.startswith("cuda"):
         raise ValueError(f"{device!r} is not a CUDA device (cuda or cuda:N)")
@@ -105,8 +117,11 @@ def cuda_visible_for(device: str, parent_visible: str | None) -> str:
     entries = [e.strip() for e in parent_visible.split(",") if e.strip()]
     if index >= len(entries):
         raise ValueError(
-            f"device {device} is not visible to this process: CUDA_VISIBLE_DEVICES={parent_visible!r} lists "
-            f"{len(entries)} device(s); use cuda:0..cuda:{max(len(entries) - 1, 0)} or widen CUDA_VISIBLE_DEVICES")
+            f"device {device} is not visible to this process: "
+            f"CUDA_VISIBLE_DEVICES={parent_visible!r} lists "
+            f"{len(entries)} device(s); use cuda:0..cuda:{max(len(entries) - 1, 0)} or widen "
+            "CUDA_VISIBLE_DEVICES"
+        )
     return entries[index]
 
 
@@ -152,24 +167,36 @@ class _Worker:
 class WorkerPool:
     """One worker process per rank; see the module doc."""
 
-    def __init__(self, devices: Sequence[str], *, name: str = "dit", program: str | None = None,
-                 start_timeout: float | None = None, env: dict | None = None,
-                 also_visible: Sequence[str] = ()) -> None:
-        """``program``: the rank program the workers run (``workers.<program>.rank``); None serves only the runtime's
-        own kinds (ping, echo, ...).  ``also_visible``: CUDA devices every worker sees besides its own (after it, as
-        cuda:1, cuda:2, ...; its own device stays cuda:0), for rank programs that reach another GPU's memory (e.g.
-        through CUDA IPC)."""
+    def __init__(
+        self,
+        devices: Sequence[str],
+        *,
+        name: str = "dit",
+        program: str | None = None,
+        start_timeout: float | None = None,
+        env: dict | None = None,
+        also_visible: Sequence[str] = (),
+    ) -> None:
+        """``program``: the rank program the workers run (``workers.<program>.rank``); None serves
+        only the runtime's own kinds (ping, echo, ...).  ``also_visible``: CUDA devices every worker
+        sees besides its own (after it, as cuda:1, cuda:2, ...; its own device stays cuda:0), for
+        rank programs that reach another GPU's memory (e.g. through CUDA IPC)."""
         if isinstance(devices, str) or not devices:
-            raise ValueError(f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
-                             f"got {devices!r}")
+            raise ValueError(
+                f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
+                f"got {devices!r}"
+            )
         bad = [d for d in devices if not isinstance(d, str) or not _DEVICE_RE.match(d)]
         if bad:
             raise ValueError(f"devices {bad!r} are not 'cpu', 'cuda' or 'cuda:N'")
         if not re.fullmatch(r"[A-Za-z0-9_]{1,24}", name):
             raise ValueError(f"pool name {name!r} must be 1-24 letters, digits or '_'")
         if program is not None and not _PROGRAM_RE.fullmatch(program):
-            raise ValueError(f"rank program {program!r} must be a package name under workers/ (lower-case letters, "
-                             "digits, '_'), e.g. 'dit'")
+            raise ValueError(
+                f"rank program {program!r} must be a package name under workers/ (lower-case "
+                "letters, "
+                "digits, '_'), e.g. 'dit'"
+            )
         self.name = name
         self.program = program
         self._devices = [("cuda:0" if d == "cuda" else d) for d in devices]
@@ -177,9 +204,12 @@ class WorkerPool:
         bad = [d for d in self._also_visible if not d.startswith("cuda") or not _DEVICE_RE.match(d)]
         if bad:
             raise ValueError(f"also_visible {bad!r} are not CUDA devices 'cuda' or 'cuda:N'")
-        for d in self._cuda_devices() + self._also_visible:  # fail on a bad device list now, not in a worker
+        for d in self._cuda_devices() + self._also_visible:
+            # fail on a bad device list now, not in a worker
             cuda_visible_for(d, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        self.start_timeout = float(start_timeout) if start_timeout else config.WORKER_START_TIMEOUT.get()
+        self.start_timeout = (
+            float(start_timeout) if start_timeout else config.WORKER_START_TIMEOUT.get()
+        )
         self.hb_timeout = config.HEARTBEAT_TIMEOUT.get()
         self._env = dict(env or {})
         self._workers: list[_Worker] = []
@@ -198,7 +228,7 @@ class WorkerPool:
         self._handshakes = 0
         self.starts = 0
 
-    # -- properties -------------------------------------------------------------------------------------------
+    # -- properties --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
         return len(self._devices)
@@ -242,11 +272,14 @@ class WorkerPool:
     def _cuda_devices(self) -> list[str]:
         return [d for d in self._devices if d.startswith("cuda")]
 
-    # -- lifecycle --------------------------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
     def _check_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if loop is not get_coordinator().loop:
-            raise RuntimeError("WorkerPool runs on the coordinator loop: use get_coordinator().run(pool.<call>, timeout)")
+            raise RuntimeError(
+                "WorkerPool runs on the coordinator loop: use get_coordinator().run(pool.<call>, "
+                "timeout)"
+            )
         return loop
 
     async def start(self) -> None:
@@ -259,9 +292,15 @@ class WorkerPool:
                     return
                 if self.busy:
                     w = dead[0]
-                    raise self._error(w, f"is dead ({w.death}); the pool restarts when the running job ends")
-                log.warning("restarting pool %r (%d ranks): %s", self.name, self.world_size,
-                            "; ".join(f"rank {w.rank} {w.death}" for w in dead))
+                    raise self._error(
+                        w, f"is dead ({w.death}); the pool restarts when the running job ends"
+                    )
+                log.warning(
+                    "restarting pool %r (%d ranks): %s",
+                    self.name,
+                    self.world_size,
+                    "; ".join(f"rank {w.rank} {w.death}" for w in dead),
+                )
                 await self._stop(grace=1.0, final=False)
             await self._start()
 
@@ -275,8 +314,12 @@ class WorkerPool:
             self._socket_path = rundir.socket_path(self._run_dir, "ctl.sock")
             self._key = auth.new_key()
             self._control = Segment.create(CONTROL_SIZE, f"{self.name}_ctl")
-            self._doorbells = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in self._devices]
-            self._server = await asyncio.start_unix_server(self._on_connect, path=self._socket_path, limit=1 << 20)
+            self._doorbells = [
+                os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in self._devices
+            ]
+            self._server = await asyncio.start_unix_server(
+                self._on_connect, path=self._socket_path, limit=1 << 20
+            )
             os.chmod(self._socket_path, 0o600)
             self._workers = [_Worker(r, d, self.log_path(r)) for r, d in enumerate(self._devices)]
             for w in self._workers:
@@ -288,8 +331,14 @@ class WorkerPool:
         self._state = PoolState.RUNNING
         self.starts += 1
         get_coordinator().register_pool(self)
-        log.info("pool %r started: %d worker(s) on %s in %.2f s (run dir %s)", self.name, self.world_size,
-                 ",".join(self._devices), loop.time() - t0, self._run_dir)
+        log.info(
+            "pool %r started: %d worker(s) on %s in %.2f s (run dir %s)",
+            self.name,
+            self.world_size,
+            ",".join(self._devices),
+            loop.time() - t0,
+            self._run_dir,
+        )
 
     def _worker_env(self, w: _Worker) -> dict:
         env = dict(os.environ)
@@ -302,7 +351,8 @@ class WorkerPool:
         return env
 
     def _visible_entries(self, device: str) -> list[str]:
-        """CUDA_VISIBLE_DEVICES entries of a worker on ``device``: its own first, then ``also_visible`` (no repeats)."""
+        """CUDA_VISIBLE_DEVICES entries of a worker on ``device``: its own first, then
+        ``also_visible`` (no repeats)."""
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
         entries: list[str] = []
         for d in [device] + self._also_visible:
@@ -312,28 +362,55 @@ class WorkerPool:
         return entries
 
     def local_index(self, rank: int, device: str) -> int:
-        """The index under which the worker of ``rank`` sees ``device`` (its own device or one of ``also_visible``)."""
+        """The index under which the worker of ``rank`` sees ``device`` (its own device or one of
+        ``also_visible``)."""
         own = self._devices[rank]
         entries = self._visible_entries(own)
         entry = cuda_visible_for(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if not own.startswith("cuda") or entry not in entries:
-            raise ValueError(f"rank {rank} on {own} does not see {device}; add it to the pool's also_visible")
+            raise ValueError(
+                f"rank {rank} on {own} does not see {device}; add it to the pool's also_visible"
+            )
         return entries.index(entry)
 
     def _spawn(self, w: _Worker) -> None:
         local_device = "cuda:0" if w.device.startswith("cuda") else "cpu"
-        cmd = [sys.executable, "-m", "workers", "--rank", str(w.rank), "--world-size", str(self.world_size),
-               "--socket", self._socket_path, "--parent-pid", str(os.getpid()), "--device", local_device]
+        cmd = [
+            sys.executable,
+            "-m",
+            "workers",
+            "--rank",
+            str(w.rank),
+            "--world-size",
+            str(self.world_size),
+            "--socket",
+            self._socket_path,
+            "--parent-pid",
+            str(os.getpid()),
+            "--device",
+            local_device,
+        ]
         if self.program is not None:
             cmd += ["--program", self.program]
         with open(w.log_path, "ab") as logf:
-            logf.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} coordinator: starting rank {w.rank} on {w.device} "
-                       f"(pool {self.name!r}, program {self.program or 'none'}, parent pid {os.getpid()})\n".encode())
+            logf.write(
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')} coordinator: starting rank {w.rank} on "
+                f"{w.device} "
+                f"(pool {self.name!r}, program {self.program or 'none'}, parent pid "
+                f"{os.getpid()})\n".encode()
+            )
             logf.flush()
             # New session: a terminal's Ctrl-C goes to the parent, which stops the workers itself.
-            w.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
-                                      env=self._worker_env(w), cwd=self._run_dir, pass_fds=self._doorbells,
-                                      start_new_session=True)
+            w.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self._worker_env(w),
+                cwd=self._run_dir,
+                pass_fds=self._doorbells,
+                start_new_session=True,
+            )
         w.started_at = time.monotonic()
         self._watch_exit(w)
         try:
@@ -343,14 +420,17 @@ class WorkerPool:
             pass  # it died at once: its pidfd reports the exit, _wait_ready the log
 
     def _watch_exit(self, w: _Worker) -> None:
-        """Have the loop call :meth:`_on_exit` the moment ``w``'s process exits (its pidfd turns readable)."""
+        """Have the loop call :meth:`_on_exit` the moment ``w``'s process exits (its pidfd turns
+        readable)."""
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)
         except OSError as exc:
             w.proc.kill()
-            raise RuntimeError(f"pidfd_open failed ({exc}): H3 MultiStream watches its workers through pidfds, "
-                               "which need Linux 5.3 or newer (and, in a container, a seccomp profile that allows "
-                               "pidfd_open)") from None
+            raise RuntimeError(
+                f"pidfd_open failed ({exc}): H3 MultiStream watches its workers through pidfds, "
+                "which need Linux 5.3 or newer (and, in a container, a seccomp profile that allows "
+                "pidfd_open)"
+            ) from None
         asyncio.get_running_loop().add_reader(w.pidfd, self._on_exit, w)
 
     def _unwatch_exit(self, w: _Worker) -> None:
@@ -384,18 +464,25 @@ class WorkerPool:
                 w = next(w for w in self._workers if w.state != WorkerState.READY)
                 self._mark_dead(w, "did not start in time")
                 raise self._error(
-                    w, f"did not start within {self.start_timeout:g} s (set {config.WORKER_START_TIMEOUT.name} to allow longer)",
-                    cls=WorkerTimeout)
+                    w,
+                    f"did not start within {self.start_timeout:g} s (set "
+                    f"{config.WORKER_START_TIMEOUT.name} to allow longer)",
+                    cls=WorkerTimeout,
+                )
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         workers = self._workers
         if self._handshakes >= MAX_HANDSHAKES_PER_RANK * max(1, len(workers)):
-            log.error("pool %r refused a connection on %s: %d handshakes already pending", self.name,
-                      self._socket_path, self._handshakes)
+            log.error(
+                "pool %r refused a connection on %s: %d handshakes already pending",
+                self.name,
+                self._socket_path,
+                self._handshakes,
+            )
             writer.close()
             return
         self._handshakes += 1
@@ -404,7 +491,9 @@ class WorkerPool:
         finally:
             self._handshakes -= 1
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]) -> None:
+    async def _admit(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]
+    ) -> None:
         try:
             rank, _pid = await authenticate(reader, writer, self._key, timeout=AUTH_TIMEOUT_S)
             if not 0 <= rank < len(workers):
@@ -412,27 +501,47 @@ class WorkerPool:
             w = workers[rank]
             peer_pid = peer_credentials(writer)[0]
             if w.proc is None or peer_pid != w.proc.pid:
-                raise auth.AuthError(f"rank {rank} connected from pid {peer_pid}, but its worker is pid {w.pid}")
+                raise auth.AuthError(
+                    f"rank {rank} connected from pid {peer_pid}, but its worker is pid {w.pid}"
+                )
             if w.state != WorkerState.STARTING or w.channel is not None:
                 raise auth.AuthError(f"rank {rank} is already connected")
-        except (protocol.ProtocolError, auth.AuthError, EOFError, asyncio.TimeoutError, OSError) as exc:
-            log.error("pool %r refused a connection on %s: %s: %s", self.name, self._socket_path,
-                      type(exc).__name__, exc)
+        except (TimeoutError, protocol.ProtocolError, auth.AuthError, EOFError, OSError) as exc:
+            log.error(
+                "pool %r refused a connection on %s: %s: %s",
+                self.name,
+                self._socket_path,
+                type(exc).__name__,
+                exc,
+            )
             try:
-                writer.write(protocol.encode(protocol.Refused(error=f"{type(exc).__name__}: {exc}"[:400])))
+                writer.write(
+                    protocol.encode(protocol.Refused(error=f"{type(exc).__name__}: {exc}"[:400]))
+                )
             except Exception:  # noqa: BLE001 - the peer may already be gone
                 pass
             writer.close()
             return
-        ch = Channel(reader, writer, f"rank {rank} ({w.device})",
-                     on_heartbeat=partial(self._on_heartbeat, w), on_close=partial(self._on_channel_close, w))
+        ch = Channel(
+            reader,
+            writer,
+            f"rank {rank} ({w.device})",
+            on_heartbeat=partial(self._on_heartbeat, w),
+            on_close=partial(self._on_channel_close, w),
+        )
         w.channel = ch
         ch.start()
         try:
-            await ch.send(protocol.Welcome(world_size=self.world_size,
-                                           device="cuda:0" if w.device.startswith("cuda") else "cpu",
-                                           run_dir=self._run_dir, doorbell_fds=list(self._doorbells),
-                                           control=self._control.name, hb_interval=HB_INTERVAL))
+            await ch.send(
+                protocol.Welcome(
+                    world_size=self.world_size,
+                    device="cuda:0" if w.device.startswith("cuda") else "cpu",
+                    run_dir=self._run_dir,
+                    doorbell_fds=list(self._doorbells),
+                    control=self._control.name,
+                    hb_interval=HB_INTERVAL,
+                )
+            )
             pong = await ch.request(protocol.Ping(), timeout=self.start_timeout)
         except (ChannelClosed, RemoteError, TimeoutError, OSError) as exc:
             self._mark_dead(w, f"failed its first ping: {exc}")
@@ -450,16 +559,23 @@ class WorkerPool:
         w.vram = msg.vram
 
     def _watch_heartbeat(self, w: _Worker) -> None:
-        """A timer due when ``w``'s heartbeats are ``hb_timeout`` late: it marks a silent worker dead (a hung loop
-        sends none, though its process and channel live on), or re-arms for the latest heartbeat's deadline."""
+        """A timer due when ``w``'s heartbeats are ``hb_timeout`` late: it marks a silent worker
+        dead (a hung loop sends none, though its process and channel live on), or re-arms for the
+        latest heartbeat's deadline."""
         w.hb_timer = None
         if w.state != WorkerState.READY:
             return
         late = time.monotonic() - w.last_hb
         if late > self.hb_timeout:
-            self._mark_dead(w, f"no heartbeat for {late:.1f} s ({config.HEARTBEAT_TIMEOUT.name}={self.hb_timeout:g}); killed it")
+            self._mark_dead(
+                w,
+                f"no heartbeat for {late:.1f} s "
+                f"({config.HEARTBEAT_TIMEOUT.name}={self.hb_timeout:g}); killed it",
+            )
             return
-        w.hb_timer = asyncio.get_running_loop().call_later(self.hb_timeout - late + 0.01, self._watch_heartbeat, w)
+        w.hb_timer = asyncio.get_running_loop().call_later(
+            self.hb_timeout - late + 0.01, self._watch_heartbeat, w
+        )
 
     def _on_channel_close(self, w: _Worker, reason: str) -> None:
         if w.state in (WorkerState.STARTING, WorkerState.READY):
@@ -484,19 +600,30 @@ class WorkerPool:
             w.proc.kill()
         if w.channel is not None:
             w.channel.close(reason)
-        log.error("pool %r: rank %d on %s (pid %s) is dead: %s", self.name, w.rank, w.device, w.pid, reason)
+        log.error(
+            "pool %r: rank %d on %s (pid %s) is dead: %s",
+            self.name,
+            w.rank,
+            w.device,
+            w.pid,
+            reason,
+        )
         self._note(w, f"rank {w.rank} marked dead: {reason}")
         if self._changed is not None:
             self._changed.set()
 
     async def release(self, grace: float = 5.0, force: bool = False) -> None:
-        """Stop every worker (shutdown, then kill after ``grace`` s), remove the run dir, unlink segments.
+        """Stop every worker (shutdown, then kill after ``grace`` s), remove the run dir, unlink
+        segments.
 
         Raises :class:`PoolBusy` while a job runs, unless ``force``.
         """
         self._check_loop()
         if self.busy and not force:
-            raise PoolBusy(f"pool {self.name!r} is running a job; wait for it to finish or release with force=True")
+            raise PoolBusy(
+                f"pool {self.name!r} is running a job; wait for it to finish or release with "
+                "force=True"
+            )
         async with self._life_lock:
             await self._stop(grace, final=True)
         get_coordinator().unregister_pool(self)
@@ -523,8 +650,13 @@ class WorkerPool:
         await self._exits(grace)
         for w in self._workers:
             if w.proc is not None and w.proc.poll() is None:
-                log.warning("pool %r: rank %d (pid %d) did not exit within %g s; killing it", self.name, w.rank,
-                            w.pid, grace)
+                log.warning(
+                    "pool %r: rank %d (pid %d) did not exit within %g s; killing it",
+                    self.name,
+                    w.rank,
+                    w.pid,
+                    grace,
+                )
                 w.proc.kill()
         await self._exits(5.0)
         for w in self._workers:
@@ -562,9 +694,10 @@ class WorkerPool:
             for t in waits:
                 t.cancel()
 
-    # -- control block ----------------------------------------------------------------------------------------
+    # -- control block -----------------------------------------------------------------------------
     def abort(self) -> None:
-        """Tell every rank to stop its current exchange: bump the abort generation, ring every doorbell.
+        """Tell every rank to stop its current exchange: bump the abort generation, ring every
+        doorbell.
 
         Thread-safe and cheap; a no-op on a stopped pool.
         """
@@ -577,7 +710,8 @@ class WorkerPool:
         for fd in bells:
             try:
                 os.eventfd_write(fd, 1)
-            except OSError:  # counter full or fd closed by a concurrent release: the generation word still tells
+            except OSError:
+                # counter full or fd closed by a concurrent release: the generation word still tells
                 pass
         log.info("pool %r: abort (generation %d)", self.name, gen + 1)
 
@@ -595,8 +729,10 @@ class WorkerPool:
         self._owned.append(seg)
         return seg
 
-    # -- jobs -------------------------------------------------------------------------------------------------
-    def _error(self, w: _Worker, what: str, cls: type[WorkerError] = WorkerError, tb: str = "") -> WorkerError:
+    # -- jobs --------------------------------------------------------------------------------------
+    def _error(
+        self, w: _Worker, what: str, cls: type[WorkerError] = WorkerError, tb: str = ""
+    ) -> WorkerError:
         status = _exit_text(w.proc.poll()) if w.proc is not None else "not started"
         msg = f"worker rank {w.rank} on {w.device} (pid {w.pid}, {status}) {what}"
         if tb:
@@ -613,33 +749,42 @@ class WorkerPool:
     async def _request(self, w: _Worker, msg: protocol.Request, timeout: float) -> protocol.Answer:
         kind = msg.kind
         if w.state != WorkerState.READY or w.channel is None:
-            raise self._error(w, f"cannot take {kind!r}: it is {w.state}" + (f" ({w.death})" if w.death else ""))
+            raise self._error(
+                w, f"cannot take {kind!r}: it is {w.state}" + (f" ({w.death})" if w.death else "")
+            )
         if kind not in w.serves:
-            raise ValueError(f"pool {self.name!r} (rank program {self.program or 'none'}) does not serve {kind!r}; "
-                             f"it serves {', '.join(sorted(w.serves))}: send it to its own program's pool")
+            raise ValueError(
+                f"pool {self.name!r} (rank program {self.program or 'none'}) does not serve "
+                f"{kind!r}; "
+                f"it serves {', '.join(sorted(w.serves))}: send it to its own program's pool"
+            )
         w.inflight += 1
         try:
             result = await w.channel.request(msg, timeout)
         except RemoteError as exc:
             raise self._error(w, f"failed {kind!r}: {exc.error}", tb=exc.tb) from None
         except ChannelClosed as exc:
-            # The exit usually follows the EOF within milliseconds: wait for it, so the message names the status.
+            # The exit usually follows the EOF within milliseconds: wait for it, so the message
+            # names the status.
             try:
                 await asyncio.wait_for(w.exited.wait(), EXIT_REPORT_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._mark_dead(w, f"channel closed ({exc})")
             raise self._error(w, f"died during {kind!r}: {w.death}") from None
         except TimeoutError:
             self._mark_dead(w, f"no answer to {kind!r} within {timeout:g} s; killed it")
-            raise self._error(w, f"did not answer {kind!r} within {timeout:g} s", cls=WorkerTimeout) from None
+            raise self._error(
+                w, f"did not answer {kind!r} within {timeout:g} s", cls=WorkerTimeout
+            ) from None
         finally:
             w.inflight -= 1
         w.jobs_done += 1
         return result
 
-    async def request(self, rank: int, msg: protocol.Request,
-                      timeout: float = 60.0) -> protocol.Answer:
+    async def request(
+        self, rank: int, msg: protocol.Request, timeout: float = 60.0
+    ) -> protocol.Answer:
         """Send one request to one rank; return its answer (a ``msg.ANSWER`` struct) or raise
         :class:`WorkerError`."""
         if not 0 <= rank < self.world_size:
@@ -660,7 +805,9 @@ class WorkerPool:
         """
         if len(per_rank) != self.world_size:
             kinds = sorted({m.kind for m in per_rank})
-            raise ValueError(f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks")
+            raise ValueError(
+                f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks"
+            )
         await self._ensure_ready()
         first_failure = True
 
@@ -698,21 +845,37 @@ class WorkerPool:
         rss_bytes, vram_bytes, log, jobs_done."""
         now = time.monotonic()
         if not self._workers:
-            return [{"rank": r, "device": d, "pid": None, "state": WorkerState.STOPPED.value,
-                     "uptime_s": 0.0, "rss_bytes": None, "vram_bytes": None, "log": None,
-                     "jobs_done": 0}
-                    for r, d in enumerate(self._devices)]
+            return [
+                {
+                    "rank": r,
+                    "device": d,
+                    "pid": None,
+                    "state": WorkerState.STOPPED.value,
+                    "uptime_s": 0.0,
+                    "rss_bytes": None,
+                    "vram_bytes": None,
+                    "log": None,
+                    "jobs_done": 0,
+                }
+                for r, d in enumerate(self._devices)
+            ]
         out = []
         for w in self._workers:
             state = WorkerState.STOPPED if w.state is WorkerState.STOPPING else w.state
             if state is WorkerState.READY and w.inflight > 0:
                 state = WorkerState.BUSY
             alive = state in (WorkerState.STARTING, WorkerState.READY, WorkerState.BUSY)
-            out.append({
-                "rank": w.rank, "device": w.device, "pid": w.pid, "state": state.value,
-                "uptime_s": round(now - w.started_at, 3) if alive else 0.0,
-                "rss_bytes": w.rss if alive else None,
-                "vram_bytes": w.vram if alive and w.device.startswith("cuda") else None,
-                "log": w.log_path if self._run_dir else None, "jobs_done": w.jobs_done,
-            })
+            out.append(
+                {
+                    "rank": w.rank,
+                    "device": w.device,
+                    "pid": w.pid,
+                    "state": state.value,
+                    "uptime_s": round(now - w.started_at, 3) if alive else 0.0,
+                    "rss_bytes": w.rss if alive else None,
+                    "vram_bytes": w.vram if alive and w.device.startswith("cuda") else None,
+                    "log": w.log_path if self._run_dir else None,
+                    "jobs_done": w.jobs_done,
+                }
+            )
         return out

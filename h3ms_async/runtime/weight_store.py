@@ -1,16 +1,18 @@
 """The shared-memory weight store: every block's effective weights once, for all ranks.
 
-Filled once per model key in the coordinator's process (from the reference model standalone, or from ComfyUI's cast
-path in the ComfyUI layer), then mapped read-only by every rank.  Layout: one segment, blocks back to back, each
-tensor at a 4 KiB-aligned offset, described by a manifest (one ``{name: tensor descriptor}`` map per block) that
-``dit_load`` carries to the workers.  All blocks of an H3 model share one structure, so block 0 sizes the segment
-and every later block is checked against it.
+Filled once per model key in the coordinator's process (from the reference model standalone, or from
+ComfyUI's cast path in the ComfyUI layer), then mapped read-only by every rank.  Layout: one
+segment, blocks back to back, each tensor at a 4 KiB-aligned offset, described by a manifest (one
+``{name: tensor descriptor}`` map per block) that ``dit_load`` carries to the workers.  All blocks
+of an H3 model share one structure, so block 0 sizes the segment and every later block is checked
+against it.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -26,7 +28,8 @@ BlockReader = Callable[[int], dict[str, torch.Tensor]]
 
 
 class WeightStoreRefused(RuntimeError):
-    """Filling the store would break the RAM reserve (or /dev/shm is too small); the split must not run."""
+    """Filling the store would break the RAM reserve (or /dev/shm is too small); the split must not
+    run."""
 
 
 def _block_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -35,7 +38,8 @@ def _block_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tupl
 
 @dataclass
 class WeightStore:
-    """One filled store.  ``manifest[i]`` maps block i's parameter names to descriptors in ``segment``."""
+    """One filled store.  ``manifest[i]`` maps block i's parameter names to descriptors in
+    ``segment``."""
 
     key: tuple
     segment: Segment
@@ -57,21 +61,33 @@ class WeightStore:
 
     def summary(self) -> dict:
         """The status route's ``weight_store`` section."""
-        return {"state": "warm", "key": [str(k) for k in self.key], "blocks": len(self.manifest),
-                "bytes": self.nbytes, "fill_seconds": round(self.fill_seconds, 3), "segment": self.segment.name}
+        return {
+            "state": "warm",
+            "key": [str(k) for k in self.key],
+            "blocks": len(self.manifest),
+            "bytes": self.nbytes,
+            "fill_seconds": round(self.fill_seconds, 3),
+            "segment": self.segment.name,
+        }
 
     def release(self) -> None:
         """Unmap and unlink (workers must have dropped their views first: ``dit_release``)."""
         self.segment.close()
 
 
-def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: float = 0.0,
-         create: Callable[[int, str], Segment] = Segment.create) -> WeightStore:
+def fill(
+    key: tuple,
+    n_blocks: int,
+    read_block: BlockReader,
+    *,
+    reserve_gb: float = 0.0,
+    create: Callable[[int, str], Segment] = Segment.create,
+) -> WeightStore:
     """Copy ``n_blocks`` blocks from ``read_block(i)`` into a new store.
 
-    ``reserve_gb``: RAM that must stay available after the store is filled (the node's ``cache_ram_reserve_gb``);
-    refusing raises :class:`WeightStoreRefused` with the numbers.  ``create`` makes the segment (a pool's
-    ``create_segment`` so the pool unlinks it at release).
+    ``reserve_gb``: RAM that must stay available after the store is filled (the node's
+    ``cache_ram_reserve_gb``); refusing raises :class:`WeightStoreRefused` with the numbers.
+    ``create`` makes the segment (a pool's ``create_segment`` so the pool unlinks it at release).
     """
     if n_blocks < 1:
         raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
@@ -83,9 +99,12 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     ram = ram_info()
     if ram.available_bytes - total < reserve_gb * GIB:
         raise WeightStoreRefused(
-            f"weight store needs {total / GIB:.2f} GiB but only {ram.available_bytes / GIB:.2f} GiB RAM is "
-            f"available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower the reserve, free RAM, or "
-            "disable the split for this model")
+            f"weight store needs {total / GIB:.2f} GiB but only {ram.available_bytes / GIB:.2f} "
+            "GiB RAM is "
+            f"available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower the reserve, "
+            "free RAM, or "
+            "disable the split for this model"
+        )
     try:
         seg = create(total, "wstore")
     except ShmError as exc:
@@ -97,8 +116,11 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
             tensors = first if i == 0 else read_block(i)
             got = _block_layout(tensors)
             if got != layout:
-                raise ValueError(f"block {i} has another structure than block 0 ({sorted(set(got) ^ set(layout)) or 'shapes/dtypes differ'}); "
-                                 "the weight store needs identical blocks")
+                raise ValueError(
+                    f"block {i} has another structure than block 0 "
+                    f"({sorted(set(got) ^ set(layout)) or 'shapes/dtypes differ'}); "
+                    "the weight store needs identical blocks"
+                )
             entry = {}
             for name, (dt, shape) in layout.items():
                 desc = arena.alloc(dt, shape)
@@ -110,5 +132,11 @@ def fill(key: tuple, n_blocks: int, read_block: BlockReader, *, reserve_gb: floa
     except BaseException:
         seg.close()
         raise
-    log.info("filled %d blocks, %.2f GiB in %.2fs (%s)", n_blocks, total / GIB, store.fill_seconds, ram.text)
+    log.info(
+        "filled %d blocks, %.2f GiB in %.2fs (%s)",
+        n_blocks,
+        total / GIB,
+        store.fill_seconds,
+        ram.text,
+    )
     return store

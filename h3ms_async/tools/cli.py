@@ -1,5 +1,7 @@
 """What every sub-command of ``python -m h3ms_async`` parses its arguments with (the dispatch is
-``h3ms_async/__main__.py``): one ``error: ...`` line on stderr naming the input and the fix, exit status 2."""
+``h3ms_async/__main__.py``): one ``error: ...`` line on stderr naming the input and the fix, exit
+status 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,11 +13,13 @@ USAGE_EXIT = 2
 
 
 class UsageError(ValueError):
-    """A bad command-line input or environment setting; the message names the input and the fix, in one line."""
+    """A bad command-line input or environment setting; the message names the input and the fix, in
+    one line."""
 
 
 def fail(message: str) -> NoReturn:
-    """Print ``error: message`` as one line on stderr and exit with status 2 (no usage block, no traceback)."""
+    """Print ``error: message`` as one line on stderr and exit with status 2 (no usage block, no
+    traceback)."""
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
     raise SystemExit(USAGE_EXIT)
 
@@ -32,9 +36,13 @@ def int_list(text: str) -> list[int]:
     try:
         values = [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 1,4,8)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (e.g. 1,4,8)"
+        ) from None
     if not values:
-        raise argparse.ArgumentTypeError("the list is empty; give comma-separated integers (e.g. 1,4,8)")
+        raise argparse.ArgumentTypeError(
+            "the list is empty; give comma-separated integers (e.g. 1,4,8)"
+        )
     return values
 
 
@@ -45,7 +53,9 @@ def port(text: str) -> int:
     except ValueError:
         value = -1
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; use 1-65535 (or 0 for any free port)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a TCP port; use 1-65535 (or 0 for any free port)"
+        )
     return value
 
 

@@ -1,16 +1,19 @@
-"""``python -m h3ms_async demo``: the reference H3 DiT unsplit, then split across rank workers, compared bit for bit.
+"""``python -m h3ms_async demo``: the reference H3 DiT unsplit, then split across rank workers,
+compared bit for bit.
 
-The default model finishes in well under two minutes on 2 CPU cores.  ``--weights auto`` (the default) picks what
-this machine computes fast: int8 on CUDA; on a CPU the fastest of int8 / bf16 / fp32 linears, timed here (int8
-GEMMs are slow on CPUs without VNNI).  On a CPU every format computes in fp32, as ComfyUI computes bf16 and int8
-checkpoints there (``reference.compute_dtype``): the unsplit pass stands in for ComfyUI, and bf16 GEMMs, whose
-kernels (AMX, AVX-512-bf16) may round a row differently with the row count, are never what it runs.  Every size is
-an option, up to the full H3 width on CUDA ranks.
+The default model finishes in well under two minutes on 2 CPU cores.  ``--weights auto`` (the
+default) picks what this machine computes fast: int8 on CUDA; on a CPU the fastest of int8 / bf16 /
+fp32 linears, timed here (int8 GEMMs are slow on CPUs without VNNI).  On a CPU every format computes
+in fp32, as ComfyUI computes bf16 and int8 checkpoints there (``reference.compute_dtype``): the
+unsplit pass stands in for ComfyUI, and bf16 GEMMs, whose kernels (AMX, AVX-512-bf16) may round a
+row differently with the row count, are never what it runs.  Every size is an option, up to the full
+H3 width on CUDA ranks.
 
-The step times compare like with like: the unsplit model's weights are generated once and kept on its device, as
-ComfyUI keeps a loaded model (or no figures are printed when they do not fit), and the summary averages the steps
-after the first, which pays both sides' one-time kernel loading.
+The step times compare like with like: the unsplit model's weights are generated once and kept on
+its device, as ComfyUI keeps a loaded model (or no figures are printed when they do not fit), and
+the summary averages the steps after the first, which pays both sides' one-time kernel loading.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +23,15 @@ import sys
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
-# Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy 2-core box).
+from h3ms_async.log import above_bars, ensure_console_handler, get_logger
+
+# Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy
+# 2-core box).
 from h3ms_async.runtime import plans, rundir
 from h3ms_async.tools.cli import ArgParser, UsageError, port, positive_int
-from h3ms_async.log import above_bars, ensure_console_handler, get_logger
 from workers.dit.protocol import Transport
 
 if TYPE_CHECKING:
@@ -36,51 +42,101 @@ if TYPE_CHECKING:
 log = get_logger("demo")
 
 WEIGHT_KINDS = ("int8", "bf16", "fp32")  # reference_dit.WEIGHT_KINDS, which imports torch
-#: ``--weights auto`` keeps int8 (H3's own format) on a CPU unless its linears are this much slower than a float's.
+#: ``--weights auto`` keeps int8 (H3's own format) on a CPU unless its linears are this much slower
+#: than a float's.
 INT8_SLOWDOWN_TOLERATED = 1.25
-#: How often the bar redraws even when no block finished (a block can take seconds on a slow machine).
+#: How often the bar redraws even when no block finished (a block can take seconds on a slow
+#: machine).
 TICK_S = 1.0
 CPU_DEFAULT_TOKENS = 3000
-#: Enough for 3 ranks of the demo's 8 heads on an H200 to stay on FlashAttention's exact schedule (split.py).
+#: Enough for 3 ranks of the demo's 8 heads on an H200 to stay on FlashAttention's exact schedule
+#: (split.py).
 CUDA_DEFAULT_TOKENS = 8000
-#: The unsplit model is kept on its device only when it takes at most this share of the device's free memory.
+#: The unsplit model is kept on its device only when it takes at most this share of the device's
+#: free memory.
 RESIDENT_SHARE = 0.5
 MIN_HEAD_DIM = 6  # the rope rotates 3 axes, each needs at least one cos/sin pair
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgParser(prog="python -m h3ms_async demo", description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", default="cpu,cpu,cpu", help="one device per rank, e.g. cpu,cpu,cpu or cuda:0,cuda:0,cuda:1")
-    p.add_argument("--device", default=None, help="device of the unsplit run (default: the first rank's device)")
-    p.add_argument("--tokens", type=int, default=None, help="packed sequence length S (default 3000 on CPU ranks, "
-                   f"{CUDA_DEFAULT_TOKENS} with a CUDA rank: fewer make CUDA attention's schedule depend on the head "
-                   "count, so the split refuses them)")
+    p.add_argument(
+        "--ranks",
+        default="cpu,cpu,cpu",
+        help="one device per rank, e.g. cpu,cpu,cpu or cuda:0,cuda:0,cuda:1",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="device of the unsplit run (default: the first rank's device)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="packed sequence length S (default 3000 on CPU ranks, "
+        f"{CUDA_DEFAULT_TOKENS} with a CUDA rank: fewer make CUDA attention's schedule depend on "
+        "the head "
+        "count, so the split refuses them)",
+    )
     p.add_argument("--layers", type=positive_int, default=6, help="number of DiT blocks")
     p.add_argument("--hidden", type=positive_int, default=512, help="hidden size H (full H3: 5376)")
     p.add_argument("--heads", type=positive_int, default=8, help="attention heads (full H3: 56)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension (full H3: 128)")
-    p.add_argument("--ffn", type=positive_int, default=None,
-                   help="MLP width (default: 8/3 of hidden, rounded to 64; H3: 14336)")
-    p.add_argument("--weights", choices=("auto",) + WEIGHT_KINDS, default="auto",
-                   help="block weight format; auto: int8 on CUDA, on a CPU the fastest format on this machine")
-    p.add_argument("--exchange", choices=[Transport.HOST.value, Transport.NCCL.value],
-                   default="host", help="rank exchange transport (nccl: gloo on CPU ranks)")
-    p.add_argument("--exchange-chunks", type=int, default=0, help="pipelined chunks per exchange, 0-32 (0/1: single shot)")
-    p.add_argument("--shares", default="", help="relative speed per rank, e.g. 1,1,0.7 (default: equal)")
+    p.add_argument(
+        "--ffn",
+        type=positive_int,
+        default=None,
+        help="MLP width (default: 8/3 of hidden, rounded to 64; H3: 14336)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("auto",) + WEIGHT_KINDS,
+        default="auto",
+        help="block weight format; auto: int8 on CUDA, on a CPU the fastest format on this machine",
+    )
+    p.add_argument(
+        "--exchange",
+        choices=[Transport.HOST.value, Transport.NCCL.value],
+        default="host",
+        help="rank exchange transport (nccl: gloo on CPU ranks)",
+    )
+    p.add_argument(
+        "--exchange-chunks",
+        type=int,
+        default=0,
+        help="pipelined chunks per exchange, 0-32 (0/1: single shot)",
+    )
+    p.add_argument(
+        "--shares", default="", help="relative speed per rank, e.g. 1,1,0.7 (default: equal)"
+    )
     p.add_argument("--vram-residency", choices=["auto", "resident", "stream"], default="auto")
-    p.add_argument("--steps", type=positive_int, default=2, help="denoising steps to run (each compared)")
+    p.add_argument(
+        "--steps", type=positive_int, default=2, help="denoising steps to run (each compared)"
+    )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--verify", action="store_true",
-                   help="also run the first split step unsplit on the first rank's device inside the engine and "
-                        "compare (the node's verify setting): logs 'bit-exact on <devices>' or where it differs")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the first split step unsplit on the first rank's device inside the engine "
+        "and "
+        "compare (the node's verify setting): logs 'bit-exact on <devices>' or where it differs",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--serve", type=port, default=None, metavar="PORT",
-                   help="serve the status routes and live panel on 127.0.0.1:PORT while running (0: any free port)")
+    p.add_argument(
+        "--serve",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="serve the status routes and live panel on 127.0.0.1:PORT while running (0: any free "
+        "port)",
+    )
     return p
 
 
 def _devices(flag: str, spec: str) -> list[str]:
-    """Parse a device list and check every CUDA index exists in this torch (imported only for CUDA devices)."""
+    """Parse a device list and check every CUDA index exists in this torch (imported only for CUDA
+    devices)."""
     try:
         devices = plans.rank_map(spec)
     except plans.GPUSelectionError as exc:
@@ -89,37 +145,57 @@ def _devices(flag: str, spec: str) -> list[str]:
     if not cuda:
         return devices
     import torch
+
     if not torch.cuda.is_available():
-        raise UsageError(f"{flag} {spec!r}: this torch ({torch.__version__}) sees no CUDA GPU; use {flag} cpu,cpu,cpu "
-                         "or install a CUDA build of torch (H3MS_TORCH_SPEC)")
+        raise UsageError(
+            f"{flag} {spec!r}: this torch ({torch.__version__}) sees no CUDA GPU; use {flag} "
+            "cpu,cpu,cpu "
+            "or install a CUDA build of torch (H3MS_TORCH_SPEC)"
+        )
     n = torch.cuda.device_count()
     missing = sorted({d for d in cuda if int(d.split(":")[1]) >= n})
     if missing:
-        raise UsageError(f"{flag} {spec!r}: {', '.join(missing)} does not exist; this machine has {n} CUDA GPU(s), "
-                         f"cuda:0 to cuda:{n - 1}")
+        raise UsageError(
+            f"{flag} {spec!r}: {', '.join(missing)} does not exist; this machine has {n} CUDA "
+            "GPU(s), "
+            f"cuda:0 to cuda:{n - 1}"
+        )
     return devices
 
 
-def _config(a: argparse.Namespace) -> "DiTConfig":
+def _config(a: argparse.Namespace) -> DiTConfig:
     from h3ms_async.dit.reference import DiTConfig
+
     ffn = a.ffn or max(64, (a.hidden * 8 // 3) // 64 * 64)
     rope_pairs = min(48, (a.head_dim // 2) // 3 * 3)
-    return DiTConfig(hidden=a.hidden, layers=a.layers, heads=a.heads, head_dim=a.head_dim, ffn=ffn,
-                     t_dim=max(16, a.hidden // 2), rope_pairs=rope_pairs)
+    return DiTConfig(
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=a.heads,
+        head_dim=a.head_dim,
+        ffn=ffn,
+        t_dim=max(16, a.hidden // 2),
+        rope_pairs=rope_pairs,
+    )
 
 
 def _layout(tokens: int) -> Any:
     from h3ms_async.dit.layout import layout_for_tokens
+
     try:
         return layout_for_tokens(tokens)
     except ValueError:
         least = next(n for n in range(tokens + 1, 1 << 20) if _layout_fits(n))
-        raise UsageError(f"--tokens {tokens}: too few for the demo's text+audio+video layout; use --tokens {least} "
-                         "or more") from None
+        raise UsageError(
+            f"--tokens {tokens}: too few for the demo's text+audio+video layout; use --tokens "
+            f"{least} "
+            "or more"
+        ) from None
 
 
 def _layout_fits(tokens: int) -> bool:
     from h3ms_async.dit.layout import layout_for_tokens
+
     try:
         layout_for_tokens(tokens)
         return True
@@ -128,7 +204,8 @@ def _layout_fits(tokens: int) -> bool:
 
 
 def check_args(a: argparse.Namespace) -> dict:
-    """Every input checked before anything heavy starts; raises ``UsageError`` naming the input and the fix.
+    """Every input checked before anything heavy starts; raises ``UsageError`` naming the input and
+    the fix.
 
     Only the CUDA-rank and token-layout checks import torch."""
     ranks = _devices("--ranks", a.ranks)
@@ -138,22 +215,36 @@ def check_args(a: argparse.Namespace) -> dict:
     except plans.GPUSelectionError as exc:
         raise UsageError(f"--shares {a.shares!r}: {exc}") from None
     if shares is not None and len(shares) != len(ranks):
-        raise UsageError(f"--shares {a.shares!r} gives {len(shares)} value(s) for {len(ranks)} ranks; give one per "
-                         "rank or leave it out")
+        raise UsageError(
+            f"--shares {a.shares!r} gives {len(shares)} value(s) for {len(ranks)} ranks; give one "
+            "per "
+            "rank or leave it out"
+        )
     if not 0 <= a.exchange_chunks <= 32:
-        raise UsageError(f"--exchange-chunks {a.exchange_chunks}: use 0 to 32 (0/1: single shot, 8 recommended)")
+        raise UsageError(
+            f"--exchange-chunks {a.exchange_chunks}: use 0 to 32 (0/1: single shot, 8 recommended)"
+        )
     if a.head_dim < MIN_HEAD_DIM:
-        raise UsageError(f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 axes x "
-                         f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)")
+        raise UsageError(
+            f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 "
+            "axes x "
+            f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)"
+        )
     if a.tokens is None:
-        a.tokens = CUDA_DEFAULT_TOKENS if any(r.startswith("cuda") for r in ranks) else CPU_DEFAULT_TOKENS
+        a.tokens = (
+            CUDA_DEFAULT_TOKENS if any(r.startswith("cuda") for r in ranks) else CPU_DEFAULT_TOKENS
+        )
     if a.tokens < 1:
-        raise UsageError(f"--tokens {a.tokens}: the packed sequence needs a positive number of tokens; use e.g. "
-                         "--tokens 3000")
+        raise UsageError(
+            f"--tokens {a.tokens}: the packed sequence needs a positive number of tokens; use e.g. "
+            "--tokens 3000"
+        )
     try:
         plans.make_split_plan(ranks, shares, a.tokens, a.heads)
     except plans.GPUSelectionError as exc:
-        raise UsageError(f"--ranks {a.ranks!r} with --heads {a.heads} and --tokens {a.tokens}: {exc}") from None
+        raise UsageError(
+            f"--ranks {a.ranks!r} with --heads {a.heads} and --tokens {a.tokens}: {exc}"
+        ) from None
     try:
         rundir.check_base()
     except rundir.RunDirError as exc:
@@ -161,13 +252,14 @@ def check_args(a: argparse.Namespace) -> dict:
     return {"ranks": ranks, "device": device_name, "shares": shares, "layout": _layout(a.tokens)}
 
 
-def _seconds_per_linear(kind: str, cfg: "DiTConfig", device: "torch.device") -> float:
-    """Best of three timings of one qkv-sized linear over 512 rows in ``kind`` weights, computed as the demo
-    computes them on ``device`` (dit_ops' own path)."""
+def _seconds_per_linear(kind: str, cfg: DiTConfig, device: torch.device) -> float:
+    """Best of three timings of one qkv-sized linear over 512 rows in ``kind`` weights, computed as
+    the demo computes them on ``device`` (dit_ops' own path)."""
     import torch
 
     from h3ms_async.dit.reference import compute_dtype, quantize_rowwise
     from workers.dit import ops as dit_ops
+
     gen = torch.Generator().manual_seed(0)
     stored = torch.float32 if kind == "fp32" else torch.bfloat16
     x = torch.randn(512, cfg.hidden, generator=gen).to(device, compute_dtype(kind, device.type))
@@ -187,38 +279,52 @@ def _seconds_per_linear(kind: str, cfg: "DiTConfig", device: "torch.device") -> 
     return best
 
 
-def pick_weights(device: "torch.device", cfg: "DiTConfig") -> tuple[str, str]:
-    """``--weights auto``: ``(kind, why)``. int8 on CUDA; on a CPU the fastest format measured here, int8 kept unless
-    it is more than ``INT8_SLOWDOWN_TOLERATED`` times slower."""
+def pick_weights(device: torch.device, cfg: DiTConfig) -> tuple[str, str]:
+    """``--weights auto``: ``(kind, why)``. int8 on CUDA; on a CPU the fastest format measured here,
+    int8 kept unless it is more than ``INT8_SLOWDOWN_TOLERATED`` times slower."""
     if device.type == "cuda":
         return "int8", "int8 on CUDA"
     times = {k: _seconds_per_linear(k, cfg, device) for k in WEIGHT_KINDS}
     fastest = min(times, key=times.__getitem__)
     kind = "int8" if times["int8"] <= INT8_SLOWDOWN_TOLERATED * times[fastest] else fastest
     measured = ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in times.items())
-    return kind, f"fastest on this CPU (one linear: {measured}); --weights int8 forces H3's int8 format"
+    return (
+        kind,
+        f"fastest on this CPU (one linear: {measured}); --weights int8 forces H3's int8 format",
+    )
 
 
-def compute_note(weights: str, device: "torch.device") -> str:
+def compute_note(weights: str, device: torch.device) -> str:
     """What the demo's log line says about the compute dtype, and why."""
     if device.type == "cpu":
-        return ("computed in fp32: on a CPU ComfyUI casts bf16 and int8 checkpoints to fp32 per layer, and the split "
-                "must give what ComfyUI gives")
+        return (
+            "computed in fp32: on a CPU ComfyUI casts bf16 and int8 checkpoints to fp32 per layer, "
+            "and the split "
+            "must give what ComfyUI gives"
+        )
     return f"computed in {'fp32' if weights == 'fp32' else 'bf16'} on {device.type}, as ComfyUI does there"
 
 
 def model_nbytes(model: Any) -> int:
     """Bytes of all the model's blocks (block 0's tensors, times the blocks)."""
-    return model.config.layers * sum(t.numel() * t.element_size() for t in model.block_weights(0).values())
+    return model.config.layers * sum(
+        t.numel() * t.element_size() for t in model.block_weights(0).values()
+    )
 
 
-def keep_resident(model: Any, device: "torch.device", nbytes: int) -> bool:
-    """Generate the unsplit model's weights once and keep them on ``device`` (what ComfyUI holds between steps), when
-    they take at most ``RESIDENT_SHARE`` of its free memory; otherwise every unsplit step generates them anew and its
-    time is no comparison.  Returns whether they are kept."""
+def keep_resident(model: Any, device: torch.device, nbytes: int) -> bool:
+    """Generate the unsplit model's weights once and keep them on ``device`` (what ComfyUI holds
+    between steps), when they take at most ``RESIDENT_SHARE`` of its free memory; otherwise every
+    unsplit step generates them anew and its time is no comparison.  Returns whether they are
+    kept."""
     import psutil
     import torch
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+
+    free = (
+        torch.cuda.mem_get_info(device)[0]
+        if device.type == "cuda"
+        else psutil.virtual_memory().available
+    )
     if nbytes > RESIDENT_SHARE * free:
         return False
     model.materialize()
@@ -231,11 +337,21 @@ class _Progress:
 
     def __init__(self, total: int, disable: bool) -> None:
         from tqdm import tqdm
+
         self._scope = contextlib.ExitStack()
         self._scope.enter_context(above_bars())
-        self.bar = tqdm(total=total, desc="starting workers", unit="block", file=sys.stderr, disable=disable,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
-                        dynamic_ncols=True, mininterval=0, miniters=1)  # blocks take seconds: draw every one
+        self.bar = tqdm(
+            total=total,
+            desc="starting workers",
+            unit="block",
+            file=sys.stderr,
+            disable=disable,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} blocks [{elapsed}]",
+            # blocks take seconds: draw every one
+            dynamic_ncols=True,
+            mininterval=0,
+            miniters=1,
+        )
         self._base: float = 0  # tqdm counts in floats
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="h3ms-demo-bar", daemon=True)
@@ -281,68 +397,122 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
 
     from h3ms_async.dit.reference import ReferenceDiT, make_step_inputs
     from h3ms_async.dit.split import SplitOptions, SplitUnsafe, _cpu_thread_env, get_engine
+
     c = checked or check_args(a)
     ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
     if device.type == "cpu" and (rank_threads := _cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
-        # The unsplit pass computes with a CPU rank's thread count: on a busy machine more OpenMP threads than
-        # free cores stall on each other (the unsplit pass took 10x the split's on a loaded 2-core box).
+        # The unsplit pass computes with a CPU rank's thread count: on a busy machine more OpenMP
+        # threads than free cores stall on each other (the unsplit pass took 10x the split's on a
+        # loaded 2-core box).
         torch.set_num_threads(int(rank_threads))
-    weights, why = (a.weights, "given by --weights") if a.weights != "auto" else pick_weights(device, cfg)
+    weights, why = (
+        (a.weights, "given by --weights") if a.weights != "auto" else pick_weights(device, cfg)
+    )
     log.info("weights %s (%s); %s", weights, why, compute_note(weights, device))
     model = ReferenceDiT(cfg, weights=weights, seed=a.seed, device=device)
     dtype = model.compute_dtype
-    # bf16 q/k norm weights on an fp32 stream: kitchen's rms_rope upcasts them unfused, as in ComfyUI on a CPU (norm
-    # weights are moved, not cast: docs/comfyui_facts.md); torch's note about the unfused path says nothing new here.
-    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+    # bf16 q/k norm weights on an fp32 stream: kitchen's rms_rope upcasts them unfused, as in
+    # ComfyUI on a CPU (norm weights are moved, not cast: docs/comfyui_facts.md); torch's note about
+    # the unfused path says nothing new here.
+    warnings.filterwarnings(
+        "ignore", message="Mismatch dtype between input and weight", category=UserWarning
+    )
     nbytes = model_nbytes(model)
     timed = keep_resident(model, device, nbytes)
     if not timed:
-        log.info("no speed figures: the unsplit model (%.1f GiB) does not fit on %s at once, so each unsplit step "
-                 "generates its weights anew", nbytes / 2**30, device)
-    # The unsplit pass stands in for ComfyUI, whose process is long warm when a split starts; the ranks warm up at
-    # load (dit_ops.warm_up), so must this side, or its first CUDA attention call rounds differently.
+        log.info(
+            "no speed figures: the unsplit model (%.1f GiB) does not fit on %s at once, so each "
+            "unsplit step "
+            "generates its weights anew",
+            nbytes / 2**30,
+            device,
+        )
+    # The unsplit pass stands in for ComfyUI, whose process is long warm when a split starts; the
+    # ranks warm up at load (dit_ops.warm_up), so must this side, or its first CUDA attention call
+    # rounds differently.
     from workers.dit import ops as dit_ops
+
     dit_ops.warm_up(dit_ops.builtin_attend("sdpa"), device, [dtype])
-    engine = get_engine(ranks, SplitOptions(exchange=a.exchange, exchange_chunks=a.exchange_chunks,
-                                            vram_residency=a.vram_residency, shares=c["shares"],
-                                            verify=a.verify))
+    engine = get_engine(
+        ranks,
+        SplitOptions(
+            exchange=a.exchange,
+            exchange_chunks=a.exchange_chunks,
+            vram_residency=a.vram_residency,
+            shares=c["shares"],
+            verify=a.verify,
+        ),
+    )
     bar = _Progress(a.steps * 2 * cfg.layers, disable=a.json)
     steps: list[StepResult] = []
     try:
         t = time.perf_counter()
-        engine.load_weights(("demo", a.seed, weights, cfg), cfg, model.block_weights, compute_dtype=dtype)
+        engine.load_weights(
+            ("demo", a.seed, weights, cfg), cfg, model.block_weights, compute_dtype=dtype
+        )
         start_s = time.perf_counter() - t
         for s in range(a.steps):
             inp = make_step_inputs(cfg, layout, a.seed + s, dtype)
             bar.phase(f"step {s + 1}/{a.steps} unsplit")
             t = time.perf_counter()
-            ref = model.forward_blocks(inp.x.clone().to(device), inp.t_emb.to(device), inp.segments,
-                                       inp.rope_freqs.to(device), on_block=lambda i: bar.blocks(i + 1)).cpu()
+            ref = model.forward_blocks(
+                inp.x.clone().to(device),
+                inp.t_emb.to(device),
+                inp.segments,
+                inp.rope_freqs.to(device),
+                on_block=lambda i: bar.blocks(i + 1),
+            ).cpu()
             unsplit_s = time.perf_counter() - t
             bar.phase(f"step {s + 1}/{a.steps} split on {len(ranks)} ranks")
             t = time.perf_counter()
             try:
-                out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=0.7,
-                                        progress=lambda done, total: bar.blocks(done))
+                out = engine.run_blocks(
+                    inp.x,
+                    inp.t_emb,
+                    inp.segments,
+                    inp.rope_freqs,
+                    sigma=0.7,
+                    progress=lambda done, total: bar.blocks(done),
+                )
             except SplitUnsafe as exc:
-                # measured not bit-exact on these ranks: the step runs unsplit, as the node does (warned once)
+                # measured not bit-exact on these ranks: the step runs unsplit, as the node does
+                # (warned once)
                 if exc.first:
                     log.warning("%s; running this step unsplit", exc)
                 out = ref
             split_s = time.perf_counter() - t
             diff = float((out.float() - ref.float()).abs().max())
-            steps.append({"step": s, "unsplit_s": unsplit_s if timed else None, "split_s": split_s,
-                          "split": out is not ref,
-                          "bit_exact": bool(torch.equal(out, ref)), "max_abs_diff": diff})
+            steps.append(
+                {
+                    "step": s,
+                    "unsplit_s": unsplit_s if timed else None,
+                    "split_s": split_s,
+                    "split": out is not ref,
+                    "bit_exact": bool(torch.equal(out, ref)),
+                    "max_abs_diff": diff,
+                }
+            )
     finally:
         bar.close()
     from h3ms_async.observability.status import get_hub
+
     last = (get_hub().recent_steps(1) or [{"ranks": []}])[-1]  # none when every step ran unsplit
     return {
-        "config": {"tokens": layout.seq_len, "layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
-                   "head_dim": cfg.head_dim, "ffn": cfg.ffn, "weights": weights, "ranks": ranks,
-                   "exchange": engine.transport, "exchange_chunks": a.exchange_chunks, "shares": c["shares"],
-                   "unsplit_device": str(device), "compute_dtype": str(dtype).removeprefix("torch.")},
+        "config": {
+            "tokens": layout.seq_len,
+            "layers": cfg.layers,
+            "hidden": cfg.hidden,
+            "heads": cfg.heads,
+            "head_dim": cfg.head_dim,
+            "ffn": cfg.ffn,
+            "weights": weights,
+            "ranks": ranks,
+            "exchange": engine.transport,
+            "exchange_chunks": a.exchange_chunks,
+            "shares": c["shares"],
+            "unsplit_device": str(device),
+            "compute_dtype": str(dtype).removeprefix("torch."),
+        },
         "worker_start_and_load_s": start_s,
         "steps": steps,
         "ranks": last["ranks"],
@@ -354,11 +524,13 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
 
 
 def summary_line(res: dict) -> str:
-    """The demo's last line (the README quotes it): equal or not, and the mean step times of the warm steps (all
-    but the first, when there are more)."""
+    """The demo's last line (the README quotes it): equal or not, and the mean step times of the
+    warm steps (all but the first, when there are more)."""
     n = len(res["steps"])
     warm = [s for s in res["steps"][1:] or res["steps"] if s["split"]]
-    verdict = "equal" if res["bit_exact"] else f"DIFFERENT (max abs difference {res['max_abs_diff']:g})"
+    verdict = (
+        "equal" if res["bit_exact"] else f"DIFFERENT (max abs difference {res['max_abs_diff']:g})"
+    )
     unsplit_steps = sum(not s["split"] for s in res["steps"])
     if unsplit_steps:
         verdict += f" ({unsplit_steps} ran unsplit: the plan is not exact on these ranks)"
@@ -371,30 +543,45 @@ def summary_line(res: dict) -> str:
         unsplit = sum(s["unsplit_s"] for s in warm) / len(warm)
         split = sum(s["split_s"] for s in warm) / len(warm)
         speed = f"unsplit {unsplit:.2f} s/step, split {split:.2f} s/step on {ranks} ranks"
-    return (f"bit-exact: {'yes' if res['bit_exact'] else 'no'} - split vs unsplit {verdict} on all {n} steps; "
-            f"{speed}; demo {res['total_s']:.0f} s")
+    return (
+        f"bit-exact: {'yes' if res['bit_exact'] else 'no'} - split vs unsplit {verdict} on all {n} "
+        "steps; "
+        f"{speed}; demo {res['total_s']:.0f} s"
+    )
 
 
 def print_table(res: dict) -> None:
     c = res["config"]
-    print(f"\nreference H3 DiT: {c['tokens']} tokens x {c['layers']} blocks, hidden {c['hidden']}, "
-          f"{c['heads']} heads x {c['head_dim']}, ffn {c['ffn']}, {c['weights']} weights computed in "
-          f"{c['compute_dtype']}")
-    print(f"split over {len(c['ranks'])} ranks ({','.join(c['ranks'])}), exchange {c['exchange']}"
-          f"{' x' + str(c['exchange_chunks']) if c['exchange_chunks'] > 1 else ''}; "
-          f"workers started and weights loaded in {res['worker_start_and_load_s']:.1f}s\n")
+    print(
+        f"\nreference H3 DiT: {c['tokens']} tokens x {c['layers']} blocks, hidden {c['hidden']}, "
+        f"{c['heads']} heads x {c['head_dim']}, ffn {c['ffn']}, {c['weights']} weights computed in "
+        f"{c['compute_dtype']}"
+    )
+    print(
+        f"split over {len(c['ranks'])} ranks ({','.join(c['ranks'])}), exchange {c['exchange']}"
+        f"{' x' + str(c['exchange_chunks']) if c['exchange_chunks'] > 1 else ''}; "
+        f"workers started and weights loaded in {res['worker_start_and_load_s']:.1f}s\n"
+    )
     for s in res["steps"]:
         unsplit = "not timed" if s["unsplit_s"] is None else f"{s['unsplit_s']:.3f}s"
-        print(f"step {s['step']}: unsplit {unsplit}   split {s['split_s']:.3f}s   "
-              f"{'equal' if s['bit_exact'] else 'DIFFERENT'}"
-              f"{'' if s['split'] else ' (ran unsplit: the plan is not exact here)'}")
+        print(
+            f"step {s['step']}: unsplit {unsplit}   split {s['split_s']:.3f}s   "
+            f"{'equal' if s['bit_exact'] else 'DIFFERENT'}"
+            f"{'' if s['split'] else ' (ran unsplit: the plan is not exact here)'}"
+        )
     print("\nlast split step, per rank:")
-    print(f"{'rank':>4} {'device':>8} {'tokens':>13} {'heads':>7} {'compute s':>10} {'exchange s':>11} "
-          f"{'wait s':>8} {'MB moved':>9}")
+    print(
+        f"{'rank':>4} {'device':>8} {'tokens':>13} {'heads':>7} {'compute s':>10} "
+        f"{'exchange s':>11} "
+        f"{'wait s':>8} {'MB moved':>9}"
+    )
     for r in res["ranks"]:
-        print(f"{r['rank']:>4} {r['device']:>8} {r['tokens'][0]:>6}-{r['tokens'][1]:<6} "
-              f"{r['heads'][0]:>3}-{r['heads'][1]:<3} {r['compute_s']:>10.3f} {r['exchange_s']:>11.3f} "
-              f"{r['wait_s']:>8.3f} {r['moved_bytes'] / 1e6:>9.2f}")
+        print(
+            f"{r['rank']:>4} {r['device']:>8} {r['tokens'][0]:>6}-{r['tokens'][1]:<6} "
+            f"{r['heads'][0]:>3}-{r['heads'][1]:<3} {r['compute_s']:>10.3f} "
+            f"{r['exchange_s']:>11.3f} "
+            f"{r['wait_s']:>8.3f} {r['moved_bytes'] / 1e6:>9.2f}"
+        )
     print()
     print(summary_line(res))
 
@@ -408,20 +595,24 @@ def _released(action: Callable[[], Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m h3ms_async demo``; returns 0 when bit-exact, 1 when not, 2 on a bad input (one line on stderr),
-    130 / 143 when Ctrl-C / SIGTERM ended it (one line, everything released: ``lifetime.run_guarded``)."""
+    """``python -m h3ms_async demo``; returns 0 when bit-exact, 1 when not, 2 on a bad input (one
+    line on stderr), 130 / 143 when Ctrl-C / SIGTERM ended it (one line, everything released:
+    ``lifetime.run_guarded``)."""
     a = build_parser().parse_args(argv)
     checked = check_args(a)
-    from h3ms_async.tools.lifetime import run_guarded
     from h3ms_async.dit.split import release_all_engines
     from h3ms_async.runtime.weight_store import WeightStoreRefused
+    from h3ms_async.tools.lifetime import run_guarded
     from workers.runtime.shm import ShmError
+
     stop = None
 
     def body() -> int:
         nonlocal stop
-        if a.serve is not None:  # before the console handler: a bind error is then the only line printed
+        if a.serve is not None:
+            # before the console handler: a bind error is then the only line printed
             from h3ms_async.observability.serve import bind_error_text, start_background_server
+
             try:
                 url, stop = start_background_server(port=a.serve)
             except OSError as exc:
@@ -431,7 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ensure_console_handler()
         try:
             res = run(a, checked)
-        except (WeightStoreRefused, ShmError) as exc:  # the machine's limits: the message names them and the fix
+        except (WeightStoreRefused, ShmError) as exc:
+            # the machine's limits: the message names them and the fix
             raise UsageError(str(exc)) from None
         if a.json:
             print(json.dumps(res, indent=2))

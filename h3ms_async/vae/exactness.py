@@ -1,20 +1,24 @@
-"""The VAE split's exactness check: a temporal chunk's decode must not depend on the rank that runs it.
+"""The VAE split's exactness check: a temporal chunk's decode must not depend on the rank that runs
+it.
 
-A chunk decoded by a worker equals rank 0's decode only where the worker's device and kernels give the same bits, which
-is measured, not assumed: before a plan's chunks are dealt, every worker rank without a verdict decodes one random
-latent of each of the plan's chunk shapes (the kernels depend on the shapes, not the values) and its digest is compared
-with rank 0's decode of the same latent.  A rank whose decode differs is dropped from the deal (its chunks go to the
-others, rank 0 at least) with one warning naming its device.  Verdicts are kept for the life of the process per
-(rank, its device, rank 0's device, torch, dtype, chunk shape, decoder weight key): the cost is one chunk decode per
-rank and new shape.  Each verdict goes to the status document's ``exactness.verdicts`` (program "vae").
+A chunk decoded by a worker equals rank 0's decode only where the worker's device and kernels give
+the same bits, which is measured, not assumed: before a plan's chunks are dealt, every worker rank
+without a verdict decodes one random latent of each of the plan's chunk shapes (the kernels depend
+on the shapes, not the values) and its digest is compared with rank 0's decode of the same latent.
+A rank whose decode differs is dropped from the deal (its chunks go to the others, rank 0 at least)
+with one warning naming its device.  Verdicts are kept for the life of the process per (rank, its
+device, rank 0's device, torch, dtype, chunk shape, decoder weight key): the cost is one chunk
+decode per rank and new shape.  Each verdict goes to the status document's ``exactness.verdicts``
+(program "vae").
 """
+
 from __future__ import annotations
 
 import functools
 import platform
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -34,7 +38,9 @@ _lock = threading.Lock()
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+            return next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
     except OSError:
         return platform.processor()
 
@@ -46,14 +52,24 @@ def device_label(device: str) -> str:
     return f"cpu {_cpu_model() or platform.machine()}".rstrip()
 
 
-def verdict_key(rank: int, devices: Sequence[str], dtype: torch.dtype, shape: Sequence[int], weights: tuple) -> tuple:
+def verdict_key(
+    rank: int, devices: Sequence[str], dtype: torch.dtype, shape: Sequence[int], weights: tuple
+) -> tuple:
     """What a rank's verdict for one chunk shape depends on."""
-    return (rank, device_label(devices[rank]), device_label(devices[0]), torch.__version__, dtype_name(dtype),
-            tuple(shape), weights)
+    return (
+        rank,
+        device_label(devices[rank]),
+        device_label(devices[0]),
+        torch.__version__,
+        dtype_name(dtype),
+        tuple(shape),
+        weights,
+    )
 
 
 def known(key: tuple) -> bool | None:
-    """The kept verdict (True: the rank decodes as rank 0), or None when that rank and shape were never probed."""
+    """The kept verdict (True: the rank decodes as rank 0), or None when that rank and shape were
+    never probed."""
     with _lock:
         return _verdicts.get(key)
 
@@ -74,10 +90,17 @@ class Outcome:
     probe_ms: float
 
 
-def settle(outcomes: Sequence[Outcome], keys: dict[tuple[int, tuple[int, ...]], tuple], devices: Sequence[str],
-           dtype: torch.dtype, shards: list[int], workers_left: int) -> None:
-    """Keep the verdicts of ``outcomes``, warn once per differing rank and record every verdict in the status
-    document; ``workers_left``: the worker ranks that still decode after the differing ones are dropped."""
+def settle(
+    outcomes: Sequence[Outcome],
+    keys: dict[tuple[int, tuple[int, ...]], tuple],
+    devices: Sequence[str],
+    dtype: torch.dtype,
+    shards: list[int],
+    workers_left: int,
+) -> None:
+    """Keep the verdicts of ``outcomes``, warn once per differing rank and record every verdict in
+    the status document; ``workers_left``: the worker ranks that still decode after the differing
+    ones are dropped."""
     ref = device_label(devices[0])
     warned: set[int] = set()
     for o in outcomes:
@@ -86,13 +109,31 @@ def settle(outcomes: Sequence[Outcome], keys: dict[tuple[int, tuple[int, ...]], 
         shape = "x".join(map(str, o.shape))
         label = device_label(o.device)
         if o.equal:
-            verdict, detail = "exact", f"rank {o.rank} decodes a {shape} chunk as rank 0 ({ref}) does"
+            verdict, detail = (
+                "exact",
+                f"rank {o.rank} decodes a {shape} chunk as rank 0 ({ref}) does",
+            )
         else:
             verdict = "adjusted" if workers_left else "unsplit"
-            detail = (f"rank {o.rank} ({label}) decodes a {shape} chunk differently from rank 0 ({ref}); "
-                      + ("its chunks go to the other ranks" if workers_left else "rank 0 decodes every chunk"))
+            detail = (
+                f"rank {o.rank} ({label}) decodes a {shape} chunk differently from rank 0 ({ref}); "
+                + (
+                    "its chunks go to the other ranks"
+                    if workers_left
+                    else "rank 0 decodes every chunk"
+                )
+            )
             if o.rank not in warned:
                 log.warning("%s (%s)", detail, dtype_name(dtype))
                 warned.add(o.rank)
-        record_verdict("vae", "vae.chunk", label, dtype_name(dtype), shape, shards, verdict, detail,
-                       round(o.probe_ms, 3))
+        record_verdict(
+            "vae",
+            "vae.chunk",
+            label,
+            dtype_name(dtype),
+            shape,
+            shards,
+            verdict,
+            detail,
+            round(o.probe_ms, 3),
+        )

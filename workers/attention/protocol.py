@@ -1,28 +1,31 @@
-"""The messages of H3 Attention Parallel: typed requests (``workers.runtime.protocol.Request``), checked by the one
-decoder of ``workers.runtime.protocol``.
+"""The messages of H3 Attention Parallel: typed requests (``workers.runtime.protocol.Request``),
+checked by the one decoder of ``workers.runtime.protocol``.
 
 Both sides import this module: the coordinator (``h3ms_async.attention.engine``) to send, the helper
 (``workers.attention.rank``) to serve.  Field meanings:
 
-``attn_call``    run comfy-kitchen's ``int8_attention_from_prequantized`` on one piece (a head slice) of a call; a
-                 helper gets its pieces in order, several may be in flight, and it pipelines them
+``attn_call``    run comfy-kitchen's ``int8_attention_from_prequantized`` on one piece (a head
+                 slice) of a call; a helper gets its pieces in order, several may be in flight, and
+                 it pipelines them
     job          call number (logs)
     first        True on the helper's first piece of this call (its peak-memory counter restarts)
-    tensors      {q, k, v, q_scale, k_scale, v_scale}: descriptors of this helper's packed INT8 head slice in shm, in
-                 kitchen's layout (``workers.attention.ops.PACKED``); empty with ``ipc``
+    tensors      {q, k, v, q_scale, k_scale, v_scale}: descriptors of this helper's packed INT8 head
+                 slice in shm, in kitchen's layout (``workers.attention.ops.PACKED``); empty with
+                 ``ipc``
     meta         {original_head_dim, input_dtype, attention_scale, cta_k}: the rest of kitchen's
                  ``PrequantizedInt8Attention``, the same for every slice of one call
-    out          descriptor of the slice's output [B, h, Sq, D] in shm, where the helper writes its result; None with
-                 ``ipc``
-    ipc          (transport ``cuda_ipc``) the slice and the output slot in device memory of the model's GPU, shared by
-                 CUDA IPC instead of shm: {device: the helper's own index of that GPU, in / out: the helper's two
-                 buffers' ``UntypedStorage._share_cuda_()`` handles (the same for all its pieces), tensors:
-                 {name: {off, dtype, shape}} inside ``in``, result: {off, dtype, shape} inside ``out``}
+    out          descriptor of the slice's output [B, h, Sq, D] in shm, where the helper writes its
+                 result; None with ``ipc``
+    ipc          (transport ``cuda_ipc``) the slice and the output slot in device memory of the
+                 model's GPU, shared by CUDA IPC instead of shm: {device: the helper's own index of
+                 that GPU, in / out: the helper's two buffers' ``UntypedStorage._share_cuda_()``
+                 handles (the same for all its pieces), tensors: {name: {off, dtype, shape}} inside
+                 ``in``, result: {off, dtype, shape} inside ``out``}
     -> AttnPiece: the piece's seconds per phase, bytes in and out, peak VRAM, wall time
 
 ``attn_probe``   measure on this helper's device whether its head ranges give the whole call's bits
-                 (``workers.attention.ops.probe_ranges``): random data of ``shape`` [B, H, S, D] in ``dtype``, keys
-                 and values of ``kv_len`` tokens
+                 (``workers.attention.ops.probe_ranges``): random data of ``shape`` [B, H, S, D] in
+                 ``dtype``, keys and values of ``kv_len`` tokens
     ranges       the head ranges [h0, h1) this helper runs for that shape (its pieces)
     -> AttnProbed: per range exact / max_abs_diff, the call's digest, device fingerprint, ms
 
@@ -91,8 +94,9 @@ class AttnRelease(Request, tag="attn_release"):
     ANSWER: ClassVar[type[Answer]] = Released
 
 
-def ipc_view(flat: "torch.Tensor", d: Plain) -> "torch.Tensor":
-    """The tensor an ``ipc`` layout entry ``{off, dtype, shape}`` names inside the flat uint8 buffer ``flat``; the
-    coordinator and the helper both read the layout through this, so they agree on every byte."""
+def ipc_view(flat: torch.Tensor, d: Plain) -> torch.Tensor:
+    """The tensor an ``ipc`` layout entry ``{off, dtype, shape}`` names inside the flat uint8 buffer
+    ``flat``; the coordinator and the helper both read the layout through this, so they agree on
+    every byte."""
     n = tensor_nbytes(d["dtype"], d["shape"])
-    return flat[d["off"]:d["off"] + n].view(torch_dtype(d["dtype"])).view(d["shape"])
+    return flat[d["off"] : d["off"] + n].view(torch_dtype(d["dtype"])).view(d["shape"])

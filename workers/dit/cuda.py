@@ -1,24 +1,29 @@
-"""CUDA specifics of a rank: weight residency and prefetch, and the exchange's copies on their own streams.
+"""CUDA specifics of a rank: weight residency and prefetch, and the exchange's copies on their own
+streams.
 
-Weights.  The shared-memory weight store is mapped once per worker and registered with CUDA as pinned host memory
-(``WorkerContext.segment``), so host->device copies from it run at full PCIe/C2C speed.  At the first step (when
-the sequence length, and so the working set, is known) the rank decides how many leading blocks stay resident in
-VRAM: ``resident`` = all, ``stream`` = none, ``auto`` = as many as fit in the rank's share of free VRAM (ranks on the
-same GPU split it) minus the step's working set minus a reserve (``H3MS_VRAM_RESERVE_GB``, default 2)
-(:func:`auto_resident_blocks`).  The rest stream through two device slots: while block i
-computes, block i+1 is copied into the other slot on a side stream; the compute stream waits on the slot's
-"loaded" event, the side stream on the "freed" event the compute stream recorded after the slot's previous block.
+Weights.  The shared-memory weight store is mapped once per worker and registered with CUDA as
+pinned host memory (``WorkerContext.segment``), so host->device copies from it run at full PCIe/C2C
+speed.  At the first step (when the sequence length, and so the working set, is known) the rank
+decides how many leading blocks stay resident in VRAM: ``resident`` = all, ``stream`` = none,
+``auto`` = as many as fit in the rank's share of free VRAM (ranks on the same GPU split it) minus
+the step's working set minus a reserve (``H3MS_VRAM_RESERVE_GB``, default 2)
+(:func:`auto_resident_blocks`).  The rest stream through two device slots: while block i computes,
+block i+1 is copied into the other slot on a side stream; the compute stream waits on the slot's
+"loaded" event, the side stream on the "freed" event the compute stream recorded after the slot's
+previous block.
 
-Exchange copies.  A D2H copy of outgoing rows runs on a dedicated stream and the host waits for that copy's event
-only (the exchange may publish the rows only once they are in shared memory); H2D copies of incoming rows run on a
-second stream and are not waited for by the host: the compute stream waits on that stream after the op.  Before
-each op the host waits for the compute that produced the op's input (one event), which is what a rank would do
-anyway before it can publish, and it makes the compute / copy / wait split of the timings exact.  The argument why
-arena memory may be reused despite asynchronous H2D reads: every publish synchronises a D2H copy that, in stream
-order, follows all H2D copies of earlier ops (the D2H stream waits on the compute stream, which waited on the H2D
-stream), and each op starts by waiting for the previous op's H2D copies (``_reads_done``), so a rank never signals
-progress while one of its reads of an arena region is still in flight.
+Exchange copies.  A D2H copy of outgoing rows runs on a dedicated stream and the host waits for that
+copy's event only (the exchange may publish the rows only once they are in shared memory); H2D
+copies of incoming rows run on a second stream and are not waited for by the host: the compute
+stream waits on that stream after the op.  Before each op the host waits for the compute that
+produced the op's input (one event), which is what a rank would do anyway before it can publish, and
+it makes the compute / copy / wait split of the timings exact.  The argument why arena memory may be
+reused despite asynchronous H2D reads: every publish synchronises a D2H copy that, in stream order,
+follows all H2D copies of earlier ops (the D2H stream waits on the compute stream, which waited on
+the H2D stream), and each op starts by waiting for the previous op's H2D copies (``_reads_done``),
+so a rank never signals progress while one of its reads of an arena region is still in flight.
 """
+
 from __future__ import annotations
 
 import time
@@ -64,11 +69,13 @@ class StreamTimer:
         return out
 
 
-def auto_resident_blocks(n: int, block_bytes: int, free: int, working_set: int, reserve: int, sharing: int = 1) -> int:
-    """How many of ``n`` leading blocks ``vram_residency auto`` keeps in VRAM: as many as fit in this rank's part of
-    the free memory (``free`` split evenly among the ``sharing`` ranks on the same GPU, which measure it at the same
-    time) after the step's working set and the reserve. All of them when all fit; otherwise two streaming slots
-    are set aside first."""
+def auto_resident_blocks(
+    n: int, block_bytes: int, free: int, working_set: int, reserve: int, sharing: int = 1
+) -> int:
+    """How many of ``n`` leading blocks ``vram_residency auto`` keeps in VRAM: as many as fit in
+    this rank's part of the free memory (``free`` split evenly among the ``sharing`` ranks on the
+    same GPU, which measure it at the same time) after the step's working set and the reserve. All
+    of them when all fit; otherwise two streaming slots are set aside first."""
     budget = free // max(1, sharing) - working_set - reserve
     if budget >= n * block_bytes:
         return n
@@ -76,8 +83,9 @@ def auto_resident_blocks(n: int, block_bytes: int, free: int, working_set: int, 
 
 
 class CudaWeights:
-    """Block weights of one CUDA rank (a ``workers.dit.weights.WeightProvider``): the leading blocks resident in
-    VRAM, the rest streamed from the pinned store through two slots prefetched on a side stream."""
+    """Block weights of one CUDA rank (a ``workers.dit.weights.WeightProvider``): the leading blocks
+    resident in VRAM, the rest streamed from the pinned store through two slots prefetched on a side
+    stream."""
 
     def __init__(self, ctx: WorkerContext, msg: DitLoad) -> None:
         self.device = torch.device(ctx.device)
@@ -104,9 +112,13 @@ class CudaWeights:
         self.fetch_s = 0.0
         self.timer_events = StreamTimer()
 
-    # -- sizes --------------------------------------------------------------------------------------------------
+    # -- sizes -------------------------------------------------------------------------------------
     def _device_bytes(self, name: str, t: torch.Tensor) -> int:
-        if name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale") and t.dim() >= 1 and t.numel() > 1:
+        if (
+            name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale")
+            and t.dim() >= 1
+            and t.numel() > 1
+        ):
             rows = sum(b - a for a, b in self._qkv_rows)
             return rows * (t.numel() // t.shape[0]) * t.element_size()
         return t.numel() * t.element_size()
@@ -122,10 +134,11 @@ class CudaWeights:
         local = local_tokens * (4 * hid + c["heads"] * hd + 3 * ffn) * e
         return int(1.25 * (full + local))
 
-    # -- residency ------------------------------------------------------------------------------------------------
+    # -- residency ---------------------------------------------------------------------------------
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
-        """Decide how many blocks stay resident and upload them, and allocate the two streaming slots: at the first
-        step and whenever the step asks for another residency (the store and the process stay)."""
+        """Decide how many blocks stay resident and upload them, and allocate the two streaming
+        slots: at the first step and whenever the step asks for another residency (the store and the
+        process stay)."""
         if self.n_resident is not None and residency == self.residency:
             return
         self.resident.clear()
@@ -141,12 +154,22 @@ class CudaWeights:
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
             reserve = int(config.VRAM_RESERVE_GB.get() * GIB)
-            sharing = max(1, [str(d) for d in self.config.get("devices") or []].count(str(self.device)))
-            k = auto_resident_blocks(n, self.block_bytes, free, self.working_set_bytes(tokens, local_tokens),
-                                     reserve, sharing)
-            why = (f"auto: {free / GIB:.1f} GiB free, shared by {sharing} rank(s) on {self.device}, "
-                   f"{self.block_bytes / GIB:.2f} GiB per block, {reserve / GIB:.1f} GiB reserve "
-                   "(H3MS_VRAM_RESERVE_GB)")
+            sharing = max(
+                1, [str(d) for d in self.config.get("devices") or []].count(str(self.device))
+            )
+            k = auto_resident_blocks(
+                n,
+                self.block_bytes,
+                free,
+                self.working_set_bytes(tokens, local_tokens),
+                reserve,
+                sharing,
+            )
+            why = (
+                f"auto: {free / GIB:.1f} GiB free, shared by {sharing} rank(s) on {self.device}, "
+                f"{self.block_bytes / GIB:.2f} GiB per block, {reserve / GIB:.1f} GiB reserve "
+                "(H3MS_VRAM_RESERVE_GB)"
+            )
         for i in range(k):
             self.resident.append(self._to_device(i))
         if k < n:
@@ -154,8 +177,17 @@ class CudaWeights:
         torch.cuda.synchronize(self.device)
         self.n_resident = k
         self.residency = residency
-        self.log.info("[dit] rank %d: loaded (%d of %d blocks resident in VRAM, %d streamed with prefetch, heads %s; "
-                      "%s)", self.rank, k, n, n - k, list(self.heads), why)
+        self.log.info(
+            "[dit] rank %d: loaded (%d of %d blocks resident in VRAM, %d streamed with prefetch, "
+            "heads %s; "
+            "%s)",
+            self.rank,
+            k,
+            n,
+            n - k,
+            list(self.heads),
+            why,
+        )
 
     def _empty_like_block(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -171,8 +203,9 @@ class CudaWeights:
             d = dst[name]
             if name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale") and src.numel() > 1:
                 at = 0
-                for a, b in self._qkv_rows:  # the head group's q, k and v rows, packed as in the full weight
-                    d[at:at + b - a].copy_(src[a:b], non_blocking=True)
+                for a, b in self._qkv_rows:
+                    # the head group's q, k and v rows, packed as in the full weight
+                    d[at : at + b - a].copy_(src[a:b], non_blocking=True)
                     at += b - a
             else:
                 d.copy_(src, non_blocking=True)
@@ -205,12 +238,13 @@ class CudaWeights:
         self.slot_block[slot] = i
         self.fetch_s += time.perf_counter() - t
 
-    # -- the weight provider protocol (workers.dit.weights) -------------------------------------------------------
+    # -- the weight provider protocol (workers.dit.weights) ----------------------------------------
     def block(self, i: int) -> BlockView:
         nxt = self._n_resident
         if i < nxt:
             if i == nxt - 1 and nxt < len(self.host):
-                self._fetch(nxt)  # the first streamed block loads while the last resident one computes
+                # the first streamed block loads while the last resident one computes
+                self._fetch(nxt)
             return self._view(i, self.resident[i])
         self._fetch(i)
         slot = (i - nxt) % 2
@@ -221,7 +255,9 @@ class CudaWeights:
 
     def _view(self, i: int, b: dict[str, torch.Tensor]) -> BlockView:
         w = b["attn.qkv_proj.weight"]  # already the head group's rows (_copy_block)
-        return BlockView(b, w, b.get("attn.qkv_proj.weight_scale") if dit_ops.is_int8(w) else None, self.quant[i])
+        return BlockView(
+            b, w, b.get("attn.qkv_proj.weight_scale") if dit_ops.is_int8(w) else None, self.quant[i]
+        )
 
     def done(self, i: int) -> None:
         if i >= self._n_resident:
@@ -232,9 +268,13 @@ class CudaWeights:
     def timer(self) -> dict:
         """Residency summary and prefetch timings of the step just run."""
         copies = self.timer_events.collect()
-        return {"resident_blocks": self.n_resident or 0, "streamed_blocks": len(self.host) - (self.n_resident or 0),
-                "block_bytes": self.block_bytes, "prefetch_copy_s": copies.get("prefetch", 0.0),
-                "prefetch_issue_s": self.fetch_s}
+        return {
+            "resident_blocks": self.n_resident or 0,
+            "streamed_blocks": len(self.host) - (self.n_resident or 0),
+            "block_bytes": self.block_bytes,
+            "prefetch_copy_s": copies.get("prefetch", 0.0),
+            "prefetch_issue_s": self.fetch_s,
+        }
 
     def close(self) -> None:
         self.resident.clear()
@@ -243,8 +283,8 @@ class CudaWeights:
 
 
 class CudaExchange:
-    """Wraps a HostExchange or DistExchange for a CUDA rank (a ``workers.transports.exchange.Exchange``): copy
-    streams, compute/copy/wait accounting."""
+    """Wraps a HostExchange or DistExchange for a CUDA rank (a
+    ``workers.transports.exchange.Exchange``): copy streams, compute/copy/wait accounting."""
 
     def __init__(self, device: torch.device, host: bool) -> None:
         self.inner: HostExchange | DistExchange | None = None
@@ -257,8 +297,9 @@ class CudaExchange:
         self.compute_wait_s = 0.0
         self.sync_s = 0.0
 
-    def bind(self, inner: HostExchange | DistExchange) -> "CudaExchange":
-        """Wrap ``inner`` (built with ``to_host=self.to_host, to_device=self.to_device`` for the host exchange)."""
+    def bind(self, inner: HostExchange | DistExchange) -> CudaExchange:
+        """Wrap ``inner`` (built with ``to_host=self.to_host, to_device=self.to_device`` for the
+        host exchange)."""
         self.inner = inner
         return self
 
@@ -324,7 +365,8 @@ class CudaExchange:
         return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
 
     def counters(self) -> tuple[float, float]:
-        """The wrapped exchange's host-clock counters (the GPU copy times come with :meth:`stats`)."""
+        """The wrapped exchange's host-clock counters (the GPU copy times come with
+        :meth:`stats`)."""
         return self._inner.counters()
 
     def reset_stats(self) -> None:
@@ -338,7 +380,8 @@ class CudaExchange:
         copies = self.timer.collect()
         s["d2h_gpu_s"] = copies.get("d2h", 0.0)
         s["h2d_gpu_s"] = copies.get("h2d", 0.0)
-        if not self.host:  # a collective's host time is only its launch; its GPU time shows at the sync
+        if not self.host:
+            # a collective's host time is only its launch; its GPU time shows at the sync
             s["wait_s"] = float(s.get("wait_s", 0.0)) + self.sync_s
         s["compute_wait_s"] = self.compute_wait_s
         return s

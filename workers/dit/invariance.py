@@ -1,22 +1,27 @@
-"""Row and head invariance, measured on the device that runs the split (the probe behind ``dit_probe``).
+"""Row and head invariance, measured on the device that runs the split (the probe behind
+``dit_probe``).
 
-A token split is exact only if every GEMM of the block gives a row the same bits whatever the number of rows computed
-with it, and a head split only if attention gives a head the same bits whatever the other heads in the call.  Kernel
-libraries choose kernels by shape and by CPU/GPU model, so the engine measures it here, per device, before a plan is
-used: random data of the real shapes (kernel choice does not depend on the values) through the unsplit call and the
-shard calls, compared with ``torch.equal``.  The calls are the ones the rank makes (``workers.dit.ops``: ``linear``,
-``slice_qkv_weights``, ``qkv_views``/``attend_views`` with the rank's attention function), never copies of them.
+A token split is exact only if every GEMM of the block gives a row the same bits whatever the number
+of rows computed with it, and a head split only if attention gives a head the same bits whatever the
+other heads in the call.  Kernel libraries choose kernels by shape and by CPU/GPU model, so the
+engine measures it here, per device, before a plan is used: random data of the real shapes (kernel
+choice does not depend on the values) through the unsplit call and the shard calls, compared with
+``torch.equal``.  The calls are the ones the rank makes (``workers.dit.ops``: ``linear``,
+``slice_qkv_weights``, ``qkv_views``/``attend_views`` with the rank's attention function), never
+copies of them.
 
-One random buffer per dtype is drawn once per probe and every op's inputs and weights are views of it.  Its values
-repeat with a prime period from a fixed CPU seed, so every device computes on the same numbers and the full products'
-digests (:func:`digest`) can be compared across ranks sitting on different GPU models.
+One random buffer per dtype is drawn once per probe and every op's inputs and weights are views of
+it.  Its values repeat with a prime period from a fixed CPU seed, so every device computes on the
+same numbers and the full products' digests (:func:`digest`) can be compared across ranks sitting on
+different GPU models.
 """
+
 from __future__ import annotations
 
 import os
 import platform
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -29,12 +34,21 @@ _SEED = 20260321
 #: Elements per piece when digesting (bounds the int64 working copy).
 _DIGEST_CHUNK = 1 << 24
 #: Op names in block order (the order a verdict's first failing op is named in).
-OP_ORDER = ("adaln_proj.linear", "attn.qkv_proj", "attention", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+OP_ORDER = (
+    "adaln_proj.linear",
+    "attn.qkv_proj",
+    "attention",
+    "attn.out_proj",
+    "mlp.fc1",
+    "mlp.fc2",
+)
 
 
 def fingerprint(device: torch.device) -> dict[str, str]:
-    """What a kernel choice may depend on besides the shape: device model, runtime, torch, comfy-kitchen, CPU ISA."""
+    """What a kernel choice may depend on besides the shape: device model, runtime, torch,
+    comfy-kitchen, CPU ISA."""
     from importlib import metadata
+
     try:
         kitchen = metadata.version("comfy-kitchen")
     except metadata.PackageNotFoundError:
@@ -43,13 +57,17 @@ def fingerprint(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out["device"] = f"{device} {props.name}"
-        out["runtime"] = (f"cuda {torch.version.cuda} sm_{props.major}{props.minor} "
-                          f"cudnn {torch.backends.cudnn.version()}")
+        out["runtime"] = (
+            f"cuda {torch.version.cuda} sm_{props.major}{props.minor} "
+            f"cudnn {torch.backends.cudnn.version()}"
+        )
     else:
         out["device"] = f"cpu {_cpu_model()}"
-        out["runtime"] = (f"{torch.backends.cpu.get_cpu_capability()} "
-                          f"onednn_isa={os.environ.get('ONEDNN_MAX_CPU_ISA', 'default')} "
-                          f"mkl_cbwr={os.environ.get('MKL_CBWR', 'default')}")
+        out["runtime"] = (
+            f"{torch.backends.cpu.get_cpu_capability()} "
+            f"onednn_isa={os.environ.get('ONEDNN_MAX_CPU_ISA', 'default')} "
+            f"mkl_cbwr={os.environ.get('MKL_CBWR', 'default')}"
+        )
     return out
 
 
@@ -65,27 +83,32 @@ def _cpu_model() -> str:
 
 
 def digest(t: torch.Tensor) -> str:
-    """A checksum of ``t``'s bits computed on its device (no copy to the host): equal tensors give equal digests,
-    and any bit flip changes it (a position-weighted integer sum, exact and order-free on every device)."""
+    """A checksum of ``t``'s bits computed on its device (no copy to the host): equal tensors give
+    equal digests, and any bit flip changes it (a position-weighted integer sum, exact and
+    order-free on every device)."""
     flat = t.detach().contiguous().view(-1)
-    bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    bits = flat.view(
+        {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    )
     acc = torch.zeros((), dtype=torch.int64, device=t.device)
     for start in range(0, bits.numel(), _DIGEST_CHUNK):
-        piece = bits[start:start + _DIGEST_CHUNK].to(torch.int64)
+        piece = bits[start : start + _DIGEST_CHUNK].to(torch.int64)
         idx = torch.arange(start, start + piece.numel(), dtype=torch.int64, device=t.device)
         acc += (piece * (idx * 2654435761 % 2147483629 + 1)).sum()
     return f"{tuple(t.shape)}:{t.dtype}:{int(acc):x}"
 
 
 class RandomPool:
-    """One random buffer per dtype, grown to the largest view asked for; every op's tensors are views of it."""
+    """One random buffer per dtype, grown to the largest view asked for; every op's tensors are
+    views of it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._bufs: dict[torch.dtype, torch.Tensor] = {}
 
     def reserve(self, dtype: torch.dtype, numel: int) -> None:
-        """Make the ``dtype`` buffer hold at least ``numel`` elements (drawn once, before the timed calls)."""
+        """Make the ``dtype`` buffer hold at least ``numel`` elements (drawn once, before the timed
+        calls)."""
         buf = self._bufs.get(dtype)
         if buf is not None and buf.numel() >= numel:
             return
@@ -105,14 +128,19 @@ class RandomPool:
         return self._bufs[dtype][:n].view(*shape)
 
 
-def _weights(pool: RandomPool, op: LinearOp, act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                           torch.Tensor | None, dit_ops.QuantInfo]:
+def _weights(
+    pool: RandomPool, op: LinearOp, act: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dit_ops.QuantInfo]:
     wdt = getattr(torch, op.weight_dtype)
     w = pool.view(wdt, op.out_features, op.in_features)
     scale = None
     if wdt == torch.int8:
-        scale = torch.full((op.scale_numel,) if op.scale_numel > 1 else (), 1e-3, dtype=torch.float32,
-                           device=pool.device)
+        scale = torch.full(
+            (op.scale_numel,) if op.scale_numel > 1 else (),
+            1e-3,
+            dtype=torch.float32,
+            device=pool.device,
+        )
     bias = pool.view(wdt if wdt != torch.int8 else act, op.out_features) if op.bias else None
     return w, scale, bias, dit_ops.QuantInfo(op.convrot, op.convrot_groupsize)
 
@@ -146,11 +174,20 @@ def _compare(full_part: torch.Tensor, part: torch.Tensor) -> tuple[bool, float]:
     return False, float((full_part.float() - part.float()).abs().max())
 
 
-def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence[tuple[int, int]],
-                 act: torch.dtype, heads: tuple[int, int], total_heads: int, head_dim: int,
-                 clock: Clock) -> OpVerdict:
-    """One linear: the unsplit call over ``rows`` rows against each token shard (``split="tokens"``), against the
-    head group's rows of the fused qkv weight (``"heads"``), or alone (``"none"``: only its digest)."""
+def probe_linear(
+    pool: RandomPool,
+    op: LinearOp,
+    rows: int,
+    candidates: Sequence[tuple[int, int]],
+    act: torch.dtype,
+    heads: tuple[int, int],
+    total_heads: int,
+    head_dim: int,
+    clock: Clock,
+) -> OpVerdict:
+    """One linear: the unsplit call over ``rows`` rows against each token shard
+    (``split="tokens"``), against the head group's rows of the fused qkv weight (``"heads"``), or
+    alone (``"none"``: only its digest)."""
     t0 = clock.start()
     w, scale, bias, quant = _weights(pool, op, act)
     x = pool.view(act, rows, _in_features(op))
@@ -160,7 +197,9 @@ def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence
     shards: list[list[int]] = []
     if op.split == "tokens":
         for a, b in candidates:
-            part = dit_ops.linear(x[a:b].clone(), w, scale, bias, quant=quant, input_act=op.input_act)
+            part = dit_ops.linear(
+                x[a:b].clone(), w, scale, bias, quant=quant, input_act=op.input_act
+            )
             ok, d = _compare(full[a:b], part)
             exact.append(ok)
             diffs.append(d)
@@ -172,21 +211,47 @@ def probe_linear(pool: RandomPool, op: LinearOp, rows: int, candidates: Sequence
             named[f"{op.name}.weight_scale"] = scale
         w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
         part = dit_ops.linear(x, w_g, s_g, None, quant=quant)
-        cols = torch.cat([full[:, r.start:r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)], dim=1)
+        cols = torch.cat(
+            [full[:, r.start : r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)],
+            dim=1,
+        )
         ok, d = _compare(cols, part)
         exact.append(ok)
         diffs.append(d)
         shards.append([g0, g1])
     dig = digest(full)
-    dtype = "int8" + ("+convrot" if op.convrot else "") if op.weight_dtype == "int8" else str(act).split(".")[-1]
-    return OpVerdict(op.name, dtype, f"{rows}x{op.out_features}x{op.in_features}", op.split, shards, exact,
-                     diffs, dig, clock.ms(t0))
+    dtype = (
+        "int8" + ("+convrot" if op.convrot else "")
+        if op.weight_dtype == "int8"
+        else str(act).split(".")[-1]
+    )
+    return OpVerdict(
+        op.name,
+        dtype,
+        f"{rows}x{op.out_features}x{op.in_features}",
+        op.split,
+        shards,
+        exact,
+        diffs,
+        dig,
+        clock.ms(t0),
+    )
 
 
-def probe_attention(pool: RandomPool, seq: int, groups: Sequence[tuple[int, int]], total_heads: int, head_dim: int,
-                    act: torch.dtype, attend: dit_ops.Attend, clock: Clock, name: str = "attention") -> OpVerdict:
-    """Attention over all ``seq`` tokens: every head (one call) against each head group of ``groups`` called alone,
-    as a rank lays its q, k, v out (a packed projection of the group's heads only)."""
+def probe_attention(
+    pool: RandomPool,
+    seq: int,
+    groups: Sequence[tuple[int, int]],
+    total_heads: int,
+    head_dim: int,
+    act: torch.dtype,
+    attend: dit_ops.Attend,
+    clock: Clock,
+    name: str = "attention",
+) -> OpVerdict:
+    """Attention over all ``seq`` tokens: every head (one call) against each head group of
+    ``groups`` called alone, as a rank lays its q, k, v out (a packed projection of the group's
+    heads only)."""
     t0 = clock.start()
     qkv = pool.view(act, seq, 3 * total_heads * head_dim)
     full = dit_ops.attend_views(*dit_ops.qkv_views(qkv, total_heads, head_dim), attend)
@@ -195,21 +260,44 @@ def probe_attention(pool: RandomPool, seq: int, groups: Sequence[tuple[int, int]
     for g0, g1 in groups:
         if (g0, g1) == (0, total_heads):
             continue  # the whole model's heads: the unsplit call itself
-        grp = torch.cat([qkv[:, r.start:r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)], dim=1)
+        grp = torch.cat(
+            [qkv[:, r.start : r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)],
+            dim=1,
+        )
         part = dit_ops.attend_views(*dit_ops.qkv_views(grp, g1 - g0, head_dim), attend)
-        ok, d = _compare(full[:, g0 * head_dim:g1 * head_dim], part)
+        ok, d = _compare(full[:, g0 * head_dim : g1 * head_dim], part)
         exact.append(ok)
         diffs.append(d)
-    return OpVerdict(name, str(act).split(".")[-1], f"{seq}x{total_heads}x{head_dim}", "heads",
-                     [[g0, g1] for g0, g1 in groups], exact, diffs, digest(full), clock.ms(t0))
+    return OpVerdict(
+        name,
+        str(act).split(".")[-1],
+        f"{seq}x{total_heads}x{head_dim}",
+        "heads",
+        [[g0, g1] for g0, g1 in groups],
+        exact,
+        diffs,
+        digest(full),
+        clock.ms(t0),
+    )
 
 
-def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tuple[int, int]], heads: tuple[int, int],
-              total_heads: int, head_dim: int, dtype: torch.dtype, attend: dit_ops.Attend, device: torch.device,
-              t_rows: int = 2) -> ProbeReport:
+def run_probe(
+    ops: Iterable[LinearOp],
+    *,
+    tokens: int,
+    candidates: Sequence[tuple[int, int]],
+    heads: tuple[int, int],
+    total_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    attend: dit_ops.Attend,
+    device: torch.device,
+    t_rows: int = 2,
+) -> ProbeReport:
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 
-    ``candidates``: this rank's token range in each candidate plan; ``heads``: its head group of ``total_heads``;
+    ``candidates``: this rank's token range in each candidate plan; ``heads``: its head group of
+    ``total_heads``;
     ``t_rows``: rows of the adaLN call (the step's timestep rows).  Runs under inference mode and
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
@@ -220,24 +308,38 @@ def run_probe(ops: Iterable[LinearOp], *, tokens: int, candidates: Sequence[tupl
     with torch.inference_mode(), dit_ops.probing():
         for op in ops:
             rows = t_rows if op.split == "none" else tokens
-            report.ops.append(probe_linear(pool, op, rows, candidates, dtype, heads, total_heads, head_dim, clock))
-        report.ops.append(probe_attention(pool, tokens, [heads], total_heads, head_dim, dtype, attend, clock))
+            report.ops.append(
+                probe_linear(pool, op, rows, candidates, dtype, heads, total_heads, head_dim, clock)
+            )
+        report.ops.append(
+            probe_attention(pool, tokens, [heads], total_heads, head_dim, dtype, attend, clock)
+        )
     report.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
     report.ms = clock.ms(t0)
     return report
 
 
-def block_ops(manifest: Sequence[Mapping[str, tuple[str, Sequence[int]]]],
-              quant: Callable[[int], Mapping[str, dit_ops.QuantInfo]]) -> list[LinearOp]:
-    """The distinct linears of a block stack, from each block's ``{name: (dtype, shape)}`` and its int8 settings
-    (``quant(i)``, e.g. ``dit_ops.block_quant`` of block i; read only for blocks with an int8 linear)."""
+def block_ops(
+    manifest: Sequence[Mapping[str, tuple[str, Sequence[int]]]],
+    quant: Callable[[int], Mapping[str, dit_ops.QuantInfo]],
+) -> list[LinearOp]:
+    """The distinct linears of a block stack, from each block's ``{name: (dtype, shape)}`` and its
+    int8 settings (``quant(i)``, e.g. ``dit_ops.block_quant`` of block i; read only for blocks with
+    an int8 linear)."""
     out: dict[LinearOp, None] = {}
     for i, block in enumerate(manifest):
-        q = quant(i) if any(block.get(f"{n}.weight", ("", ()))[0] == "int8" for n in dit_ops.INT8_LINEARS) else {}
+        q = (
+            quant(i)
+            if any(block.get(f"{n}.weight", ("", ()))[0] == "int8" for n in dit_ops.INT8_LINEARS)
+            else {}
+        )
         linears: tuple[tuple[str, Split, str | None], ...] = (
-            ("adaln_proj.linear", "none", None), ("attn.qkv_proj", "heads", None),
-            ("attn.out_proj", "tokens", None), ("mlp.fc1", "tokens", None),
-            ("mlp.fc2", "tokens", "swiglu"))
+            ("adaln_proj.linear", "none", None),
+            ("attn.qkv_proj", "heads", None),
+            ("attn.out_proj", "tokens", None),
+            ("mlp.fc1", "tokens", None),
+            ("mlp.fc2", "tokens", "swiglu"),
+        )
         for name, split, act in linears:
             dt, shape = block[f"{name}.weight"]
             scale = block.get(f"{name}.weight_scale")
@@ -247,6 +349,18 @@ def block_ops(manifest: Sequence[Mapping[str, tuple[str, Sequence[int]]]],
                 n_scale = 1
                 for s in scale[1]:
                     n_scale *= int(s)
-            out[LinearOp(name, int(shape[0]), int(shape[1]), dt, n_scale, dt != "int8" and f"{name}.bias" in block,
-                         qi.convrot, qi.convrot_groupsize, act, split)] = None
+            out[
+                LinearOp(
+                    name,
+                    int(shape[0]),
+                    int(shape[1]),
+                    dt,
+                    n_scale,
+                    dt != "int8" and f"{name}.bias" in block,
+                    qi.convrot,
+                    qi.convrot_groupsize,
+                    act,
+                    split,
+                )
+            ] = None
     return list(out)

@@ -1,22 +1,27 @@
-"""The one block loop of the DiT: the unsplit reference, the in-process simulated split and every rank run it.
+"""The one block loop of the DiT: the unsplit reference, the in-process simulated split and every
+rank run it.
 
 Per block, a rank with tokens [t0, t1) and heads [g0, g1) (docs/architecture.md, the DiT split):
 
-1. adaln of t_emb (same GEMM shape on every rank, so the same numbers); norm1 + modulation of its tokens;
+1. adaln of t_emb (same GEMM shape on every rank, so the same numbers); norm1 + modulation of its
+   tokens;
 2. all-gather of the modulated rows -> [S, H];
 3. qkv of its head rows over all tokens, fused RMSNorm + rope, attention over the whole sequence;
 4. all-to-all -> every head's attention output for its own tokens [n_r, heads*D];
-5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as ComfyUI).
+5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as
+   ComfyUI).
 
-With one rank (``NoExchange``, all heads) both collectives return their input and the loop is ComfyUI's unsplit
-block stack op for op; a split can only differ from it through what the weight provider and the exchange slice and
-move, never through how a block computes.  Where the weights come from (``workers.dit.weights``) and how rows move
-(``workers.transports.exchange``) are the loop's two parameters.
+With one rank (``NoExchange``, all heads) both collectives return their input and the loop is
+ComfyUI's unsplit block stack op for op; a split can only differ from it through what the weight
+provider and the exchange slice and move, never through how a block computes.  Where the weights
+come from (``workers.dit.weights``) and how rows move (``workers.transports.exchange``) are the
+loop's two parameters.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,24 +31,37 @@ from workers.dit.weights import CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
 
 
-def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit_ops.ModSegment],
-               rope_freqs: torch.Tensor, weights: WeightProvider, exchange: Exchange, blocks: range, *,
-               heads_local: int, head_dim: int, eps: float, attend: dit_ops.Attend | None = None, chunks: int = 0,
-               before_block: Callable[[int], None] | None = None,
-               after_block: Callable[[int], None] | None = None,
-               trace: Callable[[int, str, torch.Tensor], None] | None = None,
-               sparse: SparseStep | None = None) -> list[list[float]]:
-    """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns per block ``[compute, copy, wait]``
-    seconds on the host clock (copy and wait as the exchange counts them, compute the rest).
+def run_blocks(
+    x_rows: torch.Tensor,
+    t_emb: torch.Tensor,
+    segments: Sequence[dit_ops.ModSegment],
+    rope_freqs: torch.Tensor,
+    weights: WeightProvider,
+    exchange: Exchange,
+    blocks: range,
+    *,
+    heads_local: int,
+    head_dim: int,
+    eps: float,
+    attend: dit_ops.Attend | None = None,
+    chunks: int = 0,
+    before_block: Callable[[int], None] | None = None,
+    after_block: Callable[[int], None] | None = None,
+    trace: Callable[[int, str, torch.Tensor], None] | None = None,
+    sparse: SparseStep | None = None,
+) -> list[list[float]]:
+    """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns per block
+    ``[compute, copy, wait]`` seconds on the host clock (copy and wait as the exchange counts them,
+    compute the rest).
 
-    ``sparse``: run attention through comfy-kitchen's sparse kernel over this rank's heads where its settings say
-    sparse (``workers.dit.sparse``); the dense path otherwise.
+    ``sparse``: run attention through comfy-kitchen's sparse kernel over this rank's heads where its
+    settings say sparse (``workers.dit.sparse``); the dense path otherwise.
 
-    ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers all tokens.
-    ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after it (progress);
-    ``trace(i, op, output)`` sees each op's output of block i and the block's rows as op ``"block"`` (``verify``).
-    On a CUDA rank the host waits for a block's compute before each exchange (``workers.dit.cuda``), so "compute" is
-    the GPU time up to there.
+    ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers
+    all tokens. ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after
+    it (progress); ``trace(i, op, output)`` sees each op's output of block i and the block's rows as
+    op ``"block"`` (``verify``). On a CUDA rank the host waits for a block's compute before each
+    exchange (``workers.dit.cuda``), so "compute" is the GPU time up to there.
     """
     per_block: list[list[float]] = []
     mark = (time.perf_counter(), *exchange.counters())
@@ -56,14 +74,40 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         n1_full = exchange.all_gather_rows(n1, chunks)
-        attn = None if sparse is None else sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
+        attn = (
+            None
+            if sparse is None
+            else sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
+        )
         if attn is None:
-            attn = dit_ops.attention_heads(n1_full, blk.qkv, blk.qkv_scale, w["attn.q_norm.weight"],
-                                           w["attn.k_norm.weight"], rope_freqs, heads_local, head_dim, eps,
-                                           quant=blk.quant["attn.qkv_proj"], attend=attend, trace=op_trace)
+            attn = dit_ops.attention_heads(
+                n1_full,
+                blk.qkv,
+                blk.qkv_scale,
+                w["attn.q_norm.weight"],
+                w["attn.k_norm.weight"],
+                rope_freqs,
+                heads_local,
+                head_dim,
+                eps,
+                quant=blk.quant["attn.qkv_proj"],
+                attend=attend,
+                trace=op_trace,
+            )
         attn_rows = exchange.all_to_all_cols(attn, chunks)
-        dit_ops.out_mlp(x_rows, attn_rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, eps, blk.quant,
-                        trace=op_trace)
+        dit_ops.out_mlp(
+            x_rows,
+            attn_rows,
+            w,
+            gate_msa,
+            shift_mlp,
+            scale_mlp,
+            gate_mlp,
+            segments,
+            eps,
+            blk.quant,
+            trace=op_trace,
+        )
         if op_trace is not None:
             op_trace("block", x_rows)
         weights.done(i)
@@ -76,11 +120,32 @@ def run_blocks(x_rows: torch.Tensor, t_emb: torch.Tensor, segments: Sequence[dit
     return per_block
 
 
-def block_forward_unsplit(x: torch.Tensor, weights: dict[str, torch.Tensor], t_emb: torch.Tensor,
-                          segments: Sequence[dit_ops.ModSegment], rope_freqs: torch.Tensor, heads: int, head_dim: int,
-                          eps: float, *, attend: dit_ops.Attend | None = None) -> torch.Tensor:
-    """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned, like ComfyUI."""
+def block_forward_unsplit(
+    x: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    t_emb: torch.Tensor,
+    segments: Sequence[dit_ops.ModSegment],
+    rope_freqs: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    eps: float,
+    *,
+    attend: dit_ops.Attend | None = None,
+) -> torch.Tensor:
+    """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned,
+    like ComfyUI."""
     one = CpuWeights(lambda _: weights, 1, (0, heads), heads, head_dim, eager=False)
-    run_blocks(x, t_emb, segments, rope_freqs, one, NoExchange(), range(1), heads_local=heads, head_dim=head_dim,
-               eps=eps, attend=attend)
+    run_blocks(
+        x,
+        t_emb,
+        segments,
+        rope_freqs,
+        one,
+        NoExchange(),
+        range(1),
+        heads_local=heads,
+        head_dim=head_dim,
+        eps=eps,
+        attend=attend,
+    )
     return x

@@ -1,25 +1,30 @@
-"""The messages of the transformer split: typed requests (``workers.runtime.protocol.Request``), checked by the
-one decoder of ``workers.runtime.protocol``.
+"""The messages of the transformer split: typed requests (``workers.runtime.protocol.Request``),
+checked by the one decoder of ``workers.runtime.protocol``.
 
-Both sides import this module: the coordinator (``h3ms_async.dit.split``) to send, the worker (``workers.dit.rank``) to
-serve.  Field meanings:
+Both sides import this module: the coordinator (``h3ms_async.dit.split``) to send, the worker
+(``workers.dit.rank``) to serve.  Field meanings:
 
 ``dit_load``    map the shared-memory weight store and prepare this rank's weights.
     store       name of the weight-store segment
-    manifest    list, one map per block: parameter name (as inside a ComfyUI block) -> tensor descriptor
-    config      {hidden, heads, head_dim, eps, layers, devices, attention, compute_dtype}; attention is "sdpa",
-                "ck_int8" or "comfy" (the parent ComfyUI's selected function, ``workers.runtime.comfy_host``); the rank
-                warms that attention up in compute_dtype before its first step
+    manifest    list, one map per block: parameter name (as inside a ComfyUI block) -> tensor
+                descriptor
+    config      {hidden, heads, head_dim, eps, layers, devices, attention, compute_dtype}; attention
+                is "sdpa", "ck_int8" or "comfy" (the parent ComfyUI's selected function,
+                ``workers.runtime.comfy_host``); the rank warms that attention up in compute_dtype
+                before its first step
     heads       [g0, g1]: this rank's head group
     key         the store's key as text (logged, and a load with the same key is a no-op)
     -> DitLoaded
 
 ``dit_step``    run every block on this rank's token range, exchanging with the other ranks.
     job         step number (logs)
-    x           descriptor of the residual stream [S, H]; rank r reads and finally writes rows [t0, t1)
-    t_emb       descriptor [M, T] (in a small side segment with the per-token rows: M changes between steps, the
-                step segment and the arena stay);  rope: descriptor [1, S, 1, P, 2, 2]
-    segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row index
+    x           descriptor of the residual stream [S, H]; rank r reads and finally writes rows [t0,
+                t1)
+    t_emb       descriptor [M, T] (in a small side segment with the per-token rows: M changes
+                between steps, the step segment and the arena stay);  rope: descriptor [1, S, 1, P,
+                2, 2]
+    segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row
+                index
     tokens      [t0, t1]
     arena       exchange arena segment name ("" unless exchange is "host");
                 layout: ArenaLayout.to_dict()
@@ -28,32 +33,35 @@ serve.  Field meanings:
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
-    residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks read shm);
-                a change between steps re-places the weights from the same store
-    sparse      {} (dense attention), or {config, sigma, branch}: sparse attention over this rank's heads
-                (``workers.dit.sparse``: config = ``SparseConfig.to_wire()``, sigma = the step's sigma or None,
-                branch = the conditioning branch the pooled statistics are kept for)
-    trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and answer them
-                (the ``verify`` setting's localisation of a difference); off for normal steps
+    residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks
+                read shm); a change between steps re-places the weights from the same store
+    sparse      {} (dense attention), or {config, sigma, branch}: sparse attention over this rank's
+                heads (``workers.dit.sparse``: config = ``SparseConfig.to_wire()``, sigma = the
+                step's sigma or None, branch = the conditioning branch the pooled statistics are
+                kept for)
+    trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and
+                answer them (the ``verify`` setting's localisation of a difference); off for normal
+                steps
     -> DitStepped: the rank's timings, bytes moved, and what ``trace`` and ``sparse`` asked for
 
 ``dit_sparse_reset`` drop the pooled sparse-attention statistics (sampling ended).
     -> Dropped {dropped}: how many pooled entries went
 
 ``dit_probe``   measure on this rank's device whether its shards give the unsplit call's bits
-                (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against each of
-                ``candidates`` (this rank's token range in each candidate plan), the qkv projection and attention
-                for its head group ``heads``; random data of the real shapes, in the loaded compute dtype, with the
-                loaded attention function.
+                (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against
+                each of ``candidates`` (this rank's token range in each candidate plan), the qkv
+                projection and attention for its head group ``heads``; random data of the real
+                shapes, in the loaded compute dtype, with the loaded attention function.
     -> ProbeReport: the rank's fingerprint and one verdict per op
 
 ``dit_release`` drop this rank's weights, exchange objects and process group.
     -> Released {released: True}
 """
+
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Literal, Optional, Union, get_args
+from typing import ClassVar, Literal, get_args
 
 import msgspec
 
@@ -83,7 +91,7 @@ class Transport(str, enum.Enum):
         """Whether this transport runs over a torch.distributed process group."""
         return self in (Transport.NCCL, Transport.GLOO)
 
-    def on(self, cuda: bool) -> "Transport":
+    def on(self, cuda: bool) -> Transport:
         """This transport as it runs on CUDA (``cuda``) or CPU ranks: the collective one is NCCL
         on CUDA, gloo on the CPU."""
         if self.collective:
@@ -155,7 +163,7 @@ class DitStep(Request, tag="dit_step"):
     x: TensorDesc
     t_emb: TensorDesc
     rope: TensorDesc
-    segments: list[tuple[int, int, Union[int, TensorDesc]]]
+    segments: list[tuple[int, int, int | TensorDesc]]
     tokens: tuple[int, int]
     arena: str
     layout: Plain
@@ -175,14 +183,17 @@ class DitSparseReset(Request, tag="dit_sparse_reset"):
     ANSWER: ClassVar[type[Answer]] = Dropped
 
 
-#: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same call everywhere).
+#: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same
+#: call everywhere).
 Split = Literal["tokens", "heads", "none"]
 
 
 class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One linear of the block as the ranks call it: its name, weight shape and storage, int8 settings.
+    """One linear of the block as the ranks call it: its name, weight shape and storage, int8
+    settings.
 
-    ``in_features`` is the weight's; ``mlp.fc2`` (``input_act="swiglu"``) sees twice that many input columns."""
+    ``in_features`` is the weight's; ``mlp.fc2`` (``input_act="swiglu"``) sees twice that many input
+    columns."""
 
     name: str
     out_features: int
@@ -192,7 +203,7 @@ class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bias: bool = False
     convrot: bool = False
     convrot_groupsize: int = 256
-    input_act: Optional[str] = None
+    input_act: str | None = None
     split: Split = "tokens"
 
 

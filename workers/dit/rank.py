@@ -1,11 +1,12 @@
-"""What one rank executes for the transformer split: its weights (views of the shared-memory weight store, or
-VRAM copies of them) and a step: the block loop of ``workers.dit.loop`` on its token range and head group, with the
-per-block all-gather and all-to-all through the step's exchange.
+"""What one rank executes for the transformer split: its weights (views of the shared-memory weight
+store, or VRAM copies of them) and a step: the block loop of ``workers.dit.loop`` on its token range
+and head group, with the per-block all-gather and all-to-all through the step's exchange.
 
-This module picks the loop's two parameters per device and transport: the weight provider (``CpuWeights`` over the
-store, ``workers.dit.cuda.CudaWeights``) and the exchange (``workers.transports``, wrapped in
-``workers.dit.cuda.CudaExchange`` on a CUDA rank).
+This module picks the loop's two parameters per device and transport: the weight provider
+(``CpuWeights`` over the store, ``workers.dit.cuda.CudaWeights``) and the exchange
+(``workers.transports``, wrapped in ``workers.dit.cuda.CudaExchange`` on a CUDA rank).
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,24 +16,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.runtime import comfy_host
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import Transport
 from workers.dit import sparse as dit_sparse
 from workers.dit.cuda import CudaExchange, CudaWeights
 from workers.dit.loop import run_blocks
+from workers.dit.protocol import Transport
 from workers.dit.weights import CpuWeights, WeightProvider
-from workers.transports.exchange import Exchange, NoExchange
-from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
+from workers.runtime import comfy_host
 from workers.runtime.handlers import WorkerContext, handler, on_release
 from workers.runtime.protocol import Dropped, Released, TensorDesc
+from workers.transports.exchange import Exchange, NoExchange
+from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
 
 _STATE = "dit"
 
-#: The ComfyUI this worker was started from (None: standalone). Importing its attention module applies ComfyUI's
-#: own comfy-kitchen backend policy; standalone workers apply the pack's copy of it.
+#: The ComfyUI this worker was started from (None: standalone). Importing its attention module
+#: applies ComfyUI's own comfy-kitchen backend policy; standalone workers apply the pack's copy of
+#: it.
 _HOST = comfy_host.ComfyHost.from_env()
 if _HOST is None:
     dit_ops.apply_kitchen_policy()
@@ -40,13 +42,17 @@ _ATTEND: dict[str, dit_ops.Attend] = {}
 
 
 def _attend(name: str) -> dit_ops.Attend:
-    """The attention function ``dit_load`` names: ``comfy`` = the parent ComfyUI's selected one, else a builtin."""
+    """The attention function ``dit_load`` names: ``comfy`` = the parent ComfyUI's selected one,
+    else a builtin."""
     fn = _ATTEND.get(name)
     if fn is None:
         if name == "comfy":
             if _HOST is None:
-                raise RuntimeError(f"attention 'comfy' needs the parent ComfyUI in {comfy_host.ENV}; the worker was "
-                                   "started without it")
+                raise RuntimeError(
+                    f"attention 'comfy' needs the parent ComfyUI in {comfy_host.ENV}; the worker "
+                    "was "
+                    "started without it"
+                )
             fn = comfy_host.comfy_attend(_HOST)
         else:
             fn = dit_ops.builtin_attend(name)
@@ -56,7 +62,8 @@ def _attend(name: str) -> dit_ops.Attend:
 
 @dataclass
 class RankWeights:
-    """This rank's loaded weights: which store and head group they came from, and the provider the loop reads."""
+    """This rank's loaded weights: which store and head group they came from, and the provider the
+    loop reads."""
 
     key: str
     store: str
@@ -71,7 +78,8 @@ class RankState:
     exchanges: dict[tuple, Exchange] = field(default_factory=dict)
     #: the process group's backend (nccl or gloo) once a collective step made one
     dist_backend: Transport | None = None
-    #: sparse attention's statistics carried from step to step (dropped at sampling end and with the weights)
+    #: sparse attention's statistics carried from step to step (dropped at sampling end and with the
+    #: weights)
     pooled: dit_sparse.PooledStats = field(default_factory=dit_sparse.PooledStats)
 
 
@@ -83,8 +91,8 @@ def _state(ctx: WorkerContext) -> RankState:
 
 
 def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
-    """A CUDA rank places blocks in VRAM per step (``CudaWeights``); a CPU rank uses zero-copy views of the store,
-    with the head group's qkv rows copied once."""
+    """A CUDA rank places blocks in VRAM per step (``CudaWeights``); a CPU rank uses zero-copy views
+    of the store, with the head group's qkv rows copied once."""
     cfg = msg.config
     heads = (int(msg.heads[0]), int(msg.heads[1]))
     if ctx.device.startswith("cuda"):
@@ -92,59 +100,100 @@ def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
     else:
         seg = ctx.segment(msg.store)
         manifest = msg.manifest
-        provider = CpuWeights(lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
-                              len(manifest), heads, cfg["heads"], cfg["head_dim"], eager=True)
+        provider = CpuWeights(
+            lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
+            len(manifest),
+            heads,
+            cfg["heads"],
+            cfg["head_dim"],
+            eager=True,
+        )
     return RankWeights(msg.key, msg.store, cfg, heads, provider)
 
 
 @handler(dit_protocol.DitLoad)
 async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protocol.DitLoaded:
     st = _state(ctx)
-    if st.weights is not None and st.weights.key == msg.key and list(st.weights.heads) == list(msg.heads):
+    if (
+        st.weights is not None
+        and st.weights.key == msg.key
+        and list(st.weights.heads) == list(msg.heads)
+    ):
         return dit_protocol.DitLoaded(
-            loaded=False, bytes=st.weights.provider.nbytes, sm_count=_sm_count(ctx),
+            loaded=False,
+            bytes=st.weights.provider.nbytes,
+            sm_count=_sm_count(ctx),
             fingerprint=invariance.fingerprint(torch.device(ctx.device)),
-            sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)))
+            sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)),
+        )
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg.config.get("devices")
     attend = _attend(msg.config["attention"])
     dtype = getattr(torch, msg.config["compute_dtype"])
     if ctx.state.get("warm") != (msg.config["attention"], dtype):
-        # before the first step, under the very function and dtype the steps use (see dit_ops.warm_up)
+        # before the first step, under the very function and dtype the steps use (see
+        # dit_ops.warm_up)
         await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
         ctx.state["warm"] = (msg.config["attention"], dtype)
     t = time.perf_counter()
     st.weights = await ctx.run_compute(_load, ctx, msg)
-    ctx.log.info("[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in %.2fs",
-                 ctx.rank, msg.key, len(msg.manifest), msg.heads,
-                 _HOST.attention if msg.config["attention"] == "comfy" and _HOST else msg.config["attention"],
-                 time.perf_counter() - t)
+    ctx.log.info(
+        "[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in "
+        "%.2fs",
+        ctx.rank,
+        msg.key,
+        len(msg.manifest),
+        msg.heads,
+        _HOST.attention
+        if msg.config["attention"] == "comfy" and _HOST
+        else msg.config["attention"],
+        time.perf_counter() - t,
+    )
     return dit_protocol.DitLoaded(
-        loaded=True, bytes=st.weights.provider.nbytes, seconds=time.perf_counter() - t,
-        sm_count=_sm_count(ctx), fingerprint=invariance.fingerprint(torch.device(ctx.device)),
-        sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)))
+        loaded=True,
+        bytes=st.weights.provider.nbytes,
+        seconds=time.perf_counter() - t,
+        sm_count=_sm_count(ctx),
+        fingerprint=invariance.fingerprint(torch.device(ctx.device)),
+        sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)),
+    )
 
 
 @handler(dit_protocol.DitProbe)
 async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReport:
-    """Measure this rank's shards against the unsplit calls on its own device (``workers.dit.invariance``), in the
-    loaded compute dtype and with the loaded attention function."""
+    """Measure this rank's shards against the unsplit calls on its own device
+    (``workers.dit.invariance``), in the loaded compute dtype and with the loaded attention
+    function."""
     w = _state(ctx).weights
     if w is None:
-        raise RuntimeError(f"rank {ctx.rank}: dit_probe before dit_load; the coordinator must load weights first")
+        raise RuntimeError(
+            f"rank {ctx.rank}: dit_probe before dit_load; the coordinator must load weights first"
+        )
     cfg = w.config
-    report = await ctx.run_compute(functools.partial(
-        invariance.run_probe, msg.ops, tokens=int(msg.tokens), candidates=[(int(a), int(b)) for a, b in msg.candidates],
-        heads=(int(msg.heads[0]), int(msg.heads[1])), total_heads=int(cfg["heads"]), head_dim=int(cfg["head_dim"]),
-        dtype=getattr(torch, cfg["compute_dtype"]), attend=_attend(cfg["attention"]), device=torch.device(ctx.device),
-        t_rows=int(msg.t_rows)))
+    report = await ctx.run_compute(
+        functools.partial(
+            invariance.run_probe,
+            msg.ops,
+            tokens=int(msg.tokens),
+            candidates=[(int(a), int(b)) for a, b in msg.candidates],
+            heads=(int(msg.heads[0]), int(msg.heads[1])),
+            total_heads=int(cfg["heads"]),
+            head_dim=int(cfg["head_dim"]),
+            dtype=getattr(torch, cfg["compute_dtype"]),
+            attend=_attend(cfg["attention"]),
+            device=torch.device(ctx.device),
+            t_rows=int(msg.t_rows),
+        )
+    )
     if ctx.device.startswith("cuda"):
-        torch.cuda.empty_cache()  # the probe's random buffers and products are not the steps' working set
+        # the probe's random buffers and products are not the steps' working set
+        torch.cuda.empty_cache()
     return report
 
 
 def _sm_count(ctx: WorkerContext) -> int | None:
-    # The coordinator's exactness check needs it (dit_ops.flash_tiles_ok); CPU ranks have no SDPA schedule to keep.
+    # The coordinator's exactness check needs it (dit_ops.flash_tiles_ok); CPU ranks have no SDPA
+    # schedule to keep.
     if not ctx.device.startswith("cuda"):
         return None
     return torch.cuda.get_device_properties(torch.device(ctx.device)).multi_processor_count
@@ -169,6 +218,7 @@ async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> Rele
     st.exchanges.clear()
     if st.dist_backend is not None:
         from workers.transports.dist import destroy_group
+
         await ctx.run_compute(destroy_group)
         st.dist_backend = None
     if store is not None:
@@ -190,7 +240,8 @@ def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
 
 
 def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> Exchange:
-    """The exchange object for this step's arena or process group (created once, reused while it matches)."""
+    """The exchange object for this step's arena or process group (created once, reused while it
+    matches)."""
     layout = ArenaLayout.from_dict(msg.layout)
     cuda = ctx.device.startswith("cuda")
     if msg.exchange is Transport.NONE:
@@ -206,18 +257,33 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
                 st.exchanges.pop(old).close()
             arena = ctx.segment(msg.arena).base_tensor()
             wrap = CudaExchange(torch.device(ctx.device), host=True) if cuda else None
-            ex = HostExchange(ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control,
-                              msg.deadline_s, to_host=wrap.to_host if wrap is not None else None,
-                              to_device=wrap.to_device if wrap is not None else None)
+            ex = HostExchange(
+                ctx.rank,
+                ctx.world_size,
+                arena,
+                layout,
+                ctx.doorbell_fds,
+                ctx.control,
+                msg.deadline_s,
+                to_host=wrap.to_host if wrap is not None else None,
+                to_device=wrap.to_device if wrap is not None else None,
+            )
             ex = wrap.bind(ex) if wrap is not None else ex
             st.exchanges[key] = ex
         return ex
     from workers.transports.dist import DistExchange, init_group
+
     if st.dist_backend is None:
         backend = msg.exchange.on(cuda)
-        init_group(ctx.rank, ctx.world_size, backend.value,
-                   os.path.join(ctx.run_dir, "dist-rendezvous"), msg.deadline_s,
-                   devices=ctx.state.get("devices"), local_device=ctx.device)
+        init_group(
+            ctx.rank,
+            ctx.world_size,
+            backend.value,
+            os.path.join(ctx.run_dir, "dist-rendezvous"),
+            msg.deadline_s,
+            devices=ctx.state.get("devices"),
+            local_device=ctx.device,
+        )
         st.dist_backend = backend
     key = (st.dist_backend, tuple(layout.tokens_bounds), tuple(layout.col_bounds), layout.dtype)
     ex = st.exchanges.get(key)
@@ -229,8 +295,9 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
     return ex
 
 
-def _segments(ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]],
-              device: torch.device) -> list[dit_ops.ModSegment]:
+def _segments(
+    ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]], device: torch.device
+) -> list[dit_ops.ModSegment]:
     out: list[dit_ops.ModSegment] = []
     for a, b, row in raw:
         got = ctx.segment(row.seg).tensor(row).to(device) if isinstance(row, TensorDesc) else row
@@ -239,11 +306,14 @@ def _segments(ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]],
 
 
 def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
-    """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank timings."""
+    """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank
+    timings."""
     st = _state(ctx)
     w = st.weights
     if w is None:
-        raise RuntimeError(f"rank {ctx.rank}: dit_step before dit_load; the coordinator must load weights first")
+        raise RuntimeError(
+            f"rank {ctx.rank}: dit_step before dit_load; the coordinator must load weights first"
+        )
     cfg = w.config
     t_start = time.perf_counter()
     device = torch.device(ctx.device)
@@ -275,12 +345,27 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     def trace(i: int, op: str, out: torch.Tensor) -> None:
         digests[f"{i}:{op}"] = invariance.digest(out)
 
-    sparse = dit_sparse.sparse_step(msg.sparse, st.pooled, w.heads, msg.segments) if msg.sparse else None
+    sparse = (
+        dit_sparse.sparse_step(msg.sparse, st.pooled, w.heads, msg.segments) if msg.sparse else None
+    )
     setup_s = time.perf_counter() - t_start
-    per_block = run_blocks(x_rows, t_emb, segs, rope, w.provider, ex, range(b0, b1), heads_local=g1 - g0,
-                           head_dim=int(cfg["head_dim"]), eps=float(cfg["eps"]), attend=_attend(cfg["attention"]),
-                           chunks=int(msg.chunks), before_block=check_abort, trace=trace if msg.trace else None,
-                           sparse=sparse)
+    per_block = run_blocks(
+        x_rows,
+        t_emb,
+        segs,
+        rope,
+        w.provider,
+        ex,
+        range(b0, b1),
+        heads_local=g1 - g0,
+        head_dim=int(cfg["head_dim"]),
+        eps=float(cfg["eps"]),
+        attend=_attend(cfg["attention"]),
+        chunks=int(msg.chunks),
+        before_block=check_abort,
+        trace=trace if msg.trace else None,
+        sparse=sparse,
+    )
     t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)
@@ -296,7 +381,8 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         moved_bytes=int(xs.get("bytes_written", 0)) + int(xs.get("bytes_read", 0)),
         signals=int(xs.get("signals_sent", 0)),
         vram_peak_bytes=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
-        # CUDA ranks: the copies' own durations from events on the copy streams, and the host's waits for compute
+        # CUDA ranks: the copies' own durations from events on the copy streams, and the host's
+        # waits for compute
         copy_gpu_s=float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
         compute_wait_s=float(xs.get("compute_wait_s", 0.0)),
         weights=w.provider.timer(),
@@ -313,18 +399,26 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
 
 def _alloc_counters(device: torch.device) -> dict[str, int]:
     st = torch.cuda.memory_stats(device)
-    return {"segments": int(st.get("segment.all.allocated", 0)), "retries": int(st.get("num_alloc_retries", 0)),
-            "reserved_bytes": int(st.get("reserved_bytes.all.current", 0))}
+    return {
+        "segments": int(st.get("segment.all.allocated", 0)),
+        "retries": int(st.get("num_alloc_retries", 0)),
+        "reserved_bytes": int(st.get("reserved_bytes.all.current", 0)),
+    }
 
 
 def _alloc_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """The allocator's growth over one step: new segments, retries, and the reserved bytes at its end."""
-    return {"new_segments": after["segments"] - before["segments"], "retries": after["retries"] - before["retries"],
-            "reserved_bytes": after["reserved_bytes"]}
+    """The allocator's growth over one step: new segments, retries, and the reserved bytes at its
+    end."""
+    return {
+        "new_segments": after["segments"] - before["segments"],
+        "retries": after["retries"] - before["retries"],
+        "reserved_bytes": after["reserved_bytes"],
+    }
 
 
 def _run_step_inference(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
-    # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another code path).
+    # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another
+    # code path).
     with torch.inference_mode():
         return run_step(ctx, msg)
 

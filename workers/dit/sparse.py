@@ -1,30 +1,33 @@
-"""Sparse attention inside the split: comfy-kitchen's chunked Sol-Attn producer over one rank's heads.
+"""Sparse attention inside the split: comfy-kitchen's chunked Sol-Attn producer over one rank's
+heads.
 
-Sol-Attn (adaptive threshold ``tau``) and SLA-style top-k select key blocks per head and query block, and after the
-split's all-gather a rank holds every token of its heads; so a rank running ``ck.sol_attn_chunked`` over its head
-group computes exactly those heads of the same call over every head on one GPU (docs/architecture.md, sparse
-attention). The kernel carries pooled per-head statistics (``kmean``, ``vscale``, ``[h, 128]`` fp32) from one step
-to the next: :class:`PooledStats` keeps them per (block, rows, head range, conditioning branch) and is emptied when
-sampling ends.
+Sol-Attn (adaptive threshold ``tau``) and SLA-style top-k select key blocks per head and query
+block, and after the split's all-gather a rank holds every token of its heads; so a rank running
+``ck.sol_attn_chunked`` over its head group computes exactly those heads of the same call over every
+head on one GPU (docs/architecture.md, sparse attention). The kernel carries pooled per-head
+statistics (``kmean``, ``vscale``, ``[h, 128]`` fp32) from one step to the next:
+:class:`PooledStats` keeps them per (block, rows, head range, conditioning branch) and is emptied
+when sampling ends.
 
-:class:`SparseConfig` is the settings as the ranks receive them (the sigma window already in sigmas); the user-facing
-settings and their resolution live in ``h3ms_async.dit.sparse``. Kernel facts: ``docs/comfyui_facts.md`` (sparse
-attention).
+:class:`SparseConfig` is the settings as the ranks receive them (the sigma window already in
+sigmas); the user-facing settings and their resolution live in ``h3ms_async.dit.sparse``. Kernel
+facts: ``docs/comfyui_facts.md`` (sparse attention).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
-
-import torch
 
 import comfy_kitchen as ck
+import torch
 
 from workers.dit import ops as dit_ops
 from workers.dit.weights import BlockView
 
-#: Rows of the qkv projection per producer chunk (64-aligned, as ComfyUI's H3 path): Q/K/V are never built whole.
+#: Rows of the qkv projection per producer chunk (64-aligned, as ComfyUI's H3 path): Q/K/V are never
+#: built whole.
 PRODUCER_CHUNK = 4096
 #: The kernel's query/key block length and its one head size.
 BLOCK = 64
@@ -39,8 +42,8 @@ class SparseConfig:
     """What a rank needs to decide and run sparse attention; validated on construction (both sides).
 
     ``topk_ratio`` > 0 selects top-k (``tau`` is then ignored); attention is sparse while
-    ``sigma_end <= sigma <= sigma_start``, the sequence has at least ``min_tokens`` tokens and the block is not in
-    ``dense_blocks``.
+    ``sigma_end <= sigma <= sigma_start``, the sequence has at least ``min_tokens`` tokens and the
+    block is not in ``dense_blocks``.
     """
 
     tau: float = 1.3
@@ -54,37 +57,60 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.tau <= 16.0:
-            raise ValueError(f"tau={self.tau}: must be between 0 and 16 (higher is sparser; 1.3 is the default)")
+            raise ValueError(
+                f"tau={self.tau}: must be between 0 and 16 (higher is sparser; 1.3 is the default)"
+            )
         if not 0.0 <= self.topk_ratio < 1.0:
-            raise ValueError(f"topk_ratio={self.topk_ratio}: must be 0 (Sol-Attn threshold) or in (0, 1) "
-                             "(top-k: the fraction of key blocks kept); set keep_percent below 100")
-        if math.isnan(self.sigma_start) or math.isnan(self.sigma_end) or self.sigma_end > self.sigma_start:
-            raise ValueError(f"sigma window [{self.sigma_end}, {self.sigma_start}] is empty: the end sigma must not "
-                             "exceed the start sigma; set end_percent >= start_percent")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(
+                f"topk_ratio={self.topk_ratio}: must be 0 (Sol-Attn threshold) or in (0, 1) "
+                "(top-k: the fraction of key blocks kept); set keep_percent below 100"
+            )
+        if (
+            math.isnan(self.sigma_start)
+            or math.isnan(self.sigma_end)
+            or self.sigma_end > self.sigma_start
+        ):
+            raise ValueError(
+                f"sigma window [{self.sigma_end}, {self.sigma_start}] is empty: the end sigma must "
+                "not "
+                "exceed the start sigma; set end_percent >= start_percent"
+            )
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or self.min_tokens < 0
+        ):
             raise ValueError(f"min_tokens={self.min_tokens!r}: must be an integer >= 0")
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.dense_blocks):
-            raise ValueError(f"dense_blocks={list(self.dense_blocks)}: block indices must be integers >= 0")
+            raise ValueError(
+                f"dense_blocks={list(self.dense_blocks)}: block indices must be integers >= 0"
+            )
         if self.sink_conditioning not in SINK_MODES:
-            raise ValueError(f"sink_conditioning={self.sink_conditioning!r}: must be one of {', '.join(SINK_MODES)}")
+            raise ValueError(
+                f"sink_conditioning={self.sink_conditioning!r}: must be one of "
+                f"{', '.join(SINK_MODES)}"
+            )
         if not 0 <= self.extra_tokens <= EXTRA_TOKENS_MAX or self.extra_tokens % BLOCK:
-            raise ValueError(f"extra_tokens={self.extra_tokens}: must be 0, 64, 128, 192 or 256 (the kernel routes "
-                             "tokens in 64-token tiles)")
+            raise ValueError(
+                f"extra_tokens={self.extra_tokens}: must be 0, 64, 128, 192 or 256 (the kernel "
+                "routes "
+                "tokens in 64-token tiles)"
+            )
 
     @property
     def method(self) -> str:
         return "top-k" if self.topk_ratio else "sol-attn"
 
     def to_wire(self) -> dict:
-        """Plain data for a ``dit_step``; an open start (+inf) travels as None, so the form is also JSON (logs, bench
-        output)."""
+        """Plain data for a ``dit_step``; an open start (+inf) travels as None, so the form is also
+        JSON (logs, bench output)."""
         d = asdict(self)
         d["dense_blocks"] = list(self.dense_blocks)
         d["sigma_start"] = None if math.isinf(self.sigma_start) else self.sigma_start
         return d
 
     @classmethod
-    def from_wire(cls, d: dict) -> "SparseConfig":
+    def from_wire(cls, d: dict) -> SparseConfig:
         d = dict(d)
         d["dense_blocks"] = tuple(int(b) for b in d.get("dense_blocks", ()))
         if d.get("sigma_start") is None:
@@ -93,7 +119,8 @@ class SparseConfig:
 
 
 def dense_reason(cfg: SparseConfig, sigma: float | None, tokens: int, block: int) -> str | None:
-    """Why block ``block`` of a step at ``sigma`` over ``tokens`` tokens runs dense by the settings, or None."""
+    """Why block ``block`` of a step at ``sigma`` over ``tokens`` tokens runs dense by the settings,
+    or None."""
     if sigma is not None and not cfg.sigma_end <= sigma <= cfg.sigma_start:
         return f"sigma {sigma:.4g} outside [{cfg.sigma_end:.4g}, {cfg.sigma_start:.4g}]"
     if tokens < cfg.min_tokens:
@@ -104,16 +131,20 @@ def dense_reason(cfg: SparseConfig, sigma: float | None, tokens: int, block: int
 
 
 def kernel_unavailable(device: torch.device) -> str | None:
-    """Why comfy-kitchen's Sol-Attn kernel cannot run on ``device`` (no CUDA, SM < 8.0, not compiled), or None.
-    The per-call rules (bfloat16 chunks, head_dim 128) are the caller's: ``h3ms_async.dit.sparse``."""
+    """Why comfy-kitchen's Sol-Attn kernel cannot run on ``device`` (no CUDA, SM < 8.0, not
+    compiled), or None. The per-call rules (bfloat16 chunks, head_dim 128) are the caller's:
+    ``h3ms_async.dit.sparse``."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device (comfy-kitchen has no CPU sparse attention kernel)"
     if not ck.sol_attn_is_available(device):
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 0):
             return f"{device} is SM {major}.{minor}; the kernel needs SM 8.0 or newer"
-        return f"comfy-kitchen's sol_attn kernel is not available on {device} (its CUDA backend is disabled or " \
-               "not compiled for this GPU)"
+        return (
+            f"comfy-kitchen's sol_attn kernel is not available on {device} (its CUDA backend is "
+            "disabled or "
+            "not compiled for this GPU)"
+        )
     return None
 
 
@@ -125,9 +156,12 @@ def target_starts(segments: Sequence[tuple]) -> tuple[int, int] | None:
     return int(segments[-2][0]), int(segments[-1][0])
 
 
-def sinks(cfg: SparseConfig, starts: tuple[int, int] | None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``(sink_blocks, sink_q)``: the packed conditioning prefix (everything before the target video) as key blocks
-    every query attends exactly; with ``exact_kv_and_rows`` also the target-audio query rows dense."""
+def sinks(
+    cfg: SparseConfig, starts: tuple[int, int] | None
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(sink_blocks, sink_q)``: the packed conditioning prefix (everything before the target
+    video) as key blocks every query attends exactly; with ``exact_kv_and_rows`` also the
+    target-audio query rows dense."""
     if cfg.sink_conditioning == "off" or starts is None or starts[1] <= 0:
         return (0, 0), (0, 0)
     audio, video = starts
@@ -142,8 +176,9 @@ StatsKey = tuple[int, int, tuple[int, int], str]
 
 
 class PooledStats:
-    """The kernel's pooled ``(kmean, vscale)`` of the previous step, per :data:`StatsKey`; one per rank process (and
-    one per unsplit reference), emptied when sampling ends or the weights change."""
+    """The kernel's pooled ``(kmean, vscale)`` of the previous step, per :data:`StatsKey`; one per
+    rank process (and one per unsplit reference), emptied when sampling ends or the weights
+    change."""
 
     def __init__(self) -> None:
         self._stats: dict[StatsKey, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -166,8 +201,9 @@ class PooledStats:
 
 @dataclass
 class SparseStep:
-    """Sparse attention for one step of one rank (or of the unsplit run): the settings, the step's sigma and
-    conditioning branch, this rank's head range and the stream's sink blocks. ``counts`` says what ran."""
+    """Sparse attention for one step of one rank (or of the unsplit run): the settings, the step's
+    sigma and conditioning branch, this rank's head range and the stream's sink blocks. ``counts``
+    says what ran."""
 
     config: SparseConfig
     stats: PooledStats
@@ -176,12 +212,23 @@ class SparseStep:
     heads: tuple[int, int]
     sink_blocks: tuple[int, int]
     sink_q: tuple[int, int]
-    counts: dict = field(default_factory=lambda: {"sparse_blocks": 0, "dense_blocks": 0, "stats_reused": 0})
+    counts: dict = field(
+        default_factory=lambda: {"sparse_blocks": 0, "dense_blocks": 0, "stats_reused": 0}
+    )
 
-    def attention(self, i: int, n1_full: torch.Tensor, blk: BlockView, rope_freqs: torch.Tensor, heads_local: int,
-                  head_dim: int, eps: float) -> torch.Tensor | None:
-        """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like ``dit_ops.attention_heads``; None when
-        the settings keep this block dense (the caller then runs the dense path)."""
+    def attention(
+        self,
+        i: int,
+        n1_full: torch.Tensor,
+        blk: BlockView,
+        rope_freqs: torch.Tensor,
+        heads_local: int,
+        head_dim: int,
+        eps: float,
+    ) -> torch.Tensor | None:
+        """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like
+        ``dit_ops.attention_heads``; None when the settings keep this block dense (the caller then
+        runs the dense path)."""
         seq = n1_full.shape[0]
         if dense_reason(self.config, self.sigma, seq, i) is not None:
             self.counts["dense_blocks"] += 1
@@ -190,29 +237,54 @@ class SparseStep:
         quant = blk.quant["attn.qkv_proj"]
 
         def chunks():
-            # the qkv projection in 64-aligned row slices, each handed to the kernel's producer as it is made
+            # the qkv projection in 64-aligned row slices, each handed to the kernel's producer as
+            # it is made
             for a in range(0, seq, PRODUCER_CHUNK):
-                yield dit_ops.linear(n1_full[a:a + PRODUCER_CHUNK], blk.qkv, blk.qkv_scale, None, quant=quant)
+                yield dit_ops.linear(
+                    n1_full[a : a + PRODUCER_CHUNK], blk.qkv, blk.qkv_scale, None, quant=quant
+                )
 
         key: StatsKey = (i, seq, self.heads, self.branch)
         pooled = self.stats.get(key)
-        norms = (w["attn.q_norm.weight"].to(n1_full.device), w["attn.k_norm.weight"].to(n1_full.device))
+        norms = (
+            w["attn.q_norm.weight"].to(n1_full.device),
+            w["attn.k_norm.weight"].to(n1_full.device),
+        )
         out, kmean, vscale = ck.sol_attn_chunked(
-            chunks, seq, heads_local, rope_freqs, norms,
-            kmean=None if pooled is None else pooled[0], vscale=None if pooled is None else pooled[1],
-            tau=self.config.tau, topk_ratio=self.config.topk_ratio, token_aug=self.config.extra_tokens,
-            sink_blocks=list(self.sink_blocks), sink_q=list(self.sink_q), rope_eps=eps)
+            chunks,
+            seq,
+            heads_local,
+            rope_freqs,
+            norms,
+            kmean=None if pooled is None else pooled[0],
+            vscale=None if pooled is None else pooled[1],
+            tau=self.config.tau,
+            topk_ratio=self.config.topk_ratio,
+            token_aug=self.config.extra_tokens,
+            sink_blocks=list(self.sink_blocks),
+            sink_q=list(self.sink_q),
+            rope_eps=eps,
+        )
         self.stats.put(key, kmean, vscale)
         self.counts["sparse_blocks"] += 1
         self.counts["stats_reused"] += pooled is not None
         return out.view(seq, heads_local * head_dim)
 
 
-def sparse_step(wire: dict, stats: PooledStats, heads: tuple[int, int], segments: Sequence[tuple]) -> SparseStep:
-    """The :class:`SparseStep` of a ``dit_step``'s ``sparse`` field (``{config, sigma, branch}``); ``segments`` are
-    the whole stream's mod segments (not a rank's clipped ones)."""
+def sparse_step(
+    wire: dict, stats: PooledStats, heads: tuple[int, int], segments: Sequence[tuple]
+) -> SparseStep:
+    """The :class:`SparseStep` of a ``dit_step``'s ``sparse`` field (``{config, sigma, branch}``);
+    ``segments`` are the whole stream's mod segments (not a rank's clipped ones)."""
     cfg = SparseConfig.from_wire(wire["config"])
     sigma = wire.get("sigma")
     sb, sq = sinks(cfg, target_starts(segments))
-    return SparseStep(cfg, stats, None if sigma is None else float(sigma), str(wire.get("branch", "")),
-                      (int(heads[0]), int(heads[1])), sb, sq)
+    return SparseStep(
+        cfg,
+        stats,
+        None if sigma is None else float(sigma),
+        str(wire.get("branch", "")),
+        (int(heads[0]), int(heads[1])),
+        sb,
+        sq,
+    )

@@ -1,17 +1,21 @@
-"""Where the block loop gets a block's weights from: the weight provider protocol and its CPU implementation.
+"""Where the block loop gets a block's weights from: the weight provider protocol and its CPU
+implementation.
 
-A provider hands the loop one :class:`BlockView` per block: the block's parameters by in-block name, the rank's head
-group's rows of the fused qkv projection, and the int8 settings of the block's linears.  Implementations:
+A provider hands the loop one :class:`BlockView` per block: the block's parameters by in-block name,
+the rank's head group's rows of the fused qkv projection, and the int8 settings of the block's
+linears.  Implementations:
 
-- :class:`CpuWeights`: the tensors are used where they are, views of the shared-memory weight store on a CPU rank,
-  the reference model's (seeded or loaded) weights in process; the head group's qkv rows are sliced once
-  (``eager``) or per block (a reader over a model too big to hold sliced);
-- ``workers.dit.cuda.CudaWeights``: VRAM-resident blocks and blocks streamed from pinned host memory through two
-  prefetched slots (the residency is chosen per step).
+- :class:`CpuWeights`: the tensors are used where they are, views of the shared-memory weight store
+  on a CPU rank, the reference model's (seeded or loaded) weights in process; the head group's qkv
+  rows are sliced once (``eager``) or per block (a reader over a model too big to hold sliced);
+- ``workers.dit.cuda.CudaWeights``: VRAM-resident blocks and blocks streamed from pinned host memory
+  through two prefetched slots (the residency is chosen per step).
 """
+
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -35,14 +39,16 @@ class WeightProvider(Protocol):
     nbytes: int
 
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
-        """Place the weights for a step of ``tokens`` tokens (``local_tokens`` on this rank) under ``residency``
-        (``workers.dit.protocol.RESIDENCIES``); called before every step, a no-op when nothing changes."""
+        """Place the weights for a step of ``tokens`` tokens (``local_tokens`` on this rank) under
+        ``residency`` (``workers.dit.protocol.RESIDENCIES``); called before every step, a no-op when
+        nothing changes."""
 
     def block(self, i: int) -> BlockView:
         """Block ``i``, usable by work issued on the current stream from now on."""
 
     def done(self, i: int) -> None:
-        """The loop has issued all work that reads block ``i`` (its memory may be reused after that work)."""
+        """The loop has issued all work that reads block ``i`` (its memory may be reused after that
+        work)."""
 
     def timer(self) -> dict | None:
         """Residency and prefetch timings of the step just run (None where weights do not move)."""
@@ -51,28 +57,43 @@ class WeightProvider(Protocol):
         """Drop the weights."""
 
 
-def block_view(weights: dict[str, torch.Tensor], g0: int, g1: int, heads: int, head_dim: int) -> BlockView:
-    """The view of one block's weights for heads [g0, g1) (the qkv rows copied unless that is every head)."""
+def block_view(
+    weights: dict[str, torch.Tensor], g0: int, g1: int, heads: int, head_dim: int
+) -> BlockView:
+    """The view of one block's weights for heads [g0, g1) (the qkv rows copied unless that is every
+    head)."""
     q_w, q_s = dit_ops.slice_qkv_weights(weights, g0, g1, heads, head_dim)
     return BlockView(weights, q_w, q_s, dit_ops.block_quant(weights))
 
 
 class CpuWeights:
-    """Block weights used in place (CPU ranks and the in-process reference): no residency, nothing to prefetch.
+    """Block weights used in place (CPU ranks and the in-process reference): no residency, nothing
+    to prefetch.
 
-    ``read(i)`` gives block ``i``'s parameters.  ``eager`` slices every block's qkv rows now and keeps them (a rank's
-    weights: per step nothing is copied); otherwise each :meth:`block` call reads and slices anew (the reference's
-    seeded model, which may be too big to hold).
+    ``read(i)`` gives block ``i``'s parameters.  ``eager`` slices every block's qkv rows now and
+    keeps them (a rank's weights: per step nothing is copied); otherwise each :meth:`block` call
+    reads and slices anew (the reference's seeded model, which may be too big to hold).
     """
 
-    def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], n_blocks: int, heads: tuple[int, int],
-                 total_heads: int, head_dim: int, *, eager: bool) -> None:
+    def __init__(
+        self,
+        read: Callable[[int], dict[str, torch.Tensor]],
+        n_blocks: int,
+        heads: tuple[int, int],
+        total_heads: int,
+        head_dim: int,
+        *,
+        eager: bool,
+    ) -> None:
         g0, g1 = heads
         self._view = lambda i: block_view(read(i), g0, g1, total_heads, head_dim)
         self._views = [self._view(i) for i in range(n_blocks)] if eager else None
         whole = (g0, g1) == (0, total_heads)
-        self.nbytes = 0 if whole or self._views is None else \
-            sum(v.qkv.numel() * v.qkv.element_size() for v in self._views)
+        self.nbytes = (
+            0
+            if whole or self._views is None
+            else sum(v.qkv.numel() * v.qkv.element_size() for v in self._views)
+        )
 
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
         """Nothing to place: the tensors are used where they are."""

@@ -1,10 +1,12 @@
 """Challenge–response between the coordinator and a worker.
 
-The coordinator makes a fresh random key per pool start and writes it, hex-encoded on one line, to each worker's
-stdin pipe (never argv or the environment, which other local users can read through /proc).  On connect the
-coordinator sends a random nonce; the worker proves it holds the key with HMAC-SHA256(key, nonce || rank), the
-rank as 4 big-endian bytes so that an answer for one rank cannot be replayed for another.
+The coordinator makes a fresh random key per pool start and writes it, hex-encoded on one line, to
+each worker's stdin pipe (never argv or the environment, which other local users can read through
+/proc).  On connect the coordinator sends a random nonce; the worker proves it holds the key with
+HMAC-SHA256(key, nonce || rank), the rank as 4 big-endian bytes so that an answer for one rank
+cannot be replayed for another.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,7 +52,8 @@ def key_line(key: bytes) -> bytes:
 
 
 def read_key(stream: BinaryIO) -> bytes:
-    """Read the pool key from a worker's stdin (one hex line); :class:`AuthError` if it is missing or malformed."""
+    """Read the pool key from a worker's stdin (one hex line); :class:`AuthError` if it is missing
+    or malformed."""
     line = stream.readline(2 * KEY_BYTES + 2)
     text = line.strip()
     try:
@@ -59,6 +62,8 @@ def read_key(stream: BinaryIO) -> bytes:
         key = b""
     if len(key) != KEY_BYTES:
         raise AuthError(
-            f"expected a {KEY_BYTES}-byte hex key line on stdin, got {len(line)} bytes; workers are started by "
-            "the coordinator's WorkerPool, not by hand")
+            f"expected a {KEY_BYTES}-byte hex key line on stdin, got {len(line)} bytes; workers "
+            "are started by "
+            "the coordinator's WorkerPool, not by hand"
+        )
     return key

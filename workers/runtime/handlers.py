@@ -2,11 +2,12 @@
 
 A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> Kind.ANSWER`` registered with
 ``@handler(Kind)`` for a request struct ``Kind`` (a :class:`workers.runtime.protocol.Request`
-subclass); it receives the decoded, validated message, the returned answer struct (of the
-kind's ``ANSWER``) is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer
-carrying its traceback.
-Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps answering (heartbeats, aborts) while it runs.
+subclass); it receives the decoded, validated message, the returned answer struct (of the kind's
+``ANSWER``) is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer carrying its
+traceback. Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps answering
+(heartbeats, aborts) while it runs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,10 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 from workers.runtime import protocol
 from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
@@ -26,26 +28,39 @@ Handler = Callable[["WorkerContext", Any], Awaitable[protocol.Answer]]
 HANDLERS: dict[type[protocol.Request], Handler] = {}
 H = TypeVar("H", bound=Handler)
 
+
 def handler(kind: type[protocol.Request]) -> Callable[[H], H]:
     """Register ``fn`` as the worker's handler for requests of the struct ``kind``."""
-    if not (isinstance(kind, type) and issubclass(kind, protocol.Request)) or kind is protocol.Request:
-        raise ValueError(f"cannot register a handler for {kind!r}: give a Request subclass of workers/*/protocol.py")
+    if (
+        not (isinstance(kind, type) and issubclass(kind, protocol.Request))
+        or kind is protocol.Request
+    ):
+        raise ValueError(
+            f"cannot register a handler for {kind!r}: give a Request subclass of "
+            "workers/*/protocol.py"
+        )
 
     def deco(fn: H) -> H:
         if kind in HANDLERS and HANDLERS[kind] is not fn:
-            raise ValueError(f"a handler for {kind.__qualname__} is already registered ({HANDLERS[kind].__qualname__})")
+            raise ValueError(
+                f"a handler for {kind.__qualname__} is already registered "
+                f"({HANDLERS[kind].__qualname__})"
+            )
         HANDLERS[kind] = fn
         return fn
 
     return deco
 
 
-#: Called with (ctx, names) right before the segments ``names`` are unmapped because their owner let go of them:
-#: an extension module drops what it built on them (an exchange over an old arena), so the unmap really happens.
-RELEASE_HOOKS: list[Callable[["WorkerContext", set[str]], None]] = []
+#: Called with (ctx, names) right before the segments ``names`` are unmapped because their owner let
+#: go of them: an extension module drops what it built on them (an exchange over an old arena), so
+#: the unmap really happens.
+RELEASE_HOOKS: list[Callable[[WorkerContext, set[str]], None]] = []
 
 
-def on_release(fn: Callable[["WorkerContext", set[str]], None]) -> Callable[["WorkerContext", set[str]], None]:
+def on_release(
+    fn: Callable[[WorkerContext, set[str]], None],
+) -> Callable[[WorkerContext, set[str]], None]:
     """Register ``fn`` in :data:`RELEASE_HOOKS`."""
     if fn not in RELEASE_HOOKS:
         RELEASE_HOOKS.append(fn)
@@ -70,13 +85,15 @@ class WorkerContext:
     control_segment: Segment | None = None
     _segments: dict[str, Segment] = field(default_factory=dict)
     _compute: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3ms-compute"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3ms-compute")
+    )
     inflight: int = 0
     #: whether a ping answer has listed the kinds served yet
     announced: bool = False
 
     def segment(self, name: str) -> Segment:
-        """Attach a segment once (and register it with CUDA once when this worker's device is CUDA)."""
+        """Attach a segment once (and register it with CUDA once when this worker's device is
+        CUDA)."""
         seg = self._segments.get(name)
         if seg is None:
             self.forget_released()
@@ -90,9 +107,9 @@ class WorkerContext:
         return seg
 
     def forget_released(self) -> int:
-        """Close the cached segments whose owner has let go of them; returns how many.  Done before every new
-        attach (a new segment usually replaces an old one) and on ``drop_released``, or this worker would keep
-        their memory for its whole life."""
+        """Close the cached segments whose owner has let go of them; returns how many.  Done before
+        every new attach (a new segment usually replaces an old one) and on ``drop_released``, or
+        this worker would keep their memory for its whole life."""
         gone = {n for n in self._segments if not owner_holds(n)}
         if gone:
             for hook in RELEASE_HOOKS:
@@ -116,7 +133,8 @@ class WorkerContext:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def close(self) -> None:
-        """Drop cached segments and the control block; leave the compute thread to die with the process."""
+        """Drop cached segments and the control block; leave the compute thread to die with the
+        process."""
         for name in list(self._segments):
             self.forget_segment(name)
         self.control = None
@@ -126,11 +144,12 @@ class WorkerContext:
         self._compute.shutdown(wait=False, cancel_futures=True)
 
 
-# -- core commands ----------------------------------------------------------------------------------------------
+# -- core commands ---------------------------------------------------------------------------------
 @handler(protocol.Ping)
 async def _ping(ctx: WorkerContext, msg: protocol.Ping) -> protocol.Pong:
-    """Liveness; the first answer (to the pool's admission ping) also lists the kinds this worker serves, which the
-    pool then refuses others by.  Only the first: a ping is the round trip the IPC benchmark times."""
+    """Liveness; the first answer (to the pool's admission ping) also lists the kinds this worker
+    serves, which the pool then refuses others by.  Only the first: a ping is the round trip the IPC
+    benchmark times."""
     serves = None
     if not ctx.announced:
         ctx.announced = True
@@ -139,8 +158,9 @@ async def _ping(ctx: WorkerContext, msg: protocol.Ping) -> protocol.Pong:
 
 
 def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
-    """Copy ``src`` to ``dst`` through this worker's device (a round trip host->GPU->host on a CUDA rank, from and
-    into CUDA-registered shm); returns the sha256 of ``dst`` and the seconds the copies took."""
+    """Copy ``src`` to ``dst`` through this worker's device (a round trip host->GPU->host on a CUDA
+    rank, from and into CUDA-registered shm); returns the sha256 of ``dst`` and the seconds the
+    copies took."""
     import torch
 
     t = time.perf_counter()
@@ -156,22 +176,26 @@ def _copy_and_hash(src: Any, dst: Any, device: str) -> tuple[str, float]:
 
 @handler(protocol.Echo)
 async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> protocol.Echoed:
-    """Copy the bytes of ``src`` to ``dst`` (both shm descriptors of equal byte size); return their sha256."""
+    """Copy the bytes of ``src`` to ``dst`` (both shm descriptors of equal byte size); return their
+    sha256."""
     import torch
 
     src_d, dst_d = msg.src, msg.dst
     n_src, n_dst = src_d.nbytes, dst_d.nbytes
     if n_src != n_dst:
-        raise ValueError(f"echo: src has {n_src} bytes but dst has {n_dst}; give descriptors of equal size")
+        raise ValueError(
+            f"echo: src has {n_src} bytes but dst has {n_dst}; give descriptors of equal size"
+        )
     src = ctx.segment(src_d.seg).tensor(src_d).reshape(-1).view(torch.uint8)
     dst = ctx.segment(dst_d.seg).tensor(dst_d).reshape(-1).view(torch.uint8)
     digest, seconds = await ctx.run_compute(_copy_and_hash, src, dst, ctx.device)
-    return protocol.Echoed(bytes=n_src, sha256=digest, seconds=seconds,
-                           registered=ctx.segment(src_d.seg).registered)
+    return protocol.Echoed(
+        bytes=n_src, sha256=digest, seconds=seconds, registered=ctx.segment(src_d.seg).registered
+    )
 
 
 @handler(protocol.DropReleased)
 async def _drop_released(ctx: WorkerContext, msg: protocol.DropReleased) -> protocol.Dropped:
-    """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a tight
-    /dev/shm has the old ones' pages back first)."""
+    """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a
+    tight /dev/shm has the old ones' pages back first)."""
     return {"dropped": ctx.forget_released()}

@@ -1,13 +1,17 @@
-"""The wire protocol between the coordinator and its workers: typed messages, validated once, while decoding.
+"""The wire protocol between the coordinator and its workers: typed messages, validated once, while
+decoding.
 
-Frame: a 4-byte big-endian unsigned length, then that many bytes holding exactly one msgpack map.  Every message is a
-:class:`Message` struct (msgspec), tagged by its kind in field ``"k"``, with ``"id"`` (an int request id; 0 for
-messages that answer nothing).  A struct's annotations are its schema: :func:`decode` turns a frame into the struct of
-its kind with ``msgspec.msgpack.Decoder`` over the union of every declared kind, which checks types, refuses unknown
-kinds, unknown fields and missing ones, and runs each struct's ``__post_init__`` (the value checks a type cannot say,
-e.g. a tensor descriptor's offset alignment).  ``__post_init__`` also runs when a sender builds a message, so a sender
-meets the same value checks as its peer; the field types are the sender's type checker's job.  Both peers read frames
-with :func:`read_message`, so the limits hold on both sides and are checked before anything is allocated.
+Frame: a 4-byte big-endian unsigned length, then that many bytes holding exactly one msgpack map.
+Every message is a
+:class:`Message` struct (msgspec), tagged by its kind in field ``"k"``, with ``"id"`` (an int
+request id; 0 for messages that answer nothing).  A struct's annotations are its schema:
+:func:`decode` turns a frame into the struct of its kind with ``msgspec.msgpack.Decoder`` over the
+union of every declared kind, which checks types, refuses unknown kinds, unknown fields and missing
+ones, and runs each struct's ``__post_init__`` (the value checks a type cannot say, e.g. a tensor
+descriptor's offset alignment).  ``__post_init__`` also runs when a sender builds a message, so a
+sender meets the same value checks as its peer; the field types are the sender's type checker's job.
+Both peers read frames with :func:`read_message`, so the limits hold on both sides and are checked
+before anything is allocated.
 
 Conversation (every arrow is one frame)::
 
@@ -19,20 +23,22 @@ Conversation (every arrow is one frame)::
         ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}     r: the kind's answer
         ◄──────── hb {id: 0, rss, vram, busy}        unsolicited, about every second
 
-A rank program declares its requests as :class:`Request` subclasses in its own ``workers/<program>/protocol.py``;
-defining the class is the declaration (importing the module adds it to the decoder).
-Each request kind names its answer, an :class:`Answer` struct declared next to it
-(``ANSWER``): the worker's handler returns one, the ``ok`` frame carries it as the map
-``r``, and the coordinator decodes and validates ``r`` as that struct once, when the answer
-arrives (:func:`decode_answer`).
+A rank program declares its requests as :class:`Request` subclasses in its own
+``workers/<program>/protocol.py``; defining the class is the declaration (importing the module adds
+it to the decoder). Each request kind names its answer, an :class:`Answer` struct declared next to
+it (``ANSWER``): the worker's handler returns one, the ``ok`` frame carries it as the map ``r``, and
+the coordinator decodes and validates ``r`` as that struct once, when the answer arrives
+(:func:`decode_answer`).
 """
+
 from __future__ import annotations
 
 import asyncio
 import re
 import struct
 import threading
-from typing import Annotated, Any, ClassVar, Sequence, Union
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 
@@ -43,11 +49,12 @@ class ProtocolError(ValueError):
     """A frame or message that breaks this protocol; the channel that carried it is closed."""
 
 
-#: Largest frame body either side accepts or sends (override with H3MS_MAX_FRAME_BYTES; both sides read it).
+#: Largest frame body either side accepts or sends (override with H3MS_MAX_FRAME_BYTES; both sides
+#: read it).
 MAX_FRAME_BYTES: int = config.MAX_FRAME_BYTES.get()
-#: Limits inside a message: longest str, most items of a free-form list or map, deepest nesting of a free-form
-#: field (``r``, ``config``, ...).  A length header that claims more than the frame holds is refused before anything
-#: is allocated.
+#: Limits inside a message: longest str, most items of a free-form list or map, deepest nesting of a
+#: free-form field (``r``, ``config``, ...).  A length header that claims more than the frame holds
+#: is refused before anything is allocated.
 MAX_STR_LEN = 4 * 1024 * 1024
 MAX_ARRAY_LEN = 1 << 16
 MAX_MAP_LEN = 1 << 16
@@ -57,12 +64,21 @@ HEADER = struct.Struct(">I")
 MAX_REQUEST_ID = (1 << 63) - 1
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUEST_ID)]
 
-# -- tensor descriptors -----------------------------------------------------------------------------------------
+# -- tensor descriptors ----------------------------------------------------------------------------
 #: dtype name -> element size in bytes.
 DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 #: h3ms-<owner pid>-<owner fd, 8 hex><inode, 16 hex>-<tag> (see workers/runtime/shm.py)
 SEGMENT_NAME_RE = re.compile(r"^h3ms-([0-9]{1,10})-([0-9a-f]{8,64})-([A-Za-z0-9_.]{1,48})$")
@@ -71,9 +87,11 @@ _MAX_DIM = 1 << 40
 
 
 class TensorDesc(msgspec.Struct, forbid_unknown_fields=True):
-    """Where a tensor lives in shared memory: ``seg`` (a segment name of this pack, so a descriptor can never point
-    at another file), ``off`` (bytes, a non-negative multiple of the element size), ``dtype`` (a key of
-    :data:`DTYPE_SIZES`), ``shape`` (at most 8 non-negative ints).  On the wire: the map ``{seg, off, dtype, shape}``."""
+    """Where a tensor lives in shared memory: ``seg`` (a segment name of this pack, so a descriptor
+    can never point at another file), ``off`` (bytes, a non-negative multiple of the element size),
+    ``dtype`` (a key of
+    :data:`DTYPE_SIZES`), ``shape`` (at most 8 non-negative ints).  On the wire: the map ``{seg,
+    off, dtype, shape}``."""
 
     seg: str
     off: int
@@ -82,15 +100,25 @@ class TensorDesc(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not SEGMENT_NAME_RE.match(self.seg):
-            raise ProtocolError(f"tensor descriptor seg {self.seg!r:.80} is not a segment name h3ms-<pid>-<hex>-<tag>")
+            raise ProtocolError(
+                f"tensor descriptor seg {self.seg!r:.80} is not a segment name "
+                "h3ms-<pid>-<hex>-<tag>"
+            )
         size = DTYPE_SIZES.get(self.dtype)
         if size is None:
-            raise ProtocolError(f"tensor descriptor dtype {self.dtype!r:.40} is not one of {sorted(DTYPE_SIZES)}")
+            raise ProtocolError(
+                f"tensor descriptor dtype {self.dtype!r:.40} is not one of {sorted(DTYPE_SIZES)}"
+            )
         if self.off < 0 or self.off % size:
-            raise ProtocolError(f"tensor descriptor off {self.off} must be >= 0 and a multiple of the {self.dtype} "
-                                f"size ({size})")
+            raise ProtocolError(
+                f"tensor descriptor off {self.off} must be >= 0 and a multiple of the {self.dtype} "
+                f"size ({size})"
+            )
         if len(self.shape) > MAX_DIMS or not all(0 <= n < _MAX_DIM for n in self.shape):
-            raise ProtocolError(f"tensor descriptor shape {list(self.shape)!r:.80} must be at most {MAX_DIMS} ints >= 0")
+            raise ProtocolError(
+                f"tensor descriptor shape {list(self.shape)!r:.80} must be at most {MAX_DIMS} ints "
+                ">= 0"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -106,32 +134,40 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
     return n
 
 
-# -- free-form fields -------------------------------------------------------------------------------------------
+# -- free-form fields ------------------------------------------------------------------------------
 #: A map of plain msgpack values (results, configs, layouts): checked by :func:`check_plain`.
 Plain = dict[str, Any]
 
 
 def check_plain(value: Any, where: str, depth: int = 0) -> None:
-    """Refuse what a typed field cannot: non-str map keys, values other than msgpack's plain types (no ext types,
-    no timestamps), nesting deeper than :data:`MAX_DEPTH`, strs, lists and maps over their limits.  For the
-    free-form fields, on both sides."""
+    """Refuse what a typed field cannot: non-str map keys, values other than msgpack's plain types
+    (no ext types, no timestamps), nesting deeper than :data:`MAX_DEPTH`, strs, lists and maps over
+    their limits.  For the free-form fields, on both sides."""
     if isinstance(value, str):
         if len(value) > MAX_STR_LEN:
-            raise ProtocolError(f"{where}: a str of {len(value)} chars exceeds MAX_STR_LEN={MAX_STR_LEN}")
+            raise ProtocolError(
+                f"{where}: a str of {len(value)} chars exceeds MAX_STR_LEN={MAX_STR_LEN}"
+            )
         return
-    if value is None or isinstance(value, (bool, int, float, bytes, bytearray, memoryview, TensorDesc)):
+    if value is None or isinstance(
+        value, (bool, int, float, bytes, bytearray, memoryview, TensorDesc)
+    ):
         return
     if depth >= MAX_DEPTH:
         raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH}")
     if isinstance(value, (list, tuple)):
         if len(value) > MAX_ARRAY_LEN:
-            raise ProtocolError(f"{where}: a list of {len(value)} items exceeds MAX_ARRAY_LEN={MAX_ARRAY_LEN}")
+            raise ProtocolError(
+                f"{where}: a list of {len(value)} items exceeds MAX_ARRAY_LEN={MAX_ARRAY_LEN}"
+            )
         for item in value:
             check_plain(item, where, depth + 1)
         return
     if isinstance(value, dict):
         if len(value) > MAX_MAP_LEN:
-            raise ProtocolError(f"{where}: a map of {len(value)} items exceeds MAX_MAP_LEN={MAX_MAP_LEN}")
+            raise ProtocolError(
+                f"{where}: a map of {len(value)} items exceeds MAX_MAP_LEN={MAX_MAP_LEN}"
+            )
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ProtocolError(f"{where}: map key {key!r:.60} is not a str")
@@ -140,9 +176,9 @@ def check_plain(value: Any, where: str, depth: int = 0) -> None:
     raise ProtocolError(f"{where}: value of type {type(value).__name__} is not allowed on the wire")
 
 
-# -- messages ---------------------------------------------------------------------------------------------------
+# -- messages --------------------------------------------------------------------------------------
 _LOCK = threading.Lock()
-_DECLARED: list[type["Message"]] = []
+_DECLARED: list[type[Message]] = []
 _decoder: msgspec.msgpack.Decoder | None = None
 
 
@@ -204,8 +240,10 @@ def kinds() -> dict[str, type[Message]]:
             continue
         tag = cls.__struct_config__.tag
         if tag in out and out[tag] is not cls:
-            raise ProtocolError(f"message kind {tag!r} is declared twice: {out[tag].__qualname__} and "
-                                f"{cls.__qualname__}; give one of them another tag")
+            raise ProtocolError(
+                f"message kind {tag!r} is declared twice: {out[tag].__qualname__} and "
+                f"{cls.__qualname__}; give one of them another tag"
+            )
         out[tag] = cls
     return out
 
@@ -222,7 +260,8 @@ def _get_decoder() -> msgspec.msgpack.Decoder:
             declared = len(_DECLARED)
         dec = msgspec.msgpack.Decoder(Union[tuple(kinds().values())], ext_hook=_refuse_ext)  # type: ignore[valid-type]
         with _LOCK:
-            if len(_DECLARED) == declared:  # a kind declared meanwhile makes the next call build again
+            if len(_DECLARED) == declared:
+                # a kind declared meanwhile makes the next call build again
                 _decoder = dec
     return dec
 
@@ -298,7 +337,8 @@ class Echoed(Answer):
 
 
 class Echo(Request, tag="echo"):
-    """Copy the bytes of ``src`` to ``dst`` (equal byte sizes) through the worker's device; answer their sha256."""
+    """Copy the bytes of ``src`` to ``dst`` (equal byte sizes) through the worker's device; answer
+    their sha256."""
 
     src: TensorDesc
     dst: TensorDesc
@@ -335,13 +375,14 @@ class Shutdown(Request, tag="shutdown"):
     ANSWER: ClassVar[type[Answer]] = Stopping
 
 
-# -- encode, decode ---------------------------------------------------------------------------------------------
+# -- encode, decode --------------------------------------------------------------------------------
 _ENCODER = msgspec.msgpack.Encoder()
 _ANSWER_DECODERS: dict[type[Answer], msgspec.msgpack.Decoder] = {}
 
 
 def decode(body: bytes) -> Message:
-    """Decode and validate one frame body (without its length header).  Raises only :class:`ProtocolError`."""
+    """Decode and validate one frame body (without its length header).  Raises only
+    :class:`ProtocolError`."""
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     try:
@@ -351,16 +392,20 @@ def decode(body: bytes) -> Message:
     except msgspec.ValidationError as exc:
         text = str(exc)
         if text.startswith("Invalid value") and text.endswith("at `$.k`"):
-            text = f"unknown message kind {text[len('Invalid value '):-len(' - at `$.k`')]:.60}"
+            text = f"unknown message kind {text[len('Invalid value ') : -len(' - at `$.k`')]:.60}"
         raise ProtocolError(f"invalid message: {text}"[:300]) from None
     except (msgspec.DecodeError, RecursionError, ValueError) as exc:
-        raise ProtocolError(f"frame is not one valid msgpack map: {type(exc).__name__}: {exc}"[:300]) from None
+        raise ProtocolError(
+            f"frame is not one valid msgpack map: {type(exc).__name__}: {exc}"[:300]
+        ) from None
 
 
 def encode(msg: Message) -> bytes:
     """Encode one message as a whole frame (header + body)."""
     if not isinstance(msg, Message):
-        raise ProtocolError(f"cannot send a {type(msg).__name__}: build a message struct of workers/*/protocol.py")
+        raise ProtocolError(
+            f"cannot send a {type(msg).__name__}: build a message struct of workers/*/protocol.py"
+        )
     try:
         body = _ENCODER.encode(msg)
     except (TypeError, ValueError, OverflowError) as exc:  # unencodable values
@@ -368,7 +413,8 @@ def encode(msg: Message) -> bytes:
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(
             f"{msg.kind}: message of {len(body)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}; "
-            "move large payloads to shared memory and send a tensor descriptor")
+            "move large payloads to shared memory and send a tensor descriptor"
+        )
     return HEADER.pack(len(body)) + body
 
 
@@ -376,8 +422,9 @@ def encode_answer(request: Request, answer: Answer) -> msgspec.Raw:
     """``answer`` as the ``r`` of an :class:`Ok` to ``request``; refuses a struct other than
     the kind's ``ANSWER``."""
     if type(answer) is not request.ANSWER:
-        raise ProtocolError(f"{request.kind}: answered with {type(answer).__name__}, "
-                            f"not {request.ANSWER.__name__}")
+        raise ProtocolError(
+            f"{request.kind}: answered with {type(answer).__name__}, not {request.ANSWER.__name__}"
+        )
     try:
         return msgspec.Raw(_ENCODER.encode(answer))
     except (TypeError, ValueError, OverflowError) as exc:
@@ -402,16 +449,23 @@ def decode_answer(answer: type[Answer], raw: msgspec.Raw | bytes) -> Answer:
 
 
 async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> Message:
-    """Read and decode one frame of at most ``max_bytes`` (default ``MAX_FRAME_BYTES``).  EOF exactly at a frame
-    boundary raises ``EOFError``; anything else that is wrong (over-long length, truncated frame, bad body) raises
+    """Read and decode one frame of at most ``max_bytes`` (default ``MAX_FRAME_BYTES``).  EOF
+    exactly at a frame boundary raises ``EOFError``; anything else that is wrong (over-long length,
+    truncated frame, bad body) raises
     :class:`ProtocolError`."""
-    limit, name = (MAX_FRAME_BYTES, "MAX_FRAME_BYTES") if max_bytes is None else (max_bytes, "the pre-auth limit")
+    limit, name = (
+        (MAX_FRAME_BYTES, "MAX_FRAME_BYTES")
+        if max_bytes is None
+        else (max_bytes, "the pre-auth limit")
+    )
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
         if not exc.partial:
             raise EOFError("peer closed the channel") from None
-        raise ProtocolError(f"truncated frame header ({len(exc.partial)} of {HEADER.size} bytes)") from None
+        raise ProtocolError(
+            f"truncated frame header ({len(exc.partial)} of {HEADER.size} bytes)"
+        ) from None
     (length,) = HEADER.unpack(header)
     if length > limit:
         raise ProtocolError(f"frame length {length} exceeds {name}={limit}")
@@ -420,5 +474,7 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = Non
     try:
         body = await reader.readexactly(length)
     except asyncio.IncompleteReadError as exc:
-        raise ProtocolError(f"truncated frame: {len(exc.partial)} of {length} bytes before EOF") from None
+        raise ProtocolError(
+            f"truncated frame: {len(exc.partial)} of {length} bytes before EOF"
+        ) from None
     return decode(body)

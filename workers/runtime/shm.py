@@ -1,22 +1,26 @@
 """POSIX shared-memory segments, used by the coordinator (owner) and the workers (attach) alike.
 
-A segment is an *unnamed* tmpfs file: ``open("/dev/shm", O_TMPFILE)``, mode 0600, its pages reserved at creation
-(``posix_fallocate``), mapped with mmap.  It never has a name in /dev/shm, so nothing can be left there when any
-process dies, however it dies: the memory goes back when the last descriptor and mapping of it are gone.  Another
-process maps it through the owner's descriptor, ``/proc/<owner pid>/fd/<fd>`` (same user only), which works for a
-worker that starts late too (a restarted rank); once the owner closes the segment nobody new can attach.
+A segment is an *unnamed* tmpfs file: ``open("/dev/shm", O_TMPFILE)``, mode 0600, its pages reserved
+at creation (``posix_fallocate``), mapped with mmap.  It never has a name in /dev/shm, so nothing
+can be left there when any process dies, however it dies: the memory goes back when the last
+descriptor and mapping of it are gone.  Another process maps it through the owner's descriptor,
+``/proc/<owner pid>/fd/<fd>`` (same user only), which works for a worker that starts late too (a
+restarted rank); once the owner closes the segment nobody new can attach.
 
-Why this and not a name unlinked after every user has mapped it, with the descriptor passed over the channel
-(SCM_RIGHTS) to late starters: the descriptor is already reachable through /proc, so no fd passing has to be woven
-into the msgpack channel, and there is no window at all in which a name exists.  Why not
-``multiprocessing.shared_memory``: its resource tracker unlinks segments that another process still uses.
+Why this and not a name unlinked after every user has mapped it, with the descriptor passed over the
+channel (SCM_RIGHTS) to late starters: the descriptor is already reachable through /proc, so no fd
+passing has to be woven into the msgpack channel, and there is no window at all in which a name
+exists.  Why not
+``multiprocessing.shared_memory``: its resource tracker unlinks segments that another process still
+uses.
 
-The segment's id, ``h3ms-<owner pid>-<fd, 8 hex><inode, 16 hex>-<tag>``, travels in tensor descriptors
-``{seg, off, dtype, shape}`` (``protocol.TensorDesc``); attaching checks that the descriptor behind
-``/proc/<pid>/fd/<fd>`` is still the same tmpfs inode.  Offsets handed out by :class:`Arena` are 4096-byte aligned
-so that a worker can register a whole segment with CUDA once (:func:`register_cuda`), which is what makes
-host<->device copies from it fast.
+The segment's id, ``h3ms-<owner pid>-<fd, 8 hex><inode, 16 hex>-<tag>``, travels in tensor
+descriptors ``{seg, off, dtype, shape}`` (``protocol.TensorDesc``); attaching checks that the
+descriptor behind ``/proc/<pid>/fd/<fd>`` is still the same tmpfs inode.  Offsets handed out by
+:class:`Arena` are 4096-byte aligned so that a worker can register a whole segment with CUDA once
+(:func:`register_cuda`), which is what makes host<->device copies from it fast.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,9 +29,16 @@ import mmap
 import os
 import resource
 import stat
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from workers.runtime.protocol import DTYPE_SIZES, SEGMENT_NAME_RE, ProtocolError, TensorDesc, tensor_nbytes
+from workers.runtime.protocol import (
+    DTYPE_SIZES,
+    SEGMENT_NAME_RE,
+    ProtocolError,
+    TensorDesc,
+    tensor_nbytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -53,20 +64,23 @@ def align(n: int) -> int:
 
 
 def slot_bytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes an :class:`Arena` takes for one ``dtype`` tensor of ``shape`` (at least one byte, page-aligned): a
-    segment for a set of tensors is the sum of their slots."""
+    """Bytes an :class:`Arena` takes for one ``dtype`` tensor of ``shape`` (at least one byte,
+    page-aligned): a segment for a set of tensors is the sum of their slots."""
     return align(max(tensor_nbytes(dtype, [int(n) for n in shape]), 1))
 
 
-def dtype_name(dtype: "torch.dtype | str") -> str:
-    """The wire name of a dtype (``"bfloat16"``); ValueError naming the choices (the protocol's ``DTYPE_SIZES``)."""
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The wire name of a dtype (``"bfloat16"``); ValueError naming the choices (the protocol's
+    ``DTYPE_SIZES``)."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_SIZES:
-        raise ValueError(f"dtype {dtype!r} is not supported in shared memory; use one of {sorted(DTYPE_SIZES)}")
+        raise ValueError(
+            f"dtype {dtype!r} is not supported in shared memory; use one of {sorted(DTYPE_SIZES)}"
+        )
     return name
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a wire name; ShmError when this torch lacks it."""
     import torch
 
@@ -77,16 +91,21 @@ def torch_dtype(name: str) -> "torch.dtype":
 
 
 def _shm_size_hint(nbytes: int) -> str:
-    return (f"give the machine more shared memory: in Docker start the container with --shm-size "
-            f"(e.g. --shm-size={max(1, -(-2 * nbytes // 2**30))}g; Docker's default is 64m), or free space in "
-            f"{SHM_DIR}")
+    return (
+        f"give the machine more shared memory: in Docker start the container with --shm-size "
+        f"(e.g. --shm-size={max(1, -(-2 * nbytes // 2**30))}g; Docker's default is 64m), or free "
+        "space in "
+        f"{SHM_DIR}"
+    )
 
 
 def _reserve(fd: int, nbytes: int) -> None:
-    """Allocate every page of the file now, so that a full tmpfs fails here and not as a SIGBUS on first touch.
+    """Allocate every page of the file now, so that a full tmpfs fails here and not as a SIGBUS on
+    first touch.
 
-    tmpfs gives a too-large file without complaint and only runs out when a page is written; statvfs cannot see
-    files that exist but are not written yet, so a free-space check before creating is not enough.
+    tmpfs gives a too-large file without complaint and only runs out when a page is written; statvfs
+    cannot see files that exist but are not written yet, so a free-space check before creating is
+    not enough.
     """
     try:
         os.posix_fallocate(fd, 0, nbytes)
@@ -95,20 +114,26 @@ def _reserve(fd: int, nbytes: int) -> None:
             raise ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc}") from None
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         if exc.errno == errno.EFBIG and limit != resource.RLIM_INFINITY and limit < nbytes:
-            raise ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: this process's file-size limit "
-                           f"(ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)") from None
+            raise ShmError(
+                f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: this process's file-size "
+                "limit "
+                f"(ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)"
+            ) from None
         st = os.statvfs(SHM_DIR)
         raise ShmError(
             f"{SHM_DIR} is too small: {nbytes / 2**20:.1f} MiB are needed but it has "
-            f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f} MiB; "
-            + _shm_size_hint(nbytes)) from None
+            f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of "
+            f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB; " + _shm_size_hint(nbytes)
+        ) from None
 
 
 def _split_id(name: Any) -> tuple[int, int, int]:
     """(owner pid, owner fd, inode) from a segment id; :class:`ShmError` if it is not one."""
     m = SEGMENT_NAME_RE.match(name) if isinstance(name, str) else None
     if not m or len(m.group(2)) != 24:
-        raise ShmError(f"{name!r} is not a segment name of this pack (h3ms-<pid>-<fd><inode hex>-<tag>)")
+        raise ShmError(
+            f"{name!r} is not a segment name of this pack (h3ms-<pid>-<fd><inode hex>-<tag>)"
+        )
     return int(m.group(1)), int(m.group(2)[:8], 16), int(m.group(2)[8:], 16)
 
 
@@ -127,15 +152,18 @@ def owner_holds(name: str) -> bool:
 
 
 class Segment:
-    """One mapped shm segment.  The owner creates and finally unlinks it; other processes attach by name."""
+    """One mapped shm segment.  The owner creates and finally unlinks it; other processes attach by
+    name."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, fd: int | None = None) -> None:
+    def __init__(
+        self, name: str, size: int, mm: mmap.mmap, owner: bool, fd: int | None = None
+    ) -> None:
         self.name = name
         self.size = size
         self.owner = owner
         self._fd = fd  # the owner's handle, through which others attach
         self._mm: mmap.mmap | None = mm
-        self._base: "torch.Tensor | None" = None
+        self._base: torch.Tensor | None = None
         self._cuda_ptr: int | None = None
 
     @property
@@ -144,11 +172,12 @@ class Segment:
         return self._cuda_ptr is not None
 
     @classmethod
-    def create(cls, size: int, tag: str) -> "Segment":
-        """Create a new segment of at least ``size`` bytes (rounded up to 4096) owned by this process.
+    def create(cls, size: int, tag: str) -> Segment:
+        """Create a new segment of at least ``size`` bytes (rounded up to 4096) owned by this
+        process.
 
-        Every page is reserved now: a /dev/shm too small for it raises :class:`ShmError` naming its size and
-        ``--shm-size``.
+        Every page is reserved now: a /dev/shm too small for it raises :class:`ShmError` naming its
+        size and ``--shm-size``.
         """
         if size <= 0:
             raise ShmError(f"segment size must be > 0, got {size}")
@@ -158,8 +187,11 @@ class Segment:
         try:
             fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise ShmError(f"cannot create a shared-memory segment in {SHM_DIR}: {exc} (it must be a tmpfs the "
-                           "current user can write; in Docker it always is)") from None
+            raise ShmError(
+                f"cannot create a shared-memory segment in {SHM_DIR}: {exc} (it must be a tmpfs "
+                "the "
+                "current user can write; in Docker it always is)"
+            ) from None
         try:
             _reserve(fd, size)
             name = f"h3ms-{os.getpid()}-{fd:08x}{os.fstat(fd).st_ino:016x}-{tag}"
@@ -170,20 +202,26 @@ class Segment:
         return cls(name, size, mm, owner=True, fd=fd)
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         """Map an existing segment by its id (through its owner's descriptor)."""
         path, ino = _handle_path(name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ShmError(f"shared-memory segment {name} does not exist (released, or its owner died)") from None
+            raise ShmError(
+                f"shared-memory segment {name} does not exist (released, or its owner died)"
+            ) from None
         except PermissionError:
-            raise ShmError(f"cannot open shared-memory segment {name} through {path}: permission denied (the "
-                           "owner must run as the same user and stay dumpable)") from None
+            raise ShmError(
+                f"cannot open shared-memory segment {name} through {path}: permission denied (the "
+                "owner must run as the same user and stay dumpable)"
+            ) from None
         try:
             st = os.fstat(fd)
             if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
-                raise ShmError(f"shared-memory segment {name} does not exist (released, or its owner died)")
+                raise ShmError(
+                    f"shared-memory segment {name} does not exist (released, or its owner died)"
+                )
             if st.st_size <= 0:
                 raise ShmError(f"shared-memory segment {name} is empty")
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -197,40 +235,49 @@ class Segment:
         return self._mm
 
     def buffer(self, off: int = 0, nbytes: int | None = None) -> memoryview:
-        """A memoryview of ``nbytes`` bytes at ``off`` (bounds-checked).  Release it before :meth:`close`."""
+        """A memoryview of ``nbytes`` bytes at ``off`` (bounds-checked).  Release it before
+        :meth:`close`."""
         mm = self._mapping()
         end = self.size if nbytes is None else off + nbytes
         if off < 0 or end > self.size or end < off:
-            raise ShmError(f"range [{off}, {end}) is outside segment {self.name} of {self.size} bytes")
+            raise ShmError(
+                f"range [{off}, {end}) is outside segment {self.name} of {self.size} bytes"
+            )
         return memoryview(mm)[off:end]
 
-    def base_tensor(self) -> "torch.Tensor":
+    def base_tensor(self) -> torch.Tensor:
         """The whole segment as one uint8 tensor (created once; every view shares its storage)."""
         if self._base is None:
             import numpy as np
             import torch
 
-            # Through numpy, not torch.frombuffer: numpy holds a buffer export on the mmap for as long as any
-            # view lives, so close() cannot unmap memory a tensor still points at (it raises BufferError instead).
-            self._base = torch.from_numpy(np.frombuffer(self._mapping(), dtype=np.uint8, count=self.size))
+            # Through numpy, not torch.frombuffer: numpy holds a buffer export on the mmap for as
+            # long as any view lives, so close() cannot unmap memory a tensor still points at (it
+            # raises BufferError instead).
+            self._base = torch.from_numpy(
+                np.frombuffer(self._mapping(), dtype=np.uint8, count=self.size)
+            )
         return self._base
 
-    def tensor(self, desc: TensorDesc) -> "torch.Tensor":
-        """Zero-copy tensor view for a descriptor (checked when it was built or decoded) into this segment."""
+    def tensor(self, desc: TensorDesc) -> torch.Tensor:
+        """Zero-copy tensor view for a descriptor (checked when it was built or decoded) into this
+        segment."""
         if desc.seg != self.name:
             raise ShmError(f"descriptor points into segment {desc.seg}, not {self.name}")
         off, nbytes = desc.off, desc.nbytes
         if off + nbytes > self.size:
             raise ShmError(
                 f"descriptor [{off}, {off + nbytes}) ({desc.dtype} {list(desc.shape)}) is outside "
-                f"segment {self.name} of {self.size} bytes")
+                f"segment {self.name} of {self.size} bytes"
+            )
         dt = torch_dtype(desc.dtype)
-        flat = self.base_tensor()[off:off + nbytes]
+        flat = self.base_tensor()[off : off + nbytes]
         return flat.view(dt).view(tuple(desc.shape))
 
     def close(self) -> None:
-        """Unmap (after CUDA unregistration) and, for the owner, drop the handle others attach through.  Tensor
-        views that are still alive keep the mapping until freed; the memory goes when every process let go."""
+        """Unmap (after CUDA unregistration) and, for the owner, drop the handle others attach
+        through.  Tensor views that are still alive keep the mapping until freed; the memory goes
+        when every process let go."""
         if self._cuda_ptr is not None:
             unregister_cuda(self)
         self._base = None
@@ -240,17 +287,21 @@ class Segment:
                 mm.close()
             except BufferError:
                 # Views still exported: the mapping goes away with the last of them.
-                log.debug("segment %s: views still alive at close; unmapped when they are freed", self.name)
+                log.debug(
+                    "segment %s: views still alive at close; unmapped when they are freed",
+                    self.name,
+                )
         self.unlink()
 
     def unlink(self) -> None:
-        """Stop new attaches: close the owner's handle (our own mapping stays valid).  Idempotent; a no-op for
-        an attached segment.  (There is no name in /dev/shm to remove: segments are unnamed.)"""
+        """Stop new attaches: close the owner's handle (our own mapping stays valid).  Idempotent; a
+        no-op for an attached segment.  (There is no name in /dev/shm to remove: segments are
+        unnamed.)"""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -276,15 +327,19 @@ class Arena:
         if dtype not in DTYPE_SIZES:
             raise ShmError(f"dtype {dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         try:
-            desc = TensorDesc(seg=self.segment.name, off=self.used, dtype=dtype, shape=[int(n) for n in shape])
+            desc = TensorDesc(
+                seg=self.segment.name, off=self.used, dtype=dtype, shape=[int(n) for n in shape]
+            )
         except ProtocolError as exc:
             raise ShmError(str(exc)) from None
         nbytes = desc.nbytes
         end = self.used + slot_bytes(dtype, desc.shape)
         if end > self.segment.size:
             raise ShmError(
-                f"arena on {self.segment.name} is full: {dtype} {list(shape)} needs {nbytes} bytes, "
-                f"{self.free} of {self.segment.size} left")
+                f"arena on {self.segment.name} is full: {dtype} {list(shape)} needs {nbytes} "
+                "bytes, "
+                f"{self.free} of {self.segment.size} left"
+            )
         self.used = end
         return desc
 
@@ -294,7 +349,8 @@ class Arena:
 
 
 def register_cuda(segment: Segment, device: str = "cuda") -> bool:
-    """Register the whole segment with CUDA as pinned host memory when ``device`` is CUDA; no-op otherwise.
+    """Register the whole segment with CUDA as pinned host memory when ``device`` is CUDA; no-op
+    otherwise.
 
     Returns whether it registered.  Unregistration happens in :meth:`Segment.close`.
     """
@@ -306,7 +362,10 @@ def register_cuda(segment: Segment, device: str = "cuda") -> bool:
     rc = torch.cuda.cudart().cudaHostRegister(ptr, segment.size, 0)
     code = int(getattr(rc, "value", rc))
     if code != 0:
-        raise ShmError(f"cudaHostRegister of {segment.name} ({segment.size} bytes) failed with CUDA error {code}")
+        raise ShmError(
+            f"cudaHostRegister of {segment.name} ({segment.size} bytes) failed with CUDA error "
+            f"{code}"
+        )
     segment._cuda_ptr = ptr
     return True
 
@@ -325,10 +384,11 @@ def unregister_cuda(segment: Segment) -> None:
 
 
 def held_shm(pid: int) -> set[str]:
-    """This pack's /dev/shm files that process ``pid`` has open or mapped: unnamed segments (``/dev/shm/#<inode>
-    (deleted)``) and the named ``h3ms-*`` probe arenas of the exchange benchmark; empty when it is gone.  Leak checks
-    and diagnostics: a segment's memory is in use exactly while some process holds it.  (Other users of /dev/shm,
-    e.g. POSIX semaphores ``sem.*``, are not counted.)"""
+    """This pack's /dev/shm files that process ``pid`` has open or mapped: unnamed segments
+    (``/dev/shm/#<inode> (deleted)``) and the named ``h3ms-*`` probe arenas of the exchange
+    benchmark; empty when it is gone.  Leak checks and diagnostics: a segment's memory is in use
+    exactly while some process holds it.  (Other users of /dev/shm, e.g. POSIX semaphores ``sem.*``,
+    are not counted.)"""
     ours = (SHM_DIR + "/#", SHM_DIR + "/h3ms-")
     out: set[str] = set()
     try:

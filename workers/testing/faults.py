@@ -2,6 +2,7 @@
 (:class:`ShapeFault`, ``H3MS_TEST_SHAPE_FAULT``), a VAE worker that dies mid-chunk or decodes one
 unit off (``H3MS_TEST_VAE_CRASH_FILE``, ``H3MS_TEST_VAE_SKEW_RANK``).  ``workers/dit/ops.py`` and
 ``workers/vae/rank.py`` take them from here at import, only with ``H3MS_TEST_HOOKS=1``."""
+
 from __future__ import annotations
 
 import logging
@@ -16,12 +17,13 @@ from workers.testing import settings
 
 @dataclass(frozen=True)
 class ShapeFault:
-    """One call shape rounds differently on purpose, as a kernel library that picks another kernel for it
-    would.  ``kind`` "linear" matches ``(rows, in_features)``, "attention" matches ``(heads,)``; ``steps_only``: the
-    invariance probe (:func:`probing`) does not see it, a difference only ``verify`` can catch.
+    """One call shape rounds differently on purpose, as a kernel library that picks another kernel
+    for it would.  ``kind`` "linear" matches ``(rows, in_features)``, "attention" matches
+    ``(heads,)``; ``steps_only``: the invariance probe (:func:`probing`) does not see it, a
+    difference only ``verify`` can catch.
 
-    Text form (``H3MS_TEST_SHAPE_FAULT``): ``linear:ROWS:IN_FEATURES`` or ``attention:HEADS``, ``:step`` appended
-    for ``steps_only``.
+    Text form (``H3MS_TEST_SHAPE_FAULT``): ``linear:ROWS:IN_FEATURES`` or ``attention:HEADS``,
+    ``:step`` appended for ``steps_only``.
     """
 
     kind: str
@@ -29,14 +31,20 @@ class ShapeFault:
     steps_only: bool = False
 
     @classmethod
-    def parse(cls, raw: str) -> "ShapeFault":
+    def parse(cls, raw: str) -> ShapeFault:
         parts = raw.strip().split(":")
         steps_only = parts[-1] == "step"
         if steps_only:
             parts = parts[:-1]
         arity = {"linear": 2, "attention": 1}.get(parts[0])
-        if arity is None or len(parts) != arity + 1 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
-            raise ValueError("is not linear:ROWS:IN_FEATURES or attention:HEADS (optionally followed by :step)")
+        if (
+            arity is None
+            or len(parts) != arity + 1
+            or not all(p.isdigit() and int(p) > 0 for p in parts[1:])
+        ):
+            raise ValueError(
+                "is not linear:ROWS:IN_FEATURES or attention:HEADS (optionally followed by :step)"
+            )
         return cls(parts[0], tuple(int(p) for p in parts[1:]), steps_only)
 
     def apply(self, kind: str, shape: tuple[int, ...], out: torch.Tensor, probing: bool) -> None:
@@ -62,7 +70,8 @@ def vae_crash(ctx: Any) -> None:
 
 def vae_skew(ctx: Any, raw: torch.Tensor) -> None:
     """On a decoded VAE chunk of the skewed rank: one unit in the last place on every value, a
-    decode that differs from rank 0's for the exactness probe to catch (VAE rank = pool rank + 1)."""
+    decode that differs from rank 0's for the exactness probe to catch (VAE rank = pool rank +
+    1)."""
     if settings.TEST_VAE_SKEW_RANK.get() == ctx.rank + 1:
         raw.copy_(torch.nextafter(raw, torch.full_like(raw, float("inf"))))
 

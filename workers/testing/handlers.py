@@ -1,5 +1,6 @@
 """Handlers of the test request kinds (``workers/testing/protocol.py``): sleep until aborted, crash,
 block the loop, write raw bytes on the channel."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,7 @@ async def _sleep(ctx: WorkerContext, msg: test_protocol.Sleep) -> test_protocol.
             rung.clear()
             try:
                 await asyncio.wait_for(rung.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             if ctx.abort_generation() != gen:
                 raise RuntimeError(f"rank {ctx.rank}: sleep aborted by the pool")

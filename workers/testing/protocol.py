@@ -1,4 +1,5 @@
 """Test request kinds: a worker serves them only with ``H3MS_TEST_HOOKS=1``."""
+
 from __future__ import annotations
 
 from typing import ClassVar, Literal

@@ -1,19 +1,21 @@
 """The exchange over ``torch.distributed``: gloo on CPU (tests, CI), NCCL on CUDA (NVLink machines).
 
-Same two collectives as :class:`workers.transports.host.HostExchange`, with the same rank plan (an ``ArenaLayout`` is used
-only for its bounds here).  Gloo in torch 2.13 (checked) supports ``all_gather_into_tensor`` for equal sizes and
-``all_to_all_single`` with per-rank splits, so:
+Same two collectives as :class:`workers.transports.host.HostExchange`, with the same rank plan (an
+``ArenaLayout`` is used only for its bounds here).  Gloo in torch 2.13 (checked) supports
+``all_gather_into_tensor`` for equal sizes and ``all_to_all_single`` with per-rank splits, so:
 
-* ``all_gather_rows``: equal shards go straight through ``all_gather_into_tensor``; uneven shards are padded to the
-  largest shard and trimmed on the way out.
-* ``all_to_all_cols``: rank r's ``[S, c_r]`` input is row-major, so the rows destined for rank q are one contiguous
-  run of ``n_q * c_r`` elements; one flat ``all_to_all_single`` with those splits moves everything and the receiver
-  places rank p's ``[n_r, c_p]`` block at columns ``col_bounds[p]:col_bounds[p+1]``.
+* ``all_gather_rows``: equal shards go straight through ``all_gather_into_tensor``; uneven shards
+  are padded to the largest shard and trimmed on the way out.
+* ``all_to_all_cols``: rank r's ``[S, c_r]`` input is row-major, so the rows destined for rank q are
+  one contiguous run of ``n_q * c_r`` elements; one flat ``all_to_all_single`` with those splits
+  moves everything and the receiver places rank p's ``[n_r, c_p]`` block at columns
+  ``col_bounds[p]:col_bounds[p+1]``.
 
-Collectives are not chunked (``chunks`` is accepted for interface parity; NCCL pipelines internally).  A collective
-cannot be interrupted: the abort word is checked between ops, and a stuck collective ends with the group's timeout
-(or the pool killing the workers).
+Collectives are not chunked (``chunks`` is accepted for interface parity; NCCL pipelines
+internally).  A collective cannot be interrupted: the abort word is checked between ops, and a stuck
+collective ends with the group's timeout (or the pool killing the workers).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,46 +33,72 @@ log = logging.getLogger("h3_multistream.worker")
 
 
 def check_nccl_rank_map(devices: list[str]) -> None:
-    """Refuse rank maps NCCL cannot run: every rank needs its own CUDA device (one communicator, one GPU per rank)."""
+    """Refuse rank maps NCCL cannot run: every rank needs its own CUDA device (one communicator, one
+    GPU per rank)."""
     seen: dict[tuple[str, int], list[int]] = {}
     for rank, name in enumerate(devices):
         dev = torch.device(name)
         if dev.type != "cuda":
-            raise ValueError(f"exchange=nccl needs CUDA devices, rank {rank} is on {name!r} (rank map {list(devices)});"
-                             " use exchange=host")
+            raise ValueError(
+                f"exchange=nccl needs CUDA devices, rank {rank} is on {name!r} (rank map "
+                f"{list(devices)});"
+                " use exchange=host"
+            )
         seen.setdefault((dev.type, dev.index or 0), []).append(rank)
     shared = {f"cuda:{idx}": ranks for (_, idx), ranks in seen.items() if len(ranks) > 1}
     if shared:
         where = ", ".join(f"ranks {r} on {d}" for d, r in shared.items())
-        raise ValueError(f"exchange=nccl cannot put two ranks on one GPU (NCCL refuses duplicate devices in a "
-                         f"communicator): rank map {list(devices)} has {where}. Use exchange=host for this rank map, "
-                         "or give every rank its own GPU")
+        raise ValueError(
+            f"exchange=nccl cannot put two ranks on one GPU (NCCL refuses duplicate devices in a "
+            f"communicator): rank map {list(devices)} has {where}. Use exchange=host for this rank "
+            "map, "
+            "or give every rank its own GPU"
+        )
 
 
-def init_group(rank: int, world: int, backend: str, init_file: str, timeout_s: float, *,
-               devices: list[str] | None = None, local_device: str | None = None) -> None:
+def init_group(
+    rank: int,
+    world: int,
+    backend: str,
+    init_file: str,
+    timeout_s: float,
+    *,
+    devices: list[str] | None = None,
+    local_device: str | None = None,
+) -> None:
     """Join the process group through a rendezvous file in the private run dir (``file://<init_file>``).
 
-    ``devices`` is the whole rank map (as the coordinator names the GPUs, for the one-GPU-per-rank check);
-    ``local_device`` is this rank's device as this process sees it (a worker with CUDA_VISIBLE_DEVICES narrowed to
-    its own GPU sees it as ``cuda:0``); it defaults to ``devices[rank]``.
+    ``devices`` is the whole rank map (as the coordinator names the GPUs, for the one-GPU-per-rank
+    check); ``local_device`` is this rank's device as this process sees it (a worker with
+    CUDA_VISIBLE_DEVICES narrowed to its own GPU sees it as ``cuda:0``); it defaults to
+    ``devices[rank]``.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
     if not os.path.isabs(init_file):
         raise ValueError(f"init_file must be an absolute path in the run dir, got {init_file!r}")
     if dist.is_initialized():
-        raise RuntimeError("a torch.distributed group is already initialised in this worker; call destroy_group() first")
+        raise RuntimeError(
+            "a torch.distributed group is already initialised in this worker; call destroy_group() "
+            "first"
+        )
     if backend == "nccl":
         if devices is None or len(devices) != world:
-            raise ValueError(f"backend='nccl' needs the rank map (one device per rank, {world}), got {devices!r}")
+            raise ValueError(
+                f"backend='nccl' needs the rank map (one device per rank, {world}), got {devices!r}"
+            )
         check_nccl_rank_map(devices)
         # NVLink SHARP multicast stays off on the machines we support (README: `NCCL_NVLS_ENABLE`);
         # an explicit setting from the environment wins
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         torch.cuda.set_device(torch.device(local_device or devices[rank]))
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def destroy_group() -> None:
@@ -82,15 +110,21 @@ def destroy_group() -> None:
 class DistExchange:
     """``all_gather_rows`` / ``all_to_all_cols`` over the default process group.
 
-    ``control`` (optional int64 shm tensor, word 0 = abort generation) makes ``begin()`` and every op raise
+    ``control`` (optional int64 shm tensor, word 0 = abort generation) makes ``begin()`` and every
+    op raise
     :class:`ExchangeAborted` once the pool aborted the job.
     """
 
-    def __init__(self, rank: int, world: int, layout: ArenaLayout, *, control: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, rank: int, world: int, layout: ArenaLayout, *, control: torch.Tensor | None = None
+    ) -> None:
         if world != layout.world:
             raise ValueError(f"world={world} but the layout was planned for world={layout.world}")
         if not dist.is_initialized() or dist.get_world_size() != world or dist.get_rank() != rank:
-            raise RuntimeError(f"DistExchange(rank={rank}, world={world}) needs init_group() with the same rank/world")
+            raise RuntimeError(
+                f"DistExchange(rank={rank}, world={world}) needs init_group() with the same "
+                "rank/world"
+            )
         self.rank, self.world, self.layout = rank, world, layout
         self._ctl = control.reshape(-1).numpy() if control is not None else None
         self._gen: int | None = None
@@ -102,13 +136,19 @@ class DistExchange:
         self._gen = int(abort_generation)
         self._check_abort("begin")
 
-    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_gather_rows(
+        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Every rank's rows in token order: ``[n_rank, row_width]`` in, ``[S, row_width]`` out."""
         lay = self.layout
         width = lay.row_width
         self._check("all_gather_rows", local, (self._counts[self.rank], width))
         self._start()
-        out = out if out is not None else torch.empty((lay.tokens, width), dtype=local.dtype, device=local.device)
+        out = (
+            out
+            if out is not None
+            else torch.empty((lay.tokens, width), dtype=local.dtype, device=local.device)
+        )
         biggest = max(self._counts)
         if self.world == 1:
             out.copy_(local)
@@ -119,20 +159,24 @@ class DistExchange:
             t = time.perf_counter()
             send = torch.zeros((biggest, width), dtype=local.dtype, device=local.device)
             send[: local.shape[0]].copy_(local)
-            recv = torch.empty((self.world * biggest, width), dtype=local.dtype, device=local.device)
+            recv = torch.empty(
+                (self.world * biggest, width), dtype=local.dtype, device=local.device
+            )
             self._stats["copy_s"] += time.perf_counter() - t
             self._collective(dist.all_gather_into_tensor, recv, send)
             t = time.perf_counter()
             for r in range(self.world):
                 a, b = lay.rows(r)
-                out[a:b].copy_(recv[r * biggest: r * biggest + (b - a)])
+                out[a:b].copy_(recv[r * biggest : r * biggest + (b - a)])
             self._stats["copy_s"] += time.perf_counter() - t
         nb = local.element_size() * width
         self._stats["bytes_written"] += nb * biggest * (self.world - 1)
         self._stats["bytes_read"] += nb * biggest * (self.world - 1)
         return out
 
-    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_to_all_cols(
+        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
         lay = self.layout
         me = self.rank
@@ -140,7 +184,11 @@ class DistExchange:
         mine = self._counts[me]
         self._check("all_to_all_cols", local, (lay.tokens, c1 - c0))
         self._start()
-        out = out if out is not None else torch.empty((mine, lay.columns), dtype=local.dtype, device=local.device)
+        out = (
+            out
+            if out is not None
+            else torch.empty((mine, lay.columns), dtype=local.dtype, device=local.device)
+        )
         if self.world == 1:
             out.copy_(local)
             return out
@@ -154,7 +202,7 @@ class DistExchange:
         off = 0
         for p, w in enumerate(widths):
             p0, p1 = lay.cols(p)
-            out[:, p0:p1].copy_(recv[off: off + mine * w].view(mine, w))
+            out[:, p0:p1].copy_(recv[off : off + mine * w].view(mine, w))
             off += mine * w
         self._stats["copy_s"] += time.perf_counter() - t
         esz = local.element_size()
@@ -163,29 +211,43 @@ class DistExchange:
         return out
 
     def close(self) -> None:
-        """Nothing to drop per object: the process group outlives it (``destroy_group`` ends that)."""
+        """Nothing to drop per object: the process group outlives it (``destroy_group`` ends
+        that)."""
 
     def counters(self) -> tuple[float, float]:
-        """(copy seconds, wait seconds) since the last :meth:`reset_stats` (``workers.transports.exchange``)."""
+        """(copy seconds, wait seconds) since the last :meth:`reset_stats`
+        (``workers.transports.exchange``)."""
         return self._stats["copy_s"], self._stats["wait_s"]
 
     def stats(self) -> dict:
-        """Counters since construction or the last :meth:`reset_stats` (``wait_s`` = time inside collectives)."""
+        """Counters since construction or the last :meth:`reset_stats` (``wait_s`` = time inside
+        collectives)."""
         return dict(self._stats)
 
     def reset_stats(self) -> None:
         self._stats: ExchangeStats = {
-            "transport": Transport(dist.get_backend()).value, "rank": self.rank, "ops": 0,
-            "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0}
+            "transport": Transport(dist.get_backend()).value,
+            "rank": self.rank,
+            "ops": 0,
+            "bytes_written": 0,
+            "bytes_read": 0,
+            "copy_s": 0.0,
+            "wait_s": 0.0,
+            "signals_sent": 0,
+        }
 
     def _check(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         if tuple(t.shape) != shape or t.dtype != self.layout.torch_dtype:
-            raise ValueError(f"rank {self.rank}: {what} input must be {self.layout.dtype} {list(shape)}, got "
-                             f"{t.dtype} {list(t.shape)}; the rank plan and the layout disagree")
+            raise ValueError(
+                f"rank {self.rank}: {what} input must be {self.layout.dtype} {list(shape)}, got "
+                f"{t.dtype} {list(t.shape)}; the rank plan and the layout disagree"
+            )
 
     def _start(self) -> None:
         if self._gen is None:
-            raise RuntimeError(f"rank {self.rank}: call begin(abort_generation) before the first exchange of a job")
+            raise RuntimeError(
+                f"rank {self.rank}: call begin(abort_generation) before the first exchange of a job"
+            )
         self._stats["ops"] += 1
         self._check_abort("start")
 
@@ -196,5 +258,7 @@ class DistExchange:
 
     def _check_abort(self, where: str) -> None:
         if self._ctl is not None and int(self._ctl[0]) != self._gen:
-            raise ExchangeAborted(f"rank {self.rank}: exchange aborted during {where} (abort generation "
-                                  f"{int(self._ctl[0])}, job started under {self._gen})")
+            raise ExchangeAborted(
+                f"rank {self.rank}: exchange aborted during {where} (abort generation "
+                f"{int(self._ctl[0])}, job started under {self._gen})"
+            )

@@ -1,10 +1,12 @@
-"""The two collectives a split block needs, as one protocol, and the exchange of a rank that has no peers.
+"""The two collectives a split block needs, as one protocol, and the exchange of a rank that has no
+peers.
 
-Implementations: :class:`workers.transports.host.HostExchange` (shared-memory arena), :class:`workers.transports.
-dist.DistExchange` (torch.distributed), :class:`NoExchange` (below: the unsplit run, and the benchmark baseline) and,
-on a CUDA rank, ``workers.dit.cuda.CudaExchange`` wrapping the first two.  The block loop
-(``workers.dit.loop``) sees only this protocol.
+Implementations: :class:`workers.transports.host.HostExchange` (shared-memory arena),
+:class:`workers.transports. dist.DistExchange` (torch.distributed), :class:`NoExchange` (below: the
+unsplit run, and the benchmark baseline) and, on a CUDA rank, ``workers.dit.cuda.CudaExchange``
+wrapping the first two.  The block loop (``workers.dit.loop``) sees only this protocol.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -15,11 +17,13 @@ from workers.transports.host import ArenaLayout
 
 
 class Exchange(Protocol):
-    """One rank's side of the per-block collectives over an :class:`ArenaLayout` (tokens by rank, columns by
-    rank).  ``chunks`` pipelines an op in that many pieces where the transport can (0/1: one shot)."""
+    """One rank's side of the per-block collectives over an :class:`ArenaLayout` (tokens by rank,
+    columns by rank).  ``chunks`` pipelines an op in that many pieces where the transport can (0/1:
+    one shot)."""
 
     def begin(self, abort_generation: int) -> None:
-        """Start a job; every op raises ``ExchangeAborted`` once the pool's abort generation moves past this one."""
+        """Start a job; every op raises ``ExchangeAborted`` once the pool's abort generation moves
+        past this one."""
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """Every rank's rows in token order: ``[n_rank, row_width]`` in, ``[S, row_width]`` out."""
@@ -28,8 +32,8 @@ class Exchange(Protocol):
         """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
 
     def counters(self) -> tuple[float, float]:
-        """(copy seconds, wait seconds) since the last reset, read on the host clock without synchronising any
-        device (the block loop reads them after every block)."""
+        """(copy seconds, wait seconds) since the last reset, read on the host clock without
+        synchronising any device (the block loop reads them after every block)."""
 
     def stats(self) -> dict:
         """The step's counters for the step record (may synchronise device events)."""
@@ -42,8 +46,9 @@ class Exchange(Protocol):
 
 
 class InProcessExchange:
-    """Base of the exchanges whose peers (if any) live in this process: no job to abort, no counters, nothing to
-    drop.  Subclasses define the two ops and their ``stats()["transport"]`` name."""
+    """Base of the exchanges whose peers (if any) live in this process: no job to abort, no
+    counters, nothing to drop.  Subclasses define the two ops and their ``stats()["transport"]``
+    name."""
 
     transport = "in-process"
 
@@ -64,23 +69,33 @@ class InProcessExchange:
 
 
 class NoExchange(InProcessExchange):
-    """The exchange of a rank without peers: what it gathers and what it receives is only its own data.
+    """The exchange of a rank without peers: what it gathers and what it receives is only its own
+    data.
 
-    With one rank (``layout`` None: the unsplit run) both ops return their input, which is then exactly what the
-    whole model's op computes.  With a layout of several ranks it is the "none" benchmark baseline
-    (``workers.dit.protocol``): the results have the real shapes, the other ranks' parts stay zeros.
+    With one rank (``layout`` None: the unsplit run) both ops return their input, which is then
+    exactly what the whole model's op computes.  With a layout of several ranks it is the "none"
+    benchmark baseline (``workers.dit.protocol``): the results have the real shapes, the other
+    ranks' parts stay zeros.
     """
 
     transport = "none"
 
-    def __init__(self, rank: int = 0, layout: ArenaLayout | None = None,
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        layout: ArenaLayout | None = None,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.rank, self.layout = rank, layout
         self._g = self._a = None
         if layout is not None:
             t0, t1 = layout.rows(rank)
-            self._g = torch.zeros((layout.tokens, layout.row_width), dtype=layout.torch_dtype, device=device)
-            self._a = torch.zeros((t1 - t0, layout.columns), dtype=layout.torch_dtype, device=device)
+            self._g = torch.zeros(
+                (layout.tokens, layout.row_width), dtype=layout.torch_dtype, device=device
+            )
+            self._a = torch.zeros(
+                (t1 - t0, layout.columns), dtype=layout.torch_dtype, device=device
+            )
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         if self._g is None:

@@ -1,22 +1,26 @@
-"""Host exchange between rank processes: one shared-memory arena, per-rank sequence words, eventfd doorbells.
+"""Host exchange between rank processes: one shared-memory arena, per-rank sequence words, eventfd
+doorbells.
 
 Two collectives per transformer block (``docs/architecture.md`` §3):
 
-* ``all_gather_rows``: rank r holds rows ``[n_r, W]`` (its tokens); every rank gets ``[S, W]`` in token order.
-* ``all_to_all_cols``: rank r holds ``[S, c_r]`` (its head group's columns for all tokens); every rank gets
-  ``[n_r, C]`` = every rank's columns for its own tokens, in rank order.
+* ``all_gather_rows``: rank r holds rows ``[n_r, W]`` (its tokens); every rank gets ``[S, W]`` in
+  token order.
+* ``all_to_all_cols``: rank r holds ``[S, c_r]`` (its head group's columns for all tokens); every
+  rank gets ``[n_r, C]`` = every rank's columns for its own tokens, in rank order.
 
 Arena (one shm segment for all ranks; see :class:`ArenaLayout`)::
 
     header page   line 0: magic, version, world, nbytes;  line 1+r: rank r's sequence word, fault word
     G [S, W]      all-gather buffer: rank r writes rows [t_r, t_r+1)
-    A_r [S, c_r]  one all-to-all block per rank: rank r writes its columns for every other rank's tokens
+    A_r [S, c_r]  one all-to-all block per rank: rank r writes its columns for every other rank's
+    tokens
 
-Signalling.  After a chunk's bytes are in the arena the writer stores its *sequence word* (below) and writes 1 to every
-peer's eventfd doorbell.  A waiter compares the peers' sequence words with what it expects; when something is
-missing it poll()s its own doorbell with the remaining deadline, drains it and checks again.  An eventfd is a counter,
-so a ring that lands between the check and the poll() is not lost.  ``bench_exchange`` measured this against an
-AF_UNIX msgpack round trip (what coordinator-routed signalling would cost per message); see its ``choice`` field.
+Signalling.  After a chunk's bytes are in the arena the writer stores its *sequence word* (below)
+and writes 1 to every peer's eventfd doorbell.  A waiter compares the peers' sequence words with
+what it expects; when something is missing it poll()s its own doorbell with the remaining deadline,
+drains it and checks again.  An eventfd is a counter, so a ring that lands between the check and the
+poll() is not lost.  ``bench_exchange`` measured this against an AF_UNIX msgpack round trip (what
+coordinator-routed signalling would cost per message); see its ``choice`` field.
 
 Sequence word (one int64, monotonic within a job)::
 
@@ -24,35 +28,40 @@ Sequence word (one int64, monotonic within a job)::
     bits 17..32 op index in the job (1..65535)   bit 16 op kind (0 gather, 1 all-to-all)
     bits 8..15 chunk count of the op              bits 0..7 chunks of the op published so far
 
-``begin()`` stores (generation, job, op 0): "I have begun this job".  Because op kind and chunk count are in the word,
-a reader that finds a peer on the same op with another kind or chunk count raises :class:`ExchangeChunkMismatch`
-and posts a fault word, so every rank fails with the same clear error instead of reading the wrong rows.
+``begin()`` stores (generation, job, op 0): "I have begun this job".  Because op kind and chunk
+count are in the word, a reader that finds a peer on the same op with another kind or chunk count
+raises :class:`ExchangeChunkMismatch` and posts a fault word, so every rank fails with the same
+clear error instead of reading the wrong rows.
 
-Memory reuse (why G and A_r are not double-buffered).  Before rank p writes into a buffer X at op o it waits until
-every peer's sequence word shows an op later than the last op o' of this job that used X (or, for the first use in a
-job, shows that the peer has begun this job).  A rank publishes anything of op o'+1 only after it consumed all of op
-o', so that wait proves nobody still reads X.  With the block pattern gather(b), all-to-all(b), gather(b+1), ... the
-wait costs nothing: a rank writes G for block b+1 only after it has received every rank's A for block b, and each
-rank publishes its A for block b only after it finished reading G for block b (symmetrically for A: A for b+1 is
-written after every rank's G for b+1 arrived, which each rank publishes after reading A for b).  Any other op
-sequence (e.g. Ulysses' consecutive all-to-alls) stays correct; the guard then really waits.
-Across jobs: a rank writes nothing of job k+1 before every peer has begun job k+1, i.e. has finished (or abandoned,
-on abort) job k.  A peer's word showing the *next* job therefore means "everything of this job is published and
-still intact".
+Memory reuse (why G and A_r are not double-buffered).  Before rank p writes into a buffer X at op o
+it waits until every peer's sequence word shows an op later than the last op o' of this job that
+used X (or, for the first use in a job, shows that the peer has begun this job).  A rank publishes
+anything of op o'+1 only after it consumed all of op o', so that wait proves nobody still reads X.
+With the block pattern gather(b), all-to-all(b), gather(b+1), ... the wait costs nothing: a rank
+writes G for block b+1 only after it has received every rank's A for block b, and each rank
+publishes its A for block b only after it finished reading G for block b (symmetrically for A: A for
+b+1 is written after every rank's G for b+1 arrived, which each rank publishes after reading A for
+b).  Any other op sequence (e.g. Ulysses' consecutive all-to-alls) stays correct; the guard then
+really waits. Across jobs: a rank writes nothing of job k+1 before every peer has begun job k+1,
+i.e. has finished (or abandoned, on abort) job k.  A peer's word showing the *next* job therefore
+means "everything of this job is published and still intact".
 
-Failure rules.  ``control[0]`` is the pool's abort generation: when it differs from the one given to ``begin()`` the
-exchange raises :class:`ExchangeAborted` at the next check (the pool rings every doorbell so sleepers check at
-once).  Every op has a deadline of ``deadline_s``; missing data raises :class:`ExchangeTimeout` naming the ranks and
-the op/chunk.  After a failed job the pool must bump the abort generation before the next ``begin()`` (a rank that
-aborted mid-job and one that finished the job would otherwise disagree on op numbering); a restarted worker
-likewise joins with a new generation.  Job numbers live in the HostExchange objects: new objects over an arena that
-was already used need a new generation or a fresh ``ArenaLayout.init_header()``, or a peer's word left from the old
-objects could read as this job's progress.
+Failure rules.  ``control[0]`` is the pool's abort generation: when it differs from the one given to
+``begin()`` the exchange raises :class:`ExchangeAborted` at the next check (the pool rings every
+doorbell so sleepers check at once).  Every op has a deadline of ``deadline_s``; missing data raises
+:class:`ExchangeTimeout` naming the ranks and the op/chunk.  After a failed job the pool must bump
+the abort generation before the next ``begin()`` (a rank that aborted mid-job and one that finished
+the job would otherwise disagree on op numbering); a restarted worker likewise joins with a new
+generation.  Job numbers live in the HostExchange objects: new objects over an arena that was
+already used need a new generation or a fresh ``ArenaLayout.init_header()``, or a peer's word left
+from the old objects could read as this job's progress.
 
-Ordering: the writer stores data, then the sequence word; the reader loads the word, then the data.  On x86-64 (TSO)
-stores become visible in program order and loads are not reordered with older loads, so no fence is needed.  Python
-offers no portable fence; on weakly ordered CPUs a warning is logged (use ``exchange=nccl`` there).
+Ordering: the writer stores data, then the sequence word; the reader loads the word, then the data.
+On x86-64 (TSO) stores become visible in program order and loads are not reordered with older loads,
+so no fence is needed.  Python offers no portable fence; on weakly ordered CPUs a warning is logged
+(use ``exchange=nccl`` there).
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,8 +70,9 @@ import os
 import platform
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -106,7 +116,9 @@ class ExchangeChunkMismatch(ExchangeError):
 
 def _check_bounds(what: str, bounds: list[int], world: int) -> tuple[int, ...]:
     if len(bounds) != world + 1:
-        raise ValueError(f"{what} must have world+1={world + 1} entries, got {len(bounds)}: {list(bounds)}")
+        raise ValueError(
+            f"{what} must have world+1={world + 1} entries, got {len(bounds)}: {list(bounds)}"
+        )
     out = tuple(int(b) for b in bounds)
     if out[0] != 0 or any(b > a for a, b in zip(out[1:], out[:-1])):
         raise ValueError(f"{what} must start at 0 and never decrease, got {list(out)}")
@@ -115,10 +127,12 @@ def _check_bounds(what: str, bounds: list[int], world: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ArenaLayout:
-    """Where everything lives in one exchange arena (byte offsets from the arena start, all 4096-aligned).
+    """Where everything lives in one exchange arena (byte offsets from the arena start, all
+    4096-aligned).
 
-    ``tokens_bounds[r]:tokens_bounds[r+1]`` are rank r's tokens, ``col_bounds[r]:col_bounds[r+1]`` its all-to-all
-    columns, ``row_width`` the all-gather row width (hidden size).  Build it with :meth:`plan`.
+    ``tokens_bounds[r]:tokens_bounds[r+1]`` are rank r's tokens, ``col_bounds[r]:col_bounds[r+1]``
+    its all-to-all columns, ``row_width`` the all-gather row width (hidden size).  Build it with
+    :meth:`plan`.
     """
 
     world: int
@@ -132,8 +146,14 @@ class ArenaLayout:
     nbytes: int
 
     @classmethod
-    def plan(cls, world: int, tokens_bounds: list[int], col_bounds: list[int], row_width: int,
-             dtype: torch.dtype | str) -> "ArenaLayout":
+    def plan(
+        cls,
+        world: int,
+        tokens_bounds: list[int],
+        col_bounds: list[int],
+        row_width: int,
+        dtype: torch.dtype | str,
+    ) -> ArenaLayout:
         """Validate the rank plan and lay out header, G and the A_r blocks."""
         if not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
             raise ValueError(f"world must be an int in 1..{MAX_WORLD}, got {world!r}")
@@ -173,31 +193,56 @@ class ArenaLayout:
 
     def to_dict(self) -> dict:
         """Plain msgpack/JSON-able description; :meth:`from_dict` re-plans and checks it."""
-        return {"world": self.world, "tokens_bounds": list(self.tokens_bounds), "col_bounds": list(self.col_bounds),
-                "row_width": self.row_width, "dtype": self.dtype, "nbytes": self.nbytes}
+        return {
+            "world": self.world,
+            "tokens_bounds": list(self.tokens_bounds),
+            "col_bounds": list(self.col_bounds),
+            "row_width": self.row_width,
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ArenaLayout":
+    def from_dict(cls, d: dict) -> ArenaLayout:
         try:
-            lay = cls.plan(d["world"], d["tokens_bounds"], d["col_bounds"], d["row_width"], d["dtype"])
+            lay = cls.plan(
+                d["world"], d["tokens_bounds"], d["col_bounds"], d["row_width"], d["dtype"]
+            )
         except KeyError as e:
-            raise ValueError(f"arena layout dict lacks {e}; build it with ArenaLayout.to_dict()") from None
+            raise ValueError(
+                f"arena layout dict lacks {e}; build it with ArenaLayout.to_dict()"
+            ) from None
         if d.get("nbytes", lay.nbytes) != lay.nbytes:
-            raise ValueError(f"arena layout nbytes {d['nbytes']} != {lay.nbytes} planned here: the coordinator and "
-                             "the worker run different code versions; restart the workers")
+            raise ValueError(
+                f"arena layout nbytes {d['nbytes']} != {lay.nbytes} planned here: the coordinator "
+                "and "
+                "the worker run different code versions; restart the workers"
+            )
         return lay
 
-    # -- views -------------------------------------------------------------------------------------------------
+    # -- views -------------------------------------------------------------------------------------
     def _check_arena(self, arena: torch.Tensor) -> None:
-        if arena.dtype != torch.uint8 or arena.device.type != "cpu" or arena.dim() != 1 or not arena.is_contiguous():
-            raise ValueError("the exchange arena must be a contiguous 1-D uint8 CPU tensor over shared memory, got "
-                             f"{arena.dtype} {tuple(arena.shape)} on {arena.device}")
+        if (
+            arena.dtype != torch.uint8
+            or arena.device.type != "cpu"
+            or arena.dim() != 1
+            or not arena.is_contiguous()
+        ):
+            raise ValueError(
+                "the exchange arena must be a contiguous 1-D uint8 CPU tensor over shared memory, "
+                "got "
+                f"{arena.dtype} {tuple(arena.shape)} on {arena.device}"
+            )
         if arena.numel() < self.nbytes:
-            raise ValueError(f"exchange arena holds {arena.numel()} bytes, the layout needs {self.nbytes}; size the "
-                             "segment with layout.nbytes")
+            raise ValueError(
+                f"exchange arena holds {arena.numel()} bytes, the layout needs {self.nbytes}; size "
+                "the "
+                "segment with layout.nbytes"
+            )
 
     def header_words(self, arena: torch.Tensor) -> np.ndarray:
-        """The header page as an int64 numpy view (plain loads/stores, no tensor dispatch per check)."""
+        """The header page as an int64 numpy view (plain loads/stores, no tensor dispatch per
+        check)."""
         self._check_arena(arena)
         return arena.numpy()[: self.header_bytes].view(np.int64)
 
@@ -208,16 +253,21 @@ class ArenaLayout:
 
     def g_view(self, arena: torch.Tensor) -> torch.Tensor:
         n = self.tokens * self.row_width * self.torch_dtype.itemsize
-        return arena[self.g_offset: self.g_offset + n].view(self.torch_dtype).view(self.tokens, self.row_width)
+        return (
+            arena[self.g_offset : self.g_offset + n]
+            .view(self.torch_dtype)
+            .view(self.tokens, self.row_width)
+        )
 
     def a_view(self, arena: torch.Tensor, rank: int) -> torch.Tensor:
         c0, c1 = self.cols(rank)
         n = self.tokens * (c1 - c0) * self.torch_dtype.itemsize
         off = self.a_offsets[rank]
-        return arena[off: off + n].view(self.torch_dtype).view(self.tokens, c1 - c0)
+        return arena[off : off + n].view(self.torch_dtype).view(self.tokens, c1 - c0)
 
     def init_header(self, arena: torch.Tensor) -> None:
-        """Called once by the arena's creator: magic, version, world, size; every rank's words zeroed."""
+        """Called once by the arena's creator: magic, version, world, size; every rank's words
+        zeroed."""
         words = self.header_words(arena)
         words[:] = 0
         words[1], words[2], words[3] = VERSION, self.world, self.nbytes
@@ -226,11 +276,18 @@ class ArenaLayout:
     def check_header(self, arena: torch.Tensor) -> None:
         words = self.header_words(arena)
         if int(words[0]) != MAGIC or int(words[1]) != VERSION:
-            raise ValueError("exchange arena header is not initialised (magic/version mismatch); the coordinator must "
-                             "call ArenaLayout.init_header() on a fresh arena before starting the ranks")
+            raise ValueError(
+                "exchange arena header is not initialised (magic/version mismatch); the "
+                "coordinator must "
+                "call ArenaLayout.init_header() on a fresh arena before starting the ranks"
+            )
         if int(words[2]) != self.world or int(words[3]) != self.nbytes:
-            raise ValueError(f"exchange arena header says world={int(words[2])} nbytes={int(words[3])}, the layout "
-                             f"says world={self.world} nbytes={self.nbytes}: arena and layout do not belong together")
+            raise ValueError(
+                f"exchange arena header says world={int(words[2])} nbytes={int(words[3])}, the "
+                "layout "
+                f"says world={self.world} nbytes={self.nbytes}: arena and layout do not belong "
+                "together"
+            )
 
 
 def _seq_index(rank: int) -> int:
@@ -252,12 +309,19 @@ def encode_seq(gen: int, job: int, op: int, kind: int, chunks: int, count: int) 
 
 def decode_seq(word: int) -> tuple[int, int, int, int, int, int]:
     """(generation low 16 bits, job, op, kind, chunks, count) of a sequence word."""
-    return ((word >> 47) & 0xFFFF, (word >> 33) & 0x3FFF, (word >> 17) & 0xFFFF, (word >> 16) & 1,
-            (word >> 8) & 0xFF, word & 0xFF)
+    return (
+        (word >> 47) & 0xFFFF,
+        (word >> 33) & 0x3FFF,
+        (word >> 17) & 0xFFFF,
+        (word >> 16) & 1,
+        (word >> 8) & 0xFF,
+        word & 0xFF,
+    )
 
 
 def piece(n: int, chunks: int, j: int) -> tuple[int, int]:
-    """Rows [a, b) of chunk j when n rows are cut into ``chunks`` near-equal pieces (some empty if chunks > n)."""
+    """Rows [a, b) of chunk j when n rows are cut into ``chunks`` near-equal pieces (some empty if
+    chunks > n)."""
     return n * j // chunks, n * (j + 1) // chunks
 
 
@@ -292,30 +356,50 @@ class HostStats(ExchangeStats):
 class HostExchange:
     """One rank's side of the host exchange.  See the module docstring for the protocol.
 
-    ``to_host(dst_view, src)`` copies a rank's outgoing rows into the arena and must return only when the bytes are
-    there (a CUDA hook synchronises its copy's event); ``to_device(dst, src_view)`` copies incoming rows out.  Both
-    default to ``dst.copy_(src)``.  ``spin_us`` > 0 re-checks the peers' words for that long before sleeping on the
-    doorbell (measured by bench_exchange; off by default).
+    ``to_host(dst_view, src)`` copies a rank's outgoing rows into the arena and must return only
+    when the bytes are there (a CUDA hook synchronises its copy's event); ``to_device(dst,
+    src_view)`` copies incoming rows out.  Both default to ``dst.copy_(src)``.  ``spin_us`` > 0
+    re-checks the peers' words for that long before sleeping on the doorbell (measured by
+    bench_exchange; off by default).
     """
 
-    def __init__(self, rank: int, world: int, arena: torch.Tensor, layout: ArenaLayout, doorbell_fds: list[int],
-                 control: torch.Tensor, deadline_s: float, *, spin_us: float = 0.0,
-                 to_host: CopyFn | None = None, to_device: CopyFn | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        arena: torch.Tensor,
+        layout: ArenaLayout,
+        doorbell_fds: list[int],
+        control: torch.Tensor,
+        deadline_s: float,
+        *,
+        spin_us: float = 0.0,
+        to_host: CopyFn | None = None,
+        to_device: CopyFn | None = None,
+    ) -> None:
         if world != layout.world:
-            raise ValueError(f"world={world} but the arena layout was planned for world={layout.world}")
+            raise ValueError(
+                f"world={world} but the arena layout was planned for world={layout.world}"
+            )
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank} is outside 0..{world - 1}")
         if len(doorbell_fds) != world:
             raise ValueError(f"need one doorbell fd per rank ({world}), got {len(doorbell_fds)}")
         if control.dtype != torch.int64 or control.device.type != "cpu" or control.numel() < 1:
-            raise ValueError("control must be an int64 CPU tensor over shared memory whose word 0 is the abort "
-                             f"generation, got {control.dtype} {tuple(control.shape)} on {control.device}")
+            raise ValueError(
+                "control must be an int64 CPU tensor over shared memory whose word 0 is the abort "
+                f"generation, got {control.dtype} {tuple(control.shape)} on {control.device}"
+            )
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
         layout.check_header(arena)
         if platform.machine().lower() not in ("x86_64", "amd64"):
-            log.warning("[exchange] host exchange on %s: the sequence-word protocol relies on x86-64 store ordering; "
-                        "use exchange=nccl on this machine if results differ", platform.machine())
+            log.warning(
+                "[exchange] host exchange on %s: the sequence-word protocol relies on x86-64 store "
+                "ordering; "
+                "use exchange=nccl on this machine if results differ",
+                platform.machine(),
+            )
         self.rank, self.world, self.layout = rank, world, layout
         self.deadline_s = float(deadline_s)
         self.spin_s = max(0.0, float(spin_us)) * 1e-6
@@ -338,9 +422,10 @@ class HostExchange:
         self._deadline = 0.0
         self.reset_stats()
 
-    # -- public ------------------------------------------------------------------------------------------------
+    # -- public ------------------------------------------------------------------------------------
     def begin(self, abort_generation: int) -> None:
-        """Start a job under ``abort_generation`` (the control word's value when the job was submitted)."""
+        """Start a job under ``abort_generation`` (the control word's value when the job was
+        submitted)."""
         if abort_generation != self._gen:
             self._job = 0
         self._gen = int(abort_generation)
@@ -352,8 +437,11 @@ class HostExchange:
         self._words[_seq_index(self.rank)] = encode_seq(self._gen, self._job, 0, 0, 0, 0)
         self._ring()
 
-    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every rank's rows in token order: ``local`` is ``[n_rank, row_width]``, the result ``[S, row_width]``."""
+    def all_gather_rows(
+        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every rank's rows in token order: ``local`` is ``[n_rank, row_width]``, the result ``[S,
+        row_width]``."""
         lay = self.layout
         t0, t1 = lay.rows(self.rank)
         self._check_input("all_gather_rows", local, (t1 - t0, lay.row_width))
@@ -366,19 +454,24 @@ class HostExchange:
         def publish(j: int) -> None:
             a, b = piece(t1 - t0, n_chunks, j)
             if b > a and self._peers:
-                self._timed_copy(g[t0 + a: t0 + b], local[a:b], self._to_host, written=True)
+                self._timed_copy(g[t0 + a : t0 + b], local[a:b], self._to_host, written=True)
 
         def take(p: int, j: int) -> None:
             p0, p1 = lay.rows(p)
             a, b = piece(p1 - p0, n_chunks, j)
             if b > a:
-                self._timed_copy(out[p0 + a: p0 + b], g[p0 + a: p0 + b], self._to_device, read=True)
+                self._timed_copy(
+                    out[p0 + a : p0 + b], g[p0 + a : p0 + b], self._to_device, read=True
+                )
 
         self._pipeline(KIND_GATHER, n_chunks, publish, take)
         return out
 
-    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every rank's columns for this rank's tokens: ``local`` is ``[S, c_rank]``, the result ``[n_rank, C]``."""
+    def all_to_all_cols(
+        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every rank's columns for this rank's tokens: ``local`` is ``[S, c_rank]``, the result
+        ``[n_rank, C]``."""
         lay = self.layout
         me = self.rank
         t0, t1 = lay.rows(me)
@@ -393,24 +486,30 @@ class HostExchange:
         def publish(j: int) -> None:
             if c1 == c0:
                 return
-            # chunk j carries the j-th piece of every receiver's rows, so every receiver progresses per chunk
+            # chunk j carries the j-th piece of every receiver's rows, so every receiver progresses
+            # per chunk
             for r in self._peers:
                 r0, r1 = lay.rows(r)
                 a, b = piece(r1 - r0, n_chunks, j)
                 if b > a:
-                    self._timed_copy(mine[r0 + a: r0 + b], local[r0 + a: r0 + b], self._to_host, written=True)
+                    self._timed_copy(
+                        mine[r0 + a : r0 + b], local[r0 + a : r0 + b], self._to_host, written=True
+                    )
 
         def take(p: int, j: int) -> None:
             p0, p1 = lay.cols(p)
             a, b = piece(t1 - t0, n_chunks, j)
             if b > a and p1 > p0:
-                self._timed_copy(out[a:b, p0:p1], self._a[p][t0 + a: t0 + b], self._to_device, read=True)
+                self._timed_copy(
+                    out[a:b, p0:p1], self._a[p][t0 + a : t0 + b], self._to_device, read=True
+                )
 
         self._pipeline(KIND_ALL_TO_ALL, n_chunks, publish, take)
         return out
 
     def counters(self) -> tuple[float, float]:
-        """(copy seconds, wait seconds) since the last :meth:`reset_stats` (``workers.transports.exchange``)."""
+        """(copy seconds, wait seconds) since the last :meth:`reset_stats`
+        (``workers.transports.exchange``)."""
         return self._stats["copy_s"], self._stats["wait_s"]
 
     def stats(self) -> dict:
@@ -419,9 +518,18 @@ class HostExchange:
 
     def reset_stats(self) -> None:
         self._stats: HostStats = {
-            "transport": "host", "rank": self.rank, "ops": 0, "chunks_published": 0,
-            "bytes_written": 0, "bytes_read": 0, "copy_s": 0.0, "wait_s": 0.0, "signals_sent": 0,
-            "wakeups": 0, "spin_hits": 0}
+            "transport": "host",
+            "rank": self.rank,
+            "ops": 0,
+            "chunks_published": 0,
+            "bytes_written": 0,
+            "bytes_read": 0,
+            "copy_s": 0.0,
+            "wait_s": 0.0,
+            "signals_sent": 0,
+            "wakeups": 0,
+            "spin_hits": 0,
+        }
 
     def close(self) -> None:
         """Drop the poll registration (the fds belong to the pool)."""
@@ -430,28 +538,40 @@ class HostExchange:
         except (KeyError, ValueError):
             pass
 
-    # -- op machinery ------------------------------------------------------------------------------------------
+    # -- op machinery ------------------------------------------------------------------------------
     def _check_input(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         if tuple(t.shape) != shape or t.dtype != self.layout.torch_dtype:
-            raise ValueError(f"rank {self.rank}: {what} input must be {self.layout.dtype} {list(shape)}, got "
-                             f"{t.dtype} {list(t.shape)}; the rank plan and the arena layout disagree")
+            raise ValueError(
+                f"rank {self.rank}: {what} input must be {self.layout.dtype} {list(shape)}, got "
+                f"{t.dtype} {list(t.shape)}; the rank plan and the arena layout disagree"
+            )
 
-    def _make_out(self, what: str, out: torch.Tensor | None, shape: tuple[int, int],
-                  device: torch.device) -> torch.Tensor:
+    def _make_out(
+        self, what: str, out: torch.Tensor | None, shape: tuple[int, int], device: torch.device
+    ) -> torch.Tensor:
         if out is None:
             return torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
         if tuple(out.shape) != shape or out.dtype != self.layout.torch_dtype:
-            raise ValueError(f"rank {self.rank}: {what} out must be {self.layout.dtype} {list(shape)}, got "
-                             f"{out.dtype} {list(out.shape)}")
+            raise ValueError(
+                f"rank {self.rank}: {what} out must be {self.layout.dtype} {list(shape)}, got "
+                f"{out.dtype} {list(out.shape)}"
+            )
         return out
 
     def _start_op(self, kind: int, chunks: int) -> int:
         if self._gen is None:
-            raise RuntimeError(f"rank {self.rank}: call begin(abort_generation) before the first exchange of a job")
+            raise RuntimeError(
+                f"rank {self.rank}: call begin(abort_generation) before the first exchange of a job"
+            )
         if not isinstance(chunks, int) or not 0 <= chunks <= MAX_CHUNKS:
-            raise ValueError(f"exchange chunks must be an int in 0..{MAX_CHUNKS} (0/1 = single shot), got {chunks!r}")
+            raise ValueError(
+                f"exchange chunks must be an int in 0..{MAX_CHUNKS} (0/1 = single shot), got "
+                f"{chunks!r}"
+            )
         if self._op >= MAX_OPS_PER_JOB:
-            raise RuntimeError(f"more than {MAX_OPS_PER_JOB} exchanges in one job; call begin() per step")
+            raise RuntimeError(
+                f"more than {MAX_OPS_PER_JOB} exchanges in one job; call begin() per step"
+            )
         self._op += 1
         self._kind = kind
         self._deadline = time.monotonic() + self.deadline_s
@@ -459,8 +579,15 @@ class HostExchange:
         self._check_abort("start")
         return max(1, chunks)
 
-    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor, fn: CopyFn, *, written: bool = False,
-                    read: bool = False) -> None:
+    def _timed_copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        fn: CopyFn,
+        *,
+        written: bool = False,
+        read: bool = False,
+    ) -> None:
         t = time.perf_counter()
         fn(dst, src)
         self._stats["copy_s"] += time.perf_counter() - t
@@ -470,9 +597,15 @@ class HostExchange:
         if read:
             self._stats["bytes_read"] += nb
 
-    def _pipeline(self, kind: int, n_chunks: int, publish: Callable[[int], None],
-                  take: Callable[[int, int], None]) -> None:
-        # publish(j) then consume(j-1): while this rank writes chunk j, its peers already read chunk j-1
+    def _pipeline(
+        self,
+        kind: int,
+        n_chunks: int,
+        publish: Callable[[int], None],
+        take: Callable[[int, int], None],
+    ) -> None:
+        # publish(j) then consume(j-1): while this rank writes chunk j, its peers already read chunk
+        # j-1
         for j in range(n_chunks):
             publish(j)
             self._publish(kind, n_chunks, j)
@@ -493,7 +626,8 @@ class HostExchange:
         self._stats["signals_sent"] += len(self._peer_fds)
 
     def _progress(self, p: int, kind: int, n_chunks: int) -> int:
-        """Chunks of the current op that peer p has published (``_AHEAD`` past it, -1 not yet on this op)."""
+        """Chunks of the current op that peer p has published (``_AHEAD`` past it, -1 not yet on
+        this op)."""
         word = int(self._words[_seq_index(p)])
         gen, job, op, pkind, pn, count = decode_seq(word)
         if gen != (self._job_gen & 0xFFFF):
@@ -507,13 +641,17 @@ class HostExchange:
         if (pkind, pn) != (kind, n_chunks):
             self._post_fault()
             raise ExchangeChunkMismatch(
-                f"rank {self.rank} runs op {self._op} as {_KIND_NAMES[kind]} with {n_chunks} chunk(s), rank {p} as "
-                f"{_KIND_NAMES[pkind]} with {pn} chunk(s): every rank must get the same exchange_chunks and the same "
-                "op sequence")
+                f"rank {self.rank} runs op {self._op} as {_KIND_NAMES[kind]} with {n_chunks} "
+                f"chunk(s), rank {p} as "
+                f"{_KIND_NAMES[pkind]} with {pn} chunk(s): every rank must get the same "
+                "exchange_chunks and the same "
+                "op sequence"
+            )
         return count
 
     def _past(self, p: int, op: int) -> bool:
-        """Peer p has begun this job and published something after ``op`` (so it is done reading op's data)."""
+        """Peer p has begun this job and published something after ``op`` (so it is done reading
+        op's data)."""
         gen, job, pop = decode_seq(int(self._words[_seq_index(p)]))[:3]
         if gen != (self._job_gen & 0xFFFF):
             return False
@@ -525,17 +663,29 @@ class HostExchange:
         last = self._last_use[kind]
         pending = [p for p in self._peers if not self._past(p, last)]
         if pending:
-            what = (f"{_KIND_NAMES[kind]} op {self._op}: waiting for rank(s) {{}} to "
-                    + (f"finish reading op {last}" if last > 0 else "begin this job") + " before reusing the buffer")
+            what = (
+                f"{_KIND_NAMES[kind]} op {self._op}: waiting for rank(s) {{}} to "
+                + (f"finish reading op {last}" if last > 0 else "begin this job")
+                + " before reusing the buffer"
+            )
             self._drain(pending, lambda p: self._past(p, last), lambda p: None, what)
 
     def _consume(self, kind: int, n_chunks: int, j: int, take: Callable[[int, int], None]) -> None:
         pending = list(self._peers)
-        what = f"{_KIND_NAMES[kind]} op {self._op} chunk {j + 1}/{n_chunks}: no data from rank(s) {{}}"
-        self._drain(pending, lambda p: self._progress(p, kind, n_chunks) > j, lambda p: take(p, j), what)
+        what = (
+            f"{_KIND_NAMES[kind]} op {self._op} chunk {j + 1}/{n_chunks}: no data from rank(s) {{}}"
+        )
+        self._drain(
+            pending, lambda p: self._progress(p, kind, n_chunks) > j, lambda p: take(p, j), what
+        )
 
-    def _drain(self, pending: list[int], ready: Callable[[int], bool], take: Callable[[int], None],
-               what: str) -> None:
+    def _drain(
+        self,
+        pending: list[int],
+        ready: Callable[[int], bool],
+        take: Callable[[int], None],
+        what: str,
+    ) -> None:
         """Take each pending peer as soon as it is ready; sleep on the doorbell while none is."""
         while True:
             progressed = False
@@ -559,8 +709,10 @@ class HostExchange:
             if remaining <= 0:
                 words = {p: decode_seq(int(self._words[_seq_index(p)]))[2:] for p in pending}
                 raise ExchangeTimeout(
-                    f"rank {self.rank}: {what.format(pending)} within {self.deadline_s:g}s (their (op, kind, chunks, "
-                    f"published) words: {words}); a rank died or stalled - see its worker log")
+                    f"rank {self.rank}: {what.format(pending)} within {self.deadline_s:g}s (their "
+                    "(op, kind, chunks, "
+                    f"published) words: {words}); a rank died or stalled - see its worker log"
+                )
             if self._poll.poll(max(1, math.ceil(remaining * 1000))):
                 try:
                     os.eventfd_read(self._my_fd)
@@ -585,8 +737,10 @@ class HostExchange:
     def _check_abort(self, where: str) -> None:
         now = int(self._ctl[0])
         if now != self._gen:
-            raise ExchangeAborted(f"rank {self.rank}: exchange aborted during {where} (abort generation {now}, job "
-                                  f"started under {self._gen})")
+            raise ExchangeAborted(
+                f"rank {self.rank}: exchange aborted during {where} (abort generation {now}, job "
+                f"started under {self._gen})"
+            )
 
     def _post_fault(self) -> None:
         epoch = _epoch_bits(self._job_gen, self._job)
@@ -599,5 +753,7 @@ class HostExchange:
             f = int(self._words[_fault_index(p)])
             if f and (f & ~((1 << 33) - 1)) == mine:
                 raise ExchangeChunkMismatch(
-                    f"rank {self.rank}: rank {p} found a chunk-count / op-sequence mismatch at op {(f >> 17) & 0xFFFF}"
-                    ": every rank must get the same exchange_chunks and the same op sequence")
+                    f"rank {self.rank}: rank {p} found a chunk-count / op-sequence mismatch at op "
+                    f"{(f >> 17) & 0xFFFF}"
+                    ": every rank must get the same exchange_chunks and the same op sequence"
+                )

@@ -1,13 +1,17 @@
-"""A rank program for the exchange tests and benchmark: ``python -m workers.transports.probe --rank R --world W ...``.
+"""A rank program for the exchange tests and benchmark: ``python -m workers.transports.probe --rank
+R --world W ...``.
 
-It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or ``both``), an arena
-segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the chunk counts to run, and rounds x
-blocks of (all_gather_rows, all_to_all_cols).  Every rank generates every rank's inputs from the case seed, so it checks its own results against
-the exact expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed one.
-Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a segment id
-(``--control``).  Output: one JSON line on stdout with per-case results, per-op timings and the exchange stats;
-exit status 0 when every check passed, 1 when a check failed, 3 when an exchange raised.
+It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or
+``both``), an arena segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the
+chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols).  Every rank
+generates every rank's inputs from the case seed, so it checks its own results against the exact
+expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed
+one. Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a
+segment id (``--control``).  Output: one JSON line on stdout with per-case results, per-op timings
+and the exchange stats; exit status 0 when every check passed, 1 when a check failed, 3 when an
+exchange raised.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +29,8 @@ from workers.transports.host import ArenaLayout, ExchangeError, HostExchange
 
 
 def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full ``[S, W]`` rows and ``[S, C]`` columns of pattern ``index`` (identical on every rank)."""
+    """The full ``[S, W]`` rows and ``[S, C]`` columns of pattern ``index`` (identical on every
+    rank)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
     dt = layout.torch_dtype
     shapes = ((layout.tokens, layout.row_width), (layout.tokens, layout.columns))
@@ -77,12 +82,22 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                     g = timed(ex.all_gather_rows, local_rows, chunks, gather_s)
                     a = timed(ex.all_to_all_cols, local_cols, chunks, a2a_s)
                     if not torch.equal(g, x):
-                        result["failures"].append(f"{tname} chunks={chunks} round={rnd} block={blk}: gather differs")
+                        result["failures"].append(
+                            f"{tname} chunks={chunks} round={rnd} block={blk}: gather differs"
+                        )
                     if not torch.equal(a, y[r0:r1]):
-                        result["failures"].append(f"{tname} chunks={chunks} round={rnd} block={blk}: all_to_all "
-                                                  "differs")
-            result["runs"].append({"transport": tname, "chunks": chunks, "gather_s": gather_s, "a2a_s": a2a_s,
-                                   "stats": ex.stats()})
+                        result["failures"].append(
+                            f"{tname} chunks={chunks} round={rnd} block={blk}: all_to_all differs"
+                        )
+            result["runs"].append(
+                {
+                    "transport": tname,
+                    "chunks": chunks,
+                    "gather_s": gather_s,
+                    "a2a_s": a2a_s,
+                    "stats": ex.stats(),
+                }
+            )
     result["ok"] = not result["failures"]
     return result
 
@@ -91,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.transports.probe")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--doorbells", default="", help="comma-separated eventfd numbers, one per rank (pass_fds)")
-    ap.add_argument("--control", default="", help="segment id whose int64 word 0 is the abort generation")
+    ap.add_argument(
+        "--doorbells", default="", help="comma-separated eventfd numbers, one per rank (pass_fds)"
+    )
+    ap.add_argument(
+        "--control", default="", help="segment id whose int64 word 0 is the abort generation"
+    )
     ap.add_argument("--spec", required=True, help="JSON: {cases: [...], init_file, dist_timeout_s}")
     args = ap.parse_args(argv)
     spec = json.loads(args.spec)
     out: dict = {"rank": args.rank, "pid": os.getpid(), "ok": False, "cases": [], "error": None}
-    segments: list[Segment] = []  # attached for the process's life: the exchanges hold views into them
+    # attached for the process's life: the exchanges hold views into them
+    segments: list[Segment] = []
     dist_ex = None
     try:
         doorbells = [int(x) for x in args.doorbells.split(",") if x]
@@ -108,7 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         needs_dist = any(c["transport"] in ("gloo", "both") for c in spec["cases"])
         if needs_dist:
             from workers.transports.dist import init_group
-            init_group(args.rank, args.world, "gloo", spec["init_file"], float(spec.get("dist_timeout_s", 60)))
+
+            init_group(
+                args.rank,
+                args.world,
+                "gloo",
+                spec["init_file"],
+                float(spec.get("dist_timeout_s", 60)),
+            )
         stall = spec.get("stall") or {}
 
         def stall_hook(op: int) -> None:
@@ -123,12 +150,23 @@ def main(argv: list[str] | None = None) -> int:
                 if control is None:
                     raise ValueError("a host case needs --control (the abort generation's segment)")
                 segments.append(Segment.attach(case["arena"]))
-                host = HostExchange(args.rank, args.world, segments[-1].base_tensor()[: layout.nbytes], layout, doorbells, control,
-                                    float(case.get("deadline_s", 30)), spin_us=float(case.get("spin_us", 0)))
+                host = HostExchange(
+                    args.rank,
+                    args.world,
+                    segments[-1].base_tensor()[: layout.nbytes],
+                    layout,
+                    doorbells,
+                    control,
+                    float(case.get("deadline_s", 30)),
+                    spin_us=float(case.get("spin_us", 0)),
+                )
             if needs_dist and case["transport"] != "host":
                 from workers.transports.dist import DistExchange
+
                 dist_ex = DistExchange(args.rank, args.world, layout, control=control)
-            out["cases"].append(run_case(args.rank, case, host, dist_ex, stall_hook if stall else None))
+            out["cases"].append(
+                run_case(args.rank, case, host, dist_ex, stall_hook if stall else None)
+            )
             if host is not None:
                 host.close()
         out["ok"] = all(c["ok"] for c in out["cases"])
@@ -136,12 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     except ExchangeError as e:
         out["error"] = {"type": type(e).__name__, "message": str(e), "t": time.monotonic()}
         rc = 3
-    except Exception as e:  # noqa: BLE001 - reported to the spawner, which fails the test with the traceback
-        out["error"] = {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+    except Exception as e:  # noqa: BLE001
+        # reported to the spawner, which fails the test with the traceback
+        out["error"] = {
+            "type": type(e).__name__,
+            "message": str(e),
+            "traceback": traceback.format_exc(),
+        }
         rc = 2
     finally:
         if dist_ex is not None or any(c["transport"] != "host" for c in spec.get("cases", [])):
             from workers.transports.dist import destroy_group
+
             destroy_group()
     print(json.dumps(out), flush=True)
     return rc

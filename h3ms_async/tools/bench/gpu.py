@@ -1,37 +1,42 @@
-"""``python -m h3ms_async bench gpu``: the split at full H3 width on logical ranks of one CUDA GPU, in one run.
+"""``python -m h3ms_async bench gpu``: the split at full H3 width on logical ranks of one CUDA GPU,
+in one run.
 
 Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_gpu.json):
 
-* pinned copy bandwidth from and into a CUDA-registered shm segment (the path the host exchange uses);
-* parity: split on 2 and 4 logical ranks vs the unsplit run in this process, int8 and bf16 weights, exchange_chunks
-  0 and 8, weights resident and streamed, every output compared with ``torch.equal``;
-* overhead at each token count: unsplit per-block time, split per-block time, and the "none" baseline (the same
-  ranks computing their shards with no exchange: two CUDA contexts time-slicing one GPU), so the split's own overhead
-  is split / baseline;
+* pinned copy bandwidth from and into a CUDA-registered shm segment (the path the host exchange
+  uses);
+* parity: split on 2 and 4 logical ranks vs the unsplit run in this process, int8 and bf16 weights,
+  exchange_chunks 0 and 8, weights resident and streamed, every output compared with
+  ``torch.equal``;
+* overhead at each token count: unsplit per-block time, split per-block time, and the "none"
+  baseline (the same ranks computing their shards with no exchange: two CUDA contexts time-slicing
+  one GPU), so the split's own overhead is split / baseline;
 * where the time goes per rank (compute / copy / wait) and the host exchange's achieved bandwidth;
 * streamed vs resident step time.
 
-This process (the stand-in for ComfyUI's, which is long warm when a split starts) runs one unsplit pass per shape
-first; the workers are not warmed by the benchmark: they warm their attention up themselves when they load weights
-(a fresh CUDA process's first SDPA call can take cuDNN's kernel and later calls FlashAttention's), so every split
-step, the first included, is compared with ``torch.equal``.
+This process (the stand-in for ComfyUI's, which is long warm when a split starts) runs one unsplit
+pass per shape first; the workers are not warmed by the benchmark: they warm their attention up
+themselves when they load weights (a fresh CUDA process's first SDPA call can take cuDNN's kernel
+and later calls FlashAttention's), so every split step, the first included, is compared with
+``torch.equal``.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 import torch
 
-from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
 from h3ms_async.observability.status import get_hub
+from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from workers.dit.loop import block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda
 
@@ -39,7 +44,8 @@ FULL = dict(hidden=5376, heads=56, head_dim=128, ffn=14336, t_dim=2688, rope_pai
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
-    """GB/s of host<->device copies from/into a registered shm segment, and H2D from an unregistered one."""
+    """GB/s of host<->device copies from/into a registered shm segment, and H2D from an unregistered
+    one."""
     out = _copy_rates(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), nbytes, reps)
     torch.cuda.empty_cache()  # the probe buffer is gone with _copy_rates: free it before the runs
     return out
@@ -54,9 +60,14 @@ def _copy_rates(buf: torch.Tensor, nbytes: int, reps: int) -> dict[str, float]:
                 register_cuda(seg, "cuda")
             host = seg.base_tensor()[:nbytes]
             host.fill_(1)
-            dirs = (("h2d", lambda: buf.copy_(host, non_blocking=True)),
-                    ("d2h", lambda: host.copy_(buf, non_blocking=True))) if registered else (
-                ("h2d", lambda: buf.copy_(host, non_blocking=True)),)
+            dirs = (
+                (
+                    ("h2d", lambda: buf.copy_(host, non_blocking=True)),
+                    ("d2h", lambda: host.copy_(buf, non_blocking=True)),
+                )
+                if registered
+                else (("h2d", lambda: buf.copy_(host, non_blocking=True)),)
+            )
             for name, fn in dirs:
                 best = float("inf")
                 for _ in range(reps):
@@ -65,7 +76,9 @@ def _copy_rates(buf: torch.Tensor, nbytes: int, reps: int) -> dict[str, float]:
                     fn()
                     torch.cuda.synchronize()
                     best = min(best, time.perf_counter() - t)
-                out[f"{name}_{'registered' if registered else 'unregistered'}_GBps"] = nbytes / best / 1e9
+                out[f"{name}_{'registered' if registered else 'unregistered'}_GBps"] = (
+                    nbytes / best / 1e9
+                )
         finally:
             seg.close()
             seg.unlink()
@@ -83,7 +96,9 @@ class CachedModel:
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
         return self.blocks[i]
 
-    def forward(self, x: torch.Tensor, t_emb: torch.Tensor, segments, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, t_emb: torch.Tensor, segments, rope: torch.Tensor
+    ) -> torch.Tensor:
         c = self.cfg
         with torch.inference_mode():
             for w in self.blocks:
@@ -121,8 +136,11 @@ def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) ->
             exact = exact and bool(torch.equal(out, ref))
             diff = max(diff, float((out.float() - ref.float()).abs().max()))
         if best is None or wall < best["step_wall_s"]:
-            best = {"step_wall_s": wall, "ranks": rec["ranks"],
-                    "raw": msgspec.to_builtins(eng.last_rank_results)}
+            best = {
+                "step_wall_s": wall,
+                "ranks": rec["ranks"],
+                "raw": msgspec.to_builtins(eng.last_rank_results),
+            }
     assert best is not None  # steps >= 1 (--steps is a positive int)
     best["rank_wall_s"] = max(r["wall_s"] for r in best["raw"]) if best.get("raw") else None
     if ref is not None:
@@ -130,13 +148,27 @@ def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) ->
     return best
 
 
-def run(tokens: Sequence[int], layers: int, kinds: Sequence[str], ranks_list: Sequence[int], steps: int,
-        seed: int = 1234, residencies: Sequence[str] = ("resident", "stream")) -> dict:
+def run(
+    tokens: Sequence[int],
+    layers: int,
+    kinds: Sequence[str],
+    ranks_list: Sequence[int],
+    steps: int,
+    seed: int = 1234,
+    residencies: Sequence[str] = ("resident", "stream"),
+) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
-    res: dict = {"machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                             "cuda": torch.version.cuda, "cpus": os.cpu_count()},
-                 "config": {"layers": layers, **FULL, "tokens": list(tokens), "steps": steps},
-                 "copy_bandwidth": copy_bandwidth(), "runs": []}
+    res: dict = {
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cpus": os.cpu_count(),
+        },
+        "config": {"layers": layers, **FULL, "tokens": list(tokens), "steps": steps},
+        "copy_bandwidth": copy_bandwidth(),
+        "runs": [],
+    }
     models = {}
     for kind in kinds:
         t = time.perf_counter()
@@ -148,8 +180,15 @@ def run(tokens: Sequence[int], layers: int, kinds: Sequence[str], ranks_list: Se
             inp = make_step_inputs(cfg, layout_for_tokens(n), seed + n, torch.bfloat16)
             out, wall = _unsplit(models[kind], inp, steps)
             refs[(kind, n)] = (inp, out)
-            res["runs"].append({"kind": kind, "tokens": n, "mode": "unsplit", "step_wall_s": wall,
-                                "per_block_s": wall / layers})
+            res["runs"].append(
+                {
+                    "kind": kind,
+                    "tokens": n,
+                    "mode": "unsplit",
+                    "step_wall_s": wall,
+                    "per_block_s": wall / layers,
+                }
+            )
             print(f"unsplit {kind} {n}: {wall / layers * 1e3:.1f} ms/block", file=sys.stderr)
     for residency in residencies:
         for nr in ranks_list:
@@ -163,13 +202,29 @@ def run(tokens: Sequence[int], layers: int, kinds: Sequence[str], ranks_list: Se
                         if residency == "resident" and nr == 2:
                             variants.append(("none", 0))
                         for exch, chunks in variants:
-                            r = _split(eng, inp, steps, None if exch == "none" else ref,
-                                       exchange=exch, exchange_chunks=chunks)
-                            r.update(kind=kind, tokens=n, mode=f"split{nr}", residency=residency, exchange=exch,
-                                     chunks=chunks, per_block_s=(r["rank_wall_s"] or r["step_wall_s"]) / layers)
+                            r = _split(
+                                eng,
+                                inp,
+                                steps,
+                                None if exch == "none" else ref,
+                                exchange=exch,
+                                exchange_chunks=chunks,
+                            )
+                            r.update(
+                                kind=kind,
+                                tokens=n,
+                                mode=f"split{nr}",
+                                residency=residency,
+                                exchange=exch,
+                                chunks=chunks,
+                                per_block_s=(r["rank_wall_s"] or r["step_wall_s"]) / layers,
+                            )
                             res["runs"].append(r)
-                            print(f"split{nr} {residency} {kind} {n} {exch} x{chunks}: "
-                                  f"{r['per_block_s'] * 1e3:.1f} ms/block exact={r.get('bit_exact')}", file=sys.stderr)
+                            print(
+                                f"split{nr} {residency} {kind} {n} {exch} x{chunks}: "
+                                f"{r['per_block_s'] * 1e3:.1f} ms/block exact={r.get('bit_exact')}",
+                                file=sys.stderr,
+                            )
             finally:
                 eng.release()
     res["summary"] = summarize(res)
@@ -184,15 +239,24 @@ def summarize(res: dict) -> dict:
         return next((r for r in runs if all(r.get(k) == v for k, v in kw.items())), None)
 
     by_case: list[dict] = []
-    out = {"all_split_outputs_bit_exact": all(r.get("bit_exact", True) for r in runs),
-           "by_case": by_case}
+    out = {
+        "all_split_outputs_bit_exact": all(r.get("bit_exact", True) for r in runs),
+        "by_case": by_case,
+    }
     for r in runs:
         if r["mode"] != "unsplit":
             continue
         kind, n = r["kind"], r["tokens"]
         case = {"kind": kind, "tokens": n, "unsplit_ms_per_block": r["per_block_s"] * 1e3}
         for chunks in (0, 8):
-            s = find(kind=kind, tokens=n, mode="split2", residency="resident", exchange="host", chunks=chunks)
+            s = find(
+                kind=kind,
+                tokens=n,
+                mode="split2",
+                residency="resident",
+                exchange="host",
+                chunks=chunks,
+            )
             if s:
                 case[f"split2_x{chunks}_ms_per_block"] = s["per_block_s"] * 1e3
                 case[f"split2_x{chunks}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
@@ -200,37 +264,61 @@ def summarize(res: dict) -> dict:
         if base:
             case["baseline_no_exchange_ms_per_block"] = base["per_block_s"] * 1e3
             case["baseline_vs_unsplit"] = base["per_block_s"] / r["per_block_s"]
-            best = min((case.get(f"split2_x{c}_ms_per_block", 1e18) for c in (0, 8)))
+            best = min(case.get(f"split2_x{c}_ms_per_block", 1e18) for c in (0, 8))
             case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
         st = find(kind=kind, tokens=n, mode="split2", residency="stream", exchange="host", chunks=8)
-        rs = find(kind=kind, tokens=n, mode="split2", residency="resident", exchange="host", chunks=8)
+        rs = find(
+            kind=kind, tokens=n, mode="split2", residency="resident", exchange="host", chunks=8
+        )
         if st and rs:
             case["stream_vs_resident"] = st["per_block_s"] / rs["per_block_s"]
         if rs and rs.get("raw"):
             moved = sum(x["moved_bytes"] for x in rs["raw"])
             copy = max(x.get("copy_gpu_s", 0.0) for x in rs["raw"]) or None
-            case["host_exchange_GBps_per_rank"] = (moved / len(rs["raw"]) / copy / 1e9) if copy else None
+            case["host_exchange_GBps_per_rank"] = (
+                (moved / len(rs["raw"]) / copy / 1e9) if copy else None
+            )
         by_case.append(case)
     bw = res["copy_bandwidth"]
-    out["pinned_copy_GBps"] = min(bw.get("h2d_registered_GBps", 0), bw.get("d2h_registered_GBps", 0))
+    out["pinned_copy_GBps"] = min(
+        bw.get("h2d_registered_GBps", 0), bw.get("d2h_registered_GBps", 0)
+    )
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgParser(prog="python -m h3ms_async bench gpu", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int_list, default=[39975, 75794], help="comma-separated packed sequence lengths")
+    p.add_argument(
+        "--tokens",
+        type=int_list,
+        default=[39975, 75794],
+        help="comma-separated packed sequence lengths",
+    )
     p.add_argument("--layers", type=int, default=4, help="blocks (>= 4 for the parity claim)")
     p.add_argument("--weights", default="int8,bf16", help="comma-separated: int8,bf16")
     p.add_argument("--ranks", type=int_list, default=[2, 4], help="logical rank counts on cuda:0")
-    p.add_argument("--steps", type=positive_int, default=2,
-                   help="timed steps per variant (best is kept)")
-    p.add_argument("--residency", default="resident,stream", help="comma-separated: resident,stream")
+    p.add_argument(
+        "--steps", type=positive_int, default=2, help="timed steps per variant (best is kept)"
+    )
+    p.add_argument(
+        "--residency", default="resident,stream", help="comma-separated: resident,stream"
+    )
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        p.error(f"bench gpu needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it on a GPU machine")
+        p.error(
+            f"bench gpu needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it on "
+            "a GPU machine"
+        )
     try:
-        res = run(a.tokens, a.layers, a.weights.split(","), a.ranks, a.steps, residencies=a.residency.split(","))
+        res = run(
+            a.tokens,
+            a.layers,
+            a.weights.split(","),
+            a.ranks,
+            a.steps,
+            residencies=a.residency.split(","),
+        )
     finally:
         release_all_engines()
     text = json.dumps(res, indent=1, default=str)

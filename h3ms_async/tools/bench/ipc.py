@@ -1,7 +1,9 @@
-"""IPC benchmark: control round trip, pipelined message rate, shm->tensor copy, pool start time (CPU workers).
+"""IPC benchmark: control round trip, pipelined message rate, shm->tensor copy, pool start time (CPU
+workers).
 
 ``python -m h3ms_async bench ipc`` (through the CLI) or ``run_bench_ipc()`` print one JSON object.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +11,11 @@ import json
 import statistics
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
-from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from workers.runtime.protocol import Ping, TensorDesc
 
 
@@ -71,8 +73,15 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run_bench_ipc(samples: int = 2000, messages: int = 20000, window: int = 256, copy_mib: int = 64,
-                  copy_reps: int = 5, pool_sizes: Sequence[int] = (1, 4, 8), timeout: float = 600.0) -> dict:
+def run_bench_ipc(
+    samples: int = 2000,
+    messages: int = 20000,
+    window: int = 256,
+    copy_mib: int = 64,
+    copy_reps: int = 5,
+    pool_sizes: Sequence[int] = (1, 4, 8),
+    timeout: float = 600.0,
+) -> dict:
     """Run every measurement, print the JSON result on stdout and return it."""
     coord = get_coordinator()
     pool = WorkerPool(["cpu"], name="benchipc")
@@ -80,16 +89,24 @@ def run_bench_ipc(samples: int = 2000, messages: int = 20000, window: int = 256,
     try:
         coord.run(_rtt(pool, 50), timeout, what="warm-up pings")
         rtt = coord.run(_rtt(pool, samples), timeout, what=f"{samples} pings")
-        rate = coord.run(_pipelined(pool, messages, window), timeout, what=f"{messages} pipelined pings")
+        rate = coord.run(
+            _pipelined(pool, messages, window), timeout, what=f"{messages} pipelined pings"
+        )
     finally:
         coord.run(pool.release(), timeout, what="releasing the bench worker")
-    starts = {str(n): round(coord.run(_start_seconds(n), timeout, what=f"starting {n} workers"), 3)
-              for n in pool_sizes}
+    starts = {
+        str(n): round(coord.run(_start_seconds(n), timeout, what=f"starting {n} workers"), 3)
+        for n in pool_sizes
+    }
     result = {
         "bench": "ipc",
         "loop": coord.backend,
-        "control_rtt_us": {"samples": samples, "p50": round(_pct(rtt, 0.50), 1), "p99": round(_pct(rtt, 0.99), 1),
-                           "mean": round(statistics.fmean(rtt), 1)},
+        "control_rtt_us": {
+            "samples": samples,
+            "p50": round(_pct(rtt, 0.50), 1),
+            "p99": round(_pct(rtt, 0.99), 1),
+            "mean": round(statistics.fmean(rtt), 1),
+        },
         "messages_per_s": round(rate, 1),
         "pipeline_window": window,
         "shm_copy_gb_s": round(_shm_copy_gb_s(copy_mib, copy_reps), 2),
@@ -102,17 +119,41 @@ def run_bench_ipc(samples: int = 2000, messages: int = 20000, window: int = 256,
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgParser(prog="python -m h3ms_async bench ipc", description=__doc__)
-    p.add_argument("--samples", type=positive_int, default=2000, help="sequential pings timed (default 2000)")
-    p.add_argument("--messages", type=positive_int, default=20000, help="pipelined pings (default 20000)")
-    p.add_argument("--window", type=positive_int, default=256, help="pipelined pings in flight (default 256)")
-    p.add_argument("--copy-mib", type=positive_int, default=64, help="shm->tensor copy size in MiB (default 64)")
-    p.add_argument("--pool-sizes", type=int_list, default=[1, 4, 8], help="worker counts whose start time is measured")
+    p.add_argument(
+        "--samples", type=positive_int, default=2000, help="sequential pings timed (default 2000)"
+    )
+    p.add_argument(
+        "--messages", type=positive_int, default=20000, help="pipelined pings (default 20000)"
+    )
+    p.add_argument(
+        "--window", type=positive_int, default=256, help="pipelined pings in flight (default 256)"
+    )
+    p.add_argument(
+        "--copy-mib",
+        type=positive_int,
+        default=64,
+        help="shm->tensor copy size in MiB (default 64)",
+    )
+    p.add_argument(
+        "--pool-sizes",
+        type=int_list,
+        default=[1, 4, 8],
+        help="worker counts whose start time is measured",
+    )
     args = p.parse_args(argv)
     sizes = args.pool_sizes
     if min(sizes) < 1:
-        p.error(f"argument --pool-sizes: {min(sizes)} workers; every pool size must be >= 1 (e.g. 1,4,8)")
-    run_bench_ipc(samples=args.samples, messages=args.messages, window=args.window, copy_mib=args.copy_mib,
-                  pool_sizes=sizes)
+        p.error(
+            f"argument --pool-sizes: {min(sizes)} workers; every pool size must be >= 1 (e.g. "
+            "1,4,8)"
+        )
+    run_bench_ipc(
+        samples=args.samples,
+        messages=args.messages,
+        window=args.window,
+        copy_mib=args.copy_mib,
+        pool_sizes=sizes,
+    )
     return 0
 
 

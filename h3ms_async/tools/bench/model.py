@@ -17,12 +17,13 @@ all-gather (what the split runs) and for Ulysses, dense and sparse.  ``--validat
 runs the real split
 on 2 and 4 logical ranks of one GPU and prints predicted vs measured step time.
 """
+
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,16 +39,21 @@ HOST_OP_LATENCY_S = 40e-6
 NCCL_OP_LATENCY_S = 20e-6
 NET_EFFICIENCY = 0.9
 SOURCES = {
-    "pcie4": "ASSUMED: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable for pinned copies",
-    "pcie5": "ASSUMED: PCIe Gen5 x16 is 64 GB/s raw per direction; ~50 GB/s achievable (the H200 host measured "
-             "51.9-55.0 GB/s pinned, docs/performance.md)",
-    "nvlink": "ASSUMED: NVLink4 (H100/H200, 450 GB/s per direction raw); NCCL all-gather bus bandwidth ~350-400 GB/s "
-              "achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
-    "host_latency": "per-op signalling of the host exchange: 31-43 us per doorbell measured on the 2-core CPU box "
-                    "(docs/performance.md), taken as 40 us per op",
+    "pcie4": "ASSUMED: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable for pinned "
+    "copies",
+    "pcie5": "ASSUMED: PCIe Gen5 x16 is 64 GB/s raw per direction; ~50 GB/s achievable (the H200 "
+    "host measured "
+    "51.9-55.0 GB/s pinned, docs/performance.md)",
+    "nvlink": "ASSUMED: NVLink4 (H100/H200, 450 GB/s per direction raw); NCCL all-gather bus "
+    "bandwidth ~350-400 GB/s "
+    "achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
+    "host_latency": "per-op signalling of the host exchange: 31-43 us per doorbell measured on the "
+    "2-core CPU box "
+    "(docs/performance.md), taken as 40 us per op",
     "nccl_latency": "ASSUMED: ~20 us per NCCL collective launch on NVLink",
-    "net": "ASSUMED: network line rate x 0.9 achievable, hierarchical collectives (each remote row crosses a host's "
-           "link once), inter-host part after the intra-host part (no overlap)",
+    "net": "ASSUMED: network line rate x 0.9 achievable, hierarchical collectives (each remote row "
+    "crosses a host's "
+    "link once), inter-host part after the intra-host part (no overlap)",
 }
 
 
@@ -58,15 +64,36 @@ def default_links(parts: sm.Parts, a) -> list[sm.Link]:
         sm.Link("nvlink-nccl", "nccl", a.nvlink_gbps, NCCL_OP_LATENCY_S, SOURCES["nvlink"], True),
     ]
     if parts.pinned_h2d_gbps and parts.pinned_d2h_gbps:
-        src = "MEASURED: pinned copies into/from a CUDA-registered shm segment (parts: " \
-              f"{parts.sources.get('pinned_h2d_gbps', 'this run')})"
-        links.append(sm.Link("measured-host", "host", parts.pinned_h2d_gbps, HOST_OP_LATENCY_S, src, False,
-                             d2h_gbps=parts.pinned_d2h_gbps))
+        src = (
+            "MEASURED: pinned copies into/from a CUDA-registered shm segment (parts: "
+            f"{parts.sources.get('pinned_h2d_gbps', 'this run')})"
+        )
+        links.append(
+            sm.Link(
+                "measured-host",
+                "host",
+                parts.pinned_h2d_gbps,
+                HOST_OP_LATENCY_S,
+                src,
+                False,
+                d2h_gbps=parts.pinned_d2h_gbps,
+            )
+        )
     if a.net_gbit:
-        links.append(sm.Link(f"net{a.net_gbit:g}g-nccl", "nccl", a.nvlink_gbps, NCCL_OP_LATENCY_S,
-                             f"{SOURCES['nvlink']} inside a host; {SOURCES['net']}; {a.net_gbit:g} Gb/s per host, "
-                             f"{a.gpus_per_host} GPU(s) per host", True,
-                             net_gbps=a.net_gbit / 8 * NET_EFFICIENCY, gpus_per_host=a.gpus_per_host))
+        links.append(
+            sm.Link(
+                f"net{a.net_gbit:g}g-nccl",
+                "nccl",
+                a.nvlink_gbps,
+                NCCL_OP_LATENCY_S,
+                f"{SOURCES['nvlink']} inside a host; {SOURCES['net']}; {a.net_gbit:g} Gb/s per "
+                "host, "
+                f"{a.gpus_per_host} GPU(s) per host",
+                True,
+                net_gbps=a.net_gbit / 8 * NET_EFFICIENCY,
+                gpus_per_host=a.gpus_per_host,
+            )
+        )
     return links
 
 
@@ -83,12 +110,23 @@ def host_memcpy_gbps(nbytes: int = 256 << 20, reps: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def run(parts: sm.Parts, ranks: Sequence[int], links: Sequence[sm.Link], *, overlap: float = 0.0,
-        sparse_attention_ratio: float | None = None, compute_scale: float = 1.0,
-        shares: Sequence[float] | None = None) -> dict:
+def run(
+    parts: sm.Parts,
+    ranks: Sequence[int],
+    links: Sequence[sm.Link],
+    *,
+    overlap: float = 0.0,
+    sparse_attention_ratio: float | None = None,
+    compute_scale: float = 1.0,
+    shares: Sequence[float] | None = None,
+) -> dict:
     """Every (N, link, pattern, dense/sparse) prediction, and the pattern the model prefers per (N,
     link)."""
-    rho = sparse_attention_ratio if sparse_attention_ratio is not None else parts.sparse_attention_ratio()
+    rho = (
+        sparse_attention_ratio
+        if sparse_attention_ratio is not None
+        else parts.sparse_attention_ratio()
+    )
     modes = [False] + ([True] if rho is not None else [])
     preds, prefer = [], []
     for n in ranks:
@@ -96,25 +134,56 @@ def run(parts: sm.Parts, ranks: Sequence[int], links: Sequence[sm.Link], *, over
             if link.shared:
                 continue
             for sparse in modes:
-                pair = {p: sm.predict(parts, n, link, pattern=p, sparse=sparse, overlap=overlap,
-                                      sparse_attention_ratio=rho, compute_scale=compute_scale,
-                                      shares=shares)
-                        for p in sm.PATTERNS}
+                pair = {
+                    p: sm.predict(
+                        parts,
+                        n,
+                        link,
+                        pattern=p,
+                        sparse=sparse,
+                        overlap=overlap,
+                        sparse_attention_ratio=rho,
+                        compute_scale=compute_scale,
+                        shares=shares,
+                    )
+                    for p in sm.PATTERNS
+                }
                 preds += [p.to_dict() for p in pair.values()]
                 best = min(pair.values(), key=lambda p: p.step_s)
-                prefer.append({"world": n, "link": link.name, "attention": best.attention, "pattern": best.pattern,
-                               "gather_over_ulysses": pair["gather"].step_s / pair["ulysses"].step_s})
+                prefer.append(
+                    {
+                        "world": n,
+                        "link": link.name,
+                        "attention": best.attention,
+                        "pattern": best.pattern,
+                        "gather_over_ulysses": pair["gather"].step_s / pair["ulysses"].step_s,
+                    }
+                )
     return {
         "bench": "model",
-        "schedule": {"overlap": overlap, "note": "today the exchange does not overlap compute: every op waits for "
-                     "the compute before it and the next op's compute waits for its bytes, so the exposed "
-                     "exchange is the whole exchange time (overlap 0); --overlap models future overlap work"},
+        "schedule": {
+            "overlap": overlap,
+            "note": "today the exchange does not overlap compute: every op waits for "
+            "the compute before it and the next op's compute waits for its bytes, so the exposed "
+            "exchange is the whole exchange time (overlap 0); --overlap models future overlap work",
+        },
         "parts": sm.parts_to_dict(parts),
         "sparse_attention_ratio": rho,
         "compute_scale": compute_scale,
-        "links": [{"name": ln.name, "transport": ln.transport, "gbps": ln.gbps, "d2h_gbps": ln.d2h_gbps,
-                   "net_gbps": ln.net_gbps, "gpus_per_host": ln.gpus_per_host, "op_latency_s": ln.op_latency_s,
-                   "assumed": ln.assumed, "source": ln.source} for ln in links],
+        "links": [
+            {
+                "name": ln.name,
+                "transport": ln.transport,
+                "gbps": ln.gbps,
+                "d2h_gbps": ln.d2h_gbps,
+                "net_gbps": ln.net_gbps,
+                "gpus_per_host": ln.gpus_per_host,
+                "op_latency_s": ln.op_latency_s,
+                "assumed": ln.assumed,
+                "source": ln.source,
+            }
+            for ln in links
+        ],
         "host_mem_source": parts.sources.get("host_mem_gbps", "from the parts"),
         "validated_on_gpu": False,
         "predictions": preds,
@@ -133,8 +202,11 @@ def table(res: dict) -> str:
     worlds = sorted({p["world"] for p in res["predictions"]})
     pref = {(q["world"], q["link"], q["attention"]): q["pattern"] for q in res["preferred_pattern"]}
     head = f"{'link':<16} {'attn':<6} " + " ".join(f"{'N=' + str(n):>30}" for n in worlds)
-    lines = ["speed-up vs one GPU, all-gather pattern [Ulysses] (step s; * = preferred; overlap "
-             f"{res['schedule']['overlap']:g})", head]
+    lines = [
+        "speed-up vs one GPU, all-gather pattern [Ulysses] (step s; * = preferred; overlap "
+        f"{res['schedule']['overlap']:g})",
+        head,
+    ]
     for (link, attn), by_n in rows.items():
         cells = []
         for n in worlds:
@@ -142,8 +214,11 @@ def table(res: dict) -> str:
             star = "*U" if pref[(n, link, attn)] == "ulysses" else "*G"
             cells.append(f"{g['speedup']:5.2f}x [{u['speedup']:5.2f}x] {g['step_s']:6.2f}s {star}")
         lines.append(f"{link:<16} {attn:<6} " + " ".join(f"{c:>30}" for c in cells))
-    lines.append("Not yet validated on a GPU (bench model --validate there). Links marked ASSUMED in the JSON "
-                 "use stated rates, not measurements.")
+    lines.append(
+        "Not yet validated on a GPU (bench model --validate there). Links marked ASSUMED in the "
+        "JSON "
+        "use stated rates, not measurements."
+    )
     return "\n".join(lines)
 
 
@@ -162,7 +237,9 @@ def _timed(fn, reps: int = 3) -> float:
     return best
 
 
-def measure_parts(tokens: int, weights: str, ranks: Sequence[int], layers: int, host_mem_gbps: float) -> sm.Parts:
+def measure_parts(
+    tokens: int, weights: str, ranks: Sequence[int], layers: int, host_mem_gbps: float
+) -> sm.Parts:
     """The parts of this GPU at full H3 width: unsplit block, block without attention, the slowest
     rank's shard for
     each N (timed alone, no exchange: ``NoExchange`` gives the real shapes), pinned copy rates."""
@@ -187,19 +264,39 @@ def measure_parts(tokens: int, weights: str, ranks: Sequence[int], layers: int, 
         return q.new_zeros(q.shape[2], heads * q.shape[3])
 
     def shard(world: int, attend=None) -> float:
-        plan = sm.make_plan(sm.Shape(tokens, cfg.hidden, cfg.heads, cfg.head_dim, 1, "bfloat16"), world)
-        r = world - 1  # largest remainder gives ties to the higher rank: the last rank is the largest
+        plan = sm.make_plan(
+            sm.Shape(tokens, cfg.hidden, cfg.heads, cfg.head_dim, 1, "bfloat16"), world
+        )
+        # largest remainder gives ties to the higher rank: the last rank is the largest
+        r = world - 1
         t0, t1, g0, g1 = plan.tokens[r], plan.tokens[r + 1], plan.heads[r], plan.heads[r + 1]
-        lay = ArenaLayout.plan(world, list(plan.tokens), [g * cfg.head_dim for g in plan.heads], cfg.hidden,
-                               torch.bfloat16)
+        lay = ArenaLayout.plan(
+            world,
+            list(plan.tokens),
+            [g * cfg.head_dim for g in plan.heads],
+            cfg.hidden,
+            torch.bfloat16,
+        )
         w = CpuWeights(model.block_weights, 1, (g0, g1), cfg.heads, cfg.head_dim, eager=True)
         ex = NoExchange(r, lay if world > 1 else None, dev)
         rows = dit_ops.clip_segments(segs, t0, t1)
 
         def once():
             with torch.inference_mode():
-                run_blocks(x[t0:t1].clone(), t_emb, rows, rope, w, ex, range(1), heads_local=g1 - g0,
-                           head_dim=cfg.head_dim, eps=cfg.eps, attend=attend)
+                run_blocks(
+                    x[t0:t1].clone(),
+                    t_emb,
+                    rows,
+                    rope,
+                    w,
+                    ex,
+                    range(1),
+                    heads_local=g1 - g0,
+                    head_dim=cfg.head_dim,
+                    eps=cfg.eps,
+                    attend=attend,
+                )
+
         return _timed(once)
 
     unsplit = shard(1)
@@ -208,17 +305,29 @@ def measure_parts(tokens: int, weights: str, ranks: Sequence[int], layers: int, 
     over = max(0.0, shards[min(shards)] - unsplit / min(shards)) if shards else 0.0
     gpu = torch.cuda.get_device_name()
     return sm.Parts(
-        shape=sm.Shape(tokens, cfg.hidden, cfg.heads, cfg.head_dim, layers, "bfloat16"), unsplit_block_s=unsplit,
-        attention_fraction=max(0.0, min(1.0, 1 - without / unsplit)), host_mem_gbps=host_mem_gbps,
-        rank_overhead_s=over, shard_block_s=shards, pinned_h2d_gbps=bw["h2d_registered_GBps"],
+        shape=sm.Shape(tokens, cfg.hidden, cfg.heads, cfg.head_dim, layers, "bfloat16"),
+        unsplit_block_s=unsplit,
+        attention_fraction=max(0.0, min(1.0, 1 - without / unsplit)),
+        host_mem_gbps=host_mem_gbps,
+        rank_overhead_s=over,
+        shard_block_s=shards,
+        pinned_h2d_gbps=bw["h2d_registered_GBps"],
         pinned_d2h_gbps=bw["d2h_registered_GBps"],
-        sources={"unsplit_block_s": f"MEASURED here on {gpu}: one {weights} block at full H3 width, {tokens} tokens",
-                 "shard_block_s": "MEASURED here: the largest rank's shard, timed alone (no exchange)",
-                 "attention_fraction": "MEASURED here: 1 - (block with attention replaced by zeros) / block",
-                 "pinned_h2d_gbps": f"MEASURED here on {gpu}", "host_mem_gbps": "--host-mem-gbps"})
+        sources={
+            "unsplit_block_s": f"MEASURED here on {gpu}: one {weights} block at full H3 width, "
+            f"{tokens} tokens",
+            "shard_block_s": "MEASURED here: the largest rank's shard, timed alone (no exchange)",
+            "attention_fraction": "MEASURED here: 1 - (block with attention replaced by zeros) / "
+            "block",
+            "pinned_h2d_gbps": f"MEASURED here on {gpu}",
+            "host_mem_gbps": "--host-mem-gbps",
+        },
+    )
 
 
-def validate(parts: sm.Parts, tokens: int, weights: str, layers: int, ranks: Sequence[int]) -> list[dict]:
+def validate(
+    parts: sm.Parts, tokens: int, weights: str, layers: int, ranks: Sequence[int]
+) -> list[dict]:
     """Predicted vs measured block time of the real split on logical ranks of this one GPU
     (time-sliced, sharing
     its link; host exchange, chunks 0)."""
@@ -230,9 +339,16 @@ def validate(parts: sm.Parts, tokens: int, weights: str, layers: int, ranks: Seq
     cfg = DiTConfig(layers=layers, **FULL)
     model = CachedModel(cfg, weights, 1234)
     inp = make_step_inputs(cfg, layout_for_tokens(tokens), 11, torch.bfloat16)
-    link = sm.Link("logical-one-gpu", "host", parts.pinned_h2d_gbps or PCIE5_GBPS, HOST_OP_LATENCY_S,
-                   "MEASURED pinned copies of this GPU, every logical rank on it", False,
-                   d2h_gbps=parts.pinned_d2h_gbps, shared=True)
+    link = sm.Link(
+        "logical-one-gpu",
+        "host",
+        parts.pinned_h2d_gbps or PCIE5_GBPS,
+        HOST_OP_LATENCY_S,
+        "MEASURED pinned copies of this GPU, every logical rank on it",
+        False,
+        d2h_gbps=parts.pinned_d2h_gbps,
+        shared=True,
+    )
     rows = []
     for n in ranks:
         eng = SplitEngine(["cuda:0"] * n, SplitOptions(exchange="host", exchange_chunks=0))
@@ -247,10 +363,20 @@ def validate(parts: sm.Parts, tokens: int, weights: str, layers: int, ranks: Seq
         finally:
             eng.release()
         pred = sm.predict(parts, n, link).block_s
-        rows.append({"world": n, "predicted_block_s": pred, "measured_block_s": measured,
-                     "error_pct": (pred - measured) / measured * 100, "step_walls_s": walls})
-        print(f"N={n} logical ranks on one GPU: predicted {pred * 1e3:.1f} ms/block, measured "
-              f"{measured * 1e3:.1f} ms/block, error {rows[-1]['error_pct']:+.1f} %", file=sys.stderr)
+        rows.append(
+            {
+                "world": n,
+                "predicted_block_s": pred,
+                "measured_block_s": measured,
+                "error_pct": (pred - measured) / measured * 100,
+                "step_walls_s": walls,
+            }
+        )
+        print(
+            f"N={n} logical ranks on one GPU: predicted {pred * 1e3:.1f} ms/block, measured "
+            f"{measured * 1e3:.1f} ms/block, error {rows[-1]['error_pct']:+.1f} %",
+            file=sys.stderr,
+        )
     return rows
 
 
@@ -267,28 +393,62 @@ def load_parts(path: str) -> sm.Parts:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgParser(prog="python -m h3ms_async bench model", description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default=None, help="JSON of measured parts (schema h3ms_async.speed_parts/1); "
-                   "without it the parts are measured on this CUDA GPU")
+    p.add_argument(
+        "--parts",
+        default=None,
+        help="JSON of measured parts (schema h3ms_async.speed_parts/1); "
+        "without it the parts are measured on this CUDA GPU",
+    )
     p.add_argument("--ranks", type=int_list, default=[2, 4, 8], help="rank counts N to predict")
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of the exchange hidden behind compute "
-                   "(today's schedule: 0)")
-    p.add_argument("--sparse-attention-ratio", type=float, default=None,
-                   help="sparse / dense attention time (default: from the parts' measured sparse_step_ratio)")
-    p.add_argument("--compute-scale", type=float, default=1.0,
-                   help="multiply every compute time (a GPU this much slower than the parts')")
-    p.add_argument("--shares", default=None, help="comma-separated relative rank speeds (uneven shares)")
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=0.0,
+        help="fraction of the exchange hidden behind compute (today's schedule: 0)",
+    )
+    p.add_argument(
+        "--sparse-attention-ratio",
+        type=float,
+        default=None,
+        help="sparse / dense attention time (default: from the parts' measured sparse_step_ratio)",
+    )
+    p.add_argument(
+        "--compute-scale",
+        type=float,
+        default=1.0,
+        help="multiply every compute time (a GPU this much slower than the parts')",
+    )
+    p.add_argument(
+        "--shares", default=None, help="comma-separated relative rank speeds (uneven shares)"
+    )
     p.add_argument("--pcie4-gbps", type=float, default=PCIE4_GBPS)
     p.add_argument("--pcie5-gbps", type=float, default=PCIE5_GBPS)
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
-    p.add_argument("--net-gbit", type=float, default=0.0, help="add ranks over hosts on this network (Gb/s)")
+    p.add_argument(
+        "--net-gbit", type=float, default=0.0, help="add ranks over hosts on this network (Gb/s)"
+    )
     p.add_argument("--gpus-per-host", type=positive_int, default=8, help="with --net-gbit")
-    p.add_argument("--host-mem-gbps", type=float, default=200.0,
-                   help="host memory bandwidth for measured parts (ASSUMED default: one socket's DDR5)")
-    p.add_argument("--tokens", type=positive_int, default=75794, help="measured parts / --validate: tokens")
-    p.add_argument("--weights", default="int8", choices=["int8", "bf16"], help="measured parts / --validate")
-    p.add_argument("--validate", action="store_true", help="CUDA only: run the real split on 2 and 4 logical ranks "
-                   "of one GPU and print predicted vs measured block time")
-    p.add_argument("--validate-layers", type=positive_int, default=4, help="blocks per validation step")
+    p.add_argument(
+        "--host-mem-gbps",
+        type=float,
+        default=200.0,
+        help="host memory bandwidth for measured parts (ASSUMED default: one socket's DDR5)",
+    )
+    p.add_argument(
+        "--tokens", type=positive_int, default=75794, help="measured parts / --validate: tokens"
+    )
+    p.add_argument(
+        "--weights", default="int8", choices=["int8", "bf16"], help="measured parts / --validate"
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="CUDA only: run the real split on 2 and 4 logical ranks "
+        "of one GPU and print predicted vs measured block time",
+    )
+    p.add_argument(
+        "--validate-layers", type=positive_int, default=4, help="blocks per validation step"
+    )
     p.add_argument("--out", default=None, help="write the JSON here too")
     a = p.parse_args(argv)
     if not 0.0 <= a.overlap <= 1.0:
@@ -302,22 +462,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--shares gives {len(shares)} share(s); use it with --ranks {len(shares)}")
     cuda = torch.cuda.is_available()
     if a.validate and not cuda:
-        p.error(f"--validate needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it on a GPU "
-                "machine (on CPU use --parts FILE for predictions)")
+        p.error(
+            f"--validate needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it "
+            "on a GPU "
+            "machine (on CPU use --parts FILE for predictions)"
+        )
     if a.parts is None and not cuda:
-        p.error("no --parts FILE and no CUDA GPU to measure the parts on; give --parts (e.g. "
-                "benchmarks/speed_parts_h200.json)")
+        p.error(
+            "no --parts FILE and no CUDA GPU to measure the parts on; give --parts (e.g. "
+            "benchmarks/speed_parts_h200.json)"
+        )
     try:
-        parts = load_parts(a.parts) if a.parts else measure_parts(a.tokens, a.weights, a.ranks, 50, a.host_mem_gbps)
-        res = run(parts, a.ranks, default_links(parts, a), overlap=a.overlap,
-                  sparse_attention_ratio=a.sparse_attention_ratio, compute_scale=a.compute_scale, shares=shares)
+        parts = (
+            load_parts(a.parts)
+            if a.parts
+            else measure_parts(a.tokens, a.weights, a.ranks, 50, a.host_mem_gbps)
+        )
+        res = run(
+            parts,
+            a.ranks,
+            default_links(parts, a),
+            overlap=a.overlap,
+            sparse_attention_ratio=a.sparse_attention_ratio,
+            compute_scale=a.compute_scale,
+            shares=shares,
+        )
     except (sm.PartsError, ValueError) as e:
         p.error(str(e))
     res["host_memcpy_GBps_here"] = host_memcpy_gbps()
-    res["host_memcpy_note"] = ("one tensor copy on this machine, for reference; the model's host_mem_gbps is the "
-                               "parts' figure (the DMA of N GPUs into one arena, not one CPU thread's copy)")
+    res["host_memcpy_note"] = (
+        "one tensor copy on this machine, for reference; the model's host_mem_gbps is the "
+        "parts' figure (the DMA of N GPUs into one arena, not one CPU thread's copy)"
+    )
     if a.validate:
-        vparts = parts if not a.parts else measure_parts(a.tokens, a.weights, [2, 4], 50, a.host_mem_gbps)
+        vparts = (
+            parts
+            if not a.parts
+            else measure_parts(a.tokens, a.weights, [2, 4], 50, a.host_mem_gbps)
+        )
         res["validation"] = validate(vparts, a.tokens, a.weights, a.validate_layers, [2, 4])
         res["validated_on_gpu"] = True
     text = json.dumps(res, indent=1)

@@ -1,15 +1,17 @@
-"""``python -m h3ms_async bench sparse``: dense vs sparse attention per step at full H3 width, unsplit and split on
-logical ranks of one CUDA GPU (JSON to stdout and ``--out``/bench_sparse.json, rewritten after every variant so a
-run cut short still leaves what it measured).
+"""``python -m h3ms_async bench sparse``: dense vs sparse attention per step at full H3 width,
+unsplit and split on logical ranks of one CUDA GPU (JSON to stdout and ``--out``/bench_sparse.json,
+rewritten after every variant so a run cut short still leaves what it measured).
 
-Per token count and mode (dense, Sol-Attn at ``--tau``, top-k at ``--keep-percent``): the unsplit run in this
-process (``ReferenceDiT.forward_blocks``, every block resident on the GPU) and the split on each ``--ranks`` count
-(weights resident, host exchange in 8 chunks). A sparse run starts from fresh statistics: its first step (the
-kernel's bootstrap, two producer passes) is reported apart from the steady steps that reuse the pooled statistics
-(``first_step_s``, ``step_s`` = best of the rest). Every split step is compared with ``torch.equal`` against the
-unsplit step of the same mode and index (exactness = the same sparse attention on one GPU; dense is compared too).
-Logical ranks share one GPU, so the split's times show its overhead, not a multi-GPU speed-up.
+Per token count and mode (dense, Sol-Attn at ``--tau``, top-k at ``--keep-percent``): the unsplit
+run in this process (``ReferenceDiT.forward_blocks``, every block resident on the GPU) and the split
+on each ``--ranks`` count (weights resident, host exchange in 8 chunks). A sparse run starts from
+fresh statistics: its first step (the kernel's bootstrap, two producer passes) is reported apart
+from the steady steps that reuse the pooled statistics (``first_step_s``, ``step_s`` = best of the
+rest). Every split step is compared with ``torch.equal`` against the unsplit step of the same mode
+and index (exactness = the same sparse attention on one GPU; dense is compared too). Logical ranks
+share one GPU, so the split's times show its overhead, not a multi-GPU speed-up.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +19,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 import torch
 
@@ -48,15 +50,35 @@ def _row(walls: list[float], layers: int) -> dict:
     return {"first_step_s": first, "step_s": min(rest), "ms_per_block": min(rest) / layers * 1e3}
 
 
-def run(tokens: Sequence[int], layers: int, weights: str, ranks_list: Sequence[int], steps: int,
-        modes: dict[str, SparseConfig | None], out_path: str | None, seed: int = 1234) -> dict:
+def run(
+    tokens: Sequence[int],
+    layers: int,
+    weights: str,
+    ranks_list: Sequence[int],
+    steps: int,
+    modes: dict[str, SparseConfig | None],
+    out_path: str | None,
+    seed: int = 1234,
+) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
-    res: dict = {"machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                             "cuda": torch.version.cuda, "sparse_kernel": kernel_unavailable(torch.device("cuda:0"))
-                             or "available"},
-                 "config": {"layers": layers, **FULL, "tokens": list(tokens), "weights": weights, "steps": steps,
-                            "modes": {k: (v.to_wire() if v else None) for k, v in modes.items()}},
-                 "runs": [], "errors": []}
+    res: dict = {
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "sparse_kernel": kernel_unavailable(torch.device("cuda:0")) or "available",
+        },
+        "config": {
+            "layers": layers,
+            **FULL,
+            "tokens": list(tokens),
+            "weights": weights,
+            "steps": steps,
+            "modes": {k: (v.to_wire() if v else None) for k, v in modes.items()},
+        },
+        "runs": [],
+        "errors": [],
+    }
 
     def save() -> None:
         res["summary"] = summarize(res)
@@ -71,16 +93,24 @@ def run(tokens: Sequence[int], layers: int, weights: str, ranks_list: Sequence[i
     for n in tokens:
         inp = make_step_inputs(cfg, layout_for_tokens(n), seed + n, torch.bfloat16)
         dev = (inp.t_emb.cuda(), inp.segments, inp.rope_freqs.cuda())
-        model.forward_blocks(inp.x.cuda(), *dev)  # warm this shape (a fresh process's first pass differs)
+        # warm this shape (a fresh process's first pass differs)
+        model.forward_blocks(inp.x.cuda(), *dev)
         for mode, sc in modes.items():
             unsplit = UnsplitSparse(sc) if sc is not None else None
-            outs, walls = _timed(lambda: model.forward_blocks(inp.x.cuda(), *dev, sparse=unsplit), steps)
+            outs, walls = _timed(
+                lambda: model.forward_blocks(inp.x.cuda(), *dev, sparse=unsplit), steps
+            )
             refs[(n, mode)] = (inp, outs)
             res["runs"].append({"tokens": n, "mode": mode, "ranks": 0, **_row(walls, layers)})
-            print(f"unsplit {n} {mode}: {res['runs'][-1]['ms_per_block']:.1f} ms/block", file=sys.stderr)
+            print(
+                f"unsplit {n} {mode}: {res['runs'][-1]['ms_per_block']:.1f} ms/block",
+                file=sys.stderr,
+            )
             save()
     for nr in ranks_list:
-        eng = SplitEngine(["cuda:0"] * nr, SplitOptions(vram_residency="resident", exchange_chunks=8))
+        eng = SplitEngine(
+            ["cuda:0"] * nr, SplitOptions(vram_residency="resident", exchange_chunks=8)
+        )
         try:
             eng.load_weights(("bench-sparse", weights, seed, layers), cfg, model.block_weights)
             for n in tokens:
@@ -88,20 +118,38 @@ def run(tokens: Sequence[int], layers: int, weights: str, ranks_list: Sequence[i
                     inp, ref = refs[(n, mode)]
                     eng.options = replace(eng.options, sparse=sc)
                     eng.end_sampling()  # fresh statistics, as the unsplit run started
-                    outs, walls = _timed(lambda: eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs),
-                                         steps)
+                    outs, walls = _timed(
+                        lambda: eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs),
+                        steps,
+                    )
                     exact = [bool(torch.equal(o, r)) for o, r in zip(outs, ref)]
-                    row = {"tokens": n, "mode": mode, "ranks": nr, **_row(walls, layers), "bit_exact": all(exact),
-                           "bit_exact_per_step": exact,
-                           "max_abs_diff": max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, ref)),
-                           "rank_sparse_counts": [r.sparse for r in eng.last_rank_results]}
+                    row = {
+                        "tokens": n,
+                        "mode": mode,
+                        "ranks": nr,
+                        **_row(walls, layers),
+                        "bit_exact": all(exact),
+                        "bit_exact_per_step": exact,
+                        "max_abs_diff": max(
+                            float((o.float() - r.float()).abs().max()) for o, r in zip(outs, ref)
+                        ),
+                        "rank_sparse_counts": [r.sparse for r in eng.last_rank_results],
+                    }
                     res["runs"].append(row)
-                    print(f"split{nr} {n} {mode}: {row['ms_per_block']:.1f} ms/block exact={row['bit_exact']}",
-                          file=sys.stderr)
+                    print(
+                        f"split{nr} {n} {mode}: {row['ms_per_block']:.1f} ms/block "
+                        f"exact={row['bit_exact']}",
+                        file=sys.stderr,
+                    )
                     save()
         except Exception as exc:  # noqa: BLE001 - keep what the other rank counts measured
-            res["errors"].append({"ranks": nr, "error": f"{type(exc).__name__}: {exc}",
-                                  "traceback": traceback.format_exc()[-4000:]})
+            res["errors"].append(
+                {
+                    "ranks": nr,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()[-4000:],
+                }
+            )
             save()
         finally:
             eng.release()
@@ -110,7 +158,8 @@ def run(tokens: Sequence[int], layers: int, weights: str, ranks_list: Sequence[i
 
 
 def summarize(res: dict) -> dict:
-    """Sparse vs dense per token count and rank count (0 = unsplit), and whether every split step was exact."""
+    """Sparse vs dense per token count and rank count (0 = unsplit), and whether every split step
+    was exact."""
     runs = res["runs"]
     by: dict = {}
     for r in runs:
@@ -120,45 +169,80 @@ def summarize(res: dict) -> dict:
         dense = modes.get("dense")
         case = {"tokens": n, "ranks": nr, **{f"{m}_step_s": r["step_s"] for m, r in modes.items()}}
         if dense:
-            case.update({f"{m}_speedup_vs_dense": dense["step_s"] / r["step_s"] for m, r in modes.items()
-                         if m != "dense"})
+            case.update(
+                {
+                    f"{m}_speedup_vs_dense": dense["step_s"] / r["step_s"]
+                    for m, r in modes.items()
+                    if m != "dense"
+                }
+            )
         cases.append(case)
     split = [r for r in runs if r["ranks"]]
-    return {"all_split_steps_bit_exact": bool(split) and all(r["bit_exact"] for r in split) and not res["errors"],
-            "by_case": cases}
+    return {
+        "all_split_steps_bit_exact": bool(split)
+        and all(r["bit_exact"] for r in split)
+        and not res["errors"],
+        "by_case": cases,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgParser(prog="python -m h3ms_async bench sparse", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int_list, default=[75794], help="comma-separated packed sequence lengths")
+    p.add_argument(
+        "--tokens", type=int_list, default=[75794], help="comma-separated packed sequence lengths"
+    )
     p.add_argument("--layers", type=positive_int, default=4, help="blocks at full H3 width")
-    p.add_argument("--weights", choices=("int8", "bf16"), default="int8", help="block weight format")
+    p.add_argument(
+        "--weights", choices=("int8", "bf16"), default="int8", help="block weight format"
+    )
     p.add_argument("--ranks", type=int_list, default=[2, 4], help="logical rank counts on cuda:0")
-    p.add_argument("--steps", type=int, default=3, help="steps per variant, >= 2 (the first is reported apart)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="steps per variant, >= 2 (the first is reported apart)"
+    )
     p.add_argument("--tau", type=float, default=1.3, help="Sol-Attn threshold")
-    p.add_argument("--keep-percent", type=float, default=10.0, help="top-k: percent of key blocks kept")
+    p.add_argument(
+        "--keep-percent", type=float, default=10.0, help="top-k: percent of key blocks kept"
+    )
     p.add_argument("--out", default=None, help="directory for bench_sparse.json")
     a = p.parse_args(argv)
     if a.steps < 2:
-        p.error(f"--steps {a.steps}: give at least 2 (the first sparse step bootstraps the statistics)")
+        p.error(
+            f"--steps {a.steps}: give at least 2 (the first sparse step bootstraps the statistics)"
+        )
     if any(r < 1 or r > FULL["heads"] for r in a.ranks):
-        p.error(f"--ranks {a.ranks}: each rank count must be between 1 and {FULL['heads']} (one head per rank)")
+        p.error(
+            f"--ranks {a.ranks}: each rank count must be between 1 and {FULL['heads']} (one head "
+            "per rank)"
+        )
     try:
-        sol = SparseSettings(method="sol-attn", tau=a.tau, start_percent=0.0, min_tokens=0).resolve(None, a.layers)
-        topk = SparseSettings(method="top-k", keep_percent=a.keep_percent, start_percent=0.0,
-                              min_tokens=0).resolve(None, a.layers)
+        sol = SparseSettings(method="sol-attn", tau=a.tau, start_percent=0.0, min_tokens=0).resolve(
+            None, a.layers
+        )
+        topk = SparseSettings(
+            method="top-k", keep_percent=a.keep_percent, start_percent=0.0, min_tokens=0
+        ).resolve(None, a.layers)
     except ValueError as exc:
         p.error(str(exc))
     if not torch.cuda.is_available():
-        p.error(f"bench sparse needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it on a GPU "
-                "machine (comfy-kitchen has no CPU sparse attention kernel)")
+        p.error(
+            f"bench sparse needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it "
+            "on a GPU "
+            "machine (comfy-kitchen has no CPU sparse attention kernel)"
+        )
     out_path = None
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         out_path = os.path.join(a.out, "bench_sparse.json")
     try:
-        res = run(a.tokens, a.layers, a.weights, a.ranks, a.steps, {"dense": None, "sol-attn": sol, "top-k": topk},
-                  out_path)
+        res = run(
+            a.tokens,
+            a.layers,
+            a.weights,
+            a.ranks,
+            a.steps,
+            {"dense": None, "sol-attn": sol, "top-k": topk},
+            out_path,
+        )
     finally:
         release_all_engines()
     print(json.dumps(res, indent=1, default=str))
