@@ -9,7 +9,7 @@ def enabled_input(tooltip: str) -> tuple:
     return ("BOOLEAN", {"default": True, "tooltip": tooltip})
 
 
-#: The seed pack's single extra GPU, kept so its workflows load unchanged.
+#: One extra GPU by CUDA index: the input saved workflows carry, kept so they load unchanged.
 SECOND_GPU_INPUT = ("INT", {"default": -1, "min": -1, "max": 15, "tooltip": "Legacy: CUDA index of one extra GPU; "
                             "-1 = every visible GPU. Ignored when a GPU set is connected."})
 
