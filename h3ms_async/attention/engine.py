@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import collections
 import concurrent.futures as cf
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -438,9 +439,12 @@ class AttentionParallelEngine(Engine):
         local = attn_ops.probe_ranges(
             shape, kv, pq.input_dtype, [(bounds[0], bounds[1])], pq.q.device
         )
-        reports = [local] + self.wait(
-            futs, self.call_timeout_s + 5.0, "probing the attention helpers' head ranges"
-        )
+        reports = [
+            local,
+            *self.wait(
+                futs, self.call_timeout_s + 5.0, "probing the attention helpers' head ranges"
+            ),
+        ]
         ranges = [[(bounds[0], bounds[1])]] + [
             [(h0, h1) for rr, h0, h1 in plan if rr == r] for r in range(1, len(self.devices))
         ]
@@ -471,7 +475,7 @@ class AttentionParallelEngine(Engine):
             devices,
             dtype,
             "x".join(map(str, shape)),
-            [hi - lo for lo, hi in zip(bounds, bounds[1:])],
+            [hi - lo for lo, hi in itertools.pairwise(bounds)],
             "exact" if why is None else "unsplit",
             "measured exact" if why is None else f"{why}; this shape's calls run unsplit",
             ms,
@@ -479,7 +483,7 @@ class AttentionParallelEngine(Engine):
         if why is None:
             log.info(
                 "attention parallel: heads %s at %d tokens measured exact on %s (probe %.0f ms)",
-                [hi - lo for lo, hi in zip(bounds, bounds[1:])],
+                [hi - lo for lo, hi in itertools.pairwise(bounds)],
                 sq,
                 devices,
                 ms,
@@ -678,7 +682,7 @@ class AttentionParallelEngine(Engine):
     # -- the split ---------------------------------------------------------------------------------
     def _tune(self, key: tuple, result: dict, bounds: list[int]) -> None:
         """Choose this shape's split from this call's own timings (see ``attention_schedule``)."""
-        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        sizes = [b - a for a, b in itertools.pairwise(bounds)]
         helpers = result["helpers"]
         # a helper's attention time is its span where its pieces overlapped, its pieces added up
         # where it waited for input between them (the span then holds idle time the schedule model

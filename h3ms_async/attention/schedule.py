@@ -23,6 +23,7 @@ move time.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ def critical_path(
         "staged_s": staged,
         "helper_done_s": done,
         "back_s": back,
-        "total_s": max([local] + back),
+        "total_s": max([local, *back]),
     }
 
 
@@ -128,7 +129,7 @@ def best_split(
     best: dict | None = None
     for h0 in range(1, heads - (n - 1) + 1):
         bounds = plans.partition(heads - h0, helper_shares, "attention heads")
-        sizes = [h0] + [b - a for a, b in zip(bounds, bounds[1:])]
+        sizes = [h0, *(b - a for a, b in itertools.pairwise(bounds))]
         pred = critical_path(sizes, per_head_s, in_per_head, out_per_head, legs, pipeline)
         if best is None or pred["total_s"] < best["total_s"]:
             best = pred

@@ -15,6 +15,7 @@ cached for the life of the process, keyed by everything a kernel choice may depe
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -156,7 +157,7 @@ VERDICTS = VerdictCache()
 
 
 def sizes(bounds: Sequence[int]) -> list[int]:
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def adjusted_bounds(
@@ -174,7 +175,7 @@ def adjusted_bounds(
             continue
         rounded = [0]
         for i in range(1, n):
-            b = int(round(bounds[i] / m)) * m
+            b = round(bounds[i] / m) * m
             rounded.append(min(max(b, rounded[-1] + m), total - m * (n - i)))
         rounded.append(total)
         out[tuple(rounded)] = None

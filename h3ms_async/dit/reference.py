@@ -11,6 +11,7 @@ slicing, to check the split's exactness without processes.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -111,11 +112,7 @@ def compute_dtype(weights: str, device_type: str) -> torch.dtype:
 
 
 def _is_norm(name: str) -> bool:
-    return (
-        name.endswith("norm1.weight")
-        or name.endswith("norm2.weight")
-        or name.endswith("_norm.weight")
-    )
+    return name.endswith(("norm1.weight", "norm2.weight", "_norm.weight"))
 
 
 def quantize_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,7 +425,7 @@ class SimulatedSplit:
             len(head_bounds) < 2
             or head_bounds[0] != 0
             or head_bounds[-1] != c.heads
-            or any(b <= a for a, b in zip(head_bounds, head_bounds[1:]))
+            or any(b <= a for a, b in itertools.pairwise(head_bounds))
         ):
             raise ValueError(
                 f"head_bounds {list(head_bounds)} must rise strictly from 0 to {c.heads}"
@@ -439,7 +436,7 @@ class SimulatedSplit:
         blocks = [model.block_weights(i) for i in range(c.layers)]
         self._weights = [
             CpuWeights(blocks.__getitem__, c.layers, (g0, g1), c.heads, c.head_dim, eager=True)
-            for g0, g1 in zip(head_bounds, head_bounds[1:])
+            for g0, g1 in itertools.pairwise(head_bounds)
         ]
 
     def forward_blocks(
@@ -462,7 +459,7 @@ class SimulatedSplit:
         shards = [
             Shard(t0, t1, g0, g1)
             for (t0, t1), (g0, g1) in zip(
-                zip(token_bounds, token_bounds[1:]), zip(self.head_bounds, self.head_bounds[1:])
+                itertools.pairwise(token_bounds), itertools.pairwise(self.head_bounds)
             )
         ]
         layout = ArenaLayout.plan(

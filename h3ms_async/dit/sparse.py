@@ -182,7 +182,10 @@ class DenseFallback:
         up."""
         reason = next((r for r in rank_reasons if r), None)
         if reason is None and dtype != torch.bfloat16:
-            reason = f"the stream is {str(dtype).removeprefix('torch.')}; the chunked kernel takes bfloat16"
+            reason = (
+                f"the stream is {str(dtype).removeprefix('torch.')}; "
+                "the chunked kernel takes bfloat16"
+            )
         if reason is None and head_dim != HEAD_DIM:
             reason = f"head_dim is {head_dim}; the kernel takes {HEAD_DIM}"
         if reason is not None and reason not in self._said:

@@ -462,7 +462,7 @@ def parts_from_dict(d: dict) -> Parts:
     if not isinstance(shards, dict):
         raise PartsError("parts: 'shard_block_s' must be an object {\"N\": seconds}")
     shard = {}
-    for k, v in shards.items():
+    for k in shards:
         if not str(k).isdigit() or int(k) < 1:
             raise PartsError(f"parts: shard_block_s key {k!r} must be a rank count >= 1")
         shard[int(k)] = _num(shards, k, 1e-9)

@@ -119,7 +119,7 @@ class SplitOptions:
     sparse: SparseConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.exchange not in EXCHANGES + (BASELINE_EXCHANGE,):
+        if self.exchange not in (*EXCHANGES, BASELINE_EXCHANGE):
             raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
         if not 0 <= self.exchange_chunks <= 32:
             raise ValueError(
@@ -130,7 +130,7 @@ class SplitOptions:
             raise ValueError(
                 f"vram_residency={self.vram_residency!r} is not one of {dit_protocol.RESIDENCIES}"
             )
-        if self.attention not in dit_ops.ATTENTION_BACKENDS + (COMFY_ATTENTION,):
+        if self.attention not in (*dit_ops.ATTENTION_BACKENDS, COMFY_ATTENTION):
             raise ValueError(
                 f"attention={self.attention!r} is not one of {dit_ops.ATTENTION_BACKENDS} or "
                 f"{COMFY_ATTENTION!r}"
@@ -630,11 +630,11 @@ class SplitEngine(Engine):
         step.tensor(buf.descs["rope"]).copy_(rope_freqs)
         segments: list[tuple[int, int, int | TensorDesc]] = []
         for i, (a, b, row) in enumerate(mod_segments):
+            entry: int | TensorDesc = row
             if isinstance(row, torch.Tensor):
-                d = buf.descs[f"row{i}"]
-                side.tensor(d).copy_(row.to(torch.int64))
-                row = d
-            segments.append((int(a), int(b), row))
+                entry = buf.descs[f"row{i}"]
+                side.tensor(entry).copy_(row.to(torch.int64))
+            segments.append((int(a), int(b), entry))
         self._steps += 1
         blocks = len(ld.store.manifest)
         layout = buf.layout.to_dict()

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weights",
-        choices=("auto",) + WEIGHT_KINDS,
+        choices=("auto", *WEIGHT_KINDS),
         default="auto",
         help="block weight format; auto: int8 on CUDA, on a CPU the fastest format on this machine",
     )
@@ -299,10 +299,10 @@ def compute_note(weights: str, device: torch.device) -> str:
     if device.type == "cpu":
         return (
             "computed in fp32: on a CPU ComfyUI casts bf16 and int8 checkpoints to fp32 per layer, "
-            "and the split "
-            "must give what ComfyUI gives"
+            "and the split must give what ComfyUI gives"
         )
-    return f"computed in {'fp32' if weights == 'fp32' else 'bf16'} on {device.type}, as ComfyUI does there"
+    dtype = "fp32" if weights == "fp32" else "bf16"
+    return f"computed in {dtype} on {device.type}, as ComfyUI does there"
 
 
 def model_nbytes(model: Any) -> int:
@@ -536,7 +536,10 @@ def summary_line(res: dict) -> str:
         verdict += f" ({unsplit_steps} ran unsplit: the plan is not exact on these ranks)"
     ranks = len(res["config"]["ranks"])
     if res["steps"][0]["unsplit_s"] is None:
-        speed = f"no speed figures (the unsplit model does not fit on {res['config']['unsplit_device']} at once)"
+        speed = (
+            "no speed figures (the unsplit model does not fit on "
+            f"{res['config']['unsplit_device']} at once)"
+        )
     elif not warm:
         speed = "no speed figures (no warm step ran split)"
     else:

@@ -29,6 +29,8 @@ H3MS_CK_ATTENTION_CPU=1``).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import statistics
 import sys
@@ -112,7 +114,7 @@ def slice_sizes(heads: int, n: int) -> list[int]:
     """Heads per device when ``n`` equal devices share ``heads`` (the engine's split at a shape's
     first call)."""
     bounds = plans.partition(heads, [1.0] * n, "attention heads")
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def predict(
@@ -320,7 +322,9 @@ def run(
         for _ in range(3)
     )
     with torch.inference_mode():
-        quant_s, pq = _timed(lambda: ck.prequantize_int8_attention(q, k, v), reps, device)
+        quant_s, pq = _timed(
+            functools.partial(ck.prequantize_int8_attention, q, k, v), reps, device
+        )
         del q, k, v
         attn_s, ref = _timed(lambda: ck.int8_attention_from_prequantized(pq), reps, device)
         in_per_head = _nbytes(attn_ops.head_slice(pq, 0, heads).values()) / heads
@@ -331,7 +335,7 @@ def run(
         slice_s = {}
         for h in sorted(needed | pieces | {heads}):
             part = _dense_slice(pq, 0, h)
-            slice_s[h], _ = _timed(lambda: attn_ops.attend(part, fields), reps, device)
+            slice_s[h], _ = _timed(functools.partial(attn_ops.attend, part, fields), reps, device)
         # a helper's range at N = 4 (the aim's N; fewer with fewer heads), attended in pieces as a
         # helper does
         helper_heads = slice_sizes(heads, min(4, heads))[-1]

@@ -25,7 +25,7 @@ import torch
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.runtime.plans import partition
-from h3ms_async.tools.cli import ArgParser, int_list, positive_int
+from h3ms_async.tools.cli import ArgParser, UsageError, int_list, positive_int
 from workers.runtime.shm import Segment
 from workers.transports.host import ArenaLayout
 
@@ -61,8 +61,8 @@ class ProbeGroup:
             self.control_words[0] = gen
             self.doorbells = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(world)]
             self.cases = []
-            for case in cases:
-                case = dict(case)
+            for given in cases:
+                case = dict(given)
                 lay = case["layout"]
                 lay = lay if isinstance(lay, ArenaLayout) else ArenaLayout.from_dict(lay)
                 case["layout"] = lay.to_dict()
@@ -97,9 +97,10 @@ class ProbeGroup:
         env.setdefault("OMP_NUM_THREADS", "1")
         fds = ",".join(str(fd) for fd in self.doorbells)
         for r in range(self.world):
-            out = open(os.path.join(self.run_dir, f"rank{r}.out"), "wb")
-            err = open(os.path.join(self.run_dir, f"rank{r}.err"), "wb")
-            try:
+            with (
+                open(os.path.join(self.run_dir, f"rank{r}.out"), "wb") as out,
+                open(os.path.join(self.run_dir, f"rank{r}.err"), "wb") as err,
+            ):
                 self.procs.append(
                     subprocess.Popen(
                         [
@@ -125,9 +126,6 @@ class ProbeGroup:
                         env=env,
                     )
                 )
-            finally:
-                out.close()
-                err.close()
 
     def wait_line(self, rank: int, key: str, timeout_s: float) -> dict:
         """Wait for a JSON line containing ``key`` on rank's stdout (e.g. the stall marker)."""
@@ -230,7 +228,8 @@ while True:
 
 
 def unix_msgpack_rtt_us(n: int = 2000) -> float:
-    """Median µs of a framed msgpack request/response over an AF_UNIX stream socket to a child process."""
+    """Median µs of a framed msgpack request/response over an AF_UNIX stream socket to a child
+    process."""
     try:
         import msgpack
     except ImportError:

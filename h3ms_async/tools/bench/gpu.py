@@ -23,6 +23,7 @@ and later calls FlashAttention's), so every split step, the first included, is c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -40,7 +41,14 @@ from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from workers.dit.loop import block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda
 
-FULL = dict(hidden=5376, heads=56, head_dim=128, ffn=14336, t_dim=2688, rope_pairs=48)
+FULL = {
+    "hidden": 5376,
+    "heads": 56,
+    "head_dim": 128,
+    "ffn": 14336,
+    "t_dim": 2688,
+    "rope_pairs": 48,
+}
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
@@ -62,11 +70,11 @@ def _copy_rates(buf: torch.Tensor, nbytes: int, reps: int) -> dict[str, float]:
             host.fill_(1)
             dirs = (
                 (
-                    ("h2d", lambda: buf.copy_(host, non_blocking=True)),
-                    ("d2h", lambda: host.copy_(buf, non_blocking=True)),
+                    ("h2d", functools.partial(buf.copy_, host, non_blocking=True)),
+                    ("d2h", functools.partial(host.copy_, buf, non_blocking=True)),
                 )
                 if registered
-                else (("h2d", lambda: buf.copy_(host, non_blocking=True)),)
+                else (("h2d", functools.partial(buf.copy_, host, non_blocking=True)),)
             )
             for name, fn in dirs:
                 best = float("inf")

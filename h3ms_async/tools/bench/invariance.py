@@ -300,7 +300,8 @@ def run_bench_invariance(
         dit_ops.apply_kitchen_policy()
     sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
     t0 = time.perf_counter()
-    linears, engine, attention = [], [], []
+    linears, engine = [], []
+    attention: list[dict] = []
     for kind in kinds:
         for m in products:
             pool = invariance.RandomPool(dev)
@@ -313,8 +314,9 @@ def run_bench_invariance(
         # a fresh process's first CUDA SDPA call can take another kernel than later ones
         # (dit_ops.warm_up): warm, as the ranks are before their first probe
         dit_ops.warm_up(dit_ops.builtin_attend(kernel), dev, [torch.bfloat16])
-        for m in products:
-            attention.append(attention_table(cfg, kernel, m, dev, invariance.RandomPool(dev), sm))
+        attention.extend(
+            attention_table(cfg, kernel, m, dev, invariance.RandomPool(dev), sm) for m in products
+        )
     cost = [probe_cost(cfg, kind, max(products), dev) for kind in kinds[:2]]
     report = {
         "bench": "invariance",

@@ -387,7 +387,7 @@ def run_bench_split(
             f"no exchange variant can run on rank map {ranks}: {skipped[0]['skipped']}"
         )
     dev = torch.device(device or ranks[0])
-    machine = machine_info(ranks + [str(dev)])
+    machine = machine_info([*ranks, str(dev)])
 
     layout = layout_for_tokens(tokens)
     dtype = MODEL_DTYPES[weights]

@@ -106,6 +106,7 @@ def main(argv: Sequence[str]) -> int:
         text=True,
         timeout=a.timeout,
         stdin=subprocess.DEVNULL,
+        check=False,  # a failed child is reported below with its output
     )
     sys.stderr.write(proc.stderr[-20000:])
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
