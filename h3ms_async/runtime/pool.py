@@ -417,7 +417,7 @@ class WorkerPool:
         self._watch_exit(w)
         stdin = w.proc.stdin
         assert stdin is not None  # spawned with stdin=PIPE
-        # it died at once: its pidfd reports the exit, _wait_ready the log
+        # a broken pipe means it died at once: its pidfd reports the exit, _wait_ready the log
         with contextlib.suppress(BrokenPipeError):
             stdin.write(auth.key_line(self._key))
             stdin.close()
