@@ -30,10 +30,9 @@ class _PrefixFilter(logging.Filter):
             sub = getattr(record, "subsystem", None)
             record.msg = PREFIX + (f"[{sub}] " if sub else "") + record.msg
         if not _logger.handlers and _bar_is_live():
-            try:
+            # a closed stderr must not break logging
+            with contextlib.suppress(Exception):
                 sys.stderr.write("\n")
-            except Exception:  # noqa: BLE001 - a closed stderr must not break logging
-                pass
         return True
 
 
@@ -41,7 +40,7 @@ def _bar_is_live() -> bool:
     """Whether at least one enabled tqdm bar exists (tqdm is never imported for this)."""
     tqdm_mod = sys.modules.get("tqdm.std")
     bars = getattr(tqdm_mod.tqdm, "_instances", None) if tqdm_mod is not None else None
-    return bool(bars) and any(not getattr(b, "disable", False) for b in list(bars))
+    return bars is not None and any(not getattr(b, "disable", False) for b in list(bars))
 
 
 _logger = logging.getLogger(LOGGER_NAME)
@@ -87,7 +86,7 @@ def tail_file(path: str | os.PathLike, lines: int) -> list[str]:
     if lines <= 0:
         return []
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - opened outside `with` so read errors still raise
     except OSError:
         return []
     chunks: list[bytes] = []

@@ -13,7 +13,7 @@ from h3ms_async.runtime import rundir
 from h3ms_async.tools.bench.ipc import run_bench_ipc
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
-from workers.runtime.protocol import Echo, Ping, TensorDesc
+from workers.runtime.protocol import DropReleased, Echo, Ping, TensorDesc
 from workers.testing.protocol import Sleep
 from workers.runtime.shm import Segment, held_shm
 
@@ -102,6 +102,16 @@ def test_worker_error_carries_traceback_and_log(pool2):
     # a handler error does not kill the worker
     assert run(pool2.request(1, Ping(), timeout=5)).pong
     assert pool2.snapshot()[1]["state"] == "ready"
+
+
+def test_drop_released_unmaps_the_segments_the_owner_let_go(pool2):
+    seg = Segment.create(8192, "drop")
+    d = TensorDesc(seg=seg.name, off=0, dtype="uint8", shape=[4096])
+    run(pool2.request(0, Echo(src=d, dst=msgspec.structs.replace(d, off=4096)), timeout=10))
+    seg.close()
+    seg.unlink()
+    answers = run(pool2.all([DropReleased()] * 2, timeout=10))
+    assert [a.dropped for a in answers] == [1, 0]
 
 
 def test_busy_release_refused_and_abort_stops_ranks(pool2):

@@ -107,7 +107,7 @@ def _make_context(args: argparse.Namespace, welcome: protocol.Welcome):
     control = Segment.attach(welcome.control)
     import torch
 
-    ctx = WorkerContext(
+    return WorkerContext(
         rank=args.rank,
         world_size=welcome.world_size,
         device=welcome.device,
@@ -117,7 +117,6 @@ def _make_context(args: argparse.Namespace, welcome: protocol.Welcome):
         control=control.base_tensor().view(torch.int64),
         control_segment=control,
     )
-    return ctx
 
 
 async def _serve(
@@ -177,8 +176,7 @@ async def _serve(
                 send(protocol.Ok(id=msg.id, r=protocol.encode_answer(msg, stopping)))
                 await writer.drain()
                 return "shutdown requested"
-            fn = HANDLERS.get(type(msg))
-            if fn is None:
+            if not isinstance(msg, protocol.Request) or (fn := HANDLERS.get(type(msg))) is None:
                 send(
                     protocol.Err(id=msg.id, error=f"this worker does not serve {msg.kind!r}", tb="")
                 )

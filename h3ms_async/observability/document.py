@@ -39,7 +39,8 @@ Object = dict[str, Any]
 
 
 class SchemaError(ValueError):
-    """A record or status section does not match its type; the message names the field and the fix."""
+    """A record or status section does not match its type; the message names the field and the
+    fix."""
 
 
 class WorkerRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -227,9 +227,12 @@ def add_routes(
     passes False).
     """
     the_hub = hub
-    tail: LogTail = log_tail or log_tail_from_paths(
-        lambda r: (the_hub or get_hub()).worker_log_path(r)
-    )
+
+    def log_path(rank: int) -> str | None:
+        # the process hub is looked up per call, so a replaced hub is followed
+        return (the_hub or get_hub()).worker_log_path(rank)
+
+    tail: LogTail = log_tail or log_tail_from_paths(log_path)
     files_dir = Path(web_dir) if web_dir is not None else WEB_DIR
 
     def get(path: str) -> Callable[[Handler], Handler]:

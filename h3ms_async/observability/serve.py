@@ -10,6 +10,7 @@ live feed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -47,7 +48,8 @@ _STREAMS = web.AppKey("h3ms_streams", set[Callable[[dict | None], None]])
 
 
 def _sse(rec: dict) -> bytes:
-    return f"id: {rec['seq']}\nevent: step\ndata: {json.dumps(rec, separators=(',', ':'))}\n\n".encode()
+    data = json.dumps(rec, separators=(",", ":"))
+    return f"id: {rec['seq']}\nevent: step\ndata: {data}\n\n".encode()
 
 
 def _parse_int(raw: str | None) -> int | None:
@@ -104,11 +106,9 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
             queue.put_nowait(item)
 
         def on_step(rec: dict) -> None:
-            try:
+            # the loop closed between removal and this call: the stream is gone anyway
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(put, rec)
-            except RuntimeError:
-                # the loop closed between removal and this call: the stream is gone anyway
-                pass
 
         # listen before reading the backlog so nothing recorded in between is lost; seq dedupes the
         # overlap
@@ -268,8 +268,7 @@ RunOnLoop = Callable[[Coroutine[Any, Any, Any], float], Any]
 def _coordinator_runner() -> RunOnLoop:
     from h3ms_async.runtime.coordinator import get_coordinator
 
-    coord = get_coordinator()
-    return lambda coro, timeout: coord.run(coro, timeout)
+    return get_coordinator().run
 
 
 def start_background_server(
@@ -284,10 +283,9 @@ def start_background_server(
     default).
 
     ``run(coro, timeout)`` executes a coroutine on that loop and returns its result; it defaults to
-    the core
-    coordinator's ``run``. Returns ``(base_url, stop)``: ``base_url`` is ``http://host:port`` with the port actually
-    bound (``port=0`` picks a free one); ``stop()`` closes open event streams and the listening
-    socket, within 10 s.
+    the core coordinator's ``run``. Returns ``(base_url, stop)``: ``base_url`` is
+    ``http://host:port`` with the port actually bound (``port=0`` picks a free one); ``stop()``
+    closes open event streams and the listening socket, within 10 s.
     """
     run = run or _coordinator_runner()
     app = build_app(hub=hub, log_tail=log_tail)

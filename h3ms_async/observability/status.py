@@ -59,7 +59,8 @@ _DEFAULTS: dict[str, Callable[[], Any]] = {
 
 
 class StatusHub:
-    """Ring of recent step records + the providers, actions and busy probe behind the status routes."""
+    """Ring of recent step records + the providers, actions and busy probe behind the status
+    routes."""
 
     def __init__(self, ring_size: int = RING_SIZE) -> None:
         self._lock = threading.Lock()
@@ -274,7 +275,7 @@ _hub_lock = threading.Lock()
 
 def get_hub() -> StatusHub:
     """The process-wide hub."""
-    global _hub
+    global _hub  # noqa: PLW0603 - the hub is a lazily built process-wide singleton
     with _hub_lock:
         if _hub is None:
             _hub = StatusHub()
@@ -296,14 +297,14 @@ def record_verdict(
     :class:`VerdictRecord`."""
     try:
         rec = VerdictRecord(
-            program=program,
+            program=program,  # type: ignore[arg-type]  # checked by msgspec.convert below
             op=op,
             device=device,
             dtype=dtype,
-            shape=shape,  # type: ignore[arg-type]
+            shape=shape,
             shards=[int(s) for s in shards],
-            verdict=verdict,
-            detail=detail,  # type: ignore[arg-type]
+            verdict=verdict,  # type: ignore[arg-type]  # checked by msgspec.convert below
+            detail=detail,
             probe_ms=float(probe_ms),
             at=now_iso(),
         )

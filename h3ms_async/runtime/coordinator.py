@@ -155,7 +155,7 @@ _instance_lock = threading.Lock()
 
 def get_coordinator() -> Coordinator:
     """The process-wide coordinator, started on first use."""
-    global _instance
+    global _instance  # noqa: PLW0603 - one coordinator loop per process, built on first use
     with _instance_lock:
         if _instance is None or _instance.closed:
             _instance = Coordinator()

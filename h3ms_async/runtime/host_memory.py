@@ -70,11 +70,11 @@ def _container_memory(root: Path) -> tuple[int, int] | None:
         if limit is None or current is None:
             continue
         stat = _read_stat(stat_p)
-
-        def g(k: str) -> int:
-            return stat.get(prefix + k, stat.get(k, 0))
-
-        reclaimable = g("active_file") + g("inactive_file") - g("dirty") - g("writeback")
+        active, inactive, dirty, writeback = (
+            stat.get(prefix + k, stat.get(k, 0))
+            for k in ("active_file", "inactive_file", "dirty", "writeback")
+        )
+        reclaimable = active + inactive - dirty - writeback
         reclaimable = max(0, reclaimable - int(0.05 * limit))
         return limit, max(0, limit - current + reclaimable)
     return None

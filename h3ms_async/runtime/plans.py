@@ -200,7 +200,7 @@ class RankPlan:
         return RankPlan(
             self.devices[:n],
             self.shares[:n],
-            self.notes + (f"at most {n} ranks: dropped {dropped}",),
+            (*self.notes, f"at most {n} ranks: dropped {dropped}"),
         )
 
 

@@ -18,6 +18,7 @@ timeout=...)``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import os
 import re
@@ -60,11 +61,8 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda(?::(\d+))?)$")
 _PROGRAM_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
-class _State(str, enum.Enum):
+class _State(enum.StrEnum):
     """A state named by its string (what the status JSON and messages show)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class WorkerState(_State):
@@ -259,7 +257,10 @@ class WorkerPool:
         return any(w.state is WorkerState.DEAD for w in self._workers)
 
     def __repr__(self) -> str:
-        return f"WorkerPool({self.name!r}, {self._devices}, program={self.program!r}, state={self._state})"
+        return (
+            f"WorkerPool({self.name!r}, {self._devices}, program={self.program!r}, "
+            f"state={self._state})"
+        )
 
     def log_path(self, rank: int) -> str:
         """The log file of ``rank`` (in the run dir; gone after release)."""
@@ -355,7 +356,7 @@ class WorkerPool:
         ``also_visible`` (no repeats)."""
         parent = os.environ.get("CUDA_VISIBLE_DEVICES")
         entries: list[str] = []
-        for d in [device] + self._also_visible:
+        for d in [device, *self._also_visible]:
             entry = cuda_visible_for(d, parent)
             if entry not in entries:
                 entries.append(entry)
@@ -374,6 +375,7 @@ class WorkerPool:
         return entries.index(entry)
 
     def _spawn(self, w: _Worker) -> None:
+        assert self._socket_path is not None and self._key is not None  # set by _start first
         local_device = "cuda:0" if w.device.startswith("cuda") else "cpu"
         cmd = [
             sys.executable,
@@ -413,15 +415,17 @@ class WorkerPool:
             )
         w.started_at = time.monotonic()
         self._watch_exit(w)
-        try:
-            w.proc.stdin.write(auth.key_line(self._key))
-            w.proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it died at once: its pidfd reports the exit, _wait_ready the log
+        stdin = w.proc.stdin
+        assert stdin is not None  # spawned with stdin=PIPE
+        # a broken pipe means it died at once: its pidfd reports the exit, _wait_ready the log
+        with contextlib.suppress(BrokenPipeError):
+            stdin.write(auth.key_line(self._key))
+            stdin.close()
 
     def _watch_exit(self, w: _Worker) -> None:
         """Have the loop call :meth:`_on_exit` the moment ``w``'s process exits (its pidfd turns
         readable)."""
+        assert w.proc is not None  # called right after _spawn started it
         try:
             w.pidfd = os.pidfd_open(w.proc.pid)
         except OSError as exc:
@@ -441,6 +445,7 @@ class WorkerPool:
 
     def _on_exit(self, w: _Worker) -> None:
         # A pidfd turns readable only once its process has exited, so poll() reaps it here.
+        assert w.proc is not None  # only a spawned worker's pidfd is watched
         code = w.proc.poll()
         if code is None:
             return
@@ -452,8 +457,10 @@ class WorkerPool:
 
     async def _wait_ready(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
+        changed = self._changed
+        assert changed is not None  # set by _start before it spawns
         while True:
-            self._changed.clear()
+            changed.clear()
             if all(w.state == WorkerState.READY for w in self._workers):
                 return
             for w in self._workers:
@@ -469,10 +476,8 @@ class WorkerPool:
                     f"{config.WORKER_START_TIMEOUT.name} to allow longer)",
                     cls=WorkerTimeout,
                 )
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         workers = self._workers
@@ -494,8 +499,10 @@ class WorkerPool:
     async def _admit(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, workers: list[_Worker]
     ) -> None:
+        key = self._key
+        assert key is not None  # set by _start before its server accepts connections
         try:
-            rank, _pid = await authenticate(reader, writer, self._key, timeout=AUTH_TIMEOUT_S)
+            rank, _pid = await authenticate(reader, writer, key, timeout=AUTH_TIMEOUT_S)
             if not 0 <= rank < len(workers):
                 raise auth.AuthError(f"rank {rank} is not in this pool of {len(workers)}")
             w = workers[rank]
@@ -514,12 +521,11 @@ class WorkerPool:
                 type(exc).__name__,
                 exc,
             )
-            try:
+            # the peer may already be gone
+            with contextlib.suppress(Exception):
                 writer.write(
                     protocol.encode(protocol.Refused(error=f"{type(exc).__name__}: {exc}"[:400]))
                 )
-            except Exception:  # noqa: BLE001 - the peer may already be gone
-                pass
             writer.close()
             return
         ch = Channel(
@@ -531,18 +537,21 @@ class WorkerPool:
         )
         w.channel = ch
         ch.start()
+        run_dir, control = self._run_dir, self._control
+        assert run_dir is not None and control is not None  # the pool is started (not released)
         try:
             await ch.send(
                 protocol.Welcome(
                     world_size=self.world_size,
                     device="cuda:0" if w.device.startswith("cuda") else "cpu",
-                    run_dir=self._run_dir,
+                    run_dir=run_dir,
                     doorbell_fds=list(self._doorbells),
-                    control=self._control.name,
+                    control=control.name,
                     hb_interval=HB_INTERVAL,
                 )
             )
             pong = await ch.request(protocol.Ping(), timeout=self.start_timeout)
+            assert isinstance(pong, protocol.Pong)  # decoded as Ping's ANSWER
         except (ChannelClosed, RemoteError, TimeoutError, OSError) as exc:
             self._mark_dead(w, f"failed its first ping: {exc}")
             return
@@ -551,6 +560,7 @@ class WorkerPool:
             w.serves = frozenset(pong.serves or ())
             w.last_hb = time.monotonic()
             self._watch_heartbeat(w)
+            assert self._changed is not None  # set by _start before its server accepts connections
             self._changed.set()
 
     def _on_heartbeat(self, w: _Worker, msg: protocol.Heartbeat) -> None:
@@ -631,7 +641,11 @@ class WorkerPool:
     async def _stop(self, grace: float, final: bool) -> None:
         if self._state != PoolState.STOPPED or self._workers:
             self._state = PoolState.STOPPING
-        live = [w for w in self._workers if w.state == WorkerState.READY and w.channel is not None]
+        live = [
+            w.channel
+            for w in self._workers
+            if w.state == WorkerState.READY and w.channel is not None
+        ]
         for w in self._workers:
             if w.hb_timer is not None:
                 w.hb_timer.cancel()
@@ -639,14 +653,12 @@ class WorkerPool:
             if w.state != WorkerState.DEAD:
                 w.state = WorkerState.STOPPING
 
-        async def _ask(w: _Worker) -> None:
-            try:
-                await w.channel.request(protocol.Shutdown(), timeout=grace)
-            except (ChannelClosed, RemoteError, TimeoutError, OSError):
-                pass
+        async def _ask(ch: Channel) -> None:
+            with contextlib.suppress(ChannelClosed, RemoteError, TimeoutError, OSError):
+                await ch.request(protocol.Shutdown(), timeout=grace)
 
         if live:
-            await asyncio.gather(*(_ask(w) for w in live))
+            await asyncio.gather(*(_ask(ch) for ch in live))
         await self._exits(grace)
         for w in self._workers:
             if w.proc is not None and w.proc.poll() is None:
@@ -708,11 +720,9 @@ class WorkerPool:
             (gen,) = struct.unpack("=q", word)
             struct.pack_into("=q", word, 0, gen + 1)
         for fd in bells:
-            try:
+            # counter full or fd closed by a concurrent release: the generation word still tells
+            with contextlib.suppress(OSError):
                 os.eventfd_write(fd, 1)
-            except OSError:
-                # counter full or fd closed by a concurrent release: the generation word still tells
-                pass
         log.info("pool %r: abort (generation %d)", self.name, gen + 1)
 
     @property
@@ -766,10 +776,8 @@ class WorkerPool:
         except ChannelClosed as exc:
             # The exit usually follows the EOF within milliseconds: wait for it, so the message
             # names the status.
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(w.exited.wait(), EXIT_REPORT_WAIT_S)
-            except TimeoutError:
-                pass
             self._mark_dead(w, f"channel closed ({exc})")
             raise self._error(w, f"died during {kind!r}: {w.death}") from None
         except TimeoutError:

@@ -24,7 +24,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 import comfy_kitchen as ck
 import torch
@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from workers.runtime import config
 
-Row = Union[int, torch.Tensor]
+Row = int | torch.Tensor
 """A mod-segment row: an int, or a LongTensor of per-token rows (masked segments)."""
 ModSegment = tuple[int, int, Row]
-"""A modulation segment: tokens [a, b) take the modulation row ``Row`` (not a shared-memory segment)."""
+"""A modulation segment: tokens [a, b) take the modulation row ``Row`` (not a shared-memory
+segment)."""
 
 # Names of the four linears that int8 checkpoints quantize; everything else stays in model dtype.
 INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -287,9 +288,8 @@ def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModS
         lo, hi = max(a, t0), min(b, t1)
         if lo >= hi:
             continue
-        if isinstance(row, torch.Tensor):
-            row = row[lo - a : hi - a]
-        out.append((lo - t0, hi - t0, row))
+        part = row[lo - a : hi - a] if isinstance(row, torch.Tensor) else row
+        out.append((lo - t0, hi - t0, part))
     return out
 
 
@@ -415,9 +415,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 ATTENTION_BACKENDS = ("sdpa", "ck_int8")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""``attend(q, k, v, heads) -> [S, h·D]`` from q, k, v ``[1, h, S, D]`` views (see ``workers.runtime.comfy_host``)."""
+"""``attend(q, k, v, heads) -> [S, h·D]`` from q, k, v ``[1, h, S, D]`` views (see
+``workers.runtime.comfy_host``)."""
 Trace = Callable[[str, torch.Tensor], None]
-"""``trace(op, output)``: sees each op's output in a block (``verify`` digests them to find the first difference)."""
+"""``trace(op, output)``: sees each op's output in a block (``verify`` digests them to find the
+first difference)."""
 
 
 def ck_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -521,7 +523,8 @@ def attention_heads(
 def qkv_views(
     qkv: torch.Tensor, n_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q and k as ``[1, S, h, D]`` and v as ``[S, h, D]``: strided views of one packed ``[S, 3·h·D]`` projection."""
+    """q and k as ``[1, S, h, D]`` and v as ``[S, h, D]``: strided views of one packed
+    ``[S, 3·h·D]`` projection."""
     seq = qkv.shape[0]
     q, k, v = qkv.split(n_heads * head_dim, dim=-1)
     return (

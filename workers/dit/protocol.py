@@ -68,7 +68,7 @@ import msgspec
 from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, TensorDesc
 
 
-class Transport(str, enum.Enum):
+class Transport(enum.StrEnum):
     """How the ranks of a split step exchange rows between blocks: the one vocabulary of the
     node input (``host``, ``nccl``), the wire (a step's ``exchange``), the step records and the
     status JSON.  The node's ``nccl`` means the collective transport; on CPU ranks it runs as
@@ -82,9 +82,6 @@ class Transport(str, enum.Enum):
     GLOO = "gloo"
     #: benchmark baseline without exchange (each rank's compute alone; wrong output by design)
     NONE = "none"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def collective(self) -> bool:

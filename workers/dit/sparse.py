@@ -149,8 +149,9 @@ def kernel_unavailable(device: torch.device) -> str | None:
 
 
 def target_starts(segments: Sequence[tuple]) -> tuple[int, int] | None:
-    """``(audio_start, video_start)`` of H3's packed stream: the target audio and video are always its last two
-    mod segments (``docs/comfyui_facts.md`` §1.4); None with fewer than two segments."""
+    """``(audio_start, video_start)`` of H3's packed stream: the target audio and video are always
+    its last two mod segments (``docs/comfyui_facts.md`` §1.4); None with fewer than two
+    segments."""
     if len(segments) < 2:
         return None
     return int(segments[-2][0]), int(segments[-1][0])

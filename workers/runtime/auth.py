@@ -1,4 +1,4 @@
-"""Challenge–response between the coordinator and a worker.
+"""Challenge-response between the coordinator and a worker.
 
 The coordinator makes a fresh random key per pool start and writes it, hex-encoded on one line, to
 each worker's stdin pipe (never argv or the environment, which other local users can read through

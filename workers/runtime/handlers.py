@@ -153,7 +153,7 @@ async def _ping(ctx: WorkerContext, msg: protocol.Ping) -> protocol.Pong:
     serves = None
     if not ctx.announced:
         ctx.announced = True
-        serves = sorted(kind.__struct_config__.tag for kind in HANDLERS)
+        serves = sorted(protocol.kind_of(kind) for kind in HANDLERS)
     return protocol.Pong(pong=True, pid=os.getpid(), rank=ctx.rank, serves=serves)
 
 
@@ -198,4 +198,4 @@ async def _echo(ctx: WorkerContext, msg: protocol.Echo) -> protocol.Echoed:
 async def _drop_released(ctx: WorkerContext, msg: protocol.DropReleased) -> protocol.Dropped:
     """Unmap every segment the coordinator has released (sent before it makes new step buffers, so a
     tight /dev/shm has the old ones' pages back first)."""
-    return {"dropped": ctx.forget_released()}
+    return protocol.Dropped(dropped=ctx.forget_released())

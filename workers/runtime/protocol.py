@@ -16,8 +16,8 @@ before anything is allocated.
 Conversation (every arrow is one frame)::
 
     coordinator                                worker
-        ── challenge {nonce} ─────────────────────►
-        ◄──────────────────── auth {rank, pid, mac}     mac = HMAC-SHA256(key, nonce || rank), see auth.py
+        ── challenge {nonce} ─────────────────────►     (handshake: see auth.py)
+        ◄──────────────────── auth {rank, pid, mac}     mac = HMAC-SHA256(key, nonce || rank)
         ── welcome {...} or refused {error} ──────►
         ── <request kind> {id: n, ...} ───────────►
         ◄──────── ok {id: n, r: {...}} | err {id: n, error, tb}     r: the kind's answer
@@ -191,7 +191,7 @@ class Message(msgspec.Struct, tag_field="k", kw_only=True, forbid_unknown_fields
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        global _decoder
+        global _decoder  # noqa: PLW0603 - the process's one decoder cache, rebuilt after a new kind
         with _LOCK:
             _DECLARED.append(cls)
             _decoder = None
@@ -203,7 +203,15 @@ class Message(msgspec.Struct, tag_field="k", kw_only=True, forbid_unknown_fields
     @property
     def kind(self) -> str:
         """The message's kind (its tag)."""
-        return self.__struct_config__.tag
+        return kind_of(type(self))
+
+
+def kind_of(cls: type[Message]) -> str:
+    """The kind (tag) of a message struct: a str, the class name unless ``tag=`` names it."""
+    tag = cls.__struct_config__.tag
+    if not isinstance(tag, str):
+        raise ProtocolError(f"{cls.__qualname__} has the tag {tag!r}; a kind's tag is a str")
+    return tag
 
 
 class Answer(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -238,7 +246,7 @@ def kinds() -> dict[str, type[Message]]:
     for cls in declared:
         if cls is Request:  # the base of the requests, not a kind
             continue
-        tag = cls.__struct_config__.tag
+        tag = kind_of(cls)
         if tag in out and out[tag] is not cls:
             raise ProtocolError(
                 f"message kind {tag!r} is declared twice: {out[tag].__qualname__} and "
@@ -253,12 +261,13 @@ def _refuse_ext(code: int, data: memoryview) -> Any:
 
 
 def _get_decoder() -> msgspec.msgpack.Decoder:
-    global _decoder
+    global _decoder  # noqa: PLW0603 - the process's one decoder cache, rebuilt after a new kind
     dec = _decoder
     if dec is None:
         with _LOCK:
             declared = len(_DECLARED)
-        dec = msgspec.msgpack.Decoder(Union[tuple(kinds().values())], ext_hook=_refuse_ext)  # type: ignore[valid-type]
+        every_kind: Any = Union[tuple(kinds().values())]  # noqa: UP007 - built at runtime, no X | Y
+        dec = msgspec.msgpack.Decoder(every_kind, ext_hook=_refuse_ext)
         with _LOCK:
             if len(_DECLARED) == declared:
                 # a kind declared meanwhile makes the next call build again

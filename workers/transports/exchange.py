@@ -15,6 +15,8 @@ import torch
 
 from workers.transports.host import ArenaLayout
 
+_CPU = torch.device("cpu")
+
 
 class Exchange(Protocol):
     """One rank's side of the per-block collectives over an :class:`ArenaLayout` (tokens by rank,
@@ -84,7 +86,7 @@ class NoExchange(InProcessExchange):
         self,
         rank: int = 0,
         layout: ArenaLayout | None = None,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = _CPU,
     ) -> None:
         self.rank, self.layout = rank, layout
         self._g = self._a = None

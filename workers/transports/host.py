@@ -10,7 +10,8 @@ Two collectives per transformer block (``docs/architecture.md`` §3):
 
 Arena (one shm segment for all ranks; see :class:`ArenaLayout`)::
 
-    header page   line 0: magic, version, world, nbytes;  line 1+r: rank r's sequence word, fault word
+    header page   line 0: magic, version, world, nbytes
+                  line 1+r: rank r's sequence word, fault word
     G [S, W]      all-gather buffer: rank r writes rows [t_r, t_r+1)
     A_r [S, c_r]  one all-to-all block per rank: rank r writes its columns for every other rank's
     tokens
@@ -24,9 +25,12 @@ coordinator-routed signalling would cost per message); see its ``choice`` field.
 
 Sequence word (one int64, monotonic within a job)::
 
-    bits 47..62 abort generation (low 16 bits)   bits 33..46 job number in that generation (1..16383, cycling)
-    bits 17..32 op index in the job (1..65535)   bit 16 op kind (0 gather, 1 all-to-all)
-    bits 8..15 chunk count of the op              bits 0..7 chunks of the op published so far
+    bits 47..62  abort generation (low 16 bits)
+    bits 33..46  job number in that generation (1..16383, cycling)
+    bits 17..32  op index in the job (1..65535)
+    bit  16      op kind (0 gather, 1 all-to-all)
+    bits 8..15   chunk count of the op
+    bits 0..7    chunks of the op published so far
 
 ``begin()`` stores (generation, job, op 0): "I have begun this job".  Because op kind and chunk
 count are in the word, a reader that finds a peer on the same op with another kind or chunk count
@@ -64,6 +68,7 @@ so no fence is needed.  Python offers no portable fence; on weakly ordered CPUs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -533,10 +538,8 @@ class HostExchange:
 
     def close(self) -> None:
         """Drop the poll registration (the fds belong to the pool)."""
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._poll.unregister(self._my_fd)
-        except (KeyError, ValueError):
-            pass
 
     # -- op machinery ------------------------------------------------------------------------------
     def _check_input(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
@@ -714,10 +717,8 @@ class HostExchange:
                     f"published) words: {words}); a rank died or stalled - see its worker log"
                 )
             if self._poll.poll(max(1, math.ceil(remaining * 1000))):
-                try:
+                with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._my_fd)
-                except BlockingIOError:
-                    pass
                 self._stats["wakeups"] += 1
             self._stats["wait_s"] += time.perf_counter() - t
 

@@ -71,7 +71,7 @@ def import_comfy_vae(comfy: dict) -> Any:
     root = os.path.realpath(comfy["root"])
     loaded = sys.modules.get("comfy")
     if loaded is not None:
-        where = os.path.realpath(os.path.dirname(list(loaded.__path__)[0]))
+        where = os.path.realpath(os.path.dirname(next(iter(loaded.__path__))))
         if where != root:
             raise RuntimeError(
                 f"this worker already imported ComfyUI from {where}; it cannot switch to {root}"
