@@ -318,9 +318,8 @@ class WeightCache:
                 raise CacheRefused(
                     f"weight cache {group}: needs {need / GIB:.2f} GiB but only "
                     f"{ram_info().available_bytes / GIB:.2f} GiB RAM is available and "
-                    "cache_ram_reserve_gb="
-                    f"{reserve_gb:g} must stay free; running without the cache (lower the reserve "
-                    "or free RAM)"
+                    f"cache_ram_reserve_gb={reserve_gb:g} must stay free; running without the "
+                    "cache (lower the reserve or free RAM)"
                 )
             t0 = time.perf_counter()
             entry = CachedWeights(

@@ -8,11 +8,13 @@ the ``<param>_lowvram_function`` / ``LowVramPatch`` markers, ``comfy.ops.cast_bi
 ComfyUI's own patch path (``docs/comfyui_facts.md`` §5.1), so the split computes with exactly the
 tensors plain ComfyUI would.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -37,16 +39,22 @@ def weight_key(patcher: Any) -> tuple[tuple, str | None]:
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
             st = os.stat(path)
             options = args[1] if len(args) > 1 else None
-            opts = (repr(sorted(options.items(), key=lambda kv: str(kv[0]))) if isinstance(options, Mapping)
-                    else repr(options))
+            opts = (
+                repr(sorted(options.items(), key=lambda kv: str(kv[0])))
+                if isinstance(options, Mapping)
+                else repr(options)
+            )
             return ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns, opts, patches), None
     model = getattr(patcher, "model", patcher)
     return ("dit-object", id(model), patches), (
-        "weight store keyed by model object: the loader gave no single-file reload factory (cached_patcher_init); "
-        "load the DiT with a core loader (UNETLoader / CheckpointLoaderSimple) to keep the store across reloads")
+        "weight store keyed by model object: the loader gave no single-file reload factory "
+        "(cached_patcher_init); load the DiT with a core loader (UNETLoader / "
+        "CheckpointLoaderSimple) to keep the store across reloads"
+    )
 
 
-# --- weights through ComfyUI's own patch path ------------------------------------------------------------------
+# --- weights through ComfyUI's own patch path -----------------------------------------------------
+
 
 def _is_quantized(t: Any) -> bool:
     return hasattr(t, "_qdata") and hasattr(t, "_params")
@@ -60,7 +68,9 @@ def _patched_in_cast(module: Any) -> bool:
     for param in ("weight", "bias"):
         if getattr(module, f"{param}_lowvram_function", None) is not None:
             return True
-        if any(getattr(f, "is_lowvram_patch", False) for f in getattr(module, f"{param}_function", ())):
+        if any(
+            getattr(f, "is_lowvram_patch", False) for f in getattr(module, f"{param}_function", ())
+        ):
             return True
     return False
 
@@ -75,16 +85,24 @@ def _wants_requant(module: Any, name: str) -> bool:
     weight = getattr(module, "weight", None)
     if not _is_quantized(weight):
         return False
-    if name.endswith("mlp.fc2") and weight._layout_cls == "TensorWiseINT8Layout" and \
-            not getattr(weight._params, "transposed", False):
+    if (
+        name.endswith("mlp.fc2")
+        and weight._layout_cls == "TensorWiseINT8Layout"
+        and not getattr(weight._params, "transposed", False)
+    ):
         return True
-    return (getattr(module, "layout_type", None) is not None and not getattr(module, "_full_precision_mm", False)
-            and not getattr(module, "comfy_force_cast_weights", False)
-            and not getattr(module, "weight_function", ()) and not getattr(module, "bias_function", ()))
+    return (
+        getattr(module, "layout_type", None) is not None
+        and not getattr(module, "_full_precision_mm", False)
+        and not getattr(module, "comfy_force_cast_weights", False)
+        and not getattr(module, "weight_function", ())
+        and not getattr(module, "bias_function", ())
+    )
 
 
-def _cast_path_tensors(patcher: Any, module: Any, name: str, compute_dtype: torch.dtype,
-                       out: dict[str, torch.Tensor]) -> None:
+def _cast_path_tensors(
+    patcher: Any, module: Any, name: str, compute_dtype: torch.dtype, out: dict[str, torch.Tensor]
+) -> None:
     """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into
     ``out`` (host copies, store names; ``name`` is the module's in-block name).
 
@@ -97,9 +115,17 @@ def _cast_path_tensors(patcher: Any, module: Any, name: str, compute_dtype: torc
     (``uncast_bias_weight``).
     """
     import comfy.ops
+
     weight, bias, offload = comfy.ops.cast_bias_weight(
-        module, None, dtype=compute_dtype, device=patcher.load_device, bias_dtype=compute_dtype, offloadable=True,
-        compute_dtype=compute_dtype, want_requant=_wants_requant(module, name))
+        module,
+        None,
+        dtype=compute_dtype,
+        device=patcher.load_device,
+        bias_dtype=compute_dtype,
+        offloadable=True,
+        compute_dtype=compute_dtype,
+        want_requant=_wants_requant(module, name),
+    )
     try:
         _put_host(out, f"{name}.weight", weight)
         if bias is not None:
@@ -133,11 +159,15 @@ def effective_weight(patcher: Any, key: str) -> Any:
         path, attr = key.rsplit(".", 1)
         weight = getattr(patcher.get_model_object(path), attr)
     elif key not in patcher.patches:
-        weight = backup[key].weight  # the live weight carries another clone's patches; ours has none here
+        weight = backup[
+            key
+        ].weight  # the live weight carries another clone's patches; ours has none here
     else:
         raise MultiStreamError(
-            f"{key} currently holds another model clone's LoRA/weight patches, so this clone's patched weight cannot "
-            "be computed; let ComfyUI load this model (queue the prompt again) before the split reads its weights")
+            f"{key} currently holds another model clone's LoRA/weight patches, so this clone's "
+            "patched weight cannot be computed; let ComfyUI load this model (queue the prompt "
+            "again) before the split reads its weights"
+        )
     for fn in getattr(patcher, "weight_wrapper_patches", {}).get(key, []):
         weight = fn(weight)
     return weight
@@ -146,7 +176,11 @@ def effective_weight(patcher: Any, key: str) -> Any:
 def _convrot_tag(params: Any) -> torch.Tensor | None:
     if not getattr(params, "convrot", False):
         return None
-    conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int(params.convrot_groupsize)}
+    conf = {
+        "format": "int8_tensorwise",
+        "convrot": True,
+        "convrot_groupsize": int(params.convrot_groupsize),
+    }
     return torch.frombuffer(bytearray(json.dumps(conf).encode("utf-8")), dtype=torch.uint8).clone()
 
 
@@ -164,8 +198,9 @@ def _put_host(out: dict[str, torch.Tensor], name: str, w: Any) -> None:
         out[name] = w.detach().to("cpu").contiguous()
 
 
-def block_tensors(patcher: Any, block_index: int, compute_dtype: torch.dtype,
-                  prefix: str = "diffusion_model.") -> dict[str, torch.Tensor]:
+def block_tensors(
+    patcher: Any, block_index: int, compute_dtype: torch.dtype, prefix: str = "diffusion_model."
+) -> dict[str, torch.Tensor]:
     """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight
     store takes them.
 
@@ -205,8 +240,12 @@ def available_ram() -> int:
     return int(ram_info().available_bytes)
 
 
-def block_reader(patcher: Any, reserve_gb: float, compute_dtype: torch.dtype,
-                 ram: Callable[[], int] = available_ram) -> Callable[[int], dict[str, torch.Tensor]]:
+def block_reader(
+    patcher: Any,
+    reserve_gb: float,
+    compute_dtype: torch.dtype,
+    ram: Callable[[], int] = available_ram,
+) -> Callable[[int], dict[str, torch.Tensor]]:
     """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into
     the RAM reserve."""
     dm = patcher.get_model_object("diffusion_model")
@@ -217,10 +256,11 @@ def block_reader(patcher: Any, reserve_gb: float, compute_dtype: torch.dtype,
         avail = ram()
         if avail - need < reserve:
             raise MultiStreamError(
-                f"weight store: block {i} needs {need / GIB:.2f} GiB but only {avail / GIB:.2f} GiB RAM is available "
-                f"and cache_ram_reserve_gb keeps {reserve_gb:g} GiB free; lower cache_ram_reserve_gb, free RAM, or "
-                "run the model unsplit")
+                f"weight store: block {i} needs {need / GIB:.2f} GiB but only {avail / GIB:.2f} "
+                f"GiB RAM is available and cache_ram_reserve_gb keeps {reserve_gb:g} GiB free; "
+                "lower cache_ram_reserve_gb, free RAM, or run the model unsplit"
+            )
         with torch.inference_mode():
             return block_tensors(patcher, i, compute_dtype)
-    return read
 
+    return read

@@ -1,4 +1,5 @@
 """The node layer's one error type: a model or patch set the split cannot run."""
+
 from __future__ import annotations
 
 

@@ -1,18 +1,21 @@
-"""Method hooks on ComfyUI model objects shared by every clone (the VAE's ``first_stage_model``, the CLIP's
-``cond_stage_model``), held through weak references (``docs/comfyui_facts.md`` §9).
+"""Method hooks on ComfyUI model objects shared by every clone (the VAE's ``first_stage_model``, the
+CLIP's ``cond_stage_model``), held through weak references (``docs/comfyui_facts.md`` §9).
 
-A hook replaces one instance attribute (e.g. ``decode_temporal``) with a wrapper built around the original bound
-method; the wrapper reads its live config from the hook, so running the node again only updates the config, never
-wraps twice.  The registry keeps a weak reference to the object: a strong one would keep a model (and its VRAM)
-alive after ComfyUI dropped it.  Removing a hook is refused when something else has since replaced the attribute
-(restoring would drop that other wrapper).
+A hook replaces one instance attribute (e.g. ``decode_temporal``) with a wrapper built around the
+original bound method; the wrapper reads its live config from the hook, so running the node again
+only updates the config, never wraps twice.  The registry keeps a weak reference to the object: a
+strong one would keep a model (and its VRAM) alive after ComfyUI dropped it.  Removing a hook is
+refused when something else has since replaced the attribute (restoring would drop that other
+wrapper).
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from h3ms_async.log import get_logger
 
@@ -25,7 +28,7 @@ class Hook:
 
     label: str
     attr: str
-    ref: "weakref.ref[Any]"
+    ref: weakref.ref[Any]
     original: Any
     had_instance_attr: bool
     wrapper: Callable[..., Any]
@@ -33,10 +36,24 @@ class Hook:
 
     def describe(self) -> dict:
         obj = self.ref()
-        model = None if obj is None else obj.__qualname__ if isinstance(obj, type) else type(obj).__name__
-        return {"hook": self.label, "model": model,
-                "methods": [self.attr], "detached": False,
-                "config": {k: v for k, v in self.config.items() if isinstance(v, (bool, int, float, str, type(None)))}}
+        model = (
+            None
+            if obj is None
+            else obj.__qualname__
+            if isinstance(obj, type)
+            else type(obj).__name__
+        )
+        return {
+            "hook": self.label,
+            "model": model,
+            "methods": [self.attr],
+            "detached": False,
+            "config": {
+                k: v
+                for k, v in self.config.items()
+                if isinstance(v, (bool, int, float, str, type(None)))
+            },
+        }
 
 
 _HOOKS: dict[tuple[int, str], Hook] = {}
@@ -51,9 +68,15 @@ def _live(obj: Any, attr: str) -> Hook | None:
     return hook
 
 
-def install(obj: Any, attr: str, label: str, make_wrapper: Callable[[Any, dict], Callable[..., Any]],
-            config: dict) -> bool:
-    """Hook ``obj.attr`` with ``make_wrapper(original, config)``; when already hooked, replace only the config.
+def install(
+    obj: Any,
+    attr: str,
+    label: str,
+    make_wrapper: Callable[[Any, dict], Callable[..., Any]],
+    config: dict,
+) -> bool:
+    """Hook ``obj.attr`` with ``make_wrapper(original, config)``; when already hooked, replace only
+    the config.
 
     Returns True when the hook was installed now.
     """
@@ -68,7 +91,9 @@ def install(obj: Any, attr: str, label: str, make_wrapper: Callable[[Any, dict],
         wrapper = make_wrapper(original, live_config)
         had = attr in obj.__dict__
         setattr(obj, attr, wrapper)
-        _HOOKS[(id(obj), attr)] = Hook(label, attr, weakref.ref(obj), original, had, wrapper, live_config)
+        _HOOKS[(id(obj), attr)] = Hook(
+            label, attr, weakref.ref(obj), original, had, wrapper, live_config
+        )
     log.info("%s hook installed on %s.%s", label, type(obj).__name__, attr)
     return True
 
@@ -86,8 +111,13 @@ def _remove(key: tuple[int, str], hook: Hook) -> bool:
         _HOOKS.pop(key, None)
         return False
     if obj.__dict__.get(hook.attr) is not hook.wrapper:
-        log.error("%s hook on %s.%s left in place: another wrapper was installed on top of it; restart ComfyUI to "
-                  "remove both", hook.label, type(obj).__name__, hook.attr)
+        log.error(
+            "%s hook on %s.%s left in place: another wrapper was installed on top of it; restart "
+            "ComfyUI to remove both",
+            hook.label,
+            type(obj).__name__,
+            hook.attr,
+        )
         return False
     if hook.had_instance_attr:
         setattr(obj, hook.attr, hook.original)

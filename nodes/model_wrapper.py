@@ -10,11 +10,13 @@ How the split sits on a ModelPatcher (``docs/comfyui_facts.md`` §8):
   new clone that shares our wrapper), so the weights and their key come from that patcher
   (``nodes/comfy_weights.py``).
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -22,8 +24,14 @@ from h3ms_async.log import get_logger
 from h3ms_async.runtime.host_memory import GIB
 
 from . import progress
-from .block_patches import (OwnPatch, PassThroughPatch, StackPatch, capture_block_options,
-                            collect_user_patches, refuse_comfy_sparse)
+from .block_patches import (
+    OwnPatch,
+    PassThroughPatch,
+    StackPatch,
+    capture_block_options,
+    collect_user_patches,
+    refuse_comfy_sparse,
+)
 from .comfy_weights import block_reader, weight_key
 from .errors import MultiStreamError
 from .h3_detect import is_h3, read_config
@@ -36,8 +44,14 @@ WRAPPER_KEY = "h3_multistream_async"
 class SplitState:
     """What one node instance configured; shared by every clone that inherits its wrapper."""
 
-    def __init__(self, devices: list[str], options: Any, reserve_gb: float, patcher: Any,
-                 weight_cache: bool = True):
+    def __init__(
+        self,
+        devices: list[str],
+        options: Any,
+        reserve_gb: float,
+        patcher: Any,
+        weight_cache: bool = True,
+    ):
         self.devices = list(devices)
         self.options = options
         self.reserve_gb = reserve_gb
@@ -58,15 +72,21 @@ class SplitState:
         """ComfyUI's ON_CLEANUP: the ranks drop sparse attention's pooled statistics; with
         ``weight_cache`` off, the store goes too (workers stay)."""
         from h3ms_async.dit.split import end_sampling
+
         try:
             dropped = end_sampling()
-        except Exception as exc:  # noqa: BLE001 - cleanup must finish; a rank that failed here is restarted next step
+        except Exception as exc:  # noqa: BLE001
+            # cleanup must finish; a rank that failed here is restarted next step
             log.warning("dropping sparse attention statistics after sampling failed: %s", exc)
         else:
             if dropped:
-                log.info("sampling ended: %d sparse attention statistics entries dropped on the ranks", dropped)
+                log.info(
+                    "sampling ended: %d sparse attention statistics entries dropped on the ranks",
+                    dropped,
+                )
         if not self.weight_cache:
             from h3ms_async.dit.split import clear_weight_stores
+
             if clear_weight_stores():
                 log.info("weight_cache is off: weight store released after sampling")
 
@@ -88,16 +108,23 @@ class SplitState:
         with self._lock:
             p = self._patcher()
         if p is None:
-            raise MultiStreamError("the model this split was configured for is gone; re-run the H3 MultiStream node")
+            raise MultiStreamError(
+                "the model this split was configured for is gone; re-run the H3 MultiStream node"
+            )
         return p
 
     def describe(self) -> dict:
         from h3ms_async.dit.split import options_dict
-        return {"kind": "dit_split", "devices": list(self.devices), "detached": self.detached,
-                "options": None if self.options is None else options_dict(self.options)}
+
+        return {
+            "kind": "dit_split",
+            "devices": list(self.devices),
+            "detached": self.detached,
+            "options": None if self.options is None else options_dict(self.options),
+        }
 
 
-_STATES: "weakref.WeakSet[SplitState]" = weakref.WeakSet()
+_STATES: weakref.WeakSet[SplitState] = weakref.WeakSet()
 
 
 def live_states() -> list[SplitState]:
@@ -133,7 +160,14 @@ class _RunStack:
 
     def __call__(self, args: dict, extra: dict) -> dict:
         from h3ms_async.dit.sparse import branch_key
-        from h3ms_async.dit.split import SplitError, SplitInterrupted, SplitUnsafe, check_block_options, get_engine
+        from h3ms_async.dit.split import (
+            SplitError,
+            SplitInterrupted,
+            SplitUnsafe,
+            check_block_options,
+            get_engine,
+        )
+
         interrupt = progress.interrupt_probe()
         if interrupt():  # cancelled between steps: start nothing
             progress.raise_interrupted()
@@ -157,18 +191,31 @@ class _RunStack:
         if self.state.take_new_prompt():
             engine.new_prompt()
         dtype = args["img"].dtype
-        engine.load_weights(key, read_config(self.dm), block_reader(patcher, self.state.reserve_gb, dtype), n,
-                            compute_dtype=dtype)
+        engine.load_weights(
+            key,
+            read_config(self.dm),
+            block_reader(patcher, self.state.reserve_gb, dtype),
+            n,
+            compute_dtype=dtype,
+        )
         try:
-            out = engine.run_blocks(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
-                                    block_options=block_options, interrupt=interrupt, sigma=_sigma(args),
-                                    in_place=True,
-                                    sparse_branch=branch_key(args["transformer_options"].get("uuids", ())))
+            out = engine.run_blocks(
+                args["img"],
+                args["t_emb"],
+                args["mod_segments"],
+                args["rope_freqs"],
+                block_options=block_options,
+                interrupt=interrupt,
+                sigma=_sigma(args),
+                in_place=True,
+                sparse_branch=branch_key(args["transformer_options"].get("uuids", ())),
+            )
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
         except SplitUnsafe as exc:
-            # A plan measured not bit-exact on these GPUs: this step runs unsplit in ComfyUI, as it would without
-            # the node (the ranks stay up for the next plan). Warned once per plan; later steps only at DEBUG.
+            # A plan measured not bit-exact on these GPUs: this step runs unsplit in ComfyUI, as it
+            # would without the node (the ranks stay up for the next plan). Warned once per plan;
+            # later steps only at DEBUG.
             (log.warning if exc.first else log.debug)("%s; running this step unsplit", exc)
             self.unsplit = True
             return self.run_unsplit(0, args, extra)
@@ -185,14 +232,18 @@ class _RunStack:
         if host is None or host.attention != "attention_sub_quad":
             return None
         from comfy import model_management
+
         from h3ms_async.dit.split import subquad_unchunked
+
         heads = int(self.dm.blocks[0].attn.heads)
         free = model_management.get_free_memory(img.device, True)[0]
         if subquad_unchunked(heads, img.shape[0], img.element_size(), free):
             return None
-        return (f"ComfyUI's sub-quadratic attention would chunk {img.shape[0]} tokens x {heads} heads by free memory "
-                f"({free / GIB:.1f} GiB), which the head-split ranks cannot reproduce exactly; start ComfyUI with "
-                "--use-pytorch-cross-attention to split such steps")
+        return (
+            f"ComfyUI's sub-quadratic attention would chunk {img.shape[0]} tokens x {heads} heads "
+            f"by free memory ({free / GIB:.1f} GiB), which the head-split ranks cannot reproduce "
+            "exactly; start ComfyUI with --use-pytorch-cross-attention to split such steps"
+        )
 
 
 def _sigma(args: Mapping) -> float | None:
@@ -211,8 +262,16 @@ class SplitWrapper:
     def __init__(self, state: SplitState):
         self.state = state
 
-    def __call__(self, executor: Any, x: Any, timestep: Any, context: Any, transformer_options: dict,
-                 *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self,
+        executor: Any,
+        x: Any,
+        timestep: Any,
+        context: Any,
+        transformer_options: dict,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         dm = executor.class_obj
         if not is_h3(dm):
             return executor(x, timestep, context, transformer_options, *args, **kwargs)
@@ -225,37 +284,51 @@ class SplitWrapper:
         override = to.get("optimized_attention_override")
         if override is not None:
             self.state.warn_once(
-                "override", "the model carries a whole-model attention override (%s, set with "
-                "set_model_optimized_attention / transformer_options['optimized_attention_override']); the rank "
-                "workers cannot run it, so this model runs unsplit. Remove the node that sets it to split the model",
-                getattr(override, "__name__", type(override).__name__))
-        if self.state.detached or override is not None:  # plain ComfyUI: the user's own patches only
+                "override",
+                "the model carries a whole-model attention override (%s, set with "
+                "set_model_optimized_attention / "
+                "transformer_options['optimized_attention_override']); the rank workers cannot run "
+                "it, so this model runs unsplit. Remove the node that sets it to split the model",
+                getattr(override, "__name__", type(override).__name__),
+            )
+        if (
+            self.state.detached or override is not None
+        ):  # plain ComfyUI: the user's own patches only
             to["patches_replace"]["dit"] = {("double_block", i): p for i, p in user.items()}
             return executor(x, timestep, context, to, *args, **kwargs)
         stack = _RunStack(self.state, dm, user)
         dit = {("double_block", i): PassThroughPatch(stack=stack, index=i) for i in range(1, n)}
         dit[("double_block", 0)] = stack
         to["patches_replace"]["dit"] = dit
-        to["prefetch_dynamic_vbars"] = False  # no ComfyUI-side block weight prefetch: blocks run on the workers
+        to["prefetch_dynamic_vbars"] = (
+            False  # no ComfyUI-side block weight prefetch: blocks run on the workers
+        )
         return executor(x, timestep, context, to, *args, **kwargs)
 
 
-def install_split(clone: Any, devices: list[str], options: Any, reserve_gb: float,
-                  weight_cache: bool = True) -> SplitState:
+def install_split(
+    clone: Any, devices: list[str], options: Any, reserve_gb: float, weight_cache: bool = True
+) -> SplitState:
     """Put the wrapper, the block patches and the pre-run / cleanup callbacks on ``clone`` (a fresh
     clone); returns the state."""
     from comfy.patcher_extension import CallbacksMP, WrappersMP
+
     dm = clone.get_model_object("diffusion_model")
     state = SplitState(devices, options, reserve_gb, clone, weight_cache)
     _STATES.add(state)
-    dit = clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    dit = (
+        clone.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    )
     for i in range(len(dm.blocks)):
         previous = dit.get(("double_block", i))
-        if isinstance(previous, OwnPatch):  # a second H3 MultiStream node in the chain: keep the user patch only
+        if isinstance(
+            previous, OwnPatch
+        ):  # a second H3 MultiStream node in the chain: keep the user patch only
             previous = previous.displaced
         patch = StackPatch(previous) if i == 0 else PassThroughPatch(previous)
         clone.set_model_patch_replace(patch, "dit", "double_block", i)
-    # a second H3 MultiStream node in the chain replaces the first one's wrapper and callback instead of stacking
+    # a second H3 MultiStream node in the chain replaces the first one's wrapper and callback
+    # instead of stacking
     clone.remove_wrappers_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     clone.remove_callbacks_with_key(CallbacksMP.ON_PRE_RUN, WRAPPER_KEY)
     clone.remove_callbacks_with_key(CallbacksMP.ON_CLEANUP, WRAPPER_KEY)

@@ -1,8 +1,10 @@
-"""The **H3 MultiStream** node: splits MiniMax H3's transformer blocks across GPU worker processes, bit-exact."""
+"""The **H3 MultiStream** node: splits MiniMax H3's transformer blocks across GPU worker processes,
+bit-exact."""
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from h3ms_async.log import get_logger
 from workers.dit.protocol import Transport
@@ -12,22 +14,24 @@ from .attention_parallel_node import has_parallel_attention
 from .block_patches import refuse_comfy_sparse
 from .errors import MultiStreamError
 from .h3_detect import diffusion_model_of, is_h3
+from .inputs import SECOND_GPU_INPUT, ModelPatchNode, enabled_input, ram_reserve_input
 from .model_wrapper import install_split
 from .sparse_attention_node import SPARSE_TYPE
-from .inputs import SECOND_GPU_INPUT, ModelPatchNode, enabled_input, ram_reserve_input
 
 log = get_logger("MultiStream")
 
 RANK_MAP_ENV = config.RANK_MAP.name
 
 _DESCRIPTION = (
-    "Splits every denoising step of MiniMax H3's transformer blocks across GPUs (tokens and attention heads), one "
-    "worker process per GPU, with output identical bit for bit to a single GPU. ComfyUI keeps H3's own embedding, "
-    "layout, rope and final layer; the workers run the 50 blocks from one shared-memory copy of the weights (LoRA "
-    "and weight patches included). Connect an H3 MS GPU Set to choose GPUs; without it every visible GPU is used. "
-    "A model that is not MiniMax H3, or a single usable GPU, runs unsplit. There is no dynamic_vram or "
-    "vram_block_cache input: the workers are separate processes, outside ComfyUI's DynamicVRAM, and keep as many "
-    "blocks resident in their own VRAM as fit (vram_residency).")
+    "Splits every denoising step of MiniMax H3's transformer blocks across GPUs (tokens and "
+    "attention heads), one worker process per GPU, with output identical bit for bit to a single "
+    "GPU. ComfyUI keeps H3's own embedding, layout, rope and final layer; the workers run the 50 "
+    "blocks from one shared-memory copy of the weights (LoRA and weight patches included). Connect "
+    "an H3 MS GPU Set to choose GPUs; without it every visible GPU is used. A model that is not "
+    "MiniMax H3, or a single usable GPU, runs unsplit. There is no dynamic_vram or "
+    "vram_block_cache input: the workers are separate processes, outside ComfyUI's DynamicVRAM, "
+    "and keep as many blocks resident in their own VRAM as fit (vram_residency)."
+)
 
 
 class H3MultiStreamAsync(ModelPatchNode):
@@ -35,58 +39,116 @@ class H3MultiStreamAsync(ModelPatchNode):
 
     DESCRIPTION = _DESCRIPTION
 
-    INPUTS = {
+    INPUTS: ClassVar[dict] = {
         "required": {
-            "model": ("MODEL", {"tooltip": "A MiniMax H3 model; any other model passes through unchanged."}),
-            "enabled": enabled_input("Off returns the model untouched (plain ComfyUI), as bypassing the node does."),
+            "model": (
+                "MODEL",
+                {"tooltip": "A MiniMax H3 model; any other model passes through unchanged."},
+            ),
+            "enabled": enabled_input(
+                "Off returns the model untouched (plain ComfyUI), as bypassing the node does."
+            ),
             "second_gpu": SECOND_GPU_INPUT,
-            "exchange": ([Transport.HOST.value, Transport.NCCL.value], {
-                         "default": "host", "tooltip": "host: per-block exchanges through "
-                         "pinned shared memory, works on any PCIe box. nccl: torch.distributed collectives, for "
-                         "NVLink machines."}),
-            "exchange_chunks": ("INT", {"default": 0, "min": 0, "max": 32, "tooltip": "Pipeline the host "
-                                "exchange in this many chunks so device-to-host and host-to-device copies overlap; "
-                                "0 or 1 = one shot. 8 is recommended for host. Ignored by nccl."}),
-            "weight_cache": ("BOOLEAN", {"default": True, "tooltip": "On: keep the block weights in shared "
-                             "memory after sampling (about 18.5 GB for H3 int8), so the next prompt starts "
-                             "without refilling them. Off: release them when sampling ends (the workers stay)."}),
-            "cache_ram_reserve_gb": ram_reserve_input("Fill the weight store only while at least this much RAM "
-                                                      "stays available; the split refuses to start rather than "
-                                                      "eat into it."),
-            "vram_residency": (["auto", "resident", "stream"], {"default": "auto", "tooltip": "auto: keep as "
-                               "many blocks in each GPU's VRAM as fit and stream the rest with prefetch. "
-                               "resident: all blocks must fit. stream: stream every block each step."}),
+            "exchange": (
+                [Transport.HOST.value, Transport.NCCL.value],
+                {
+                    "default": "host",
+                    "tooltip": "host: per-block exchanges through pinned shared memory, works on "
+                    "any PCIe box. nccl: torch.distributed collectives, for NVLink machines.",
+                },
+            ),
+            "exchange_chunks": (
+                "INT",
+                {
+                    "default": 0,
+                    "min": 0,
+                    "max": 32,
+                    "tooltip": "Pipeline the host exchange in this many chunks so device-to-host "
+                    "and host-to-device copies overlap; 0 or 1 = one shot. 8 is recommended for "
+                    "host. Ignored by nccl.",
+                },
+            ),
+            "weight_cache": (
+                "BOOLEAN",
+                {
+                    "default": True,
+                    "tooltip": "On: keep the block weights in shared memory after sampling (about "
+                    "18.5 GB for H3 int8), so the next prompt starts without refilling them. Off: "
+                    "release them when sampling ends (the workers stay).",
+                },
+            ),
+            "cache_ram_reserve_gb": ram_reserve_input(
+                "Fill the weight store only while at least this much RAM stays available; the "
+                "split refuses to start rather than eat into it."
+            ),
+            "vram_residency": (
+                ["auto", "resident", "stream"],
+                {
+                    "default": "auto",
+                    "tooltip": "auto: keep as many blocks in each GPU's VRAM as fit and stream the "
+                    "rest with prefetch. resident: all blocks must fit. stream: stream every block "
+                    "each step.",
+                },
+            ),
         },
         "optional": {
             "gpus": ("H3MS_GPUS", {"tooltip": "GPU choice from an H3 MS GPU Set node."}),
-            "verify": ("BOOLEAN", {"default": False, "tooltip": "Prove the split bit-exact on this machine: the "
-                       "first split step of each prompt also runs unsplit on the model's GPU (block by block, "
-                       "streaming the weights) and is compared with torch.equal; the log and the panel say "
-                       "'bit-exact on <GPUs>' or where it differs. Costs one unsplit step per prompt."}),
-            "sparse_attention": (SPARSE_TYPE, {"tooltip": "Sparse attention settings from an H3 MS Sparse "
-                                 "Attention node: each rank runs comfy-kitchen's sparse kernel over its own heads, "
-                                 "so the split equals the same sparse attention on one GPU. With one usable GPU the "
-                                 "blocks then run on one worker. Not connected: dense attention."}),
+            "verify": (
+                "BOOLEAN",
+                {
+                    "default": False,
+                    "tooltip": "Prove the split bit-exact on this machine: the first split step of "
+                    "each prompt also runs unsplit on the model's GPU (block by block, streaming "
+                    "the weights) and is compared with torch.equal; the log and the panel say "
+                    "'bit-exact on <GPUs>' or where it differs. Costs one unsplit step per prompt.",
+                },
+            ),
+            "sparse_attention": (
+                SPARSE_TYPE,
+                {
+                    "tooltip": "Sparse attention settings from an H3 MS Sparse Attention node: "
+                    "each rank runs comfy-kitchen's sparse kernel over its own heads, so the split "
+                    "equals the same sparse attention on one GPU. With one usable GPU the blocks "
+                    "then run on one worker. Not connected: dense attention."
+                },
+            ),
         },
     }
 
-    def patch(self, model: Any, enabled: bool, second_gpu: int, exchange: str, exchange_chunks: int,
-              weight_cache: bool, cache_ram_reserve_gb: float, vram_residency: str, gpus: Any = None,
-              verify: bool = False, sparse_attention: Any = None) -> tuple:
+    def patch(
+        self,
+        model: Any,
+        enabled: bool,
+        second_gpu: int,
+        exchange: str,
+        exchange_chunks: int,
+        weight_cache: bool,
+        cache_ram_reserve_gb: float,
+        vram_residency: str,
+        gpus: Any = None,
+        verify: bool = False,
+        sparse_attention: Any = None,
+    ) -> tuple:
         if not enabled:
             return (model,)
         dm = diffusion_model_of(model)
         if dm is None or not is_h3(dm):
-            log.warning("H3 MultiStream: the model is %s, not MiniMax H3; passing it through unsplit",
-                        type(dm).__name__ if dm is not None else type(model).__name__)
+            log.warning(
+                "H3 MultiStream: the model is %s, not MiniMax H3; passing it through unsplit",
+                type(dm).__name__ if dm is not None else type(model).__name__,
+            )
             return (model,)
         if has_parallel_attention(model):
             raise MultiStreamError(
-                "H3 Attention Parallel is already on this model; keep one of the two: H3 MultiStream when the model "
-                "does not fit on one GPU (it splits whole blocks), H3 Attention Parallel when it does (only attention "
-                "moves). Remove the other node from the model chain")
+                "H3 Attention Parallel is already on this model; keep one of the two: H3 "
+                "MultiStream when the model does not fit on one GPU (it splits whole blocks), H3 "
+                "Attention Parallel when it does (only attention moves). Remove the other node "
+                "from the model chain"
+            )
         sparse = _sparse_config(model, dm, sparse_attention)
-        devices, shares, why = _plan_devices(model, gpus, second_gpu, 1 if sparse is not None else 2)
+        devices, shares, why = _plan_devices(
+            model, gpus, second_gpu, 1 if sparse is not None else 2
+        )
         if devices is None:
             log.info("H3 MultiStream: running unsplit (%s)", why)
             return (model,)
@@ -94,56 +156,89 @@ class H3MultiStreamAsync(ModelPatchNode):
         if unsafe:
             log.warning("H3 MultiStream: running unsplit: %s", unsafe)
             return (model,)
-        # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would without the node
+        # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would
+        # without the node
         refuse_comfy_sparse(model)
         from h3ms_async.dit.split import COMFY_ATTENTION, SplitOptions
-        options = SplitOptions(exchange=exchange, exchange_chunks=int(exchange_chunks), vram_residency=vram_residency,
-                               cache_ram_reserve_gb=float(cache_ram_reserve_gb), shares=shares,
-                               attention=COMFY_ATTENTION, comfy_host=host, verify=bool(verify), sparse=sparse)
+
+        options = SplitOptions(
+            exchange=exchange,
+            exchange_chunks=int(exchange_chunks),
+            vram_residency=vram_residency,
+            cache_ram_reserve_gb=float(cache_ram_reserve_gb),
+            shares=shares,
+            attention=COMFY_ATTENTION,
+            comfy_host=host,
+            verify=bool(verify),
+            sparse=sparse,
+        )
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb), bool(weight_cache))
-        log.info("node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM reserve "
-                 "%g GiB, vram residency %s, verify %s, sparse attention %s", type(dm).__name__,
-                 getattr(model, "load_device", "?"), ",".join(devices), why, exchange, exchange_chunks,
-                 "on" if weight_cache else "off", cache_ram_reserve_gb, vram_residency, "on" if verify else "off",
-                 sparse_attention.describe() if sparse is not None else "off")
+        log.info(
+            "node configured: model %s on %s, ranks %s (%s), exchange %s x%d, weight cache %s, RAM "
+            "reserve %g GiB, vram residency %s, verify %s, sparse attention %s",
+            type(dm).__name__,
+            getattr(model, "load_device", "?"),
+            ",".join(devices),
+            why,
+            exchange,
+            exchange_chunks,
+            "on" if weight_cache else "off",
+            cache_ram_reserve_gb,
+            vram_residency,
+            "on" if verify else "off",
+            sparse_attention.describe() if sparse is not None else "off",
+        )
         return (clone,)
 
 
 #: The flag that selects each attention function ComfyUI may pick (for the unsplit warning).
-_ATTENTION_FLAGS = {"attention_split": "--use-split-cross-attention", "attention_sage": "--use-sage-attention",
-                    "attention3_sage": "--use-sage-attention", "attention_flash": "--use-flash-attention",
-                    "attention_xformers": "xformers (installed, not --disable-xformers)"}
+_ATTENTION_FLAGS = {
+    "attention_split": "--use-split-cross-attention",
+    "attention_sage": "--use-sage-attention",
+    "attention3_sage": "--use-sage-attention",
+    "attention_flash": "--use-flash-attention",
+    "attention_xformers": "xformers (installed, not --disable-xformers)",
+}
 
 
 def _comfy_host() -> tuple[Any, str | None]:
-    """``(host, why_unsplit)``: this ComfyUI (root, argv) and the attention function it selected, which the ranks
-    import and run (``workers.runtime.comfy_host``); ``why_unsplit`` names the flag when that function is not head-split
-    safe."""
+    """``(host, why_unsplit)``: this ComfyUI (root, argv) and the attention function it selected,
+    which the ranks import and run (``workers.runtime.comfy_host``); ``why_unsplit`` names the flag
+    when that function is not head-split safe."""
     import sys
 
     import comfy.ldm.modules.attention as attention
+
     from h3ms_async.dit.split import HEAD_SPLIT_SAFE, ComfyHost
+
     name = attention.optimized_attention.__name__
-    root = str(Path(attention.__file__).resolve().parents[3])  # <root>/comfy/ldm/modules/attention.py
+    root = str(
+        Path(attention.__file__).resolve().parents[3]
+    )  # <root>/comfy/ldm/modules/attention.py
     host = ComfyHost(root, tuple(sys.argv[1:]), name)
     if name in HEAD_SPLIT_SAFE:
         return host, None
     flag = _ATTENTION_FLAGS.get(name, "an attention flag")
-    return host, (f"ComfyUI attends with {name} ({flag}), which the split cannot run head-split bit-exactly; start "
-                  f"ComfyUI without {flag} (e.g. with --use-pytorch-cross-attention) to split H3")
+    return host, (
+        f"ComfyUI attends with {name} ({flag}), which the split cannot run head-split bit-exactly; "
+        f"start ComfyUI without {flag} (e.g. with --use-pytorch-cross-attention) to split H3"
+    )
 
 
 def _sparse_config(model: Any, dm: Any, settings: Any) -> Any:
-    """The ranks' sparse attention config from an H3 MS Sparse Attention node's settings (None: not connected): the
-    percent window through the model's own ``model_sampling.percent_to_sigma``, the dense blocks checked against the
-    model's block count."""
+    """The ranks' sparse attention config from an H3 MS Sparse Attention node's settings (None: not
+    connected): the percent window through the model's own ``model_sampling.percent_to_sigma``, the
+    dense blocks checked against the model's block count."""
     if settings is None:
         return None
     from h3ms_async.dit.sparse import SparseSettings
+
     if not isinstance(settings, SparseSettings):
-        raise MultiStreamError(f"sparse_attention got {type(settings).__name__}; connect an H3 MS Sparse Attention "
-                               "node's output")
+        raise MultiStreamError(
+            f"sparse_attention got {type(settings).__name__}; connect an H3 MS Sparse Attention "
+            "node's output"
+        )
     sampling = model.get_model_object("model_sampling")
     try:
         return settings.resolve(sampling.percent_to_sigma, len(dm.blocks))
@@ -151,24 +246,29 @@ def _sparse_config(model: Any, dm: Any, settings: Any) -> Any:
         raise MultiStreamError(f"H3 MS Sparse Attention: {exc}") from None
 
 
-def _plan_devices(model: Any, gpus: Any, second_gpu: int,
-                  min_ranks: int = 2) -> tuple[list[str] | None, tuple[float, ...] | None, str]:
-    """``(devices, shares, why)``: the rank devices and their shares (None: equal), or None with the reason the
-    model runs unsplit.
+def _plan_devices(
+    model: Any, gpus: Any, second_gpu: int, min_ranks: int = 2
+) -> tuple[list[str] | None, tuple[float, ...] | None, str]:
+    """``(devices, shares, why)``: the rank devices and their shares (None: equal), or None with the
+    reason the model runs unsplit.
 
-    ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for); a connected GPU set's shares
-    still apply, one per rank. Otherwise the model must be on CUDA, and the resolved plan (the model's GPU is rank 0)
-    needs at least ``min_ranks`` ranks (1 with sparse attention: plain ComfyUI here has no sparse attention, so one
-    usable GPU runs the blocks on one worker).
+    ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for); a connected
+    GPU set's shares still apply, one per rank. Otherwise the model must be on CUDA, and the
+    resolved plan (the model's GPU is rank 0) needs at least ``min_ranks`` ranks (1 with sparse
+    attention: plain ComfyUI here has no sparse attention, so one usable GPU runs the blocks on one
+    worker).
     """
     from h3ms_async.runtime.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
+
     if config.RANK_MAP.is_set():
         spec = config.RANK_MAP.raw()
         devices = config.RANK_MAP.get(rank_map)
         shares = tuple(gpus.shares) if gpus is not None and gpus.shares else None
         if shares is not None and len(shares) != len(devices):
-            raise GPUSelectionError(f"shares: {len(shares)} value(s) from the H3 MS GPU Set for {len(devices)} "
-                                    f"rank(s) of {RANK_MAP_ENV}={spec}; give one share per rank or leave shares empty")
+            raise GPUSelectionError(
+                f"shares: {len(shares)} value(s) from the H3 MS GPU Set for {len(devices)} rank(s) "
+                f"of {RANK_MAP_ENV}={spec}; give one share per rank or leave shares empty"
+            )
         return devices, _uneven(shares), f"{RANK_MAP_ENV}={spec}"
     load_device = getattr(model, "load_device", None)
     if getattr(load_device, "type", None) != "cuda":

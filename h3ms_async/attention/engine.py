@@ -223,8 +223,7 @@ def cuda_ipc_unavailable(device: str) -> str:
         return (
             f"this process cannot share {device} memory by CUDA IPC (allocator "
             f"{torch.cuda.get_allocator_backend()}: {str(exc).splitlines()[0]}); start ComfyUI "
-            "with "
-            "--disable-cuda-malloc for the GPU-direct path"
+            "with --disable-cuda-malloc for the GPU-direct path"
         )
     return ""
 
@@ -299,8 +298,7 @@ class AttentionParallelEngine(Engine):
         if len(devices) < 2:
             raise ValueError(
                 "devices: attention parallel needs the model's device and at least one helper, "
-                "got "
-                f"{list(devices)!r}"
+                f"got {list(devices)!r}"
             )
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
@@ -346,8 +344,8 @@ class AttentionParallelEngine(Engine):
     def _set_shares(self, shares: Sequence[float] | None) -> None:
         if shares is not None and len(shares) != len(self.devices):
             raise plans.GPUSelectionError(
-                f"shares: {len(shares)} value(s) for {len(self.devices)} device(s); give "
-                "one share per device, the model's first"
+                f"shares: {len(shares)} value(s) for {len(self.devices)} device(s); give one share "
+                "per device, the model's first"
             )
         new = tuple(float(s) for s in shares) if shares else None
         if new != self.shares:
@@ -360,8 +358,8 @@ class AttentionParallelEngine(Engine):
         by shares; ties to later devices)."""
         if heads < len(self.devices):
             raise AttentionParallelError(
-                f"cannot split {heads} attention heads over {len(self.devices)} devices; "
-                f"use at most {heads}"
+                f"cannot split {heads} attention heads over {len(self.devices)} devices; use at "
+                f"most {heads}"
             )
         return plans.partition(heads, self.shares or [1.0] * len(self.devices), "attention heads")
 
@@ -456,8 +454,7 @@ class AttentionParallelEngine(Engine):
             if bad is not None:
                 why = (
                     f"heads [{bad[0][0]}, {bad[0][1]}) of {heads} at {sq} tokens differ from the "
-                    "whole call on "
-                    f"{rep.fingerprint['device']} (max abs difference {bad[1]:g})"
+                    f"whole call on {rep.fingerprint['device']} (max abs difference {bad[1]:g})"
                 )
             elif rep.digest != local.digest:
                 why = (
@@ -719,8 +716,7 @@ class AttentionParallelEngine(Engine):
         }
         log.info(
             "attention split for %s: heads %s (was %s, pieces of <= %s heads); predicted %.1f ms "
-            "from measured "
-            "per-head %s ms and links %s GB/s",
+            "from measured per-head %s ms and links %s GB/s",
             list(key[0]),
             best["heads"],
             sizes,

@@ -220,9 +220,8 @@ def token_failure(reports: Sequence[ProbeReport], c: int = 0) -> str | None:
             if v.split == "tokens" and not v.exact[c]:
                 a, b = v.shards[c]
                 return (
-                    f"{v.op} ({v.dtype}, {v.shape}) gives a {b - a}-row shard other bits than "
-                    f"the unsplit call on {_device(rep)} (max abs difference "
-                    f"{v.max_abs_diff[c]:g})"
+                    f"{v.op} ({v.dtype}, {v.shape}) gives a {b - a}-row shard other bits than the "
+                    f"unsplit call on {_device(rep)} (max abs difference {v.max_abs_diff[c]:g})"
                 )
     return None
 
@@ -236,17 +235,16 @@ def fixed_failure(reports: Sequence[ProbeReport]) -> str | None:
             if v.split == "heads" and v.exact and not v.exact[0]:
                 g0, g1 = v.shards[0]
                 return (
-                    f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from the "
-                    f"unsplit call's on {_device(rep)} (max abs difference "
-                    f"{v.max_abs_diff[0]:g})"
+                    f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from the unsplit "
+                    f"call's on {_device(rep)} (max abs difference {v.max_abs_diff[0]:g})"
                 )
     first = {v.op: v.digest for v in reports[0].ops}
     for rep in reports[1:]:
         for v in rep.ops:
             if first.get(v.op) != v.digest:
                 return (
-                    f"{v.op} ({v.dtype}, {v.shape}) computes other bits on {_device(rep)} "
-                    f"than on {_device(reports[0])}"
+                    f"{v.op} ({v.dtype}, {v.shape}) computes other bits on {_device(rep)} than on "
+                    f"{_device(reports[0])}"
                 )
     return None
 

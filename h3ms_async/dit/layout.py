@@ -262,5 +262,5 @@ def layout_for_tokens(total_tokens: int, *, sigma: float = 0.7) -> Layout:
                 break
     raise ValueError(
         f"total_tokens={total} is too small for a realistic layout (need at least a few thousand "
-        f"tokens); use build_layout for tiny sequences"
+        "tokens); use build_layout for tiny sequences"
     )

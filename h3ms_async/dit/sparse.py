@@ -86,8 +86,7 @@ class SparseSettings:
         if not 0.5 <= self.keep_percent <= 95.0:
             raise ValueError(
                 f"keep_percent={self.keep_percent:g}: must be between 0.5 and 95 (percent of key "
-                "blocks "
-                "each query block keeps); the default is 10"
+                "blocks each query block keeps); the default is 10"
             )
         for name in ("start_percent", "end_percent"):
             v = getattr(self, name)
@@ -109,8 +108,7 @@ class SparseSettings:
         if not 0 <= self.extra_tokens <= EXTRA_TOKENS_MAX or self.extra_tokens % 64:
             raise ValueError(
                 f"extra_tokens={self.extra_tokens}: must be 0, 64, 128, 192 or 256 (tokens are "
-                "routed "
-                "in 64-token tiles; 0 turns it off)"
+                "routed in 64-token tiles; 0 turns it off)"
             )
         if self.sink_conditioning not in SINK_MODES:
             raise ValueError(
@@ -155,10 +153,8 @@ class SparseSettings:
         how = f"tau {self.tau:g}" if self.method == "sol-attn" else f"keep {self.keep_percent:g}%"
         return (
             f"{self.method} ({how}), {self.start_percent:g}-{self.end_percent:g} of the schedule, "
-            "min_tokens "
-            f"{self.min_tokens}, dense_blocks '{self.dense_blocks}', sinks "
-            f"{self.sink_conditioning}, extra_tokens "
-            f"{self.extra_tokens}"
+            f"min_tokens {self.min_tokens}, dense_blocks '{self.dense_blocks}', sinks "
+            f"{self.sink_conditioning}, extra_tokens {self.extra_tokens}"
         )
 
 
@@ -183,8 +179,8 @@ class DenseFallback:
         reason = next((r for r in rank_reasons if r), None)
         if reason is None and dtype != torch.bfloat16:
             reason = (
-                f"the stream is {str(dtype).removeprefix('torch.')}; "
-                "the chunked kernel takes bfloat16"
+                f"the stream is {str(dtype).removeprefix('torch.')}; the chunked kernel takes "
+                "bfloat16"
             )
         if reason is None and head_dim != HEAD_DIM:
             reason = f"head_dim is {head_dim}; the kernel takes {HEAD_DIM}"

@@ -138,16 +138,14 @@ class SplitOptions:
         if (self.attention == COMFY_ATTENTION) != (self.comfy_host is not None):
             raise ValueError(
                 "attention='comfy' and comfy_host go together: the ranks need the parent ComfyUI "
-                "to run "
-                "its attention function"
+                "to run its attention function"
             )
         if self.cache_ram_reserve_gb < 0:
             raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
         if self.verify and self.sparse is not None:
             raise ValueError(
                 "verify compares the split with a dense unsplit step; disconnect sparse_attention "
-                "(or "
-                "turn verify off) to verify this model"
+                "(or turn verify off) to verify this model"
             )
         if self.sparse is not None and not isinstance(self.sparse, SparseConfig):
             raise ValueError(
@@ -248,8 +246,8 @@ class SplitEngine(Engine):
         n = config.layers if n_blocks is None else n_blocks
         if self.ranks > config.heads:
             raise plans.GPUSelectionError(
-                f"{self.ranks} ranks but the model has only {config.heads} attention "
-                f"heads; use at most {config.heads} ranks"
+                f"{self.ranks} ranks but the model has only {config.heads} attention heads; use at "
+                f"most {config.heads} ranks"
             )
         head_bounds = tuple(
             plans.partition(
@@ -512,18 +510,17 @@ class SplitEngine(Engine):
                 verdict = PlanVerdict(
                     None,
                     "unsplit",
-                    f"{failing}, and no adjusted plan (shards moved to multiples "
-                    f"or minimums of {'/'.join(map(str, exactness.ADJUST_MULTIPLES))} rows) is "
-                    "exact there; this step runs unsplit",
+                    f"{failing}, and no adjusted plan (shards moved to multiples or minimums of "
+                    f"{'/'.join(map(str, exactness.ADJUST_MULTIPLES))} rows) is exact there; this "
+                    "step runs unsplit",
                     ms,
                 )
             else:
                 verdict = PlanVerdict(
                     cands[pick],
                     "adjusted",
-                    f"{failing}; shards moved from "
-                    f"{exactness.sizes(plan.token_bounds)} to {exactness.sizes(cands[pick])} rows, "
-                    "measured exact",
+                    f"{failing}; shards moved from {exactness.sizes(plan.token_bounds)} to "
+                    f"{exactness.sizes(cands[pick])} rows, measured exact",
                     ms,
                 )
         for row in exactness.op_rows(reports, verdict, failing):
@@ -876,16 +873,14 @@ def check_block_options(block_options: list[dict] | None) -> None:
             if callable(v):
                 raise SplitError(
                     f"block {i}: the patch sets transformer_options[{k!r}] to a callable "
-                    f"({type(v).__name__}); the "
-                    "rank workers cannot run ComfyUI callables. Remove that patch, or disable H3 "
-                    "MultiStream for it"
+                    f"({type(v).__name__}); the rank workers cannot run ComfyUI callables. Remove "
+                    "that patch, or disable H3 MultiStream for it"
                 )
             if k not in _WORKER_OPTIONS:
                 raise SplitError(
                     f"block {i}: transformer_options[{k!r}] set by a block patch has no meaning on "
-                    "the rank workers; "
-                    f"supported keys: {sorted(_WORKER_OPTIONS) or 'none'}. Remove the patch or "
-                    "disable H3 MultiStream"
+                    f"the rank workers; supported keys: {sorted(_WORKER_OPTIONS) or 'none'}. "
+                    "Remove the patch or disable H3 MultiStream"
                 )
 
 

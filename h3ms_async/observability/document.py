@@ -146,8 +146,8 @@ def validate_section(section: str, value: Any) -> Any:
         json.dumps(out, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise SchemaError(
-            f"status section {section!r} is not JSON-serialisable ({exc}); return "
-            "plain dicts/lists/str/numbers"
+            f"status section {section!r} is not JSON-serialisable ({exc}); return plain "
+            "dicts/lists/str/numbers"
         ) from None
     return out
 

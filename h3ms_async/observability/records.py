@@ -124,10 +124,9 @@ def format_step_line(rec: Mapping) -> str:
     chunks = f" x{rec['chunks']}" if rec["chunks"] > 1 else ""
     line = (
         f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
-        f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s "
-        f"(exchange {rec['exchange']}{chunks}; compute {_joined(r['compute_s'] for r in ranks)}s, "
-        f"exchange {_joined(r['exchange_s'] for r in ranks)}s, wait "
-        f"{_joined(r['wait_s'] for r in ranks)}s; "
+        f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s (exchange "
+        f"{rec['exchange']}{chunks}; compute {_joined(r['compute_s'] for r in ranks)}s, exchange "
+        f"{_joined(r['exchange_s'] for r in ranks)}s, wait {_joined(r['wait_s'] for r in ranks)}s; "
         f"{fmt_bytes(rec['moved_bytes'])} moved), weight store {rec['weight_store']}"
     )
     peaks: dict[str, int] = {}

@@ -110,8 +110,7 @@ def request_refusal(request: web.Request) -> str | None:
         if not _is_loopback_name(hostname):
             return (
                 f"Host {host[:80]!r} is not a loopback name but this request came over loopback (a "
-                "DNS "
-                "rebinding page?); open the panel as http://127.0.0.1:<port> or "
+                "DNS rebinding page?); open the panel as http://127.0.0.1:<port> or "
                 "http://localhost:<port>"
             )
     if request.method not in SAFE_METHODS:
@@ -119,20 +118,17 @@ def request_refusal(request: web.Request) -> str | None:
         if origin == "null":
             return (
                 "Origin: null (a sandboxed frame or a local file) may not change state; use the "
-                "panel served "
-                "by this server, or a client without an Origin header"
+                "panel served by this server, or a client without an Origin header"
             )
         if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
             return (
                 f"a {request.headers['Sec-Fetch-Site']} {request.method} may not change state; use "
-                "the panel "
-                "served by this server"
+                "the panel served by this server"
             )
         if origin is not None and urlsplit(origin).netloc != host:
             return (
                 f"cross-origin {request.method} from {origin[:80]} refused; use the panel served "
-                "by this "
-                "server, or a client without an Origin header"
+                "by this server, or a client without an Origin header"
             )
     return None
 
@@ -299,8 +295,8 @@ def add_routes(
                 return web.json_response(
                     {
                         "busy": False,
-                        "message": f"nothing to do: no {action} handler in this "
-                        "process (no worker pool or weight store has started)",
+                        "message": f"nothing to do: no {action} handler in this process (no worker "
+                        "pool or weight store has started)",
                     }
                 )
             try:

@@ -92,8 +92,8 @@ def add_event_route(routes: web.RouteTableDef, *, hub: StatusHub | None = None) 
         if len(streams) >= MAX_STREAMS:
             return web.json_response(
                 {
-                    "error": f"too many event streams open (max {MAX_STREAMS}); "
-                    f"poll GET {PREFIX}/steps?after=SEQ instead"
+                    "error": f"too many event streams open (max {MAX_STREAMS}); poll GET "
+                    f"{PREFIX}/steps?after=SEQ instead"
                 },
                 status=503,
             )
@@ -247,8 +247,8 @@ def serve(
     """Run the standalone server in the calling thread until interrupted (Ctrl-C)."""
     if host not in ("127.0.0.1", "localhost", "::1"):
         _log.warning(
-            "serving on %s: these routes have no authentication and can stop workers; "
-            "prefer 127.0.0.1 behind an SSH tunnel",
+            "serving on %s: these routes have no authentication and can stop workers; prefer "
+            "127.0.0.1 behind an SSH tunnel",
             host,
         )
     # logged once the socket is bound (run_app's print hook), so a bind error is the only line a

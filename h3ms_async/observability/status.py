@@ -126,8 +126,7 @@ class StatusHub:
             if rec.seq <= self._last_seq:
                 raise SchemaError(
                     f"step record: field 'seq' must increase, got {rec.seq} after "
-                    f"{self._last_seq}; "
-                    "take it from get_hub().next_seq()"
+                    f"{self._last_seq}; take it from get_hub().next_seq()"
                 )
             self._last_seq = rec.seq
             self._ring.append(out)

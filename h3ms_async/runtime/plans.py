@@ -165,8 +165,7 @@ def _shares_mismatch(shares: Sequence[float], gpus: Sequence[int]) -> str:
     names = ",".join(f"cuda:{g}" for g in gpus) or "none"
     return (
         f"shares: {len(shares)} value(s) for {len(gpus)} GPU(s) ({names}); give one share per GPU "
-        "in that "
-        "order, or leave shares empty"
+        "in that order, or leave shares empty"
     )
 
 
@@ -206,8 +205,8 @@ class RankPlan:
 
 def _not_visible(idx: int, visible_count: int) -> GPUSelectionError:
     return GPUSelectionError(
-        f"cuda:{idx} does not exist: {visible_count} CUDA device(s) visible "
-        "(CUDA_VISIBLE_DEVICES / --cuda-device limit what ComfyUI sees)"
+        f"cuda:{idx} does not exist: {visible_count} CUDA device(s) visible (CUDA_VISIBLE_DEVICES "
+        "/ --cuda-device limit what ComfyUI sees)"
     )
 
 
@@ -235,8 +234,8 @@ def resolve(
             raise _not_visible(idx, visible_count)
     if p in gpu_set.exclude:
         raise GPUSelectionError(
-            f"exclude: the model's device cuda:{p} is excluded; it must take part (it runs the "
-            "H3 forward). Remove it from exclude or move the model to another GPU"
+            f"exclude: the model's device cuda:{p} is excluded; it must take part (it runs the H3 "
+            "forward). Remove it from exclude or move the model to another GPU"
         )
     listed = list(gpu_set.gpus) if gpu_set.gpus is not None else list(range(visible_count))
     candidates = [g for g in listed if g not in gpu_set.exclude]
@@ -407,6 +406,5 @@ def make_split_plan(
 def _shares_mismatch_ranks(shares: Sequence[float], devices: Sequence[str]) -> str:
     return (
         f"shares: {len(shares)} value(s) for {len(devices)} rank(s) ({','.join(devices)}); give "
-        "one share per "
-        "rank"
+        "one share per rank"
     )

@@ -116,9 +116,8 @@ def cuda_visible_for(device: str, parent_visible: str | None) -> str:
     if index >= len(entries):
         raise ValueError(
             f"device {device} is not visible to this process: "
-            f"CUDA_VISIBLE_DEVICES={parent_visible!r} lists "
-            f"{len(entries)} device(s); use cuda:0..cuda:{max(len(entries) - 1, 0)} or widen "
-            "CUDA_VISIBLE_DEVICES"
+            f"CUDA_VISIBLE_DEVICES={parent_visible!r} lists {len(entries)} device(s); use "
+            f"cuda:0..cuda:{max(len(entries) - 1, 0)} or widen CUDA_VISIBLE_DEVICES"
         )
     return entries[index]
 
@@ -181,7 +180,7 @@ class WorkerPool:
         rank programs that reach another GPU's memory (e.g. through CUDA IPC)."""
         if isinstance(devices, str) or not devices:
             raise ValueError(
-                f"devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
+                "devices must be a non-empty list like ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], "
                 f"got {devices!r}"
             )
         bad = [d for d in devices if not isinstance(d, str) or not _DEVICE_RE.match(d)]
@@ -192,8 +191,7 @@ class WorkerPool:
         if program is not None and not _PROGRAM_RE.fullmatch(program):
             raise ValueError(
                 f"rank program {program!r} must be a package name under workers/ (lower-case "
-                "letters, "
-                "digits, '_'), e.g. 'dit'"
+                "letters, digits, '_'), e.g. 'dit'"
             )
         self.name = name
         self.program = program
@@ -397,8 +395,7 @@ class WorkerPool:
         with open(w.log_path, "ab") as logf:
             logf.write(
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} coordinator: starting rank {w.rank} on "
-                f"{w.device} "
-                f"(pool {self.name!r}, program {self.program or 'none'}, parent pid "
+                f"{w.device} (pool {self.name!r}, program {self.program or 'none'}, parent pid "
                 f"{os.getpid()})\n".encode()
             )
             logf.flush()
@@ -432,8 +429,8 @@ class WorkerPool:
             w.proc.kill()
             raise RuntimeError(
                 f"pidfd_open failed ({exc}): H3 MultiStream watches its workers through pidfds, "
-                "which need Linux 5.3 or newer (and, in a container, a seccomp profile that allows "
-                "pidfd_open)"
+                "which need Linux 5.3 or newer (and, in a container, a seccomp profile that "
+                "allows pidfd_open)"
             ) from None
         asyncio.get_running_loop().add_reader(w.pidfd, self._on_exit, w)
 
@@ -765,8 +762,8 @@ class WorkerPool:
         if kind not in w.serves:
             raise ValueError(
                 f"pool {self.name!r} (rank program {self.program or 'none'}) does not serve "
-                f"{kind!r}; "
-                f"it serves {', '.join(sorted(w.serves))}: send it to its own program's pool"
+                f"{kind!r}; it serves {', '.join(sorted(w.serves))}: send it to its own program's "
+                "pool"
             )
         w.inflight += 1
         try:

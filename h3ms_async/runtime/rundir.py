@@ -66,14 +66,12 @@ def check_base() -> str:
     if not os.path.isdir(base):
         raise RunDirError(
             f"{var}={base!r} is not an existing directory; set H3MS_RUN_DIR to a writable "
-            "directory "
-            "such as /tmp"
+            "directory such as /tmp"
         )
     if not os.access(base, os.W_OK | os.X_OK):
         raise RunDirError(
             f"{var}={base!r} is not writable by this user; set H3MS_RUN_DIR to a writable "
-            "directory "
-            "such as /tmp"
+            "directory such as /tmp"
         )
     # the socket the pool makes in its run dir: h3ms-<pid>-<8 random chars>/ctl.sock
     longest = len(os.fsencode(os.path.join(base, f"h3ms-{os.getpid()}-xxxxxxxx", "ctl.sock")))

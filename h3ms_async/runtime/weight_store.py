@@ -100,10 +100,8 @@ def fill(
     if ram.available_bytes - total < reserve_gb * GIB:
         raise WeightStoreRefused(
             f"weight store needs {total / GIB:.2f} GiB but only {ram.available_bytes / GIB:.2f} "
-            "GiB RAM is "
-            f"available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower the reserve, "
-            "free RAM, or "
-            "disable the split for this model"
+            f"GiB RAM is available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower "
+            "the reserve, free RAM, or disable the split for this model"
         )
     try:
         seg = create(total, "wstore")

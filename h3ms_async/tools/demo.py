@@ -74,10 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens",
         type=int,
         default=None,
-        help="packed sequence length S (default 3000 on CPU ranks, "
-        f"{CUDA_DEFAULT_TOKENS} with a CUDA rank: fewer make CUDA attention's schedule depend on "
-        "the head "
-        "count, so the split refuses them)",
+        help=f"packed sequence length S (default 3000 on CPU ranks, {CUDA_DEFAULT_TOKENS} with a "
+        "CUDA rank: fewer make CUDA attention's schedule depend on the head count, so the split "
+        "refuses them)",
     )
     p.add_argument("--layers", type=positive_int, default=6, help="number of DiT blocks")
     p.add_argument("--hidden", type=positive_int, default=512, help="hidden size H (full H3: 5376)")
@@ -119,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify",
         action="store_true",
         help="also run the first split step unsplit on the first rank's device inside the engine "
-        "and "
-        "compare (the node's verify setting): logs 'bit-exact on <devices>' or where it differs",
+        "and compare (the node's verify setting): logs 'bit-exact on <devices>' or where it "
+        "differs",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
@@ -149,16 +148,14 @@ def _devices(flag: str, spec: str) -> list[str]:
     if not torch.cuda.is_available():
         raise UsageError(
             f"{flag} {spec!r}: this torch ({torch.__version__}) sees no CUDA GPU; use {flag} "
-            "cpu,cpu,cpu "
-            "or install a CUDA build of torch (H3MS_TORCH_SPEC)"
+            "cpu,cpu,cpu or install a CUDA build of torch (H3MS_TORCH_SPEC)"
         )
     n = torch.cuda.device_count()
     missing = sorted({d for d in cuda if int(d.split(":")[1]) >= n})
     if missing:
         raise UsageError(
             f"{flag} {spec!r}: {', '.join(missing)} does not exist; this machine has {n} CUDA "
-            "GPU(s), "
-            f"cuda:0 to cuda:{n - 1}"
+            f"GPU(s), cuda:0 to cuda:{n - 1}"
         )
     return devices
 
@@ -188,8 +185,7 @@ def _layout(tokens: int) -> Any:
         least = next(n for n in range(tokens + 1, 1 << 20) if _layout_fits(n))
         raise UsageError(
             f"--tokens {tokens}: too few for the demo's text+audio+video layout; use --tokens "
-            f"{least} "
-            "or more"
+            f"{least} or more"
         ) from None
 
 
@@ -217,8 +213,7 @@ def check_args(a: argparse.Namespace) -> dict:
     if shares is not None and len(shares) != len(ranks):
         raise UsageError(
             f"--shares {a.shares!r} gives {len(shares)} value(s) for {len(ranks)} ranks; give one "
-            "per "
-            "rank or leave it out"
+            "per rank or leave it out"
         )
     if not 0 <= a.exchange_chunks <= 32:
         raise UsageError(
@@ -227,8 +222,7 @@ def check_args(a: argparse.Namespace) -> dict:
     if a.head_dim < MIN_HEAD_DIM:
         raise UsageError(
             f"--head-dim {a.head_dim}: the rope needs at least {MIN_HEAD_DIM} dims per head (3 "
-            "axes x "
-            f"a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)"
+            f"axes x a cos/sin pair); use --head-dim {MIN_HEAD_DIM} or more (full H3: 128)"
         )
     if a.tokens is None:
         a.tokens = (
@@ -422,8 +416,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     if not timed:
         log.info(
             "no speed figures: the unsplit model (%.1f GiB) does not fit on %s at once, so each "
-            "unsplit step "
-            "generates its weights anew",
+            "unsplit step generates its weights anew",
             nbytes / 2**30,
             device,
         )
@@ -548,8 +541,7 @@ def summary_line(res: dict) -> str:
         speed = f"unsplit {unsplit:.2f} s/step, split {split:.2f} s/step on {ranks} ranks"
     return (
         f"bit-exact: {'yes' if res['bit_exact'] else 'no'} - split vs unsplit {verdict} on all {n} "
-        "steps; "
-        f"{speed}; demo {res['total_s']:.0f} s"
+        f"steps; {speed}; demo {res['total_s']:.0f} s"
     )
 
 
@@ -582,8 +574,7 @@ def print_table(res: dict) -> None:
         print(
             f"{r['rank']:>4} {r['device']:>8} {r['tokens'][0]:>6}-{r['tokens'][1]:<6} "
             f"{r['heads'][0]:>3}-{r['heads'][1]:<3} {r['compute_s']:>10.3f} "
-            f"{r['exchange_s']:>11.3f} "
-            f"{r['wait_s']:>8.3f} {r['moved_bytes'] / 1e6:>9.2f}"
+            f"{r['exchange_s']:>11.3f} {r['wait_s']:>8.3f} {r['moved_bytes'] / 1e6:>9.2f}"
         )
     print()
     print(summary_line(res))

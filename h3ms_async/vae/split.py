@@ -125,8 +125,8 @@ def describe_decoder(model: Any, compute_dtype: torch.dtype) -> tuple[dict, str]
                 for p in ("weight", "bias")
             ):
                 raise VaeSplitUnsupported(
-                    f"{name}'s weights are patched (a LoRA or weight function on the VAE); "
-                    "the workers decode the stored weights only"
+                    f"{name}'s weights are patched (a LoRA or weight function on the VAE); the "
+                    "workers decode the stored weights only"
                 )
             if bool(mod.comfy_cast_weights) != bool(
                 getattr(type(mod), "comfy_cast_weights", False)
@@ -414,8 +414,7 @@ class VaeSplitEngine(Engine):
         self.last_record = record
         log.info(
             "decoded T=%d: %d chunks on %d ranks %s (%s), %.2f s: own decode %.2f s, waited %.2f s "
-            "for "
-            "workers, blend/write %.2f s, %.1f MiB moved",
+            "for workers, blend/write %.2f s, %.1f MiB moved",
             plan.T,
             plan.num_chunks,
             self.ranks,
@@ -534,8 +533,7 @@ class VaeSplitEngine(Engine):
             if not self._warned_socket:
                 log.warning(
                     "decoded chunks return over the worker sockets instead of shared memory "
-                    "(slower, "
-                    "still exact): %s",
+                    "(slower, still exact): %s",
                     exc,
                 )
                 self._warned_socket = True
@@ -560,9 +558,8 @@ class VaeSplitEngine(Engine):
         assert isinstance(res, vae_protocol.VaeChunkDone)  # decoded as the request's ANSWER
         if res.shape != list(shape) or res.dtype != dtype_name(dtype):
             raise VaeSplitError(
-                f"worker rank {worker + 1} decoded chunk {i} as {res.dtype} "
-                f"{res.shape}; "
-                f"expected {dtype_name(dtype)} {shape} (does it run another ComfyUI?)"
+                f"worker rank {worker + 1} decoded chunk {i} as {res.dtype} {res.shape}; expected "
+                f"{dtype_name(dtype)} {shape} (does it run another ComfyUI?)"
             )
         if out_desc is not None:
             return res, None, 0.0

@@ -28,8 +28,7 @@ def head_slice(pq: Any, h0: int, h1: int) -> dict[str, torch.Tensor]:
     if pq.k.shape[1] != heads:
         raise ValueError(
             f"grouped-query attention ({heads} query heads, {pq.k.shape[1]} key heads) cannot be "
-            "split "
-            "by heads here"
+            "split by heads here"
         )
     if not 0 <= h0 < h1 <= heads:
         raise ValueError(f"head range [{h0}, {h1}) is outside [0, {heads})")

@@ -179,8 +179,7 @@ class CudaWeights:
         self.residency = residency
         self.log.info(
             "[dit] rank %d: loaded (%d of %d blocks resident in VRAM, %d streamed with prefetch, "
-            "heads %s; "
-            "%s)",
+            "heads %s; %s)",
             self.rank,
             k,
             n,

@@ -58,8 +58,8 @@ def fingerprint(device: torch.device) -> dict[str, str]:
         props = torch.cuda.get_device_properties(device)
         out["device"] = f"{device} {props.name}"
         out["runtime"] = (
-            f"cuda {torch.version.cuda} sm_{props.major}{props.minor} "
-            f"cudnn {torch.backends.cudnn.version()}"
+            f"cuda {torch.version.cuda} sm_{props.major}{props.minor} cudnn "
+            f"{torch.backends.cudnn.version()}"
         )
     else:
         out["device"] = f"cpu {_cpu_model()}"

@@ -502,8 +502,8 @@ def attention_heads(
         )
     if rope_freqs.shape[1] != seq:
         raise ValueError(
-            f"rope_freqs covers {rope_freqs.shape[1]} tokens but the sequence has {seq}; "
-            "pass the full table (head groups see all tokens)"
+            f"rope_freqs covers {rope_freqs.shape[1]} tokens but the sequence has {seq}; pass the "
+            "full table (head groups see all tokens)"
         )
     qkv = linear(n1_full, qkv_w, qkv_scale, None, quant=quant)
     if trace is not None:

@@ -50,8 +50,7 @@ def _attend(name: str) -> dit_ops.Attend:
             if _HOST is None:
                 raise RuntimeError(
                     f"attention 'comfy' needs the parent ComfyUI in {comfy_host.ENV}; the worker "
-                    "was "
-                    "started without it"
+                    "was started without it"
                 )
             fn = comfy_host.comfy_attend(_HOST)
         else:

@@ -72,8 +72,7 @@ class SparseConfig:
         ):
             raise ValueError(
                 f"sigma window [{self.sigma_end}, {self.sigma_start}] is empty: the end sigma must "
-                "not "
-                "exceed the start sigma; set end_percent >= start_percent"
+                "not exceed the start sigma; set end_percent >= start_percent"
             )
         if (
             isinstance(self.min_tokens, bool)
@@ -93,8 +92,7 @@ class SparseConfig:
         if not 0 <= self.extra_tokens <= EXTRA_TOKENS_MAX or self.extra_tokens % BLOCK:
             raise ValueError(
                 f"extra_tokens={self.extra_tokens}: must be 0, 64, 128, 192 or 256 (the kernel "
-                "routes "
-                "tokens in 64-token tiles)"
+                "routes tokens in 64-token tiles)"
             )
 
     @property
@@ -142,8 +140,7 @@ def kernel_unavailable(device: torch.device) -> str | None:
             return f"{device} is SM {major}.{minor}; the kernel needs SM 8.0 or newer"
         return (
             f"comfy-kitchen's sol_attn kernel is not available on {device} (its CUDA backend is "
-            "disabled or "
-            "not compiled for this GPU)"
+            "disabled or not compiled for this GPU)"
         )
     return None
 

@@ -63,7 +63,6 @@ def read_key(stream: BinaryIO) -> bytes:
     if len(key) != KEY_BYTES:
         raise AuthError(
             f"expected a {KEY_BYTES}-byte hex key line on stdin, got {len(line)} bytes; workers "
-            "are started by "
-            "the coordinator's WorkerPool, not by hand"
+            "are started by the coordinator's WorkerPool, not by hand"
         )
     return key

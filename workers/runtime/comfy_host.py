@@ -67,8 +67,7 @@ def _import_comfy(host: ComfyHost) -> Any:
     if not os.path.isfile(os.path.join(host.root, "comfy", "ldm", "modules", "attention.py")):
         raise RuntimeError(
             f"{ENV}: {host.root} is not a ComfyUI root (no comfy/ldm/modules/attention.py); the "
-            "parent "
-            "must send ComfyUI's own root"
+            "parent must send ComfyUI's own root"
         )
     if host.root not in sys.path:
         sys.path.insert(0, host.root)

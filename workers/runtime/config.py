@@ -180,10 +180,8 @@ RUN_DIR = _var(
     "",
     "the temp dir (`$TMPDIR`, else `/tmp`)",
     "Where each worker pool makes its private run dir `h3ms-<pid>-<random>` (sockets, worker logs, "
-    "its "
-    "owner lock); it goes with its owner. Set a short path if the AF_UNIX socket path limit (107 "
-    "bytes) is "
-    "hit.",
+    "its owner lock); it goes with its owner. Set a short path if the AF_UNIX socket path limit "
+    "(107 bytes) is hit.",
     "set it to a short writable directory such as /tmp",
     _text,
 )
@@ -228,8 +226,8 @@ VRAM_RESERVE_GB = _var(
 ENABLE_TRITON_BACKEND = _flag_var(
     "H3MS_ENABLE_TRITON_BACKEND",
     "`1` = allow comfy-kitchen's triton backend in the workers (ComfyUI's "
-    "`--enable-triton-backend`; set it when ComfyUI runs with that flag, so ranks use "
-    "the same kernels).",
+    "`--enable-triton-backend`; set it when ComfyUI runs with that flag, so ranks use the same "
+    "kernels).",
 )
 COMFY_HOST = _var(
     "H3MS_COMFY_HOST",
@@ -263,15 +261,15 @@ ATTN_HELPERS = _devices_var(
 ATTN_TRANSPORT = _choice_var(
     "H3MS_ATTN_TRANSPORT",
     ("auto", "host", "cuda_ipc"),
-    "H3 Attention Parallel: `auto` = CUDA IPC where possible (one INFO line says why not), "
-    "`host` = always pinned shared memory, `cuda_ipc` = fail where CUDA IPC cannot run.",
+    "H3 Attention Parallel: `auto` = CUDA IPC where possible (one INFO line says why not), `host` "
+    "= always pinned shared memory, `cuda_ipc` = fail where CUDA IPC cannot run.",
 )
 # -- the VAE split ---------------------------------------------------------------------------------
 VAE_TRANSPORT = _choice_var(
     "H3MS_VAE_TRANSPORT",
     ("auto", "shm", "socket"),
-    "How decoded chunks come back: `auto` (shared memory, the socket when /dev/shm has no "
-    "room), `shm`, `socket`.",
+    "How decoded chunks come back: `auto` (shared memory, the socket when /dev/shm has no room), "
+    "`shm`, `socket`.",
 )
 VAE_CHUNK_TIMEOUT = _seconds_var(
     "H3MS_VAE_CHUNK_TIMEOUT",
@@ -281,17 +279,16 @@ VAE_CHUNK_TIMEOUT = _seconds_var(
 VAE_RANK_MAP = _devices_var(
     "H3MS_VAE_RANK_MAP",
     "The VAE split's rank map (`cpu,cpu,cpu`, `cuda:0,cuda:0`): rank 0 must be the VAE's own "
-    "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan and wins "
-    "over `H3MS_RANK_MAP` (which the VAE split obeys when this is unset); the node's "
-    "`max_gpus` caps it. For tests and verification.",
+    "device (ComfyUI's process), each other entry is a worker. Replaces the GPU plan and wins over "
+    "`H3MS_RANK_MAP` (which the VAE split obeys when this is unset); the node's `max_gpus` caps "
+    "it. For tests and verification.",
     "one device per rank, the VAE's first, e.g. cuda:0,cuda:1",
 )
 # -- tests and tools -------------------------------------------------------------------------------
 TEST_HOOKS = _flag_var(
     "H3MS_TEST_HOOKS",
-    "`1` = workers load the test-only code of `workers/testing/` (request "
-    "kinds that sleep or crash, fault hooks; its settings: the table below); "
-    "read once per worker. Tests only.",
+    "`1` = workers load the test-only code of `workers/testing/` (request kinds that sleep or "
+    "crash, fault hooks; its settings: the table below); read once per worker. Tests only.",
 )
 COMFY_ROOT = _var(
     "H3MS_COMFY_ROOT",
@@ -350,8 +347,7 @@ SHARED = _var(
     "",
     "`../shared`",
     "The project's shared folder (ComfyUI archive, golden tensors) for the test suite and "
-    "`scripts/h3ms.sh "
-    "test`.",
+    "`scripts/h3ms.sh test`.",
     "give the shared folder",
     _text,
     where="tests, " + _SCRIPT,

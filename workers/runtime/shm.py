@@ -92,10 +92,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def _shm_size_hint(nbytes: int) -> str:
     return (
-        f"give the machine more shared memory: in Docker start the container with --shm-size "
-        f"(e.g. --shm-size={max(1, -(-2 * nbytes // 2**30))}g; Docker's default is 64m), or free "
-        "space in "
-        f"{SHM_DIR}"
+        "give the machine more shared memory: in Docker start the container with --shm-size (e.g. "
+        f"--shm-size={max(1, -(-2 * nbytes // 2**30))}g; Docker's default is 64m), or free space "
+        f"in {SHM_DIR}"
     )
 
 
@@ -116,8 +115,7 @@ def _reserve(fd: int, nbytes: int) -> None:
         if exc.errno == errno.EFBIG and limit != resource.RLIM_INFINITY and limit < nbytes:
             raise ShmError(
                 f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: this process's file-size "
-                "limit "
-                f"(ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)"
+                f"limit (ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)"
             ) from None
         st = os.statvfs(SHM_DIR)
         raise ShmError(
@@ -189,8 +187,7 @@ class Segment:
         except OSError as exc:
             raise ShmError(
                 f"cannot create a shared-memory segment in {SHM_DIR}: {exc} (it must be a tmpfs "
-                "the "
-                "current user can write; in Docker it always is)"
+                "the current user can write; in Docker it always is)"
             ) from None
         try:
             _reserve(fd, size)
@@ -337,8 +334,7 @@ class Arena:
         if end > self.segment.size:
             raise ShmError(
                 f"arena on {self.segment.name} is full: {dtype} {list(shape)} needs {nbytes} "
-                "bytes, "
-                f"{self.free} of {self.segment.size} left"
+                f"bytes, {self.free} of {self.segment.size} left"
             )
         self.used = end
         return desc

@@ -28,8 +28,8 @@ TEST_VAE_CRASH_FILE = _var(
     "path",
     "",
     "unset",
-    "With `H3MS_TEST_HOOKS=1`: a VAE worker that finds this file deletes it and dies at its "
-    "next chunk. Tests only.",
+    "With `H3MS_TEST_HOOKS=1`: a VAE worker that finds this file deletes it and dies at its next "
+    "chunk. Tests only.",
     "give a file path or unset it",
     _text,
 )
@@ -38,9 +38,9 @@ TEST_VAE_SKEW_RANK = _var(
     "integer",
     0,
     "unset",
-    "With `H3MS_TEST_HOOKS=1`: the VAE worker of this rank (1 = the first worker) adds one unit "
-    "in the last place to every value of every chunk it decodes, so its decode differs "
-    "from rank 0's and the exactness probe must drop it. Tests only.",
+    "With `H3MS_TEST_HOOKS=1`: the VAE worker of this rank (1 = the first worker) adds one unit in "
+    "the last place to every value of every chunk it decodes, so its decode differs from rank 0's "
+    "and the exactness probe must drop it. Tests only.",
     "give a worker rank (1 or more) or unset it",
     _number(int, "an integer rank", lambda v: v >= 1, "must be >= 1"),
 )
@@ -148,8 +148,7 @@ TESTS_DIR = _var(
     "",
     "set by the test",
     "Internal: the tests folder, put on the path of a ComfyUI process the VAE/cache tests start "
-    "(their "
-    "small models live there).",
+    "(their small models live there).",
     "leave it to the test",
     _text,
     where=_TESTS,

@@ -41,18 +41,16 @@ def check_nccl_rank_map(devices: list[str]) -> None:
         if dev.type != "cuda":
             raise ValueError(
                 f"exchange=nccl needs CUDA devices, rank {rank} is on {name!r} (rank map "
-                f"{list(devices)});"
-                " use exchange=host"
+                f"{list(devices)}); use exchange=host"
             )
         seen.setdefault((dev.type, dev.index or 0), []).append(rank)
     shared = {f"cuda:{idx}": ranks for (_, idx), ranks in seen.items() if len(ranks) > 1}
     if shared:
         where = ", ".join(f"ranks {r} on {d}" for d, r in shared.items())
         raise ValueError(
-            f"exchange=nccl cannot put two ranks on one GPU (NCCL refuses duplicate devices in a "
+            "exchange=nccl cannot put two ranks on one GPU (NCCL refuses duplicate devices in a "
             f"communicator): rank map {list(devices)} has {where}. Use exchange=host for this rank "
-            "map, "
-            "or give every rank its own GPU"
+            "map, or give every rank its own GPU"
         )
 
 

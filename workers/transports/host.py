@@ -220,8 +220,7 @@ class ArenaLayout:
         if d.get("nbytes", lay.nbytes) != lay.nbytes:
             raise ValueError(
                 f"arena layout nbytes {d['nbytes']} != {lay.nbytes} planned here: the coordinator "
-                "and "
-                "the worker run different code versions; restart the workers"
+                "and the worker run different code versions; restart the workers"
             )
         return lay
 
@@ -235,14 +234,12 @@ class ArenaLayout:
         ):
             raise ValueError(
                 "the exchange arena must be a contiguous 1-D uint8 CPU tensor over shared memory, "
-                "got "
-                f"{arena.dtype} {tuple(arena.shape)} on {arena.device}"
+                f"got {arena.dtype} {tuple(arena.shape)} on {arena.device}"
             )
         if arena.numel() < self.nbytes:
             raise ValueError(
                 f"exchange arena holds {arena.numel()} bytes, the layout needs {self.nbytes}; size "
-                "the "
-                "segment with layout.nbytes"
+                "the segment with layout.nbytes"
             )
 
     def header_words(self, arena: torch.Tensor) -> np.ndarray:
@@ -283,15 +280,14 @@ class ArenaLayout:
         if int(words[0]) != MAGIC or int(words[1]) != VERSION:
             raise ValueError(
                 "exchange arena header is not initialised (magic/version mismatch); the "
-                "coordinator must "
-                "call ArenaLayout.init_header() on a fresh arena before starting the ranks"
+                "coordinator must call ArenaLayout.init_header() on a fresh arena before starting "
+                "the ranks"
             )
         if int(words[2]) != self.world or int(words[3]) != self.nbytes:
             raise ValueError(
                 f"exchange arena header says world={int(words[2])} nbytes={int(words[3])}, the "
-                "layout "
-                f"says world={self.world} nbytes={self.nbytes}: arena and layout do not belong "
-                "together"
+                f"layout says world={self.world} nbytes={self.nbytes}: arena and layout do not "
+                "belong together"
             )
 
 
@@ -401,8 +397,7 @@ class HostExchange:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             log.warning(
                 "[exchange] host exchange on %s: the sequence-word protocol relies on x86-64 store "
-                "ordering; "
-                "use exchange=nccl on this machine if results differ",
+                "ordering; use exchange=nccl on this machine if results differ",
                 platform.machine(),
             )
         self.rank, self.world, self.layout = rank, world, layout
@@ -645,10 +640,8 @@ class HostExchange:
             self._post_fault()
             raise ExchangeChunkMismatch(
                 f"rank {self.rank} runs op {self._op} as {_KIND_NAMES[kind]} with {n_chunks} "
-                f"chunk(s), rank {p} as "
-                f"{_KIND_NAMES[pkind]} with {pn} chunk(s): every rank must get the same "
-                "exchange_chunks and the same "
-                "op sequence"
+                f"chunk(s), rank {p} as {_KIND_NAMES[pkind]} with {pn} chunk(s): every rank must "
+                "get the same exchange_chunks and the same op sequence"
             )
         return count
 
@@ -713,8 +706,8 @@ class HostExchange:
                 words = {p: decode_seq(int(self._words[_seq_index(p)]))[2:] for p in pending}
                 raise ExchangeTimeout(
                     f"rank {self.rank}: {what.format(pending)} within {self.deadline_s:g}s (their "
-                    "(op, kind, chunks, "
-                    f"published) words: {words}); a rank died or stalled - see its worker log"
+                    f"(op, kind, chunks, published) words: {words}); a rank died or stalled - see "
+                    "its worker log"
                 )
             if self._poll.poll(max(1, math.ceil(remaining * 1000))):
                 with contextlib.suppress(BlockingIOError):
@@ -755,6 +748,6 @@ class HostExchange:
             if f and (f & ~((1 << 33) - 1)) == mine:
                 raise ExchangeChunkMismatch(
                     f"rank {self.rank}: rank {p} found a chunk-count / op-sequence mismatch at op "
-                    f"{(f >> 17) & 0xFFFF}"
-                    ": every rank must get the same exchange_chunks and the same op sequence"
+                    f"{(f >> 17) & 0xFFFF}: every rank must get the same exchange_chunks and the "
+                    "same op sequence"
                 )

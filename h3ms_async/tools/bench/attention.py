@@ -379,13 +379,13 @@ def run(
                 host["d2h_GBps"] * 1e9,
                 host["h2d_GBps"] * 1e9,
             ),
-            f"host staging at this run's measured device<->registered-shm rates "
+            "host staging at this run's measured device<->registered-shm rates "
             f"({host['d2h_GBps']:.1f} / {host['h2d_GBps']:.1f} GB/s), one PCIe link per GPU",
         ),
         "pcie_gen4_x16_assumed": (
             _legs(*[PCIE_GEN4_X16 * 1e9] * 4),
-            f"host staging at {PCIE_GEN4_X16:g} GB/s each way, an ASSUMED PCIe Gen4 x16 rate "
-            "(not measured here)",
+            f"host staging at {PCIE_GEN4_X16:g} GB/s each way, an ASSUMED PCIe Gen4 x16 rate (not "
+            "measured here)",
         ),
     }
     if ipc_runs:
@@ -395,8 +395,7 @@ def run(
         back = statistics.median(r["return_GBps"] for r in ipc_runs) * 1e9
         inside = (
             f"CUDA IPC: staging / take-back inside the model GPU at the measured {local / 1e9:.0f} "
-            "/ "
-            f"{back / 1e9:.0f} GB/s"
+            f"/ {back / 1e9:.0f} GB/s"
         )
         if p2p["GBps"]:
             links["nvlink_p2p"] = (
@@ -405,8 +404,8 @@ def run(
             )
         links["nvlink_assumed"] = (
             _legs(local, NVLINK_ASSUMED * 1e9, NVLINK_ASSUMED * 1e9, back),
-            f"{inside}, helpers copy P2P at {NVLINK_ASSUMED:g} GB/s, an ASSUMED NVLink 4 copy "
-            f"rate (not measured here: {p2p['why']})",
+            f"{inside}, helpers copy P2P at {NVLINK_ASSUMED:g} GB/s, an ASSUMED NVLink 4 copy rate "
+            f"(not measured here: {p2p['why']})",
         )
     models: dict[str, Any] = {}
     for name, (legs, note) in links.items():
@@ -496,22 +495,19 @@ def run(
         "parallel_on_logical_helpers": runs,
         "model": {
             "formula": "quantize + critical path of the engine's schedule "
-            "(h3ms_async/attention/schedule.py): "
-            "each helper's heads are cut into pieces of at most chunk_heads heads, staged one "
-            "after "
-            "another over the model GPU's link, round robin over the helpers (stage leg); a piece "
-            "is dispatched when staged (half the measured message round trip), its helper copies "
-            "it "
-            "in (helper_in), attends it (per_head_attention_s_in_pieces per head: a helper's range "
-            "attended in pieces of chunk_heads heads on two alternating streams, as the helper "
-            "runs "
-            "them, measured in this run: helper_range_in_pieces_s) and copies it out (helper_out), "
-            "the three overlapping across pieces on their own streams; results come back one at a "
-            "time in answer order "
-            "(ret leg), while the model GPU attends its own heads (per_head_attention_s, no "
-            "transfer; with CUDA IPC after the staging); the head split is the one the engine "
-            "tunes to (the model GPU's count minimising this path, the helpers equal). "
-            "whole_slices: the same with one piece per helper (the previous schedule)",
+            "(h3ms_async/attention/schedule.py): each helper's heads are cut into pieces of at "
+            "most chunk_heads heads, staged one after another over the model GPU's link, round "
+            "robin over the helpers (stage leg); a piece is dispatched when staged (half the "
+            "measured message round trip), its helper copies it in (helper_in), attends it "
+            "(per_head_attention_s_in_pieces per head: a helper's range attended in pieces of "
+            "chunk_heads heads on two alternating streams, as the helper runs them, measured in "
+            "this run: helper_range_in_pieces_s) and copies it out (helper_out), the three "
+            "overlapping across pieces on their own streams; results come back one at a time in "
+            "answer order (ret leg), while the model GPU attends its own heads "
+            "(per_head_attention_s, no transfer; with CUDA IPC after the staging); the head split "
+            "is the one the engine tunes to (the model GPU's count minimising this path, the "
+            "helpers equal). whole_slices: the same with one piece per helper (the previous "
+            "schedule)",
             "chunk_heads": chunk_heads,
             **models,
         },
@@ -546,8 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--transports",
         default="",
-        help="comma-separated, of host, cuda_ipc (default: both on CUDA, host "
-        "on a CPU); each runs side by side",
+        help="comma-separated, of host, cuda_ipc (default: both on CUDA, host on a CPU); each runs "
+        "side by side",
     )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(

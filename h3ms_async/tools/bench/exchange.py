@@ -385,15 +385,12 @@ def _choice(report: dict) -> str:
     )
     return (
         "Direct signalling: shared-memory sequence words + eventfd doorbells, no coordinator hop. "
-        "A full chunk "
-        f"round (publish + wait for every peer + the tiny copies, slowest rank) costs {per}; a "
-        "coordinator-routed "
-        f"signal would pay the same copies and waits plus 2 AF_UNIX msgpack round trips per chunk "
-        f"({rtt:.1f} us each here, so +{2 * rtt:.0f} us and a coordinator loop that serialises "
-        "every rank's "
-        "signals: world x chunks x 2 messages per op). Spin before sleep: time with spin / "
-        "without = "
-        f"{', '.join(f'{g:.2f}' for g in gain)} on {report['cpus']} CPUs; {spin_note}."
+        "A full chunk round (publish + wait for every peer + the tiny copies, slowest rank) costs "
+        f"{per}; a coordinator-routed signal would pay the same copies and waits plus 2 AF_UNIX "
+        f"msgpack round trips per chunk ({rtt:.1f} us each here, so +{2 * rtt:.0f} us and a "
+        "coordinator loop that serialises every rank's signals: world x chunks x 2 messages per "
+        f"op). Spin before sleep: time with spin / without = {', '.join(f'{g:.2f}' for g in gain)} "
+        f"on {report['cpus']} CPUs; {spin_note}."
     )
 
 

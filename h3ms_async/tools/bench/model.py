@@ -42,18 +42,14 @@ SOURCES = {
     "pcie4": "ASSUMED: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable for pinned "
     "copies",
     "pcie5": "ASSUMED: PCIe Gen5 x16 is 64 GB/s raw per direction; ~50 GB/s achievable (the H200 "
-    "host measured "
-    "51.9-55.0 GB/s pinned, docs/performance.md)",
+    "host measured 51.9-55.0 GB/s pinned, docs/performance.md)",
     "nvlink": "ASSUMED: NVLink4 (H100/H200, 450 GB/s per direction raw); NCCL all-gather bus "
-    "bandwidth ~350-400 GB/s "
-    "achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
+    "bandwidth ~350-400 GB/s achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
     "host_latency": "per-op signalling of the host exchange: 31-43 us per doorbell measured on the "
-    "2-core CPU box "
-    "(docs/performance.md), taken as 40 us per op",
+    "2-core CPU box (docs/performance.md), taken as 40 us per op",
     "nccl_latency": "ASSUMED: ~20 us per NCCL collective launch on NVLink",
     "net": "ASSUMED: network line rate x 0.9 achievable, hierarchical collectives (each remote row "
-    "crosses a host's "
-    "link once), inter-host part after the intra-host part (no overlap)",
+    "crosses a host's link once), inter-host part after the intra-host part (no overlap)",
 }
 
 
@@ -87,8 +83,7 @@ def default_links(parts: sm.Parts, a) -> list[sm.Link]:
                 a.nvlink_gbps,
                 NCCL_OP_LATENCY_S,
                 f"{SOURCES['nvlink']} inside a host; {SOURCES['net']}; {a.net_gbit:g} Gb/s per "
-                "host, "
-                f"{a.gpus_per_host} GPU(s) per host",
+                f"host, {a.gpus_per_host} GPU(s) per host",
                 True,
                 net_gbps=a.net_gbit / 8 * NET_EFFICIENCY,
                 gpus_per_host=a.gpus_per_host,
@@ -163,9 +158,9 @@ def run(
         "bench": "model",
         "schedule": {
             "overlap": overlap,
-            "note": "today the exchange does not overlap compute: every op waits for "
-            "the compute before it and the next op's compute waits for its bytes, so the exposed "
-            "exchange is the whole exchange time (overlap 0); --overlap models future overlap work",
+            "note": "today the exchange does not overlap compute: every op waits for the compute "
+            "before it and the next op's compute waits for its bytes, so the exposed exchange is "
+            "the whole exchange time (overlap 0); --overlap models future overlap work",
         },
         "parts": sm.parts_to_dict(parts),
         "sparse_attention_ratio": rho,
@@ -216,8 +211,7 @@ def table(res: dict) -> str:
         lines.append(f"{link:<16} {attn:<6} " + " ".join(f"{c:>30}" for c in cells))
     lines.append(
         "Not yet validated on a GPU (bench model --validate there). Links marked ASSUMED in the "
-        "JSON "
-        "use stated rates, not measurements."
+        "JSON use stated rates, not measurements."
     )
     return "\n".join(lines)
 
@@ -396,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--parts",
         default=None,
-        help="JSON of measured parts (schema h3ms_async.speed_parts/1); "
-        "without it the parts are measured on this CUDA GPU",
+        help="JSON of measured parts (schema h3ms_async.speed_parts/1); without it the parts are "
+        "measured on this CUDA GPU",
     )
     p.add_argument("--ranks", type=int_list, default=[2, 4, 8], help="rank counts N to predict")
     p.add_argument(
@@ -443,8 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--validate",
         action="store_true",
-        help="CUDA only: run the real split on 2 and 4 logical ranks "
-        "of one GPU and print predicted vs measured block time",
+        help="CUDA only: run the real split on 2 and 4 logical ranks of one GPU and print "
+        "predicted vs measured block time",
     )
     p.add_argument(
         "--validate-layers", type=positive_int, default=4, help="blocks per validation step"
@@ -464,8 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.validate and not cuda:
         p.error(
             f"--validate needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it "
-            "on a GPU "
-            "machine (on CPU use --parts FILE for predictions)"
+            "on a GPU machine (on CPU use --parts FILE for predictions)"
         )
     if a.parts is None and not cuda:
         p.error(
@@ -491,8 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     res["host_memcpy_GBps_here"] = host_memcpy_gbps()
     res["host_memcpy_note"] = (
-        "one tensor copy on this machine, for reference; the model's host_mem_gbps is the "
-        "parts' figure (the DMA of N GPUs into one arena, not one CPU thread's copy)"
+        "one tensor copy on this machine, for reference; the model's host_mem_gbps is the parts' "
+        "figure (the DMA of N GPUs into one arena, not one CPU thread's copy)"
     )
     if a.validate:
         vparts = (

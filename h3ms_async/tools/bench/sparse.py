@@ -237,8 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         p.error(
             f"bench sparse needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it "
-            "on a GPU "
-            "machine (comfy-kitchen has no CPU sparse attention kernel)"
+            "on a GPU machine (comfy-kitchen has no CPU sparse attention kernel)"
         )
     out_path = None
     if a.out:

@@ -375,8 +375,8 @@ def run_bench_split(
         skipped.append(
             {
                 "exchange": "nccl",
-                "skipped": "mixed CPU/CUDA rank map: torch.distributed needs one "
-                "backend for every rank; use all-CPU or all-CUDA ranks",
+                "skipped": "mixed CPU/CUDA rank map: torch.distributed needs one backend for every "
+                "rank; use all-CPU or all-CUDA ranks",
             }
         )
     variants = _variants(
