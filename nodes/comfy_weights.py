@@ -26,10 +26,9 @@ from .errors import MultiStreamError
 def weight_key(patcher: Any) -> tuple[tuple, str | None]:
     """``(key, warning)``: the shm weight-store key of what ``patcher`` would run.
 
-    From the loader's reload factory (``cached_patcher_init = (factory, (path, model_options,
-    ...))``): ``("dit", realpath, size, mtime_ns, repr(options), patches_uuid)``. Without it the key
-    is tied to this model object (``id``), with a warning: the store is refilled for every reloaded
-    model.
+    The key comes from the loader's reload factory (``cached_patcher_init``: file, options,
+    patches); without one it is the model object's ``id``, with a warning, and every reload refills
+    the store.
     """
     patches = str(getattr(patcher, "patches_uuid", ""))
     init = getattr(patcher, "cached_patcher_init", None)
@@ -106,13 +105,9 @@ def _cast_path_tensors(
     """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into
     ``out`` (host copies, store names; ``name`` is the module's in-block name).
 
-    The weight a patch-in-the-cast module computes with exists only inside
-    ``comfy.ops.cast_bias_weight``: under ``ModelPatcherDynamic`` the module's own storage may be
-    comfy-aimdo's read-only mapping of the checkpoint file, and the patch is applied to the copy the
-    cast faults in on ``load_device``. So the split asks that function for the module's tensors with
-    the arguments the forward gives it (compute dtype, load device, ``want_requant``), copies them
-    to the host before the cast buffer can be reused, and then hands the buffer back
-    (``uncast_bias_weight``).
+    Such a module's patched weight exists only inside ``comfy.ops.cast_bias_weight`` (under
+    ``ModelPatcherDynamic`` its storage may be a read-only mapping of the checkpoint file), so this
+    calls the cast with the forward's arguments and copies the result out before releasing it.
     """
     import comfy.ops
 
@@ -135,21 +130,12 @@ def _cast_path_tensors(
 
 
 def effective_weight(patcher: Any, key: str) -> Any:
-    """The tensor ComfyUI computes with for state-dict ``key`` of a module whose patches ComfyUI
-    bakes into the weight (a module that patches in its cast goes through :func:`_cast_path_tensors`
-    instead): LoRA/weight patches and weight wrappers applied.
+    """The tensor ComfyUI computes with for state-dict ``key`` (LoRA/weight patches and weight
+    wrappers applied) of a module whose patches ComfyUI bakes into the weight.
 
-    A fully loaded model already holds its patched weights (originals in ``patcher.backup``, and
-    ``model.current_weight_patches_uuid == patcher.patches_uuid``): those are taken as they are,
-    never patched twice; when the live weight holds another clone's patches, the original comes from
-    ``backup``. Otherwise ``patch_weight_to_device(key, return_weight=True)`` gives the weight
-    without touching the model: an unpatched key is the live tensor as it is (no device work); a
-    patched key is computed on ``patcher.load_device``, because ComfyUI's load computes patches
-    there, in that device's patch dtype (``lora_compute_dtype``), and the split must match it bit
-    for bit (quantized layers re-quantize through their ``set_weight``). That is one transient
-    tensor at a time, moved to the host by :func:`block_tensors` before the next is made. Weight
-    wrappers (``add_weight_wrapper``) run last, in order, as ``cast_bias_weight`` runs a module's
-    ``weight_function`` list.
+    Weights a loaded model already holds patched are taken as they are, never patched twice. A
+    patched key is computed on ``patcher.load_device``, where ComfyUI's load computes patches (in
+    that device's ``lora_compute_dtype``), so the result matches ComfyUI's bit for bit.
     """
     backup = getattr(patcher, "backup", {})
     if key not in backup:
@@ -202,13 +188,8 @@ def block_tensors(
     patcher: Any, block_index: int, compute_dtype: torch.dtype, prefix: str = "diffusion_model."
 ) -> dict[str, torch.Tensor]:
     """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight
-    store takes them.
-
-    A module whose patches ComfyUI applies in its cast gives what that cast gives
-    (:func:`_cast_path_tensors`: the compute dtype, or int8 re-quantized where the forward asks for
-    it); every other module gives its stored tensors (:func:`effective_weight`), which ranks cast to
-    the activation dtype exactly as ComfyUI's ops do. A weight that a patch left dequantized stays a
-    float weight, which is what ComfyUI then computes with.
+    store takes them: what ComfyUI's cast gives for a module that patches in its cast, the stored
+    (patched) tensors otherwise, which ranks cast to the activation dtype as ComfyUI's ops do.
     """
     dm = patcher.get_model_object(prefix.rstrip("."))
     block = dm.blocks[block_index]

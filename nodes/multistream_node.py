@@ -252,11 +252,10 @@ def _plan_devices(
     """``(devices, shares, why)``: the rank devices and their shares (None: equal), or None with the
     reason the model runs unsplit.
 
-    ``H3MS_RANK_MAP`` replaces the plan as given (one rank included: it was asked for); a connected
-    GPU set's shares still apply, one per rank. Otherwise the model must be on CUDA, and the
-    resolved plan (the model's GPU is rank 0) needs at least ``min_ranks`` ranks (1 with sparse
-    attention: plain ComfyUI here has no sparse attention, so one usable GPU runs the blocks on one
-    worker).
+    ``H3MS_RANK_MAP`` replaces the plan as given, even with one rank; a connected GPU set's shares
+    still apply. Otherwise the model must be on CUDA and the plan (the model's GPU is rank 0) needs
+    ``min_ranks`` ranks (1 with sparse attention: plain ComfyUI has none, so one GPU runs the
+    blocks on one worker).
     """
     from h3ms_async.runtime.plans import GPUSelectionError, GPUSet, rank_map, resolve_cuda
 

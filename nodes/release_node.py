@@ -90,9 +90,8 @@ class H3MSReleaseResourcesAsync:
                     },
                 ),
             },
-            # added after the node's first release: optional, so a workflow saved before them still
-            # validates (ComfyUI refuses a graph that lacks a required input) and runs with these
-            # defaults
+            # optional, so a workflow saved without them validates (ComfyUI refuses a graph that
+            # lacks a required input) and runs with these defaults
             "optional": {
                 "release_vae_workers": (
                     "BOOLEAN",

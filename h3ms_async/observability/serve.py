@@ -279,13 +279,11 @@ def start_background_server(
     log_tail: LogTail | None = None,
     run: RunOnLoop | None = None,
 ) -> tuple[str, Callable[[], None]]:
-    """Serve the routes and panel from a loop that is already running (the coordinator's by
-    default).
+    """Serve the routes and panel from a running loop, through ``run(coro, timeout)`` (default: the
+    coordinator's ``run``).
 
-    ``run(coro, timeout)`` executes a coroutine on that loop and returns its result; it defaults to
-    the core coordinator's ``run``. Returns ``(base_url, stop)``: ``base_url`` is
-    ``http://host:port`` with the port actually bound (``port=0`` picks a free one); ``stop()``
-    closes open event streams and the listening socket, within 10 s.
+    Returns ``(base_url, stop)``: ``base_url`` names the port actually bound (``port=0`` picks a
+    free one); ``stop()`` closes open event streams and the listening socket, within 10 s.
     """
     run = run or _coordinator_runner()
     app = build_app(hub=hub, log_tail=log_tail)

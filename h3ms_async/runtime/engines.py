@@ -49,8 +49,7 @@ class Engine:
 
     A subclass sets :attr:`error` (and :attr:`interrupted`, a subclass of it), makes its pool, calls
     ``super().__init__(pool, registry)``, runs each job inside :meth:`job` and overrides
-    :meth:`_drop_resident` (and
-    :meth:`holds_resident` when it keeps state besides its workers).
+    :meth:`_drop_resident` (and :meth:`holds_resident` when it keeps state besides its workers).
     """
 
     #: What a failed, timed-out job raises (a worker's :class:`WorkerError` becomes one, with its

@@ -82,12 +82,8 @@ def _container_memory(root: Path) -> tuple[int, int] | None:
 
 def ram_info(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> RamInfo:
     """``{available_bytes, total_bytes, text, container_limit}``: psutil's figures capped by the
-    memory cgroup.
-
-    Reads cgroup v2 (``memory.max``/``memory.current``/``memory.stat`` under ``cgroup_root``),
-    falling back to v1 (``cgroup_root/memory/memory.limit_in_bytes`` ...). Available RAM is the
-    smaller of the host and container figures, so a container limit below the host's RAM is what the
-    weight store's reserve is checked against.
+    memory cgroup (v2 or v1 under ``cgroup_root``), so the weight store's reserve is checked against
+    a container limit below the host's RAM.
     """
     vm = psutil.virtual_memory()
     avail, total, limited = int(vm.available), int(vm.total), False

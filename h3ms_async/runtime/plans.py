@@ -134,7 +134,7 @@ class GPUSet:
 
     @classmethod
     def legacy(cls, second_gpu: int) -> GPUSet:
-        """The old single ``second_gpu`` input: -1 is auto, N >= 0 is the model GPU plus cuda:N."""
+        """The single ``second_gpu`` input: -1 is auto, N >= 0 is the model GPU plus cuda:N."""
         if second_gpu < -1:
             raise GPUSelectionError(
                 f"second_gpu must be -1 (auto) or a CUDA index, got {second_gpu}"
