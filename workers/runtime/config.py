@@ -2,8 +2,8 @@
 line, one parser.
 
 Workers and the core read the same declarations (this module lives under ``workers/`` because
-workers never import ``h3ms_async``).  :meth:`EnvVar.get` reads the environment on every call, so a variable a test sets
-between calls takes effect; modules that fix a value for the process's life (the frame limit, the
+workers never import ``h3ms_async``).  :meth:`EnvVar.get` reads the environment on every call, so
+a variable a test sets between calls takes effect; modules that fix a value for the process's life (the frame limit, the
 test hooks) call it once at import.  A bad value is one :class:`ConfigError` line naming the
 variable, what is wrong and the fix.
 
