@@ -587,9 +587,9 @@ class AttentionParallelEngine(Engine):
                 marks.append((e0, e1))
         if self.transport == "cuda_ipc":
             # Staging into IPC buffers is a copy inside this GPU (about a millisecond); issued next
-            # to rank 0's attention it queued behind that kernel and held every helper back for its
-            # whole duration (the first H200 run measured this as 2-3 GB/s of "staging").  So rank
-            # 0's heads start once the pieces are out.
+            # to rank 0's attention it queues behind that kernel and holds every helper back for its
+            # whole duration (measured on the H200 as 2-3 GB/s of "staging").  So rank 0's heads
+            # start once the pieces are out.
             main.wait_event(marks[-1][1])
         local = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         local[0].record(main)

@@ -7,7 +7,7 @@ that many rows at least, shares kept as close as possible) and the candidates ar
 otherwise (a head group's attention or qkv rows differ, or a rank's device computes the unsplit
 products with other bits than rank 0's) the step runs unsplit.
 
-The old fixed rules are priors now: :data:`MIN_SHARD_TOKENS` and ``dit_ops.flash_tiles_ok`` only
+The fixed rules :data:`MIN_SHARD_TOKENS` and ``dit_ops.flash_tiles_ok`` are priors: they only
 order the adjustments and are named in the log when the measurement overrides them.  The decision is
 cached for the life of the process, keyed by everything a kernel choice may depend on
 (:func:`verdict_key`).

@@ -181,12 +181,11 @@ class ReferenceDiT:
         return {k: v.to(self.device) for k, v in block.items()}
 
     def materialize(self) -> ReferenceDiT:
-        """Generate every block once and keep it on the model's device; returns ``self``.
+        """Generate every block once (or move loaded weights) onto the model's device; returns
+        ``self``.
 
-        Afterwards :meth:`block_weights` is a lookup instead of a fresh seeded draw (and, on CUDA,
-        no host->device copy), so benchmarks time the blocks rather than the weight generator.
-        Costs all blocks' memory at once; weights set by :meth:`load_state_dict` are moved to the
-        device too.  The values are the same either way.
+        :meth:`block_weights` then is a lookup, with no seeded draw or host->device copy, so
+        benchmarks time the blocks rather than the weight generator; the values are the same.
         """
         if self._loaded is None:
             self._loaded = {i: self._generate_block(i) for i in range(self.config.layers)}

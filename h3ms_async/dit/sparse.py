@@ -2,13 +2,12 @@
 whole step.
 
 :class:`SparseSettings` is what the user sets, validated here with errors that name the input and
-the fix;
-:meth:`SparseSettings.resolve` turns it into the ranks' ``workers.dit.sparse.SparseConfig`` (the
-percent window as sigmas, the block list checked against the model). :class:`DenseFallback` decides,
-once per step, whether the kernel can run at all on these ranks and this stream (CUDA SM >= 8.0,
-bfloat16, head_dim 128) and says why not in ONE log line per reason; every rank then runs dense, so
-a split never mixes sparse and dense ranks. :class:`UnsplitSparse` is the engine's unsplit path: the
-same sparse attention over every head on one device, with its own statistics.
+the fix; :meth:`SparseSettings.resolve` turns it into the ranks' ``workers.dit.sparse.SparseConfig``
+(the percent window as sigmas, the block list checked against the model). :class:`DenseFallback`
+decides, once per step, whether the kernel can run at all on these ranks and this stream (CUDA SM
+>= 8.0, bfloat16, head_dim 128) and says why not in ONE log line per reason; every rank then runs
+dense, so a split never mixes sparse and dense ranks. :class:`UnsplitSparse` is the engine's
+unsplit path: the same sparse attention over every head on one device, with its own statistics.
 """
 
 from __future__ import annotations

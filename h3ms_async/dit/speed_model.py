@@ -1,37 +1,26 @@
 """Speed model of the DiT split: predicted step time and speed-up at N ranks from measured parts.
 
 Per block every rank computes its 1/N shard and runs two collectives (``workers/dit/loop.py``): an
-all-gather of
-the modulated block input (all tokens x hidden) and an all-to-all of the attention output by head
-columns.  The
-Ulysses pattern instead all-to-alls q, k and v (each rank's tokens x every head) and then the
-attention output.
-The bytes each rank moves per op follow from the token and head plan exactly as the transports move
-them:
+all-gather of the modulated block input (all tokens x hidden) and an all-to-all of the attention
+output by head columns.  The Ulysses pattern instead all-to-alls q, k and v (each rank's tokens x
+every head) and then the attention output.  The bytes each rank moves per op follow from the token
+and head plan exactly as the transports move them:
 
 * host exchange (``workers/transports/host.py``): an all-gather writes a rank's rows to the arena
-  once for all
-  peers and reads every peer's rows; an all-to-all writes each peer's rows of its columns and reads
-  its own rows of
-  every peer's columns.  A rank without peers moves nothing.
+  once for all peers and reads every peer's rows; an all-to-all writes each peer's rows of its
+  columns and reads its own rows of every peer's columns.  A rank without peers moves nothing.
 * NCCL (``workers/transports/dist.py``): an all-gather of uneven shards is padded to the largest
-  shard, a rank
-  sends and receives (N-1) padded shards; an all-to-all sends and receives exactly the rows and
-  columns it owes.
+  shard, a rank sends and receives (N-1) padded shards; an all-to-all sends and receives exactly
+  the rows and columns it owes.
 
-Times: a host-staged op takes each rank's device->host then host->device copies in sequence
-(today's default,
-``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host memory; an
-NCCL op takes
-the larger of a rank's send and receive bytes at the collective's bus bandwidth (for an all-gather
-that is the
-nccl-tests "busbw" convention).  Ranks on several hosts add the bytes each host must receive from
-the others over
-its network link, after the intra-host part (no overlap of the two levels).  Today's schedule does
-not overlap the
-exchange with compute: the exposed exchange is the whole exchange time, ``overlap`` (0..1) is the
-hidden fraction
-for modelling future overlap work.
+Times: a host-staged op takes each rank's device->host then host->device copies in sequence (the
+default, ``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host
+memory; an NCCL op takes the larger of a rank's send and receive bytes at the collective's bus
+bandwidth (for an all-gather that is the nccl-tests "busbw" convention).  Ranks on several hosts
+add the bytes each host must receive from the others over its network link, after the intra-host
+part (no overlap of the two levels).  The schedule does not overlap the exchange with compute: the
+exposed exchange is the whole exchange time; ``overlap`` (0..1) is the hidden fraction, for
+modelling an overlapping schedule.
 """
 
 from __future__ import annotations
@@ -83,12 +72,10 @@ class Shape:
 @dataclass(frozen=True)
 class Link:
     """How ranks exchange: ``transport`` host (staged through host memory) or nccl; ``gbps`` GB/s
-    per direction
-    per GPU (host: the PCIe link; nccl: the collective's bus bandwidth); ``net_gbps`` the network
-    link of each host
-    when ranks span hosts of ``gpus_per_host`` GPUs (0: one host); ``shared``: every rank on one
-    GPU and its link
-    (logical ranks, ``--validate``); ``source`` says where each figure comes from."""
+    per direction per GPU (host: the PCIe link; nccl: the collective's bus bandwidth); ``net_gbps``
+    the network link of each host when ranks span hosts of ``gpus_per_host`` GPUs (0: one host);
+    ``shared``: every rank on one GPU and its link (logical ranks, ``--validate``); ``source`` says
+    where each figure comes from."""
 
     name: str
     transport: str
@@ -115,14 +102,11 @@ class Parts:
     """Measured (or stated) inputs of the model; :func:`parts_from_dict` validates the JSON form.
 
     ``unsplit_block_s``: one dense block over all tokens on one GPU.  ``attention_fraction``: the
-    attention's share
-    of it (splits by heads; the rest by tokens).  ``shard_block_s``: measured compute of the
-    slowest rank's 1/N
-    shard per block, by N; an N without one is modelled as the share of the unsplit block plus
-    ``rank_overhead_s``.  ``step_overhead_s``: what a split step adds once (staging, rank set-up,
-    tail).
-    ``sparse_step_ratio``: measured dense / sparse unsplit step time (sets the sparse attention
-    ratio).
+    attention's share of it (splits by heads; the rest by tokens).  ``shard_block_s``: measured
+    compute of the slowest rank's 1/N shard per block, by N; an N without one is modelled as the
+    share of the unsplit block plus ``rank_overhead_s``.  ``step_overhead_s``: what a split step
+    adds once (staging, rank set-up, tail).  ``sparse_step_ratio``: measured dense / sparse unsplit
+    step time (sets the sparse attention ratio).
     """
 
     shape: Shape
@@ -202,8 +186,7 @@ def traffic(shape: Shape, plan: Plan, kind: str) -> list[list[int]]:
 
 def host_bytes(shape: Shape, plan: Plan, kind: str) -> list[tuple[int, int]]:
     """Per rank (device->host written, host->device read) for one host-exchange op (an all-gather
-    writes a rank's
-    rows once for every peer)."""
+    writes a rank's rows once for every peer)."""
     m = traffic(shape, plan, kind)
     N = plan.world
     out = []
@@ -222,9 +205,8 @@ def nccl_bytes(
     shape: Shape, plan: Plan, kind: str, gpus_per_host: int = 0
 ) -> list[tuple[int, int]]:
     """Per rank (sent, received) for one torch.distributed op (all-gather padded to the largest
-    shard); with
-    ``gpus_per_host`` only the part between ranks of the same host (the network part is
-    :func:`net_bytes`)."""
+    shard); with ``gpus_per_host`` only the part between ranks of the same host (the network part
+    is :func:`net_bytes`)."""
     N = plan.world
     local = min(gpus_per_host or N, N)
     same = [[p // local == r // local and p != r for r in range(N)] for p in range(N)]
@@ -240,8 +222,7 @@ def nccl_bytes(
 
 def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
     """Largest bytes one host receives from the other hosts for one op (an all-gather brings each
-    remote row once
-    per host)."""
+    remote row once per host)."""
     N = plan.world
     host = [r // gpus_per_host for r in range(N)]
     m = traffic(shape, plan, kind)
@@ -282,10 +263,8 @@ def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: f
 
 def shard_seconds(parts: Parts, plan: Plan, attention_ratio: float = 1.0) -> list[float]:
     """Each rank's compute per block: tokens share of the non-attention work, heads share of the
-    attention
-    (times ``attention_ratio`` for sparse steps), plus the per-rank overhead at N > 1; a measured
-    shard time for
-    this N replaces the slowest rank's and scales the others alike."""
+    attention (times ``attention_ratio`` for sparse steps), plus the per-rank overhead at N > 1; a
+    measured shard time for this N replaces the slowest rank's and scales the others alike."""
     s, a = parts.shape, parts.attention_fraction
     N = plan.world
     over = parts.rank_overhead_s if N > 1 else 0.0

@@ -467,8 +467,7 @@ class SplitEngine(Engine):
         return f"comfy:{host.attention}" if host is not None else self.options.attention
 
     def _prior_refusal(self, plan: plans.SplitPlan) -> str | None:
-        """What the fixed rules (now priors) would have said about ``plan``: a reason to refuse, or
-        None."""
+        """What the fixed rules (the priors) say about ``plan``: a reason to refuse, or None."""
         small = min(plan.tokens_per_rank())
         if small < MIN_SHARD_TOKENS:
             return f"a {small}-row shard is under the {MIN_SHARD_TOKENS}-row prior"

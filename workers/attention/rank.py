@@ -115,8 +115,7 @@ class _Streams:
 class _Piece:
     """One piece on its way through the helper: on CUDA its copy in, attention and copy out are
     queued on their own streams (so the next piece's copy in and this one's copy out overlap the
-    attention around them) and
-    :meth:`finish` waits for them; on the CPU it ran to the end already."""
+    attention around them) and :meth:`finish` waits for them; on the CPU it has run to the end."""
 
     def __init__(
         self,

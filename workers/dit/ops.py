@@ -43,14 +43,10 @@ INT8_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
 def apply_kitchen_policy() -> None:
-    """Enable comfy-kitchen's backends as ComfyUI does, for standalone use (the CLI's reference,
-    workers started without a ComfyUI parent). Never called in ComfyUI's process: there ComfyUI's
-    own ``comfy.quant_ops`` sets the policy, and a worker started from ComfyUI imports that module
-    instead (``workers.runtime.comfy_host``).
-
-    ComfyUI (comfy/quant_ops.py) disables kitchen's ``cuda`` backend unless torch was built with
-    CUDA >= 13, and its ``triton`` backend unless ``--enable-triton-backend`` was given (here:
-    ``H3MS_ENABLE_TRITON_BACKEND=1``).
+    """Set comfy-kitchen's backends as ComfyUI's ``comfy/quant_ops.py`` does, for standalone use
+    (the CLI's reference, workers without a ComfyUI parent; with one, that module sets them:
+    ``workers.runtime.comfy_host``): ``cuda`` needs torch built with CUDA >= 13, ``triton`` needs
+    ``H3MS_ENABLE_TRITON_BACKEND=1`` (ComfyUI's ``--enable-triton-backend``).
     """
     cuda = torch.version.cuda
     if cuda is None or int(cuda.split(".")[0]) < 13:
@@ -123,7 +119,7 @@ _PROBING = [False]
 
 
 def is_probing() -> bool:
-    """Whether the calls made now are the invariance probe's (:func:`probing`)."""
+    """Whether the current calls are the invariance probe's (:func:`probing`)."""
     return _PROBING[0]
 
 
@@ -260,13 +256,10 @@ def _linear_named(
 def adaln(
     weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: bool = True
 ) -> tuple[torch.Tensor, ...]:
-    """The block's modulation vectors: ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
-    gate_mlp)``.
+    """The block's modulation vectors ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
+    gate_mlp)``; row ``3·t_row + tag`` of each belongs to one timestep and modality.
 
-    ``silu(t_emb)`` (full form; the curve form passes ``apply_silu=False``) through
-    ``adaln_proj.linear``, viewed ``[3M, 6H]`` and chunked: row ``3·t_row + tag`` of each chunk
-    belongs to one timestep and modality.  The GEMM has the same shape on every rank, so every rank
-    gets the same numbers.
+    The GEMM has the same shape on every rank, so every rank gets the same numbers.
     """
     inp = F.silu(t_emb) if apply_silu else t_emb
     y = _linear_named(inp, weights, "adaln_proj.linear")

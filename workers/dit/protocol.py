@@ -102,7 +102,7 @@ RESIDENCIES: tuple[str, ...] = get_args(Residency)
 
 
 class DitLoaded(Answer):
-    """Whether the weights were mapped now (False: this key and head group were loaded
+    """Whether this call mapped the weights (False: this key and head group were loaded
     already), their bytes, the load's seconds (when it loaded), the device's SM count (None on a
     CPU), its fingerprint (``workers.dit.invariance.fingerprint``), and why the sparse kernel
     cannot run there (None: it can)."""

@@ -44,7 +44,7 @@ class WeightProvider(Protocol):
         nothing changes."""
 
     def block(self, i: int) -> BlockView:
-        """Block ``i``, usable by work issued on the current stream from now on."""
+        """Block ``i``, usable by work issued on the current stream after this call."""
 
     def done(self, i: int) -> None:
         """The loop has issued all work that reads block ``i`` (its memory may be reused after that
@@ -70,9 +70,10 @@ class CpuWeights:
     """Block weights used in place (CPU ranks and the in-process reference): no residency, nothing
     to prefetch.
 
-    ``read(i)`` gives block ``i``'s parameters.  ``eager`` slices every block's qkv rows now and
-    keeps them (a rank's weights: per step nothing is copied); otherwise each :meth:`block` call
-    reads and slices anew (the reference's seeded model, which may be too big to hold).
+    ``read(i)`` gives block ``i``'s parameters.  ``eager`` slices every block's qkv rows at
+    construction and keeps them (a rank's weights: per step nothing is copied); otherwise each
+    :meth:`block` call reads and slices anew (the reference's seeded model, which may be too big to
+    hold).
     """
 
     def __init__(

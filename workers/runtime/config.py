@@ -2,11 +2,10 @@
 line, one parser.
 
 Workers and the core read the same declarations (this module lives under ``workers/`` because
-workers never import
-``h3ms_async``).  :meth:`EnvVar.get` reads the environment on every call, so a variable a test sets
-between calls takes effect; modules that fix a value for the process's life (the frame limit, the
-test hooks) call it once at import.  A bad value is one :class:`ConfigError` line naming the
-variable, what is wrong and the fix.
+workers never import ``h3ms_async``).  :meth:`EnvVar.get` reads the environment on every call, so a
+variable a test sets between calls takes effect; modules that fix a value for the process's life
+(the frame limit, the test hooks) call it once at import.  A bad value is one :class:`ConfigError`
+line naming the variable, what is wrong and the fix.
 
 The README's environment table is :func:`markdown_table` (``python -m workers.runtime.config``
 prints it; a test checks the README matches).  Variables read only by ``scripts/h3ms.sh`` or the
@@ -97,8 +96,9 @@ class EnvVar(Generic[T]):
         return bool(self.raw())
 
     def get(self, then: Callable[[T], Any] | None = None) -> Any:
-        """The parsed value (read now).  ``then`` further parses a set value (e.g. the core's
-        rank-map rules); its ValueError is re-raised, same type, with this variable named."""
+        """The parsed value, read from the environment at this call.  ``then`` further parses a set
+        value (e.g. the core's rank-map rules); its ValueError is re-raised, same type, with this
+        variable named."""
         raw = self.raw()
         if not raw:
             return self.default

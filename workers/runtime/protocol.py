@@ -460,8 +460,7 @@ def decode_answer(answer: type[Answer], raw: msgspec.Raw | bytes) -> Answer:
 async def read_message(reader: asyncio.StreamReader, max_bytes: int | None = None) -> Message:
     """Read and decode one frame of at most ``max_bytes`` (default ``MAX_FRAME_BYTES``).  EOF
     exactly at a frame boundary raises ``EOFError``; anything else that is wrong (over-long length,
-    truncated frame, bad body) raises
-    :class:`ProtocolError`."""
+    truncated frame, bad body) raises :class:`ProtocolError`."""
     limit, name = (
         (MAX_FRAME_BYTES, "MAX_FRAME_BYTES")
         if max_bytes is None

@@ -109,8 +109,7 @@ class DistExchange:
     """``all_gather_rows`` / ``all_to_all_cols`` over the default process group.
 
     ``control`` (optional int64 shm tensor, word 0 = abort generation) makes ``begin()`` and every
-    op raise
-    :class:`ExchangeAborted` once the pool aborted the job.
+    op raise :class:`ExchangeAborted` once the pool has aborted the job.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 peers.
 
 Implementations: :class:`workers.transports.host.HostExchange` (shared-memory arena),
-:class:`workers.transports. dist.DistExchange` (torch.distributed), :class:`NoExchange` (below: the
+:class:`workers.transports.dist.DistExchange` (torch.distributed), :class:`NoExchange` (below: the
 unsplit run, and the benchmark baseline) and, on a CUDA rank, ``workers.dit.cuda.CudaExchange``
 wrapping the first two.  The block loop (``workers.dit.loop``) sees only this protocol.
 """

@@ -56,7 +56,7 @@ from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, 
 
 
 class VaeLoaded(Answer):
-    """Whether the decoder was built now (False: ``key`` was loaded already); then its bytes and
+    """Whether this call built the decoder (False: ``key`` was loaded already); then its bytes and
     the seconds of the load and of ComfyUI's import."""
 
     loaded: bool

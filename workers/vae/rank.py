@@ -103,12 +103,12 @@ def build_decoder(
     tensors' names), ``cast_flags`` (module name -> ``comfy_cast_weights`` where the parent's
     differs from the class's), ``z_channels``, ``embed_dim``, and the tiling/temporal attributes
     ``tile_size``, ``tile_overlap_min``, ``tiling``, ``vae_ratio``, ``vae_ratio_t``,
-    ``clip_length``, ``token_drop``.  ``stored``: the shipped tensors' names and dtype names.  The
-    encoder is left out (None): a decode never touches it.  The model is built on the meta device
-    (no memory, no init) and cast to ``dtype`` as ComfyUI's VAE loader casts it before loading; a
-    floating tensor the parent keeps in another dtype (DynamicVRAM keeps a checkpoint's stored dtype
-    and casts per layer) gets that dtype, so the same per-layer casts run here; ``to_empty`` places
-    it, and :func:`load_tensors` fills it.
+    ``clip_length``, ``token_drop``.  ``stored``: the shipped tensors' names and dtype names.
+
+    Built on the meta device without the encoder (a decode never touches it), cast to ``dtype`` as
+    ComfyUI's VAE loader casts it; a floating tensor the parent keeps in another dtype (DynamicVRAM
+    keeps a checkpoint's stored dtype and casts per layer) gets that dtype, so the same per-layer
+    casts run here.  ``to_empty`` places it and :func:`load_tensors` fills it.
     """
     import comfy.ops
 
