@@ -30,7 +30,7 @@ def shrink_h3_vae_classes() -> None:
 
 
 @contextlib.contextmanager
-def _eager_comfy_ops():
+def eager_comfy_ops():
     """ComfyUI's ops with their weights allocated at construction: under DynamicVRAM (comfy-aimdo on) a
     ``Linear`` leaves its weight ``None`` until a state dict is loaded, so the template would lack those keys."""
     import comfy.memory_management as mm
@@ -64,7 +64,7 @@ def small_h3_vae_state_dict(seed: int = 4321) -> dict[str, torch.Tensor]:
     import comfy.ldm.minimax.vae as V
 
     shrink_h3_vae_classes()
-    with _eager_comfy_ops():
+    with eager_comfy_ops():
         module = V.MiniMaxH3VideoVAE()
     return _random_like(module, seed, ("norm1.weight", "norm2.weight", "norm_out.weight"))
 
@@ -74,6 +74,6 @@ def small_h3_audio_vae_state_dict(seed: int = 4322) -> dict[str, torch.Tensor]:
     import comfy.ldm.minimax.audio_vae as A
 
     shrink_h3_vae_classes()
-    with _eager_comfy_ops():
+    with eager_comfy_ops():
         module = A.MiniMaxH3AudioVAE()
     return _random_like(module, seed, (".alpha", "norm.weight"), unit_stats=True)

@@ -49,16 +49,13 @@ def rand_sd(shapes, bump):
     return {n: (torch.randn(t.shape, generator=GEN, device="cuda") * 0.02 + (1.0 if n.endswith(bump) else 0.0))
             .to(torch.bfloat16).cpu() for n, t in sorted(shapes.items()) if t.is_floating_point()}
 
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from small_h3_vae import eager_comfy_ops
+
 def shapes_of(build):
-    # ComfyUI's ops allocate their weights at construction only with comfy-aimdo off: under DynamicVRAM a Linear's
-    # weight stays None until a state dict is loaded, and the template would lack those keys
-    import comfy.memory_management as mem
-    before, mem.aimdo_enabled = mem.aimdo_enabled, False
-    try:
-        with torch.device("meta"):
-            return build().state_dict()
-    finally:
-        mem.aimdo_enabled = before
+    # under DynamicVRAM a Linear's weight stays None until loaded: the template needs eager ops
+    with eager_comfy_ops(), torch.device("meta"):
+        return build().state_dict()
 
 def big_clip(gib):
     cfg = json.load(open("comfy/sd1_clip_config.json"))
