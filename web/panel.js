@@ -346,7 +346,10 @@ export class Panel {
       if (!pairs.length) dl.appendChild(el("dd", empty, { class: "dim" }));
       for (const [k, text] of pairs) dl.append(el("dt", k), el("dd", text));
     }
-    if (st.last_step && st.last_step.seq !== undefined) this.addSteps([st.last_step]);
+    // a newer step than the feed has shown: fetch every one since, because adding the lone last one would make
+    // addSteps skip the steps recorded between
+    const last = st.last_step;
+    if (last && last.seq !== undefined && (this.lastSeq === null || last.seq > this.lastSeq)) this.pollSteps();
   }
 
   renderWorkers(workers) {
