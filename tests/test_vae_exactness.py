@@ -23,7 +23,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> status.StatusHub:
 
 
 def _keys(devices: list[str], shape: tuple[int, ...], weights: tuple) -> dict:
-    return {(r, shape): exactness.verdict_key(r, devices, torch.float16, shape, weights)
+    return {(r, shape): exactness.verdict_key(r, devices, torch.float16, shape, weights, 1000 + r)
             for r in range(1, len(devices))}
 
 
@@ -48,9 +48,21 @@ def test_verdicts_are_kept_warned_once_and_recorded(hub, caplog, differing: set[
         assert row["device"].startswith("cpu") and row["dtype"] == "float16" and row["probe_ms"] == 12.5
 
 
-def test_a_key_names_rank_devices_torch_dtype_shape_and_weights() -> None:
-    key = exactness.verdict_key(1, ["cpu", "cpu"], torch.bfloat16, (1, 24, 7, 2, 3), ("vae.safetensors",))
-    assert key[0] == 1 and key[1].startswith("cpu") and key[3] == torch.__version__ and key[4] == "bfloat16"
-    assert key[5:] == ((1, 24, 7, 2, 3), ("vae.safetensors",))
+def test_a_key_names_rank_worker_devices_torch_dtype_shape_and_weights() -> None:
+    key = exactness.verdict_key(1, ["cpu", "cpu"], torch.bfloat16, (1, 24, 7, 2, 3), ("vae.safetensors",), 4242)
+    assert key[:2] == (1, 4242) and key[2].startswith("cpu") and key[4] == torch.__version__
+    assert key[5:] == ("bfloat16", (1, 24, 7, 2, 3), ("vae.safetensors",))
     assert torch.equal(exactness.probe_latent((1, 2, 3), torch.float16), exactness.probe_latent((1, 2, 3),
                                                                                                 torch.float16))
+
+
+def test_a_rank_exact_on_its_second_probe_is_kept_with_the_reason(hub, caplog) -> None:
+    devices, shape, weights = ["cpu"] * 2, (1, 24, 7, 2, 3), ("test", "retried")
+    keys = _keys(devices, shape, weights)
+    with caplog.at_level(logging.INFO):
+        exactness.settle([exactness.Outcome(1, "cpu", shape, True, 20.0, retried=True)], keys, devices,
+                         torch.float16, [1, 1], 1)
+    assert exactness.known(keys[(1, shape)]) is True
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    row = hub.status()["exactness"]["verdicts"][0]
+    assert row["verdict"] == "exact" and row["detail"].endswith("from its second decode on (the first differed)")

@@ -5,7 +5,8 @@ constructors' size defaults are shrunk for the test), decodes every case's laten
 through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
 case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
 "transport"}]``, optionally ``"skew_rank": r`` (that worker's decode differs from rank 0's on purpose, through
-the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it) and ``"dit_map": n`` (the ranks come
+the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it), ``"cold_skew_rank": r`` (only that
+worker's first decode differs, ``H3MS_TEST_VAE_COLD_SKEW_RANK``: the probe must keep it) and ``"dit_map": n`` (the ranks come
 from an n-rank ``H3MS_RANK_MAP``, capped to ``ranks`` by ``max_gpus``); ``transport`` "no_shm" makes the output
 segment fail as a full /dev/shm would, "crash" makes a worker die in the middle of the decode (the decode must fail
 naming it, and the next one succeed).  dtype
@@ -81,10 +82,12 @@ for c in cases:
         ["cpu"] * c.get("dit_map", c["ranks"]))
     os.environ["H3MS_VAE_TRANSPORT"] = "auto" if c["transport"] in ("no_shm", "crash") else c["transport"]
     vae_split.Segment = NoRoomSegment if c["transport"] == "no_shm" else real_segment
-    if c.get("skew_rank"):  # read by the workers this case's engine starts (another rank count than the last case)
-        os.environ["H3MS_TEST_VAE_SKEW_RANK"] = str(c["skew_rank"])
-    else:
-        os.environ.pop("H3MS_TEST_VAE_SKEW_RANK", None)
+    # read by the workers this case's engine starts (another rank count than the last case)
+    for var, key in (("H3MS_TEST_VAE_SKEW_RANK", "skew_rank"), ("H3MS_TEST_VAE_COLD_SKEW_RANK", "cold_skew_rank")):
+        if c.get(key):
+            os.environ[var] = str(c[key])
+        else:
+            os.environ.pop(var, None)
     assert Split().patch(vae, True, -1, None, c["ranks"])[0] is vae
     t = time.time()
     crash_error = None

@@ -845,6 +845,10 @@ class WorkerPool:
         rank = getattr(error, "rank", None)
         return rank is None or self._workers[rank].state is not WorkerState.DEAD
 
+    def worker_pids(self) -> list[int | None]:
+        """Each worker's process id by rank (None: not started)."""
+        return [w.pid for w in self._workers] if self._workers else [None] * len(self._devices)
+
     def snapshot(self) -> list[dict[str, Any]]:
         """Per worker: rank, device, pid, state (a :class:`WorkerState` value), uptime_s,
         rss_bytes, vram_bytes, log, jobs_done."""

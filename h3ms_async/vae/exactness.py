@@ -5,11 +5,14 @@ A chunk decoded by a worker equals rank 0's decode only where the worker's devic
 the same bits, which is measured, not assumed: before a plan's chunks are dealt, every worker rank
 without a verdict decodes one random latent of each of the plan's chunk shapes (the kernels depend
 on the shapes, not the values) and its digest is compared with rank 0's decode of the same latent.
-A rank whose decode differs is dropped from the deal (its chunks go to the others, rank 0 at least)
-with one warning naming its device.  Verdicts are kept for the life of the process per (rank, its
-device, rank 0's device, torch, dtype, chunk shape, decoder weight key): the cost is one chunk
-decode per rank and new shape.  Each verdict goes to the status document's ``exactness.verdicts``
-(program "vae").
+A rank whose decode differs is probed once more before it is judged: the first call of a kernel in a
+fresh process can take another path than every later call (measured for SDPA on the H200), and the
+real chunks are decoded after the probe.  A rank whose second decode still differs is dropped from
+the deal (its chunks go to the others, rank 0 at least) with one warning naming its device.
+Verdicts are kept for the life of the process per (rank, its worker's pid, its device, rank 0's
+device, torch, dtype, chunk shape, decoder weight key), so a restarted worker is probed again: the
+cost is one chunk decode per worker and new shape (two where the first differs).  Each verdict goes
+to the status document's ``exactness.verdicts`` (program "vae").
 """
 
 from __future__ import annotations
@@ -53,11 +56,17 @@ def device_label(device: str) -> str:
 
 
 def verdict_key(
-    rank: int, devices: Sequence[str], dtype: torch.dtype, shape: Sequence[int], weights: tuple
+    rank: int,
+    devices: Sequence[str],
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    weights: tuple,
+    pid: int | None,
 ) -> tuple:
-    """What a rank's verdict for one chunk shape depends on."""
+    """What a rank's verdict for one chunk shape depends on; ``pid``: the rank's worker process."""
     return (
         rank,
+        pid,
         device_label(devices[rank]),
         device_label(devices[0]),
         torch.__version__,
@@ -88,6 +97,8 @@ class Outcome:
     shape: tuple[int, ...]
     equal: bool
     probe_ms: float
+    #: the first probe differed and this outcome is the second's
+    retried: bool = False
 
 
 def settle(
@@ -111,8 +122,11 @@ def settle(
         if o.equal:
             verdict, detail = (
                 "exact",
-                f"rank {o.rank} decodes a {shape} chunk as rank 0 ({ref}) does",
+                f"rank {o.rank} decodes a {shape} chunk as rank 0 ({ref}) does"
+                + (" from its second decode on (the first differed)" if o.retried else ""),
             )
+            if o.retried:
+                log.info("%s (%s)", detail, dtype_name(dtype))
         else:
             verdict = "adjusted" if workers_left else "unsplit"
             detail = (

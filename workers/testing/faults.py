@@ -1,6 +1,7 @@
 """Faults the tests inject into the rank programs' compute: a call shape that rounds differently
 (:class:`ShapeFault`, ``H3MS_TEST_SHAPE_FAULT``), a VAE worker that dies mid-chunk or decodes one
-unit off (``H3MS_TEST_VAE_CRASH_FILE``, ``H3MS_TEST_VAE_SKEW_RANK``).  ``workers/dit/ops.py`` and
+unit off (``H3MS_TEST_VAE_CRASH_FILE``, ``H3MS_TEST_VAE_SKEW_RANK``,
+``H3MS_TEST_VAE_COLD_SKEW_RANK``).  ``workers/dit/ops.py`` and
 ``workers/vae/rank.py`` take them from here at import, only with ``H3MS_TEST_HOOKS=1``."""
 
 from __future__ import annotations
@@ -69,10 +70,13 @@ def vae_crash(ctx: Any) -> None:
 
 
 def vae_skew(ctx: Any, raw: torch.Tensor) -> None:
-    """On a decoded VAE chunk of the skewed rank: one unit in the last place on every value, a
-    decode that differs from rank 0's for the exactness probe to catch (VAE rank = pool rank +
-    1)."""
-    if settings.TEST_VAE_SKEW_RANK.get() == ctx.rank + 1:
+    """On a decoded VAE chunk of the skewed rank (every chunk) or the cold-skewed rank (its first
+    chunk only): one unit in the last place on every value, a decode that differs from rank 0's
+    (VAE rank = pool rank + 1)."""
+    rank = ctx.rank + 1
+    cold = settings.TEST_VAE_COLD_SKEW_RANK.get() == rank and not ctx.state.get("cold_skewed")
+    if cold or settings.TEST_VAE_SKEW_RANK.get() == rank:
+        ctx.state["cold_skewed"] = True
         raw.copy_(torch.nextafter(raw, torch.full_like(raw, float("inf"))))
 
 

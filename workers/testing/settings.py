@@ -44,6 +44,17 @@ TEST_VAE_SKEW_RANK = _var(
     "give a worker rank (1 or more) or unset it",
     _number(int, "an integer rank", lambda v: v >= 1, "must be >= 1"),
 )
+TEST_VAE_COLD_SKEW_RANK = _var(
+    "H3MS_TEST_VAE_COLD_SKEW_RANK",
+    "integer",
+    0,
+    "unset",
+    "With `H3MS_TEST_HOOKS=1`: the VAE worker of this rank adds one unit in the last place to the "
+    "first chunk it decodes after it started, as a kernel whose first call takes another path "
+    "would; the exactness probe must keep the rank. Tests only.",
+    "give a worker rank (1 or more) or unset it",
+    _number(int, "an integer rank", lambda v: v >= 1, "must be >= 1"),
+)
 _TESTS = "tests"
 COMFY_ARCHIVE = _var(
     "H3MS_COMFY_ARCHIVE",
