@@ -94,6 +94,36 @@ def test_cancel():
 
 
 @pytest.mark.fast
+def test_a_cancelled_coroutine_that_fails_afterwards_prints_nothing(caplog):
+    """Cancelling an aborted step's dispatch makes its rank requests fail rather than end cancelled (the ranks were
+    aborted): nobody reads that error, and asyncio must not print it as "Task exception was never retrieved" (it
+    did, as a traceback under the demo's one Ctrl-C line)."""
+    import gc
+    coord = get_coordinator()
+    started = threading.Event()
+
+    async def fails_when_cancelled() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("rank aborted") from None
+
+    fut = coord.submit(fails_when_cancelled())
+    assert started.wait(5) and coord.cancel(fut)
+    del fut  # the task lives as long as its future's callbacks do
+    gc.collect()
+    coord.run(asyncio.sleep(0.05), 5)
+    assert "never retrieved" not in caplog.text and "rank aborted" not in caplog.text
+
+    async def fails() -> None:
+        raise RuntimeError("rank failed")
+
+    with pytest.raises(RuntimeError, match="rank failed"):  # a failure nobody cancelled still reaches its caller
+        coord.submit(fails()).result(5)
+
+
+@pytest.mark.fast
 def test_run_on_the_loop_thread_is_refused():
     coord = get_coordinator()
 

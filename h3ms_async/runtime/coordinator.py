@@ -31,6 +31,19 @@ class _Releasable(Protocol):
     async def release(self, grace: float = 5.0, force: bool = False) -> None: ...
 
 
+async def _unless_abandoned(coro: Coroutine[Any, Any, T], handle: list[cf.Future[T]]) -> T:
+    """``coro``'s result; an exception raised after its caller cancelled the future (an aborted
+    step's ranks fail as they are aborted) ends the task as cancelled, since nobody will read it and
+    asyncio would otherwise print it as "Task exception was never retrieved"."""
+    try:
+        return await coro
+    except Exception as exc:
+        if handle and handle[0].cancelled():
+            log.debug("an abandoned coroutine failed: %s", exc)
+            raise asyncio.CancelledError from exc
+        raise
+
+
 class Coordinator:
     """Owns the loop thread.  Create it through :func:`get_coordinator`."""
 
@@ -81,7 +94,10 @@ class Coordinator:
         if self._closed:
             coro.close()
             raise RuntimeError("the coordinator is shut down (interpreter exiting)")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        handle: list[cf.Future[T]] = []
+        fut = asyncio.run_coroutine_threadsafe(_unless_abandoned(coro, handle), self.loop)
+        handle.append(fut)
+        return fut
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float, what: str | None = None) -> T:
         """Run ``coro`` on the loop and wait at most ``timeout`` seconds for its result.
