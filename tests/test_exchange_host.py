@@ -23,7 +23,8 @@ def _layout(world: int, tokens: int, heads: int, head_dim: int, dtype: str) -> A
     shares = [SHARES[i % len(SHARES)] for i in range(world)]
     # The plan gives every rank a head; fewer heads than ranks (ranks with no columns) checks the exchange's edge.
     hb = partition(heads, shares) if heads >= world else [min(r, heads) for r in range(world + 1)]
-    return ArenaLayout.plan(world, partition(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype)
+    return ArenaLayout.plan(world, partition(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype,
+                            head_dim)
 
 
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
@@ -69,8 +70,9 @@ def test_layout_plan_is_aligned_and_round_trips():
 
 
 def test_sequence_word_round_trips():
-    w = encode_seq(0xABCD, 16383, 65535, 1, 255, 255)
-    assert w > 0 and decode_seq(w) == (0xABCD, 16383, 65535, 1, 255, 255)
+    for kind in (0, 1, 2):
+        w = encode_seq(0xABCD, 16383, 32767, kind, 255, 255)
+        assert w > 0 and decode_seq(w) == (0xABCD, 16383, 32767, kind, 255, 255)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -79,7 +81,7 @@ def test_world1_in_process(dtype):
     try:
         ex = loc.exchange(0)
         case = {"transport": "host", "layout": loc.layout.to_dict(), "chunks": [0, 1, 8, 20], "rounds": 2,
-                "blocks": 2}
+                "blocks": 2, "pieces": True}
         res = run_case(0, case, ex, None)
         assert res["ok"], res["failures"]
         assert ex.stats()["signals_sent"] == 0
@@ -90,7 +92,7 @@ def test_world1_in_process(dtype):
 def _cases(world: int, tokens: int, heads: int) -> list[dict]:
     big = tokens // world + 3  # more chunks than any rank has rows
     return [{"name": f"{dt}", "transport": "host", "layout": _layout(world, tokens, heads, 4, dt),
-             "chunks": [0, 1, 8, big], "rounds": 2, "blocks": 2, "seed": world, "deadline_s": 30}
+             "chunks": [0, 1, 8, big], "rounds": 2, "blocks": 2, "seed": world, "deadline_s": 30, "pieces": True}
             for dt in ("bfloat16", "float32")]
 
 
@@ -104,8 +106,8 @@ def test_host_exchange_matches_expected(world, tokens, heads):
         assert rec["returncode"] == 0
         runs = rec["cases"][0]["runs"]
         assert [r["chunks"] for r in runs] == cases[0]["chunks"]
-        st = runs[2]["stats"]  # chunks=8: 2 rounds x 2 blocks x 2 ops x 8 chunks
-        assert st["chunks_published"] == 64 and st["bytes_read"] > 0 and st["signals_sent"] >= 64 * (world - 1)
+        st = runs[2]["stats"]  # chunks=8: 2 rounds x 2 blocks x 3 ops (the last in 8 head pieces) x 8 chunks
+        assert st["chunks_published"] == 96 and st["bytes_read"] > 0 and st["signals_sent"] >= 96 * (world - 1)
 
 
 def test_dead_rank_aborts_the_others_quickly():

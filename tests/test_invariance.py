@@ -26,6 +26,8 @@ from workers.testing.faults import ShapeFault
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
 FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
+#: The ops a plan's probe reports when no head pieces are asked for.
+PLAN_OPS = [op for op in invariance.OP_ORDER if op != "attention.pieces"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_probe_sees_a_shape_fault_and_only_at_its_shape(monkeypatch):
     faulty = invariance.run_probe(_ops(), **kw)
     by_op = {v.op: v for v in faulty.ops}
     assert by_op["mlp.fc2"].exact == [False] + clean.ops[-1].exact[1:] and by_op["mlp.fc2"].max_abs_diff[0] > 0
-    assert [v.op for v in faulty.ops] == list(invariance.OP_ORDER)
+    assert [v.op for v in faulty.ops] == PLAN_OPS
     for v, c in zip(faulty.ops, clean.ops):
         if v.op != "mlp.fc2":
             assert v.exact == c.exact and v.digest == c.digest
@@ -111,7 +113,7 @@ def test_exact_plan_runs_split_and_is_recorded(engine, model):
     out, ref = _step(eng, model)
     assert torch.equal(out, ref)
     rows = get_hub().status()["exactness"]["verdicts"][-6:]
-    assert [r["op"] for r in rows] == list(invariance.OP_ORDER)
+    assert [r["op"] for r in rows] == PLAN_OPS
     assert {r["verdict"] for r in rows} == {"exact"} and all(r["program"] == "dit" for r in rows)
     assert rows[-1]["shards"] == [100, 100] and rows[-1]["shape"] == f"{TOKENS}x{CFG.hidden}x{CFG.ffn}"
 
@@ -142,6 +144,41 @@ def test_unfixable_fault_runs_unsplit_with_one_warning(engine, model):
     assert not again.value.first
     att = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attention"][-1]
     assert att["verdict"] == "unsplit"
+
+
+def test_head_pieces_run_exact_and_are_recorded(engine, model):
+    """Attention in 3 head pieces per rank (4 heads: 1+1+2), each moved by the all-to-all while the next one
+    computes: equal to the unsplit output, the pieces' verdict recorded, one exchange chunk per piece."""
+    eng = engine(head_pieces=3)
+    eng.load_weights(("inv", 7), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref)
+    # to the one peer: the job's begin, then per block the all-gather's one chunk and the all-to-all's three
+    assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 4] * 2
+    assert get_hub().recent_steps(1)[0]["head_pieces"] == 3
+    rows = get_hub().status()["exactness"]["verdicts"][-7:]
+    assert [r["op"] for r in rows] == list(invariance.OP_ORDER) and {r["verdict"] for r in rows} == {"exact"}
+    assert rows[3]["shards"] == [1, 1, 2, 1, 1, 2]
+    inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), 5, model.dtype)
+    one_call = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, head_pieces=0)
+    assert torch.equal(one_call, model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs))
+    assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 2] * 2
+
+
+def test_a_differing_head_piece_runs_attention_in_one_call(engine, model, caplog):
+    """Attention of a 1-head piece rounds differently: the plan stays split and exact, attention runs in one call
+    per rank, one warning names the piece, the status shows it adjusted."""
+    eng = engine("attention:1", head_pieces=3)
+    eng.load_weights(("inv", 8), CFG, model.block_weights)
+    for seed in (3, 4):  # the second step reuses the cached verdict
+        out, ref = _step(eng, model, seed)
+        assert torch.equal(out, ref)
+        assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 2] * 2
+        assert get_hub().recent_steps(1)[0]["head_pieces"] == 0
+    warned = [r.getMessage() for r in caplog.records if "attention runs in one call" in r.getMessage()]
+    assert len(warned) == 1 and "attention.pieces" in warned[0] and "heads [0, 1)" in warned[0], warned
+    pieces = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attention.pieces"][-1]
+    assert pieces["verdict"] == "adjusted" and "one call per rank" in pieces["detail"]
 
 
 def test_verify_reports_bit_exact_then_names_the_faulty_block_and_op(engine, model, monkeypatch):

@@ -112,6 +112,18 @@ def test_shares_and_uneven_heads(engine_factory):
     assert heads == [[0, 4], [4, 8], [8, 10]]
 
 
+def test_head_pieces_uneven_groups_host_and_gloo(engine_factory):
+    """Attention in 3 head pieces over head groups 4/4/2 (the 2-head group has an empty piece), moved piece by piece
+    through the host arena and in one collective over gloo: the unsplit output either way."""
+    seen = Compared()
+    model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
+    for exchange in ("host", "nccl"):
+        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, head_pieces=3)
+        eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
+        _check_exact(eng, model, _layouts(), seen)
+    seen.done()
+
+
 def test_gloo_exchange_matches_host(engine_factory, int8_model):
     """exchange=nccl on CPU ranks runs torch.distributed over gloo: same bits as host, 2 and 4 ranks."""
     seen = Compared()
@@ -131,6 +143,8 @@ def test_bad_plans_fail_before_workers_start(int8_model):
         SplitEngine(["cpu"] * 3, SplitOptions(shares=(1.0, 1.0)))
     with pytest.raises(ValueError, match="exchange_chunks"):
         SplitOptions(exchange_chunks=33)
+    with pytest.raises(ValueError, match="head_pieces=17 must be between 0 and 16"):
+        SplitOptions(head_pieces=17)
     with pytest.raises(ValueError, match="nccl"):
         SplitEngine(["cuda:0", "cuda:0"], SplitOptions(exchange="nccl"))
     assert _no_workers_alive()

@@ -44,13 +44,15 @@ Verdict = Literal["exact", "adjusted", "unsplit"]
 @dataclass(frozen=True)
 class PlanVerdict:
     """The engine's decision about one plan: the token bounds to run (None: run the step unsplit),
-    the verdict, one sentence saying why, and what the probe cost (the slowest rank's wall time, all
-    rounds)."""
+    the verdict, one sentence saying why, what the probe cost (the slowest rank's wall time, all
+    rounds), and the head pieces attention runs in (0: one call; the pieces asked for when they
+    measured exact)."""
 
     token_bounds: tuple[int, ...] | None
     verdict: Verdict
     detail: str
     probe_ms: float
+    head_pieces: int = 0
 
 
 def verdict_key(
@@ -61,10 +63,11 @@ def verdict_key(
     token_bounds: Sequence[int],
     head_bounds: Sequence[int],
     head_dim: int,
+    head_pieces: int = 0,
 ) -> str:
     """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch
     and comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention
-    function, the shards."""
+    function, the shards, the head pieces asked for."""
     key = {
         "devices": [dict(sorted(fp.items())) for fp in fingerprints],
         "dtype": compute_dtype,
@@ -73,6 +76,7 @@ def verdict_key(
         "tokens": list(token_bounds),
         "heads": list(head_bounds),
         "head_dim": head_dim,
+        "head_pieces": head_pieces,
     }
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
@@ -123,6 +127,7 @@ def _load(path: str) -> dict[str, PlanVerdict]:
                 v["verdict"],
                 str(v["detail"]),
                 float(v["probe_ms"]),
+                int(v.get("head_pieces", 0)),
             )
         return out
     except FileNotFoundError:
@@ -249,12 +254,30 @@ def fixed_failure(reports: Sequence[ProbeReport]) -> str | None:
     return None
 
 
+def pieces_failure(reports: Sequence[ProbeReport]) -> str | None:
+    """The first head piece whose attention differs from the whole call's (op
+    ``attention.pieces``), or None when every rank's pieces are exact."""
+    for rep in reports:
+        for v in rep.ops:
+            if v.split == "pieces":
+                for (g0, g1), ok, d in zip(v.shards, v.exact, v.max_abs_diff):
+                    if not ok:
+                        return (
+                            f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from "
+                            f"the whole call's on {_device(rep)} (max abs difference {d:g})"
+                        )
+    return None
+
+
 def slowest_ms(*rounds: Sequence[ProbeReport]) -> float:
     return sum(max(rep.ms for rep in reps) for reps in rounds)
 
 
 def op_rows(
-    reports: Sequence[ProbeReport], verdict: PlanVerdict, failing: str | None
+    reports: Sequence[ProbeReport],
+    verdict: PlanVerdict,
+    failing: str | None,
+    pieces_failing: str | None = None,
 ) -> list[dict]:
     """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as
     probed, its verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, the
@@ -262,11 +285,15 @@ def op_rows(
     rows = []
     for i, v in enumerate(reports[0].ops):
         per_rank = [rep.ops[i] for rep in reports]
-        shards = [b - a for rv in per_rank for a, b in rv.shards[:1]]
+        cut = [rv.shards if v.split == "pieces" else rv.shards[:1] for rv in per_rank]
+        shards = [b - a for rv in cut for a, b in rv]
         bad = failing is not None and failing.startswith(v.op + " ")
         if bad:
             state: Verdict = verdict.verdict
             detail = verdict.detail
+        elif v.split == "pieces" and pieces_failing is not None and verdict.token_bounds:
+            state = "adjusted"
+            detail = f"{pieces_failing}; attention runs in one call per rank"
         else:
             state = "unsplit" if verdict.token_bounds is None else "exact"
             detail = (

@@ -26,7 +26,7 @@ from workers.dit.loop import run_blocks
 from workers.dit.ops import ModSegment, Shard
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import InProcessExchange, NoExchange
-from workers.transports.host import ArenaLayout
+from workers.transports.host import ArenaLayout, ProduceFn, produced_columns
 
 WEIGHT_KINDS = ("int8", "bf16", "fp32")
 INIT_STD = 0.02
@@ -410,6 +410,9 @@ class _LocalExchange(InProcessExchange):
             dst[:, c0:c1].copy_(local[p0:p1])
         self._meet()
         return self._a[self.rank]
+
+    def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
+        return self.all_to_all_cols(produced_columns(self.layout, self.rank, pieces, produce))
 
 
 class SimulatedSplit:

@@ -103,7 +103,9 @@ class SplitOptions:
     (ComfyUI's selected function) on the ranks; ``sparse`` runs attention through comfy-kitchen's
     sparse kernel where its settings say so (``workers.dit.sparse``).
     ``verify``: the first split step of each prompt also runs unsplit on rank 0's device and is
-    compared (``h3ms_async.dit.verify``, dense attention only).
+    compared (``h3ms_async.dit.verify``, dense attention only).  ``head_pieces`` > 1: each rank's
+    dense attention runs in that many head pieces, each moved by the all-to-all while the next one
+    computes, where the probe measures the pieces exact (``workers.dit.loop``).
     """
 
     exchange: str = "host"
@@ -117,6 +119,7 @@ class SplitOptions:
     exchange_deadline_s: float = 120.0
     verify: bool = False
     sparse: SparseConfig | None = None
+    head_pieces: int = 0
 
     def __post_init__(self) -> None:
         if self.exchange not in (*EXCHANGES, BASELINE_EXCHANGE):
@@ -125,6 +128,12 @@ class SplitOptions:
             raise ValueError(
                 f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single "
                 "shot)"
+            )
+        if not 0 <= self.head_pieces <= dit_protocol.MAX_HEAD_PIECES:
+            raise ValueError(
+                f"head_pieces={self.head_pieces} must be between 0 and "
+                f"{dit_protocol.MAX_HEAD_PIECES} (0/1: "
+                "attention in one call)"
             )
         if self.vram_residency not in dit_protocol.RESIDENCIES:
             raise ValueError(
@@ -340,6 +349,7 @@ class SplitEngine(Engine):
         sigma: float | None = None,
         exchange: str | None = None,
         exchange_chunks: int | None = None,
+        head_pieces: int | None = None,
         progress: StepProgress | None = None,
         in_place: bool = False,
         sparse_branch: str = "",
@@ -348,9 +358,9 @@ class SplitEngine(Engine):
         in its dtype.
 
         ``block_options``: per-block transformer_options adjustments captured from user patches;
-        only plain data is accepted (the workers cannot run ComfyUI callables).  ``exchange`` /
-        ``exchange_chunks`` override the engine's options for this step (benchmarks compare
-        transports and chunking on the same workers).
+        only plain data is accepted (the workers cannot run ComfyUI callables).  ``exchange``,
+        ``exchange_chunks`` and ``head_pieces`` override the engine's options for this step
+        (benchmarks compare transports, chunking and pieces on the same workers).
         ``progress``: see :data:`StepProgress`; with the host exchange it follows the slowest rank
         block by block (read from the arena's sequence words), otherwise it is called once, when the
         step is done.
@@ -361,13 +371,14 @@ class SplitEngine(Engine):
         pooled statistics a sparse step reuses; ``sigma`` decides the sparse window.
         """
         opts = self.options
-        if exchange is not None or exchange_chunks is not None:
+        if exchange is not None or exchange_chunks is not None or head_pieces is not None:
             opts = replace(
                 opts,
                 exchange=opts.exchange if exchange is None else exchange,
                 exchange_chunks=opts.exchange_chunks
                 if exchange_chunks is None
                 else exchange_chunks,
+                head_pieces=opts.head_pieces if head_pieces is None else head_pieces,
             )
         if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
             check_nccl_rank_map(self.devices)
@@ -384,7 +395,8 @@ class SplitEngine(Engine):
             raise SplitError(
                 "head plan changed since the weights were loaded; call load_weights again"
             )
-        plan = self._measured_plan(plan, int(t_emb.shape[0]))
+        plan, pieces = self._measured_plan(plan, int(t_emb.shape[0]), opts.head_pieces)
+        opts = replace(opts, head_pieces=pieces)
         with self.job():
             if opts.verify and self._verify_due:  # never with sparse (SplitOptions refuses both)
                 from h3ms_async.dit.verify import verify_step
@@ -424,12 +436,16 @@ class SplitEngine(Engine):
         self._verify_due = True
 
     # -- exactness ---------------------------------------------------------------------------------
-    def _measured_plan(self, plan: plans.SplitPlan, t_rows: int) -> plans.SplitPlan:
+    def _measured_plan(
+        self, plan: plans.SplitPlan, t_rows: int, pieces: int
+    ) -> tuple[plans.SplitPlan, int]:
         """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with
-        its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time).
-        Probed once per new plan."""
+        its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); and
+        the head pieces attention runs in (``pieces`` where they measured exact, else 0).  Probed
+        once per new plan and pieces."""
+        pieces = pieces if pieces > 1 else 0
         if self.ranks == 1:
-            return plan
+            return plan, 0
         ld = self._loaded
         assert ld is not None
         self.run(self._ensure_loaded(), self.options.step_timeout_s, "starting the ranks")
@@ -441,16 +457,17 @@ class SplitEngine(Engine):
             plan.token_bounds,
             plan.head_bounds,
             ld.config.head_dim,
+            pieces,
         )
         verdict = exactness.VERDICTS.get(key)
         first = verdict is None
         if verdict is None:
             with self.job():
-                verdict = self._probe_plan(plan, t_rows)
+                verdict = self._probe_plan(plan, t_rows, pieces)
             exactness.VERDICTS.put(key, verdict)
         if verdict.token_bounds is None:
             raise SplitUnsafe(verdict.detail, first=first)
-        return replace(plan, token_bounds=verdict.token_bounds)
+        return replace(plan, token_bounds=verdict.token_bounds), verdict.head_pieces
 
     def _ops(self) -> list[dit_protocol.LinearOp]:
         ld = self._loaded
@@ -478,13 +495,13 @@ class SplitEngine(Engine):
                 return f"rank {r}'s {h} heads have too few query tiles by the flash-tiles prior"
         return None
 
-    def _probe_plan(self, plan: plans.SplitPlan, t_rows: int) -> PlanVerdict:
-        """Probe ``plan`` on every rank (concurrently); on a token-split failure probe the adjusted
-        candidates."""
+    def _probe_plan(self, plan: plans.SplitPlan, t_rows: int, pieces: int) -> PlanVerdict:
+        """Probe ``plan`` (and attention in ``pieces`` head pieces) on every rank (concurrently);
+        on a token-split failure probe the adjusted candidates."""
         ld = self._loaded
         assert ld is not None
         tokens = plan.token_bounds[-1]
-        reports = self._probe_round([plan.token_bounds], plan, t_rows)
+        reports = self._probe_round([plan.token_bounds], plan, t_rows, pieces)
         rounds = [reports]
         failing = exactness.fixed_failure(reports)
         if failing is not None:
@@ -502,7 +519,7 @@ class SplitEngine(Engine):
             cands = exactness.adjusted_bounds(plan.token_bounds)
             pick = None
             if cands:
-                rounds.append(self._probe_round(cands, plan, t_rows))
+                rounds.append(self._probe_round(cands, plan, t_rows, pieces))
                 pick = exactness.first_exact(rounds[-1], len(cands))
             ms = exactness.slowest_ms(*rounds)
             if pick is None:
@@ -522,7 +539,13 @@ class SplitEngine(Engine):
                     f"{exactness.sizes(cands[pick])} rows, measured exact",
                     ms,
                 )
-        for row in exactness.op_rows(reports, verdict, failing):
+        pieces_failing = exactness.pieces_failure(reports) if pieces else None
+        if pieces and verdict.token_bounds is not None:
+            if pieces_failing is None:
+                verdict = replace(verdict, head_pieces=pieces)
+            else:
+                log.warning("%s; attention runs in one call per rank", pieces_failing)
+        for row in exactness.op_rows(reports, verdict, failing, pieces_failing):
             record_verdict("dit", **row)
         prior = self._prior_refusal(plan)
         devices = ", ".join(sorted({fp["device"] for fp in self._fingerprints}))
@@ -556,7 +579,11 @@ class SplitEngine(Engine):
         return verdict
 
     def _probe_round(
-        self, candidates: Sequence[Sequence[int]], plan: plans.SplitPlan, t_rows: int
+        self,
+        candidates: Sequence[Sequence[int]],
+        plan: plans.SplitPlan,
+        t_rows: int,
+        pieces: int,
     ) -> list[dit_protocol.ProbeReport]:
         hb = plan.head_bounds
         msgs = [
@@ -566,6 +593,7 @@ class SplitEngine(Engine):
                 candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
                 heads=(hb[r], hb[r + 1]),
                 t_rows=t_rows,
+                pieces=pieces,
             )
             for r in range(self.ranks)
         ]
@@ -659,6 +687,7 @@ class SplitEngine(Engine):
                 residency=cast(dit_protocol.Residency, opts.vram_residency),
                 trace=trace,
                 sparse=sparse,
+                head_pieces=opts.head_pieces,
             )
             for r in range(self.ranks)
         ]
@@ -782,6 +811,7 @@ class SplitEngine(Engine):
                 devices=list(self.devices),
                 exchange=self._transport(opts.exchange),
                 chunks=max(chunks, 1),
+                head_pieces=opts.head_pieces,
                 wall_s=wall,
                 moved_bytes=sum(r.moved_bytes for r in ranks),
                 weight_store=self.weight_state,
@@ -852,6 +882,7 @@ def options_dict(o: SplitOptions) -> dict:
     return {
         "exchange": o.exchange,
         "exchange_chunks": o.exchange_chunks,
+        "head_pieces": o.head_pieces,
         "vram_residency": o.vram_residency,
         "attention": o.comfy_host.attention if o.comfy_host else o.attention,
         "cache_ram_reserve_gb": o.cache_ram_reserve_gb,

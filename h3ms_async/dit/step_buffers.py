@@ -127,7 +127,9 @@ class StepBufferSlot:
             descs = _alloc(step, specs)
             col_bounds = [g * head_dim for g in head_bounds]
             ranks = len(plan.token_bounds) - 1
-            layout = ArenaLayout.plan(ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype)
+            layout = ArenaLayout.plan(
+                ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype, head_dim
+            )
             if exchange == "host":
                 arena_seg = Segment.create(layout.nbytes, "arena")
                 layout.init_header(arena_seg.base_tensor())

@@ -53,6 +53,8 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     devices: list[str]
     exchange: Exchange
     chunks: int
+    #: head pieces each rank's attention ran in, each moved while the next computed (0: one call)
+    head_pieces: int = 0
     wall_s: float
     moved_bytes: int
     weight_store: str
@@ -122,6 +124,8 @@ def format_step_line(rec: Mapping) -> str:
     ranks = rec["ranks"]
     sigma = f"sigma {rec['sigma']:.4f} " if rec.get("sigma") is not None else ""
     chunks = f" x{rec['chunks']}" if rec["chunks"] > 1 else ""
+    if rec.get("head_pieces", 0) > 1:
+        chunks += f", attention in {rec['head_pieces']} head pieces"
     line = (
         f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
         f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s (exchange "

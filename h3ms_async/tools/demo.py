@@ -32,7 +32,7 @@ from h3ms_async.log import above_bars, ensure_console_handler, get_logger
 # 2-core box).
 from h3ms_async.runtime import plans, rundir
 from h3ms_async.tools.cli import ArgParser, UsageError, port, positive_int
-from workers.dit.protocol import Transport
+from workers.dit.protocol import MAX_HEAD_PIECES, Transport
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="pipelined chunks per exchange, 0-32 (0/1: single shot)",
+    )
+    p.add_argument(
+        "--head-pieces",
+        type=int,
+        default=0,
+        help="attention in this many head pieces per rank, each moved while the next computes, "
+        f"0-{MAX_HEAD_PIECES} (0/1: one call; used where the probe measures the pieces exact)",
     )
     p.add_argument(
         "--shares", default="", help="relative speed per rank, e.g. 1,1,0.7 (default: equal)"
@@ -218,6 +225,11 @@ def check_args(a: argparse.Namespace) -> dict:
     if not 0 <= a.exchange_chunks <= 32:
         raise UsageError(
             f"--exchange-chunks {a.exchange_chunks}: use 0 to 32 (0/1: single shot, 8 recommended)"
+        )
+    if not 0 <= a.head_pieces <= MAX_HEAD_PIECES:
+        raise UsageError(
+            f"--head-pieces {a.head_pieces}: use 0 to {MAX_HEAD_PIECES} (0/1: attention in one "
+            "call)"
         )
     if a.head_dim < MIN_HEAD_DIM:
         raise UsageError(
@@ -431,6 +443,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
         SplitOptions(
             exchange=a.exchange,
             exchange_chunks=a.exchange_chunks,
+            head_pieces=a.head_pieces,
             vram_residency=a.vram_residency,
             shares=c["shares"],
             verify=a.verify,
@@ -502,6 +515,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             "ranks": ranks,
             "exchange": engine.transport,
             "exchange_chunks": a.exchange_chunks,
+            "head_pieces": a.head_pieces,
             "shares": c["shares"],
             "unsplit_device": str(device),
             "compute_dtype": str(dtype).removeprefix("torch."),
@@ -552,9 +566,11 @@ def print_table(res: dict) -> None:
         f"{c['heads']} heads x {c['head_dim']}, ffn {c['ffn']}, {c['weights']} weights computed in "
         f"{c['compute_dtype']}"
     )
+    pieces = c["head_pieces"]
     print(
         f"split over {len(c['ranks'])} ranks ({','.join(c['ranks'])}), exchange {c['exchange']}"
-        f"{' x' + str(c['exchange_chunks']) if c['exchange_chunks'] > 1 else ''}; "
+        f"{' x' + str(c['exchange_chunks']) if c['exchange_chunks'] > 1 else ''}"
+        f"{f', attention in {pieces} head pieces' if pieces > 1 else ''}; "
         f"workers started and weights loaded in {res['worker_start_and_load_s']:.1f}s\n"
     )
     for s in res["steps"]:

@@ -27,6 +27,7 @@ so a rank never signals progress while one of its reads of an arena region is st
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +40,7 @@ from workers.runtime.handlers import WorkerContext
 
 if TYPE_CHECKING:
     from workers.transports.dist import DistExchange
-    from workers.transports.host import HostExchange
+    from workers.transports.host import HostExchange, ProduceFn
 
 GIB = 1 << 30
 
@@ -315,6 +316,17 @@ class CudaExchange:
             self.timer.stop(tok, self.d2h)
         tok[2].synchronize()
 
+    def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        """Start a D2H copy of ``src`` (computed on the current stream) on the D2H stream; returns
+        the wait for it, so the compute stream goes on with the next head piece meanwhile."""
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            tok = self.timer.start("d2h", self.d2h)
+            dst.copy_(src, non_blocking=True)
+            self.timer.stop(tok, self.d2h)
+        src.record_stream(self.d2h)
+        return tok[2].synchronize
+
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.h2d):
             tok = self.timer.start("h2d", self.h2d)
@@ -362,6 +374,14 @@ class CudaExchange:
         out = torch.empty((t1 - t0, lay.columns), dtype=local.dtype, device=self.device)
         out.record_stream(self.h2d)
         return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
+
+    def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
+        cur = self._pre()
+        lay = self._inner.layout
+        t0, t1 = lay.rows(self._inner.rank)
+        out = torch.empty((t1 - t0, lay.columns), dtype=lay.torch_dtype, device=self.device)
+        out.record_stream(self.h2d)
+        return self._post(cur, self._inner.all_to_all_heads(produce, pieces, out=out))
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with

@@ -27,6 +27,7 @@ import torch
 
 from workers.dit import ops as dit_ops
 from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, Split
+from workers.transports.host import piece
 
 #: Period of the random buffer's values (a prime, so no row of any H3 width repeats another).
 _PERIOD = 65521
@@ -38,6 +39,7 @@ OP_ORDER = (
     "adaln_proj.linear",
     "attn.qkv_proj",
     "attention",
+    "attention.pieces",
     "attn.out_proj",
     "mlp.fc1",
     "mlp.fc2",
@@ -248,10 +250,11 @@ def probe_attention(
     attend: dit_ops.Attend,
     clock: Clock,
     name: str = "attention",
+    split: Split = "heads",
 ) -> OpVerdict:
     """Attention over all ``seq`` tokens: every head (one call) against each head group of
     ``groups`` called alone, as a rank lays its q, k, v out (a packed projection of the group's
-    heads only)."""
+    heads only; ``dit_ops.attend_head_piece`` lays a head piece out the same way)."""
     t0 = clock.start()
     qkv = pool.view(act, seq, 3 * total_heads * head_dim)
     full = dit_ops.attend_views(*dit_ops.qkv_views(qkv, total_heads, head_dim), attend)
@@ -272,7 +275,7 @@ def probe_attention(
         name,
         str(act).split(".")[-1],
         f"{seq}x{total_heads}x{head_dim}",
-        "heads",
+        split,
         [[g0, g1] for g0, g1 in groups],
         exact,
         diffs,
@@ -293,13 +296,14 @@ def run_probe(
     attend: dit_ops.Attend,
     device: torch.device,
     t_rows: int = 2,
+    pieces: int = 0,
 ) -> ProbeReport:
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 
     ``candidates``: this rank's token range in each candidate plan; ``heads``: its head group of
-    ``total_heads``;
-    ``t_rows``: rows of the adaLN call (the step's timestep rows).  Runs under inference mode and
-    :func:`workers.dit.ops.probing`; the random buffers go when it returns.
+    ``total_heads``; ``t_rows``: rows of the adaLN call (the step's timestep rows); ``pieces`` > 1:
+    also the group's head pieces against the whole call (op ``attention.pieces``).  Runs under
+    inference mode and :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
     clock = Clock(device)
     report = ProbeReport(fingerprint=fingerprint(device))
@@ -314,6 +318,27 @@ def run_probe(
         report.ops.append(
             probe_attention(pool, tokens, [heads], total_heads, head_dim, dtype, attend, clock)
         )
+        if pieces > 1:
+            g0, g1 = heads
+            groups = [
+                (g0 + a, g0 + b)
+                for a, b in (piece(g1 - g0, pieces, j) for j in range(pieces))
+                if b > a
+            ]
+            report.ops.append(
+                probe_attention(
+                    pool,
+                    tokens,
+                    groups,
+                    total_heads,
+                    head_dim,
+                    dtype,
+                    attend,
+                    clock,
+                    "attention.pieces",
+                    "pieces",
+                )
+            )
     report.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
     report.ms = clock.ms(t0)
     return report

@@ -45,6 +45,7 @@ def run_blocks(
     eps: float,
     attend: dit_ops.Attend | None = None,
     chunks: int = 0,
+    head_pieces: int = 0,
     before_block: Callable[[int], None] | None = None,
     after_block: Callable[[int], None] | None = None,
     trace: Callable[[int, str, torch.Tensor], None] | None = None,
@@ -55,7 +56,9 @@ def run_blocks(
     compute the rest).
 
     ``sparse``: run attention through comfy-kitchen's sparse kernel over this rank's heads where its
-    settings say sparse (``workers.dit.sparse``); the dense path otherwise.
+    settings say sparse (``workers.dit.sparse``); the dense path otherwise.  ``head_pieces`` > 1:
+    dense attention runs in that many head pieces, each moved by the all-to-all while the next one
+    computes (``Exchange.all_to_all_heads``); ``chunks`` pipelines the exchanges otherwise.
 
     ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers
     all tokens. ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after
@@ -79,8 +82,10 @@ def run_blocks(
             if sparse is None
             else sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
         )
-        if attn is None:
-            attn = dit_ops.attention_heads(
+        if attn is not None:
+            attn_rows = exchange.all_to_all_cols(attn, chunks)
+        else:
+            qkv = dit_ops.project_qkv(
                 n1_full,
                 blk.qkv,
                 blk.qkv_scale,
@@ -91,10 +96,15 @@ def run_blocks(
                 head_dim,
                 eps,
                 quant=blk.quant["attn.qkv_proj"],
-                attend=attend,
                 trace=op_trace,
             )
-        attn_rows = exchange.all_to_all_cols(attn, chunks)
+            if head_pieces > 1:
+                attn_rows = _attend_in_pieces(
+                    exchange, qkv, heads_local, head_dim, attend, head_pieces, op_trace
+                )
+            else:
+                attn = dit_ops.attend_group(qkv, heads_local, head_dim, attend, op_trace)
+                attn_rows = exchange.all_to_all_cols(attn, chunks)
         dit_ops.out_mlp(
             x_rows,
             attn_rows,
@@ -118,6 +128,33 @@ def run_blocks(
         if after_block is not None:
             after_block(i)
     return per_block
+
+
+def _attend_in_pieces(
+    exchange: Exchange,
+    qkv: torch.Tensor,
+    heads_local: int,
+    head_dim: int,
+    attend: dit_ops.Attend | None,
+    pieces: int,
+    trace: dit_ops.Trace | None,
+) -> torch.Tensor:
+    """Dense attention of this rank's heads (``qkv``: its group's projection) computed in head
+    pieces inside the all-to-all, which returns this rank's rows of every head."""
+    parts: list[torch.Tensor] = []
+
+    def produce(a: int, b: int) -> torch.Tensor:
+        out = dit_ops.attend_head_piece(
+            qkv, heads_local, head_dim, a // head_dim, b // head_dim, attend
+        )
+        if trace is not None:
+            parts.append(out)
+        return out
+
+    rows = exchange.all_to_all_heads(produce, pieces)
+    if trace is not None:
+        trace("attention", torch.cat(parts, dim=1))
+    return rows
 
 
 def block_forward_unsplit(

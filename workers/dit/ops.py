@@ -462,7 +462,7 @@ def warm_up(attend: Attend, device: torch.device, dtypes: Sequence[torch.dtype])
         torch.cuda.synchronize(device)
 
 
-def attention_heads(
+def project_qkv(
     n1_full: torch.Tensor,
     qkv_w: torch.Tensor,
     qkv_scale: torch.Tensor | None,
@@ -474,17 +474,15 @@ def attention_heads(
     eps: float,
     *,
     quant: QuantInfo = QuantInfo(),
-    attend: Attend | None = None,
     trace: Trace | None = None,
 ) -> torch.Tensor:
-    """Attention of ``n_heads_local`` heads over all tokens: ``[S, H]`` modulated states → ``[S,
-    h·D]`` (head-major).
+    """The group's packed ``[S, 3·h·D]`` projection of ``[S, H]`` modulated states, q and k normed
+    and roped in place.
 
     ``qkv_w``/``qkv_scale`` are the group's rows (``slice_qkv_weights``).  Like ComfyUI: q, k, v are
-    strided views of one packed projection buffer; the fused per-head RMSNorm + split-half rope runs
-    in place on q and k (both with the q-norm epsilon); v is cloned; attention sees ``[1, h, S, D]``
-    transposed views. ``attend`` defaults to SDPA (``builtin_attend("sdpa")``); ``trace`` sees the
-    projection and the attention output.
+    strided views of one packed projection buffer (:func:`qkv_views`); the fused per-head RMSNorm +
+    split-half rope runs in place on q and k (both with the q-norm epsilon); ``trace`` sees the
+    projection.
     """
     seq = n1_full.shape[0]
     inner = n_heads_local * head_dim
@@ -501,16 +499,42 @@ def attention_heads(
     qkv = linear(n1_full, qkv_w, qkv_scale, None, quant=quant)
     if trace is not None:
         trace("attn.qkv_proj", qkv)
-    q4, k4, v = qkv_views(qkv, n_heads_local, head_dim)
+    q4, k4, _ = qkv_views(qkv, n_heads_local, head_dim)
     qw = q_norm_w.to(device=n1_full.device)
     kw = k_norm_w.to(device=n1_full.device)
     ck.rms_rope_split_half_(
         q4, k4, rope_freqs, qw, kw, epsilon=eps, rot_dim=2 * rope_freqs.shape[-3]
     )
-    out = attend_views(q4, k4, v, attend or _SDPA)
+    return qkv
+
+
+def attend_group(
+    qkv: torch.Tensor,
+    n_heads: int,
+    head_dim: int,
+    attend: Attend | None = None,
+    trace: Trace | None = None,
+) -> torch.Tensor:
+    """Attention of a group's ``n_heads`` heads over all tokens in one call, on
+    :func:`project_qkv`'s projection: ``[S, h·D]`` (head-major).  v is cloned; attention sees ``[1,
+    h, S, D]`` transposed views; ``attend`` defaults to SDPA (``builtin_attend("sdpa")``); ``trace``
+    sees the output."""
+    out = attend_views(*qkv_views(qkv, n_heads, head_dim), attend or _SDPA)
     if trace is not None:
         trace("attention", out)
     return out
+
+
+def attend_head_piece(
+    qkv: torch.Tensor, n_heads: int, head_dim: int, h0: int, h1: int, attend: Attend | None = None
+) -> torch.Tensor:
+    """Attention of heads ``[h0, h1)`` of a group's packed projection (:func:`project_qkv`):
+    ``[S, (h1-h0)·D]``, the heads' q, k, v packed alone as a rank whose group they are packs them,
+    which is the layout the invariance probe measures head groups in."""
+    piece = torch.cat(
+        [qkv[:, r.start : r.stop] for r in head_rows(h0, h1, n_heads, head_dim)], dim=1
+    )
+    return attend_views(*qkv_views(piece, h1 - h0, head_dim), attend or _SDPA)
 
 
 def qkv_views(

@@ -30,6 +30,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 layout: ArenaLayout.to_dict()
     exchange    a :class:`Transport` value: "host" | "nccl" | "gloo" | "none";
                 chunks: pipelined chunks per exchange (0/1 = single shot).
+    head_pieces dense attention in that many head pieces, each moved by the all-to-all while the
+                next computes (0/1: one call; ``workers.dit.loop``)
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
@@ -155,6 +157,10 @@ class DitStepped(Answer):
     PLAIN: ClassVar[tuple[str, ...]] = ("weights",)
 
 
+#: Most head pieces a step's attention may run in (``DitStep.head_pieces``).
+MAX_HEAD_PIECES = 16
+
+
 class DitStep(Request, tag="dit_step"):
     job: int
     x: TensorDesc
@@ -172,6 +178,7 @@ class DitStep(Request, tag="dit_step"):
     residency: Residency
     trace: bool = False
     sparse: Plain = msgspec.field(default_factory=dict)
+    head_pieces: int = 0
     PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
     ANSWER: ClassVar[type[Answer]] = DitStepped
 
@@ -182,7 +189,9 @@ class DitSparseReset(Request, tag="dit_sparse_reset"):
 
 #: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same
 #: call everywhere).
-Split = Literal["tokens", "heads", "none"]
+#: How an op's calls are cut: by token rows, by head groups, by head pieces within a group
+#: (``head_pieces``), or not at all.
+Split = Literal["tokens", "heads", "pieces", "none"]
 
 
 class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -235,6 +244,7 @@ class DitProbe(Request, tag="dit_probe"):
     candidates: list[tuple[int, int]]
     heads: tuple[int, int]
     t_rows: int = 2
+    pieces: int = 0
     ANSWER: ClassVar[type[Answer]] = ProbeReport
 
 

@@ -182,6 +182,7 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             attend=_attend(cfg["attention"]),
             device=torch.device(ctx.device),
             t_rows=int(msg.t_rows),
+            pieces=int(msg.pieces),
         )
     )
     if ctx.device.startswith("cuda"):
@@ -266,6 +267,7 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
                 msg.deadline_s,
                 to_host=wrap.to_host if wrap is not None else None,
                 to_device=wrap.to_device if wrap is not None else None,
+                to_host_async=wrap.to_host_async if wrap is not None else None,
             )
             ex = wrap.bind(ex) if wrap is not None else ex
             st.exchanges[key] = ex
@@ -361,6 +363,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         eps=float(cfg["eps"]),
         attend=_attend(cfg["attention"]),
         chunks=int(msg.chunks),
+        head_pieces=int(msg.head_pieces),
         before_block=check_abort,
         trace=trace if msg.trace else None,
         sparse=sparse,

@@ -224,8 +224,8 @@ class SparseStep:
         head_dim: int,
         eps: float,
     ) -> torch.Tensor | None:
-        """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like
-        ``dit_ops.attention_heads``; None when the settings keep this block dense (the caller then
+        """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like ``dit_ops.project_qkv``
+        + ``dit_ops.attend_group``; None when the settings keep this block dense (the caller then
         runs the dense path)."""
         seq = n1_full.shape[0]
         if dense_reason(self.config, self.sigma, seq, i) is not None:

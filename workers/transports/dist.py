@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from workers.dit.protocol import Transport
-from workers.transports.host import ArenaLayout, ExchangeAborted, ExchangeStats
+from workers.transports.host import (
+    ArenaLayout,
+    ExchangeAborted,
+    ExchangeStats,
+    ProduceFn,
+    produced_columns,
+)
 
 log = logging.getLogger("h3_multistream.worker")
 
@@ -206,6 +212,13 @@ class DistExchange:
         self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])
         self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
         return out
+
+    def all_to_all_heads(
+        self, produce: ProduceFn, pieces: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`all_to_all_cols` of the pieces ``produce`` returns, moved in one collective."""
+        local = produced_columns(self.layout, self.rank, pieces, produce)
+        return self.all_to_all_cols(local, out=out)
 
     def close(self) -> None:
         """Nothing to drop per object: the process group outlives it (``destroy_group`` ends

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from workers.transports.host import ArenaLayout
+from workers.transports.host import ArenaLayout, ProduceFn, produced_columns
 
 _CPU = torch.device("cpu")
 
@@ -32,6 +32,11 @@ class Exchange(Protocol):
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
+
+    def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
+        """:meth:`all_to_all_cols` of the columns ``produce(c_a, c_b)`` returns per head piece
+        (``ArenaLayout.head_piece``); a transport that can moves each piece while the next is
+        produced."""
 
     def counters(self) -> tuple[float, float]:
         """(copy seconds, wait seconds) since the last reset, read on the host clock without
@@ -115,3 +120,8 @@ class NoExchange(InProcessExchange):
         c0, c1 = self.layout.cols(self.rank)
         self._a[:, c0:c1].copy_(local[t0:t1])
         return self._a
+
+    def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
+        if self.layout is None:
+            raise ValueError("head pieces need a rank layout; the unsplit run attends in one call")
+        return self.all_to_all_cols(produced_columns(self.layout, self.rank, pieces, produce))

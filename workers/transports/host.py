@@ -7,6 +7,10 @@ Two collectives per transformer block (``docs/architecture.md`` §3):
   token order.
 * ``all_to_all_cols``: rank r holds ``[S, c_r]`` (its head group's columns for all tokens); every
   rank gets ``[n_r, C]`` = every rank's columns for its own tokens, in rank order.
+* ``all_to_all_heads``: the same result, with rank r's columns produced head piece by head piece
+  while the op runs (attention computed in head pieces): chunk j carries piece j of every rank,
+  published as soon as it is produced, so peers read piece j while its producer computes piece j+1.
+  While this op runs, ``A_r`` holds rank r's pieces one after another, each ``[S, w_j]``.
 
 Arena (one shm segment for all ranks; see :class:`ArenaLayout`)::
 
@@ -27,8 +31,8 @@ Sequence word (one int64, monotonic within a job)::
 
     bits 47..62  abort generation (low 16 bits)
     bits 33..46  job number in that generation (1..16383, cycling)
-    bits 17..32  op index in the job (1..65535)
-    bit  16      op kind (0 gather, 1 all-to-all)
+    bits 18..32  op index in the job (1..32767)
+    bits 16..17  op kind (0 gather, 1 all-to-all, 2 all-to-all by head pieces)
     bits 8..15   chunk count of the op
     bits 0..7    chunks of the op published so far
 
@@ -45,10 +49,13 @@ With the block pattern gather(b), all-to-all(b), gather(b+1), ... the wait costs
 writes G for block b+1 only after it has received every rank's A for block b, and each rank
 publishes its A for block b only after it finished reading G for block b (symmetrically for A: A for
 b+1 is written after every rank's G for b+1 arrived, which each rank publishes after reading A for
-b).  Any other op sequence (e.g. Ulysses' consecutive all-to-alls) stays correct; the guard then
-really waits. Across jobs: a rank writes nothing of job k+1 before every peer has begun job k+1,
-i.e. has finished (or abandoned, on abort) job k.  A peer's word showing the *next* job therefore
-means "everything of this job is published and still intact".
+b).  Any other op sequence stays correct; the guard then really waits, and a rank that waits first
+stores its word for op o with no chunk published, which says the same ("I consumed every op
+before"): two consecutive ops over one buffer (the exchange probe runs ``all_to_all_cols`` then
+``all_to_all_heads``) would otherwise wait for each other.  Across jobs: a rank writes nothing
+of job k+1 before every peer has begun job k+1, i.e. has finished (or abandoned, on abort) job k.
+A peer's word showing the *next* job therefore means "everything of this job is published and
+still intact".
 
 Failure rules.  ``control[0]`` is the pool's abort generation: when it differs from the one given to
 ``begin()`` the exchange raises :class:`ExchangeAborted` at the next check (the pool rings every
@@ -93,14 +100,25 @@ MAGIC = 0x4833_4D53_5843_4831  # "H3MSXCH1"
 VERSION = 1
 MAX_WORLD = 64
 MAX_CHUNKS = 255
-MAX_OPS_PER_JOB = (1 << 16) - 1
+MAX_OPS_PER_JOB = (1 << 15) - 1
 _JOB_CYCLE = (1 << 14) - 1
 
 KIND_GATHER = 0
 KIND_ALL_TO_ALL = 1
-_KIND_NAMES = {KIND_GATHER: "all_gather_rows", KIND_ALL_TO_ALL: "all_to_all_cols"}
+KIND_ALL_TO_ALL_HEADS = 2
+_KIND_NAMES = {
+    KIND_GATHER: "all_gather_rows",
+    KIND_ALL_TO_ALL: "all_to_all_cols",
+    KIND_ALL_TO_ALL_HEADS: "all_to_all_heads",
+}
+#: The arena buffer each op kind writes (the reuse guard is per buffer).
+_BUFFER = {KIND_GATHER: "G", KIND_ALL_TO_ALL: "A", KIND_ALL_TO_ALL_HEADS: "A"}
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], Any]
+#: Starts a copy and returns the function that waits for it.
+AsyncCopyFn = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
+#: ``produce(c_a, c_b)``: this rank's all-to-all columns [c_a, c_b) (whole heads) for all tokens.
+ProduceFn = Callable[[int, int], torch.Tensor]
 
 
 class ExchangeError(RuntimeError):
@@ -136,8 +154,9 @@ class ArenaLayout:
     4096-aligned).
 
     ``tokens_bounds[r]:tokens_bounds[r+1]`` are rank r's tokens, ``col_bounds[r]:col_bounds[r+1]``
-    its all-to-all columns, ``row_width`` the all-gather row width (hidden size).  Build it with
-    :meth:`plan`.
+    its all-to-all columns, ``row_width`` the all-gather row width (hidden size), ``col_unit`` the
+    columns of one head (``all_to_all_heads`` cuts a rank's columns into whole heads).  Build it
+    with :meth:`plan`.
     """
 
     world: int
@@ -149,6 +168,7 @@ class ArenaLayout:
     g_offset: int
     a_offsets: tuple[int, ...]
     nbytes: int
+    col_unit: int = 1
 
     @classmethod
     def plan(
@@ -158,6 +178,7 @@ class ArenaLayout:
         col_bounds: list[int],
         row_width: int,
         dtype: torch.dtype | str,
+        col_unit: int = 1,
     ) -> ArenaLayout:
         """Validate the rank plan and lay out header, G and the A_r blocks."""
         if not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
@@ -166,6 +187,11 @@ class ArenaLayout:
         cb = _check_bounds("col_bounds", col_bounds, world)
         if not isinstance(row_width, int) or row_width < 1:
             raise ValueError(f"row_width must be a positive int, got {row_width!r}")
+        if not isinstance(col_unit, int) or col_unit < 1 or any(b % col_unit for b in cb):
+            raise ValueError(
+                f"col_unit must be a positive int dividing every column bound {list(cb)}, got "
+                f"{col_unit!r}"
+            )
         name = dtype_name(dtype)
         elem = DTYPE_SIZES[name]
         seq_tokens = tb[-1]
@@ -176,7 +202,9 @@ class ArenaLayout:
         for r in range(world):
             a_offs.append(off)
             off += align(seq_tokens * (cb[r + 1] - cb[r]) * elem)
-        return cls(world, tb, cb, row_width, name, header, g_off, tuple(a_offs), max(off, header))
+        return cls(
+            world, tb, cb, row_width, name, header, g_off, tuple(a_offs), max(off, header), col_unit
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -205,13 +233,19 @@ class ArenaLayout:
             "row_width": self.row_width,
             "dtype": self.dtype,
             "nbytes": self.nbytes,
+            "col_unit": self.col_unit,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> ArenaLayout:
         try:
             lay = cls.plan(
-                d["world"], d["tokens_bounds"], d["col_bounds"], d["row_width"], d["dtype"]
+                d["world"],
+                d["tokens_bounds"],
+                d["col_bounds"],
+                d["row_width"],
+                d["dtype"],
+                d.get("col_unit", 1),
             )
         except KeyError as e:
             raise ValueError(
@@ -267,6 +301,20 @@ class ArenaLayout:
         off = self.a_offsets[rank]
         return arena[off : off + n].view(self.torch_dtype).view(self.tokens, c1 - c0)
 
+    def head_piece(self, rank: int, pieces: int, j: int) -> tuple[int, int]:
+        """Columns [a, b) of ``rank``'s group (its own coordinates) in head piece j of ``pieces``:
+        whole heads, near-equal counts (some empty when the group has fewer heads than pieces)."""
+        c0, c1 = self.cols(rank)
+        a, b = piece((c1 - c0) // self.col_unit, pieces, j)
+        return a * self.col_unit, b * self.col_unit
+
+    def a_piece_view(self, a_rank: torch.Tensor, rank: int, pieces: int, j: int) -> torch.Tensor:
+        """Head piece j of ``rank``'s block ``a_rank`` (its :meth:`a_view`) as ``all_to_all_heads``
+        lays it out: ``[S, b - a]`` after the pieces before it."""
+        a, b = self.head_piece(rank, pieces, j)
+        flat = a_rank.reshape(-1)
+        return flat[self.tokens * a : self.tokens * b].view(self.tokens, b - a)
+
     def init_header(self, arena: torch.Tensor) -> None:
         """Called once by the arena's creator: magic, version, world, size; every rank's words
         zeroed."""
@@ -305,7 +353,7 @@ def _epoch_bits(gen: int, job: int) -> int:
 
 def encode_seq(gen: int, job: int, op: int, kind: int, chunks: int, count: int) -> int:
     """Pack one sequence word (layout in the module docstring)."""
-    return _epoch_bits(gen, job) | (op << 17) | (kind << 16) | (chunks << 8) | count
+    return _epoch_bits(gen, job) | (op << 18) | (kind << 16) | (chunks << 8) | count
 
 
 def decode_seq(word: int) -> tuple[int, int, int, int, int, int]:
@@ -313,8 +361,8 @@ def decode_seq(word: int) -> tuple[int, int, int, int, int, int]:
     return (
         (word >> 47) & 0xFFFF,
         (word >> 33) & 0x3FFF,
-        (word >> 17) & 0xFFFF,
-        (word >> 16) & 1,
+        (word >> 18) & 0x7FFF,
+        (word >> 16) & 3,
         (word >> 8) & 0xFF,
         word & 0xFF,
     )
@@ -330,7 +378,33 @@ def _default_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def produced_columns(
+    layout: ArenaLayout, rank: int, pieces: int, produce: ProduceFn
+) -> torch.Tensor:
+    """``rank``'s whole ``[S, c_rank]`` all-to-all input, produced piece by piece as
+    ``all_to_all_heads`` produces it (for exchanges that move it in one collective)."""
+    parts = []
+    for j in range(max(1, pieces)):
+        a, b = layout.head_piece(rank, max(1, pieces), j)
+        if b > a:
+            parts.append(produce(a, b))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _no_wait() -> None:
+    """A copy that was done when it returned."""
+
+
+def _sync_copy(fn: CopyFn) -> AsyncCopyFn:
+    def start(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        fn(dst, src)
+        return _no_wait
+
+    return start
+
+
 _AHEAD = 1 << 62  # a peer in the next job has published everything of ours
+_CPU = torch.device("cpu")
 
 
 class ExchangeStats(TypedDict):
@@ -359,7 +433,10 @@ class HostExchange:
 
     ``to_host(dst_view, src)`` copies a rank's outgoing rows into the arena and must return only
     when the bytes are there (a CUDA hook synchronises its copy's event); ``to_device(dst,
-    src_view)`` copies incoming rows out.  Both default to ``dst.copy_(src)``.  ``spin_us`` > 0
+    src_view)`` copies incoming rows out.  Both default to ``dst.copy_(src)``.  ``to_host_async``
+    starts an outgoing copy and returns the function that waits for it (``all_to_all_heads`` starts
+    piece j+1's copies before it waits for piece j's); it defaults to ``to_host``, done at once.
+    ``spin_us`` > 0
     re-checks the peers' words for that long before sleeping on the doorbell (measured by
     bench_exchange; off by default).
     """
@@ -377,6 +454,7 @@ class HostExchange:
         spin_us: float = 0.0,
         to_host: CopyFn | None = None,
         to_device: CopyFn | None = None,
+        to_host_async: AsyncCopyFn | None = None,
     ) -> None:
         if world != layout.world:
             raise ValueError(
@@ -405,6 +483,7 @@ class HostExchange:
         self.spin_s = max(0.0, float(spin_us)) * 1e-6
         self._to_host = to_host or _default_copy
         self._to_device = to_device or _default_copy
+        self._to_host_async = to_host_async or _sync_copy(self._to_host)
         self._arena = arena  # keeps the mapping's views alive
         self._words = layout.header_words(arena)
         self._ctl = control.reshape(-1).numpy()
@@ -418,7 +497,7 @@ class HostExchange:
         self._gen: int | None = None
         self._job = 0
         self._op = 0
-        self._last_use = {KIND_GATHER: -1, KIND_ALL_TO_ALL: -1}  # -1: not used in this job
+        self._last_use = {"G": -1, "A": -1}  # per arena buffer; -1: not used in this job
         self._deadline = 0.0
         self.reset_stats()
 
@@ -431,7 +510,7 @@ class HostExchange:
         self._gen = int(abort_generation)
         self._job = self._job % _JOB_CYCLE + 1
         self._op = 0
-        self._last_use = {KIND_GATHER: -1, KIND_ALL_TO_ALL: -1}  # -1: not used in this job
+        self._last_use = {"G": -1, "A": -1}  # per arena buffer; -1: not used in this job
         self._check_abort("begin")
         self._words[_fault_index(self.rank)] = 0
         self._words[_seq_index(self.rank)] = encode_seq(self._gen, self._job, 0, 0, 0, 0)
@@ -507,6 +586,66 @@ class HostExchange:
         self._pipeline(KIND_ALL_TO_ALL, n_chunks, publish, take)
         return out
 
+    def all_to_all_heads(
+        self,
+        produce: ProduceFn,
+        pieces: int,
+        out: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """:meth:`all_to_all_cols` of this rank's columns produced in ``pieces`` head pieces
+        (``produce(c_a, c_b)``, :meth:`ArenaLayout.head_piece`): piece j is chunk j of the op,
+        published once its copies out are done, and piece j+1 is produced (and its copies started)
+        before this rank waits for them.  ``device``: where ``out`` lives when it is not given."""
+        lay = self.layout
+        me = self.rank
+        t0, t1 = lay.rows(me)
+        c0 = lay.cols(me)[0]
+        n_chunks = self._start_op(KIND_ALL_TO_ALL_HEADS, pieces)
+        out = self._make_out("all_to_all_heads", out, (t1 - t0, lay.columns), device or _CPU)
+        self._guard_reuse(KIND_ALL_TO_ALL_HEADS)
+        mine = self._a[me]
+
+        def stage(j: int) -> list[Callable[[], None]]:
+            a, b = lay.head_piece(me, n_chunks, j)
+            if b == a:
+                return []
+            part = produce(a, b)
+            self._check_input("all_to_all_heads piece", part, (lay.tokens, b - a))
+            self._timed_copy(out[:, c0 + a : c0 + b], part[t0:t1], _default_copy)
+            dst = lay.a_piece_view(mine, me, n_chunks, j)
+            waits = []
+            for r in self._peers:
+                r0, r1 = lay.rows(r)
+                if r1 > r0:
+                    t = time.perf_counter()
+                    waits.append(self._to_host_async(dst[r0:r1], part[r0:r1]))
+                    self._stats["copy_s"] += time.perf_counter() - t
+                    self._stats["bytes_written"] += (r1 - r0) * (b - a) * part.element_size()
+            return waits
+
+        def take(p: int, j: int) -> None:
+            a, b = lay.head_piece(p, n_chunks, j)
+            if b > a and t1 > t0:
+                p0 = lay.cols(p)[0]
+                src = lay.a_piece_view(self._a[p], p, n_chunks, j)[t0:t1]
+                self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
+
+        started = stage(0)
+        for j in range(n_chunks):
+            following = stage(j + 1) if j + 1 < n_chunks else []
+            t = time.perf_counter()
+            for wait in started:
+                wait()
+            self._stats["copy_s"] += time.perf_counter() - t
+            self._publish(KIND_ALL_TO_ALL_HEADS, n_chunks, j)
+            if j:
+                self._consume(KIND_ALL_TO_ALL_HEADS, n_chunks, j - 1, take)
+            started = following
+        self._consume(KIND_ALL_TO_ALL_HEADS, n_chunks, n_chunks - 1, take)
+        self._last_use[_BUFFER[KIND_ALL_TO_ALL_HEADS]] = self._op
+        return out
+
     def counters(self) -> tuple[float, float]:
         """(copy seconds, wait seconds) since the last :meth:`reset_stats`
         (``workers.transports.exchange``)."""
@@ -572,10 +711,11 @@ class HostExchange:
             )
         self._op += 1
         self._kind = kind
+        self._n_chunks = max(1, chunks)
         self._deadline = time.monotonic() + self.deadline_s
         self._stats["ops"] += 1
         self._check_abort("start")
-        return max(1, chunks)
+        return self._n_chunks
 
     def _timed_copy(
         self,
@@ -610,7 +750,7 @@ class HostExchange:
             if j:
                 self._consume(kind, n_chunks, j - 1, take)
         self._consume(kind, n_chunks, n_chunks - 1, take)
-        self._last_use[kind] = self._op
+        self._last_use[_BUFFER[kind]] = self._op
 
     def _publish(self, kind: int, n_chunks: int, j: int) -> None:
         word = encode_seq(self._job_gen, self._job, self._op, kind, n_chunks, j + 1)
@@ -656,9 +796,15 @@ class HostExchange:
         return pop > op
 
     def _guard_reuse(self, kind: int) -> None:
-        last = self._last_use[kind]
+        last = self._last_use[_BUFFER[kind]]
         pending = [p for p in self._peers if not self._past(p, last)]
         if pending:
+            if last > 0:
+                # "on this op, nothing published yet": this rank has read all of the ops before,
+                # which is what a peer waiting here for the same buffer needs to see
+                word = encode_seq(self._job_gen, self._job, self._op, kind, self._n_chunks, 0)
+                self._words[_seq_index(self.rank)] = word
+                self._ring()
             what = (
                 f"{_KIND_NAMES[kind]} op {self._op}: waiting for rank(s) {{}} to "
                 + (f"finish reading op {last}" if last > 0 else "begin this job")

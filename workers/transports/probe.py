@@ -3,7 +3,9 @@ R --world W ...``.
 
 It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or
 ``both``), an arena segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the
-chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols).  Every rank
+chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols), with ``"pieces":
+true`` also ``all_to_all_heads`` in as many head pieces as chunks (each piece produced on demand
+from the pattern).  Every rank
 generates every rank's inputs from the case seed, so it checks its own results against the exact
 expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed
 one. Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a
@@ -73,6 +75,7 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
             ex.reset_stats()
             gather_s: list[float] = []
             a2a_s: list[float] = []
+            heads_s: list[float] = []
             for rnd in range(rounds):
                 ex.begin(gen)
                 for blk in range(blocks):
@@ -89,12 +92,25 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                         result["failures"].append(
                             f"{tname} chunks={chunks} round={rnd} block={blk}: all_to_all differs"
                         )
+                    if case.get("pieces"):
+                        h = timed(
+                            ex.all_to_all_heads,
+                            lambda ca, cb, y=y: y[:, c0 + ca : c0 + cb].clone(),
+                            chunks,
+                            heads_s,
+                        )
+                        if not torch.equal(h, y[r0:r1]):
+                            result["failures"].append(
+                                f"{tname} pieces={chunks} round={rnd} block={blk}: "
+                                "all_to_all_heads differs"
+                            )
             result["runs"].append(
                 {
                     "transport": tname,
                     "chunks": chunks,
                     "gather_s": gather_s,
                     "a2a_s": a2a_s,
+                    "heads_s": heads_s,
                     "stats": ex.stats(),
                 }
             )

@@ -6,7 +6,8 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
 * pinned copy bandwidth from and into a CUDA-registered shm segment (the path the host exchange
   uses);
 * parity: split on 2 and 4 logical ranks vs the unsplit run in this process, int8 and bf16 weights,
-  exchange_chunks 0 and 8, weights resident and streamed, every output compared with
+  exchange_chunks 0 and 8, attention in one call and in head pieces (``--head-pieces``: each piece
+  moved while the next one computes), weights resident and streamed, every output compared with
   ``torch.equal``;
 * overhead at each token count: unsplit per-block time, split per-block time, and the "none"
   baseline (the same ranks computing their shards with no exchange: two CUDA contexts time-slicing
@@ -164,6 +165,7 @@ def run(
     steps: int,
     seed: int = 1234,
     residencies: Sequence[str] = ("resident", "stream"),
+    head_pieces: Sequence[int] = (0, 4),
 ) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
     res: dict = {
@@ -173,7 +175,13 @@ def run(
             "cuda": torch.version.cuda,
             "cpus": os.cpu_count(),
         },
-        "config": {"layers": layers, **FULL, "tokens": list(tokens), "steps": steps},
+        "config": {
+            "layers": layers,
+            **FULL,
+            "tokens": list(tokens),
+            "steps": steps,
+            "head_pieces": list(head_pieces),
+        },
         "copy_bandwidth": copy_bandwidth(),
         "runs": [],
     }
@@ -206,10 +214,10 @@ def run(
                     eng.load_weights(("bench-gpu", kind, seed), cfg, models[kind].block_weights)
                     for n in tokens:
                         inp, ref = refs[(kind, n)]
-                        variants = [("host", 0), ("host", 8)]
+                        variants = [("host", c, p) for c in (0, 8) for p in head_pieces]
                         if residency == "resident" and nr == 2:
-                            variants.append(("none", 0))
-                        for exch, chunks in variants:
+                            variants.append(("none", 0, 0))
+                        for exch, chunks, pieces in variants:
                             r = _split(
                                 eng,
                                 inp,
@@ -217,6 +225,7 @@ def run(
                                 None if exch == "none" else ref,
                                 exchange=exch,
                                 exchange_chunks=chunks,
+                                head_pieces=pieces,
                             )
                             r.update(
                                 kind=kind,
@@ -225,11 +234,14 @@ def run(
                                 residency=residency,
                                 exchange=exch,
                                 chunks=chunks,
+                                head_pieces=pieces,
+                                pieces_ran=get_hub().recent_steps(1)[-1]["head_pieces"],
                                 per_block_s=(r["rank_wall_s"] or r["step_wall_s"]) / layers,
                             )
                             res["runs"].append(r)
                             print(
-                                f"split{nr} {residency} {kind} {n} {exch} x{chunks}: "
+                                f"split{nr} {residency} {kind} {n} {exch} x{chunks} "
+                                f"pieces {r['pieces_ran']}/{pieces}: "
                                 f"{r['per_block_s'] * 1e3:.1f} ms/block exact={r.get('bit_exact')}",
                                 file=sys.stderr,
                             )
@@ -256,27 +268,49 @@ def summarize(res: dict) -> dict:
             continue
         kind, n = r["kind"], r["tokens"]
         case = {"kind": kind, "tokens": n, "unsplit_ms_per_block": r["per_block_s"] * 1e3}
-        for chunks in (0, 8):
-            s = find(
-                kind=kind,
-                tokens=n,
-                mode="split2",
-                residency="resident",
-                exchange="host",
-                chunks=chunks,
+        split_ms: list[float] = []
+        for s in runs:
+            if (s["kind"], s["tokens"], s["mode"], s.get("residency"), s.get("exchange")) != (
+                kind,
+                n,
+                "split2",
+                "resident",
+                "host",
+            ):
+                continue
+            name = f"split2_x{s['chunks']}" + (
+                f"_pieces{s['head_pieces']}" if s["head_pieces"] > 1 else ""
             )
-            if s:
-                case[f"split2_x{chunks}_ms_per_block"] = s["per_block_s"] * 1e3
-                case[f"split2_x{chunks}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
+            case[f"{name}_ms_per_block"] = s["per_block_s"] * 1e3
+            case[f"{name}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
+            if s["head_pieces"] > 1:
+                case[f"{name}_ran_in_pieces"] = s["pieces_ran"] > 1
+            split_ms.append(s["per_block_s"] * 1e3)
         base = find(kind=kind, tokens=n, mode="split2", residency="resident", exchange="none")
         if base:
             case["baseline_no_exchange_ms_per_block"] = base["per_block_s"] * 1e3
             case["baseline_vs_unsplit"] = base["per_block_s"] / r["per_block_s"]
-            best = min(case.get(f"split2_x{c}_ms_per_block", 1e18) for c in (0, 8))
-            case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
-        st = find(kind=kind, tokens=n, mode="split2", residency="stream", exchange="host", chunks=8)
+            if split_ms:
+                best = min(split_ms)
+                case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
+        one_call = {"head_pieces": 0}
+        st = find(
+            kind=kind,
+            tokens=n,
+            mode="split2",
+            residency="stream",
+            exchange="host",
+            chunks=8,
+            **one_call,
+        )
         rs = find(
-            kind=kind, tokens=n, mode="split2", residency="resident", exchange="host", chunks=8
+            kind=kind,
+            tokens=n,
+            mode="split2",
+            residency="resident",
+            exchange="host",
+            chunks=8,
+            **one_call,
         )
         if st and rs:
             case["stream_vs_resident"] = st["per_block_s"] / rs["per_block_s"]
@@ -311,6 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--residency", default="resident,stream", help="comma-separated: resident,stream"
     )
+    p.add_argument(
+        "--head-pieces",
+        type=int_list,
+        default=[0, 4],
+        help="comma-separated head pieces per rank's attention, each a variant beside the others "
+        "(0: one call)",
+    )
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -326,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.ranks,
             a.steps,
             residencies=a.residency.split(","),
+            head_pieces=a.head_pieces,
         )
     finally:
         release_all_engines()

@@ -5,8 +5,9 @@ side in one run.
 
 * the unsplit wall time per step and per block (``--device``; CUDA clocks are read after
   ``torch.cuda.synchronize``);
-* for every transport x chunking variant (``--exchange host,nccl`` x ``--chunks 0,8``; nccl runs as
-  gloo on CPU ranks and is never chunked), on the same workers and weights: split wall time per step
+* for every transport x chunking x head-pieces variant (``--exchange host,nccl`` x ``--chunks 0,8``
+  x ``--head-pieces 0,4``; nccl runs as gloo on CPU ranks and is never chunked), on the same
+  workers and weights: split wall time per step
   and per block, per-rank compute / copy / wait seconds, bytes moved, doorbell signals per block and
   the estimated signalling cost per block;
 * a tiny-payload host-exchange probe that measures what one more chunk round (and so one doorbell
@@ -187,14 +188,17 @@ def signal_probe(world: int, rounds: int) -> dict | None:
     }
 
 
-def _variants(exchanges: Sequence[str], chunks: Sequence[int]) -> list[tuple[str, int]]:
+def _variants(
+    exchanges: Sequence[str], chunks: Sequence[int], pieces: Sequence[int]
+) -> list[tuple[str, int, int]]:
     out = []
     for ex in exchanges:
-        # torch.distributed collectives are not chunked (NCCL pipelines internally): one variant is
-        # enough.
+        # torch.distributed collectives are not chunked (NCCL pipelines internally): one chunk
+        # variant is enough.
         for c in chunks if ex == "host" else (0,):
-            if (ex, c) not in out:
-                out.append((ex, c))
+            for p in pieces:
+                if (ex, c, p) not in out:
+                    out.append((ex, c, p))
     return out
 
 
@@ -202,8 +206,9 @@ class VariantRun:
     """One transport/chunking variant on the shared engine: runs steps, checks each output, keeps
     the timings of the timed (non-warm-up) steps and the per-rank numbers of their step records."""
 
-    def __init__(self, engine: SplitEngine, exchange: str, chunks: int) -> None:
-        self.engine, self.exchange, self.chunks = engine, exchange, chunks
+    def __init__(self, engine: SplitEngine, exchange: str, chunks: int, pieces: int) -> None:
+        self.engine, self.exchange, self.chunks, self.pieces = engine, exchange, chunks, pieces
+        self.pieces_ran = 0
         self.transport = exchange
         self.walls: list[float] = []
         self.engine_walls: list[float] = []
@@ -213,11 +218,12 @@ class VariantRun:
 
     @property
     def label(self) -> str:
-        return (
+        name = (
             f"{self.transport} x{max(self.chunks, 1)}"
             if self.exchange == "host"
             else self.transport
         )
+        return f"{name} pieces {self.pieces}" if self.pieces > 1 else name
 
     def step(self, inp: StepInputs, ref: torch.Tensor, timed: bool) -> None:
         t = time.perf_counter()
@@ -228,11 +234,13 @@ class VariantRun:
             inp.rope_freqs,
             exchange=self.exchange,
             exchange_chunks=self.chunks,
+            head_pieces=self.pieces,
             sigma=SIGMA,
         )
         dt = time.perf_counter() - t
         rec = get_hub().recent_steps(1)[-1]
         self.transport = rec["exchange"]
+        self.pieces_ran = rec["head_pieces"]
         same = bool(torch.equal(out, ref))
         self.exact = self.exact and same
         # The float difference costs seconds at full width (75794 x 5376); compute it only when
@@ -295,6 +303,8 @@ class VariantRun:
             "exchange": self.exchange,
             "transport": self.transport,
             "chunks": max(self.chunks, 1) if self.exchange == "host" else None,
+            "head_pieces": self.pieces,
+            "pieces_ran": self.pieces_ran,
             "step_s": self.walls,
             "step_mean_s": mean_wall,
             "step_min_s": min(self.walls),
@@ -313,14 +323,25 @@ def _comparisons(unsplit: dict, variants: list[dict]) -> dict:
     out: dict = {
         "unsplit_over_split": {v["label"]: unsplit["step_mean_s"] / v["step_mean_s"] for v in ran}
     }
-    serial = next((v for v in ran if v["exchange"] == "host" and v["chunks"] == 1), None)
+    one_call = [v for v in ran if v["head_pieces"] < 2]
+    serial = next((v for v in one_call if v["exchange"] == "host" and v["chunks"] == 1), None)
     if serial is not None:
         out["host_serial_over_chunked"] = {
             v["label"]: serial["step_mean_s"] / v["step_mean_s"]
-            for v in ran
+            for v in one_call
             if v["exchange"] == "host" and v["chunks"] > 1
         }
-    dist = next((v for v in ran if v["exchange"] == "nccl"), None)
+    pieces = {}
+    for v in ran:
+        base = next(
+            (o for o in one_call if (o["exchange"], o["chunks"]) == (v["exchange"], v["chunks"])),
+            None,
+        )
+        if v["head_pieces"] > 1 and base is not None:
+            pieces[v["label"]] = base["step_mean_s"] / v["step_mean_s"]
+    if pieces:
+        out["one_call_over_pieces"] = pieces
+    dist = next((v for v in one_call if v["exchange"] == "nccl"), None)
     if dist is not None and serial is not None:
         out["host_serial_over_" + dist["transport"]] = serial["step_mean_s"] / dist["step_mean_s"]
     return out
@@ -343,6 +364,7 @@ def run_bench_split(
     seed: int = 1234,
     probe_rounds: int = 50,
     print_json: bool = True,
+    head_pieces: Sequence[int] = (0,),
 ) -> dict:
     """Run the benchmark; prints the JSON result (unless ``print_json`` is false) and returns it.
 
@@ -362,6 +384,10 @@ def run_bench_split(
         raise ValueError("chunks: give at least one host exchange chunk count (e.g. 0 or 0,8)")
     for c in chunks:
         SplitOptions(exchange_chunks=c)  # its range check, before any worker starts
+    if not head_pieces:
+        raise ValueError("head_pieces: give at least one count (0: attention in one call)")
+    for hp in head_pieces:
+        SplitOptions(head_pieces=hp)
     cfg = bench_config(hidden, layers, heads, head_dim, ffn)
     # a bad plan fails before anything heavy starts
     plans.make_split_plan(ranks, None, tokens, cfg.heads)
@@ -380,7 +406,9 @@ def run_bench_split(
             }
         )
     variants = _variants(
-        [e for e in exchanges if not any(s["exchange"] == e for s in skipped)], chunks
+        [e for e in exchanges if not any(s["exchange"] == e for s in skipped)],
+        chunks,
+        head_pieces,
     )
     if not variants:
         raise ValueError(
@@ -400,7 +428,7 @@ def run_bench_split(
     engine = SplitEngine(
         ranks, SplitOptions(exchange=variants[0][0], exchange_chunks=variants[0][1])
     )
-    runs = [VariantRun(engine, ex, c) for ex, c in variants]
+    runs = [VariantRun(engine, ex, c, hp) for ex, c, hp in variants]
     unsplit_s: list[float] = []
     try:
         t = time.perf_counter()
@@ -465,6 +493,7 @@ def run_bench_split(
                 "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS")
             ),
             "chunks": list(chunks),
+            "head_pieces": list(head_pieces),
             "exchanges": list(exchanges),
         },
         "setup_s": {"materialize_weights": materialize_s, "workers_start_and_load": load_s},
@@ -518,6 +547,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="host exchange chunk counts to compare (0/1: single shot)",
     )
     p.add_argument(
+        "--head-pieces",
+        type=int_list,
+        default=[0],
+        help="head pieces per rank's attention to compare, each moved while the next computes "
+        "(0: one call)",
+    )
+    p.add_argument(
         "--exchange",
         default="host,nccl",
         help="transports to compare: host, nccl (gloo on CPU ranks)",
@@ -545,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             [e.strip() for e in a.exchange.split(",") if e.strip()],
             a.seed,
             a.probe_rounds,
+            head_pieces=a.head_pieces,
         )
     except (ValueError, plans.GPUSelectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
