@@ -23,14 +23,14 @@ def test_gloo_equals_host_bit_exact(world):
         # "both": every op runs on the host arena and on gloo with the same inputs; each result must be
         # torch.equal to the exact expected tensor, so host == gloo bit for bit
         cases.append({"transport": "both", "layout": lay, "chunks": [0, 3], "rounds": 2, "blocks": 2, "seed": 11,
-                      "pieces": True})
+                      "overlap": True})
     recs = run_probe_cases(world, cases)
     for rec in recs:
         transports = [r["transport"] for r in rec["cases"][0]["runs"]]
         assert transports == ["host", "gloo", "host", "gloo"]
         dist_stats = rec["cases"][0]["runs"][1]["stats"]
-        # 2 rounds x 2 blocks x (gather, all-to-all, all-to-all by head pieces: one collective)
-        assert dist_stats["transport"] == "gloo" and dist_stats["ops"] == 12
+        # 2 rounds x 2 blocks x (gather, all-to-all, all-to-all by head pieces, gather each: one collective each)
+        assert dist_stats["transport"] == "gloo" and dist_stats["ops"] == 16
         assert dist_stats["bytes_read"] > 0
 
 

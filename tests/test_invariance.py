@@ -27,7 +27,7 @@ CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, r
 TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
 FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
 #: The ops a plan's probe reports when no head pieces are asked for.
-PLAN_OPS = [op for op in invariance.OP_ORDER if op != "attention.pieces"]
+PLAN_OPS = [op for op in invariance.OP_ORDER if op not in exactness.OVERLAP_OPS]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_digest_and_fault_text():
     assert invariance.digest(a) == invariance.digest(b)
     b.view(torch.int16)[17, 5] ^= 1  # one bit
     assert invariance.digest(a) != invariance.digest(b)
-    with pytest.raises(ValueError, match="linear:ROWS:IN_FEATURES"):
+    with pytest.raises(ValueError, match=r"linear:ROWS:IN_FEATURES\[:OUT_FEATURES\]"):
         ShapeFault.parse("linear:10")
 
 
@@ -157,8 +157,8 @@ def test_head_pieces_run_exact_and_are_recorded(engine, model):
     assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 4] * 2
     assert get_hub().recent_steps(1)[0]["head_pieces"] == 3
     rows = get_hub().status()["exactness"]["verdicts"][-7:]
-    assert [r["op"] for r in rows] == list(invariance.OP_ORDER) and {r["verdict"] for r in rows} == {"exact"}
-    assert rows[3]["shards"] == [1, 1, 2, 1, 1, 2]
+    assert [r["op"] for r in rows] == [op for op in invariance.OP_ORDER if op != "attn.qkv_proj.rows"]
+    assert {r["verdict"] for r in rows} == {"exact"} and rows[3]["shards"] == [1, 1, 2, 1, 1, 2]
     inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), 5, model.dtype)
     one_call = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, head_pieces=0)
     assert torch.equal(one_call, model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs))
@@ -179,6 +179,36 @@ def test_a_differing_head_piece_runs_attention_in_one_call(engine, model, caplog
     assert len(warned) == 1 and "attention.pieces" in warned[0] and "heads [0, 1)" in warned[0], warned
     pieces = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attention.pieces"][-1]
     assert pieces["verdict"] == "adjusted" and "one call per rank" in pieces["detail"]
+
+
+def test_gather_overlap_runs_exact_and_is_recorded(engine, model):
+    """Each rank's qkv projection on every rank's rows as they arrive (its own first): equal to the unsplit
+    output, the row ranges' verdict recorded, and so is what the step ran."""
+    eng = engine(gather_overlap=True, head_pieces=2)
+    eng.load_weights(("inv", 9), CFG, model.block_weights)
+    for seed in (3, 4):
+        out, ref = _step(eng, model, seed)
+        assert torch.equal(out, ref)
+        rec = get_hub().recent_steps(1)[0]
+        assert rec["gather_overlap"] is True and rec["head_pieces"] == 2
+    rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"][-8:]}
+    assert list(rows) == list(invariance.OP_ORDER) and {r["verdict"] for r in rows.values()} == {"exact"}
+    assert rows["attn.qkv_proj.rows"]["shards"] == [100, 100, 100, 100]  # each rank: both ranks' ranges
+
+
+def test_a_differing_row_range_projects_after_the_whole_gather(engine, model, caplog):
+    """The qkv projection of rank 0's group (2 of 8 heads: 192 outputs) rounds differently on a 50-row range:
+    the plan stays split and exact, the projection waits for the whole gather, one warning names the range."""
+    eng = engine("linear:50:128:192", gather_overlap=True, shares=(1.0, 3.0))
+    eng.load_weights(("inv", 10), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref)
+    rec = get_hub().recent_steps(1)[0]
+    assert rec["gather_overlap"] is False and [r["tokens"] for r in rec["ranks"]] == [[0, 50], [50, 200]]
+    warned = [r.getMessage() for r in caplog.records if "waits for the whole gather" in r.getMessage()]
+    assert len(warned) == 1 and "attn.qkv_proj.rows" in warned[0] and "tokens [0, 50)" in warned[0], warned
+    row = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attn.qkv_proj.rows"][-1]
+    assert row["verdict"] == "adjusted" and "waits for the whole gather" in row["detail"]
 
 
 def test_verify_reports_bit_exact_then_names_the_faulty_block_and_op(engine, model, monkeypatch):

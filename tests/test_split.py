@@ -112,13 +112,15 @@ def test_shares_and_uneven_heads(engine_factory):
     assert heads == [[0, 4], [4, 8], [8, 10]]
 
 
-def test_head_pieces_uneven_groups_host_and_gloo(engine_factory):
-    """Attention in 3 head pieces over head groups 4/4/2 (the 2-head group has an empty piece), moved piece by piece
-    through the host arena and in one collective over gloo: the unsplit output either way."""
+def test_overlaps_uneven_groups_host_and_gloo(engine_factory):
+    """Attention in 3 head pieces over head groups 4/4/2 (the 2-head group has an empty piece) and the qkv
+    projection on each rank's rows as they arrive, through the host arena and over gloo (in one collective each):
+    the unsplit output either way."""
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
     for exchange in ("host", "nccl"):
-        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, head_pieces=3)
+        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, head_pieces=3,
+                             gather_overlap=True)
         eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
         _check_exact(eng, model, _layouts(), seen)
     seen.done()

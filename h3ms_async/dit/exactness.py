@@ -19,7 +19,7 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -42,17 +42,50 @@ Verdict = Literal["exact", "adjusted", "unsplit"]
 
 
 @dataclass(frozen=True)
+class Overlap:
+    """What a step computes while its exchanges move: attention in ``head_pieces`` head pieces
+    inside the all-to-all (0: one call), and the qkv projection on each rank's gathered rows as they
+    arrive (``gather``).  Asked for by the options, run where the probe measures it exact."""
+
+    head_pieces: int = 0
+    gather: bool = False
+
+    @property
+    def name(self) -> str:
+        """``none``, ``piecesN``, ``gather`` or ``gather+piecesN`` (what :meth:`from_name`
+        reads)."""
+        parts = (["gather"] if self.gather else []) + (
+            [f"pieces{self.head_pieces}"] if self.head_pieces > 1 else []
+        )
+        return "+".join(parts) or "none"
+
+    @classmethod
+    def from_name(cls, text: str) -> Overlap:
+        """The overlap :attr:`name` names; ValueError naming the accepted forms otherwise."""
+        pieces, gather = 0, False
+        for part in text.strip().split("+"):
+            if part == "gather":
+                gather = True
+            elif part.startswith("pieces") and part[6:].isdigit() and int(part[6:]) > 1:
+                pieces = int(part[6:])
+            elif part != "none":
+                raise ValueError(
+                    f"overlap {text!r}: use none, piecesN (N >= 2), gather or gather+piecesN"
+                )
+        return cls(pieces, gather)
+
+
+@dataclass(frozen=True)
 class PlanVerdict:
     """The engine's decision about one plan: the token bounds to run (None: run the step unsplit),
     the verdict, one sentence saying why, what the probe cost (the slowest rank's wall time, all
-    rounds), and the head pieces attention runs in (0: one call; the pieces asked for when they
-    measured exact)."""
+    rounds), and the overlap it runs with (what was asked for, less what measured inexact)."""
 
     token_bounds: tuple[int, ...] | None
     verdict: Verdict
     detail: str
     probe_ms: float
-    head_pieces: int = 0
+    overlap: Overlap = Overlap()
 
 
 def verdict_key(
@@ -63,11 +96,11 @@ def verdict_key(
     token_bounds: Sequence[int],
     head_bounds: Sequence[int],
     head_dim: int,
-    head_pieces: int = 0,
+    overlap: Overlap = Overlap(),
 ) -> str:
     """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch
     and comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention
-    function, the shards, the head pieces asked for."""
+    function, the shards, the overlap asked for."""
     key = {
         "devices": [dict(sorted(fp.items())) for fp in fingerprints],
         "dtype": compute_dtype,
@@ -76,7 +109,7 @@ def verdict_key(
         "tokens": list(token_bounds),
         "heads": list(head_bounds),
         "head_dim": head_dim,
-        "head_pieces": head_pieces,
+        "overlap": asdict(overlap),
     }
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
@@ -127,7 +160,7 @@ def _load(path: str) -> dict[str, PlanVerdict]:
                 v["verdict"],
                 str(v["detail"]),
                 float(v["probe_ms"]),
-                int(v.get("head_pieces", 0)),
+                Overlap(**v.get("overlap", {})),
             )
         return out
     except FileNotFoundError:
@@ -254,19 +287,53 @@ def fixed_failure(reports: Sequence[ProbeReport]) -> str | None:
     return None
 
 
-def pieces_failure(reports: Sequence[ProbeReport]) -> str | None:
-    """The first head piece whose attention differs from the whole call's (op
-    ``attention.pieces``), or None when every rank's pieces are exact."""
+#: The ops the overlaps add to a probe: op name -> what the step does without it.
+OVERLAP_OPS = {
+    "attention.pieces": "attention runs in one call per rank",
+    "attn.qkv_proj.rows": "the qkv projection waits for the whole gather",
+}
+
+
+def _first_inexact(reports: Sequence[ProbeReport], op: str) -> str | None:
+    """The first call of overlap op ``op`` that differs from the unsplit call's, or None."""
     for rep in reports:
         for v in rep.ops:
-            if v.split == "pieces":
-                for (g0, g1), ok, d in zip(v.shards, v.exact, v.max_abs_diff):
-                    if not ok:
-                        return (
-                            f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from "
-                            f"the whole call's on {_device(rep)} (max abs difference {d:g})"
-                        )
+            if v.op != op:
+                continue
+            what = "heads" if v.split == "pieces" else "tokens"
+            for (a, b), ok, d in zip(v.shards, v.exact, v.max_abs_diff):
+                if not ok:
+                    return (
+                        f"{v.op} ({v.dtype}, {v.shape}) of {what} [{a}, {b}) differs from the "
+                        f"whole call's on {_device(rep)} (max abs difference {d:g})"
+                    )
     return None
+
+
+def measured_overlap(
+    reports: Sequence[ProbeReport], verdict: PlanVerdict, asked: Overlap
+) -> tuple[Overlap, dict[str, str]]:
+    """The overlap a plan runs with, and why each part asked for is off (op name -> one
+    sentence). The qkv rows were probed on the plan's token ranges as made, so an adjusted plan
+    runs without them."""
+    off: dict[str, str] = {}
+    if verdict.token_bounds is None:
+        return Overlap(), off
+    pieces, gather = asked.head_pieces, asked.gather
+    if pieces and (why := _first_inexact(reports, "attention.pieces")) is not None:
+        off["attention.pieces"] = why
+        pieces = 0
+    if gather:
+        why = (
+            "attn.qkv_proj.rows was measured on the token ranges as made, and the plan's were "
+            "adjusted"
+            if verdict.verdict != "exact"
+            else _first_inexact(reports, "attn.qkv_proj.rows")
+        )
+        if why is not None:
+            off["attn.qkv_proj.rows"] = why
+            gather = False
+    return Overlap(pieces, gather), {op: f"{why}; {OVERLAP_OPS[op]}" for op, why in off.items()}
 
 
 def slowest_ms(*rounds: Sequence[ProbeReport]) -> float:
@@ -277,23 +344,24 @@ def op_rows(
     reports: Sequence[ProbeReport],
     verdict: PlanVerdict,
     failing: str | None,
-    pieces_failing: str | None = None,
+    off: Mapping[str, str] | None = None,
 ) -> list[dict]:
     """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as
-    probed, its verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, the
-    others "exact" or, when the step runs unsplit, "unsplit"), and its slowest rank's probe time."""
+    probed, its verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, an
+    overlap op in ``off`` "adjusted" with why it is off, the others "exact" or, when the step runs
+    unsplit, "unsplit"), and its slowest rank's probe time."""
     rows = []
     for i, v in enumerate(reports[0].ops):
         per_rank = [rep.ops[i] for rep in reports]
-        cut = [rv.shards if v.split == "pieces" else rv.shards[:1] for rv in per_rank]
+        cut = [rv.shards if v.split in ("pieces", "rows") else rv.shards[:1] for rv in per_rank]
         shards = [b - a for rv in cut for a, b in rv]
         bad = failing is not None and failing.startswith(v.op + " ")
         if bad:
             state: Verdict = verdict.verdict
             detail = verdict.detail
-        elif v.split == "pieces" and pieces_failing is not None and verdict.token_bounds:
+        elif off and v.op in off:
             state = "adjusted"
-            detail = f"{pieces_failing}; attention runs in one call per rank"
+            detail = off[v.op]
         else:
             state = "unsplit" if verdict.token_bounds is None else "exact"
             detail = (

@@ -26,7 +26,13 @@ from workers.dit.loop import run_blocks
 from workers.dit.ops import ModSegment, Shard
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import InProcessExchange, NoExchange
-from workers.transports.host import ArenaLayout, ProduceFn, produced_columns
+from workers.transports.host import (
+    ArenaLayout,
+    ProduceFn,
+    RowsFn,
+    each_rank_rows,
+    produced_columns,
+)
 
 WEIGHT_KINDS = ("int8", "bf16", "fp32")
 INIT_STD = 0.02
@@ -413,6 +419,11 @@ class _LocalExchange(InProcessExchange):
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         return self.all_to_all_cols(produced_columns(self.layout, self.rank, pieces, produce))
+
+    def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
+        out = self.all_gather_rows(local)
+        each_rank_rows(self.layout, out, on_rows)
+        return out
 
 
 class SimulatedSplit:

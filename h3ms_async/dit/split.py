@@ -18,6 +18,7 @@ every rank's waits.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -106,6 +107,8 @@ class SplitOptions:
     compared (``h3ms_async.dit.verify``, dense attention only).  ``head_pieces`` > 1: each rank's
     dense attention runs in that many head pieces, each moved by the all-to-all while the next one
     computes, where the probe measures the pieces exact (``workers.dit.loop``).
+    ``gather_overlap``: on dense steps each rank's qkv projection runs on every rank's rows as they
+    arrive (its own first), where the probe measures those row ranges exact.
     """
 
     exchange: str = "host"
@@ -120,6 +123,7 @@ class SplitOptions:
     verify: bool = False
     sparse: SparseConfig | None = None
     head_pieces: int = 0
+    gather_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.exchange not in (*EXCHANGES, BASELINE_EXCHANGE):
@@ -350,6 +354,7 @@ class SplitEngine(Engine):
         exchange: str | None = None,
         exchange_chunks: int | None = None,
         head_pieces: int | None = None,
+        gather_overlap: bool | None = None,
         progress: StepProgress | None = None,
         in_place: bool = False,
         sparse_branch: str = "",
@@ -359,8 +364,8 @@ class SplitEngine(Engine):
 
         ``block_options``: per-block transformer_options adjustments captured from user patches;
         only plain data is accepted (the workers cannot run ComfyUI callables).  ``exchange``,
-        ``exchange_chunks`` and ``head_pieces`` override the engine's options for this step
-        (benchmarks compare transports, chunking and pieces on the same workers).
+        ``exchange_chunks``, ``head_pieces`` and ``gather_overlap`` override the engine's options
+        for this step (benchmarks compare them side by side on the same workers).
         ``progress``: see :data:`StepProgress`; with the host exchange it follows the slowest rank
         block by block (read from the arena's sequence words), otherwise it is called once, when the
         step is done.
@@ -371,15 +376,13 @@ class SplitEngine(Engine):
         pooled statistics a sparse step reuses; ``sigma`` decides the sparse window.
         """
         opts = self.options
-        if exchange is not None or exchange_chunks is not None or head_pieces is not None:
-            opts = replace(
-                opts,
-                exchange=opts.exchange if exchange is None else exchange,
-                exchange_chunks=opts.exchange_chunks
-                if exchange_chunks is None
-                else exchange_chunks,
-                head_pieces=opts.head_pieces if head_pieces is None else head_pieces,
-            )
+        opts = replace(
+            opts,
+            exchange=opts.exchange if exchange is None else exchange,
+            exchange_chunks=opts.exchange_chunks if exchange_chunks is None else exchange_chunks,
+            head_pieces=opts.head_pieces if head_pieces is None else head_pieces,
+            gather_overlap=opts.gather_overlap if gather_overlap is None else gather_overlap,
+        )
         if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
             check_nccl_rank_map(self.devices)
         ld = self._loaded
@@ -395,8 +398,11 @@ class SplitEngine(Engine):
             raise SplitError(
                 "head plan changed since the weights were loaded; call load_weights again"
             )
-        plan, pieces = self._measured_plan(plan, int(t_emb.shape[0]), opts.head_pieces)
-        opts = replace(opts, head_pieces=pieces)
+        asked = exactness.Overlap(
+            opts.head_pieces if opts.head_pieces > 1 else 0, opts.gather_overlap
+        )
+        plan, ran = self._measured_plan(plan, int(t_emb.shape[0]), asked)
+        opts = replace(opts, head_pieces=ran.head_pieces, gather_overlap=ran.gather)
         with self.job():
             if opts.verify and self._verify_due:  # never with sparse (SplitOptions refuses both)
                 from h3ms_async.dit.verify import verify_step
@@ -437,15 +443,14 @@ class SplitEngine(Engine):
 
     # -- exactness ---------------------------------------------------------------------------------
     def _measured_plan(
-        self, plan: plans.SplitPlan, t_rows: int, pieces: int
-    ) -> tuple[plans.SplitPlan, int]:
+        self, plan: plans.SplitPlan, t_rows: int, asked: exactness.Overlap
+    ) -> tuple[plans.SplitPlan, exactness.Overlap]:
         """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with
         its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); and
-        the head pieces attention runs in (``pieces`` where they measured exact, else 0).  Probed
-        once per new plan and pieces."""
-        pieces = pieces if pieces > 1 else 0
+        the overlap it runs with (``asked`` less what measured inexact).  Probed once per new plan
+        and overlap."""
         if self.ranks == 1:
-            return plan, 0
+            return plan, exactness.Overlap()
         ld = self._loaded
         assert ld is not None
         self.run(self._ensure_loaded(), self.options.step_timeout_s, "starting the ranks")
@@ -457,17 +462,17 @@ class SplitEngine(Engine):
             plan.token_bounds,
             plan.head_bounds,
             ld.config.head_dim,
-            pieces,
+            asked,
         )
         verdict = exactness.VERDICTS.get(key)
         first = verdict is None
         if verdict is None:
             with self.job():
-                verdict = self._probe_plan(plan, t_rows, pieces)
+                verdict = self._probe_plan(plan, t_rows, asked)
             exactness.VERDICTS.put(key, verdict)
         if verdict.token_bounds is None:
             raise SplitUnsafe(verdict.detail, first=first)
-        return replace(plan, token_bounds=verdict.token_bounds), verdict.head_pieces
+        return replace(plan, token_bounds=verdict.token_bounds), verdict.overlap
 
     def _ops(self) -> list[dit_protocol.LinearOp]:
         ld = self._loaded
@@ -495,13 +500,15 @@ class SplitEngine(Engine):
                 return f"rank {r}'s {h} heads have too few query tiles by the flash-tiles prior"
         return None
 
-    def _probe_plan(self, plan: plans.SplitPlan, t_rows: int, pieces: int) -> PlanVerdict:
-        """Probe ``plan`` (and attention in ``pieces`` head pieces) on every rank (concurrently);
-        on a token-split failure probe the adjusted candidates."""
+    def _probe_plan(
+        self, plan: plans.SplitPlan, t_rows: int, asked: exactness.Overlap
+    ) -> PlanVerdict:
+        """Probe ``plan`` (and the overlap ``asked`` for) on every rank (concurrently); on a
+        token-split failure probe the adjusted candidates."""
         ld = self._loaded
         assert ld is not None
         tokens = plan.token_bounds[-1]
-        reports = self._probe_round([plan.token_bounds], plan, t_rows, pieces)
+        reports = self._probe_round([plan.token_bounds], plan, t_rows, asked)
         rounds = [reports]
         failing = exactness.fixed_failure(reports)
         if failing is not None:
@@ -519,7 +526,7 @@ class SplitEngine(Engine):
             cands = exactness.adjusted_bounds(plan.token_bounds)
             pick = None
             if cands:
-                rounds.append(self._probe_round(cands, plan, t_rows, pieces))
+                rounds.append(self._probe_round(cands, plan, t_rows, exactness.Overlap()))
                 pick = exactness.first_exact(rounds[-1], len(cands))
             ms = exactness.slowest_ms(*rounds)
             if pick is None:
@@ -539,13 +546,11 @@ class SplitEngine(Engine):
                     f"{exactness.sizes(cands[pick])} rows, measured exact",
                     ms,
                 )
-        pieces_failing = exactness.pieces_failure(reports) if pieces else None
-        if pieces and verdict.token_bounds is not None:
-            if pieces_failing is None:
-                verdict = replace(verdict, head_pieces=pieces)
-            else:
-                log.warning("%s; attention runs in one call per rank", pieces_failing)
-        for row in exactness.op_rows(reports, verdict, failing, pieces_failing):
+        ran, off = exactness.measured_overlap(reports, verdict, asked)
+        for why in off.values():
+            log.warning("%s", why)
+        verdict = replace(verdict, overlap=ran)
+        for row in exactness.op_rows(reports, verdict, failing, off):
             record_verdict("dit", **row)
         prior = self._prior_refusal(plan)
         devices = ", ".join(sorted({fp["device"] for fp in self._fingerprints}))
@@ -583,9 +588,12 @@ class SplitEngine(Engine):
         candidates: Sequence[Sequence[int]],
         plan: plans.SplitPlan,
         t_rows: int,
-        pieces: int,
+        overlap: exactness.Overlap,
     ) -> list[dit_protocol.ProbeReport]:
-        hb = plan.head_bounds
+        hb, tb0 = plan.head_bounds, plan.token_bounds
+        every_rank = (
+            [(int(a), int(b)) for a, b in itertools.pairwise(tb0)] if overlap.gather else []
+        )
         msgs = [
             dit_protocol.DitProbe(
                 ops=self._ops(),
@@ -593,7 +601,8 @@ class SplitEngine(Engine):
                 candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
                 heads=(hb[r], hb[r + 1]),
                 t_rows=t_rows,
-                pieces=pieces,
+                pieces=overlap.head_pieces,
+                gather_ranges=every_rank,
             )
             for r in range(self.ranks)
         ]
@@ -688,6 +697,7 @@ class SplitEngine(Engine):
                 trace=trace,
                 sparse=sparse,
                 head_pieces=opts.head_pieces,
+                gather_overlap=opts.gather_overlap,
             )
             for r in range(self.ranks)
         ]
@@ -812,6 +822,7 @@ class SplitEngine(Engine):
                 exchange=self._transport(opts.exchange),
                 chunks=max(chunks, 1),
                 head_pieces=opts.head_pieces,
+                gather_overlap=opts.gather_overlap,
                 wall_s=wall,
                 moved_bytes=sum(r.moved_bytes for r in ranks),
                 weight_store=self.weight_state,
@@ -883,6 +894,7 @@ def options_dict(o: SplitOptions) -> dict:
         "exchange": o.exchange,
         "exchange_chunks": o.exchange_chunks,
         "head_pieces": o.head_pieces,
+        "gather_overlap": o.gather_overlap,
         "vram_residency": o.vram_residency,
         "attention": o.comfy_host.attention if o.comfy_host else o.attention,
         "cache_ram_reserve_gb": o.cache_ram_reserve_gb,

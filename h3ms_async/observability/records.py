@@ -55,6 +55,8 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chunks: int
     #: head pieces each rank's attention ran in, each moved while the next computed (0: one call)
     head_pieces: int = 0
+    #: the qkv projection ran on each rank's gathered rows as they arrived
+    gather_overlap: bool = False
     wall_s: float
     moved_bytes: int
     weight_store: str
@@ -126,6 +128,8 @@ def format_step_line(rec: Mapping) -> str:
     chunks = f" x{rec['chunks']}" if rec["chunks"] > 1 else ""
     if rec.get("head_pieces", 0) > 1:
         chunks += f", attention in {rec['head_pieces']} head pieces"
+    if rec.get("gather_overlap"):
+        chunks += ", qkv as the rows arrive"
     line = (
         f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
         f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s (exchange "

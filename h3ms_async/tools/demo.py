@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"0-{MAX_HEAD_PIECES} (0/1: one call; used where the probe measures the pieces exact)",
     )
     p.add_argument(
+        "--gather-overlap",
+        action="store_true",
+        help="each rank's qkv projection runs on every rank's gathered rows as they arrive (used "
+        "where the probe measures those row ranges exact)",
+    )
+    p.add_argument(
         "--shares", default="", help="relative speed per rank, e.g. 1,1,0.7 (default: equal)"
     )
     p.add_argument("--vram-residency", choices=["auto", "resident", "stream"], default="auto")
@@ -444,6 +450,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             exchange=a.exchange,
             exchange_chunks=a.exchange_chunks,
             head_pieces=a.head_pieces,
+            gather_overlap=a.gather_overlap,
             vram_residency=a.vram_residency,
             shares=c["shares"],
             verify=a.verify,
@@ -516,6 +523,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             "exchange": engine.transport,
             "exchange_chunks": a.exchange_chunks,
             "head_pieces": a.head_pieces,
+            "gather_overlap": a.gather_overlap,
             "shares": c["shares"],
             "unsplit_device": str(device),
             "compute_dtype": str(dtype).removeprefix("torch."),
@@ -570,7 +578,8 @@ def print_table(res: dict) -> None:
     print(
         f"split over {len(c['ranks'])} ranks ({','.join(c['ranks'])}), exchange {c['exchange']}"
         f"{' x' + str(c['exchange_chunks']) if c['exchange_chunks'] > 1 else ''}"
-        f"{f', attention in {pieces} head pieces' if pieces > 1 else ''}; "
+        f"{f', attention in {pieces} head pieces' if pieces > 1 else ''}"
+        f"{', qkv as the rows arrive' if c['gather_overlap'] else ''}; "
         f"workers started and weights loaded in {res['worker_start_and_load_s']:.1f}s\n"
     )
     for s in res["steps"]:

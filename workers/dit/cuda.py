@@ -40,7 +40,7 @@ from workers.runtime.handlers import WorkerContext
 
 if TYPE_CHECKING:
     from workers.transports.dist import DistExchange
-    from workers.transports.host import HostExchange, ProduceFn
+    from workers.transports.host import HostExchange, ProduceFn, RowsFn
 
 GIB = 1 << 30
 
@@ -374,6 +374,18 @@ class CudaExchange:
         out = torch.empty((t1 - t0, lay.columns), dtype=local.dtype, device=self.device)
         out.record_stream(self.h2d)
         return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
+
+    def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
+        cur = self._pre()
+        lay = self._inner.layout
+        out = torch.empty((lay.tokens, lay.row_width), dtype=local.dtype, device=self.device)
+        out.record_stream(self.h2d)
+
+        def each(a: int, b: int, rows: torch.Tensor) -> None:
+            cur.wait_stream(self.h2d)  # these rows' copy in was queued before this call
+            on_rows(a, b, rows)
+
+        return self._post(cur, self._inner.all_gather_rows_each(local, each, out=out))
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         cur = self._pre()

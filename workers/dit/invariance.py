@@ -23,6 +23,7 @@ import platform
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import msgspec
 import torch
 
 from workers.dit import ops as dit_ops
@@ -38,6 +39,7 @@ _DIGEST_CHUNK = 1 << 24
 OP_ORDER = (
     "adaln_proj.linear",
     "attn.qkv_proj",
+    "attn.qkv_proj.rows",
     "attention",
     "attention.pieces",
     "attn.out_proj",
@@ -188,8 +190,9 @@ def probe_linear(
     clock: Clock,
 ) -> OpVerdict:
     """One linear: the unsplit call over ``rows`` rows against each token shard
-    (``split="tokens"``), against the head group's rows of the fused qkv weight (``"heads"``), or
-    alone (``"none"``: only its digest)."""
+    (``split="tokens"``), against the head group's rows of the fused qkv weight (``"heads"``), the
+    group's rows on each token range of ``candidates`` (``"rows"``: every rank's range), or alone
+    (``"none"``: only its digest)."""
     t0 = clock.start()
     w, scale, bias, quant = _weights(pool, op, act)
     x = pool.view(act, rows, _in_features(op))
@@ -206,21 +209,24 @@ def probe_linear(
             exact.append(ok)
             diffs.append(d)
             shards.append([a, b])
-    elif op.split == "heads":
+    elif op.split in ("heads", "rows"):
         g0, g1 = heads
-        named = {f"{op.name}.weight": w}
+        named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever the op's name
         if scale is not None:
-            named[f"{op.name}.weight_scale"] = scale
+            named["attn.qkv_proj.weight_scale"] = scale
         w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
-        part = dit_ops.linear(x, w_g, s_g, None, quant=quant)
         cols = torch.cat(
             [full[:, r.start : r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)],
             dim=1,
         )
-        ok, d = _compare(cols, part)
-        exact.append(ok)
-        diffs.append(d)
-        shards.append([g0, g1])
+        ranges = [(0, rows)] if op.split == "heads" else list(candidates)
+        for a, b in ranges:
+            xs = x if op.split == "heads" else x[a:b].clone()
+            part = dit_ops.linear(xs, w_g, s_g, None, quant=quant)
+            ok, d = _compare(cols[a:b], part)
+            exact.append(ok)
+            diffs.append(d)
+            shards.append([g0, g1] if op.split == "heads" else [a, b])
     dig = digest(full)
     dtype = (
         "int8" + ("+convrot" if op.convrot else "")
@@ -297,13 +303,16 @@ def run_probe(
     device: torch.device,
     t_rows: int = 2,
     pieces: int = 0,
+    gather_ranges: Sequence[tuple[int, int]] = (),
 ) -> ProbeReport:
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 
     ``candidates``: this rank's token range in each candidate plan; ``heads``: its head group of
     ``total_heads``; ``t_rows``: rows of the adaLN call (the step's timestep rows); ``pieces`` > 1:
-    also the group's head pieces against the whole call (op ``attention.pieces``).  Runs under
-    inference mode and :func:`workers.dit.ops.probing`; the random buffers go when it returns.
+    also the group's head pieces against the whole call (op ``attention.pieces``);
+    ``gather_ranges``: also the group's qkv rows on each of these token ranges (every rank's)
+    against the unsplit call (op ``attn.qkv_proj.rows``).  Runs under inference mode and
+    :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
     clock = Clock(device)
     report = ProbeReport(fingerprint=fingerprint(device))
@@ -315,6 +324,21 @@ def run_probe(
             report.ops.append(
                 probe_linear(pool, op, rows, candidates, dtype, heads, total_heads, head_dim, clock)
             )
+            if gather_ranges and op.name == "attn.qkv_proj":
+                by_rows = msgspec.structs.replace(op, name="attn.qkv_proj.rows", split="rows")
+                report.ops.append(
+                    probe_linear(
+                        pool,
+                        by_rows,
+                        tokens,
+                        gather_ranges,
+                        dtype,
+                        heads,
+                        total_heads,
+                        head_dim,
+                        clock,
+                    )
+                )
         report.ops.append(
             probe_attention(pool, tokens, [heads], total_heads, head_dim, dtype, attend, clock)
         )

@@ -27,7 +27,7 @@ import torch
 
 from workers.dit import ops as dit_ops
 from workers.dit.sparse import SparseStep
-from workers.dit.weights import CpuWeights, WeightProvider
+from workers.dit.weights import BlockView, CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
 
 
@@ -46,6 +46,7 @@ def run_blocks(
     attend: dit_ops.Attend | None = None,
     chunks: int = 0,
     head_pieces: int = 0,
+    gather_overlap: bool = False,
     before_block: Callable[[int], None] | None = None,
     after_block: Callable[[int], None] | None = None,
     trace: Callable[[int, str, torch.Tensor], None] | None = None,
@@ -58,7 +59,9 @@ def run_blocks(
     ``sparse``: run attention through comfy-kitchen's sparse kernel over this rank's heads where its
     settings say sparse (``workers.dit.sparse``); the dense path otherwise.  ``head_pieces`` > 1:
     dense attention runs in that many head pieces, each moved by the all-to-all while the next one
-    computes (``Exchange.all_to_all_heads``); ``chunks`` pipelines the exchanges otherwise.
+    computes (``Exchange.all_to_all_heads``); ``gather_overlap`` (dense steps): the qkv projection
+    runs rank by rank on the gathered rows as they arrive (``Exchange.all_gather_rows_each``);
+    ``chunks`` pipelines the exchanges otherwise.
 
     ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers
     all tokens. ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after
@@ -76,35 +79,38 @@ def run_blocks(
         op_trace = None if trace is None else (lambda op, t, i=i: trace(i, op, t))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
-        n1_full = exchange.all_gather_rows(n1, chunks)
-        attn = (
-            None
-            if sparse is None
-            else sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
-        )
-        if attn is not None:
-            attn_rows = exchange.all_to_all_cols(attn, chunks)
-        else:
-            qkv = dit_ops.project_qkv(
-                n1_full,
-                blk.qkv,
-                blk.qkv_scale,
-                w["attn.q_norm.weight"],
-                w["attn.k_norm.weight"],
-                rope_freqs,
-                heads_local,
-                head_dim,
-                eps,
-                quant=blk.quant["attn.qkv_proj"],
-                trace=op_trace,
+        attn: torch.Tensor | None = None
+        if gather_overlap and sparse is None:
+            qkv = _gather_projecting(
+                exchange, n1, blk, rope_freqs, heads_local, head_dim, eps, op_trace
             )
-            if head_pieces > 1:
-                attn_rows = _attend_in_pieces(
-                    exchange, qkv, heads_local, head_dim, attend, head_pieces, op_trace
+        else:
+            n1_full = exchange.all_gather_rows(n1, chunks)
+            if sparse is not None:
+                attn = sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
+            if attn is None:
+                qkv = dit_ops.project_qkv(
+                    n1_full,
+                    blk.qkv,
+                    blk.qkv_scale,
+                    w["attn.q_norm.weight"],
+                    w["attn.k_norm.weight"],
+                    rope_freqs,
+                    heads_local,
+                    head_dim,
+                    eps,
+                    quant=blk.quant["attn.qkv_proj"],
+                    trace=op_trace,
                 )
-            else:
-                attn = dit_ops.attend_group(qkv, heads_local, head_dim, attend, op_trace)
-                attn_rows = exchange.all_to_all_cols(attn, chunks)
+        if attn is not None:  # sparse attention ran
+            attn_rows = exchange.all_to_all_cols(attn, chunks)
+        elif head_pieces > 1:
+            attn_rows = _attend_in_pieces(
+                exchange, qkv, heads_local, head_dim, attend, head_pieces, op_trace
+            )
+        else:
+            attn = dit_ops.attend_group(qkv, heads_local, head_dim, attend, op_trace)
+            attn_rows = exchange.all_to_all_cols(attn, chunks)
         dit_ops.out_mlp(
             x_rows,
             attn_rows,
@@ -128,6 +134,42 @@ def run_blocks(
         if after_block is not None:
             after_block(i)
     return per_block
+
+
+def _gather_projecting(
+    exchange: Exchange,
+    n1: torch.Tensor,
+    blk: BlockView,
+    rope_freqs: torch.Tensor,
+    heads_local: int,
+    head_dim: int,
+    eps: float,
+    trace: dit_ops.Trace | None,
+) -> torch.Tensor:
+    """The all-gather of the block input with this rank's group's qkv projection computed on each
+    rank's rows as they arrive (this rank's first, while the others' travel): the packed, normed and
+    roped ``[S, 3·h·D]`` that ``dit_ops.project_qkv`` makes of the whole gathered input."""
+    w = blk.weights
+    parts: dict[int, torch.Tensor] = {}
+
+    def on_rows(a: int, b: int, rows: torch.Tensor) -> None:
+        parts[a] = dit_ops.linear(
+            rows, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"]
+        )
+
+    exchange.all_gather_rows_each(n1, on_rows)
+    qkv = torch.cat([parts[a] for a in sorted(parts)])
+    dit_ops.norm_rope_(
+        qkv,
+        w["attn.q_norm.weight"],
+        w["attn.k_norm.weight"],
+        rope_freqs,
+        heads_local,
+        head_dim,
+        eps,
+        trace,
+    )
+    return qkv
 
 
 def _attend_in_pieces(

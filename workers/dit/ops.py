@@ -174,7 +174,9 @@ def linear(
     (:data:`SHAPE_FAULT`)."""
     out = _linear(x, weight, scale, bias, quant=quant, input_act=input_act)
     if SHAPE_FAULT is not None:
-        SHAPE_FAULT.apply("linear", (x.shape[0], weight.shape[1]), out, _PROBING[0])
+        SHAPE_FAULT.apply(
+            "linear", (x.shape[0], weight.shape[1], weight.shape[0]), out, _PROBING[0]
+        )
     return out
 
 
@@ -497,15 +499,31 @@ def project_qkv(
             "full table (head groups see all tokens)"
         )
     qkv = linear(n1_full, qkv_w, qkv_scale, None, quant=quant)
+    norm_rope_(qkv, q_norm_w, k_norm_w, rope_freqs, n_heads_local, head_dim, eps, trace)
+    return qkv
+
+
+def norm_rope_(
+    qkv: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    rope_freqs: torch.Tensor,
+    n_heads: int,
+    head_dim: int,
+    eps: float,
+    trace: Trace | None = None,
+) -> None:
+    """In place on a group's packed ``[S, 3·h·D]`` projection, as ComfyUI after its qkv linear:
+    the fused per-head RMSNorm + split-half rope of q and k (both with the q-norm epsilon);
+    ``trace`` sees the projection first."""
     if trace is not None:
         trace("attn.qkv_proj", qkv)
-    q4, k4, _ = qkv_views(qkv, n_heads_local, head_dim)
-    qw = q_norm_w.to(device=n1_full.device)
-    kw = k_norm_w.to(device=n1_full.device)
+    q4, k4, _ = qkv_views(qkv, n_heads, head_dim)
+    qw = q_norm_w.to(device=qkv.device)
+    kw = k_norm_w.to(device=qkv.device)
     ck.rms_rope_split_half_(
         q4, k4, rope_freqs, qw, kw, epsilon=eps, rot_dim=2 * rope_freqs.shape[-3]
     )
-    return qkv
 
 
 def attend_group(

@@ -32,6 +32,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 chunks: pipelined chunks per exchange (0/1 = single shot).
     head_pieces dense attention in that many head pieces, each moved by the all-to-all while the
                 next computes (0/1: one call; ``workers.dit.loop``)
+    gather_overlap  dense steps: the qkv projection runs on each rank's gathered rows as they
+                arrive (``workers.dit.loop``)
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
@@ -179,6 +181,7 @@ class DitStep(Request, tag="dit_step"):
     trace: bool = False
     sparse: Plain = msgspec.field(default_factory=dict)
     head_pieces: int = 0
+    gather_overlap: bool = False
     PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
     ANSWER: ClassVar[type[Answer]] = DitStepped
 
@@ -190,8 +193,9 @@ class DitSparseReset(Request, tag="dit_sparse_reset"):
 #: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same
 #: call everywhere).
 #: How an op's calls are cut: by token rows, by head groups, by head pieces within a group
-#: (``head_pieces``), or not at all.
-Split = Literal["tokens", "heads", "pieces", "none"]
+#: (``head_pieces``), a head group's rows by every rank's token range (``gather_overlap``), or not
+#: at all.
+Split = Literal["tokens", "heads", "pieces", "rows", "none"]
 
 
 class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -245,6 +249,7 @@ class DitProbe(Request, tag="dit_probe"):
     heads: tuple[int, int]
     t_rows: int = 2
     pieces: int = 0
+    gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     ANSWER: ClassVar[type[Answer]] = ProbeReport
 
 

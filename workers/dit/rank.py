@@ -183,6 +183,7 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             device=torch.device(ctx.device),
             t_rows=int(msg.t_rows),
             pieces=int(msg.pieces),
+            gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
         )
     )
     if ctx.device.startswith("cuda"):
@@ -364,6 +365,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         attend=_attend(cfg["attention"]),
         chunks=int(msg.chunks),
         head_pieces=int(msg.head_pieces),
+        gather_overlap=bool(msg.gather_overlap),
         before_block=check_abort,
         trace=trace if msg.trace else None,
         sparse=sparse,

@@ -17,9 +17,9 @@ TEST_SHAPE_FAULT = _var(
     "",
     "unset",
     "With `H3MS_TEST_HOOKS=1`: one call shape rounds differently on purpose "
-    "(`linear:ROWS:IN_FEATURES` or `attention:HEADS`, `:step` appended = the invariance probe does "
-    "not see it), so tests show the probe and `verify` catch it; read once per process. Tests "
-    "only.",
+    "(`linear:ROWS:IN_FEATURES[:OUT_FEATURES]` or `attention:HEADS`, `:step` appended = the "
+    "invariance probe does not see it), so tests show the probe and `verify` catch it; read once "
+    "per process. Tests only.",
     "give e.g. linear:10:64 or attention:1:step, or unset it",
     _text,
 )

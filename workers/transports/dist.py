@@ -32,6 +32,8 @@ from workers.transports.host import (
     ExchangeAborted,
     ExchangeStats,
     ProduceFn,
+    RowsFn,
+    each_rank_rows,
     produced_columns,
 )
 
@@ -212,6 +214,14 @@ class DistExchange:
         self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])
         self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
         return out
+
+    def all_gather_rows_each(
+        self, local: torch.Tensor, on_rows: RowsFn, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`all_gather_rows` in one collective, then ``on_rows`` per rank."""
+        gathered = self.all_gather_rows(local, out=out)
+        each_rank_rows(self.layout, gathered, on_rows)
+        return gathered
 
     def all_to_all_heads(
         self, produce: ProduceFn, pieces: int, out: torch.Tensor | None = None

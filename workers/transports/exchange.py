@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from workers.transports.host import ArenaLayout, ProduceFn, produced_columns
+from workers.transports.host import ArenaLayout, ProduceFn, RowsFn, each_rank_rows, produced_columns
 
 _CPU = torch.device("cpu")
 
@@ -29,6 +29,11 @@ class Exchange(Protocol):
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """Every rank's rows in token order: ``[n_rank, row_width]`` in, ``[S, row_width]`` out."""
+
+    def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
+        """:meth:`all_gather_rows`, calling ``on_rows(a, b, rows)`` for each rank's rows; a
+        transport that can calls it for this rank's rows before it waits and for a peer's as soon
+        as they arrive."""
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
@@ -120,6 +125,14 @@ class NoExchange(InProcessExchange):
         c0, c1 = self.layout.cols(self.rank)
         self._a[:, c0:c1].copy_(local[t0:t1])
         return self._a
+
+    def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
+        out = self.all_gather_rows(local)
+        if self.layout is None:
+            on_rows(0, out.shape[0], out)
+        else:
+            each_rank_rows(self.layout, out, on_rows)
+        return out
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         if self.layout is None:

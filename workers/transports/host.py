@@ -5,6 +5,9 @@ Two collectives per transformer block (``docs/architecture.md`` §3):
 
 * ``all_gather_rows``: rank r holds rows ``[n_r, W]`` (its tokens); every rank gets ``[S, W]`` in
   token order.
+* ``all_gather_rows_each``: the same gather in one chunk, handing each rank's rows to a callback
+  as soon as they are here (this rank's at once, before it waits), so the rank computes on them
+  (the qkv projection) while the others' rows still arrive.
 * ``all_to_all_cols``: rank r holds ``[S, c_r]`` (its head group's columns for all tokens); every
   rank gets ``[n_r, C]`` = every rank's columns for its own tokens, in rank order.
 * ``all_to_all_heads``: the same result, with rank r's columns produced head piece by head piece
@@ -119,6 +122,8 @@ CopyFn = Callable[[torch.Tensor, torch.Tensor], Any]
 AsyncCopyFn = Callable[[torch.Tensor, torch.Tensor], Callable[[], None]]
 #: ``produce(c_a, c_b)``: this rank's all-to-all columns [c_a, c_b) (whole heads) for all tokens.
 ProduceFn = Callable[[int, int], torch.Tensor]
+#: ``on_rows(a, b, rows)``: the gathered rows of tokens [a, b) (one rank's), once they are here.
+RowsFn = Callable[[int, int, torch.Tensor], None]
 
 
 class ExchangeError(RuntimeError):
@@ -391,6 +396,15 @@ def produced_columns(
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
+def each_rank_rows(layout: ArenaLayout, gathered: torch.Tensor, on_rows: RowsFn) -> None:
+    """``on_rows`` for every rank's rows of a finished gather, in rank order (for exchanges that
+    gather in one collective)."""
+    for p in range(layout.world):
+        a, b = layout.rows(p)
+        if b > a:
+            on_rows(a, b, gathered[a:b])
+
+
 def _no_wait() -> None:
     """A copy that was done when it returned."""
 
@@ -544,6 +558,35 @@ class HostExchange:
                 )
 
         self._pipeline(KIND_GATHER, n_chunks, publish, take)
+        return out
+
+    def all_gather_rows_each(
+        self, local: torch.Tensor, on_rows: RowsFn, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`all_gather_rows` in one chunk, calling ``on_rows(a, b, rows)`` for this rank's
+        rows once they are published and for each peer's rows as soon as they arrive (in arrival
+        order)."""
+        lay = self.layout
+        t0, t1 = lay.rows(self.rank)
+        self._check_input("all_gather_rows", local, (t1 - t0, lay.row_width))
+        self._start_op(KIND_GATHER, 1)
+        out = self._make_out("all_gather_rows", out, (lay.tokens, lay.row_width), local.device)
+        self._guard_reuse(KIND_GATHER)
+        self._timed_copy(out[t0:t1], local, _default_copy)
+        if t1 > t0 and self._peers:
+            self._timed_copy(self._g[t0:t1], local, self._to_host, written=True)
+        self._publish(KIND_GATHER, 1, 0)
+        if t1 > t0:
+            on_rows(t0, t1, out[t0:t1])
+
+        def take(p: int, j: int) -> None:
+            p0, p1 = lay.rows(p)
+            if p1 > p0:
+                self._timed_copy(out[p0:p1], self._g[p0:p1], self._to_device, read=True)
+                on_rows(p0, p1, out[p0:p1])
+
+        self._consume(KIND_GATHER, 1, 0, take)
+        self._last_use[_BUFFER[KIND_GATHER]] = self._op
         return out
 
     def all_to_all_cols(

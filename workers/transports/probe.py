@@ -3,9 +3,9 @@ R --world W ...``.
 
 It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or
 ``both``), an arena segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the
-chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols), with ``"pieces":
+chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols), with ``"overlap":
 true`` also ``all_to_all_heads`` in as many head pieces as chunks (each piece produced on demand
-from the pattern).  Every rank
+from the pattern) and ``all_gather_rows_each`` (each rank's rows handed over once).  Every rank
 generates every rank's inputs from the case seed, so it checks its own results against the exact
 expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed
 one. Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a
@@ -17,6 +17,7 @@ exchange raised.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -39,6 +40,11 @@ def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tenso
     if dt.is_floating_point:
         return tuple(torch.randn(s, generator=gen).to(dt) for s in shapes)  # type: ignore[return-value]
     return tuple(torch.randint(-100, 100, s, generator=gen).to(dt) for s in shapes)  # type: ignore[return-value]
+
+
+def _keep(into: list[tuple[int, int, torch.Tensor]], a: int, b: int, rows: torch.Tensor) -> None:
+    """``all_gather_rows_each``'s callback in the probe: keep a copy of each handed-over range."""
+    into.append((a, b, rows.clone()))
 
 
 def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_hook=None) -> dict:
@@ -76,6 +82,7 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
             gather_s: list[float] = []
             a2a_s: list[float] = []
             heads_s: list[float] = []
+            each_s: list[float] = []
             for rnd in range(rounds):
                 ex.begin(gen)
                 for blk in range(blocks):
@@ -92,7 +99,7 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                         result["failures"].append(
                             f"{tname} chunks={chunks} round={rnd} block={blk}: all_to_all differs"
                         )
-                    if case.get("pieces"):
+                    if case.get("overlap"):
                         h = timed(
                             ex.all_to_all_heads,
                             lambda ca, cb, y=y: y[:, c0 + ca : c0 + cb].clone(),
@@ -104,6 +111,25 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                                 f"{tname} pieces={chunks} round={rnd} block={blk}: "
                                 "all_to_all_heads differs"
                             )
+                        handed: list[tuple[int, int, torch.Tensor]] = []
+                        t = time.perf_counter()
+                        e = ex.all_gather_rows_each(local_rows, functools.partial(_keep, handed))
+                        each_s.append(time.perf_counter() - t)
+                        order = [(a, b) for a, b, _ in handed]
+                        ranges = [layout.rows(p) for p in range(layout.world)]
+                        own_first = tname != "host" or r1 == r0 or order[:1] == [(r0, r1)]
+                        if sorted(order) != [(a, b) for a, b in ranges if b > a] or not own_first:
+                            result["failures"].append(
+                                f"{tname} round={rnd} block={blk}: rows handed over as {order}"
+                            )
+                        if not all(torch.equal(rows, x[a:b]) for a, b, rows in handed):
+                            result["failures"].append(
+                                f"{tname} round={rnd} block={blk}: handed-over rows differ"
+                            )
+                        if not torch.equal(e, x):
+                            result["failures"].append(
+                                f"{tname} round={rnd} block={blk}: all_gather_rows_each differs"
+                            )
             result["runs"].append(
                 {
                     "transport": tname,
@@ -111,6 +137,7 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                     "gather_s": gather_s,
                     "a2a_s": a2a_s,
                     "heads_s": heads_s,
+                    "each_s": each_s,
                     "stats": ex.stats(),
                 }
             )

@@ -6,9 +6,9 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
 * pinned copy bandwidth from and into a CUDA-registered shm segment (the path the host exchange
   uses);
 * parity: split on 2 and 4 logical ranks vs the unsplit run in this process, int8 and bf16 weights,
-  exchange_chunks 0 and 8, attention in one call and in head pieces (``--head-pieces``: each piece
-  moved while the next one computes), weights resident and streamed, every output compared with
-  ``torch.equal``;
+  exchange_chunks 0 and 8, and with 8 chunks each overlap of ``--overlap`` (attention in head
+  pieces moved while the next computes, the qkv projection on the gathered rows as they arrive,
+  both), weights resident and streamed, every output compared with ``torch.equal``;
 * overhead at each token count: unsplit per-block time, split per-block time, and the "none"
   baseline (the same ranks computing their shards with no exchange: two CUDA contexts time-slicing
   one GPU), so the split's own overhead is split / baseline;
@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from h3ms_async.dit.exactness import Overlap
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
@@ -50,6 +51,10 @@ FULL = {
     "t_dim": 2688,
     "rope_pairs": 48,
 }
+
+
+#: The overlaps ``bench gpu`` times by default (``exactness.Overlap.from_name``).
+OVERLAPS = ("none", "pieces4", "gather", "gather+pieces4")
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> dict:
@@ -165,7 +170,7 @@ def run(
     steps: int,
     seed: int = 1234,
     residencies: Sequence[str] = ("resident", "stream"),
-    head_pieces: Sequence[int] = (0, 4),
+    overlaps: Sequence[str] = OVERLAPS,
 ) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
     res: dict = {
@@ -180,7 +185,7 @@ def run(
             **FULL,
             "tokens": list(tokens),
             "steps": steps,
-            "head_pieces": list(head_pieces),
+            "overlaps": list(overlaps),
         },
         "copy_bandwidth": copy_bandwidth(),
         "runs": [],
@@ -214,10 +219,11 @@ def run(
                     eng.load_weights(("bench-gpu", kind, seed), cfg, models[kind].block_weights)
                     for n in tokens:
                         inp, ref = refs[(kind, n)]
-                        variants = [("host", c, p) for c in (0, 8) for p in head_pieces]
+                        variants = [("host", 0, "none")] + [("host", 8, o) for o in overlaps]
                         if residency == "resident" and nr == 2:
-                            variants.append(("none", 0, 0))
-                        for exch, chunks, pieces in variants:
+                            variants.append(("none", 0, "none"))
+                        for exch, chunks, overlap in variants:
+                            asked = Overlap.from_name(overlap)
                             r = _split(
                                 eng,
                                 inp,
@@ -225,8 +231,10 @@ def run(
                                 None if exch == "none" else ref,
                                 exchange=exch,
                                 exchange_chunks=chunks,
-                                head_pieces=pieces,
+                                head_pieces=asked.head_pieces,
+                                gather_overlap=asked.gather,
                             )
+                            last = get_hub().recent_steps(1)[-1]
                             r.update(
                                 kind=kind,
                                 tokens=n,
@@ -234,14 +242,16 @@ def run(
                                 residency=residency,
                                 exchange=exch,
                                 chunks=chunks,
-                                head_pieces=pieces,
-                                pieces_ran=get_hub().recent_steps(1)[-1]["head_pieces"],
+                                overlap=overlap,
+                                overlap_ran=Overlap(
+                                    last["head_pieces"], last["gather_overlap"]
+                                ).name,
                                 per_block_s=(r["rank_wall_s"] or r["step_wall_s"]) / layers,
                             )
                             res["runs"].append(r)
                             print(
                                 f"split{nr} {residency} {kind} {n} {exch} x{chunks} "
-                                f"pieces {r['pieces_ran']}/{pieces}: "
+                                f"overlap {overlap} (ran {r['overlap_ran']}): "
                                 f"{r['per_block_s'] * 1e3:.1f} ms/block exact={r.get('bit_exact')}",
                                 file=sys.stderr,
                             )
@@ -278,13 +288,11 @@ def summarize(res: dict) -> dict:
                 "host",
             ):
                 continue
-            name = f"split2_x{s['chunks']}" + (
-                f"_pieces{s['head_pieces']}" if s["head_pieces"] > 1 else ""
-            )
+            name = f"split2_x{s['chunks']}" + (f"_{s['overlap']}" if s["overlap"] != "none" else "")
             case[f"{name}_ms_per_block"] = s["per_block_s"] * 1e3
             case[f"{name}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
-            if s["head_pieces"] > 1:
-                case[f"{name}_ran_in_pieces"] = s["pieces_ran"] > 1
+            if s["overlap"] != "none":
+                case[f"{name}_ran"] = s["overlap_ran"]
             split_ms.append(s["per_block_s"] * 1e3)
         base = find(kind=kind, tokens=n, mode="split2", residency="resident", exchange="none")
         if base:
@@ -293,7 +301,7 @@ def summarize(res: dict) -> dict:
             if split_ms:
                 best = min(split_ms)
                 case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
-        one_call = {"head_pieces": 0}
+        one_call = {"overlap": "none"}
         st = find(
             kind=kind,
             tokens=n,
@@ -346,14 +354,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--residency", default="resident,stream", help="comma-separated: resident,stream"
     )
     p.add_argument(
-        "--head-pieces",
-        type=int_list,
-        default=[0, 4],
-        help="comma-separated head pieces per rank's attention, each a variant beside the others "
-        "(0: one call)",
+        "--overlap",
+        default=",".join(OVERLAPS),
+        help="comma-separated overlaps timed with 8 chunks beside the others: none, piecesN "
+        "(attention in N head pieces), gather (qkv on the rows as they arrive), gather+piecesN",
     )
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
+    overlaps = [o.strip() for o in a.overlap.split(",") if o.strip()]
+    try:
+        for o in overlaps:
+            Overlap.from_name(o)
+    except ValueError as exc:
+        p.error(f"--overlap: {exc}")
     if not torch.cuda.is_available():
         p.error(
             f"bench gpu needs a CUDA GPU and this torch ({torch.__version__}) sees none; run it on "
@@ -367,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.ranks,
             a.steps,
             residencies=a.residency.split(","),
-            head_pieces=a.head_pieces,
+            overlaps=overlaps,
         )
     finally:
         release_all_engines()

@@ -5,9 +5,9 @@ side in one run.
 
 * the unsplit wall time per step and per block (``--device``; CUDA clocks are read after
   ``torch.cuda.synchronize``);
-* for every transport x chunking x head-pieces variant (``--exchange host,nccl`` x ``--chunks 0,8``
-  x ``--head-pieces 0,4``; nccl runs as gloo on CPU ranks and is never chunked), on the same
-  workers and weights: split wall time per step
+* for every transport x chunking x overlap variant (``--exchange host,nccl`` x ``--chunks 0,8`` x
+  ``--overlap none,pieces4,gather``; nccl runs as gloo on CPU ranks and is never chunked), on the
+  same workers and weights: split wall time per step
   and per block, per-rank compute / copy / wait seconds, bytes moved, doorbell signals per block and
   the estimated signalling cost per block;
 * a tiny-payload host-exchange probe that measures what one more chunk round (and so one doorbell
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from h3ms_async.dit.exactness import Overlap
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import (
     WEIGHT_KINDS,
@@ -189,16 +190,16 @@ def signal_probe(world: int, rounds: int) -> dict | None:
 
 
 def _variants(
-    exchanges: Sequence[str], chunks: Sequence[int], pieces: Sequence[int]
-) -> list[tuple[str, int, int]]:
+    exchanges: Sequence[str], chunks: Sequence[int], overlaps: Sequence[Overlap]
+) -> list[tuple[str, int, Overlap]]:
     out = []
     for ex in exchanges:
         # torch.distributed collectives are not chunked (NCCL pipelines internally): one chunk
         # variant is enough.
         for c in chunks if ex == "host" else (0,):
-            for p in pieces:
-                if (ex, c, p) not in out:
-                    out.append((ex, c, p))
+            for o in overlaps:
+                if (ex, c, o) not in out:
+                    out.append((ex, c, o))
     return out
 
 
@@ -206,9 +207,9 @@ class VariantRun:
     """One transport/chunking variant on the shared engine: runs steps, checks each output, keeps
     the timings of the timed (non-warm-up) steps and the per-rank numbers of their step records."""
 
-    def __init__(self, engine: SplitEngine, exchange: str, chunks: int, pieces: int) -> None:
-        self.engine, self.exchange, self.chunks, self.pieces = engine, exchange, chunks, pieces
-        self.pieces_ran = 0
+    def __init__(self, engine: SplitEngine, exchange: str, chunks: int, overlap: Overlap) -> None:
+        self.engine, self.exchange, self.chunks, self.overlap = engine, exchange, chunks, overlap
+        self.overlap_ran = Overlap()
         self.transport = exchange
         self.walls: list[float] = []
         self.engine_walls: list[float] = []
@@ -223,7 +224,7 @@ class VariantRun:
             if self.exchange == "host"
             else self.transport
         )
-        return f"{name} pieces {self.pieces}" if self.pieces > 1 else name
+        return f"{name} {self.overlap.name}" if self.overlap != Overlap() else name
 
     def step(self, inp: StepInputs, ref: torch.Tensor, timed: bool) -> None:
         t = time.perf_counter()
@@ -234,13 +235,14 @@ class VariantRun:
             inp.rope_freqs,
             exchange=self.exchange,
             exchange_chunks=self.chunks,
-            head_pieces=self.pieces,
+            head_pieces=self.overlap.head_pieces,
+            gather_overlap=self.overlap.gather,
             sigma=SIGMA,
         )
         dt = time.perf_counter() - t
         rec = get_hub().recent_steps(1)[-1]
         self.transport = rec["exchange"]
-        self.pieces_ran = rec["head_pieces"]
+        self.overlap_ran = Overlap(rec["head_pieces"], rec["gather_overlap"])
         same = bool(torch.equal(out, ref))
         self.exact = self.exact and same
         # The float difference costs seconds at full width (75794 x 5376); compute it only when
@@ -303,8 +305,8 @@ class VariantRun:
             "exchange": self.exchange,
             "transport": self.transport,
             "chunks": max(self.chunks, 1) if self.exchange == "host" else None,
-            "head_pieces": self.pieces,
-            "pieces_ran": self.pieces_ran,
+            "overlap": self.overlap.name,
+            "overlap_ran": self.overlap_ran.name,
             "step_s": self.walls,
             "step_mean_s": mean_wall,
             "step_min_s": min(self.walls),
@@ -323,7 +325,7 @@ def _comparisons(unsplit: dict, variants: list[dict]) -> dict:
     out: dict = {
         "unsplit_over_split": {v["label"]: unsplit["step_mean_s"] / v["step_mean_s"] for v in ran}
     }
-    one_call = [v for v in ran if v["head_pieces"] < 2]
+    one_call = [v for v in ran if v["overlap"] == "none"]
     serial = next((v for v in one_call if v["exchange"] == "host" and v["chunks"] == 1), None)
     if serial is not None:
         out["host_serial_over_chunked"] = {
@@ -331,16 +333,16 @@ def _comparisons(unsplit: dict, variants: list[dict]) -> dict:
             for v in one_call
             if v["exchange"] == "host" and v["chunks"] > 1
         }
-    pieces = {}
+    overlapped = {}
     for v in ran:
         base = next(
             (o for o in one_call if (o["exchange"], o["chunks"]) == (v["exchange"], v["chunks"])),
             None,
         )
-        if v["head_pieces"] > 1 and base is not None:
-            pieces[v["label"]] = base["step_mean_s"] / v["step_mean_s"]
-    if pieces:
-        out["one_call_over_pieces"] = pieces
+        if v["overlap"] != "none" and base is not None:
+            overlapped[v["label"]] = base["step_mean_s"] / v["step_mean_s"]
+    if overlapped:
+        out["no_overlap_over_overlap"] = overlapped
     dist = next((v for v in one_call if v["exchange"] == "nccl"), None)
     if dist is not None and serial is not None:
         out["host_serial_over_" + dist["transport"]] = serial["step_mean_s"] / dist["step_mean_s"]
@@ -364,7 +366,7 @@ def run_bench_split(
     seed: int = 1234,
     probe_rounds: int = 50,
     print_json: bool = True,
-    head_pieces: Sequence[int] = (0,),
+    overlaps: Sequence[str] = ("none",),
 ) -> dict:
     """Run the benchmark; prints the JSON result (unless ``print_json`` is false) and returns it.
 
@@ -384,10 +386,11 @@ def run_bench_split(
         raise ValueError("chunks: give at least one host exchange chunk count (e.g. 0 or 0,8)")
     for c in chunks:
         SplitOptions(exchange_chunks=c)  # its range check, before any worker starts
-    if not head_pieces:
-        raise ValueError("head_pieces: give at least one count (0: attention in one call)")
-    for hp in head_pieces:
-        SplitOptions(head_pieces=hp)
+    if not overlaps:
+        raise ValueError("overlaps: give at least one (none: no overlap)")
+    asked = [Overlap.from_name(o) for o in overlaps]
+    for o in asked:
+        SplitOptions(head_pieces=o.head_pieces)
     cfg = bench_config(hidden, layers, heads, head_dim, ffn)
     # a bad plan fails before anything heavy starts
     plans.make_split_plan(ranks, None, tokens, cfg.heads)
@@ -408,7 +411,7 @@ def run_bench_split(
     variants = _variants(
         [e for e in exchanges if not any(s["exchange"] == e for s in skipped)],
         chunks,
-        head_pieces,
+        asked,
     )
     if not variants:
         raise ValueError(
@@ -428,7 +431,7 @@ def run_bench_split(
     engine = SplitEngine(
         ranks, SplitOptions(exchange=variants[0][0], exchange_chunks=variants[0][1])
     )
-    runs = [VariantRun(engine, ex, c, hp) for ex, c, hp in variants]
+    runs = [VariantRun(engine, ex, c, o) for ex, c, o in variants]
     unsplit_s: list[float] = []
     try:
         t = time.perf_counter()
@@ -493,7 +496,7 @@ def run_bench_split(
                 "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS")
             ),
             "chunks": list(chunks),
-            "head_pieces": list(head_pieces),
+            "overlaps": [o.name for o in asked],
             "exchanges": list(exchanges),
         },
         "setup_s": {"materialize_weights": materialize_s, "workers_start_and_load": load_s},
@@ -547,11 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="host exchange chunk counts to compare (0/1: single shot)",
     )
     p.add_argument(
-        "--head-pieces",
-        type=int_list,
-        default=[0],
-        help="head pieces per rank's attention to compare, each moved while the next computes "
-        "(0: one call)",
+        "--overlap",
+        default="none",
+        help="overlaps to compare: none, piecesN (attention in N head pieces, each moved while the "
+        "next computes), gather (qkv on the gathered rows as they arrive), gather+piecesN",
     )
     p.add_argument(
         "--exchange",
@@ -581,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             [e.strip() for e in a.exchange.split(",") if e.strip()],
             a.seed,
             a.probe_rounds,
-            head_pieces=a.head_pieces,
+            overlaps=[o.strip() for o in a.overlap.split(",") if o.strip()],
         )
     except (ValueError, plans.GPUSelectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
