@@ -123,6 +123,31 @@ def test_overlap_and_bandwidth_options_change_the_prediction():
     assert _pred(narrow, 4, "pcie4-host")["exchange_block_s"] > _pred(narrow, 4, "pcie5-host")["exchange_block_s"]
 
 
+def test_the_implemented_overlaps_hide_what_they_can():
+    """A two-stage pipeline hides the shorter stage but the first and last piece; the split's overlaps as modelled:
+    pieces hide the all-to-all behind attention, the gather overlap the own rows' qkv, each at most its own op, never
+    below the compute; a wrong schedule name fails naming the forms."""
+    assert sm.pipelined(10.0, 2.0, 1) == 12.0 and sm.pipelined(10.0, 2.0, 4) == pytest.approx(10.5)
+    assert sm.pipelined(2.0, 10.0, 4) == pytest.approx(10.5)
+    parts = sm.parts_from_dict(json.loads(PARTS.read_text()))
+    link = sm.Link("pcie4", "host", 25.0, 40e-6, "test", True)
+    plain, pieces, gather, both = (sm.predict(parts, 2, link, head_pieces=p, gather_overlap=g)
+                                   for p, g in ((0, False), (4, False), (0, True), (4, True)))
+    assert plain.schedule == "none" and both.schedule == "gather+pieces4"
+    assert plain.block_s == pytest.approx(plain.compute_block_s + plain.exchange_block_s)
+    a2a, gath = plain.ops["all_to_all_attn"], plain.ops["all_gather_input"]
+    assert plain.block_s - pieces.block_s == pytest.approx(a2a * 3 / 4)  # attention outlasts each piece's move
+    assert 0 < plain.block_s - gather.block_s <= gath
+    assert both.block_s < min(pieces.block_s, gather.block_s) and both.block_s > both.compute_block_s
+    ulysses = sm.predict(parts, 2, link, pattern="ulysses", gather_overlap=True)
+    assert ulysses.schedule == "none"  # the gather overlap belongs to the all-gather pattern
+    run = _bench("--parts", str(PARTS), "--ranks", "2", "--schedule", "gather+pieces4")
+    assert run.returncode == 0 and "schedule gather+pieces4" in run.stderr, run.stderr
+    assert json.loads(run.stdout)["schedule"]["overlaps"] == "gather+pieces4"
+    bad = _bench("--parts", str(PARTS), "--schedule", "pieces1")
+    assert bad.returncode == 2 and "--schedule" in bad.stderr and "gather+piecesN" in bad.stderr
+
+
 def test_bad_inputs_fail_with_one_line(tmp_path):
     doc = json.loads(PARTS.read_text())
     doc["attention_fraction"] = 1.5

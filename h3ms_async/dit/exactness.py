@@ -75,6 +75,10 @@ class Overlap:
         return cls(pieces, gather)
 
 
+#: The schedule without overlaps.
+NO_OVERLAP = Overlap()
+
+
 @dataclass(frozen=True)
 class PlanVerdict:
     """The engine's decision about one plan: the token bounds to run (None: run the step unsplit),
@@ -85,7 +89,7 @@ class PlanVerdict:
     verdict: Verdict
     detail: str
     probe_ms: float
-    overlap: Overlap = Overlap()
+    overlap: Overlap = NO_OVERLAP
 
 
 def verdict_key(
@@ -96,7 +100,7 @@ def verdict_key(
     token_bounds: Sequence[int],
     head_bounds: Sequence[int],
     head_dim: int,
-    overlap: Overlap = Overlap(),
+    overlap: Overlap = NO_OVERLAP,
 ) -> str:
     """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch
     and comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention
@@ -318,7 +322,7 @@ def measured_overlap(
     runs without them."""
     off: dict[str, str] = {}
     if verdict.token_bounds is None:
-        return Overlap(), off
+        return NO_OVERLAP, off
     pieces, gather = asked.head_pieces, asked.gather
     if pieces and (why := _first_inexact(reports, "attention.pieces")) is not None:
         off["attention.pieces"] = why

@@ -18,9 +18,14 @@ default, ``exchange_chunks`` 0) at its link rate, bounded below by all ranks' by
 memory; an NCCL op takes the larger of a rank's send and receive bytes at the collective's bus
 bandwidth (for an all-gather that is the nccl-tests "busbw" convention).  Ranks on several hosts
 add the bytes each host must receive from the others over its network link, after the intra-host
-part (no overlap of the two levels).  The schedule does not overlap the exchange with compute: the
-exposed exchange is the whole exchange time; ``overlap`` (0..1) is the hidden fraction, for
-modelling an overlapping schedule.
+part (no overlap of the two levels).
+
+The schedule: by default every op waits for the compute before it and the next compute waits for its
+bytes, so the exposed exchange is the whole exchange time.  The overlaps the split implements
+(``SplitOptions.head_pieces``, ``gather_overlap``) are modelled as they run: attention in P head
+pieces is a two-stage pipeline with the all-to-all (piece j moves while piece j+1 computes), and the
+qkv projection of a rank's own rows runs while the other ranks' rows travel.  ``overlap`` (0..1)
+hides a further fraction of what stays exposed, for schedules not built yet.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
+from h3ms_async.dit.exactness import Overlap
 from h3ms_async.runtime.plans import partition
 
 PATTERNS = ("gather", "ulysses")
@@ -41,6 +47,9 @@ _OPS = {
     "ulysses": (("all_to_all_qkv", "a2a_qkv"), ("all_to_all_attn", "a2a_out")),
 }
 PARTS_SCHEMA = "h3ms_async.speed_parts/1"
+#: The qkv projection's share of an H3 block (ASSUMED from the FLOPs of H3's shapes at 75794 tokens:
+#: 3·H² of the linears' 12.6·H² multiply-adds per token, beside 2·S·H of attention).
+QKV_FRACTION = 0.075
 
 
 class PartsError(ValueError):
@@ -300,9 +309,17 @@ class Prediction:
     speedup: float
     ops: dict[str, float]
     bytes_per_rank: list[dict[str, int]]
+    schedule: str = "none"
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def pipelined(compute: float, transfer: float, pieces: int) -> float:
+    """Wall time of ``pieces`` equal pieces of work, each computed then moved, piece j moving while
+    piece j+1 computes (one piece: compute then transfer)."""
+    p = max(1, pieces)
+    return (compute + transfer + (p - 1) * max(compute, transfer)) / p
 
 
 def predict(
@@ -313,6 +330,8 @@ def predict(
     pattern: str = "gather",
     sparse: bool = False,
     overlap: float = 0.0,
+    head_pieces: int = 0,
+    gather_overlap: bool = False,
     shares: Sequence[float] | None = None,
     compute_scale: float = 1.0,
     sparse_attention_ratio: float | None = None,
@@ -320,7 +339,8 @@ def predict(
     """Step time and speed-up of the split at ``world`` ranks on ``link`` against the unsplit step
     on one GPU of
     the same kind (``compute_scale`` multiplies every compute time, e.g. a slower GPU than the
-    parts')."""
+    parts').  ``head_pieces`` and ``gather_overlap``: the split's overlaps (module doc); the gather
+    overlap applies to the all-gather pattern only."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
     if not 0.0 <= overlap <= 1.0:
@@ -336,14 +356,27 @@ def predict(
                 "sparse steps need sparse_step_ratio in the parts or --sparse-attention-ratio"
             )
         ratio = given
-    compute = shard_seconds(parts, plan, ratio)
-    compute_block = (sum(compute) if link.shared else max(compute)) * compute_scale
+    compute = [c * compute_scale for c in shard_seconds(parts, plan, ratio)]
+    compute_block = sum(compute) if link.shared else max(compute)
     ops = {
         name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]
     }
     exchange = sum(ops.values())
-    exposed = exchange * (1.0 - overlap)
-    block = compute_block + exposed
+    a, unit = parts.attention_fraction, parts.unsplit_block_s * compute_scale
+    # each rank's attention (the pieces' compute) and the qkv projection of its own rows
+    attn = [unit * a * ratio * plan.h(r) / s.heads for r in range(world)]
+    own_qkv = [
+        unit * QKV_FRACTION * plan.h(r) / s.heads * plan.n(r) / s.tokens for r in range(world)
+    ]
+    first, second = (ops[name] for name, _ in _OPS[pattern])
+    if link.shared:  # logical ranks: one GPU computes every rank's work in turn
+        attn, own_qkv, compute = [sum(attn)], [sum(own_qkv)], [compute_block]
+    block = 0.0
+    for c, att, qkv in zip(compute, attn, own_qkv):
+        hidden_first = min(first, qkv) if gather_overlap and pattern == "gather" else 0.0
+        exposed_second = pipelined(att, second, head_pieces) - att if world > 1 else 0.0
+        block = max(block, c + (first - hidden_first + exposed_second) * (1.0 - overlap))
+    exposed = block - compute_block
     unsplit_block = parts.unsplit_block_s * (
         (1 - parts.attention_fraction) + parts.attention_fraction * ratio
     )
@@ -369,6 +402,7 @@ def predict(
         unsplit_step / step,
         ops,
         per_rank,
+        Overlap(head_pieces if head_pieces > 1 else 0, gather_overlap and pattern == "gather").name,
     )
 
 

@@ -450,7 +450,7 @@ class SplitEngine(Engine):
         the overlap it runs with (``asked`` less what measured inexact).  Probed once per new plan
         and overlap."""
         if self.ranks == 1:
-            return plan, exactness.Overlap()
+            return plan, exactness.NO_OVERLAP
         ld = self._loaded
         assert ld is not None
         self.run(self._ensure_loaded(), self.options.step_timeout_s, "starting the ranks")
@@ -526,7 +526,7 @@ class SplitEngine(Engine):
             cands = exactness.adjusted_bounds(plan.token_bounds)
             pick = None
             if cands:
-                rounds.append(self._probe_round(cands, plan, t_rows, exactness.Overlap()))
+                rounds.append(self._probe_round(cands, plan, t_rows, exactness.NO_OVERLAP))
                 pick = exactness.first_exact(rounds[-1], len(cands))
             ms = exactness.slowest_ms(*rounds)
             if pick is None:

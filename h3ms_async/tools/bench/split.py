@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from h3ms_async.dit.exactness import Overlap
+from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import (
     WEIGHT_KINDS,
@@ -209,7 +209,7 @@ class VariantRun:
 
     def __init__(self, engine: SplitEngine, exchange: str, chunks: int, overlap: Overlap) -> None:
         self.engine, self.exchange, self.chunks, self.overlap = engine, exchange, chunks, overlap
-        self.overlap_ran = Overlap()
+        self.overlap_ran = NO_OVERLAP
         self.transport = exchange
         self.walls: list[float] = []
         self.engine_walls: list[float] = []
@@ -224,7 +224,7 @@ class VariantRun:
             if self.exchange == "host"
             else self.transport
         )
-        return f"{name} {self.overlap.name}" if self.overlap != Overlap() else name
+        return f"{name} {self.overlap.name}" if self.overlap != NO_OVERLAP else name
 
     def step(self, inp: StepInputs, ref: torch.Tensor, timed: bool) -> None:
         t = time.perf_counter()
