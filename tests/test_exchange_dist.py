@@ -19,7 +19,7 @@ def test_gloo_equals_host_bit_exact(world):
     cases = []
     for dt in ("bfloat16", "float32"):
         lay = ArenaLayout.plan(world, partition(19 + world, shares), [h * 4 for h in partition(6, shares)],
-                               24, dt, 4)
+                               24, dt, 4, True)
         # "both": every op runs on the host arena and on gloo with the same inputs; each result must be
         # torch.equal to the exact expected tensor, so host == gloo bit for bit
         cases.append({"transport": "both", "layout": lay, "chunks": [0, 3], "rounds": 2, "blocks": 2, "seed": 11,
@@ -29,8 +29,9 @@ def test_gloo_equals_host_bit_exact(world):
         transports = [r["transport"] for r in rec["cases"][0]["runs"]]
         assert transports == ["host", "gloo", "host", "gloo"]
         dist_stats = rec["cases"][0]["runs"][1]["stats"]
-        # 2 rounds x 2 blocks x (gather, all-to-all, all-to-all by head pieces, gather each: one collective each)
-        assert dist_stats["transport"] == "gloo" and dist_stats["ops"] == 16
+        # 2 rounds x 2 blocks x (gather, all-to-all, q/k/v all-to-all, all-to-all by head pieces, gather each: one
+        # collective each)
+        assert dist_stats["transport"] == "gloo" and dist_stats["ops"] == 20
         assert dist_stats["bytes_read"] > 0
 
 

@@ -19,12 +19,12 @@ from workers.transports.probe import run_case
 SHARES = [1.0, 1.0, 0.7]
 
 
-def _layout(world: int, tokens: int, heads: int, head_dim: int, dtype: str) -> ArenaLayout:
+def _layout(world: int, tokens: int, heads: int, head_dim: int, dtype: str, qkv: bool = True) -> ArenaLayout:
     shares = [SHARES[i % len(SHARES)] for i in range(world)]
     # The plan gives every rank a head; fewer heads than ranks (ranks with no columns) checks the exchange's edge.
     hb = partition(heads, shares) if heads >= world else [min(r, heads) for r in range(world + 1)]
     return ArenaLayout.plan(world, partition(tokens, shares), [h * head_dim for h in hb], heads * head_dim, dtype,
-                            head_dim)
+                            head_dim, qkv)
 
 
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
@@ -106,9 +106,10 @@ def test_host_exchange_matches_expected(world, tokens, heads):
         assert rec["returncode"] == 0
         runs = rec["cases"][0]["runs"]
         assert [r["chunks"] for r in runs] == cases[0]["chunks"]
-        # chunks=8: 2 rounds x 2 blocks x (3 ops of 8 chunks (the third in 8 head pieces) + the one-chunk gather each)
+        # chunks=8: 2 rounds x 2 blocks x (4 ops of 8 chunks (gather, all-to-all, q/k/v all-to-all, all-to-all in 8
+        # head pieces) + the one-chunk gather each)
         st = runs[2]["stats"]
-        assert st["chunks_published"] == 100 and st["bytes_read"] > 0 and st["signals_sent"] >= 100 * (world - 1)
+        assert st["chunks_published"] == 132 and st["bytes_read"] > 0 and st["signals_sent"] >= 132 * (world - 1)
 
 
 def test_dead_rank_aborts_the_others_quickly():

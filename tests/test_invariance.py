@@ -211,6 +211,27 @@ def test_a_differing_row_range_projects_after_the_whole_gather(engine, model, ca
     assert row["verdict"] == "adjusted" and "waits for the whole gather" in row["detail"]
 
 
+def test_ulysses_probes_every_heads_qkv_on_the_token_shards(engine, model):
+    """Under the Ulysses pattern a rank projects every head (768 outputs) for its own 100 tokens: the probe checks that
+    call as a token-split op, a fault there moves the shards (96/104) and the split stays exact; the same fault never
+    fires under the all-gather pattern, whose qkv calls have every token and one head group."""
+    fault = f"linear:{TOKENS // 2}:{CFG.hidden}:{3 * CFG.heads * CFG.head_dim}"
+    eng = engine(fault, pattern="ulysses")
+    eng.load_weights(("inv", 11), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref)
+    rec = get_hub().recent_steps(1)[0]
+    assert rec["pattern"] == "ulysses" and [r["tokens"] for r in rec["ranks"]] == [[0, 96], [96, 200]]
+    qkv = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attn.qkv_proj"][-1]
+    assert qkv["verdict"] == "adjusted" and "100-row shard" in qkv["detail"], qkv
+    eng.release()
+    eng = engine(fault)
+    eng.load_weights(("inv", 12), CFG, model.block_weights)
+    out, ref = _step(eng, model)
+    assert torch.equal(out, ref) and [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 100],
+                                                                                                      [100, 200]]
+
+
 def test_verify_reports_bit_exact_then_names_the_faulty_block_and_op(engine, model, monkeypatch):
     """verify on a clean split says bit-exact; with a fault the probe cannot see (``:step``) it reports the max
     difference and the first block and op that differ (block 0, mlp.fc2), and the split result is returned."""

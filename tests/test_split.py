@@ -126,6 +126,27 @@ def test_overlaps_uneven_groups_host_and_gloo(engine_factory):
     seen.done()
 
 
+def test_ulysses_pattern_host_and_gloo(engine_factory):
+    """The Ulysses pattern (every rank projects every head for its tokens, then an all-to-all of q, k, v) over
+    uneven shares, host exchange chunked and with head pieces, and gloo: the unsplit output; "auto" picks it only
+    where it moves fewer bytes."""
+    from h3ms_async.dit.speed_model import choose_pattern
+    from h3ms_async.observability.status import get_hub
+    assert [choose_pattern(5376, 56, 128, n, "host") for n in (2, 4, 6, 7, 8)] == ["gather"] * 3 + ["ulysses"] * 2
+    assert [choose_pattern(5376, 56, 128, n, "nccl") for n in (4, 5)] == ["gather", "ulysses"]
+    seen = Compared()
+    model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
+    for exchange, kw in (("host", {"exchange_chunks": 3}), ("host", {"head_pieces": 2}), ("nccl", {})):
+        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, pattern="ulysses", **kw)
+        eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
+        _check_exact(eng, model, _layouts(), seen)
+        assert get_hub().recent_steps(1)[0]["pattern"] == "ulysses"
+    seen.done()
+    with pytest.raises(ValueError, match="sparse attention runs with the all-gather pattern"):
+        SplitOptions(pattern="ulysses", sparse=object())
+    assert SplitEngine(["cpu"] * 2, SplitOptions(pattern="auto"))._pattern(CFG_UNEVEN) == "gather"
+
+
 def test_gloo_exchange_matches_host(engine_factory, int8_model):
     """exchange=nccl on CPU ranks runs torch.distributed over gloo: same bits as host, 2 and 4 ranks."""
     seen = Compared()

@@ -31,6 +31,7 @@ from workers.transports.host import (
     ProduceFn,
     RowsFn,
     each_rank_rows,
+    packed_qkv,
     produced_columns,
 )
 
@@ -399,9 +400,11 @@ class _LocalExchange(InProcessExchange):
         gathered: torch.Tensor,
         received: list[torch.Tensor],
         lockstep: _Lockstep,
+        qkv: list[torch.Tensor] | None = None,
     ) -> None:
         self.rank, self.layout = rank, layout
         self._g, self._a, self._meet = gathered, received, lockstep.meet
+        self._q = qkv or []
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         t0, t1 = self.layout.rows(self.rank)
@@ -419,6 +422,15 @@ class _LocalExchange(InProcessExchange):
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         return self.all_to_all_cols(produced_columns(self.layout, self.rank, pieces, produce))
+
+    def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        if not self._q:
+            raise ValueError("this simulated split runs the all-gather pattern (pattern='gather')")
+        t0, t1 = self.layout.rows(self.rank)
+        for p, dst in enumerate(self._q):
+            dst[t0:t1].copy_(packed_qkv(local, self.layout.qkv_cols(p)))
+        self._meet()
+        return self._q[self.rank]
 
     def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
         out = self.all_gather_rows(local)

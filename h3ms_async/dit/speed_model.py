@@ -247,6 +247,29 @@ def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
     return worst
 
 
+def choose_pattern(
+    hidden: int,
+    heads: int,
+    head_dim: int,
+    world: int,
+    transport: str,
+    shares: Sequence[float] | None = None,
+) -> str:
+    """The pattern whose first op moves fewer bytes through the busiest rank's link (the all-to-all
+    of the attention output is the same in both): for H3's shapes the all-gather up to N = 6 with
+    host staging and N = 4 with NCCL, Ulysses above.  The ratio does not depend on the token count
+    (a nominal one is used)."""
+    shape = Shape(4096 * world, hidden, heads, head_dim, 1, "bfloat16")
+    plan = make_plan(shape, world, shares)
+
+    def busiest(kind: str) -> int:
+        if transport == "host":
+            return max(w + r for w, r in host_bytes(shape, plan, kind))
+        return max(max(s, r) for s, r in nccl_bytes(shape, plan, kind))
+
+    return "ulysses" if busiest("a2a_qkv") < busiest("gather") else "gather"
+
+
 # -- times
 # --------------------------------------------------------------------------------------------------
 def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:

@@ -28,7 +28,7 @@ from typing import cast
 import msgspec
 import torch
 
-from h3ms_async.dit import exactness
+from h3ms_async.dit import exactness, speed_model
 from h3ms_async.dit.exactness import MIN_SHARD_TOKENS, PlanVerdict
 from h3ms_async.dit.reference import DiTConfig
 from h3ms_async.dit.sparse import DenseFallback, step_wire
@@ -108,7 +108,11 @@ class SplitOptions:
     dense attention runs in that many head pieces, each moved by the all-to-all while the next one
     computes, where the probe measures the pieces exact (``workers.dit.loop``).
     ``gather_overlap``: on dense steps each rank's qkv projection runs on every rank's rows as they
-    arrive (its own first), where the probe measures those row ranges exact.
+    arrive (its own first), where the probe measures those row ranges exact.  ``pattern``: how
+    attention gets its inputs, "gather" (all-gather of the block input), "ulysses" (every rank
+    projects every head for its tokens, then an all-to-all of q, k, v; dense attention only) or
+    "auto" (the one whose exchange moves fewer bytes at this N and transport,
+    ``speed_model.choose_pattern``; gather with sparse attention), fixed when weights load.
     """
 
     exchange: str = "host"
@@ -124,6 +128,7 @@ class SplitOptions:
     sparse: SparseConfig | None = None
     head_pieces: int = 0
     gather_overlap: bool = False
+    pattern: str = "gather"
 
     def __post_init__(self) -> None:
         if self.exchange not in (*EXCHANGES, BASELINE_EXCHANGE):
@@ -138,6 +143,15 @@ class SplitOptions:
                 f"head_pieces={self.head_pieces} must be between 0 and "
                 f"{dit_protocol.MAX_HEAD_PIECES} (0/1: "
                 "attention in one call)"
+            )
+        if self.pattern not in (*dit_protocol.PATTERNS, "auto"):
+            raise ValueError(
+                f"pattern={self.pattern!r} is not one of {(*dit_protocol.PATTERNS, 'auto')}"
+            )
+        if self.pattern == "ulysses" and self.sparse is not None:
+            raise ValueError(
+                "sparse attention runs with the all-gather pattern (its kernel needs the block "
+                "input of every token); use pattern 'gather' or 'auto'"
             )
         if self.vram_residency not in dit_protocol.RESIDENCIES:
             raise ValueError(
@@ -172,6 +186,7 @@ class _Loaded:
     config: DiTConfig
     head_bounds: tuple[int, ...]
     compute_dtype: str
+    pattern: dit_protocol.Pattern = "gather"
     # the block stack's distinct linears, for the probe (lazily)
     ops: list[dit_protocol.LinearOp] | None = None
 
@@ -267,17 +282,19 @@ class SplitEngine(Engine):
                 config.heads, self.options.shares or [1.0] * self.ranks, "attention heads"
             )
         )
+        pattern = self._pattern(config)
         with self._lock:
             if (
                 self._loaded
                 and self._loaded.store.key == key
                 and self._loaded.head_bounds == head_bounds
+                and self._loaded.pattern == pattern
             ):
                 return False
             self._drop_store()
             store = fill(key, n, block_weights, reserve_gb=self.options.cache_ram_reserve_gb)
             dtype = compute_dtype or store.block(0)["norm1.weight"].dtype
-            self._loaded = _Loaded(store, config, head_bounds, dtype_name(dtype))
+            self._loaded = _Loaded(store, config, head_bounds, dtype_name(dtype), pattern)
             try:
                 self.run(
                     self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks"
@@ -286,6 +303,24 @@ class SplitEngine(Engine):
                 self._drop_store()
                 raise
             return True
+
+    def _pattern(self, config: DiTConfig) -> dit_protocol.Pattern:
+        """The pattern to load for: the option's, or for "auto" the one whose exchange moves fewer
+        bytes (the all-gather with sparse attention)."""
+        choice = self.options.pattern
+        if choice != "auto":
+            return cast(dit_protocol.Pattern, choice)
+        if self.options.sparse is not None or self.ranks == 1:
+            return "gather"
+        picked = speed_model.choose_pattern(
+            config.hidden,
+            config.heads,
+            config.head_dim,
+            self.ranks,
+            "host" if self.transport == "host" else "nccl",
+            self.options.shares,
+        )
+        return cast(dit_protocol.Pattern, picked)
 
     async def _load_ranks(self) -> None:
         ld = self._loaded
@@ -307,6 +342,7 @@ class SplitEngine(Engine):
                 config=cfg,
                 heads=(ld.head_bounds[r], ld.head_bounds[r + 1]),
                 key=ld.store.key_text,
+                qkv_heads=(0, ld.config.heads) if ld.pattern == "ulysses" else None,
             )
             for r in range(self.ranks)
         ]
@@ -398,9 +434,8 @@ class SplitEngine(Engine):
             raise SplitError(
                 "head plan changed since the weights were loaded; call load_weights again"
             )
-        asked = exactness.Overlap(
-            opts.head_pieces if opts.head_pieces > 1 else 0, opts.gather_overlap
-        )
+        gather = opts.gather_overlap and ld.pattern == "gather"
+        asked = exactness.Overlap(opts.head_pieces if opts.head_pieces > 1 else 0, gather)
         plan, ran = self._measured_plan(plan, int(t_emb.shape[0]), asked)
         opts = replace(opts, head_pieces=ran.head_pieces, gather_overlap=ran.gather)
         with self.job():
@@ -481,7 +516,15 @@ class SplitEngine(Engine):
             man = [
                 {n: (d.dtype, tuple(d.shape)) for n, d in blk.items()} for blk in ld.store.manifest
             ]
-            ld.ops = invariance.block_ops(man, lambda i: dit_ops.block_quant(ld.store.block(i)))
+            ops = invariance.block_ops(man, lambda i: dit_ops.block_quant(ld.store.block(i)))
+            if ld.pattern == "ulysses":  # every head's qkv rows on each rank's own tokens
+                ops = [
+                    msgspec.structs.replace(op, split="tokens")
+                    if op.name == "attn.qkv_proj"
+                    else op
+                    for op in ops
+                ]
+            ld.ops = ops
         return ld.ops
 
     def _attention_name(self) -> str:
@@ -654,6 +697,7 @@ class SplitEngine(Engine):
             t_emb,
             rope_freqs,
             mod_segments,
+            qkv=ld.pattern == "ulysses",
         )
         t_staged = time.perf_counter()
         step, side = buf.step, buf.side
@@ -698,6 +742,7 @@ class SplitEngine(Engine):
                 sparse=sparse,
                 head_pieces=opts.head_pieces,
                 gather_overlap=opts.gather_overlap,
+                pattern=ld.pattern,
             )
             for r in range(self.ranks)
         ]
@@ -823,6 +868,7 @@ class SplitEngine(Engine):
                 chunks=max(chunks, 1),
                 head_pieces=opts.head_pieces,
                 gather_overlap=opts.gather_overlap,
+                pattern=self._loaded.pattern if self._loaded is not None else "gather",
                 wall_s=wall,
                 moved_bytes=sum(r.moved_bytes for r in ranks),
                 weight_store=self.weight_state,
@@ -895,6 +941,7 @@ def options_dict(o: SplitOptions) -> dict:
         "exchange_chunks": o.exchange_chunks,
         "head_pieces": o.head_pieces,
         "gather_overlap": o.gather_overlap,
+        "pattern": o.pattern,
         "vram_residency": o.vram_residency,
         "attention": o.comfy_host.attention if o.comfy_host else o.attention,
         "cache_ram_reserve_gb": o.cache_ram_reserve_gb,

@@ -75,10 +75,12 @@ class StepBufferSlot:
         t_emb: torch.Tensor,
         rope: torch.Tensor,
         mod_segments: Sequence[tuple],
+        qkv: bool = False,
     ) -> StepBuffers:
         """The buffers for this step: the held ones when the shapes match, else new ones (the step
         segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
-        a new t_emb or per-token row shape)."""
+        a new t_emb or per-token row shape).  ``qkv``: the arena also holds the Ulysses pattern's
+        q/k/v blocks."""
         key = (
             tuple(plan.token_bounds),
             tuple(head_bounds),
@@ -87,10 +89,11 @@ class StepBufferSlot:
             rope.dtype,
             exchange,
             str(x.device),
+            qkv,
         )
         buf = self._current
         if buf is None or buf.shape_key != key:
-            buf = self._new(key, plan, head_bounds, head_dim, hidden, exchange, x, rope)
+            buf = self._new(key, plan, head_bounds, head_dim, hidden, exchange, x, rope, qkv)
         rows = tuple(
             (i, int(r.numel()))
             for i, (_, _, r) in enumerate(mod_segments)
@@ -117,6 +120,7 @@ class StepBufferSlot:
         exchange: str,
         x: torch.Tensor,
         rope: torch.Tensor,
+        qkv: bool,
     ) -> StepBuffers:
         self.drop()
         self._unmap_released()
@@ -128,7 +132,7 @@ class StepBufferSlot:
             col_bounds = [g * head_dim for g in head_bounds]
             ranks = len(plan.token_bounds) - 1
             layout = ArenaLayout.plan(
-                ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype, head_dim
+                ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype, head_dim, qkv
             )
             if exchange == "host":
                 arena_seg = Segment.create(layout.nbytes, "arena")

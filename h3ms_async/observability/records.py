@@ -57,6 +57,8 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     head_pieces: int = 0
     #: the qkv projection ran on each rank's gathered rows as they arrived
     gather_overlap: bool = False
+    #: how attention got its inputs: the all-gather of the block input, or Ulysses' q/k/v all-to-all
+    pattern: Literal["gather", "ulysses"] = "gather"
     wall_s: float
     moved_bytes: int
     weight_store: str
@@ -130,6 +132,8 @@ def format_step_line(rec: Mapping) -> str:
         chunks += f", attention in {rec['head_pieces']} head pieces"
     if rec.get("gather_overlap"):
         chunks += ", qkv as the rows arrive"
+    if rec.get("pattern") == "ulysses":
+        chunks += ", Ulysses"
     line = (
         f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
         f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s (exchange "

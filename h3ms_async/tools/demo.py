@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"0-{MAX_HEAD_PIECES} (0/1: one call; used where the probe measures the pieces exact)",
     )
     p.add_argument(
+        "--pattern",
+        choices=["gather", "ulysses", "auto"],
+        default="gather",
+        help="how attention gets its inputs: all-gather of the block input, Ulysses (an all-to-all "
+        "of q, k, v), or auto (the one that moves fewer bytes at this rank count)",
+    )
+    p.add_argument(
         "--gather-overlap",
         action="store_true",
         help="each rank's qkv projection runs on every rank's gathered rows as they arrive (used "
@@ -451,6 +458,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             exchange_chunks=a.exchange_chunks,
             head_pieces=a.head_pieces,
             gather_overlap=a.gather_overlap,
+            pattern=a.pattern,
             vram_residency=a.vram_residency,
             shares=c["shares"],
             verify=a.verify,

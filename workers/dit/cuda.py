@@ -98,7 +98,7 @@ class CudaWeights:
         seg = ctx.segment(msg.store)
         self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg.manifest]
         self.quant = [dit_ops.block_quant(b) for b in self.host]
-        g0, g1 = self.heads
+        g0, g1 = (int(v) for v in msg.qkv_heads or msg.heads)
         rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])
         self._qkv_rows = [(r.start, r.stop) for r in rows]
         self.block_bytes = sum(self._device_bytes(n, t) for n, t in self.host[0].items())
@@ -374,6 +374,14 @@ class CudaExchange:
         out = torch.empty((t1 - t0, lay.columns), dtype=local.dtype, device=self.device)
         out.record_stream(self.h2d)
         return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
+
+    def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        cur = self._pre()
+        lay = self._inner.layout
+        c0, c1 = lay.cols(self._inner.rank)
+        out = torch.empty((lay.tokens, 3 * (c1 - c0)), dtype=local.dtype, device=self.device)
+        out.record_stream(self.h2d)
+        return self._post(cur, self._inner.all_to_all_qkv(local, chunks, out=out))
 
     def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
         cur = self._pre()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.protocol import Pattern
 from workers.dit.sparse import SparseStep
 from workers.dit.weights import BlockView, CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
@@ -47,6 +48,7 @@ def run_blocks(
     chunks: int = 0,
     head_pieces: int = 0,
     gather_overlap: bool = False,
+    pattern: Pattern = "gather",
     before_block: Callable[[int], None] | None = None,
     after_block: Callable[[int], None] | None = None,
     trace: Callable[[int, str, torch.Tensor], None] | None = None,
@@ -61,7 +63,10 @@ def run_blocks(
     dense attention runs in that many head pieces, each moved by the all-to-all while the next one
     computes (``Exchange.all_to_all_heads``); ``gather_overlap`` (dense steps): the qkv projection
     runs rank by rank on the gathered rows as they arrive (``Exchange.all_gather_rows_each``);
-    ``chunks`` pipelines the exchanges otherwise.
+    ``chunks`` pipelines the exchanges otherwise.  ``pattern`` "ulysses" (dense steps; ``weights``
+    then hold every head's qkv rows): each rank projects q, k, v of every head for its own tokens
+    and ``Exchange.all_to_all_qkv`` gives it its heads' q, k, v for every token, instead of the
+    all-gather of the block input.
 
     ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers
     all tokens. ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after
@@ -80,7 +85,11 @@ def run_blocks(
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         attn: torch.Tensor | None = None
-        if gather_overlap and sparse is None:
+        if pattern == "ulysses":
+            qkv = _ulysses_qkv(
+                exchange, n1, blk, rope_freqs, heads_local, head_dim, eps, chunks, op_trace
+            )
+        elif gather_overlap and sparse is None:
             qkv = _gather_projecting(
                 exchange, n1, blk, rope_freqs, heads_local, head_dim, eps, op_trace
             )
@@ -134,6 +143,36 @@ def run_blocks(
         if after_block is not None:
             after_block(i)
     return per_block
+
+
+def _ulysses_qkv(
+    exchange: Exchange,
+    n1: torch.Tensor,
+    blk: BlockView,
+    rope_freqs: torch.Tensor,
+    heads_local: int,
+    head_dim: int,
+    eps: float,
+    chunks: int,
+    trace: dit_ops.Trace | None,
+) -> torch.Tensor:
+    """The Ulysses pattern's projection: q, k, v of every head for this rank's tokens (``blk.qkv``
+    holds every head's rows), moved by the all-to-all so this rank holds its heads' for every token:
+    the packed, normed and roped ``[S, 3·h·D]`` that ``dit_ops.project_qkv`` makes."""
+    w = blk.weights
+    own = dit_ops.linear(n1, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"])
+    qkv = exchange.all_to_all_qkv(own, chunks)
+    dit_ops.norm_rope_(
+        qkv,
+        w["attn.q_norm.weight"],
+        w["attn.k_norm.weight"],
+        rope_freqs,
+        heads_local,
+        head_dim,
+        eps,
+        trace,
+    )
+    return qkv
 
 
 def _gather_projecting(

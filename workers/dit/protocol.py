@@ -34,6 +34,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 next computes (0/1: one call; ``workers.dit.loop``)
     gather_overlap  dense steps: the qkv projection runs on each rank's gathered rows as they
                 arrive (``workers.dit.loop``)
+    pattern     "gather" or "ulysses" (:data:`Pattern`; Ulysses needs a layout planned with qkv
+                and weights loaded with every head's qkv rows)
     abort_gen   the pool's abort generation when the step was submitted
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
@@ -125,6 +127,8 @@ class DitLoad(Request, tag="dit_load"):
     config: Plain
     heads: tuple[int, int]
     key: str
+    #: the heads whose qkv rows the rank holds: its own group (None) or every head (Ulysses)
+    qkv_heads: tuple[int, int] | None = None
     PLAIN: ClassVar[tuple[str, ...]] = ("config",)
     ANSWER: ClassVar[type[Answer]] = DitLoaded
 
@@ -161,6 +165,11 @@ class DitStepped(Answer):
 
 #: Most head pieces a step's attention may run in (``DitStep.head_pieces``).
 MAX_HEAD_PIECES = 16
+#: How a block's attention gets its inputs: the all-gather of the block input (each rank projects
+#: its heads for every token) or Ulysses (each rank projects every head for its tokens, then an
+#: all-to-all of q, k, v).
+Pattern = Literal["gather", "ulysses"]
+PATTERNS: tuple[str, ...] = get_args(Pattern)
 
 
 class DitStep(Request, tag="dit_step"):
@@ -182,6 +191,7 @@ class DitStep(Request, tag="dit_step"):
     sparse: Plain = msgspec.field(default_factory=dict)
     head_pieces: int = 0
     gather_overlap: bool = False
+    pattern: Pattern = "gather"
     PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
     ANSWER: ClassVar[type[Answer]] = DitStepped
 

@@ -69,6 +69,7 @@ class RankWeights:
     config: dict
     heads: tuple[int, int]
     provider: WeightProvider
+    qkv_heads: tuple[int, int] | None = None
 
 
 @dataclass
@@ -94,6 +95,7 @@ def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
     of the store, with the head group's qkv rows copied once."""
     cfg = msg.config
     heads = (int(msg.heads[0]), int(msg.heads[1]))
+    qkv_heads = (int(msg.qkv_heads[0]), int(msg.qkv_heads[1])) if msg.qkv_heads else None
     if ctx.device.startswith("cuda"):
         provider: WeightProvider = CudaWeights(ctx, msg)
     else:
@@ -102,12 +104,12 @@ def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
         provider = CpuWeights(
             lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
             len(manifest),
-            heads,
+            qkv_heads or heads,
             cfg["heads"],
             cfg["head_dim"],
             eager=True,
         )
-    return RankWeights(msg.key, msg.store, cfg, heads, provider)
+    return RankWeights(msg.key, msg.store, cfg, heads, provider, qkv_heads)
 
 
 @handler(dit_protocol.DitLoad)
@@ -117,6 +119,7 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protoc
         st.weights is not None
         and st.weights.key == msg.key
         and list(st.weights.heads) == list(msg.heads)
+        and st.weights.qkv_heads == (tuple(msg.qkv_heads) if msg.qkv_heads else None)
     ):
         return dit_protocol.DitLoaded(
             loaded=False,
@@ -366,6 +369,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         chunks=int(msg.chunks),
         head_pieces=int(msg.head_pieces),
         gather_overlap=bool(msg.gather_overlap),
+        pattern=msg.pattern,
         before_block=check_abort,
         trace=trace if msg.trace else None,
         sparse=sparse,

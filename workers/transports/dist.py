@@ -34,6 +34,7 @@ from workers.transports.host import (
     ProduceFn,
     RowsFn,
     each_rank_rows,
+    packed_qkv,
     produced_columns,
 )
 
@@ -209,6 +210,40 @@ class DistExchange:
             p0, p1 = lay.cols(p)
             out[:, p0:p1].copy_(recv[off : off + mine * w].view(mine, w))
             off += mine * w
+        self._stats["copy_s"] += time.perf_counter() - t
+        esz = local.element_size()
+        self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])
+        self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
+        return out
+
+    def all_to_all_qkv(
+        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q, k and v of this rank's heads for every token: ``[n_rank, 3·C]`` in, ``[S, 3·c_rank]``
+        out (``host.packed_qkv`` layout), in one collective."""
+        lay = self.layout
+        me = self.rank
+        c0, c1 = lay.cols(me)
+        self._check("all_to_all_qkv", local, (self._counts[me], 3 * lay.columns))
+        self._start()
+        out = (
+            out
+            if out is not None
+            else torch.empty((lay.tokens, 3 * (c1 - c0)), dtype=local.dtype, device=local.device)
+        )
+        if self.world == 1:
+            out.copy_(packed_qkv(local, lay.qkv_cols(me)))
+            return out
+        send = torch.cat(
+            [packed_qkv(local, lay.qkv_cols(p)).reshape(-1) for p in range(self.world)]
+        )
+        widths = [3 * (b - a) for a, b in (lay.cols(p) for p in range(self.world))]
+        in_splits = [self._counts[me] * w for w in widths]
+        out_splits = [n * 3 * (c1 - c0) for n in self._counts]
+        recv = torch.empty(sum(out_splits), dtype=local.dtype, device=local.device)
+        self._collective(dist.all_to_all_single, recv, send, out_splits, in_splits)
+        t = time.perf_counter()
+        out.copy_(recv.view(lay.tokens, 3 * (c1 - c0)))
         self._stats["copy_s"] += time.perf_counter() - t
         esz = local.element_size()
         self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])

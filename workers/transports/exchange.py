@@ -13,7 +13,14 @@ from typing import Protocol
 
 import torch
 
-from workers.transports.host import ArenaLayout, ProduceFn, RowsFn, each_rank_rows, produced_columns
+from workers.transports.host import (
+    ArenaLayout,
+    ProduceFn,
+    RowsFn,
+    each_rank_rows,
+    packed_qkv,
+    produced_columns,
+)
 
 _CPU = torch.device("cpu")
 
@@ -37,6 +44,11 @@ class Exchange(Protocol):
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
+
+    def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        """The Ulysses pattern's exchange: q, k and v of every head for this rank's tokens
+        ``[n_rank, 3·C]`` in, q, k and v of this rank's heads for every token ``[S, 3·c_rank]`` out
+        (``host.packed_qkv`` layout)."""
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         """:meth:`all_to_all_cols` of the columns ``produce(c_a, c_b)`` returns per head piece
@@ -100,6 +112,7 @@ class NoExchange(InProcessExchange):
     ) -> None:
         self.rank, self.layout = rank, layout
         self._g = self._a = None
+        self._q: torch.Tensor | None = None
         if layout is not None:
             t0, t1 = layout.rows(rank)
             self._g = torch.zeros(
@@ -125,6 +138,19 @@ class NoExchange(InProcessExchange):
         c0, c1 = self.layout.cols(self.rank)
         self._a[:, c0:c1].copy_(local[t0:t1])
         return self._a
+
+    def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        lay = self.layout
+        if lay is None:
+            raise ValueError("the unsplit run projects q, k and v for every token itself")
+        c0, c1 = lay.cols(self.rank)
+        t0, t1 = lay.rows(self.rank)
+        if self._q is None:
+            self._q = torch.zeros(
+                (lay.tokens, 3 * (c1 - c0)), dtype=lay.torch_dtype, device=local.device
+            )
+        self._q[t0:t1].copy_(packed_qkv(local, lay.qkv_cols(self.rank)))
+        return self._q
 
     def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
         out = self.all_gather_rows(local)

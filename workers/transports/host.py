@@ -10,6 +10,10 @@ Two collectives per transformer block (``docs/architecture.md`` §3):
   (the qkv projection) while the others' rows still arrive.
 * ``all_to_all_cols``: rank r holds ``[S, c_r]`` (its head group's columns for all tokens); every
   rank gets ``[n_r, C]`` = every rank's columns for its own tokens, in rank order.
+* ``all_to_all_qkv`` (the Ulysses pattern, arenas planned with ``qkv``): rank r holds ``[n_r, 3·C]``
+  (q, k and v of every head for its tokens, as the fused projection lays them out); every rank gets
+  ``[S, 3·c_r]`` = q, k and v of its own heads for every token, packed ``[q | k | v]`` as a
+  projection of its head group alone.
 * ``all_to_all_heads``: the same result, with rank r's columns produced head piece by head piece
   while the op runs (attention computed in head pieces): chunk j carries piece j of every rank,
   published as soon as it is produced, so peers read piece j while its producer computes piece j+1.
@@ -22,6 +26,8 @@ Arena (one shm segment for all ranks; see :class:`ArenaLayout`)::
     G [S, W]      all-gather buffer: rank r writes rows [t_r, t_r+1)
     A_r [S, c_r]  one all-to-all block per rank: rank r writes its columns for every other rank's
     tokens
+    Q_r [S, 3c_r] (``qkv`` layouts only) rank r's q, k, v columns: every rank writes its tokens'
+    rows
 
 Signalling.  After a chunk's bytes are in the arena the writer stores its *sequence word* (below)
 and writes 1 to every peer's eventfd doorbell.  A waiter compares the peers' sequence words with
@@ -35,7 +41,7 @@ Sequence word (one int64, monotonic within a job)::
     bits 47..62  abort generation (low 16 bits)
     bits 33..46  job number in that generation (1..16383, cycling)
     bits 18..32  op index in the job (1..32767)
-    bits 16..17  op kind (0 gather, 1 all-to-all, 2 all-to-all by head pieces)
+    bits 16..17  op kind (0 gather, 1 all-to-all, 2 all-to-all by head pieces, 3 q/k/v all-to-all)
     bits 8..15   chunk count of the op
     bits 0..7    chunks of the op published so far
 
@@ -109,13 +115,15 @@ _JOB_CYCLE = (1 << 14) - 1
 KIND_GATHER = 0
 KIND_ALL_TO_ALL = 1
 KIND_ALL_TO_ALL_HEADS = 2
+KIND_QKV = 3
 _KIND_NAMES = {
     KIND_GATHER: "all_gather_rows",
     KIND_ALL_TO_ALL: "all_to_all_cols",
     KIND_ALL_TO_ALL_HEADS: "all_to_all_heads",
+    KIND_QKV: "all_to_all_qkv",
 }
 #: The arena buffer each op kind writes (the reuse guard is per buffer).
-_BUFFER = {KIND_GATHER: "G", KIND_ALL_TO_ALL: "A", KIND_ALL_TO_ALL_HEADS: "A"}
+_BUFFER = {KIND_GATHER: "G", KIND_ALL_TO_ALL: "A", KIND_ALL_TO_ALL_HEADS: "A", KIND_QKV: "Q"}
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], Any]
 #: Starts a copy and returns the function that waits for it.
@@ -160,8 +168,9 @@ class ArenaLayout:
 
     ``tokens_bounds[r]:tokens_bounds[r+1]`` are rank r's tokens, ``col_bounds[r]:col_bounds[r+1]``
     its all-to-all columns, ``row_width`` the all-gather row width (hidden size), ``col_unit`` the
-    columns of one head (``all_to_all_heads`` cuts a rank's columns into whole heads).  Build it
-    with :meth:`plan`.
+    columns of one head (``all_to_all_heads`` cuts a rank's columns into whole heads),
+    ``q_offsets`` the Q_r blocks of ``all_to_all_qkv`` (planned with ``qkv``; empty otherwise).
+    Build it with :meth:`plan`.
     """
 
     world: int
@@ -174,6 +183,7 @@ class ArenaLayout:
     a_offsets: tuple[int, ...]
     nbytes: int
     col_unit: int = 1
+    q_offsets: tuple[int, ...] = ()
 
     @classmethod
     def plan(
@@ -184,6 +194,7 @@ class ArenaLayout:
         row_width: int,
         dtype: torch.dtype | str,
         col_unit: int = 1,
+        qkv: bool = False,
     ) -> ArenaLayout:
         """Validate the rank plan and lay out header, G and the A_r blocks."""
         if not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
@@ -207,8 +218,22 @@ class ArenaLayout:
         for r in range(world):
             a_offs.append(off)
             off += align(seq_tokens * (cb[r + 1] - cb[r]) * elem)
+        q_offs = []
+        for r in range(world if qkv else 0):
+            q_offs.append(off)
+            off += align(seq_tokens * 3 * (cb[r + 1] - cb[r]) * elem)
         return cls(
-            world, tb, cb, row_width, name, header, g_off, tuple(a_offs), max(off, header), col_unit
+            world,
+            tb,
+            cb,
+            row_width,
+            name,
+            header,
+            g_off,
+            tuple(a_offs),
+            max(off, header),
+            col_unit,
+            tuple(q_offs),
         )
 
     @property
@@ -239,6 +264,7 @@ class ArenaLayout:
             "dtype": self.dtype,
             "nbytes": self.nbytes,
             "col_unit": self.col_unit,
+            "qkv": bool(self.q_offsets),
         }
 
     @classmethod
@@ -251,6 +277,7 @@ class ArenaLayout:
                 d["row_width"],
                 d["dtype"],
                 d.get("col_unit", 1),
+                bool(d.get("qkv", False)),
             )
         except KeyError as e:
             raise ValueError(
@@ -305,6 +332,24 @@ class ArenaLayout:
         n = self.tokens * (c1 - c0) * self.torch_dtype.itemsize
         off = self.a_offsets[rank]
         return arena[off : off + n].view(self.torch_dtype).view(self.tokens, c1 - c0)
+
+    def q_view(self, arena: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s q, k, v block ``[S, 3·c_r]`` (a ``qkv`` layout's)."""
+        if not self.q_offsets:
+            raise ValueError(
+                "this arena layout has no q/k/v blocks; plan it with qkv=True for the Ulysses "
+                "pattern"
+            )
+        c0, c1 = self.cols(rank)
+        n = self.tokens * 3 * (c1 - c0) * self.torch_dtype.itemsize
+        off = self.q_offsets[rank]
+        return arena[off : off + n].view(self.torch_dtype).view(self.tokens, 3 * (c1 - c0))
+
+    def qkv_cols(self, rank: int) -> list[tuple[int, int]]:
+        """Rank ``rank``'s q, k and v column ranges in a fused projection of every head
+        (``[q | k | v]``, each ``C`` wide)."""
+        c0, c1 = self.cols(rank)
+        return [(base + c0, base + c1) for base in (0, self.columns, 2 * self.columns)]
 
     def head_piece(self, rank: int, pieces: int, j: int) -> tuple[int, int]:
         """Columns [a, b) of ``rank``'s group (its own coordinates) in head piece j of ``pieces``:
@@ -405,6 +450,12 @@ def each_rank_rows(layout: ArenaLayout, gathered: torch.Tensor, on_rows: RowsFn)
             on_rows(a, b, gathered[a:b])
 
 
+def packed_qkv(rows: torch.Tensor, cols: list[tuple[int, int]]) -> torch.Tensor:
+    """One rank's q, k and v columns ``cols`` (:meth:`ArenaLayout.qkv_cols`) of projection rows
+    ``[n, 3·C]``, side by side: ``[n, 3·c]`` as a projection of that rank's heads alone."""
+    return torch.cat([rows[:, a:b] for a, b in cols], dim=1)
+
+
 def _no_wait() -> None:
     """A copy that was done when it returned."""
 
@@ -503,6 +554,7 @@ class HostExchange:
         self._ctl = control.reshape(-1).numpy()
         self._g = layout.g_view(arena)
         self._a = [layout.a_view(arena, r) for r in range(world)]
+        self._q = [layout.q_view(arena, r) for r in range(world)] if layout.q_offsets else []
         self._peers = [p for p in range(world) if p != rank]
         self._peer_fds = [doorbell_fds[p] for p in self._peers]
         self._my_fd = doorbell_fds[rank]
@@ -511,7 +563,7 @@ class HostExchange:
         self._gen: int | None = None
         self._job = 0
         self._op = 0
-        self._last_use = {"G": -1, "A": -1}  # per arena buffer; -1: not used in this job
+        self._last_use = {"G": -1, "A": -1, "Q": -1}  # per arena buffer; -1: not used in this job
         self._deadline = 0.0
         self.reset_stats()
 
@@ -524,7 +576,7 @@ class HostExchange:
         self._gen = int(abort_generation)
         self._job = self._job % _JOB_CYCLE + 1
         self._op = 0
-        self._last_use = {"G": -1, "A": -1}  # per arena buffer; -1: not used in this job
+        self._last_use = {"G": -1, "A": -1, "Q": -1}  # per arena buffer; -1: not used in this job
         self._check_abort("begin")
         self._words[_fault_index(self.rank)] = 0
         self._words[_seq_index(self.rank)] = encode_seq(self._gen, self._job, 0, 0, 0, 0)
@@ -627,6 +679,48 @@ class HostExchange:
                 )
 
         self._pipeline(KIND_ALL_TO_ALL, n_chunks, publish, take)
+        return out
+
+    def all_to_all_qkv(
+        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q, k and v of this rank's heads for every token: ``local`` is ``[n_rank, 3·C]`` (every
+        head's, this rank's tokens), the result ``[S, 3·c_rank]`` (``packed_qkv`` layout).  Needs a
+        layout planned with ``qkv``."""
+        lay = self.layout
+        me = self.rank
+        t0, t1 = lay.rows(me)
+        c0, c1 = lay.cols(me)
+        if not self._q:
+            lay.q_view(self._arena, me)  # raises: the layout has no q/k/v blocks
+        self._check_input("all_to_all_qkv", local, (t1 - t0, 3 * lay.columns))
+        n_chunks = self._start_op(KIND_QKV, chunks)
+        out = self._make_out("all_to_all_qkv", out, (lay.tokens, 3 * (c1 - c0)), local.device)
+        self._guard_reuse(KIND_QKV)
+        self._timed_copy(out[t0:t1], packed_qkv(local, lay.qkv_cols(me)), _default_copy)
+
+        def publish(j: int) -> None:
+            a, b = piece(t1 - t0, n_chunks, j)
+            if b == a:
+                return
+            for r in self._peers:
+                r0, r1 = lay.cols(r)
+                if r1 > r0:
+                    # packed after the op began: the copy out must wait for the packing
+                    part = packed_qkv(local[a:b], lay.qkv_cols(r))
+                    t = time.perf_counter()
+                    self._to_host_async(self._q[r][t0 + a : t0 + b], part)()
+                    self._stats["copy_s"] += time.perf_counter() - t
+                    self._stats["bytes_written"] += part.numel() * part.element_size()
+
+        def take(p: int, j: int) -> None:
+            p0, p1 = lay.rows(p)
+            a, b = piece(p1 - p0, n_chunks, j)
+            if b > a and c1 > c0:
+                src = self._q[me][p0 + a : p0 + b]
+                self._timed_copy(out[p0 + a : p0 + b], src, self._to_device, read=True)
+
+        self._pipeline(KIND_QKV, n_chunks, publish, take)
         return out
 
     def all_to_all_heads(

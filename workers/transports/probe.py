@@ -5,7 +5,8 @@ It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``ho
 ``both``), an arena segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the
 chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols), with ``"overlap":
 true`` also ``all_to_all_heads`` in as many head pieces as chunks (each piece produced on demand
-from the pattern) and ``all_gather_rows_each`` (each rank's rows handed over once).  Every rank
+from the pattern) and ``all_gather_rows_each`` (each rank's rows handed over once); a layout
+planned with ``qkv`` adds ``all_to_all_qkv`` (of a ``[S, 3·C]`` pattern).  Every rank
 generates every rank's inputs from the case seed, so it checks its own results against the exact
 expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed
 one. Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a
@@ -28,7 +29,7 @@ import torch
 
 from workers.dit.protocol import Transport
 from workers.runtime.shm import Segment
-from workers.transports.host import ArenaLayout, ExchangeError, HostExchange
+from workers.transports.host import ArenaLayout, ExchangeError, HostExchange, packed_qkv
 
 
 def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +92,14 @@ def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_ho
                     local_cols = y[:, c0:c1].clone()
                     g = timed(ex.all_gather_rows, local_rows, chunks, gather_s)
                     a = timed(ex.all_to_all_cols, local_cols, chunks, a2a_s)
+                    if layout.q_offsets:
+                        z = torch.cat([y, y.flip(0), -y], dim=1)  # q, k, v of every head
+                        q = ex.all_to_all_qkv(z[r0:r1].clone(), chunks)
+                        if not torch.equal(q, packed_qkv(z, layout.qkv_cols(rank))):
+                            result["failures"].append(
+                                f"{tname} chunks={chunks} round={rnd} block={blk}: "
+                                "all_to_all_qkv differs"
+                            )
                     if not torch.equal(g, x):
                         result["failures"].append(
                             f"{tname} chunks={chunks} round={rnd} block={blk}: gather differs"

@@ -171,6 +171,7 @@ def run(
     seed: int = 1234,
     residencies: Sequence[str] = ("resident", "stream"),
     overlaps: Sequence[str] = OVERLAPS,
+    pattern: str = "gather",
 ) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
     res: dict = {
@@ -186,6 +187,7 @@ def run(
             "tokens": list(tokens),
             "steps": steps,
             "overlaps": list(overlaps),
+            "pattern": pattern,
         },
         "copy_bandwidth": copy_bandwidth(),
         "runs": [],
@@ -213,7 +215,9 @@ def run(
             print(f"unsplit {kind} {n}: {wall / layers * 1e3:.1f} ms/block", file=sys.stderr)
     for residency in residencies:
         for nr in ranks_list:
-            eng = SplitEngine(["cuda:0"] * nr, SplitOptions(vram_residency=residency))
+            eng = SplitEngine(
+                ["cuda:0"] * nr, SplitOptions(vram_residency=residency, pattern=pattern)
+            )
             try:
                 for kind in kinds:
                     eng.load_weights(("bench-gpu", kind, seed), cfg, models[kind].block_weights)
@@ -359,6 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated overlaps timed with 8 chunks beside the others: none, piecesN "
         "(attention in N head pieces), gather (qkv on the rows as they arrive), gather+piecesN",
     )
+    p.add_argument(
+        "--pattern",
+        choices=["gather", "ulysses", "auto"],
+        default="gather",
+        help="how attention gets its inputs (all-gather of the block input, or Ulysses' q/k/v "
+        "all-to-all)",
+    )
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
     overlaps = [o.strip() for o in a.overlap.split(",") if o.strip()]
@@ -381,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.steps,
             residencies=a.residency.split(","),
             overlaps=overlaps,
+            pattern=a.pattern,
         )
     finally:
         release_all_engines()

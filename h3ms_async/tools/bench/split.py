@@ -367,6 +367,7 @@ def run_bench_split(
     probe_rounds: int = 50,
     print_json: bool = True,
     overlaps: Sequence[str] = ("none",),
+    pattern: str = "gather",
 ) -> dict:
     """Run the benchmark; prints the JSON result (unless ``print_json`` is false) and returns it.
 
@@ -429,7 +430,8 @@ def run_bench_split(
         torch.cuda.reset_peak_memory_stats(dev)
     probe = signal_probe(len(ranks), probe_rounds)
     engine = SplitEngine(
-        ranks, SplitOptions(exchange=variants[0][0], exchange_chunks=variants[0][1])
+        ranks,
+        SplitOptions(exchange=variants[0][0], exchange_chunks=variants[0][1], pattern=pattern),
     )
     runs = [VariantRun(engine, ex, c, o) for ex, c, o in variants]
     unsplit_s: list[float] = []
@@ -497,6 +499,7 @@ def run_bench_split(
             ),
             "chunks": list(chunks),
             "overlaps": [o.name for o in asked],
+            "pattern": pattern,
             "exchanges": list(exchanges),
         },
         "setup_s": {"materialize_weights": materialize_s, "workers_start_and_load": load_s},
@@ -550,6 +553,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="host exchange chunk counts to compare (0/1: single shot)",
     )
     p.add_argument(
+        "--pattern",
+        choices=["gather", "ulysses", "auto"],
+        default="gather",
+        help="how attention gets its inputs (all-gather of the block input, or Ulysses' q/k/v "
+        "all-to-all)",
+    )
+    p.add_argument(
         "--overlap",
         default="none",
         help="overlaps to compare: none, piecesN (attention in N head pieces, each moved while the "
@@ -584,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.seed,
             a.probe_rounds,
             overlaps=[o.strip() for o in a.overlap.split(",") if o.strip()],
+            pattern=a.pattern,
         )
     except (ValueError, plans.GPUSelectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
