@@ -8,6 +8,8 @@ import argparse
 import sys
 from typing import NoReturn
 
+from workers.dit.protocol import PATTERNS
+
 #: Exit status of every command-line mistake (argparse's own convention).
 USAGE_EXIT = 2
 
@@ -68,3 +70,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
     return value
+
+
+def add_pattern_argument(p: argparse.ArgumentParser) -> None:
+    """``--pattern``: how a split block's attention gets its inputs (``SplitOptions.pattern``)."""
+    p.add_argument(
+        "--pattern",
+        choices=[*PATTERNS, "auto"],
+        default="gather",
+        help="how attention gets its inputs: the all-gather of the block input, Ulysses (an "
+        "all-to-all of q, k, v), or auto (the one that moves fewer bytes at this rank count)",
+    )

@@ -31,7 +31,7 @@ from h3ms_async.log import above_bars, ensure_console_handler, get_logger
 # Only light modules here: a mistyped option is answered before torch is imported (seconds on a busy
 # 2-core box).
 from h3ms_async.runtime import plans, rundir
-from h3ms_async.tools.cli import ArgParser, UsageError, port, positive_int
+from h3ms_async.tools.cli import ArgParser, UsageError, add_pattern_argument, port, positive_int
 from workers.dit.protocol import MAX_HEAD_PIECES, Transport
 
 if TYPE_CHECKING:
@@ -113,13 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention in this many head pieces per rank, each moved while the next computes, "
         f"0-{MAX_HEAD_PIECES} (0/1: one call; used where the probe measures the pieces exact)",
     )
-    p.add_argument(
-        "--pattern",
-        choices=["gather", "ulysses", "auto"],
-        default="gather",
-        help="how attention gets its inputs: all-gather of the block input, Ulysses (an all-to-all "
-        "of q, k, v), or auto (the one that moves fewer bytes at this rank count)",
-    )
+    add_pattern_argument(p)
     p.add_argument(
         "--gather-overlap",
         action="store_true",

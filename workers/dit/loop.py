@@ -86,31 +86,28 @@ def run_blocks(
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         attn: torch.Tensor | None = None
         if pattern == "ulysses":
-            qkv = _ulysses_qkv(
-                exchange, n1, blk, rope_freqs, heads_local, head_dim, eps, chunks, op_trace
-            )
+            qkv = _ulysses_projection(exchange, n1, blk, chunks)
         elif gather_overlap and sparse is None:
-            qkv = _gather_projecting(
-                exchange, n1, blk, rope_freqs, heads_local, head_dim, eps, op_trace
-            )
+            qkv = _gathered_projection(exchange, n1, blk)
         else:
             n1_full = exchange.all_gather_rows(n1, chunks)
             if sparse is not None:
                 attn = sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
             if attn is None:
-                qkv = dit_ops.project_qkv(
-                    n1_full,
-                    blk.qkv,
-                    blk.qkv_scale,
-                    w["attn.q_norm.weight"],
-                    w["attn.k_norm.weight"],
-                    rope_freqs,
-                    heads_local,
-                    head_dim,
-                    eps,
-                    quant=blk.quant["attn.qkv_proj"],
-                    trace=op_trace,
+                qkv = dit_ops.linear(
+                    n1_full, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"]
                 )
+        if attn is None:
+            dit_ops.norm_rope_(
+                qkv,
+                w["attn.q_norm.weight"],
+                w["attn.k_norm.weight"],
+                rope_freqs,
+                heads_local,
+                head_dim,
+                eps,
+                op_trace,
+            )
         if attn is not None:  # sparse attention ran
             attn_rows = exchange.all_to_all_cols(attn, chunks)
         elif head_pieces > 1:
@@ -145,50 +142,20 @@ def run_blocks(
     return per_block
 
 
-def _ulysses_qkv(
-    exchange: Exchange,
-    n1: torch.Tensor,
-    blk: BlockView,
-    rope_freqs: torch.Tensor,
-    heads_local: int,
-    head_dim: int,
-    eps: float,
-    chunks: int,
-    trace: dit_ops.Trace | None,
+def _ulysses_projection(
+    exchange: Exchange, n1: torch.Tensor, blk: BlockView, chunks: int
 ) -> torch.Tensor:
     """The Ulysses pattern's projection: q, k, v of every head for this rank's tokens (``blk.qkv``
     holds every head's rows), moved by the all-to-all so this rank holds its heads' for every token:
-    the packed, normed and roped ``[S, 3·h·D]`` that ``dit_ops.project_qkv`` makes."""
-    w = blk.weights
+    the group's packed ``[S, 3·h·D]`` projection (``dit_ops.norm_rope_`` still to run)."""
     own = dit_ops.linear(n1, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"])
-    qkv = exchange.all_to_all_qkv(own, chunks)
-    dit_ops.norm_rope_(
-        qkv,
-        w["attn.q_norm.weight"],
-        w["attn.k_norm.weight"],
-        rope_freqs,
-        heads_local,
-        head_dim,
-        eps,
-        trace,
-    )
-    return qkv
+    return exchange.all_to_all_qkv(own, chunks)
 
 
-def _gather_projecting(
-    exchange: Exchange,
-    n1: torch.Tensor,
-    blk: BlockView,
-    rope_freqs: torch.Tensor,
-    heads_local: int,
-    head_dim: int,
-    eps: float,
-    trace: dit_ops.Trace | None,
-) -> torch.Tensor:
+def _gathered_projection(exchange: Exchange, n1: torch.Tensor, blk: BlockView) -> torch.Tensor:
     """The all-gather of the block input with this rank's group's qkv projection computed on each
-    rank's rows as they arrive (this rank's first, while the others' travel): the packed, normed and
-    roped ``[S, 3·h·D]`` that ``dit_ops.project_qkv`` makes of the whole gathered input."""
-    w = blk.weights
+    rank's rows as they arrive (this rank's first, while the others' travel): the packed ``[S,
+    3·h·D]`` projection (``dit_ops.norm_rope_`` still to run)."""
     parts: dict[int, torch.Tensor] = {}
 
     def on_rows(a: int, b: int, rows: torch.Tensor) -> None:
@@ -197,18 +164,7 @@ def _gather_projecting(
         )
 
     exchange.all_gather_rows_each(n1, on_rows)
-    qkv = torch.cat([parts[a] for a in sorted(parts)])
-    dit_ops.norm_rope_(
-        qkv,
-        w["attn.q_norm.weight"],
-        w["attn.k_norm.weight"],
-        rope_freqs,
-        heads_local,
-        head_dim,
-        eps,
-        trace,
-    )
-    return qkv
+    return torch.cat([parts[a] for a in sorted(parts)])
 
 
 def _attend_in_pieces(

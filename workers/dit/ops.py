@@ -464,45 +464,6 @@ def warm_up(attend: Attend, device: torch.device, dtypes: Sequence[torch.dtype])
         torch.cuda.synchronize(device)
 
 
-def project_qkv(
-    n1_full: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_scale: torch.Tensor | None,
-    q_norm_w: torch.Tensor,
-    k_norm_w: torch.Tensor,
-    rope_freqs: torch.Tensor,
-    n_heads_local: int,
-    head_dim: int,
-    eps: float,
-    *,
-    quant: QuantInfo = QuantInfo(),
-    trace: Trace | None = None,
-) -> torch.Tensor:
-    """The group's packed ``[S, 3·h·D]`` projection of ``[S, H]`` modulated states, q and k normed
-    and roped in place.
-
-    ``qkv_w``/``qkv_scale`` are the group's rows (``slice_qkv_weights``).  Like ComfyUI: q, k, v are
-    strided views of one packed projection buffer (:func:`qkv_views`); the fused per-head RMSNorm +
-    split-half rope runs in place on q and k (both with the q-norm epsilon); ``trace`` sees the
-    projection.
-    """
-    seq = n1_full.shape[0]
-    inner = n_heads_local * head_dim
-    if qkv_w.shape[0] != 3 * inner:
-        raise ValueError(
-            f"qkv weight has {qkv_w.shape[0]} rows for {n_heads_local} heads x {head_dim}; "
-            f"expected {3 * inner} (slice it with slice_qkv_weights)"
-        )
-    if rope_freqs.shape[1] != seq:
-        raise ValueError(
-            f"rope_freqs covers {rope_freqs.shape[1]} tokens but the sequence has {seq}; pass the "
-            "full table (head groups see all tokens)"
-        )
-    qkv = linear(n1_full, qkv_w, qkv_scale, None, quant=quant)
-    norm_rope_(qkv, q_norm_w, k_norm_w, rope_freqs, n_heads_local, head_dim, eps, trace)
-    return qkv
-
-
 def norm_rope_(
     qkv: torch.Tensor,
     q_norm_w: torch.Tensor,
@@ -513,9 +474,21 @@ def norm_rope_(
     eps: float,
     trace: Trace | None = None,
 ) -> None:
-    """In place on a group's packed ``[S, 3·h·D]`` projection, as ComfyUI after its qkv linear:
-    the fused per-head RMSNorm + split-half rope of q and k (both with the q-norm epsilon);
-    ``trace`` sees the projection first."""
+    """In place on a head group's packed ``[S, 3·h·D]`` projection (the group's rows of the fused
+    qkv weight, ``slice_qkv_weights``), as ComfyUI after its qkv linear: q, k, v are strided views
+    of the one buffer (:func:`qkv_views`); the fused per-head RMSNorm + split-half rope runs on q
+    and k (both with the q-norm epsilon); ``trace`` sees the projection first."""
+    seq, width = qkv.shape
+    if width != 3 * n_heads * head_dim:
+        raise ValueError(
+            f"the qkv projection has {width} columns for {n_heads} heads x {head_dim}; expected "
+            f"{3 * n_heads * head_dim} (slice the weight with slice_qkv_weights)"
+        )
+    if rope_freqs.shape[1] != seq:
+        raise ValueError(
+            f"rope_freqs covers {rope_freqs.shape[1]} tokens but the sequence has {seq}; pass the "
+            "full table (head groups see all tokens)"
+        )
     if trace is not None:
         trace("attn.qkv_proj", qkv)
     q4, k4, _ = qkv_views(qkv, n_heads, head_dim)
@@ -534,7 +507,7 @@ def attend_group(
     trace: Trace | None = None,
 ) -> torch.Tensor:
     """Attention of a group's ``n_heads`` heads over all tokens in one call, on
-    :func:`project_qkv`'s projection: ``[S, h·D]`` (head-major).  v is cloned; attention sees ``[1,
+    :func:`norm_rope_`'s projection: ``[S, h·D]`` (head-major).  v is cloned; attention sees ``[1,
     h, S, D]`` transposed views; ``attend`` defaults to SDPA (``builtin_attend("sdpa")``); ``trace``
     sees the output."""
     out = attend_views(*qkv_views(qkv, n_heads, head_dim), attend or _SDPA)
@@ -546,7 +519,7 @@ def attend_group(
 def attend_head_piece(
     qkv: torch.Tensor, n_heads: int, head_dim: int, h0: int, h1: int, attend: Attend | None = None
 ) -> torch.Tensor:
-    """Attention of heads ``[h0, h1)`` of a group's packed projection (:func:`project_qkv`):
+    """Attention of heads ``[h0, h1)`` of a group's packed projection (:func:`norm_rope_`):
     ``[S, (h1-h0)·D]``, the heads' q, k, v packed alone as a rank whose group they are packs them,
     which is the layout the invariance probe measures head groups in."""
     piece = torch.cat(

@@ -224,7 +224,7 @@ class SparseStep:
         head_dim: int,
         eps: float,
     ) -> torch.Tensor | None:
-        """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like ``dit_ops.project_qkv``
+        """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like ``dit_ops.norm_rope_``
         + ``dit_ops.attend_group``; None when the settings keep this block dense (the caller then
         runs the dense path)."""
         seq = n1_full.shape[0]

@@ -39,7 +39,7 @@ from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
 from h3ms_async.observability.status import get_hub
-from h3ms_async.tools.cli import ArgParser, int_list, positive_int
+from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda
 
@@ -305,25 +305,9 @@ def summarize(res: dict) -> dict:
             if split_ms:
                 best = min(split_ms)
                 case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
-        one_call = {"overlap": "none"}
-        st = find(
-            kind=kind,
-            tokens=n,
-            mode="split2",
-            residency="stream",
-            exchange="host",
-            chunks=8,
-            **one_call,
-        )
-        rs = find(
-            kind=kind,
-            tokens=n,
-            mode="split2",
-            residency="resident",
-            exchange="host",
-            chunks=8,
-            **one_call,
-        )
+        plain = {"kind": kind, "tokens": n, "mode": "split2", "exchange": "host", "chunks": 8}
+        st = find(**plain, residency="stream", overlap="none")
+        rs = find(**plain, residency="resident", overlap="none")
         if st and rs:
             case["stream_vs_resident"] = st["per_block_s"] / rs["per_block_s"]
         if rs and rs.get("raw"):
@@ -363,13 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated overlaps timed with 8 chunks beside the others: none, piecesN "
         "(attention in N head pieces), gather (qkv on the rows as they arrive), gather+piecesN",
     )
-    p.add_argument(
-        "--pattern",
-        choices=["gather", "ulysses", "auto"],
-        default="gather",
-        help="how attention gets its inputs (all-gather of the block input, or Ulysses' q/k/v "
-        "all-to-all)",
-    )
+    add_pattern_argument(p)
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
     overlaps = [o.strip() for o in a.overlap.split(",") if o.strip()]

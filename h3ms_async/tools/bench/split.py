@@ -46,7 +46,7 @@ from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
 from h3ms_async.tools.bench.exchange import ProbeGroup
-from h3ms_async.tools.cli import ArgParser, int_list
+from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
 from workers.transports.dist import check_nccl_rank_map
 from workers.transports.host import ArenaLayout
 
@@ -552,13 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[0, 8],
         help="host exchange chunk counts to compare (0/1: single shot)",
     )
-    p.add_argument(
-        "--pattern",
-        choices=["gather", "ulysses", "auto"],
-        default="gather",
-        help="how attention gets its inputs (all-gather of the block input, or Ulysses' q/k/v "
-        "all-to-all)",
-    )
+    add_pattern_argument(p)
     p.add_argument(
         "--overlap",
         default="none",
