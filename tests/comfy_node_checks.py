@@ -627,6 +627,9 @@ def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split,
     with pytest.raises(MultiStreamError, match=r"H3 MS Sparse Attention: dense_blocks: block\(s\) \[3\]"):
         bad = SPARSE_NODE.H3MSSparseAttentionAsync().build("sol-attn", 1.3, 10.0, 0.2, 1.0, dense_blocks="3")[0]
         NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, sparse_attention=bad)
+    with pytest.raises(MultiStreamError, match="exchange_pattern 'ulysses' cannot run sparse attention.*gather or auto"):
+        NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None,
+                                        sparse_attention=settings, exchange_pattern="ulysses")
 
 
 def test_one_gpu_with_sparse_attention_runs_the_blocks_on_one_rank(monkeypatch):

@@ -39,10 +39,11 @@ def report(case, a, b, **extra):
     eq, diff = comfy_h3.same(a, b)
     print("CASE " + json.dumps(dict(case=case, equal=eq, max_diff=diff, **extra)), flush=True)
 
-def node(model, ranks, shares="", exchange="host", chunks=0, residency="auto", cache=True):
+def node(model, ranks, shares="", exchange="host", chunks=0, residency="auto", cache=True, pattern="gather"):
     os.environ["H3MS_RANK_MAP"] = ",".join(["cpu"] * ranks)
     gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
-    return N["H3MultiStreamAsync"]().patch(model, True, -1, exchange, chunks, cache, 0.0, residency, gpus)[0]
+    return N["H3MultiStreamAsync"]().patch(model, True, -1, exchange, chunks, cache, 0.0, residency, gpus,
+                                           exchange_pattern=pattern)[0]
 
 def write(tag, **kw):
     name = f"h3tiny-{{os.getpid()}}-{{tag}}.safetensors"
@@ -162,7 +163,8 @@ def test_default_cpu_attention():
 
 
 def test_pytorch_attention():
-    """``--use-pytorch-cross-attention`` (SDPA): fp32 / bf16->fp32 / int8 on 2 ranks, int8 on 3 ranks with shares."""
+    """``--use-pytorch-cross-attention`` (SDPA): fp32 / bf16->fp32 / int8 on 2 ranks, int8 on 3 ranks with shares;
+    the Ulysses pattern (the node's exchange_pattern) on 2 ranks and on 3 with shares."""
     cases = r'''
     assert A.optimized_attention.__name__ == "attention_pytorch", A.optimized_attention.__name__
     fp32 = comfy_h3.load(write("fp32"))
@@ -173,5 +175,9 @@ def test_pytorch_attention():
     plain8 = ksample(int8)
     report("int8 2 ranks", plain8, ksample(node(int8, 2)))
     report("int8 3 ranks shares 1,2,1", plain8, ksample(node(int8, 3, "1,2,1")))
+    report("int8 2 ranks ulysses", plain8, ksample(node(int8, 2, pattern="ulysses")),
+           pattern=S.engines()[0]._loaded.pattern)
+    report("bf16->fp32 3 ranks ulysses shares 1,2,1", ksample(bf16), ksample(node(bf16, 3, "1,2,1", pattern="ulysses")))
 '''
-    assert len(_run(cases, ["--use-pytorch-cross-attention"])) == 4
+    out = _run(cases, ["--use-pytorch-cross-attention"])
+    assert len(out) == 6 and out["int8 2 ranks ulysses"]["pattern"] == "ulysses"
