@@ -357,37 +357,39 @@ class CudaExchange:
             self.sync_s += time.perf_counter() - t
         return out
 
+    def _out(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """An op's result on this device (the H2D stream writes into it)."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        out.record_stream(self.h2d)
+        return out
+
     def begin(self, gen: int) -> None:
         self._inner.begin(gen)
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         cur = self._pre()
         lay = self._inner.layout
-        out = torch.empty((lay.tokens, lay.row_width), dtype=local.dtype, device=self.device)
-        out.record_stream(self.h2d)
+        out = self._out((lay.tokens, lay.row_width), local.dtype)
         return self._post(cur, self._inner.all_gather_rows(local, chunks, out=out))
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         cur = self._pre()
         lay = self._inner.layout
         t0, t1 = lay.rows(self._inner.rank)
-        out = torch.empty((t1 - t0, lay.columns), dtype=local.dtype, device=self.device)
-        out.record_stream(self.h2d)
+        out = self._out((t1 - t0, lay.columns), local.dtype)
         return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
 
     def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         cur = self._pre()
         lay = self._inner.layout
         c0, c1 = lay.cols(self._inner.rank)
-        out = torch.empty((lay.tokens, 3 * (c1 - c0)), dtype=local.dtype, device=self.device)
-        out.record_stream(self.h2d)
+        out = self._out((lay.tokens, 3 * (c1 - c0)), local.dtype)
         return self._post(cur, self._inner.all_to_all_qkv(local, chunks, out=out))
 
     def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
         cur = self._pre()
         lay = self._inner.layout
-        out = torch.empty((lay.tokens, lay.row_width), dtype=local.dtype, device=self.device)
-        out.record_stream(self.h2d)
+        out = self._out((lay.tokens, lay.row_width), local.dtype)
 
         def each(a: int, b: int, rows: torch.Tensor) -> None:
             cur.wait_stream(self.h2d)  # these rows' copy in was queued before this call
@@ -399,8 +401,7 @@ class CudaExchange:
         cur = self._pre()
         lay = self._inner.layout
         t0, t1 = lay.rows(self._inner.rank)
-        out = torch.empty((t1 - t0, lay.columns), dtype=lay.torch_dtype, device=self.device)
-        out.record_stream(self.h2d)
+        out = self._out((t1 - t0, lay.columns), lay.torch_dtype)
         return self._post(cur, self._inner.all_to_all_heads(produce, pieces, out=out))
 
     def counters(self) -> tuple[float, float]:

@@ -202,8 +202,7 @@ class DistExchange:
         send = local.contiguous().view(-1)
         in_splits = [n * (c1 - c0) for n in self._counts]
         out_splits = [mine * w for w in widths]
-        recv = torch.empty(sum(out_splits), dtype=local.dtype, device=local.device)
-        self._collective(dist.all_to_all_single, recv, send, out_splits, in_splits)
+        recv = self._all_to_all(send, in_splits, out_splits)
         t = time.perf_counter()
         off = 0
         for p, w in enumerate(widths):
@@ -211,9 +210,6 @@ class DistExchange:
             out[:, p0:p1].copy_(recv[off : off + mine * w].view(mine, w))
             off += mine * w
         self._stats["copy_s"] += time.perf_counter() - t
-        esz = local.element_size()
-        self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])
-        self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
         return out
 
     def all_to_all_qkv(
@@ -240,14 +236,10 @@ class DistExchange:
         widths = [3 * (b - a) for a, b in (lay.cols(p) for p in range(self.world))]
         in_splits = [self._counts[me] * w for w in widths]
         out_splits = [n * 3 * (c1 - c0) for n in self._counts]
-        recv = torch.empty(sum(out_splits), dtype=local.dtype, device=local.device)
-        self._collective(dist.all_to_all_single, recv, send, out_splits, in_splits)
+        recv = self._all_to_all(send, in_splits, out_splits)
         t = time.perf_counter()
         out.copy_(recv.view(lay.tokens, 3 * (c1 - c0)))
         self._stats["copy_s"] += time.perf_counter() - t
-        esz = local.element_size()
-        self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])
-        self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
         return out
 
     def all_gather_rows_each(
@@ -305,6 +297,19 @@ class DistExchange:
             )
         self._stats["ops"] += 1
         self._check_abort("start")
+
+    def _all_to_all(
+        self, send: torch.Tensor, in_splits: list[int], out_splits: list[int]
+    ) -> torch.Tensor:
+        """One ``all_to_all_single`` of the flat ``send`` (``in_splits`` elements to each rank, in
+        rank order); returns what arrived (``out_splits`` from each) and counts the bytes that
+        crossed."""
+        recv = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
+        self._collective(dist.all_to_all_single, recv, send, out_splits, in_splits)
+        esz, me = send.element_size(), self.rank
+        self._stats["bytes_written"] += esz * (sum(in_splits) - in_splits[me])
+        self._stats["bytes_read"] += esz * (sum(out_splits) - out_splits[me])
+        return recv
 
     def _collective(self, fn, *args) -> None:
         t = time.perf_counter()
