@@ -1,20 +1,19 @@
-"""The VAE chunk plan and the ordered blend/write against ComfyUI's recorded ones (../shared/golden)."""
+"""The VAE chunk plan and the ordered blend/write against ComfyUI's recorded ones (the shared golden files:
+``$H3MS_GOLDEN_DIR``, else ``$H3MS_SHARED/golden``, else ``../shared/golden``)."""
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import GOLDEN_DIR as GOLDEN
 from h3ms_async.vae import plan as vae_plan
 from h3ms_async.vae.plan import Assembler, VaeGeometry, chunk_counts, deal, make_plan
 
-pytestmark = pytest.mark.fast
-
-GOLDEN = Path(__file__).resolve().parent.parent.parent / "shared" / "golden"
-pytestmark = pytest.mark.skipif(not (GOLDEN / "vae_plans.json").is_file(), reason=f"no golden files in {GOLDEN}")
+pytestmark = [pytest.mark.fast,
+              pytest.mark.skipif(not (GOLDEN / "vae_plans.json").is_file(), reason=f"no golden files in {GOLDEN}")]
 
 
 def _plans() -> list[dict]:
