@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The split inside real ComfyUI on one CUDA GPU, then its node-level cost; everything lands in $OUT.
 # tests <= 8 min, cost <= 5 min: run them as separate device calls (a call may take 10 min at most).
-#   source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh [tests|lora|cost|all]  (carry .ck .whl .carry)
+#   source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh [tests|lora|cost|cold|all]  (carry .ck .whl .carry)
 #   lora: only the LoRA groups of tests/test_cuda_comfy.py (SDPA + DynamicVRAM, SDPA + --novram).
+#   cold: benchmarks/comfy_cold_start.py, all 50 full-width int8 blocks (a ~46 GB checkpoint written to disk first):
+#   plain ComfyUI's load + first step against the node's (workers' start, weight-store fill, ranks' load, probe), then
+#   the node's second prompt (nothing refilled); ~5-8 min, a call of its own (fewer blocks: COLD_LAYERS=25).
 # 1. tests/test_cuda_comfy.py: ComfyUI started as main.py starts (DynamicVRAM on; once --disable-dynamic-vram),
 #    ranks cuda:0,cuda:0 and cuda:0,cuda:0,cuda:0 (shares 1,2,1), bf16 and int8, SDPA and --use-ck-attention, a LoRA,
 #    every output torch.equal to plain ComfyUI including each first call after the workers start.
@@ -29,6 +32,11 @@ if [ "$what" = lora ]; then
 fi
 if [ "$what" = cost ] || [ "$what" = all ]; then
   timeout 270 python3 benchmarks/comfy_node_cost.py --out "$out" 2>&1 | tee "$out/comfy_node_cost.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [ "$what" = cold ]; then
+  timeout 580 python3 benchmarks/comfy_cold_start.py --layers "${COLD_LAYERS:-50}" --timeout 560 --out "$out" 2>&1 \
+    | tee "$out/comfy_cold_start.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 exit $rc

@@ -60,7 +60,8 @@ def state_dict(layers: int = 3, dtype: torch.dtype = torch.float32, int8: bool =
     ``text_dim``: the conditioning width ComfyUI reads from ``condition_proj``, e.g. :data:`LOTUS_TEXT_DIM`;
     ``dims``: the block stack's shape, e.g. :data:`FULL`; ``device``: where the random numbers are drawn, e.g.
     ``cuda`` for full width; ``scale_2d``: int8 row scales as ``[N, 1]``, the shape kitchen's eager dequantize takes,
-    which ComfyUI's cast runs on a patched int8 layer; otherwise ``[N]``). Tensors come back on the CPU."""
+    which ComfyUI's cast runs on a patched int8 layer; otherwise ``[N]``). Tensors come back on the CPU. Each block
+    is converted as soon as it is drawn, so a full-width stack never exists in fp32 at once."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def r(*shape: int, s: float = 0.08) -> torch.Tensor:
@@ -82,23 +83,25 @@ def state_dict(layers: int = 3, dtype: torch.dtype = torch.float32, int8: bool =
         "final_layer.audio_out.weight": r(32, d.hidden), "final_layer.audio_out.bias": r(32),
     }
     sd.update(_block(r, "token_refiner.blocks.0.", False, d))
-    for i in range(layers):
-        sd.update(_block(r, f"blocks.{i}.", True, d))
     fp32_islands = ("video_patch_proj", "audio_patch_proj", "time_embedder", "final_layer.video_out",
                     "final_layer.audio_out", "rope.")
-    out = {}
-    for k, v in sd.items():
-        out[k] = v if k.startswith(fp32_islands) else v.to(dtype)
-    if int8:
-        conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode("utf-8")), dtype=torch.uint8)
-        for i in range(layers):
-            for lin in INT8_LINEARS:
-                key = f"blocks.{i}.{lin}"
-                w = sd[f"{key}.weight"].float()
-                scale = w.abs().amax(dim=1) / 127.0
-                out[f"{key}.weight"] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-                out[f"{key}.weight_scale"] = scale.float().reshape((-1, 1) if scale_2d else (-1,))
-                out[f"{key}.comfy_quant"] = conf.clone()
+    conf = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode("utf-8")), dtype=torch.uint8)
+
+    def converted(part: dict[str, torch.Tensor], quantized: str | None) -> dict[str, torch.Tensor]:
+        out = {k: v if k.startswith(fp32_islands) else v.to(dtype) for k, v in part.items()}
+        for lin in INT8_LINEARS if quantized is not None else ():
+            key = f"{quantized}{lin}"
+            w = part[f"{key}.weight"].float()
+            scale = w.abs().amax(dim=1) / 127.0
+            out[f"{key}.weight"] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            out[f"{key}.weight_scale"] = scale.float().reshape((-1, 1) if scale_2d else (-1,))
+            out[f"{key}.comfy_quant"] = conf.clone()
+        return out
+
+    out = converted(sd, None)
+    for i in range(layers):
+        prefix = f"blocks.{i}."
+        out.update(converted(_block(r, prefix, True, d), prefix if int8 else None))
     return out
 
 

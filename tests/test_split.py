@@ -194,6 +194,40 @@ def test_fewer_tokens_than_ranks(engine_factory, int8_model):
         assert [r["tokens"][1] - r["tokens"][0] for r in get_hub().recent_steps(1)[0]["ranks"]] == [3, 3, 3, 3]
 
 
+def test_workers_start_while_the_store_fills(engine_factory, int8_model):
+    """The workers' start overlaps the weight-store fill: the last block is read only once every worker is up (the
+    reader waits for them; were the start queued after the fill, it would wait out its deadline), and the load's
+    phases say so. A second load of the same key fills nothing."""
+    eng = engine_factory(["cpu"] * 2)
+    seen_up = []
+
+    def read(i: int):
+        if i == CFG.layers - 1:
+            deadline = time.monotonic() + 60
+            while not eng.pool.running and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen_up.append(eng.pool.running and all(p is not None for p in eng.pool.worker_pids()))
+        return int8_model.block_weights(i)
+
+    assert eng.load_weights(("t", "int8", 5), CFG, read)
+    assert seen_up == [True]
+    load = eng.last_load
+    assert load is not None and load.fill_bytes > 0 and load.workers_start_s > 0
+    assert load.fill_s >= load.workers_start_s  # the fill waited for the start inside the reader
+    assert load.start_wait_s < load.workers_start_s
+    assert not eng.load_weights(("t", "int8", 5), CFG, read)  # nothing refilled, nothing restarted
+    assert eng.last_load is load
+
+
+def test_a_refused_store_starts_no_workers(engine_factory, int8_model):
+    """The workers start only once the store passed its RAM check: a refused fill leaves nothing running."""
+    from h3ms_async.runtime.weight_store import WeightStoreRefused
+    eng = engine_factory(["cpu"] * 2, cache_ram_reserve_gb=1e6)
+    with pytest.raises(WeightStoreRefused, match="cache_ram_reserve_gb=1e"):
+        eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    assert not eng.pool.running and _no_workers_alive()
+
+
 BIG = DiTConfig(hidden=384, layers=8, heads=8, head_dim=48, ffn=1024, t_dim=32, rope_pairs=12)
 
 

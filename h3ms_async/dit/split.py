@@ -18,6 +18,7 @@ every rank's waits.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import os
 import time
@@ -37,6 +38,7 @@ from h3ms_async.log import get_logger
 from h3ms_async.observability.records import RankRecord, StepRecord, now_iso
 from h3ms_async.observability.status import get_hub, record_verdict
 from h3ms_async.runtime import plans
+from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
@@ -180,6 +182,34 @@ class SplitOptions:
             )
 
 
+@dataclass(frozen=True)
+class LoadTimes:
+    """Where a weight load's wall time went (``SplitEngine.last_load``): the workers start while
+    the store fills, so ``wall_s`` is about ``fill_s + start_wait_s + ranks_load_s``."""
+
+    #: the pool's start (0 when the workers were already up)
+    workers_start_s: float
+    fill_s: float
+    fill_bytes: int
+    #: the wait for the workers after the fill (the part of their start the fill did not hide)
+    start_wait_s: float
+    #: every rank mapping the store and placing its weights (``dit_load``)
+    ranks_load_s: float
+    wall_s: float
+
+    @property
+    def fill_gbps(self) -> float:
+        return self.fill_bytes / max(self.fill_s, 1e-9) / 1e9
+
+    def line(self) -> str:
+        return (
+            f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
+            f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s), workers started in "
+            f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "
+            f"fill), ranks loaded in {self.ranks_load_s:.2f}s"
+        )
+
+
 @dataclass
 class _Loaded:
     store: WeightStore
@@ -236,6 +266,8 @@ class SplitEngine(Engine):
         #: (``new_buffers``), a new side segment (``new_side``) and their creation (``buffers_s``),
         #: staging the inputs into shm, the ranks' job, queuing the copy back.
         self.last_phases: dict = {}
+        #: The last weight load's phases (None until one ran).
+        self.last_load: LoadTimes | None = None
 
     # -- properties --------------------------------------------------------------------------------
     @property
@@ -292,17 +324,51 @@ class SplitEngine(Engine):
             ):
                 return False
             self._drop_store()
-            store = fill(key, n, block_weights, reserve_gb=self.options.cache_ram_reserve_gb)
+            t0 = time.perf_counter()
+            starting: list[cf.Future[float]] = []
+
+            def start_workers() -> None:
+                # The workers start while the blocks are copied (once the store passed its RAM and
+                # /dev/shm checks): a CUDA worker's start takes seconds, a whole H3's fill tens.
+                starting.append(get_coordinator().submit(self._start_workers()))
+
+            store = fill(
+                key,
+                n,
+                block_weights,
+                reserve_gb=self.options.cache_ram_reserve_gb,
+                on_sized=start_workers,
+            )
+            t_filled = time.perf_counter()
             dtype = compute_dtype or store.block(0)["norm1.weight"].dtype
             self._loaded = _Loaded(store, config, head_bounds, dtype_name(dtype), pattern)
             try:
+                started_s = self.wait(
+                    starting, self.pool.start_timeout + 30.0, "starting the workers"
+                )[0]
+                t_started = time.perf_counter()
                 self.run(
                     self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks"
                 )
             except BaseException:
                 self._drop_store()
                 raise
+            self.last_load = LoadTimes(
+                workers_start_s=started_s,
+                fill_s=store.fill_seconds,
+                fill_bytes=store.nbytes,
+                start_wait_s=t_started - t_filled,
+                ranks_load_s=time.perf_counter() - t_started,
+                wall_s=time.perf_counter() - t0,
+            )
+            log.info("%s", self.last_load.line())
             return True
+
+    async def _start_workers(self) -> float:
+        """Start the pool (a no-op when it runs); returns the seconds it took."""
+        t = time.perf_counter()
+        await self.pool.start()
+        return time.perf_counter() - t
 
     def _pattern(self, config: DiTConfig) -> dit_protocol.Pattern:
         """The pattern to load for: the option's, or for "auto" the one whose exchange moves fewer

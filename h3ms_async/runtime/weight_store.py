@@ -82,12 +82,15 @@ def fill(
     *,
     reserve_gb: float = 0.0,
     create: Callable[[int, str], Segment] = Segment.create,
+    on_sized: Callable[[], None] | None = None,
 ) -> WeightStore:
     """Copy ``n_blocks`` blocks from ``read_block(i)`` into a new store.
 
     ``reserve_gb``: RAM that must stay available after the store is filled (the node's
     ``cache_ram_reserve_gb``); refusing raises :class:`WeightStoreRefused` with the numbers.
     ``create`` makes the segment (a pool's ``create_segment`` so the pool unlinks it at release).
+    ``on_sized`` runs once the segment is made (the RAM and /dev/shm checks passed), before the
+    blocks are copied: what may run beside the copy starts there.
     """
     if n_blocks < 1:
         raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
@@ -108,6 +111,8 @@ def fill(
     except ShmError as exc:
         raise WeightStoreRefused(str(exc)) from None
     try:
+        if on_sized is not None:
+            on_sized()
         arena = Arena(seg)
         manifest: list[dict[str, TensorDesc]] = []
         for i in range(n_blocks):

@@ -1,0 +1,219 @@
+"""Cold start through real ComfyUI: what a prompt pays before its steps run at speed, plain ComfyUI against the node,
+from the same checkpoint file read from disk; then the node's second prompt, which must refill nothing.
+
+    python benchmarks/comfy_cold_start.py --out "$OUT"        (after ``source benchmarks/device_setup.sh``; CUDA)
+    python benchmarks/comfy_cold_start.py --dims tiny --layers 3 --ranks cpu,cpu --out /tmp/cold   (CPU)
+
+ComfyUI starts as ``main.py`` starts (``import main``: DynamicVRAM on where CUDA is) and loads the pack with its own
+loader. The script writes a random-weight H3 checkpoint in ComfyUI's int8 format (H3's key names; ``--dims full``:
+5376 wide, 56 heads x 128, MLP 14336, bf16 adaLN and norms; ``--layers`` blocks, all 50 by default) into ComfyUI's
+``diffusion_models`` folder, flushes it, and drops it from the page cache (``posix_fadvise``) before each load, so
+both sides read it from disk. Then:
+
+1. plain ComfyUI: ``UNETLoader``, then ``--steps`` sampling steps (cfg 1: one model call per step), each call's
+   block stack timed between two forward hooks on ComfyUI's own modules (each syncs the GPU). ComfyUI's cold cost =
+   the loader + (first block stack - the steady one): under DynamicVRAM the weights are read during the first call.
+2. ``unload_all_models()``, as between prompts; the model is loaded again from the dropped file and H3 MultiStream
+   (``--ranks``, host exchange, resident weights, weight cache on) patches it. The node's cold cost = the loader +
+   (first block stack - the steady one): the workers' start, the weight-store fill, the ranks' load, the exactness
+   probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down).
+3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
+   whether the store was filled again (it must not be).
+
+Beside them: the file's sequential read rate after a drop (its first 4 GiB), and the copy bandwidths the fill is bounded by (CUDA:
+pinned and pageable device-to-host and host-to-device; CPU: a host memcpy). JSON: ``$OUT/comfy_cold_start.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import comfy_tree  # noqa: E402
+
+_BODY = r'''
+import gc, json, os, sys, time, torch
+sys.path.insert(0, {tests!r})
+import main  # noqa: F401  (ComfyUI's start-up: DynamicVRAM on where CUDA is)
+import comfy_h3, nodes, folder_paths, safetensors.torch
+import comfy.model_management as mm
+from comfy_extras.nodes_minimax_h3 import temporal_shape
+comfy_h3.start()
+from h3ms_async.observability.status import get_hub  # the pack's own copy, loaded by start()
+N = nodes.NODE_CLASS_MAPPINGS
+cuda = torch.cuda.is_available()
+dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
+W, H, TEXT = {width}, {height}, 9
+length = 5
+while True:  # the smallest length on H3's 17k+5 frame grid with >= the wanted packed tokens
+    _, lat_t, audio_t = temporal_shape(length)
+    tokens = TEXT + lat_t * (H // 32) * (W // 32) + audio_t
+    if tokens >= {tokens}:
+        break
+    length += 17
+KW = dict(width=W, height=H, length=length, text_len=TEXT, steps={steps}, cfg=1.0)
+
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+
+name = "h3ms_cold_start.safetensors"
+path = os.path.join(comfy_h3.checkpoint_dir(), name)
+t = time.perf_counter()
+sd = comfy_h3.state_dict(layers={layers}, int8=True, dtype=torch.bfloat16, dims=dims,
+                         device="cuda" if cuda else "cpu")
+safetensors.torch.save_file(sd, path)
+del sd
+gc.collect()
+fd = os.open(path, os.O_RDONLY)
+os.fsync(fd)  # dirty pages cannot be dropped
+os.close(fd)
+write_s = time.perf_counter() - t
+file_bytes = os.path.getsize(path)
+
+def drop_cache():
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+drop_cache()
+t = time.perf_counter()
+read = 0
+with open(path, "rb", buffering=0) as fh:  # the first 4 GiB at most: a rate, not a second load
+    piece = bytearray(64 << 20)
+    while read < (4 << 30) and (got := fh.readinto(piece)):
+        read += got
+disk_gbps = read / (time.perf_counter() - t) / 1e9
+
+def gbps(fn, nbytes, reps=3):
+    fn(); sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return round(nbytes * reps / (time.perf_counter() - t) / 1e9, 2)
+
+n = 1 << 30
+copies = {{}}
+host = torch.empty(n, dtype=torch.uint8)
+if cuda:
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    copies["d2h_pinned_gbps"] = gbps(lambda: pinned.copy_(dev, non_blocking=True), n)
+    copies["h2d_pinned_gbps"] = gbps(lambda: dev.copy_(pinned, non_blocking=True), n)
+    copies["d2h_pageable_gbps"] = gbps(lambda: host.copy_(dev), n)
+    copies["h2d_pageable_gbps"] = gbps(lambda: dev.copy_(host), n)
+    del dev, pinned
+else:
+    other = torch.ones(n, dtype=torch.uint8)
+    copies["host_memcpy_gbps"] = gbps(lambda: host.copy_(other), n)
+    del other
+del host
+gc.collect()
+
+times, mark = [], []
+def _start(module, args, out):
+    sync(); mark[:] = [time.perf_counter()]
+def _stop(module, args):
+    sync(); times.append(time.perf_counter() - mark[0])
+
+def loaded():
+    """UNETLoader on the dropped file, hooks on the new model's own modules; (patcher, seconds)."""
+    drop_cache()
+    t = time.perf_counter()
+    model = comfy_h3.load(name)
+    s = time.perf_counter() - t
+    dm = model.get_model_object("diffusion_model")
+    dm.time_embedder.register_forward_hook(_start)
+    dm.final_layer.register_forward_pre_hook(_stop)
+    return model, s
+
+def sample(model):
+    times.clear()
+    comfy_h3.ksample(model, **KW)
+    return [round(x, 4) for x in times]
+
+def cold(load_s, stacks):
+    return round(load_s + stacks[0] - min(stacks[1:]), 4)
+
+model, plain_load_s = loaded()
+patcher = type(model).__name__
+plain = sample(model)
+del model
+mm.unload_all_models()
+gc.collect()
+mm.soft_empty_cache()
+
+os.environ["H3MS_RANK_MAP"] = {ranks!r}
+model, node_load_s = loaded()
+split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", None)[0]
+from h3ms_async.dit import split as S
+first = sample(split)
+eng = S.engines()[0]
+load = eng.last_load
+segment = eng._loaded.store.segment.name
+second = sample(split)
+refilled = eng.last_load is not load or eng._loaded.store.segment.name != segment
+verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
+comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
+print("RESULT " + json.dumps(dict(
+    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, tokens=get_hub().recent_steps(1)[0]["tokens"],
+    width=W, height=H, length=length, checkpoint_bytes=file_bytes, checkpoint_write_s=round(write_s, 2),
+    disk_read_gbps=round(disk_gbps, 2), copies=copies,
+    plain=dict(load_s=round(plain_load_s, 4), block_stack_s=plain, cold_s=comfy_cold),
+    node_first_prompt=dict(load_s=round(node_load_s, 4), block_stack_s=first, cold_s=node_cold,
+                           weights=dict(workers_start_s=round(load.workers_start_s, 3), fill_s=round(load.fill_s, 3),
+                                        fill_bytes=load.fill_bytes, fill_gbps=round(load.fill_gbps, 2),
+                                        start_wait_s=round(load.start_wait_s, 3),
+                                        ranks_load_s=round(load.ranks_load_s, 3), wall_s=round(load.wall_s, 3)),
+                           probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0)),
+    node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
+                            refilled=refilled),
+    node_cold_over_comfy_cold=round(node_cold / comfy_cold, 3) if comfy_cold > 0 else None,
+)), flush=True)
+N["H3MSReleaseResourcesAsync"]().run(True, True, True)
+os.remove(path)
+'''
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", choices=("full", "tiny"), default="full", help="block-stack width (full: H3's own)")
+    p.add_argument("--layers", type=int, default=50, help="blocks in the checkpoint (H3 has 50)")
+    p.add_argument("--tokens", type=int, default=20000, help="packed tokens wanted per step")
+    p.add_argument("--width", type=int, default=1344)
+    p.add_argument("--height", type=int, default=768)
+    p.add_argument("--steps", type=int, default=2, help="sampling steps per prompt (>= 2: the first is the cold one)")
+    p.add_argument("--ranks", default="cuda:0,cuda:0", help="the node's rank map (H3MS_RANK_MAP)")
+    p.add_argument("--timeout", type=float, default=560.0, help="seconds for the whole ComfyUI run")
+    p.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".out")))
+    a = p.parse_args()
+    if a.steps < 2:
+        p.error("--steps must be >= 2: a prompt's cold cost is its first block stack over a steady one")
+    os.makedirs(a.out, exist_ok=True)
+    body = _BODY.format(tests=os.path.join(ROOT, "tests"), dims=a.dims, layers=a.layers, tokens=a.tokens,
+                        width=a.width, height=a.height, steps=a.steps, ranks=a.ranks)
+    args = ["--disable-api-nodes"] + ([] if a.ranks.startswith("cuda") else ["--cpu"])
+    with tempfile.TemporaryDirectory() as web_root:  # ComfyUI's frontend package is not on the GPU machine
+        r = comfy_tree.run_comfy_script(body, args + ["--front-end-root", web_root], timeout_s=a.timeout)
+    with open(os.path.join(a.out, "comfy_cold_start_comfyui.log"), "w") as fh:
+        fh.write(r.stdout + "\n" + r.stderr)
+    found = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode != 0 or not found:
+        print(f"ComfyUI run failed (rc {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr)
+        return 1
+    res = found[0]
+    with open(os.path.join(a.out, "comfy_cold_start.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

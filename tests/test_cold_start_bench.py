@@ -1,0 +1,37 @@
+"""``benchmarks/comfy_cold_start.py`` at a tiny size on CPU ranks inside real ComfyUI: plain ComfyUI's and the node's
+cold cost from the same checkpoint file, the node's load phases (the workers start while the store fills), and a second
+prompt that refills nothing (the GPU run uses the same script at full size: docs/performance.md)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import comfy_tree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")
+def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "comfy_cold_start.py"), "--dims", "tiny",
+                        "--layers", "3", "--ranks", "cpu,cpu", "--width", "64", "--height", "64", "--tokens", "1",
+                        "--timeout", "240", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "comfy_cold_start.json").read_text())
+    assert rep["patcher"] == "ModelPatcher" and rep["devices"] == ["cpu", "cpu"] and rep["layers"] == 3
+    assert rep["checkpoint_bytes"] > 0 and rep["copies"]["host_memcpy_gbps"] > 0
+    for side in ("plain", "node_first_prompt"):
+        assert len(rep[side]["block_stack_s"]) == 2 and rep[side]["cold_s"] > 0, side
+    first = rep["node_first_prompt"]
+    w = first["weights"]
+    # the workers started beside the fill, so after it the wait is at most the start itself
+    assert w["fill_bytes"] > 0 and w["workers_start_s"] > 0 and w["start_wait_s"] <= w["workers_start_s"]
+    assert w["wall_s"] >= w["fill_s"] + w["ranks_load_s"]
+    assert first["probe_ms"] > 0
+    assert rep["node_second_prompt"]["refilled"] is False
+    assert rep["node_cold_over_comfy_cold"] == pytest.approx(first["cold_s"] / rep["plain"]["cold_s"], rel=0.01)
