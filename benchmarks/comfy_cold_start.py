@@ -41,20 +41,13 @@ sys.path.insert(0, {tests!r})
 import main  # noqa: F401  (ComfyUI's start-up: DynamicVRAM on where CUDA is)
 import comfy_h3, nodes, folder_paths, safetensors.torch
 import comfy.model_management as mm
-from comfy_extras.nodes_minimax_h3 import temporal_shape
 comfy_h3.start()
 from h3ms_async.observability.status import get_hub  # the pack's own copy, loaded by start()
 N = nodes.NODE_CLASS_MAPPINGS
 cuda = torch.cuda.is_available()
 dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
 W, H, TEXT = {width}, {height}, 9
-length = 5
-while True:  # the smallest length on H3's 17k+5 frame grid with >= the wanted packed tokens
-    _, lat_t, audio_t = temporal_shape(length)
-    tokens = TEXT + lat_t * (H // 32) * (W // 32) + audio_t
-    if tokens >= {tokens}:
-        break
-    length += 17
+length = comfy_h3.length_for_tokens({tokens}, W, H, TEXT)
 KW = dict(width=W, height=H, length=length, text_len=TEXT, steps={steps}, cfg=1.0)
 
 def sync():
@@ -117,11 +110,7 @@ else:
 del host
 gc.collect()
 
-times, mark = [], []
-def _start(module, args, out):
-    sync(); mark[:] = [time.perf_counter()]
-def _stop(module, args):
-    sync(); times.append(time.perf_counter() - mark[0])
+timer = comfy_h3.BlockStackTimer()
 
 def loaded():
     """UNETLoader on the dropped file, hooks on the new model's own modules; (patcher, seconds)."""
@@ -129,15 +118,13 @@ def loaded():
     t = time.perf_counter()
     model = comfy_h3.load(name)
     s = time.perf_counter() - t
-    dm = model.get_model_object("diffusion_model")
-    dm.time_embedder.register_forward_hook(_start)
-    dm.final_layer.register_forward_pre_hook(_stop)
+    timer.attach(model)
     return model, s
 
 def sample(model):
-    times.clear()
+    timer.times.clear()
     comfy_h3.ksample(model, **KW)
-    return [round(x, 4) for x in times]
+    return [round(x, 4) for x in timer.times]
 
 def cold(load_s, stacks):
     return round(load_s + stacks[0] - min(stacks[1:]), 4)

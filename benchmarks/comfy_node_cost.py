@@ -32,32 +32,20 @@ import json, os, sys, time, torch
 sys.path.insert(0, {tests!r})
 import main  # noqa: F401  (ComfyUI's start-up: DynamicVRAM on)
 import comfy_h3, nodes, comfy.sd, comfy.model_patcher
-from comfy_extras.nodes_minimax_h3 import temporal_shape
 from h3ms_async.observability.status import get_hub
 comfy_h3.start()
 N = nodes.NODE_CLASS_MAPPINGS
 W, H, TEXT = 1344, 768, 9
-length = 5
-while True:  # the smallest length on H3's 17k+5 frame grid with >= the wanted packed tokens
-    _, lat_t, audio_t = temporal_shape(length)
-    tokens = TEXT + lat_t * (H // 32) * (W // 32) + audio_t
-    if tokens >= {tokens}:
-        break
-    length += 17
+length = comfy_h3.length_for_tokens({tokens}, W, H, TEXT)
 t = time.perf_counter()
 sd = comfy_h3.state_dict(layers={layers}, int8=True, dtype=torch.bfloat16, dims=comfy_h3.FULL, device="cuda")
 with torch.inference_mode():
     model = comfy.sd.load_diffusion_model_state_dict(sd)
 del sd
 build_s = time.perf_counter() - t
-dm = model.get_model_object("diffusion_model")
-times, mark = [], []
-def _start(module, args, out):
-    torch.cuda.synchronize(); mark[:] = [time.perf_counter()]
-def _stop(module, args):
-    torch.cuda.synchronize(); times.append(time.perf_counter() - mark[0])
-dm.time_embedder.register_forward_hook(_start)
-dm.final_layer.register_forward_pre_hook(_stop)
+timer = comfy_h3.BlockStackTimer()
+timer.attach(model)
+times = timer.times
 KW = dict(width=W, height=H, length=length, text_len=TEXT, steps={steps}, cfg=1.0)  # cfg 1: one call per step
 comfy_h3.ksample(model, **KW)
 plain = list(times); times.clear()

@@ -146,6 +146,46 @@ def ksample(model: Any, steps: int = 2, seed: int = 5, cfg: float = 2.0, **input
     return [t.detach().cpu().clone() for t in out["samples"].unbind()]
 
 
+def length_for_tokens(tokens: int, width: int, height: int, text_len: int) -> int:
+    """The smallest video length on H3's 17k+5 frame grid whose packed sequence (text, video, audio) at
+    ``width`` x ``height`` has at least ``tokens`` tokens."""
+    from comfy_extras.nodes_minimax_h3 import temporal_shape
+    length = 5
+    while True:
+        _, lat_t, audio_t = temporal_shape(length)
+        if text_len + lat_t * (height // 32) * (width // 32) + audio_t >= tokens:
+            return length
+        length += 17
+
+
+class BlockStackTimer:
+    """Each model call's block-stack seconds (``times``), taken between two forward hooks on ComfyUI's own modules:
+    after ``time_embedder``, the last module before the block loop, and before ``final_layer``; each syncs a CUDA
+    device first."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def attach(self, patcher: Any) -> None:
+        dm = patcher.get_model_object("diffusion_model")
+        dm.time_embedder.register_forward_hook(self._start)
+        dm.final_layer.register_forward_pre_hook(self._stop)
+
+    @staticmethod
+    def _now() -> float:
+        import time
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _start(self, module: Any, args: Any, out: Any) -> None:
+        self._t0 = self._now()
+
+    def _stop(self, module: Any, args: Any) -> None:
+        self.times.append(self._now() - self._t0)
+
+
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[bool, float]:
     """(bit-identical, max abs difference) of two lists of streams."""
     eq = len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
