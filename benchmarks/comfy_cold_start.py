@@ -29,21 +29,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import comfy_tree  # noqa: E402
 
-_BODY = r'''
-import gc, json, os, sys, time, torch
-sys.path.insert(0, {tests!r})
-import main  # noqa: F401  (ComfyUI's start-up: DynamicVRAM on where CUDA is)
-import comfy_h3, nodes, folder_paths, safetensors.torch
+_BODY = comfy_tree.BENCH_PRELUDE + r'''
+import safetensors.torch
 import comfy.model_management as mm
-comfy_h3.start()
 from h3ms_async.observability.status import get_hub  # the pack's own copy, loaded by start()
-N = nodes.NODE_CLASS_MAPPINGS
 cuda = torch.cuda.is_available()
 dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
 W, H, TEXT = {width}, {height}, 9
@@ -187,15 +181,9 @@ def main() -> int:
     body = _BODY.format(tests=os.path.join(ROOT, "tests"), dims=a.dims, layers=a.layers, tokens=a.tokens,
                         width=a.width, height=a.height, steps=a.steps, ranks=a.ranks)
     args = ["--disable-api-nodes"] + ([] if a.ranks.startswith("cuda") else ["--cpu"])
-    with tempfile.TemporaryDirectory() as web_root:  # ComfyUI's frontend package is not on the GPU machine
-        r = comfy_tree.run_comfy_script(body, args + ["--front-end-root", web_root], timeout_s=a.timeout)
-    with open(os.path.join(a.out, "comfy_cold_start_comfyui.log"), "w") as fh:
-        fh.write(r.stdout + "\n" + r.stderr)
-    found = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    if r.returncode != 0 or not found:
-        print(f"ComfyUI run failed (rc {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr)
+    res = comfy_tree.run_comfy_result(body, args, os.path.join(a.out, "comfy_cold_start_comfyui.log"), a.timeout)
+    if res is None:
         return 1
-    res = found[0]
     with open(os.path.join(a.out, "comfy_cold_start.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     print(json.dumps(res, indent=1))

@@ -21,20 +21,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import comfy_tree  # noqa: E402
 
-_BODY = r'''
-import json, os, sys, time, torch
-sys.path.insert(0, {tests!r})
-import main  # noqa: F401  (ComfyUI's start-up: DynamicVRAM on)
-import comfy_h3, nodes, comfy.sd, comfy.model_patcher
+_BODY = comfy_tree.BENCH_PRELUDE + r'''
+import comfy.sd
 from h3ms_async.observability.status import get_hub
-comfy_h3.start()
-N = nodes.NODE_CLASS_MAPPINGS
 W, H, TEXT = 1344, 768, 9
 length = comfy_h3.length_for_tokens({tokens}, W, H, TEXT)
 t = time.perf_counter()
@@ -99,15 +93,10 @@ def main() -> int:
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     body = _BODY.format(tests=os.path.join(ROOT, "tests"), tokens=a.tokens, layers=a.layers, steps=a.steps)
-    with tempfile.TemporaryDirectory() as web_root:  # ComfyUI's frontend package is not on the GPU machine
-        r = comfy_tree.run_comfy_script(body, ["--disable-api-nodes", "--front-end-root", web_root], timeout_s=170)
-    with open(os.path.join(a.out, "comfy_node_cost_comfyui.log"), "w") as fh:
-        fh.write(r.stdout + "\n" + r.stderr)
-    found = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    if r.returncode != 0 or not found:
-        print(f"ComfyUI run failed (rc {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr)
+    res = comfy_tree.run_comfy_result(body, ["--disable-api-nodes"], os.path.join(a.out, "comfy_node_cost_comfyui.log"),
+                                      timeout_s=170)
+    if res is None:
         return 1
-    res = found[0]
     print_steps(res)
     engine_dir = os.path.join(a.out, "engine")
     bench = subprocess.run([sys.executable, "-m", "h3ms_async", "bench", "gpu", "--tokens", str(res["tokens"]),

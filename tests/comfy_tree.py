@@ -114,3 +114,33 @@ def run_comfy_script(body: str, comfy_args: list[str], env: dict[str, str] | Non
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], cwd=root, env=full_env, capture_output=True, text=True,
                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+#: The start of a benchmark script for :func:`run_comfy_result` (``str.format`` fields: ``tests``, this folder):
+#: ComfyUI started as ``main.py`` starts (``import main``: DynamicVRAM on where CUDA is), its loader run on the pack
+#: (``comfy_h3.start``), ``N`` its node mappings.
+BENCH_PRELUDE = r'''
+import gc, json, os, sys, time, torch
+sys.path.insert(0, {tests!r})
+import main  # noqa: F401
+import comfy_h3, nodes
+comfy_h3.start()
+N = nodes.NODE_CLASS_MAPPINGS
+'''
+
+
+def run_comfy_result(body: str, comfy_args: list[str], log_path: str, timeout_s: float) -> dict | None:
+    """:func:`run_comfy_script` for a benchmark: ComfyUI without its frontend package (not on the GPU machine), the
+    process's output kept at ``log_path``, and the dict ``body`` printed on its ``RESULT <json>`` line (None, with
+    the error tail on stderr, when it failed)."""
+    import json
+    import tempfile
+    with tempfile.TemporaryDirectory() as web_root:
+        r = run_comfy_script(body, [*comfy_args, "--front-end-root", web_root], timeout_s=timeout_s)
+    with open(log_path, "w") as fh:
+        fh.write(r.stdout + "\n" + r.stderr)
+    found = [json.loads(x[7:]) for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode != 0 or not found:
+        print(f"ComfyUI run failed (rc {r.returncode}):\n{r.stderr[-4000:]}", file=sys.stderr)
+        return None
+    return found[0]

@@ -25,9 +25,11 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     rep = json.loads((tmp_path / "comfy_cold_start.json").read_text())
     assert rep["patcher"] == "ModelPatcher" and rep["devices"] == ["cpu", "cpu"] and rep["layers"] == 3
     assert rep["checkpoint_bytes"] > 0 and rep["copies"]["host_memcpy_gbps"] > 0
-    for side in ("plain", "node_first_prompt"):
-        assert len(rep[side]["block_stack_s"]) == 2 and rep[side]["cold_s"] > 0, side
+    for side in ("plain", "node_first_prompt"):  # at this size plain ComfyUI's cold cost is noise around 0
+        load, (stack, steady) = rep[side]["load_s"], rep[side]["block_stack_s"]
+        assert rep[side]["cold_s"] == pytest.approx(load + stack - steady, abs=2e-4), side
     first = rep["node_first_prompt"]
+    assert first["cold_s"] > 0  # the node's load (a worker start at least) is never noise
     w = first["weights"]
     # the workers started beside the fill, so after it the wait is at most the start itself
     assert w["fill_bytes"] > 0 and w["workers_start_s"] > 0 and w["start_wait_s"] <= w["workers_start_s"]
