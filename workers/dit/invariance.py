@@ -22,8 +22,8 @@ import os
 import platform
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
-import msgspec
 import torch
 
 from workers.dit import ops as dit_ops
@@ -178,116 +178,143 @@ def _compare(full_part: torch.Tensor, part: torch.Tensor) -> tuple[bool, float]:
     return False, float((full_part.float() - part.float()).abs().max())
 
 
+class Variant(NamedTuple):
+    """One verdict taken from an op's unsplit call: its name, how the call is split, and the
+    ranges it is compared on (token ranges, or head groups for attention)."""
+
+    name: str
+    split: Split
+    ranges: Sequence[tuple[int, int]]
+
+
 def probe_linear(
     pool: RandomPool,
     op: LinearOp,
     rows: int,
-    candidates: Sequence[tuple[int, int]],
+    variants: Sequence[Variant],
     act: torch.dtype,
     heads: tuple[int, int],
     total_heads: int,
     head_dim: int,
     clock: Clock,
-) -> OpVerdict:
-    """One linear: the unsplit call over ``rows`` rows against each token shard
-    (``split="tokens"``), against the head group's rows of the fused qkv weight (``"heads"``), the
-    group's rows on each token range of ``candidates`` (``"rows"``: every rank's range), or alone
-    (``"none"``: only its digest)."""
+) -> list[OpVerdict]:
+    """One linear's unsplit call over ``rows`` rows, made once, against each variant: per token
+    range (``split="tokens"``), the head group's rows of the fused qkv weight over every row
+    (``"heads"``) or on each token range (``"rows"``: every rank's range), or nothing (``"none"``:
+    only its digest).  The first verdict's time includes the unsplit call."""
     t0 = clock.start()
     w, scale, bias, quant = _weights(pool, op, act)
     x = pool.view(act, rows, _in_features(op))
     full = dit_ops.linear(x, w, scale, bias, quant=quant, input_act=op.input_act)
-    exact: list[bool] = []
-    diffs: list[float] = []
-    shards: list[list[int]] = []
-    if op.split == "tokens":
-        for a, b in candidates:
-            part = dit_ops.linear(
-                x[a:b].clone(), w, scale, bias, quant=quant, input_act=op.input_act
-            )
-            ok, d = _compare(full[a:b], part)
-            exact.append(ok)
-            diffs.append(d)
-            shards.append([a, b])
-    elif op.split in ("heads", "rows"):
-        g0, g1 = heads
-        named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever the op's name
-        if scale is not None:
-            named["attn.qkv_proj.weight_scale"] = scale
-        w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
-        cols = torch.cat(
-            [full[:, r.start : r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)],
-            dim=1,
-        )
-        ranges = [(0, rows)] if op.split == "heads" else list(candidates)
-        for a, b in ranges:
-            xs = x if op.split == "heads" else x[a:b].clone()
-            part = dit_ops.linear(xs, w_g, s_g, None, quant=quant)
-            ok, d = _compare(cols[a:b], part)
-            exact.append(ok)
-            diffs.append(d)
-            shards.append([g0, g1] if op.split == "heads" else [a, b])
     dig = digest(full)
     dtype = (
         "int8" + ("+convrot" if op.convrot else "")
         if op.weight_dtype == "int8"
         else str(act).split(".")[-1]
     )
-    return OpVerdict(
-        op.name,
-        dtype,
-        f"{rows}x{op.out_features}x{op.in_features}",
-        op.split,
-        shards,
-        exact,
-        diffs,
-        dig,
-        clock.ms(t0),
-    )
+    out: list[OpVerdict] = []
+    for v in variants:
+        exact: list[bool] = []
+        diffs: list[float] = []
+        shards: list[list[int]] = []
+        if v.split == "tokens":
+            for a, b in v.ranges:
+                part = dit_ops.linear(
+                    x[a:b].clone(), w, scale, bias, quant=quant, input_act=op.input_act
+                )
+                ok, d = _compare(full[a:b], part)
+                exact.append(ok)
+                diffs.append(d)
+                shards.append([a, b])
+        elif v.split in ("heads", "rows"):
+            g0, g1 = heads
+            named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever the op's name
+            if scale is not None:
+                named["attn.qkv_proj.weight_scale"] = scale
+            w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
+            cols = torch.cat(
+                [
+                    full[:, r.start : r.stop]
+                    for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)
+                ],
+                dim=1,
+            )
+            ranges = [(0, rows)] if v.split == "heads" else list(v.ranges)
+            for a, b in ranges:
+                xs = x if v.split == "heads" else x[a:b].clone()
+                part = dit_ops.linear(xs, w_g, s_g, None, quant=quant)
+                ok, d = _compare(cols[a:b], part)
+                exact.append(ok)
+                diffs.append(d)
+                shards.append([g0, g1] if v.split == "heads" else [a, b])
+        out.append(
+            OpVerdict(
+                v.name,
+                dtype,
+                f"{rows}x{op.out_features}x{op.in_features}",
+                v.split,
+                shards,
+                exact,
+                diffs,
+                dig,
+                clock.ms(t0),
+            )
+        )
+        t0 = clock.start()
+    return out
 
 
 def probe_attention(
     pool: RandomPool,
     seq: int,
-    groups: Sequence[tuple[int, int]],
+    variants: Sequence[Variant],
     total_heads: int,
     head_dim: int,
     act: torch.dtype,
     attend: dit_ops.Attend,
     clock: Clock,
-    name: str = "attention",
-    split: Split = "heads",
-) -> OpVerdict:
-    """Attention over all ``seq`` tokens: every head (one call) against each head group of
-    ``groups`` called alone, as a rank lays its q, k, v out (a packed projection of the group's
-    heads only; ``dit_ops.attend_head_piece`` lays a head piece out the same way)."""
+) -> list[OpVerdict]:
+    """Attention over all ``seq`` tokens: every head in one call, made once, against each head
+    group of each variant called alone, as a rank lays its q, k, v out (a packed projection of
+    the group's heads only; ``dit_ops.attend_head_piece`` lays a head piece out the same way).
+    The first verdict's time includes the whole call."""
     t0 = clock.start()
     qkv = pool.view(act, seq, 3 * total_heads * head_dim)
     full = dit_ops.attend_views(*dit_ops.qkv_views(qkv, total_heads, head_dim), attend)
-    exact: list[bool] = []
-    diffs: list[float] = []
-    for g0, g1 in groups:
-        if (g0, g1) == (0, total_heads):
-            continue  # the whole model's heads: the unsplit call itself
-        grp = torch.cat(
-            [qkv[:, r.start : r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)],
-            dim=1,
+    dig = digest(full)
+    out: list[OpVerdict] = []
+    for v in variants:
+        exact: list[bool] = []
+        diffs: list[float] = []
+        for g0, g1 in v.ranges:
+            if (g0, g1) == (0, total_heads):
+                continue  # the whole model's heads: the unsplit call itself
+            grp = torch.cat(
+                [
+                    qkv[:, r.start : r.stop]
+                    for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)
+                ],
+                dim=1,
+            )
+            part = dit_ops.attend_views(*dit_ops.qkv_views(grp, g1 - g0, head_dim), attend)
+            ok, d = _compare(full[:, g0 * head_dim : g1 * head_dim], part)
+            exact.append(ok)
+            diffs.append(d)
+        out.append(
+            OpVerdict(
+                v.name,
+                str(act).split(".")[-1],
+                f"{seq}x{total_heads}x{head_dim}",
+                v.split,
+                [[g0, g1] for g0, g1 in v.ranges],
+                exact,
+                diffs,
+                dig,
+                clock.ms(t0),
+            )
         )
-        part = dit_ops.attend_views(*dit_ops.qkv_views(grp, g1 - g0, head_dim), attend)
-        ok, d = _compare(full[:, g0 * head_dim : g1 * head_dim], part)
-        exact.append(ok)
-        diffs.append(d)
-    return OpVerdict(
-        name,
-        str(act).split(".")[-1],
-        f"{seq}x{total_heads}x{head_dim}",
-        split,
-        [[g0, g1] for g0, g1 in groups],
-        exact,
-        diffs,
-        digest(full),
-        clock.ms(t0),
-    )
+        t0 = clock.start()
+    return out
 
 
 def run_probe(
@@ -311,7 +338,8 @@ def run_probe(
     ``total_heads``; ``t_rows``: rows of the adaLN call (the step's timestep rows); ``pieces`` > 1:
     also the group's head pieces against the whole call (op ``attention.pieces``);
     ``gather_ranges``: also the group's qkv rows on each of these token ranges (every rank's)
-    against the unsplit call (op ``attn.qkv_proj.rows``).  Runs under inference mode and
+    against the unsplit call (op ``attn.qkv_proj.rows``).  Each op's unsplit call is made once
+    for all the verdicts taken from it.  Runs under inference mode and
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
     clock = Clock(device)
@@ -321,48 +349,21 @@ def run_probe(
     with torch.inference_mode(), dit_ops.probing():
         for op in ops:
             rows = t_rows if op.split == "none" else tokens
-            report.ops.append(
-                probe_linear(pool, op, rows, candidates, dtype, heads, total_heads, head_dim, clock)
-            )
+            variants = [Variant(op.name, op.split, candidates)]
             if gather_ranges and op.name == "attn.qkv_proj":
-                by_rows = msgspec.structs.replace(op, name="attn.qkv_proj.rows", split="rows")
-                report.ops.append(
-                    probe_linear(
-                        pool,
-                        by_rows,
-                        tokens,
-                        gather_ranges,
-                        dtype,
-                        heads,
-                        total_heads,
-                        head_dim,
-                        clock,
-                    )
-                )
-        report.ops.append(
-            probe_attention(pool, tokens, [heads], total_heads, head_dim, dtype, attend, clock)
-        )
+                variants.append(Variant("attn.qkv_proj.rows", "rows", gather_ranges))
+            report.ops += probe_linear(
+                pool, op, rows, variants, dtype, heads, total_heads, head_dim, clock
+            )
+        groups = [Variant("attention", "heads", [heads])]
         if pieces > 1:
             g0, g1 = heads
-            groups = [
-                (g0 + a, g0 + b)
-                for a, b in (piece(g1 - g0, pieces, j) for j in range(pieces))
-                if b > a
-            ]
-            report.ops.append(
-                probe_attention(
-                    pool,
-                    tokens,
-                    groups,
-                    total_heads,
-                    head_dim,
-                    dtype,
-                    attend,
-                    clock,
-                    "attention.pieces",
-                    "pieces",
-                )
-            )
+            bounds = (piece(g1 - g0, pieces, j) for j in range(pieces))
+            parts = [(g0 + a, g0 + b) for a, b in bounds if b > a]
+            groups.append(Variant("attention.pieces", "pieces", parts))
+        report.ops += probe_attention(
+            pool, tokens, groups, total_heads, head_dim, dtype, attend, clock
+        )
     report.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
     report.ms = clock.ms(t0)
     return report

@@ -28,7 +28,6 @@ import json
 import time
 from collections.abc import Sequence
 
-import msgspec
 import torch
 
 from h3ms_async.dit import exactness
@@ -164,11 +163,11 @@ def _measure(
             if op.split == "none":
                 continue
             # qkv is head-split in the engine; its rows are measured too, for the table only
-            v = invariance.probe_linear(
+            [v] = invariance.probe_linear(
                 pool,
-                msgspec.structs.replace(op, split="tokens"),
+                op,
                 m,
-                shards,
+                [invariance.Variant(op.name, "tokens", shards)],
                 torch.bfloat16,
                 (0, cfg.heads),
                 cfg.heads,
@@ -206,10 +205,10 @@ def attention_table(
     attend = dit_ops.builtin_attend(kernel)
     clock = invariance.Clock(device)
     with torch.inference_mode():
-        v = invariance.probe_attention(
+        [v] = invariance.probe_attention(
             pool,
             seq,
-            [(0, g) for g in range(1, cfg.heads)],
+            [invariance.Variant("attention", "heads", [(0, g) for g in range(1, cfg.heads)])],
             cfg.heads,
             cfg.head_dim,
             torch.bfloat16,
