@@ -127,7 +127,7 @@ def fill(
             entry = {}
             for name, (dt, shape) in layout.items():
                 desc = arena.alloc(dt, shape)
-                seg.tensor(desc).copy_(tensors[name].detach().to("cpu"))
+                seg.tensor(desc).copy_(tensors[name].detach())  # any device: no host tensor between
                 entry[name] = desc
             manifest.append(entry)
             first = {}  # let block 0's source tensors go
