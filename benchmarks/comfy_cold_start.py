@@ -18,7 +18,10 @@ both sides read it from disk. Then:
    (first block stack - the steady one): the workers' start, the weight-store fill, the ranks' load, the exactness
    probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down).
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
-   whether the store was filled again (it must not be).
+   whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's.
+
+``--lora`` puts a rank-16 LoRA on every block's qkv and fc1 on both sides: ComfyUI then patches those weights in its
+cast, and the node's fill takes them from that cast (``nodes/comfy_weights.py``), the slower path.
 
 Beside them: the file's sequential read rate after a drop (its first 4 GiB), and the copy bandwidths the fill is bounded by (CUDA:
 pinned and pageable device-to-host and host-to-device; CPU: a host memcpy). JSON: ``$OUT/comfy_cold_start.json``.
@@ -37,6 +40,7 @@ import comfy_tree  # noqa: E402
 _BODY = comfy_tree.BENCH_PRELUDE + r'''
 import safetensors.torch
 import comfy.model_management as mm
+import comfy.sd
 from h3ms_async.observability.status import get_hub  # the pack's own copy, loaded by start()
 cuda = torch.cuda.is_available()
 dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
@@ -51,8 +55,9 @@ def sync():
 name = "h3ms_cold_start.safetensors"
 path = os.path.join(comfy_h3.checkpoint_dir(), name)
 t = time.perf_counter()
+# a LoRA'd int8 layer is dequantized in ComfyUI's cast, whose kernels take [N, 1] row scales
 sd = comfy_h3.state_dict(layers={layers}, int8=True, dtype=torch.bfloat16, dims=dims,
-                         device="cuda" if cuda else "cpu")
+                         device="cuda" if cuda else "cpu", scale_2d={lora})
 safetensors.torch.save_file(sd, path)
 del sd
 gc.collect()
@@ -105,27 +110,32 @@ del host
 gc.collect()
 
 timer = comfy_h3.BlockStackTimer()
+lora = comfy_h3.lora_state_dict({layers}, rank=16, dims=dims) if {lora} else None
 
 def loaded():
     """UNETLoader on the dropped file, hooks on the new model's own modules; (patcher, seconds)."""
     drop_cache()
     t = time.perf_counter()
     model = comfy_h3.load(name)
+    if {lora}:
+        with torch.inference_mode():
+            model = comfy.sd.load_lora_for_models(model, None, lora, 0.8, 0)[0]
     s = time.perf_counter() - t
     timer.attach(model)
     return model, s
 
 def sample(model):
+    """(block-stack seconds per call, the sampled streams)."""
     timer.times.clear()
-    comfy_h3.ksample(model, **KW)
-    return [round(x, 4) for x in timer.times]
+    out = comfy_h3.ksample(model, **KW)
+    return [round(x, 4) for x in timer.times], out
 
 def cold(load_s, stacks):
     return round(load_s + stacks[0] - min(stacks[1:]), 4)
 
 model, plain_load_s = loaded()
 patcher = type(model).__name__
-plain = sample(model)
+plain, plain_out = sample(model)
 del model
 mm.unload_all_models()
 gc.collect()
@@ -135,16 +145,16 @@ os.environ["H3MS_RANK_MAP"] = {ranks!r}
 model, node_load_s = loaded()
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", None)[0]
 from h3ms_async.dit import split as S
-first = sample(split)
+first, first_out = sample(split)
 eng = S.engines()[0]
 load = eng.last_load
 segment = eng._loaded.store.segment.name
-second = sample(split)
+second, second_out = sample(split)
 refilled = eng.last_load is not load or eng._loaded.store.segment.name != segment
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(
-    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, tokens=get_hub().recent_steps(1)[0]["tokens"],
+    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, lora={lora}, tokens=get_hub().recent_steps(1)[0]["tokens"],
     width=W, height=H, length=length, checkpoint_bytes=file_bytes, checkpoint_write_s=round(write_s, 2),
     disk_read_gbps=round(disk_gbps, 2), copies=copies,
     plain=dict(load_s=round(plain_load_s, 4), block_stack_s=plain, cold_s=comfy_cold),
@@ -157,6 +167,7 @@ print("RESULT " + json.dumps(dict(
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_cold_over_comfy_cold=round(node_cold / comfy_cold, 3) if comfy_cold > 0 else None,
+    bit_exact=comfy_h3.same(plain_out, first_out)[0] and comfy_h3.same(plain_out, second_out)[0],
 )), flush=True)
 N["H3MSReleaseResourcesAsync"]().run(True, True, True)
 os.remove(path)
@@ -172,6 +183,8 @@ def main() -> int:
     p.add_argument("--height", type=int, default=768)
     p.add_argument("--steps", type=int, default=2, help="sampling steps per prompt (>= 2: the first is the cold one)")
     p.add_argument("--ranks", default="cuda:0,cuda:0", help="the node's rank map (H3MS_RANK_MAP)")
+    p.add_argument("--lora", action="store_true",
+                   help="a rank-16 LoRA on every block's qkv and fc1 (ComfyUI patches those in its cast)")
     p.add_argument("--timeout", type=float, default=560.0, help="seconds for the whole ComfyUI run")
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".out")))
     a = p.parse_args()
@@ -179,7 +192,7 @@ def main() -> int:
         p.error("--steps must be >= 2: a prompt's cold cost is its first block stack over a steady one")
     os.makedirs(a.out, exist_ok=True)
     body = _BODY.format(tests=os.path.join(ROOT, "tests"), dims=a.dims, layers=a.layers, tokens=a.tokens,
-                        width=a.width, height=a.height, steps=a.steps, ranks=a.ranks)
+                        width=a.width, height=a.height, steps=a.steps, ranks=a.ranks, lora=a.lora)
     args = ["--disable-api-nodes"] + ([] if a.ranks.startswith("cuda") else ["--cpu"])
     res = comfy_tree.run_comfy_result(body, args, os.path.join(a.out, "comfy_cold_start_comfyui.log"), a.timeout)
     if res is None:

@@ -5,7 +5,8 @@
 #   lora: only the LoRA groups of tests/test_cuda_comfy.py (SDPA + DynamicVRAM, SDPA + --novram).
 #   cold: benchmarks/comfy_cold_start.py, all 50 full-width int8 blocks (a ~46 GB checkpoint written to disk first):
 #   plain ComfyUI's load + first step against the node's (workers' start, weight-store fill, ranks' load, probe), then
-#   the node's second prompt (nothing refilled); ~5-8 min, a call of its own (fewer blocks: COLD_LAYERS=25).
+#   the node's second prompt (nothing refilled); ~5-8 min, a call of its own (fewer blocks: COLD_LAYERS=25; with a
+#   LoRA on every block, the fill's slower path: COLD_ARGS=--lora).
 # 1. tests/test_cuda_comfy.py: ComfyUI started as main.py starts (DynamicVRAM on; once --disable-dynamic-vram),
 #    ranks cuda:0,cuda:0 and cuda:0,cuda:0,cuda:0 (shares 1,2,1), bf16 and int8, SDPA and --use-ck-attention, a LoRA,
 #    every output torch.equal to plain ComfyUI including each first call after the workers start.
@@ -35,7 +36,9 @@ if [ "$what" = cost ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [ "$what" = cold ]; then
-  timeout 580 python3 benchmarks/comfy_cold_start.py --layers "${COLD_LAYERS:-50}" --timeout 560 --out "$out" 2>&1 \
+  # shellcheck disable=SC2086  # COLD_ARGS: extra options, split on spaces
+  timeout 580 python3 benchmarks/comfy_cold_start.py --layers "${COLD_LAYERS:-50}" ${COLD_ARGS:-} --timeout 560 \
+    --out "$out" 2>&1 \
     | tee "$out/comfy_cold_start.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

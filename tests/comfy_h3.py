@@ -112,13 +112,16 @@ def write_checkpoint(path: str, **kwargs: Any) -> str:
     return path
 
 
-def lora_state_dict(layers: int, rank: int = 4, seed: int = 7, blocks: tuple[int, ...] | None = None
-                    ) -> dict[str, torch.Tensor]:
-    """A LoRA on the blocks' qkv and fc1 in ComfyUI's ``diffusion_model.<key>.lora_{down,up}`` form."""
+def lora_state_dict(layers: int, rank: int = 4, seed: int = 7, blocks: tuple[int, ...] | None = None,
+                    dims: Dims = Dims()) -> dict[str, torch.Tensor]:
+    """A LoRA on the blocks' qkv and fc1 in ComfyUI's ``diffusion_model.<key>.lora_{down,up}`` form, for a block stack
+    of shape ``dims``."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
+    d = dims
     for i in (range(layers) if blocks is None else blocks):
-        for lin, (n_out, n_in) in (("attn.qkv_proj", (3 * HEADS * HEAD_DIM, HIDDEN)), ("mlp.fc1", (2 * FFN, HIDDEN))):
+        for lin, (n_out, n_in) in (("attn.qkv_proj", (3 * d.heads * d.head_dim, d.hidden)),
+                                   ("mlp.fc1", (2 * d.ffn, d.hidden))):
             base = f"diffusion_model.blocks.{i}.{lin}"
             sd[f"{base}.lora_down.weight"] = torch.randn(rank, n_in, generator=g) * 0.1
             sd[f"{base}.lora_up.weight"] = torch.randn(n_out, rank, generator=g) * 0.1
