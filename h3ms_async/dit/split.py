@@ -353,13 +353,14 @@ class SplitEngine(Engine):
             except BaseException:
                 self._drop_store()
                 raise
+            t_end = time.perf_counter()
             self.last_load = LoadTimes(
                 workers_start_s=started_s,
                 fill_s=store.fill_seconds,
                 fill_bytes=store.nbytes,
                 start_wait_s=t_started - t_filled,
-                ranks_load_s=time.perf_counter() - t_started,
-                wall_s=time.perf_counter() - t0,
+                ranks_load_s=t_end - t_started,
+                wall_s=t_end - t0,
             )
             log.info("%s", self.last_load.line())
             return True

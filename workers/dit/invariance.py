@@ -212,6 +212,7 @@ def probe_linear(
         if op.weight_dtype == "int8"
         else str(act).split(".")[-1]
     )
+    group: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
     out: list[OpVerdict] = []
     for v in variants:
         exact: list[bool] = []
@@ -228,17 +229,15 @@ def probe_linear(
                 shards.append([a, b])
         elif v.split in ("heads", "rows"):
             g0, g1 = heads
-            named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever the op's name
-            if scale is not None:
-                named["attn.qkv_proj.weight_scale"] = scale
-            w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
-            cols = torch.cat(
-                [
-                    full[:, r.start : r.stop]
-                    for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)
-                ],
-                dim=1,
-            )
+            if group is None:  # the group's weight rows and unsplit columns, once for both splits
+                named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever its name
+                if scale is not None:
+                    named["attn.qkv_proj.weight_scale"] = scale
+                w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
+                rows_of = dit_ops.head_rows(g0, g1, total_heads, head_dim)
+                cols = torch.cat([full[:, r.start : r.stop] for r in rows_of], dim=1)
+                group = (w_g, s_g, cols)
+            w_g, s_g, cols = group
             ranges = [(0, rows)] if v.split == "heads" else list(v.ranges)
             for a, b in ranges:
                 xs = x if v.split == "heads" else x[a:b].clone()
