@@ -91,6 +91,7 @@ def test_bf16_checkpoint_splits_exactly_under_dynamic_vram_and_without(dynamic: 
     r = json.loads(lines[-1][len("RESULT "):])
     ours = "\n".join(ln for ln in proc.stderr.splitlines() if "H3 MultiStream" in ln)[-4000:]
     r = {**r, "log": ours}  # the pack's own log lines, so that a failed assertion shows why
+    print(json.dumps(r, indent=1))  # whole: pytest cuts a long dict in an assertion message
     assert (r["patcher"] == "ModelPatcherDynamic") is dynamic and r["vae_dtype"] == "torch.float16", r
     if dynamic:
         assert r["blocks"] == ["torch.bfloat16", "torch.float16"], r  # the mixed case itself
