@@ -109,7 +109,7 @@ import json, os, subprocess, sys, torch
 import main  # noqa: F401
 import comfy.sd, nodes
 sys.path.insert(0, os.environ["H3MS_TESTS_DIR"]); sys.path.insert(0, os.environ["H3MS_PACK"])
-sys.path.insert(0, os.environ["H3MS_BENCH_DIR"])
+sys.path.insert(0, os.environ["VAE_DIAG_DIR"])
 import vae_probe_diag as D
 from small_h3_vae import small_h3_vae_state_dict
 from h3ms_async.vae import split as vs, exactness
@@ -150,9 +150,9 @@ torch.save({"comfy": {"root": os.getcwd(), "sys_path": [p for p in sys.path if i
             "arch": arch, "dtype": dt, "device": str(dev), "tensors": tensors, "z": z.cpu(), "digests": digests, "outs": outs}, path)
 children = []
 for warm in ("1", "0"):
-    r = subprocess.run([sys.executable, os.path.join(os.environ["H3MS_BENCH_DIR"], "vae_probe_diag.py"),
+    r = subprocess.run([sys.executable, os.path.join(os.environ["VAE_DIAG_DIR"], "vae_probe_diag.py"),
                         "--child", path], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "DIAG_WARM": warm, "PYTHONPATH": os.environ["H3MS_PACK"]})
+                       env={**os.environ, "DIAG_WARM": warm, "PYTHONPATH": os.environ["H3MS_PACK"] + os.pathsep + os.environ.get("PYTHONPATH", "")})
     got = [ln[6:] for ln in r.stdout.splitlines() if ln.startswith("CHILD ")]
     children.append(json.loads(got[0]) if got else {"rc": r.returncode, "stderr": r.stderr[-3000:]})
 import comfy.model_management as mm
@@ -176,7 +176,7 @@ def main() -> int:
     import comfy_tree
 
     args = ["--disable-api-nodes", *sys.argv[1:]]
-    env = {"H3MS_TESTS_DIR": str(ROOT / "tests"), "H3MS_PACK": str(ROOT), "H3MS_BENCH_DIR": str(HERE)}
+    env = {"H3MS_TESTS_DIR": str(ROOT / "tests"), "H3MS_PACK": str(ROOT), "VAE_DIAG_DIR": str(HERE)}
     r = comfy_tree.run_comfy_script(PARENT, args, env=env, timeout_s=500)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
