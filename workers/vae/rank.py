@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from workers.dit import ops as dit_ops
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext, handler
 from workers.runtime.protocol import Dropped, Released, TensorDesc
@@ -242,21 +241,11 @@ def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
         )
     finally:
         ctx.forget_segment(msg.store)
+    # No attention warm-up here (the DiT ranks have one): measured on the H200
+    # (benchmarks/vae_probe_diag.py), a worker that ran dit_ops.warm_up first took another SDPA
+    # kernel for the decoder's attention than ComfyUI's process and differed from its first decode
+    # on; a worker without it equals ComfyUI's decode from its first chunk.
     model = model.eval().requires_grad_(False)
-    if ctx.device.startswith("cuda") and dtype not in ctx.state.setdefault(
-        "vae_warm_dtypes", set()
-    ):
-        # A fresh CUDA process's first SDPA call under ComfyUI's backend priority takes another
-        # kernel than every later call (measured on the H200: the first split decode after the
-        # workers started was not bit-exact, every later one was).  ComfyUI's process is long warm
-        # when it decodes, so the worker warms once per process and dtype, through the very
-        # attention function the decoder calls, before any real chunk.
-        dit_ops.warm_up(
-            lambda q, k, v, heads: vae_mod.optimized_attention(q, k, v, heads, skip_reshape=True),
-            torch.device(ctx.device),
-            [dtype],
-        )
-        ctx.state["vae_warm_dtypes"].add(dtype)
     return {
         "model": model,
         "dtype": dtype,
