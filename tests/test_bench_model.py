@@ -158,3 +158,15 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     if not torch.cuda.is_available():
         run = _bench("--validate", "--parts", str(PARTS))
         assert run.returncode == 2 and "needs a CUDA GPU" in run.stderr
+
+
+def test_validated_on_gpu_only_within_the_bound(report):
+    """``validated_on_gpu`` says the model held its stated error bound on every measured world size, nothing less:
+    a parts file alone never validates, and one size off by more than the bound fails the whole validation."""
+    from h3ms_async.tools.bench.model import VALIDATION_BOUND_PCT, within_bound
+
+    assert report["validated_on_gpu"] is False
+    ok = {"world": 2, "error_pct": VALIDATION_BOUND_PCT - 0.1}
+    assert within_bound([ok, {**ok, "world": 4, "error_pct": -VALIDATION_BOUND_PCT}])
+    assert not within_bound([ok, {**ok, "world": 4, "error_pct": -12.3}])  # the round-3 H200 figure at 2 ranks
+    assert not within_bound([])

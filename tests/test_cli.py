@@ -168,15 +168,16 @@ def test_demo_ends_with_the_summary_line_and_moves_its_bar(tmp_path: Path) -> No
     stderr = "".join(err)
     assert proc.returncode == 0, stderr[-2000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith("bit-exact: yes - split vs unsplit equal "), last
     # The engine measures the plan on this CPU first: where the tiny shards are not row-invariant (seen on an Intel
-    # Xeon with AMX) both steps run unsplit, with the refusal logged once, and the demo says so.
-    refused = "ran unsplit: the plan is not exact on these ranks" in last
+    # Xeon with AMX) both steps run unsplit, with the refusal logged once, and the demo claims nothing.
+    refused = last.startswith("bit-exact: not measured")
     if refused:
-        assert "(2 ran unsplit: the plan is not exact on these ranks) on all 2 steps; no speed figures" in last, last
+        assert last == ("bit-exact: not measured - all 2 steps ran unsplit (the plan is not exact on these ranks: "
+                        "nothing to compare)"), last
         assert stderr.count("; running this step unsplit") == 1, stderr[-2000:]
     else:
-        assert "equal on all 2 steps; unsplit " in last and " s/step on 3 ranks; demo " in last, last
+        assert last.startswith("bit-exact: yes - split vs unsplit equal on all 2 steps; unsplit "), last
+        assert " s/step on 3 ranks; demo " in last, last
     # the bar moves per block: every unsplit block (positions 1-2 and 5-6 of 2 steps x unsplit+split x 2 blocks);
     # split blocks as the slowest rank reaches them (a tiny block can finish between two polls); log lines are never
     # glued to the bar
@@ -252,3 +253,28 @@ def test_demo_without_room_for_its_shared_memory_ends_with_one_line_exit_2(tmp_p
     assert len(errors) == 1 and "/dev/shm" in errors[0] and "ulimit -f" in errors[0], err[-3000:]
     assert err.rstrip().endswith(errors[0]), "the error line is the demo's last word"
     assert glob.glob(f"/dev/shm/h3ms-{proc.pid}-*") == [] and list(tmp_path.glob("h3ms-*")) == []
+
+
+@pytest.mark.fast
+def test_demo_claims_bit_exact_only_for_split_steps() -> None:
+    """The verdict covers the steps that ran split; a step the probe sent unsplit compared nothing, so a demo whose
+    every step ran unsplit says so instead of "yes", and one unequal split step makes it "no"."""
+    from h3ms_async.tools.demo import split_verdict, summary_line
+
+    def step(i: int, split: bool, exact: bool | None) -> dict:
+        return {"step": i, "unsplit_s": 1.0, "split_s": 0.5, "split": split, "bit_exact": exact,
+                "max_abs_diff": (0.0 if exact else 0.25) if split else None}
+
+    def res(steps: list[dict]) -> dict:
+        diffs = [s["max_abs_diff"] for s in steps if s["split"]]
+        return {"steps": steps, "bit_exact": split_verdict(steps), "max_abs_diff": max(diffs, default=None),
+                "config": {"ranks": ["cpu", "cpu"], "unsplit_device": "cpu"}, "total_s": 3.0}
+
+    none_split = res([step(0, False, None), step(1, False, None)])
+    assert none_split["bit_exact"] is None
+    assert summary_line(none_split).startswith("bit-exact: not measured - all 2 steps ran unsplit")
+    mixed = res([step(0, True, True), step(1, False, None), step(2, True, True)])
+    assert summary_line(mixed).startswith(
+        "bit-exact: yes - split vs unsplit equal on the 2 split steps of 3 (1 ran unsplit: ")
+    differs = res([step(0, True, True), step(1, True, False)])
+    assert summary_line(differs).startswith("bit-exact: no - split vs unsplit DIFFERENT (max abs difference 0.25)")
