@@ -120,8 +120,10 @@ class H3MultiStreamAsync(ModelPatchNode):
                     "gets the whole block input and projects its own heads. ulysses: every GPU "
                     "projects every head for its own tokens, then q, k and v are exchanged (each "
                     "GPU holds every head's qkv weights; fewer bytes from about 7 GPUs on PCIe, 5 "
-                    "with nccl). auto: the one that moves fewer bytes for this GPU count. Sparse "
-                    "attention uses gather.",
+                    "with nccl). auto: the one that moves fewer bytes for this GPU count. A "
+                    "pattern runs only on a device kind where its bit-exactness test has passed "
+                    "(ulysses: CPU so far; auto falls back to gather). Sparse attention uses "
+                    "gather.",
                 },
             ),
         },

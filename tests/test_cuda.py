@@ -2,7 +2,8 @@
 
 Covers: pinned (cudaHostRegister'ed) shm moving through a CUDA worker bit-exactly; the split on logical ranks of one
 GPU bit-exact against the unsplit run in this process, for int8 and bf16 weights, chunked and single-shot host
-exchange, weights resident and streamed; the NCCL refusal for two ranks on one GPU.
+exchange, weights resident and streamed; the NCCL refusal for two ranks on one GPU; each split path (Ulysses, head
+pieces, the gather overlap) at full H3 width from fresh workers, and the refusal of a path with no passing CUDA test.
 
 Warm-up: measured on the H200 (benchmarks/diag_parity.py), the FIRST block-stack pass of a process differs in the
 last bits from every later pass, in this process and in a worker alike (first == first, later == later, split or
@@ -163,3 +164,53 @@ def test_parent_process_never_touches_the_gpu():
     print(res)
     assert res["parent_allocated"] == 0 and res["parent_peak"] == 0
     assert all(p and p > 0 for p in res["rank_vram_peaks"])
+
+
+FULL = DiTConfig(layers=2)  # full H3 width
+
+
+@pytest.fixture(scope="module")
+def full_int8():
+    return ReferenceDiT(FULL, weights="int8", seed=33, device="cuda")
+
+
+@pytest.mark.parametrize("path", [dict(pattern="ulysses"), dict(head_pieces=4), dict(gather_overlap=True),
+                                  dict(gather_overlap=True, head_pieces=4)],
+                         ids=["ulysses", "pieces4", "gather-overlap", "both-overlaps"])
+def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
+    """Each path of h3ms_async/dit/tested_paths.py at full H3 width on 2 logical ranks: fresh workers, and their
+    FIRST step equals the unsplit step with torch.equal (ComfyUI's process is long warm: the unsplit side is its
+    second pass), then a second step; the step record shows the path ran and both ranks computed tokens and heads.
+    A pass here is what lets the path into TESTED["cuda"]."""
+    from h3ms_async.observability.status import get_hub
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(**path))
+    try:
+        eng.load_weights(("cuda-paths", "int8"), FULL, full_int8.block_weights)
+        for s, tokens in enumerate((8192, 8192)):
+            inp = make_step_inputs(FULL, layout_for_tokens(tokens), 60 + s, full_int8.dtype)
+            ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                            inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+            diff = (out.float() - ref.float()).abs().max().item()
+            assert torch.equal(out, ref), f"{path} step {s}: max |diff| {diff:g}"
+            rec = get_hub().recent_steps(1)[0]
+            assert rec["pattern"] == path.get("pattern", "gather"), rec
+            assert rec["head_pieces"] == path.get("head_pieces", 0), rec
+            assert rec["gather_overlap"] is path.get("gather_overlap", False), rec
+            assert all(r["tokens"][1] > r["tokens"][0] and r["heads"][1] > r["heads"][0] for r in rec["ranks"]), rec
+    finally:
+        eng.release()
+
+
+def test_untested_paths_are_refused_on_cuda_in_one_line(monkeypatch):
+    """Without a passing CUDA test (h3ms_async/dit/tested_paths.py) a path is refused on CUDA ranks, naming it and the
+    fix; "auto" falls back to the all-gather."""
+    from h3ms_async.dit import tested_paths
+    monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
+    for path, opts in ((tested_paths.SplitPath.ULYSSES, dict(pattern="ulysses")),
+                       (tested_paths.SplitPath.HEAD_PIECES, dict(head_pieces=2))):
+        if path in tested_paths.TESTED["cuda"]:
+            continue
+        with pytest.raises(tested_paths.UntestedPath, match="no passing bit-exactness test on cuda"):
+            SplitEngine(["cuda:0"] * 2, SplitOptions(**opts))

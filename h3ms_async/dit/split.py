@@ -29,7 +29,7 @@ from typing import cast
 import msgspec
 import torch
 
-from h3ms_async.dit import exactness, speed_model
+from h3ms_async.dit import exactness, speed_model, tested_paths
 from h3ms_async.dit.exactness import MIN_SHARD_TOKENS, PlanVerdict
 from h3ms_async.dit.reference import DiTConfig
 from h3ms_async.dit.sparse import DenseFallback, step_wire
@@ -240,6 +240,7 @@ class SplitEngine(Engine):
             )
         if options.exchange == "nccl" and all(d.startswith("cuda") for d in devices):
             check_nccl_rank_map(list(devices))
+        tested_paths.check(devices, options.pattern, options.head_pieces, options.gather_overlap)
         self.devices = list(devices)
         self.options = options
         env = _cpu_thread_env(self.devices)
@@ -373,11 +374,15 @@ class SplitEngine(Engine):
 
     def _pattern(self, config: DiTConfig) -> dit_protocol.Pattern:
         """The pattern to load for: the option's, or for "auto" the one whose exchange moves fewer
-        bytes (the all-gather with sparse attention)."""
+        bytes among those tested on these devices (the all-gather with sparse attention)."""
         choice = self.options.pattern
         if choice != "auto":
             return cast(dit_protocol.Pattern, choice)
-        if self.options.sparse is not None or self.ranks == 1:
+        if (
+            self.options.sparse is not None
+            or self.ranks == 1
+            or not tested_paths.is_tested(tested_paths.SplitPath.ULYSSES, self.devices)
+        ):
             return "gather"
         picked = speed_model.choose_pattern(
             config.hidden,
@@ -488,6 +493,7 @@ class SplitEngine(Engine):
         )
         if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
             check_nccl_rank_map(self.devices)
+        tested_paths.check(self.devices, "gather", opts.head_pieces, opts.gather_overlap)
         ld = self._loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")

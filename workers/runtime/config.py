@@ -229,6 +229,12 @@ ENABLE_TRITON_BACKEND = _flag_var(
     "`--enable-triton-backend`; set it when ComfyUI runs with that flag, so ranks use the same "
     "kernels).",
 )
+ALLOW_UNTESTED_PATHS = _flag_var(
+    "H3MS_ALLOW_UNTESTED_PATHS",
+    "`1` = run split paths (Ulysses, head pieces, the gather overlap) on a device kind where no "
+    "test has passed for them yet (`h3ms_async/dit/tested_paths.py`); for the tests and "
+    "benchmarks that measure them there.",
+)
 COMFY_HOST = _var(
     "H3MS_COMFY_HOST",
     "JSON",

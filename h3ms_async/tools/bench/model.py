@@ -29,6 +29,7 @@ import torch
 
 from h3ms_async.dit import speed_model as sm
 from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
+from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 
 #: Stated link rates (GB/s per direction) and where they come from; the model marks them as
@@ -417,6 +418,7 @@ def load_parts(path: str) -> sm.Parts:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    allow_untested_paths()
     p = ArgParser(prog="python -m h3ms_async bench model", description=__doc__.splitlines()[0])
     p.add_argument(
         "--parts",

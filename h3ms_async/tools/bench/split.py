@@ -42,6 +42,7 @@ from h3ms_async.dit.reference import (
     make_step_inputs,
 )
 from h3ms_async.dit.split import EXCHANGES, SplitEngine, SplitOptions, _cpu_thread_env
+from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
@@ -516,6 +517,7 @@ def run_bench_split(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    allow_untested_paths()
     p = ArgParser(prog="python -m h3ms_async bench split", description=__doc__.splitlines()[0])
     p.add_argument(
         "--ranks", default="cpu,cpu", help="one device per rank, e.g. cpu,cpu,cpu or cuda:0,cuda:1"
