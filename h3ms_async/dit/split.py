@@ -493,10 +493,10 @@ class SplitEngine(Engine):
         )
         if opts.exchange == "nccl" and all(d.startswith("cuda") for d in self.devices):
             check_nccl_rank_map(self.devices)
-        tested_paths.check(self.devices, "gather", opts.head_pieces, opts.gather_overlap)
         ld = self._loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
+        tested_paths.check(self.devices, ld.pattern, opts.head_pieces, opts.gather_overlap)
         check_block_options(block_options)
         if x.dim() != 2 or x.shape[1] != ld.config.hidden:
             raise ValueError(
@@ -1078,6 +1078,7 @@ def get_engine(devices: Sequence[str], options: SplitOptions = SplitOptions()) -
     weight store. Engines for another process key are released first: one split runs at a time, and
     each engine's workers and store hold memory.
     """
+    tested_paths.check(devices, options.pattern, options.head_pieces, options.gather_overlap)
     eng = ENGINES.get(process_key(devices, options), lambda: SplitEngine(devices, options))
     eng.options = options
     return eng
