@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("H3MS_TEST_HOOKS", "1")
+# Each test measures its plans as a first start would: no verdict from an earlier run on the user's disk.
+os.environ.setdefault("H3MS_INVARIANCE_CACHE", "off")
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -275,3 +275,19 @@ def test_verdicts_persist_in_the_cache_file(engine, model, monkeypatch, tmp_path
     out, ref = _step(eng, model, 4)
     assert torch.equal(out, ref)
     assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]
+
+
+@pytest.mark.fast
+def test_the_verdict_file_is_on_by_default(monkeypatch, tmp_path):
+    """Unset, H3MS_INVARIANCE_CACHE means the user's cache folder (a restarted ComfyUI probes nothing it measured
+    before); `off` keeps verdicts in memory; a path is that file."""
+    monkeypatch.delenv("H3MS_INVARIANCE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert exactness.cache_path() == str(tmp_path / "h3_multistream" / "invariance.json")
+    cache = exactness.VerdictCache()
+    cache.put("k", exactness.PlanVerdict((0, 5, 10), "exact", "measured exact", 1.0))
+    assert json.loads((tmp_path / "h3_multistream" / "invariance.json").read_text())["k"]["verdict"] == "exact"
+    monkeypatch.setenv("H3MS_INVARIANCE_CACHE", "off")
+    assert exactness.cache_path() is None
+    monkeypatch.setenv("H3MS_INVARIANCE_CACHE", str(tmp_path / "v.json"))
+    assert exactness.cache_path() == str(tmp_path / "v.json")

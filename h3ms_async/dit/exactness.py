@@ -118,10 +118,21 @@ def verdict_key(
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
+def cache_path() -> str | None:
+    """The verdict file: ``H3MS_INVARIANCE_CACHE``, by default in the user's cache folder; None
+    when it says ``off``."""
+    raw = config.INVARIANCE_CACHE.get()
+    if raw == "off":
+        return None
+    if raw:
+        return str(raw)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "h3_multistream", "invariance.json")
+
+
 class VerdictCache:
     """Plan verdicts for the life of the process, and across processes in the JSON file
-    ``H3MS_INVARIANCE_CACHE`` names (read once, rewritten whole after each new verdict; unset:
-    memory only)."""
+    :func:`cache_path` names (read once, rewritten whole after each new verdict)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -129,7 +140,7 @@ class VerdictCache:
         self._read: str | None = None
 
     def get(self, key: str) -> PlanVerdict | None:
-        path = config.INVARIANCE_CACHE.get()
+        path = cache_path()
         with self._lock:
             if path and self._read != path:
                 self._read = path
@@ -139,7 +150,7 @@ class VerdictCache:
             return self._verdicts.get(key)
 
     def put(self, key: str, verdict: PlanVerdict) -> None:
-        path = config.INVARIANCE_CACHE.get()
+        path = cache_path()
         with self._lock:
             self._verdicts[key] = verdict
             if path:
@@ -183,6 +194,7 @@ def _load(path: str) -> dict[str, PlanVerdict]:
 def _save(path: str, verdicts: dict[str, PlanVerdict]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({k: asdict(v) for k, v in verdicts.items()}, f)
         os.replace(tmp, path)

@@ -65,6 +65,7 @@ def fingerprint(device: torch.device) -> dict[str, str]:
             f"cuda {torch.version.cuda} sm_{props.major}{props.minor} cudnn "
             f"{torch.backends.cudnn.version()}"
         )
+        out["driver"] = _nvidia_driver()
     else:
         out["device"] = f"cpu {_cpu_model()}"
         out["runtime"] = (
@@ -73,6 +74,16 @@ def fingerprint(device: torch.device) -> dict[str, str]:
             f"mkl_cbwr={os.environ.get('MKL_CBWR', 'default')}"
         )
     return out
+
+
+def _nvidia_driver() -> str:
+    """The kernel driver's version (a driver update may change which kernels a library picks)."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            first = f.readline()
+    except OSError:
+        return "unknown"
+    return next((w for w in first.split() if w[:1].isdigit() and "." in w), "unknown")
 
 
 def _cpu_model() -> str:

@@ -249,11 +249,11 @@ INVARIANCE_CACHE = _var(
     "H3MS_INVARIANCE_CACHE",
     "path",
     "",
-    "unset (memory only)",
-    "A JSON file keeping the split's measured plan verdicts across restarts (keyed by device, "
-    "runtime, torch, comfy-kitchen, dtype, shapes and shards); unset: each process measures its "
-    "plans once.",
-    "give a writable file path or unset it",
+    "`$XDG_CACHE_HOME/h3_multistream/invariance.json` (`~/.cache/...`)",
+    "The JSON file keeping the split's measured plan verdicts across restarts (keyed by device, "
+    "driver, runtime, torch, comfy-kitchen, dtype, shapes and shards), so a restarted ComfyUI "
+    "probes nothing it measured before; `off`: each process measures its plans once.",
+    "give a writable file path, `off`, or unset it",
     _text,
 )
 # -- H3 Attention Parallel -------------------------------------------------------------------------
