@@ -2,7 +2,8 @@
 import torch
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.dit.split import SplitEngine, SplitOptions
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.split import SplitEngine
 
 CFG = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
 m8 = ReferenceDiT(CFG, weights="int8", seed=21, device="cuda")

@@ -114,7 +114,7 @@ class SplitState:
         return p
 
     def describe(self) -> dict:
-        from h3ms_async.dit.split import options_dict
+        from h3ms_async.dit.options import options_dict
 
         return {
             "kind": "dit_split",
@@ -159,14 +159,11 @@ class _RunStack:
         return patch(args, extra) if patch is not None else extra["original_block"](args)
 
     def __call__(self, args: dict, extra: dict) -> dict:
+        from h3ms_async.dit.errors import SplitError, SplitInterrupted, SplitUnsafe
+        from h3ms_async.dit.options import check_block_options
         from h3ms_async.dit.sparse import branch_key
-        from h3ms_async.dit.split import (
-            SplitError,
-            SplitInterrupted,
-            SplitUnsafe,
-            check_block_options,
-            get_engine,
-        )
+        from h3ms_async.dit.split import get_engine
+        from h3ms_async.dit.step import Step
 
         interrupt = progress.interrupt_probe()
         if interrupt():  # cancelled between steps: start nothing
@@ -199,16 +196,18 @@ class _RunStack:
             compute_dtype=dtype,
         )
         try:
-            out = engine.run_blocks(
-                args["img"],
-                args["t_emb"],
-                args["mod_segments"],
-                args["rope_freqs"],
-                block_options=block_options,
-                interrupt=interrupt,
-                sigma=_sigma(args),
-                in_place=True,
-                sparse_branch=branch_key(args["transformer_options"].get("uuids", ())),
+            out = engine.run_step(
+                Step(
+                    args["img"],
+                    args["t_emb"],
+                    args["mod_segments"],
+                    args["rope_freqs"],
+                    block_options=block_options,
+                    interrupt=interrupt,
+                    sigma=_sigma(args),
+                    in_place=True,
+                    sparse_branch=branch_key(args["transformer_options"].get("uuids", ())),
+                )
             )
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
@@ -233,7 +232,7 @@ class _RunStack:
             return None
         from comfy import model_management
 
-        from h3ms_async.dit.split import subquad_unchunked
+        from workers.runtime.comfy_host import subquad_unchunked
 
         heads = int(self.dm.blocks[0].attn.heads)
         free = model_management.get_free_memory(img.device, True)[0]

@@ -180,7 +180,7 @@ class H3MultiStreamAsync(ModelPatchNode):
         # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would
         # without the node
         refuse_comfy_sparse(model)
-        from h3ms_async.dit.split import COMFY_ATTENTION, SplitOptions
+        from h3ms_async.dit.options import COMFY_ATTENTION, SplitOptions
 
         options = SplitOptions(
             exchange=exchange,
@@ -233,7 +233,7 @@ def _comfy_host() -> tuple[Any, str | None]:
 
     import comfy.ldm.modules.attention as attention
 
-    from h3ms_async.dit.split import HEAD_SPLIT_SAFE, ComfyHost
+    from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost
 
     name = attention.optimized_attention.__name__
     root = str(

@@ -33,7 +33,8 @@ MODEL_PRELUDE = BASE_PRELUDE + textwrap.dedent("""\
     import torch
     from h3ms_async.dit.layout import layout_for_tokens
     from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-    from h3ms_async.dit.split import SplitEngine, SplitOptions
+    from h3ms_async.dit.options import SplitOptions
+    from h3ms_async.dit.split import SplitEngine
 
     CFG = DiTConfig(hidden=256, layers=1, heads=4, head_dim=64, ffn=640, t_dim=128, rope_pairs=30)
     MODEL = ReferenceDiT(CFG, weights="int8", seed=7)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from h3ms_async.dit.reference import ReferenceDiT, StepInputs
-from h3ms_async.dit.split import SplitEngine, SplitUnsafe
+from h3ms_async.dit.errors import SplitUnsafe
+from h3ms_async.dit.split import SplitEngine
 from h3ms_async.runtime.plans import SplitPlan
 from workers.dit import invariance
 from workers.dit import ops as dit_ops

@@ -55,7 +55,7 @@ def pids():
     return sorted(w["pid"] for e in S.engines() for w in e.pool.snapshot())
 
 def store():
-    return [e._loaded.store.segment.name if e._loaded else None for e in S.engines()]
+    return [e.loaded.store.segment.name if e.loaded else None for e in S.engines()]
 
 def ksample(model):
     return comfy_h3.ksample(model, steps=1)
@@ -176,7 +176,7 @@ def test_pytorch_attention():
     report("int8 2 ranks", plain8, ksample(node(int8, 2)))
     report("int8 3 ranks shares 1,2,1", plain8, ksample(node(int8, 3, "1,2,1")))
     report("int8 2 ranks ulysses", plain8, ksample(node(int8, 2, pattern="ulysses")),
-           pattern=S.engines()[0]._loaded.pattern)
+           pattern=S.engines()[0].loaded.pattern)
     report("bf16->fp32 3 ranks ulysses shares 1,2,1", ksample(bf16), ksample(node(bf16, 3, "1,2,1", pattern="ulysses")))
 '''
     out = _run(cases, ["--use-pytorch-cross-attention"])

@@ -25,7 +25,8 @@ from h3ms_async.runtime.coordinator import get_coordinator  # noqa: E402
 from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
 from h3ms_async.runtime.pool import WorkerPool  # noqa: E402
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
-from h3ms_async.dit.split import SplitEngine, SplitOptions  # noqa: E402
+from h3ms_async.dit.options import SplitOptions  # noqa: E402
+from h3ms_async.dit.split import SplitEngine  # noqa: E402
 from workers.runtime.protocol import Echo  # noqa: E402
 from workers.runtime.shm import Arena, Segment  # noqa: E402
 
@@ -102,7 +103,7 @@ def test_short_sequence_is_measured_not_assumed(models):
     """4 heads of 16 at 3000 tokens fall under FlashAttention's split-KV threshold by the flash-tiles rule (measured
     different on the H200 once). The rule is a prior now: the ranks measure the plan; it either runs split and
     equals the unsplit run, or is refused (SplitUnsafe) naming attention and the device."""
-    from h3ms_async.dit.split import SplitUnsafe
+    from h3ms_async.dit.errors import SplitUnsafe
     model = models["int8"]
     eng = SplitEngine(["cuda:0"] * 4, SplitOptions())
     try:
@@ -130,7 +131,8 @@ _PARENT_SCRIPT = r"""
 import json, torch
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.dit.split import SplitEngine, SplitOptions
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.split import SplitEngine
 cfg = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
 model = ReferenceDiT(cfg, weights="int8", seed=3)            # weights on the host, like ComfyUI's offloaded DiT
 eng = SplitEngine(["cuda:0", "cuda:0"], SplitOptions())

@@ -82,7 +82,8 @@ def test_standalone_refuses_cross_site_writes_and_rebound_reads(standalone):
 def test_standalone_release_routes_release_the_engines_it_shows(tmp_path, monkeypatch):
     """``serve`` / ``demo --serve``: the release routes act on this process's engines (also ones made directly)."""
     from h3ms_async.dit.reference import DiTConfig, ReferenceDiT
-    from h3ms_async.dit.split import SplitEngine, SplitOptions
+    from h3ms_async.dit.options import SplitOptions
+    from h3ms_async.dit.split import SplitEngine
     monkeypatch.setenv("H3MS_RUN_DIR", str(tmp_path))
     cfg = DiTConfig(hidden=128, layers=1, heads=2, head_dim=64, ffn=320, t_dim=64, rope_pairs=30)
     engine = SplitEngine(["cpu"], SplitOptions())

@@ -17,7 +17,10 @@ import torch
 from h3ms_async.dit import exactness
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.dit.split import SplitEngine, SplitOptions, SplitUnsafe
+from h3ms_async.dit.errors import SplitUnsafe
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.plan_probe import PlanProbe
+from h3ms_async.dit.split import SplitEngine
 from h3ms_async.observability.status import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
@@ -271,7 +274,7 @@ def test_verdicts_persist_in_the_cache_file(engine, model, monkeypatch, tmp_path
     assert torch.equal(out, ref)
     assert [v["verdict"] for v in json.loads(path.read_text()).values()] == ["adjusted"]
     exactness.VERDICTS.clear()
-    monkeypatch.setattr(SplitEngine, "_probe_round", lambda *a: pytest.fail("a cached plan was probed again"))
+    monkeypatch.setattr(PlanProbe, "_probe_round", lambda *a: pytest.fail("a cached plan was probed again"))
     out, ref = _step(eng, model, 4)
     assert torch.equal(out, ref)
     assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]

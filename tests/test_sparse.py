@@ -16,7 +16,8 @@ import torch
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.sparse import DenseFallback, SparseSettings, UnsplitSparse, branch_key, parse_block_list
-from h3ms_async.dit.split import SplitEngine, SplitOptions
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.split import SplitEngine
 from workers.dit import protocol as dit_protocol
 from workers.dit.sparse import (PooledStats, SparseConfig, dense_reason, kernel_unavailable, sinks, sparse_step,
                                 target_starts)

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.cuda,
 from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
 from h3ms_async.dit.sparse import UnsplitSparse  # noqa: E402
-from h3ms_async.dit.split import SplitEngine, SplitOptions  # noqa: E402
+from h3ms_async.dit.options import SplitOptions  # noqa: E402
+from h3ms_async.dit.split import SplitEngine  # noqa: E402
 from workers.dit.sparse import SparseConfig, kernel_unavailable  # noqa: E402
 
 CFG = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)

@@ -17,7 +17,11 @@ import torch
 from h3ms_async.dit.layout import build_layout, layout_for_tokens
 from h3ms_async.runtime.plans import GPUSelectionError
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.dit.split import SplitEngine, SplitError, SplitInterrupted, SplitOptions, SplitUnsafe
+from h3ms_async.dit.errors import SplitError, SplitInterrupted, SplitUnsafe
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.split import SplitEngine
+from h3ms_async.dit.pattern import pick_pattern
+from workers.dit.protocol import Transport
 
 from split_checks import Compared, engine_step
 
@@ -144,7 +148,7 @@ def test_ulysses_pattern_host_and_gloo(engine_factory):
     seen.done()
     with pytest.raises(ValueError, match="sparse attention runs with the all-gather pattern"):
         SplitOptions(pattern="ulysses", sparse=object())
-    assert SplitEngine(["cpu"] * 2, SplitOptions(pattern="auto"))._pattern(CFG_UNEVEN) == "gather"
+    assert pick_pattern(SplitOptions(pattern="auto"), ["cpu"] * 2, Transport.HOST, CFG_UNEVEN) == "gather"
 
 
 def test_gloo_exchange_matches_host(engine_factory, int8_model):

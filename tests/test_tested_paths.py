@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from h3ms_async.dit import tested_paths
-from h3ms_async.dit.split import SplitEngine, SplitOptions
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.split import SplitEngine
+from h3ms_async.dit.pattern import pick_pattern
 from h3ms_async.dit.tested_paths import SplitPath
+from workers.dit.protocol import Transport
 
 pytestmark = pytest.mark.fast
 
@@ -46,8 +49,4 @@ def test_auto_never_picks_an_untested_pattern(monkeypatch):
     monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
     monkeypatch.setitem(tested_paths.TESTED, "cuda", {})
     for devices, picked in ((["cuda:0"] * 8, "gather"), (["cpu"] * 8, "ulysses")):
-        eng = SplitEngine(devices, SplitOptions(pattern="auto"))  # no worker starts before a load
-        try:
-            assert eng._pattern(cfg) == picked, devices
-        finally:
-            eng.release()
+        assert pick_pattern(SplitOptions(pattern="auto"), devices, Transport.HOST, cfg) == picked, devices

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from h3ms_async.runtime import plans
 from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
 from workers.transports.host import ArenaLayout
+
+if TYPE_CHECKING:
+    from h3ms_async.dit.loaded import LoadedWeights
+    from h3ms_async.dit.step import PlannedStep
 
 #: ``name: (dtype, shape)`` of the tensors one segment holds.
 Specs = dict[str, tuple[torch.dtype, Sequence[int]]]
@@ -64,44 +68,34 @@ class StepBufferSlot:
         """The buffers the last step ran in, or None when none are held."""
         return self._current
 
-    def for_step(
-        self,
-        plan: plans.SplitPlan,
-        head_bounds: Sequence[int],
-        head_dim: int,
-        hidden: int,
-        exchange: str,
-        x: torch.Tensor,
-        t_emb: torch.Tensor,
-        rope: torch.Tensor,
-        mod_segments: Sequence[tuple],
-        qkv: bool = False,
-    ) -> StepBuffers:
+    def for_step(self, planned: PlannedStep, loaded: LoadedWeights) -> StepBuffers:
         """The buffers for this step: the held ones when the shapes match, else new ones (the step
         segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
-        a new t_emb or per-token row shape).  ``qkv``: the arena also holds the Ulysses pattern's
+        a new t_emb or per-token row shape).  Under the Ulysses pattern the arena also holds the
         q/k/v blocks."""
+        step, plan = planned.step, planned.plan
+        x, rope = step.x, step.rope_freqs
         key = (
             tuple(plan.token_bounds),
-            tuple(head_bounds),
+            tuple(loaded.head_bounds),
             x.dtype,
             tuple(rope.shape),
             rope.dtype,
-            exchange,
+            planned.options.exchange,
             str(x.device),
-            qkv,
+            planned.pattern == "ulysses",
         )
         buf = self._current
         if buf is None or buf.shape_key != key:
-            buf = self._new(key, plan, head_bounds, head_dim, hidden, exchange, x, rope, qkv)
+            buf = self._new(key, planned, loaded)
         rows = tuple(
             (i, int(r.numel()))
-            for i, (_, _, r) in enumerate(mod_segments)
+            for i, (_, _, r) in enumerate(step.mod_segments)
             if isinstance(r, torch.Tensor)
         )
-        side_key = (tuple(t_emb.shape), t_emb.dtype, rows)
+        side_key = (tuple(step.t_emb.shape), step.t_emb.dtype, rows)
         if buf.side_key != side_key:
-            _new_side(buf, side_key, t_emb, rows)
+            _new_side(buf, side_key, step.t_emb, rows)
         return buf
 
     def drop(self) -> None:
@@ -110,18 +104,10 @@ class StepBufferSlot:
             self._current.close()
             self._current = None
 
-    def _new(
-        self,
-        key: tuple,
-        plan: plans.SplitPlan,
-        head_bounds: Sequence[int],
-        head_dim: int,
-        hidden: int,
-        exchange: str,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        qkv: bool,
-    ) -> StepBuffers:
+    def _new(self, key: tuple, planned: PlannedStep, loaded: LoadedWeights) -> StepBuffers:
+        plan, x, rope = planned.plan, planned.step.x, planned.step.rope_freqs
+        head_dim, hidden = loaded.config.head_dim, loaded.config.hidden
+        exchange, qkv = planned.options.exchange, planned.pattern == "ulysses"
         self.drop()
         self._unmap_released()
         specs: Specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
@@ -129,7 +115,7 @@ class StepBufferSlot:
         arena_seg = None
         try:
             descs = _alloc(step, specs)
-            col_bounds = [g * head_dim for g in head_bounds]
+            col_bounds = [g * head_dim for g in loaded.head_bounds]
             ranks = len(plan.token_bounds) - 1
             layout = ArenaLayout.plan(
                 ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype, head_dim, qkv

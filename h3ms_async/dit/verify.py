@@ -12,11 +12,14 @@ recorded in the status document (``exactness.verify``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
+from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.step import PlannedStep
 from h3ms_async.log import get_logger
 from h3ms_async.observability.records import VerifyRecord, now_iso
 from h3ms_async.observability.status import get_hub
@@ -27,9 +30,8 @@ from workers.dit.loop import run_blocks
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import NoExchange
 
-#: ``h3ms_async.dit.split.SplitEngine`` (which calls this module; typed loosely so the import points
-#: one way).
-Engine = Any
+if TYPE_CHECKING:
+    from h3ms_async.dit.split import SplitEngine
 
 log = get_logger("MultiStream")
 
@@ -53,7 +55,7 @@ def rank_part(
     return out[plan.token_bounds[r] : plan.token_bounds[r + 1]]
 
 
-def _attend(options: Any) -> dit_ops.Attend:
+def _attend(options: SplitOptions) -> dit_ops.Attend:
     if options.comfy_host is not None:
         from workers.runtime.comfy_host import comfy_attend
 
@@ -62,19 +64,14 @@ def _attend(options: Any) -> dit_ops.Attend:
 
 
 def unsplit_step(
-    engine: Engine,
-    plan: plans.SplitPlan,
-    x: torch.Tensor,
-    t_emb: torch.Tensor,
-    mod_segments: Sequence[tuple],
-    rope_freqs: torch.Tensor,
-    device: torch.device,
+    engine: SplitEngine, planned: PlannedStep, x: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, dict[tuple[int, str], str]]:
     """The step unsplit on ``device``, weights streamed block by block from the engine's store;
     returns the new residual stream and, per ``(rank, "block:op")``, the digest of the part that
-    rank computes."""
-    ld = engine._loaded
+    rank computes.  ``x``: the step's input as it was before the split step ran."""
+    ld = engine.loaded
     assert ld is not None
+    plan, step = planned.plan, planned.step
     cfg = ld.config
     n = len(ld.store.manifest)
     attend = _attend(engine.options)
@@ -98,15 +95,15 @@ def unsplit_step(
     )
     segs = [
         (int(a), int(b), row.to(device) if isinstance(row, torch.Tensor) else int(row))
-        for a, b, row in mod_segments
+        for a, b, row in step.mod_segments
     ]
     with torch.inference_mode():
         xr = x.to(device).clone()
         run_blocks(
             xr,
-            t_emb.to(device),
+            step.t_emb.to(device),
             segs,
-            rope_freqs.to(device),
+            step.rope_freqs.to(device),
             weights,
             NoExchange(),
             range(n),
@@ -132,40 +129,16 @@ def first_difference(
     return None
 
 
-def verify_step(
-    engine: Engine,
-    plan: plans.SplitPlan,
-    opts: Any,
-    x: torch.Tensor,
-    t_emb: torch.Tensor,
-    mod_segments: Sequence[tuple],
-    rope_freqs: torch.Tensor,
-    interrupt: Callable[[], bool] | None,
-    sigma: float | None,
-    progress: Callable[[int, int], None] | None,
-    in_place: bool,
-) -> torch.Tensor:
+def verify_step(engine: SplitEngine, planned: PlannedStep) -> torch.Tensor:
     """Run the split step (traced), then the unsplit one, compare, log and record; returns the split
     step's output. A failure of the unsplit run (e.g. out of memory on the model's device) is logged
     and the split result kept."""
-    x0 = x.detach().clone()
-    out = engine._step(
-        plan,
-        opts,
-        x,
-        t_emb,
-        mod_segments,
-        rope_freqs,
-        interrupt,
-        sigma,
-        progress,
-        in_place,
-        trace=True,
-    )
+    x0 = planned.step.x.detach().clone()
+    out = engine.run_planned(replace(planned, trace=True))
     device = torch.device(engine.devices[0])
-    names = list(dict.fromkeys(fp["device"] for fp in engine._fingerprints)) or list(engine.devices)
+    names = list(dict.fromkeys(fp["device"] for fp in engine.fingerprints)) or list(engine.devices)
     try:
-        ref_out, ref = unsplit_step(engine, plan, x0, t_emb, mod_segments, rope_freqs, device)
+        ref_out, ref = unsplit_step(engine, planned, x0, device)
     except Exception as exc:  # noqa: BLE001
         # verify is a check on the side; the split step's result stands
         log.warning(
@@ -178,7 +151,7 @@ def verify_step(
     split_out = out.to(device)
     exact = bool(torch.equal(split_out, ref_out))
     diff = 0.0 if exact else float((split_out.float() - ref_out.float()).abs().max())
-    blocks = len(engine._loaded.store.manifest) if engine._loaded else 0
+    blocks = len(engine.loaded.store.manifest) if engine.loaded else 0
     traces = [r.trace for r in engine.last_rank_results]
     where = None if exact else first_difference(traces, ref, blocks)
     first = where[0] if where else None

@@ -393,14 +393,15 @@ class _Progress:
 
 
 class StepResult(TypedDict):
-    """One step of the demo: its times and how the split output compares with the unsplit one."""
+    """One step of the demo: its times and how the split output compares with the unsplit one
+    (None: the step ran unsplit, nothing was compared)."""
 
     step: int
     unsplit_s: float | None
     split_s: float
     split: bool
-    bit_exact: bool
-    max_abs_diff: float
+    bit_exact: bool | None
+    max_abs_diff: float | None
 
 
 def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
@@ -408,12 +409,15 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     import psutil
     import torch
 
+    from h3ms_async.dit.errors import SplitUnsafe
+    from h3ms_async.dit.options import SplitOptions
     from h3ms_async.dit.reference import ReferenceDiT, make_step_inputs
-    from h3ms_async.dit.split import SplitOptions, SplitUnsafe, _cpu_thread_env, get_engine
+    from h3ms_async.dit.split import get_engine
+    from h3ms_async.runtime.cpu_threads import cpu_thread_env
 
     c = checked or check_args(a)
     ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
-    if device.type == "cpu" and (rank_threads := _cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
+    if device.type == "cpu" and (rank_threads := cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
         # The unsplit pass computes with a CPU rank's thread count: on a busy machine more OpenMP
         # threads than free cores stall on each other (the unsplit pass took 10x the split's on a
         # loaded 2-core box).
@@ -537,13 +541,15 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
         "steps": steps,
         "ranks": last["ranks"],
         "bit_exact": split_verdict(steps),
-        "max_abs_diff": max((s["max_abs_diff"] for s in steps if s["split"]), default=None),
+        "max_abs_diff": max(
+            (d for s in steps if (d := s["max_abs_diff"]) is not None), default=None
+        ),
         # from the process start: what a user waits for, imports and worker start included
         "total_s": time.time() - psutil.Process().create_time(),
     }
 
 
-def split_verdict(steps: Sequence[dict]) -> bool | None:
+def split_verdict(steps: Sequence[StepResult]) -> bool | None:
     """Whether every step that ran split equals the unsplit step; None when none ran split (a plan
     the probe refused runs unsplit, so there is nothing to compare)."""
     compared = [s["bit_exact"] for s in steps if s["split"]]

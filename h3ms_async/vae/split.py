@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from h3ms_async.dit.split import _cpu_thread_env
 from h3ms_async.log import get_logger
 from h3ms_async.observability.records import now_iso
 from h3ms_async.runtime.coordinator import get_coordinator
+from h3ms_async.runtime.cpu_threads import cpu_thread_env
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
 from h3ms_async.runtime.pool import WorkerPool
@@ -223,7 +223,7 @@ class VaeSplitEngine(Engine):
         self.last_record: dict | None = None
         super().__init__(
             WorkerPool(
-                self.devices[1:], name="vae", program="vae", env=_cpu_thread_env(self.devices)
+                self.devices[1:], name="vae", program="vae", env=cpu_thread_env(self.devices)
             ),
             ENGINES,
         )

@@ -348,8 +348,9 @@ def validate(
     """Predicted vs measured block time of the real split on logical ranks of this one GPU
     (time-sliced, sharing its link; host exchange, chunks 0, the overlaps of ``schedule``)."""
     from h3ms_async.dit.layout import layout_for_tokens
+    from h3ms_async.dit.options import SplitOptions
     from h3ms_async.dit.reference import DiTConfig, make_step_inputs
-    from h3ms_async.dit.split import SplitEngine, SplitOptions
+    from h3ms_async.dit.split import SplitEngine
     from h3ms_async.tools.bench.gpu import FULL, CachedModel
 
     cfg = DiTConfig(layers=layers, **FULL)

@@ -26,9 +26,10 @@ from dataclasses import replace
 import torch
 
 from h3ms_async.dit.layout import layout_for_tokens
+from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.sparse import SparseSettings, UnsplitSparse
-from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
+from h3ms_async.dit.split import SplitEngine, release_all_engines
 from h3ms_async.tools.bench.gpu import FULL
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from workers.dit.ops import ModSegment

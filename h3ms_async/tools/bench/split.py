@@ -34,6 +34,7 @@ import torch
 
 from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 from h3ms_async.dit.layout import layout_for_tokens
+from h3ms_async.dit.options import EXCHANGES, SplitOptions
 from h3ms_async.dit.reference import (
     WEIGHT_KINDS,
     DiTConfig,
@@ -41,11 +42,12 @@ from h3ms_async.dit.reference import (
     StepInputs,
     make_step_inputs,
 )
-from h3ms_async.dit.split import EXCHANGES, SplitEngine, SplitOptions, _cpu_thread_env
+from h3ms_async.dit.split import SplitEngine
 from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
+from h3ms_async.runtime.cpu_threads import cpu_thread_env
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
 from workers.transports.dist import check_nccl_rank_map
@@ -495,7 +497,7 @@ def run_bench_split(
             "seed": seed,
             "ranks": ranks,
             "unsplit_device": str(dev),
-            "rank_threads": _cpu_thread_env(ranks).get(
+            "rank_threads": cpu_thread_env(ranks).get(
                 "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS")
             ),
             "chunks": list(chunks),

@@ -1,0 +1,225 @@
+"""The split's invariance probe, orchestrated: which plan a step runs with, as measured on the
+ranks (``h3ms_async.dit.exactness`` keeps the verdicts, ``workers.dit.invariance`` measures).
+
+A verdict is looked up by everything it depends on; a new plan is probed on every rank at once,
+then its adjusted candidates when a token split differs; the overlap asked for runs less what
+measured inexact.  The lookup costs no round trip to the ranks once they have loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from h3ms_async.dit import exactness
+from h3ms_async.dit.errors import SplitUnsafe
+from h3ms_async.dit.exactness import MIN_SHARD_TOKENS, PlanVerdict
+from h3ms_async.log import get_logger
+from h3ms_async.observability.status import record_verdict
+from h3ms_async.runtime import plans
+from workers.dit import invariance
+from workers.dit import ops as dit_ops
+from workers.dit import protocol as dit_protocol
+
+if TYPE_CHECKING:
+    from h3ms_async.dit.split import SplitEngine
+
+log = get_logger("MultiStream")
+
+
+class PlanProbe:
+    """The probe of one engine's plans (its ranks, its loaded weights, its options)."""
+
+    def __init__(self, engine: SplitEngine) -> None:
+        self.engine = engine
+
+    def measured_plan(
+        self, plan: plans.SplitPlan, t_rows: int, asked: exactness.Overlap
+    ) -> tuple[plans.SplitPlan, exactness.Overlap]:
+        """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with
+        its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); and
+        the overlap it runs with (``asked`` less what measured inexact).  Probed once per new plan
+        and overlap."""
+        if self.engine.ranks == 1:
+            return plan, exactness.NO_OVERLAP
+        ld = self.engine.loaded
+        assert ld is not None
+        if not self.engine.fingerprints:  # the ranks never loaded: the key needs their devices
+            self.engine.run(
+                self.engine.ensure_loaded(),
+                self.engine.options.step_timeout_s,
+                "starting the ranks",
+            )
+        key = exactness.verdict_key(
+            self.engine.fingerprints,
+            ld.compute_dtype,
+            self.ops(),
+            self._attention_name(),
+            plan.token_bounds,
+            plan.head_bounds,
+            ld.config.head_dim,
+            asked,
+        )
+        verdict = exactness.VERDICTS.get(key)
+        first = verdict is None
+        if verdict is None:
+            with self.engine.job():
+                verdict = self._probe_plan(plan, t_rows, asked)
+            exactness.VERDICTS.put(key, verdict)
+        if verdict.token_bounds is None:
+            raise SplitUnsafe(verdict.detail, first=first)
+        return replace(plan, token_bounds=verdict.token_bounds), verdict.overlap
+
+    def ops(self) -> list[dit_protocol.LinearOp]:
+        ld = self.engine.loaded
+        assert ld is not None
+        if ld.ops is None:
+            man = [
+                {n: (d.dtype, tuple(d.shape)) for n, d in blk.items()} for blk in ld.store.manifest
+            ]
+            ops = invariance.block_ops(man, lambda i: dit_ops.block_quant(ld.store.block(i)))
+            if ld.pattern == "ulysses":  # every head's qkv rows on each rank's own tokens
+                ops = [
+                    msgspec.structs.replace(op, split="tokens")
+                    if op.name == "attn.qkv_proj"
+                    else op
+                    for op in ops
+                ]
+            ld.ops = ops
+        return ld.ops
+
+    def _attention_name(self) -> str:
+        host = self.engine.options.comfy_host
+        return f"comfy:{host.attention}" if host is not None else self.engine.options.attention
+
+    def _prior_refusal(self, plan: plans.SplitPlan) -> str | None:
+        """What the fixed rules (the priors) say about ``plan``: a reason to refuse, or None."""
+        small = min(plan.tokens_per_rank())
+        if small < MIN_SHARD_TOKENS:
+            return f"a {small}-row shard is under the {MIN_SHARD_TOKENS}-row prior"
+        heads, tokens = plan.head_bounds[-1], plan.token_bounds[-1]
+        for r, sms in enumerate(self.engine.sm_counts):
+            h = plan.head_bounds[r + 1] - plan.head_bounds[r]
+            if sms is not None and not dit_ops.flash_tiles_ok(h, heads, tokens, sms):
+                return f"rank {r}'s {h} heads have too few query tiles by the flash-tiles prior"
+        return None
+
+    def _probe_plan(
+        self, plan: plans.SplitPlan, t_rows: int, asked: exactness.Overlap
+    ) -> PlanVerdict:
+        """Probe ``plan`` (and the overlap ``asked`` for) on every rank (concurrently); on a
+        token-split failure probe the adjusted candidates."""
+        ld = self.engine.loaded
+        assert ld is not None
+        tokens = plan.token_bounds[-1]
+        reports = self._probe_round([plan.token_bounds], plan, t_rows, asked)
+        rounds = [reports]
+        failing = exactness.fixed_failure(reports)
+        if failing is not None:
+            verdict = PlanVerdict(
+                None,
+                "unsplit",
+                f"{failing}; this step runs unsplit there",
+                exactness.slowest_ms(*rounds),
+            )
+        elif (failing := exactness.token_failure(reports)) is None:
+            verdict = PlanVerdict(
+                tuple(plan.token_bounds), "exact", "measured exact", exactness.slowest_ms(*rounds)
+            )
+        else:
+            cands = exactness.adjusted_bounds(plan.token_bounds)
+            pick = None
+            if cands:
+                rounds.append(self._probe_round(cands, plan, t_rows, exactness.NO_OVERLAP))
+                pick = exactness.first_exact(rounds[-1], len(cands))
+            ms = exactness.slowest_ms(*rounds)
+            if pick is None:
+                verdict = PlanVerdict(
+                    None,
+                    "unsplit",
+                    f"{failing}, and no adjusted plan (shards moved to multiples or minimums of "
+                    f"{'/'.join(map(str, exactness.ADJUST_MULTIPLES))} rows) is exact there; this "
+                    "step runs unsplit",
+                    ms,
+                )
+            else:
+                verdict = PlanVerdict(
+                    cands[pick],
+                    "adjusted",
+                    f"{failing}; shards moved from {exactness.sizes(plan.token_bounds)} to "
+                    f"{exactness.sizes(cands[pick])} rows, measured exact",
+                    ms,
+                )
+        ran, off = exactness.measured_overlap(reports, verdict, asked)
+        for why in off.values():
+            log.warning("%s", why)
+        verdict = replace(verdict, overlap=ran)
+        for row in exactness.op_rows(reports, verdict, failing, off):
+            record_verdict("dit", **row)
+        prior = self._prior_refusal(plan)
+        devices = ", ".join(sorted({fp["device"] for fp in self.engine.fingerprints}))
+        note = ""
+        if prior is not None and verdict.verdict == "exact":
+            note = f" (the prior would have refused it: {prior})"
+        elif prior is None and verdict.verdict != "exact":
+            note = " (the prior accepted it; the measurement overrides)"
+        if verdict.token_bounds is not None:
+            log.info(
+                "plan %d tokens %s x heads %s on %s: %s (%s; probe %.0f ms)%s",
+                tokens,
+                exactness.sizes(verdict.token_bounds),
+                plan.heads_per_rank(),
+                devices,
+                verdict.verdict,
+                verdict.detail,
+                verdict.probe_ms,
+                note,
+            )
+        else:
+            log.info(
+                "plan %d tokens %s x heads %s on %s: unsplit (probe %.0f ms)%s",
+                tokens,
+                exactness.sizes(plan.token_bounds),
+                plan.heads_per_rank(),
+                devices,
+                verdict.probe_ms,
+                note,
+            )
+        return verdict
+
+    def _probe_round(
+        self,
+        candidates: Sequence[Sequence[int]],
+        plan: plans.SplitPlan,
+        t_rows: int,
+        overlap: exactness.Overlap,
+    ) -> list[dit_protocol.ProbeReport]:
+        hb, tb0 = plan.head_bounds, plan.token_bounds
+        every_rank = (
+            [(int(a), int(b)) for a, b in itertools.pairwise(tb0)] if overlap.gather else []
+        )
+        msgs = [
+            dit_protocol.DitProbe(
+                ops=self.ops(),
+                tokens=plan.token_bounds[-1],
+                candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
+                heads=(hb[r], hb[r + 1]),
+                t_rows=t_rows,
+                pieces=overlap.head_pieces,
+                gather_ranges=every_rank,
+            )
+            for r in range(self.engine.ranks)
+        ]
+        return self.engine.run(
+            self._probe_all(msgs),
+            self.engine.options.step_timeout_s,
+            "measuring the plan's invariance",
+        )
+
+    async def _probe_all(self, msgs: list[dit_protocol.DitProbe]) -> list[dit_protocol.ProbeReport]:
+        await self.engine.ensure_loaded()
+        return await self.engine.pool.all(msgs, self.engine.options.step_timeout_s)
