@@ -42,11 +42,11 @@ segs = [tuple(s) for s in inp["mod_segments"]]
 rope = rope_table(g["model"]["position_ids"], cfg.rope_pairs, inp["rope_freqs"].dtype)
 report = {"rope_equal": torch.equal(rope, inp["rope_freqs"]), "blocks": [],
           "isa": torch.backends.cpu.get_cpu_capability()}
-from workers.dit.loop import block_forward_unsplit
+from workers.dit.loop import BlockInputs, block_forward_unsplit
 h = inp["h"].clone()
 with torch.inference_mode():
     for i in range(cfg.layers):
-        h = block_forward_unsplit(h, model.block_weights(i), inp["t_emb"], segs, inp["rope_freqs"],
+        h = block_forward_unsplit(h, model.block_weights(i), BlockInputs(inp["t_emb"], segs, inp["rope_freqs"]),
                                   cfg.heads, cfg.head_dim, cfg.eps)
         ref = g["block_outputs"][i]
         report["blocks"].append([torch.equal(h, ref), (h.float() - ref.float()).abs().max().item()])

@@ -15,7 +15,7 @@ from h3ms_async.dit.layout import build_layout
 from h3ms_async.runtime.plans import make_split_plan
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, SimulatedSplit, compute_dtype, make_step_inputs
 from workers.dit import ops as dit_ops
-from workers.dit.loop import block_forward_unsplit
+from workers.dit.loop import BlockInputs, block_forward_unsplit
 from workers.dit.ops import Shard
 from workers.testing.faults import ShapeFault
 
@@ -107,7 +107,7 @@ def test_block_forward_is_in_place_like_comfyui() -> None:
     inp = make_step_inputs(CFG, _layouts()[0], seed=1, dtype=model.dtype)
     x = inp.x.clone()
     with torch.inference_mode():
-        out = block_forward_unsplit(x, model.block_weights(0), inp.t_emb, inp.segments, inp.rope_freqs,
+        out = block_forward_unsplit(x, model.block_weights(0), BlockInputs(inp.t_emb, inp.segments, inp.rope_freqs),
                                     CFG.heads, CFG.head_dim, CFG.eps)
     assert out is x and not torch.equal(x, inp.x)
 

@@ -22,7 +22,7 @@ import torch
 from h3ms_async.dit.layout import Layout
 from h3ms_async.dit.sparse import UnsplitSparse
 from workers.dit import ops as dit_ops
-from workers.dit.loop import run_blocks
+from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
 from workers.dit.ops import ModSegment, Shard
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import InProcessExchange, NoExchange
@@ -283,18 +283,18 @@ class ReferenceDiT:
         with torch.inference_mode():
             run_blocks(
                 x,
-                t_emb,
-                segments,
-                rope_freqs,
-                weights,
-                NoExchange(),
+                BlockInputs(t_emb, segments, rope_freqs),
+                RankBlocks(
+                    weights,
+                    NoExchange(),
+                    c.heads,
+                    c.head_dim,
+                    c.eps,
+                    dit_ops.builtin_attend(attention),
+                ),
                 range(c.layers),
-                heads_local=c.heads,
-                head_dim=c.head_dim,
-                eps=c.eps,
-                attend=dit_ops.builtin_attend(attention),
-                after_block=on_block,
-                sparse=step,
+                LoopPaths(sparse=step),
+                LoopHooks(after_block=on_block),
             )
         return x
 
@@ -510,15 +510,9 @@ class SimulatedSplit:
                 with torch.inference_mode():
                     run_blocks(
                         rows[r],
-                        t_emb,
-                        dit_ops.clip_segments(segments, s.t0, s.t1),
-                        rope_freqs,
-                        self._weights[r],
-                        ex,
+                        BlockInputs(t_emb, dit_ops.clip_segments(segments, s.t0, s.t1), rope_freqs),
+                        RankBlocks(self._weights[r], ex, s.n_heads, c.head_dim, c.eps),
                         range(c.layers),
-                        heads_local=s.n_heads,
-                        head_dim=c.head_dim,
-                        eps=c.eps,
                     )
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
                 errors.append(exc)

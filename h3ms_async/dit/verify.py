@@ -26,7 +26,7 @@ from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
-from workers.dit.loop import run_blocks
+from workers.dit.loop import BlockInputs, LoopHooks, RankBlocks, run_blocks
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import NoExchange
 
@@ -101,17 +101,10 @@ def unsplit_step(
         xr = x.to(device).clone()
         run_blocks(
             xr,
-            step.t_emb.to(device),
-            segs,
-            step.rope_freqs.to(device),
-            weights,
-            NoExchange(),
+            BlockInputs(step.t_emb.to(device), segs, step.rope_freqs.to(device)),
+            RankBlocks(weights, NoExchange(), cfg.heads, cfg.head_dim, cfg.eps, attend),
             range(n),
-            heads_local=cfg.heads,
-            head_dim=cfg.head_dim,
-            eps=cfg.eps,
-            attend=attend,
-            trace=trace,
+            hooks=LoopHooks(trace=trace),
         )
     return xr, ref
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,48 +33,80 @@ from workers.dit.weights import BlockView, CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, NoExchange
 
 
+@dataclass(frozen=True)
+class BlockInputs:
+    """One step's inputs as a rank's blocks read them: ``t_emb`` rows, the mod ``segments`` in the
+    rank's row coordinates (``dit_ops.clip_segments``), the rope table of all tokens."""
+
+    t_emb: torch.Tensor
+    segments: Sequence[dit_ops.ModSegment]
+    rope_freqs: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RankBlocks:
+    """What a rank computes its blocks with: where the weights come from, how rows move, its head
+    count, the head size, the norms' epsilon and the attention function (None: SDPA)."""
+
+    weights: WeightProvider
+    exchange: Exchange
+    heads_local: int
+    head_dim: int
+    eps: float
+    attend: dit_ops.Attend | None = None
+
+
+@dataclass(frozen=True)
+class LoopPaths:
+    """How the exchanges run: ``chunks`` pipelines them; ``head_pieces`` > 1: dense attention in
+    that many head pieces, each moved by the all-to-all while the next one computes
+    (``Exchange.all_to_all_heads``); ``gather_overlap`` (dense steps): the qkv projection rank by
+    rank on the gathered rows as they arrive (``Exchange.all_gather_rows_each``); ``pattern``
+    "ulysses" (dense steps; the weights then hold every head's qkv rows): each rank projects q, k,
+    v of every head for its own tokens and ``Exchange.all_to_all_qkv`` gives it its heads' q, k,
+    v for every token; ``sparse``: attention through comfy-kitchen's sparse kernel where its
+    settings say so (``workers.dit.sparse``)."""
+
+    chunks: int = 0
+    head_pieces: int = 0
+    gather_overlap: bool = False
+    pattern: Pattern = "gather"
+    sparse: SparseStep | None = None
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after it
+    (progress); ``trace(i, op, output)`` sees each op's output of block i and the block's rows as
+    op ``"block"`` (``verify``)."""
+
+    before_block: Callable[[int], None] | None = None
+    after_block: Callable[[int], None] | None = None
+    trace: Callable[[int, str, torch.Tensor], None] | None = None
+
+
 def run_blocks(
     x_rows: torch.Tensor,
-    t_emb: torch.Tensor,
-    segments: Sequence[dit_ops.ModSegment],
-    rope_freqs: torch.Tensor,
-    weights: WeightProvider,
-    exchange: Exchange,
+    inputs: BlockInputs,
+    rank: RankBlocks,
     blocks: range,
-    *,
-    heads_local: int,
-    head_dim: int,
-    eps: float,
-    attend: dit_ops.Attend | None = None,
-    chunks: int = 0,
-    head_pieces: int = 0,
-    gather_overlap: bool = False,
-    pattern: Pattern = "gather",
-    before_block: Callable[[int], None] | None = None,
-    after_block: Callable[[int], None] | None = None,
-    trace: Callable[[int, str, torch.Tensor], None] | None = None,
-    sparse: SparseStep | None = None,
+    paths: LoopPaths = LoopPaths(),
+    hooks: LoopHooks = LoopHooks(),
 ) -> list[list[float]]:
     """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns per block
     ``[compute, copy, wait]`` seconds on the host clock (copy and wait as the exchange counts them,
-    compute the rest).
-
-    ``sparse``: run attention through comfy-kitchen's sparse kernel over this rank's heads where its
-    settings say sparse (``workers.dit.sparse``); the dense path otherwise.  ``head_pieces`` > 1:
-    dense attention runs in that many head pieces, each moved by the all-to-all while the next one
-    computes (``Exchange.all_to_all_heads``); ``gather_overlap`` (dense steps): the qkv projection
-    runs rank by rank on the gathered rows as they arrive (``Exchange.all_gather_rows_each``);
-    ``chunks`` pipelines the exchanges otherwise.  ``pattern`` "ulysses" (dense steps; ``weights``
-    then hold every head's qkv rows): each rank projects q, k, v of every head for its own tokens
-    and ``Exchange.all_to_all_qkv`` gives it its heads' q, k, v for every token, instead of the
-    all-gather of the block input.
-
-    ``segments`` are in ``x_rows``' coordinates (``dit_ops.clip_segments``); ``rope_freqs`` covers
-    all tokens. ``before_block(i)`` runs before block i (an abort check), ``after_block(i)`` after
-    it (progress); ``trace(i, op, output)`` sees each op's output of block i and the block's rows as
-    op ``"block"`` (``verify``). On a CUDA rank the host waits for a block's compute before each
-    exchange (``workers.dit.cuda``), so "compute" is the GPU time up to there.
-    """
+    compute the rest).  On a CUDA rank the host waits for a block's compute before each exchange
+    (``workers.dit.cuda``), so "compute" is the GPU time up to there."""
+    t_emb, segments, rope_freqs = inputs.t_emb, inputs.segments, inputs.rope_freqs
+    weights, exchange, attend = rank.weights, rank.exchange, rank.attend
+    heads_local, head_dim, eps = rank.heads_local, rank.head_dim, rank.eps
+    chunks, head_pieces, pattern, sparse = (
+        paths.chunks,
+        paths.head_pieces,
+        paths.pattern,
+        paths.sparse,
+    )
+    before_block, after_block, trace = hooks.before_block, hooks.after_block, hooks.trace
     per_block: list[list[float]] = []
     mark = (time.perf_counter(), *exchange.counters())
     for i in blocks:
@@ -87,7 +120,7 @@ def run_blocks(
         attn: torch.Tensor | None = None
         if pattern == "ulysses":
             qkv = _ulysses_projection(exchange, n1, blk, chunks)
-        elif gather_overlap and sparse is None:
+        elif paths.gather_overlap and sparse is None:
             qkv = _gathered_projection(exchange, n1, blk)
         else:
             n1_full = exchange.all_gather_rows(n1, chunks)
@@ -197,29 +230,14 @@ def _attend_in_pieces(
 def block_forward_unsplit(
     x: torch.Tensor,
     weights: dict[str, torch.Tensor],
-    t_emb: torch.Tensor,
-    segments: Sequence[dit_ops.ModSegment],
-    rope_freqs: torch.Tensor,
+    inputs: BlockInputs,
     heads: int,
     head_dim: int,
     eps: float,
-    *,
     attend: dit_ops.Attend | None = None,
 ) -> torch.Tensor:
     """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned,
     like ComfyUI."""
     one = CpuWeights(lambda _: weights, 1, (0, heads), heads, head_dim, eager=False)
-    run_blocks(
-        x,
-        t_emb,
-        segments,
-        rope_freqs,
-        one,
-        NoExchange(),
-        range(1),
-        heads_local=heads,
-        head_dim=head_dim,
-        eps=eps,
-        attend=attend,
-    )
+    run_blocks(x, inputs, RankBlocks(one, NoExchange(), heads, head_dim, eps, attend), range(1))
     return x

@@ -21,7 +21,7 @@ from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.dit import sparse as dit_sparse
 from workers.dit.cuda import CudaExchange, CudaWeights
-from workers.dit.loop import run_blocks
+from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
 from workers.dit.protocol import Transport
 from workers.dit.weights import CpuWeights, WeightProvider
 from workers.runtime import comfy_host
@@ -356,23 +356,24 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     setup_s = time.perf_counter() - t_start
     per_block = run_blocks(
         x_rows,
-        t_emb,
-        segs,
-        rope,
-        w.provider,
-        ex,
+        BlockInputs(t_emb, segs, rope),
+        RankBlocks(
+            w.provider,
+            ex,
+            g1 - g0,
+            int(cfg["head_dim"]),
+            float(cfg["eps"]),
+            _attend(cfg["attention"]),
+        ),
         range(b0, b1),
-        heads_local=g1 - g0,
-        head_dim=int(cfg["head_dim"]),
-        eps=float(cfg["eps"]),
-        attend=_attend(cfg["attention"]),
-        chunks=int(msg.chunks),
-        head_pieces=int(msg.head_pieces),
-        gather_overlap=bool(msg.gather_overlap),
-        pattern=msg.pattern,
-        before_block=check_abort,
-        trace=trace if msg.trace else None,
-        sparse=sparse,
+        LoopPaths(
+            int(msg.chunks),
+            int(msg.head_pieces),
+            bool(msg.gather_overlap),
+            msg.pattern,
+            sparse,
+        ),
+        LoopHooks(before_block=check_abort, trace=trace if msg.trace else None),
     )
     t_tail = time.perf_counter()
     if cuda:

@@ -42,7 +42,7 @@ from h3ms_async.dit.split import SplitEngine, release_all_engines
 from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.observability.status import get_hub
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
-from workers.dit.loop import block_forward_unsplit
+from workers.dit.loop import BlockInputs, block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda
 
 FULL = {
@@ -118,7 +118,9 @@ class CachedModel:
         c = self.cfg
         with torch.inference_mode():
             for w in self.blocks:
-                x = block_forward_unsplit(x, w, t_emb, segments, rope, c.heads, c.head_dim, c.eps)
+                x = block_forward_unsplit(
+                    x, w, BlockInputs(t_emb, segments, rope), c.heads, c.head_dim, c.eps
+                )
         return x
 
 

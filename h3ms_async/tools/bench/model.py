@@ -250,7 +250,7 @@ def measure_parts(
     from h3ms_async.dit.reference import DiTConfig, make_step_inputs
     from h3ms_async.tools.bench.gpu import FULL, CachedModel, copy_bandwidth
     from workers.dit import ops as dit_ops
-    from workers.dit.loop import run_blocks
+    from workers.dit.loop import BlockInputs, RankBlocks, run_blocks
     from workers.dit.weights import CpuWeights
     from workers.transports.exchange import NoExchange
     from workers.transports.host import ArenaLayout
@@ -288,16 +288,9 @@ def measure_parts(
             with torch.inference_mode():
                 run_blocks(
                     x[t0:t1].clone(),
-                    t_emb,
-                    rows,
-                    rope,
-                    w,
-                    ex,
+                    BlockInputs(t_emb, rows, rope),
+                    RankBlocks(w, ex, g1 - g0, cfg.head_dim, cfg.eps, attend),
                     range(1),
-                    heads_local=g1 - g0,
-                    head_dim=cfg.head_dim,
-                    eps=cfg.eps,
-                    attend=attend,
                 )
 
         return _timed(once)
