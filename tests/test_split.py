@@ -331,3 +331,22 @@ def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_m
         names.append((buf.step.name, buf.arena.name, buf.side.name))
         assert eng.last_phases["new_buffers"] == (s == 0) and eng.last_phases["new_side"] == (s < 2)
     assert names[0][:2] == names[1][:2] == names[2][:2] and names[0][2] != names[1][2] == names[2][2]
+
+
+def test_a_step_with_a_known_plan_is_one_round_trip(engine_factory, int8_model, monkeypatch):
+    """Once the ranks have loaded and the plan's verdict is known, a step goes to the coordinator once (the step
+    itself): the verdict is looked up here, not after a separate round trip that starts the ranks."""
+    from h3ms_async.runtime.coordinator import Coordinator
+    eng = engine_factory(["cpu"] * 2)
+    eng.load_weights(("t", "trips"), CFG, int8_model.block_weights)
+    inp = make_step_inputs(CFG, _layouts()[0], 3, int8_model.dtype)
+    try:
+        eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)  # measures the plan
+    except SplitUnsafe:
+        pytest.skip("this CPU refuses the plan (measured); the round trips are those of an unsplit step")
+    submitted: list[str] = []
+    real = Coordinator.submit
+    monkeypatch.setattr(Coordinator, "submit", lambda self, coro: submitted.append(coro.__qualname__) or real(self, coro))
+    out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+    assert submitted == ["SplitEngine._dispatch"], submitted
+    assert torch.equal(out, _reference(int8_model, inp))
