@@ -280,7 +280,7 @@ def choose_transport(devices: list[str]) -> str:
                 "or use host"
             )
         return "host"
-    from h3ms_async.attention.engine import cuda_ipc_unavailable
+    from h3ms_async.attention.buffers import cuda_ipc_unavailable
 
     failed = cuda_ipc_unavailable(devices[0]) or _peer_failures(devices)
     if not failed:

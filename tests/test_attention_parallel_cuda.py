@@ -71,7 +71,7 @@ def test_engine_with_a_helper_on_another_gpu_by_cuda_ipc():
 
 _BODY = MODEL_SCRIPT + r'''
 import importlib
-ap = importlib.import_module("h3ms_async.attention.engine")
+ap = importlib.import_module("h3ms_async.attention.buffers")
 print("load device", model.load_device, flush=True)
 plain = sample(model)
 res = {"load_device": str(model.load_device), "runs": {}, "ipc_unavailable": ap.cuda_ipc_unavailable("cuda:0"),

@@ -32,7 +32,6 @@ its last log lines, and the call has a deadline.
 
 from __future__ import annotations
 
-import abc
 import collections
 import concurrent.futures as cf
 import itertools
@@ -44,6 +43,7 @@ from typing import Any, NotRequired, TypedDict
 import torch
 
 from h3ms_async.attention import schedule as attention_schedule
+from h3ms_async.attention.buffers import Buffers, IpcBuffers, ShmBuffers, cuda_ipc_unavailable
 from h3ms_async.log import get_logger
 from h3ms_async.observability.records import now_iso
 from h3ms_async.observability.status import record_verdict
@@ -53,7 +53,6 @@ from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
-from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
 
 log = get_logger("AttentionParallel")
 
@@ -71,167 +70,6 @@ CHUNK_HEADS = 2
 class AttentionParallelError(RuntimeError):
     """A parallel attention call failed (a helper died, erred or missed the deadline); the message
     says which."""
-
-
-class _Buffers(abc.ABC):
-    """One call shape's transfer slots, per piece its packed input slice and its output; reused
-    while shapes match."""
-
-    key: tuple
-
-    @abc.abstractmethod
-    def inputs(self, p: int) -> dict[str, torch.Tensor]:
-        """Piece ``p``'s input slots by name, where the coordinator stages its slice."""
-
-    @abc.abstractmethod
-    def output(self, p: int) -> torch.Tensor:
-        """Piece ``p``'s output slot."""
-
-    @abc.abstractmethod
-    def fields(self, p: int) -> dict:
-        """The ``attn_call`` fields that point a helper at piece ``p``'s slots."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Free the slots."""
-
-
-class _ShmBuffers(_Buffers):
-    """Slots in two shm segments (inputs, outputs), registered with CUDA when the model is on a
-    GPU."""
-
-    def __init__(
-        self, key: tuple, in_specs: list[dict], out_specs: list[tuple], device: torch.device
-    ) -> None:
-        self.key = key
-        self.inputs_seg = Segment.create(
-            sum(slot_bytes(dtype_name(dt), shp) for s in in_specs for dt, shp in s.values()),
-            "attn_in",
-        )
-        try:
-            self.outputs_seg = Segment.create(
-                sum(slot_bytes(dtype_name(dt), shp) for dt, shp in out_specs), "attn_out"
-            )
-        except BaseException:
-            self.inputs_seg.close()
-            self.inputs_seg.unlink()
-            raise
-        try:
-            a_in, a_out = Arena(self.inputs_seg), Arena(self.outputs_seg)
-            self.in_descs = [
-                {name: a_in.alloc(dtype_name(dt), shp) for name, (dt, shp) in s.items()}
-                for s in in_specs
-            ]
-            self.out_descs = [a_out.alloc(dtype_name(dt), shp) for dt, shp in out_specs]
-            if device.type == "cuda":
-                register_cuda(self.inputs_seg, str(device))
-                register_cuda(self.outputs_seg, str(device))
-        except BaseException:
-            self.close()
-            raise
-
-    def inputs(self, p: int) -> dict[str, torch.Tensor]:
-        return {name: self.inputs_seg.tensor(d) for name, d in self.in_descs[p].items()}
-
-    def output(self, p: int) -> torch.Tensor:
-        return self.outputs_seg.tensor(self.out_descs[p])
-
-    def fields(self, p: int) -> dict:
-        return {"tensors": self.in_descs[p], "out": self.out_descs[p]}
-
-    def close(self) -> None:
-        for seg in (self.inputs_seg, getattr(self, "outputs_seg", None)):
-            if seg is not None:
-                seg.close()
-                seg.unlink()
-
-
-class _IpcBuffers(_Buffers):
-    """Slots in the model GPU's memory, one input and one output buffer per helper (its pieces at
-    offsets inside), shared once by CUDA IPC handles (``UntypedStorage._share_cuda_``): a helper
-    keeps the same two buffers open for all its pieces.  ``helper[p]`` is piece p's helper
-    (0-based), ``local_index[r]`` the index under which helper r sees the model's GPU."""
-
-    def __init__(
-        self,
-        key: tuple,
-        in_specs: list[dict],
-        out_specs: list[tuple],
-        device: torch.device,
-        helper: list[int],
-        local_index: list[int],
-    ) -> None:
-        self.key = key
-        self._helper = helper
-        sizes_in, sizes_out = [0] * len(local_index), [0] * len(local_index)
-        self._in_layout, self._out_layout = [], []
-        for spec, (out_dt, out_shp), r in zip(in_specs, out_specs, helper):
-            layout = {}
-            for name, (dt, shp) in spec.items():
-                layout[name] = {"off": sizes_in[r], "dtype": dtype_name(dt), "shape": list(shp)}
-                sizes_in[r] += slot_bytes(dtype_name(dt), shp)
-            self._in_layout.append(layout)
-            self._out_layout.append(
-                {"off": sizes_out[r], "dtype": dtype_name(out_dt), "shape": list(out_shp)}
-            )
-            sizes_out[r] += slot_bytes(dtype_name(out_dt), out_shp)
-        self._in, self._out, self._handles = [], [], []
-        for size_in, size_out, index in zip(sizes_in, sizes_out, local_index):
-            with torch.inference_mode(False):
-                # normal tensors: writable in and outside inference mode
-                flat_in = torch.empty(max(size_in, 1), dtype=torch.uint8, device=device)
-                flat_out = torch.empty(max(size_out, 1), dtype=torch.uint8, device=device)
-            self._in.append(flat_in)
-            self._out.append(flat_out)
-            self._handles.append(
-                {"device": index, "in": _ipc_handle(flat_in), "out": _ipc_handle(flat_out)}
-            )
-
-    def inputs(self, p: int) -> dict[str, torch.Tensor]:
-        return {
-            name: attn_protocol.ipc_view(self._in[self._helper[p]], d)
-            for name, d in self._in_layout[p].items()
-        }
-
-    def output(self, p: int) -> torch.Tensor:
-        return attn_protocol.ipc_view(self._out[self._helper[p]], self._out_layout[p])
-
-    def fields(self, p: int) -> dict:
-        return {
-            "tensors": {},
-            "out": None,
-            "ipc": dict(
-                self._handles[self._helper[p]],
-                tensors=self._in_layout[p],
-                result=self._out_layout[p],
-            ),
-        }
-
-    def close(self) -> None:
-        self._in.clear()
-        self._out.clear()
-
-
-def cuda_ipc_unavailable(device: str) -> str:
-    """'' when this process can share memory of ``device`` by CUDA IPC, else why not (and the fix).
-    PyTorch's ``backend:cudaMallocAsync`` (ComfyUI's default ``--cuda-malloc`` on recent GPUs) and
-    pluggable allocators have no IPC handles, so a real share is tried."""
-    try:
-        _ipc_handle(torch.empty(1, dtype=torch.uint8, device=device))
-    except Exception as exc:  # noqa: BLE001
-        # any failure means: no IPC here, with torch's own reason
-        return (
-            f"this process cannot share {device} memory by CUDA IPC (allocator "
-            f"{torch.cuda.get_allocator_backend()}: {str(exc).splitlines()[0]}); start ComfyUI "
-            "with --disable-cuda-malloc for the GPU-direct path"
-        )
-    return ""
-
-
-def _ipc_handle(t: torch.Tensor) -> list:
-    """The CUDA IPC handle of ``t``'s storage as it travels (device, handle, size, offset, ref
-    counter, event)."""
-    return list(t.untyped_storage()._share_cuda_())
 
 
 @dataclass
@@ -314,7 +152,7 @@ class AttentionParallelEngine(Engine):
         self.chunk_heads = int(chunk_heads)
         self.transport = transport
         self.call_timeout_s = float(call_timeout_s)
-        self._buffers: _Buffers | None = None
+        self._buffers: Buffers | None = None
         self._splits: dict[tuple, list[int]] = {}
         self._tuning: dict[tuple, dict] = {}
         #: (shape key, pieces) -> None when measured exact, else why that shape's calls run unsplit
@@ -491,7 +329,7 @@ class AttentionParallelEngine(Engine):
             )
         return why
 
-    def _submit(self, buf: _Buffers, call: _Call, p: int) -> cf.Future[attn_protocol.AttnPiece]:
+    def _submit(self, buf: Buffers, call: _Call, p: int) -> cf.Future[attn_protocol.AttnPiece]:
         """Send piece ``p`` to its helper now."""
         r, h0, _ = call.plan[p]
         first = min(h for rr, h, _ in call.plan if rr == r)
@@ -529,7 +367,7 @@ class AttentionParallelEngine(Engine):
             on_result=answer,
         )
 
-    def _call_cpu(self, buf: _Buffers, call: _Call) -> float:
+    def _call_cpu(self, buf: Buffers, call: _Call) -> float:
         """One call with the model on the CPU; returns rank 0's own seconds."""
         futs: list[cf.Future[attn_protocol.AttnPiece]] = []
         try:
@@ -565,7 +403,7 @@ class AttentionParallelEngine(Engine):
             )
         return self._streams
 
-    def _call_cuda(self, buf: _Buffers, call: _Call) -> float:
+    def _call_cuda(self, buf: Buffers, call: _Call) -> float:
         """One call with the model on a GPU; returns rank 0's own seconds (event-timed)."""
         device = call.out.device
         main = torch.cuda.current_stream(device)
@@ -733,7 +571,7 @@ class AttentionParallelEngine(Engine):
         plan: list[tuple[int, int, int]],
         slices: list[dict[str, torch.Tensor]],
         device: torch.device,
-    ) -> _Buffers:
+    ) -> Buffers:
         # the call's own slices: with batch > 1 a v slice is a copy, so slicing again just for the
         # shapes would copy every helper's v twice per call
         in_specs = [{name: (t.dtype, tuple(t.shape)) for name, t in s.items()} for s in slices]
@@ -750,11 +588,11 @@ class AttentionParallelEngine(Engine):
             if why:
                 raise AttentionParallelError(f"transport cuda_ipc: {why}; or use transport host")
             index = [self.pool.local_index(r, str(device)) for r in range(len(self.devices) - 1)]
-            self._buffers = _IpcBuffers(
+            self._buffers = IpcBuffers(
                 key, in_specs, out_specs, device, [r - 1 for r, _, _ in plan], index
             )
         else:
-            self._buffers = _ShmBuffers(key, in_specs, out_specs, device)
+            self._buffers = ShmBuffers(key, in_specs, out_specs, device)
         return self._buffers
 
     def _drop_buffers(self) -> None:
