@@ -22,6 +22,7 @@ import torch
 from h3ms_async.attention import engine as ap
 from h3ms_async.attention import schedule as sched
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.visibility import visible_entries
 from h3ms_async.observability.document import validate_section
 from h3ms_async.observability.status import get_hub
 from workers.attention import ops as attn_ops
@@ -183,7 +184,7 @@ def test_pool_also_visible_devices_are_checked_and_indexed():
     os.environ["CUDA_VISIBLE_DEVICES"] = "3,5,7"
     try:
         pool = WorkerPool(["cuda:1", "cuda:0"], name="t", also_visible=["cuda:0"])
-        assert pool._visible_entries("cuda:1") == ["5", "3"] and pool._visible_entries("cuda:0") == ["3"]
+        assert visible_entries("cuda:1", ["cuda:0"]) == ["5", "3"] and visible_entries("cuda:0", ["cuda:0"]) == ["3"]
         assert pool.local_index(0, "cuda:0") == 1 and pool.local_index(1, "cuda:0") == 0
         with pytest.raises(ValueError, match="does not see cuda:2"):
             pool.local_index(0, "cuda:2")

@@ -34,7 +34,8 @@ from typing import (
 from h3ms_async.log import get_logger
 from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.worker_handle import WorkerError
 
 log = get_logger("engines")
 
