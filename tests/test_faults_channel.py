@@ -16,7 +16,7 @@ from h3ms_async.observability.routes import tail_file
 from h3ms_async.runtime import admission
 from h3ms_async.runtime.admission import MAX_HANDSHAKES_PER_RANK
 from h3ms_async.runtime.pool import WorkerPool
-from h3ms_async.observability.status import StatusHub
+from h3ms_async.status.hub import StatusHub
 from workers.runtime import protocol
 
 

@@ -18,7 +18,7 @@ from h3ms_async.dit import exactness
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, SplitUnsafe
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.testing.faults import ShapeFault

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -35,13 +34,14 @@ from h3ms_async.dit.reference import DiTConfig
 from h3ms_async.dit.sparse import DenseFallback, step_wire
 from h3ms_async.dit.step_buffers import StepBuffers, StepBufferSlot
 from h3ms_async.log import get_logger
-from h3ms_async.observability.records import RankRecord, StepRecord, now_iso
-from h3ms_async.observability.status import get_hub, record_verdict
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.runtime.weight_store import BlockReader, WeightStore, fill
+from h3ms_async.status.hub import get_hub, record_verdict
+from h3ms_async.status.records import RankRecord, StepRecord, now_iso
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
@@ -242,7 +242,7 @@ class SplitEngine(Engine):
             check_nccl_rank_map(list(devices))
         self.devices = list(devices)
         self.options = options
-        env = _cpu_thread_env(self.devices)
+        env = cpu_thread_env(self.devices)
         if options.comfy_host is not None:
             env.update(options.comfy_host.to_env())
         self._loaded: _Loaded | None = None
@@ -991,15 +991,6 @@ class SplitEngine(Engine):
         }
 
 
-def _cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
-    """CPU ranks share the machine's cores: more intra-op threads than cores make OpenMP spin
-    against itself."""
-    n_cpu = sum(1 for d in devices if d == "cpu")
-    if not n_cpu or "OMP_NUM_THREADS" in os.environ:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n_cpu))}
-
-
 def options_dict(o: SplitOptions) -> dict:
     """``o`` as plain data for the status document (what a user chose; the panel shows it as
     rows)."""
@@ -1055,6 +1046,7 @@ ENGINES: EngineRegistry[SplitEngine] = EngineRegistry(
         ),
         "plans": lambda live: {"dit": [e.snapshot() for e in live]},
     },
+    get_hub,
 )
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.records import VerifyRecord, now_iso
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
+from h3ms_async.status.hub import get_hub
+from h3ms_async.status.records import VerifyRecord, now_iso
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit.loop import run_blocks

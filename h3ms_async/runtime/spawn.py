@@ -18,6 +18,15 @@ from h3ms_async.runtime.worker_handle import WorkerHandle
 from workers.runtime import auth
 
 
+def cpu_thread_env(devices: Sequence[str]) -> dict[str, str]:
+    """CPU ranks share the machine's cores: more intra-op threads than cores make OpenMP spin
+    against itself."""
+    n_cpu = sum(1 for d in devices if d == "cpu")
+    if not n_cpu or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n_cpu))}
+
+
 def worker_env(device: str, overrides: Mapping[str, str], also_visible: Sequence[str]) -> dict:
     """The environment of a worker on ``device``: this process's, the pool's ``overrides``, the
     pack on PYTHONPATH and, on CUDA, the devices it sees."""

@@ -409,11 +409,12 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     import torch
 
     from h3ms_async.dit.reference import ReferenceDiT, make_step_inputs
-    from h3ms_async.dit.split import SplitOptions, SplitUnsafe, _cpu_thread_env, get_engine
+    from h3ms_async.dit.split import SplitOptions, SplitUnsafe, get_engine
+    from h3ms_async.runtime.spawn import cpu_thread_env
 
     c = checked or check_args(a)
     ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
-    if device.type == "cpu" and (rank_threads := _cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
+    if device.type == "cpu" and (rank_threads := cpu_thread_env(ranks).get("OMP_NUM_THREADS")):
         # The unsplit pass computes with a CPU rank's thread count: on a busy machine more OpenMP
         # threads than free cores stall on each other (the unsplit pass took 10x the split's on a
         # loaded 2-core box).
@@ -512,7 +513,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             )
     finally:
         bar.close()
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
 
     last = (get_hub().recent_steps(1) or [{"ranks": []}])[-1]  # none when every step ran unsplit
     return {
@@ -649,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal stop
         if a.serve is not None:
             # before the console handler: a bind error is then the only line printed
-            from h3ms_async.observability.serve import bind_error_text, start_background_server
+            from h3ms_async.observability.serve import start_background_server
+            from h3ms_async.tools.serve import bind_error_text
 
             try:
                 url, stop = start_background_server(port=a.serve)

@@ -38,7 +38,7 @@ from h3ms_async.dit.exactness import Overlap
 from h3ms_async.dit.layout import layout_for_tokens
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, SplitOptions, release_all_engines
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda

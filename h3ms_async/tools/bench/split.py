@@ -41,10 +41,11 @@ from h3ms_async.dit.reference import (
     StepInputs,
     make_step_inputs,
 )
-from h3ms_async.dit.split import EXCHANGES, SplitEngine, SplitOptions, _cpu_thread_env
+from h3ms_async.dit.split import EXCHANGES, SplitEngine, SplitOptions
 from h3ms_async.log import ensure_console_handler, get_logger
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
+from h3ms_async.runtime.spawn import cpu_thread_env
+from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
 from workers.transports.dist import check_nccl_rank_map
@@ -494,7 +495,7 @@ def run_bench_split(
             "seed": seed,
             "ranks": ranks,
             "unsplit_device": str(dev),
-            "rank_threads": _cpu_thread_env(ranks).get(
+            "rank_threads": cpu_thread_env(ranks).get(
                 "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS")
             ),
             "chunks": list(chunks),

@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.document import (
+from h3ms_async.runtime.host_memory import ram_info
+from h3ms_async.status.document import (
     OPTIONAL_SECTIONS,
     SECTIONS,
     SchemaError,
@@ -28,14 +29,13 @@ from h3ms_async.observability.document import (
     pack_version,
     validate_section,
 )
-from h3ms_async.observability.records import (
+from h3ms_async.status.records import (
     StepRecord,
     VerdictRecord,
     VerifyRecord,
     format_step_line,
     now_iso,
 )
-from h3ms_async.runtime.host_memory import ram_info
 
 _log = get_logger("MultiStream")
 _status_log = get_logger("Status")
