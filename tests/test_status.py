@@ -261,9 +261,13 @@ def test_exactness_verdicts_and_verify_are_typed_and_bounded():
                                    first_difference="block 1 mlp.fc2", steps_checked=1))
     ex = hub.status()["exactness"]
     assert len(ex["verdicts"]) == VERDICTS_KEPT and ex["verdicts"][-1]["shape"] == f"{VERDICTS_KEPT + 2}x64x128"
-    assert ex["verify"][0]["first_difference"] == "block 1 mlp.fc2"
-    with pytest.raises(SchemaError, match="VerdictRecord"):
+    assert len(ex["verify"]) == 1 and ex["verify"][0]["first_difference"] == "block 1 mlp.fc2"
+    with pytest.raises(SchemaError, match="^verdict: got a dict; build a records.VerdictRecord$"):
         hub.record_verdict({"op": "x"})  # type: ignore[arg-type]
+    with pytest.raises(SchemaError, match="^verify: got a VerdictRecord; build a records.VerifyRecord$"):
+        hub.record_verify(VerdictRecord(program="dit", op="mlp.fc2", device="cpu X", dtype="bfloat16",  # type: ignore[arg-type]
+                                        shape="1x64x128", shards=[1, 1], verdict="exact", detail="",
+                                        probe_ms=1.5, at=now_iso()))
     msgspec.convert(hub.status(), Status)
 
 
