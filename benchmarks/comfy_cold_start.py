@@ -41,7 +41,7 @@ _BODY = comfy_tree.BENCH_PRELUDE + r'''
 import safetensors.torch
 import comfy.model_management as mm
 import comfy.sd
-from h3ms_async.observability.status import get_hub  # the pack's own copy, loaded by start()
+from h3ms_async.status.hub import get_hub  # the pack's own copy, loaded by start()
 cuda = torch.cuda.is_available()
 dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
 W, H, TEXT = {width}, {height}, 9

@@ -28,7 +28,7 @@ import comfy_tree  # noqa: E402
 
 _BODY = comfy_tree.BENCH_PRELUDE + r'''
 import comfy.sd
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 W, H, TEXT = 1344, 768, 9
 length = comfy_h3.length_for_tokens({tokens}, W, H, TEXT)
 t = time.perf_counter()

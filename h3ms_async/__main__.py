@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from h3ms_async.tools.cli import ArgParser, UsageError, fail
 
 #: command -> its module; ``bench <name>`` runs ``h3ms_async.tools.bench.<name>``
-COMMANDS = {"demo": "h3ms_async.tools.demo", "serve": "h3ms_async.observability.serve"}
+COMMANDS = {"demo": "h3ms_async.tools.demo", "serve": "h3ms_async.tools.serve"}
 BENCHES = (
     "ipc",
     "split",

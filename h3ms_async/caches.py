@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime.host_memory import ram_info
+from h3ms_async.status.hub import get_hub
 
 log = get_logger("Caches")
 GIB = 1 << 30

@@ -18,7 +18,7 @@ from h3ms_async.observability.routes import (
     action_release_workers,
     add_routes,
 )
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 
 from . import method_hooks
 from .model_wrapper import live_states

@@ -412,7 +412,7 @@ def _patch_node(patcher, ranks: str, monkeypatch, gpus=None):
 
 def test_split_step_is_recorded_and_gpu_set_shares_reach_the_engine(split, monkeypatch):
     from h3ms_async.runtime.plans import GPUSelectionError, GPUSet
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     patcher = comfy_h3.model(layers=3, int8=True)
     reference = sample(patcher)
     patched = _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1", "", "1,0.5"))
@@ -518,7 +518,7 @@ def test_step_measured_not_exact_runs_unsplit_with_one_warning(split, monkeypatc
     makes fc2 round differently at the second rank's 2 rows (the smallest H3 latent packs 19 tokens; shares
     1 : 0.15 leave that rank 2 of them), too few tokens for any adjusted plan."""
     from h3ms_async.runtime.plans import GPUSet
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     from h3ms_async.dit import exactness
     exactness.VERDICTS.clear()  # this process may have measured the plan before, without the fault
     patcher = comfy_h3.model(layers=2, int8=True)
@@ -542,7 +542,7 @@ def test_step_measured_not_exact_runs_unsplit_with_one_warning(split, monkeypatc
 def test_verify_input_checks_the_first_split_step_of_each_prompt(split, monkeypatch, caplog):
     """verify=True: each prompt's first split step also runs unsplit on the model's device and is compared; the
     log says bit-exact and the status's exactness.verify gets one result per prompt."""
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     patcher = comfy_h3.model(layers=2, int8=True)
     reference = sample(patcher)
     monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
@@ -674,7 +674,7 @@ def _ours(instance) -> list[tuple[str, str]]:
 
 
 def test_loader_registered_routes_once_and_busy_follows_the_prompt_queue(prompt_server):
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     got = _ours(prompt_server)
     assert set(got) == OUR_ROUTES and len(got) == len(OUR_ROUTES)
     assert ROUTES.register(prompt_server) is False and len(_ours(prompt_server)) == len(OUR_ROUTES)
@@ -713,7 +713,7 @@ def test_routes_over_a_running_split(prompt_server, split, monkeypatch):
     sample(patched)
     sample(patched)
     pushed = _drain_steps(prompt_server)  # one record per split model call (cond and uncond: one call each here)
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     assert len(pushed) >= 2 and [r["seq"] for r in pushed] == [r["seq"] for r in get_hub().recent_steps(len(pushed))]
     assert all(rec["kind"] == "dit" and rec["devices"] == ["cpu", "cpu"] for rec in pushed)
     q = prompt_server.prompt_queue

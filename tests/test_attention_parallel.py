@@ -22,8 +22,9 @@ import torch
 from h3ms_async.attention import engine as ap
 from h3ms_async.attention import schedule as sched
 from h3ms_async.runtime.pool import WorkerPool
-from h3ms_async.observability.document import validate_section
-from h3ms_async.observability.status import get_hub
+from h3ms_async.runtime.visibility import visible_entries
+from h3ms_async.status.document import validate_section
+from h3ms_async.status.hub import get_hub
 from workers.attention import ops as attn_ops
 from workers.testing import ck_cpu as ck_attention_cpu
 from workers.runtime.shm import held_shm
@@ -183,7 +184,7 @@ def test_pool_also_visible_devices_are_checked_and_indexed():
     os.environ["CUDA_VISIBLE_DEVICES"] = "3,5,7"
     try:
         pool = WorkerPool(["cuda:1", "cuda:0"], name="t", also_visible=["cuda:0"])
-        assert pool._visible_entries("cuda:1") == ["5", "3"] and pool._visible_entries("cuda:0") == ["3"]
+        assert visible_entries("cuda:1", ["cuda:0"]) == ["5", "3"] and visible_entries("cuda:0", ["cuda:0"]) == ["3"]
         assert pool.local_index(0, "cuda:0") == 1 and pool.local_index(1, "cuda:0") == 0
         with pytest.raises(ValueError, match="does not see cuda:2"):
             pool.local_index(0, "cuda:2")
@@ -305,7 +306,7 @@ def test_panel_shows_helpers_and_call_timings(engine, tmp_path):
     import re
 
     from h3ms_async.observability.serve import start_background_server
-    from h3ms_async.observability.status import StatusHub
+    from h3ms_async.status.hub import StatusHub
     from tests.test_web_panel import CHROMIUM, chromium
     if CHROMIUM is None:
         pytest.skip("Debian's chromium is not installed: apt-get install -y chromium")

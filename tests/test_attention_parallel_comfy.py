@@ -63,7 +63,7 @@ _BODY = _HOOK + MODEL_SCRIPT + r'''
 res = {"ck_attention": attention.optimized_attention is attention.attention_comfy_kitchen_int8}
 import importlib
 ap = importlib.import_module("h3ms_async.attention.engine")  # the pack loaded h3ms_async from its folder
-hub = importlib.import_module("h3ms_async.observability.status").get_hub()
+hub = importlib.import_module("h3ms_async.status.hub").get_hub()
 
 def equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))

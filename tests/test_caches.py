@@ -10,7 +10,7 @@ import torch
 
 from h3ms_async import caches
 from h3ms_async.caches import CacheRefused, OutputCache, WeightCache, digest
-from h3ms_async.observability.status import StatusHub, get_hub
+from h3ms_async.status.hub import StatusHub, get_hub
 
 pytestmark = pytest.mark.fast
 

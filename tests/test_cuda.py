@@ -184,7 +184,7 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
     FIRST step equals the unsplit step with torch.equal (ComfyUI's process is long warm: the unsplit side is its
     second pass), then a second step; the step record shows the path ran and both ranks computed tokens and heads.
     A pass here is what lets the path into TESTED["cuda"]."""
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(**path))
     try:

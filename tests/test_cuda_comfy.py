@@ -37,7 +37,7 @@ import comfy_h3, nodes, comfy.sd, comfy.model_patcher
 comfy_h3.start()
 N = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.dit import split as S
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 KW = dict(width=1280, height=768, length=56, steps=2)  # 8,7xx packed tokens
 for cid, ranks, shares, int8, lora in {cases!r}:
     name = f"h3cuda-{{os.getpid()}}-{{cid}}.safetensors"

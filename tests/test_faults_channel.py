@@ -13,9 +13,10 @@ from h3ms_async.observability import serve
 from h3ms_async.runtime.channel import Channel, ChannelClosed, RemoteError
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.observability.routes import tail_file
-from h3ms_async.runtime import pool as pool_module
-from h3ms_async.runtime.pool import MAX_HANDSHAKES_PER_RANK, WorkerPool
-from h3ms_async.observability.status import StatusHub
+from h3ms_async.runtime import admission
+from h3ms_async.runtime.admission import MAX_HANDSHAKES_PER_RANK
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.status.hub import StatusHub
 from workers.runtime import protocol
 
 
@@ -44,7 +45,7 @@ def test_silent_strangers_get_bounded_slots_and_a_reason(caplog, tmp_path, monke
     coord = get_coordinator()
     pool = WorkerPool(["cpu"], name="flood")
     coord.run(pool.start(), 120)
-    monkeypatch.setattr(pool_module, "AUTH_TIMEOUT_S", 2.0)  # the pool's 10 s, shortened
+    monkeypatch.setattr(admission, "AUTH_TIMEOUT_S", 2.0)  # the pool's 10 s, shortened
     try:
         silent = [_connect(pool.socket_path) for _ in range(MAX_HANDSHAKES_PER_RANK)]
         assert all(isinstance(_first_frame(s), protocol.Challenge) for s in silent)

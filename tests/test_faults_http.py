@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from h3ms_async.observability.serve import start_background_server
-from h3ms_async.observability.status import StatusHub
+from h3ms_async.status.hub import StatusHub
 from tests import comfy_tree
 from workers.runtime.shm import held_shm
 

@@ -21,7 +21,7 @@ from h3ms_async.dit.errors import SplitUnsafe
 from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.split import SplitEngine
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.testing.faults import ShapeFault

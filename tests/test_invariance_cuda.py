@@ -20,7 +20,7 @@ from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  
 from h3ms_async.dit.errors import SplitUnsafe  # noqa: E402
 from h3ms_async.dit.options import SplitOptions  # noqa: E402
 from h3ms_async.dit.split import SplitEngine  # noqa: E402
-from h3ms_async.observability.status import get_hub  # noqa: E402
+from h3ms_async.status.hub import get_hub  # noqa: E402
 
 WIDE = DiTConfig(hidden=5376, layers=1, heads=56, head_dim=128, ffn=14336, t_dim=2688, rope_pairs=48)
 

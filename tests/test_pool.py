@@ -12,7 +12,9 @@ import torch
 from h3ms_async.runtime import rundir
 from h3ms_async.tools.bench.ipc import run_bench_ipc
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.pool import PoolBusy, WorkerError, WorkerPool, WorkerTimeout, cuda_visible_for
+from h3ms_async.runtime.pool import PoolBusy, WorkerPool
+from h3ms_async.runtime.visibility import cuda_visible_for
+from h3ms_async.runtime.worker_handle import WorkerError, WorkerTimeout
 from workers.runtime.protocol import DropReleased, Echo, Ping, TensorDesc
 from workers.testing.protocol import Sleep
 from workers.runtime.shm import Segment, held_shm

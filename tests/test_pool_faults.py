@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.pool import WorkerError, WorkerPool, WorkerTimeout
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.worker_handle import WorkerError, WorkerTimeout
 from workers.runtime import auth, protocol
 from workers.testing import protocol as test_protocol
 from workers.runtime.shm import held_shm

@@ -22,7 +22,9 @@ import workers
 from h3ms_async.observability.routes import action_release_workers
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry, live_engines, release_engines
-from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.worker_handle import WorkerError
+from h3ms_async.status.hub import get_hub
 from workers.runtime import protocol
 from workers.runtime.shm import Arena, held_shm
 from workers.testing import protocol as test_protocol
@@ -80,7 +82,7 @@ class TallyInterrupted(TallyError):
     pass
 
 
-TALLY = EngineRegistry("tally", "tally workers", {})
+TALLY = EngineRegistry("tally", "tally workers", {}, get_hub)
 
 
 class TallyEngine(Engine):

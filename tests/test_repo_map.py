@@ -60,8 +60,8 @@ def test_import_contracts_hold() -> None:
 
 def test_no_module_import_cycles() -> None:
     """No module reaches itself through imports (function-level ones included).  import-linter's own
-    cycle contract works on packages, where the core's runtime and observability rightly use each
-    other's modules."""
+    cycle contract works on packages, where the workers' runtime and transports and their dit use
+    each other's modules."""
     try:
         import grimp  # import-linter's import graph
     except ImportError:

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from h3ms_async.observability.routes import LINES_MAX, add_routes, tail_file
 from h3ms_async.observability.serve import build_app
-from h3ms_async.observability.status import StatusHub
+from h3ms_async.status.hub import StatusHub
 from tests.test_status import make_record
 
 pytestmark = pytest.mark.fast

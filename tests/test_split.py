@@ -111,7 +111,7 @@ def test_shares_and_uneven_heads(engine_factory):
     eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
     _check_exact(eng, model, _layouts(), seen, exchange_chunks=2)
     seen.done()
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     heads = [r["heads"] for r in get_hub().recent_steps(1)[0]["ranks"]]
     assert heads == [[0, 4], [4, 8], [8, 10]]
 
@@ -135,7 +135,7 @@ def test_ulysses_pattern_host_and_gloo(engine_factory):
     uneven shares, host exchange chunked and with head pieces, and gloo: the unsplit output; "auto" picks it only
     where it moves fewer bytes."""
     from h3ms_async.dit.speed_model import choose_pattern
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     assert [choose_pattern(5376, 56, 128, n, "host") for n in (2, 4, 6, 7, 8)] == ["gather"] * 3 + ["ulysses"] * 2
     assert [choose_pattern(5376, 56, 128, n, "nccl") for n in (4, 5)] == ["gather", "ulysses"]
     seen = Compared()
@@ -194,7 +194,7 @@ def test_fewer_tokens_than_ranks(engine_factory, int8_model):
         assert "3-row shard" in str(exc) and "cpu " in str(exc)
     else:
         assert torch.equal(out, ref)
-        from h3ms_async.observability.status import get_hub
+        from h3ms_async.status.hub import get_hub
         assert [r["tokens"][1] - r["tokens"][0] for r in get_hub().recent_steps(1)[0]["ranks"]] == [3, 3, 3, 3]
 
 
@@ -275,7 +275,7 @@ def test_interrupt_aborts_every_rank(engine_factory, big_model):
     inp, step = _long_step(eng, big_model)
     step()
     fire = time.monotonic() + 0.4
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
     busy_seen = []
 
     def interrupt() -> bool:

@@ -11,9 +11,9 @@ import msgspec
 import psutil
 import pytest
 
-from h3ms_async.observability.document import SchemaError, Status
-from h3ms_async.observability.records import RankRecord, StepRecord, format_step_line, now_iso
-from h3ms_async.observability.status import RING_SIZE, StatusHub
+from h3ms_async.status.document import SchemaError, Status
+from h3ms_async.status.records import RankRecord, StepRecord, format_step_line, now_iso
+from h3ms_async.status.hub import RING_SIZE, StatusHub
 from h3ms_async.runtime.host_memory import ram_info
 
 pytestmark = pytest.mark.fast
@@ -250,8 +250,8 @@ def test_ram_info_cgroup_v1_and_no_limit(tmp_path):
 
 
 def test_exactness_verdicts_and_verify_are_typed_and_bounded():
-    from h3ms_async.observability.records import VerdictRecord, VerifyRecord
-    from h3ms_async.observability.status import VERDICTS_KEPT
+    from h3ms_async.status.records import VerdictRecord, VerifyRecord
+    from h3ms_async.status.hub import VERDICTS_KEPT
     hub = StatusHub()
     for i in range(VERDICTS_KEPT + 3):
         hub.record_verdict(VerdictRecord(program="dit", op="mlp.fc2", device="cpu X", dtype="bfloat16",
@@ -261,14 +261,18 @@ def test_exactness_verdicts_and_verify_are_typed_and_bounded():
                                    first_difference="block 1 mlp.fc2", steps_checked=1))
     ex = hub.status()["exactness"]
     assert len(ex["verdicts"]) == VERDICTS_KEPT and ex["verdicts"][-1]["shape"] == f"{VERDICTS_KEPT + 2}x64x128"
-    assert ex["verify"][0]["first_difference"] == "block 1 mlp.fc2"
-    with pytest.raises(SchemaError, match="VerdictRecord"):
+    assert len(ex["verify"]) == 1 and ex["verify"][0]["first_difference"] == "block 1 mlp.fc2"
+    with pytest.raises(SchemaError, match="^verdict: got a dict; build a records.VerdictRecord$"):
         hub.record_verdict({"op": "x"})  # type: ignore[arg-type]
+    with pytest.raises(SchemaError, match="^verify: got a VerdictRecord; build a records.VerifyRecord$"):
+        hub.record_verify(VerdictRecord(program="dit", op="mlp.fc2", device="cpu X", dtype="bfloat16",  # type: ignore[arg-type]
+                                        shape="1x64x128", shards=[1, 1], verdict="exact", detail="",
+                                        probe_ms=1.5, at=now_iso()))
     msgspec.convert(hub.status(), Status)
 
 
 def test_record_verdict_refuses_an_unknown_verdict():
-    from h3ms_async.observability.status import record_verdict
+    from h3ms_async.status.hub import record_verdict
     with pytest.raises(SchemaError, match="exact\\|adjusted\\|unsplit"):
         record_verdict("dit", "mlp.fc2", "cpu", "float32", "8x8x8", [4, 4], "maybe", "", 0.0)
     out = record_verdict("vae", "vae.chunk", "cpu", "float16", "1x16x8x8", [2, 3], "exact", "", 3.0)

@@ -29,7 +29,7 @@ import comfy.model_management as mm
 from comfy_extras.nodes_hooks import CreateHookKeyframe, CreateHookLora, SetClipHooks, SetHookKeyframes
 from comfy_extras.nodes_lora_debug import LoraLoaderBypass
 from h3ms_async.caches import output_cache, weight_cache
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
 from small_clip import clip_l_files
 

@@ -9,7 +9,8 @@ import msgspec
 import pytest
 import torch
 
-from h3ms_async.observability import records, status
+from h3ms_async.status import hub as status
+from h3ms_async.status import records
 from h3ms_async.vae import exactness
 
 pytestmark = pytest.mark.fast

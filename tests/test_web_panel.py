@@ -20,7 +20,7 @@ from aiohttp import web
 
 from h3ms_async.observability.routes import WEB_DIR, add_routes
 from h3ms_async.observability.serve import start_background_server
-from h3ms_async.observability.status import StatusHub
+from h3ms_async.status.hub import StatusHub
 from tests.test_status import make_record
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

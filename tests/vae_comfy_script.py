@@ -130,7 +130,7 @@ release = nodes.NODE_CLASS_MAPPINGS["H3MSReleaseResourcesAsync"]().run(False, Fa
 hooked = [d for d, vae in vaes.items() if "decode_temporal" in vae.first_stage_model.__dict__]
 busy = sum("busy" in line for line in release)
 workers_alive = [p for e in vae_split.live_vae_engines() for p in e.pool.snapshot() if p["state"] != "stopped"]
-from h3ms_async.observability.status import get_hub  # noqa: E402
+from h3ms_async.status.hub import get_hub  # noqa: E402
 print("RESULT", json.dumps({"cases": results, "hooked_after_disable": hooked, "busy": busy,
                             "verdicts": get_hub().status()["exactness"]["verdicts"],
                             "shm_left": sorted(held_shm(os.getpid())),

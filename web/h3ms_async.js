@@ -68,7 +68,7 @@ const FAILURE_LINE_CHARS = 140;
 
 // What a failed prompt's ComfyUI "execution_error" detail says about the pack: null when the pack did not raise it,
 // else { summary, detail }. A worker failure's message is "worker rank R on DEV (pid P, STATE) WHAT",
-// then "--- last lines of LOG ---" and the log's tail (h3ms_async/runtime/pool.py words it so); the summary names the
+// then "--- last lines of LOG ---" and the log's tail (h3ms_async/runtime/worker_handle.py words it so); the summary names the
 // rank, the detail the log file and its last lines.
 function packFailure(err) {
   if (!err || typeof err.exception_message !== "string") return null;

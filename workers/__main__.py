@@ -62,9 +62,9 @@ def load_program(program: str | None) -> None:
                 f"workers/{program}/ with a rank.py that registers its handlers)"
             ) from None
     if config.TEST_HOOKS.get():
-        from workers import testing
+        from workers.testing import hooks
 
-        testing.load()
+        hooks.load()
 
 
 def _rss() -> int:

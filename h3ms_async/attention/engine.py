@@ -45,12 +45,12 @@ import torch
 from h3ms_async.attention import schedule as attention_schedule
 from h3ms_async.attention.buffers import Buffers, IpcBuffers, ShmBuffers, cuda_ipc_unavailable
 from h3ms_async.log import get_logger
-from h3ms_async.observability.records import now_iso
-from h3ms_async.observability.status import record_verdict
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.status.hub import get_hub, record_verdict
+from h3ms_async.status.records import now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
 
@@ -713,6 +713,7 @@ ENGINES: EngineRegistry[AttentionParallelEngine] = EngineRegistry(
     {
         "attention": lambda live: {"engines": [e.snapshot() for e in live]},
     },
+    get_hub,
 )
 
 

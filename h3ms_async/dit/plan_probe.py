@@ -11,22 +11,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from h3ms_async.dit import exactness
+from h3ms_async.dit.engine_view import EngineView
 from h3ms_async.dit.errors import SplitUnsafe
 from h3ms_async.dit.exactness import MIN_SHARD_TOKENS, PlanVerdict
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import record_verdict
 from h3ms_async.runtime import plans
+from h3ms_async.status.hub import record_verdict
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
-
-if TYPE_CHECKING:
-    from h3ms_async.dit.split import SplitEngine
 
 log = get_logger("MultiStream")
 
@@ -34,7 +31,7 @@ log = get_logger("MultiStream")
 class PlanProbe:
     """The probe of one engine's plans (its ranks, its loaded weights, its options)."""
 
-    def __init__(self, engine: SplitEngine) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self.engine = engine
 
     def measured_plan(

@@ -47,10 +47,11 @@ from h3ms_async.dit.step_buffers import StepBuffers, StepBufferSlot
 from h3ms_async.log import get_logger
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.cpu_threads import cpu_thread_env
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.runtime.weight_store import BlockReader, fill
+from h3ms_async.status.hub import get_hub
 from workers.dit import protocol as dit_protocol
 from workers.dit.protocol import Transport
 from workers.runtime.protocol import DropReleased, TensorDesc
@@ -542,6 +543,7 @@ ENGINES: EngineRegistry[SplitEngine] = EngineRegistry(
         ),
         "plans": lambda live: {"dit": [e.snapshot() for e in live]},
     },
+    get_hub,
 )
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from h3ms_async.dit.options import SplitOptions
-from h3ms_async.observability.records import RankRecord, StepRecord, now_iso
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
+from h3ms_async.status.hub import get_hub
+from h3ms_async.status.records import RankRecord, StepRecord, now_iso
 from workers.dit import protocol as dit_protocol
 from workers.dit.protocol import Transport
 

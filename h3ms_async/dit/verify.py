@@ -14,24 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
+from h3ms_async.dit.engine_view import EngineView
 from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.step import PlannedStep
 from h3ms_async.log import get_logger
-from h3ms_async.observability.records import VerifyRecord, now_iso
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
+from h3ms_async.status.hub import get_hub
+from h3ms_async.status.records import VerifyRecord, now_iso
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit.loop import BlockInputs, LoopHooks, RankBlocks, run_blocks
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import NoExchange
-
-if TYPE_CHECKING:
-    from h3ms_async.dit.split import SplitEngine
 
 log = get_logger("MultiStream")
 
@@ -64,7 +61,7 @@ def _attend(options: SplitOptions) -> dit_ops.Attend:
 
 
 def unsplit_step(
-    engine: SplitEngine, planned: PlannedStep, x: torch.Tensor, device: torch.device
+    engine: EngineView, planned: PlannedStep, x: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, dict[tuple[int, str], str]]:
     """The step unsplit on ``device``, weights streamed block by block from the engine's store;
     returns the new residual stream and, per ``(rank, "block:op")``, the digest of the part that
@@ -122,7 +119,7 @@ def first_difference(
     return None
 
 
-def verify_step(engine: SplitEngine, planned: PlannedStep) -> torch.Tensor:
+def verify_step(engine: EngineView, planned: PlannedStep) -> torch.Tensor:
     """Run the split step (traced), then the unsplit one, compare, log and record; returns the split
     step's output. A failure of the unsplit run (e.g. out of memory on the model's device) is logged
     and the split result kept."""

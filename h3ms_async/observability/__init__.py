@@ -1,1 +1,1 @@
-"""Status JSON, HTTP routes and the standalone server."""
+"""The HTTP side of the status: routes and the standalone server."""

@@ -25,8 +25,8 @@ from aiohttp import web
 
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import get_logger, tail_file
-from h3ms_async.observability.status import RING_SIZE, StatusHub, get_hub
 from h3ms_async.runtime.host_memory import GIB
+from h3ms_async.status.hub import RING_SIZE, StatusHub, get_hub
 
 _log = get_logger("Status")
 

@@ -2,25 +2,22 @@
 of step records.
 
 Inside ComfyUI the routes ride on ComfyUI's own server and steps reach the frontend over its
-websocket; outside it (``python -m h3ms_async serve``, or the demo via
-:func:`start_background_server`) this module is the server, and ``GET /h3multistream/events`` is the
-live feed.
+websocket; outside it (``python -m h3ms_async serve``, :mod:`h3ms_async.tools.serve`; or the demo
+via :func:`start_background_server`) this module is the server, and ``GET /h3multistream/events``
+is the live feed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
-import logging
-import socket
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
 
-from h3ms_async.log import ensure_console_handler, get_logger
+from h3ms_async.log import get_logger
 from h3ms_async.observability.routes import (
     PREFIX,
     LogTail,
@@ -29,9 +26,7 @@ from h3ms_async.observability.routes import (
     add_routes,
     request_refusal,
 )
-from h3ms_async.observability.status import RING_SIZE, StatusHub, get_hub
-from h3ms_async.tools.cli import ArgParser, fail
-from h3ms_async.tools.cli import port as port_type
+from h3ms_async.status.hub import RING_SIZE, StatusHub, get_hub
 
 _log = get_logger("Serve")
 
@@ -217,26 +212,6 @@ def build_app(*, hub: StatusHub | None = None, log_tail: LogTail | None = None) 
     return app
 
 
-def bind_error_text(flag: str, host: str, port: int, exc: OSError) -> str:
-    """One line for a failed bind: which input, why, and what to do (port taken, no permission, bad
-    host)."""
-    if exc.errno == errno.EADDRINUSE:
-        why = (
-            f"port {port} on {host} is already in use (another server, or an earlier run still up)"
-        )
-        fix = f"choose another {flag} or stop what holds it (ss -ltnp | grep :{port})"
-    elif exc.errno == errno.EACCES:
-        why = f"port {port} needs privileges on this machine"
-        fix = f"use a {flag} above 1023"
-    elif exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
-        why = f"{host!r} is not an address of this machine"
-        fix = "use --host 127.0.0.1 (or another local address)"
-    else:
-        why = f"cannot listen on {host}:{port} ({exc.strerror or exc})"
-        fix = f"choose another {flag}"
-    return f"{flag} {port}: {why}; {fix}"
-
-
 def serve(
     host: str = "127.0.0.1",
     port: int = 8189,
@@ -307,22 +282,3 @@ def start_background_server(
             run(runner.cleanup(), 10.0)
 
     return url, stop
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m h3ms_async serve [--host H] [--port P]``."""
-    p = ArgParser(
-        prog="python -m h3ms_async serve",
-        description="Serve the H3 MultiStream status routes and live panel.",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument(
-        "--port", type=port_type, default=8189, help="TCP port (default 8189; 0: any free port)"
-    )
-    args = p.parse_args(list(argv) if argv is not None else None)
-    ensure_console_handler(logging.INFO)
-    try:
-        serve(args.host, args.port)
-    except OSError as exc:
-        fail(bind_error_text("--port", args.host, args.port, exc))
-    return 0

@@ -10,7 +10,8 @@ buffers).  What every engine needs is here, once:
   error; :meth:`Engine.release` stops the workers and drops the resident state.
 * :class:`EngineRegistry`: per program, the engines alive in this process, the cached one per
   *process key* (what needs other worker processes; per-call settings are not part of it), releasing
-  all of them, and the program's status sections and busy source on the hub.
+  all of them, and the program's status sections and busy source on the status hub (which the
+  program passes in: the hub sits above the runtime).
 
 :func:`release_engines` and :func:`live_engines` reach every program's engines (the release routes
 use them), so a new rank program adds its engine class and registry and nothing else.
@@ -28,13 +29,14 @@ from typing import (
     Any,
     ClassVar,
     Generic,
+    Protocol,
     TypeVar,
 )
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.pool import WorkerError, WorkerPool
+from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.worker_handle import WorkerError
 
 log = get_logger("engines")
 
@@ -203,18 +205,29 @@ E = TypeVar("E", bound=Engine)
 StatusProviders = Mapping[str, Callable[[list], Any]]
 
 
+class StatusSink(Protocol):
+    """Where a registry puts its status sections and busy source (the status hub)."""
+
+    def register_provider(self, section: str, fn: Callable[[], Any]) -> None: ...
+
+    def add_busy_source(self, fn: Callable[[], bool]) -> None: ...
+
+
 class EngineRegistry(Generic[E]):
     """One rank program's engines: every live one, and the cached one of the current process key.
 
     ``label`` names the program's workers in release messages ("split workers").  ``status`` maps
     status sections to functions of the live engines; they and a busy source ("any live engine is
-    running") go on the hub when the first engine is made.
+    running") go on ``hub()`` (the status hub's ``get_hub``) when the first engine is made.
     """
 
-    def __init__(self, program: str, label: str, status: StatusProviders) -> None:
+    def __init__(
+        self, program: str, label: str, status: StatusProviders, hub: Callable[[], StatusSink]
+    ) -> None:
         self.program = program
         self.label = label
         self._status = dict(status)
+        self._hub = hub
         self._live: weakref.WeakSet[E] = weakref.WeakSet()
         self._cached: dict[tuple, E] = {}
         self._lock = threading.RLock()
@@ -229,7 +242,7 @@ class EngineRegistry(Generic[E]):
         with self._lock:
             self._live.add(engine)
             if not self._on_hub:
-                hub = get_hub()
+                hub = self._hub()
                 for section, fn in self._status.items():
                     hub.register_provider(section, self._provider(fn))
                 hub.add_busy_source(lambda: any(e.running for e in self.live()))

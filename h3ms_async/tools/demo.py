@@ -413,7 +413,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     from h3ms_async.dit.options import SplitOptions
     from h3ms_async.dit.reference import ReferenceDiT, make_step_inputs
     from h3ms_async.dit.split import get_engine
-    from h3ms_async.runtime.cpu_threads import cpu_thread_env
+    from h3ms_async.runtime.spawn import cpu_thread_env
 
     c = checked or check_args(a)
     ranks, device, layout, cfg = c["ranks"], torch.device(c["device"]), c["layout"], _config(a)
@@ -516,7 +516,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             )
     finally:
         bar.close()
-    from h3ms_async.observability.status import get_hub
+    from h3ms_async.status.hub import get_hub
 
     last = (get_hub().recent_steps(1) or [{"ranks": []}])[-1]  # none when every step ran unsplit
     return {
@@ -655,7 +655,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nonlocal stop
         if a.serve is not None:
             # before the console handler: a bind error is then the only line printed
-            from h3ms_async.observability.serve import bind_error_text, start_background_server
+            from h3ms_async.observability.serve import start_background_server
+            from h3ms_async.tools.serve import bind_error_text
 
             try:
                 url, stop = start_background_server(port=a.serve)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.status import record_verdict
+from h3ms_async.status.hub import record_verdict
 from workers.runtime.shm import dtype_name
 
 log = get_logger("VAE split")

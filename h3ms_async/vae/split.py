@@ -35,13 +35,14 @@ from typing import Any
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.records import now_iso
 from h3ms_async.runtime.coordinator import get_coordinator
-from h3ms_async.runtime.cpu_threads import cpu_thread_env
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.plans import GPUSelectionError, rank_map
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.runtime.weight_store import fill
+from h3ms_async.status.hub import get_hub
+from h3ms_async.status.records import now_iso
 from h3ms_async.vae import exactness
 from h3ms_async.vae import plan as vae_plan
 from workers.runtime import config
@@ -709,6 +710,7 @@ ENGINES: EngineRegistry[VaeSplitEngine] = EngineRegistry(
         ],
         "vae_split": lambda live: {"engines": [e.snapshot() for e in live]},
     },
+    get_hub,
 )
 
 

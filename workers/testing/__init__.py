@@ -1,16 +1,5 @@
 """Test-only code of the workers: request kinds that sleep, crash or hang on request, kitchen's
 INT8 attention on the CPU, and faults injected into the DiT and VAE paths.  A worker loads it
-(:func:`load`) only with ``H3MS_TEST_HOOKS=1``; production processes never import it."""
-
-from __future__ import annotations
-
-
-def load() -> None:
-    """Serve the test request kinds; with ``H3MS_CK_ATTENTION_CPU=1``, kitchen's INT8 attention on
-    the CPU. (The compute faults are taken at import by the modules they hook.)"""
-    from workers.testing import handlers, settings  # noqa: F401 - handlers registers itself
-
-    if settings.CK_ATTENTION_CPU.get():
-        from workers.testing import ck_cpu
-
-        ck_cpu.install()
+(:func:`workers.testing.hooks.load`) only with ``H3MS_TEST_HOOKS=1``; production processes never
+import it.  This marker imports none of its modules: each of them imports the package first, so
+the package importing one back would be a cycle."""

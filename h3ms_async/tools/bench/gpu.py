@@ -40,7 +40,7 @@ from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, release_all_engines
 from h3ms_async.dit.tested_paths import allow_untested_paths
-from h3ms_async.observability.status import get_hub
+from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import BlockInputs, block_forward_unsplit
 from workers.runtime.shm import Segment, register_cuda

@@ -45,9 +45,9 @@ from h3ms_async.dit.reference import (
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.log import ensure_console_handler, get_logger
-from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
-from h3ms_async.runtime.cpu_threads import cpu_thread_env
+from h3ms_async.runtime.spawn import cpu_thread_env
+from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
 from workers.transports.dist import check_nccl_rank_map

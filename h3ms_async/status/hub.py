@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 from h3ms_async.log import get_logger
-from h3ms_async.observability.document import (
+from h3ms_async.runtime.host_memory import ram_info
+from h3ms_async.status.document import (
     OPTIONAL_SECTIONS,
     SECTIONS,
     SchemaError,
@@ -28,14 +29,13 @@ from h3ms_async.observability.document import (
     pack_version,
     validate_section,
 )
-from h3ms_async.observability.records import (
+from h3ms_async.status.records import (
     StepRecord,
     VerdictRecord,
     VerifyRecord,
     format_step_line,
     now_iso,
 )
-from h3ms_async.runtime.host_memory import ram_info
 
 _log = get_logger("MultiStream")
 _status_log = get_logger("Status")
@@ -80,20 +80,25 @@ class StatusHub:
 
     def record_verdict(self, rec: VerdictRecord) -> dict:
         """Append one exactness verdict (``exactness.verdicts``); returns its JSON form."""
-        if not isinstance(rec, VerdictRecord):
-            raise SchemaError(f"verdict: got a {type(rec).__name__}; build a records.VerdictRecord")
-        out = msgspec.to_builtins(rec)
-        with self._lock:
-            self._verdicts.append(out)
-        return out
+        return self._keep(self._verdicts, "verdict", rec, VerdictRecord)
 
     def record_verify(self, rec: VerifyRecord) -> dict:
         """Append one ``verify`` result (``exactness.verify``); returns its JSON form."""
-        if not isinstance(rec, VerifyRecord):
-            raise SchemaError(f"verify: got a {type(rec).__name__}; build a records.VerifyRecord")
+        return self._keep(self._verify, "verify", rec, VerifyRecord)
+
+    def _keep(
+        self,
+        ring: collections.deque[dict],
+        what: str,
+        rec: msgspec.Struct,
+        cls: type[msgspec.Struct],
+    ) -> dict:
+        """Append ``rec``, which must be a ``cls``, to ``ring`` as its JSON form; returns that."""
+        if not isinstance(rec, cls):
+            raise SchemaError(f"{what}: got a {type(rec).__name__}; build a records.{cls.__name__}")
         out = msgspec.to_builtins(rec)
         with self._lock:
-            self._verify.append(out)
+            ring.append(out)
         return out
 
     def exactness(self) -> dict[str, list[dict]]:

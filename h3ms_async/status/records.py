@@ -1,7 +1,7 @@
 """The pack's typed records: one split step (:class:`StepRecord`, with its INFO log line), one
 exactness verdict (:class:`VerdictRecord`) and one ``verify`` result (:class:`VerifyRecord`).
 
-Each is a msgspec Struct built by the code that produces it; the status hub (``status.py``) keeps
+Each is a msgspec Struct built by the code that produces it; the status hub (``hub.py``) keeps
 their JSON forms and serves them, so a consumer can check one with ``msgspec.convert(obj,
 StepRecord)``.
 """
