@@ -5,7 +5,8 @@
   host RAM they become the cache's pinned buffers, so the next load copies them at full bandwidth; a
   group where ComfyUI never moves them holds nothing and keeps the reason.  Filling honours a RAM
   reserve: a fill that would leave less than the reserve available is refused and the model runs
-  without the cache.  Releasing gives the bytes back.
+  without the cache.  Releasing gives back what nothing else uses (:class:`Freed`): while ComfyUI
+  has the model unloaded the buffers *are* its host weights, so they stay in RAM with the model.
 * :class:`OutputCache` is an LRU of encoder outputs keyed by a digest of everything that changes an
   encoding (:func:`digest`), bounded by an entry count and by the same RAM reserve.  A hit returns
   copies of the stored tensors, equal bit for bit to what the miss computed.
@@ -18,24 +19,26 @@ plain tensors and modules.
 from __future__ import annotations
 
 import collections
+import ctypes
+import dataclasses
 import enum
 import hashlib
 import marshal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from h3ms_async.log import get_logger
-from h3ms_async.runtime.host_memory import ram_info
+from h3ms_async.runtime.host_memory import GIB, fmt_bytes, ram_info
 from h3ms_async.status.hub import get_hub
 
 log = get_logger("Caches")
-GIB = 1 << 30
 
 
 class CacheRefused(RuntimeError):
@@ -113,18 +116,135 @@ def _copy_out(obj: Any) -> Any:
     return obj
 
 
-def _nbytes(obj: Any) -> int:
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` (nested lists, tuples and dicts)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 
 def _reserve_allows(nbytes: int, reserve_gb: float) -> bool:
     return ram_info().available_bytes - nbytes >= reserve_gb * GIB
+
+
+# -- what a release gives back ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Freed:
+    """What dropping a cache's tensors gave back to the OS (the release routes' JSON fields).
+
+    * ``freed_bytes``: host RAM returned; the process's RSS drops by this much.  It counts the
+      host storages that died with the release (no other live tensor used them), pinned ones at the
+      size torch's pinned allocator held for them (it rounds blocks up to a power of two), less the
+      pageable copies made for a model that still used the cache's pinned buffers.
+    * ``pinned_freed_bytes``: page-locked memory returned (0 without CUDA).  It is part of
+      ``freed_bytes`` except where it was replaced by those pageable copies.
+    * ``kept_bytes``: cached bytes that stay in RAM because a live model or tensor still uses them.
+      While ComfyUI has a model unloaded the weight cache's buffers *are* its host weights; they
+      go when ComfyUI loads the model onto the GPU again or drops it.
+    """
+
+    freed_bytes: int = 0
+    pinned_freed_bytes: int = 0
+    kept_bytes: int = 0
+
+    def __add__(self, other: Freed) -> Freed:
+        return Freed(
+            self.freed_bytes + other.freed_bytes,
+            self.pinned_freed_bytes + other.pinned_freed_bytes,
+            self.kept_bytes + other.kept_bytes,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        """The release messages' words for it, e.g. ``12.0 MiB of RAM freed (268.0 MiB pinned
+        memory returned); 256.0 MiB kept in RAM: ...``."""
+        out = f"{fmt_bytes(self.freed_bytes)} of RAM freed"
+        if self.pinned_freed_bytes:
+            out += f" ({fmt_bytes(self.pinned_freed_bytes)} pinned memory returned)"
+        if self.kept_bytes:
+            out += (
+                f"; {fmt_bytes(self.kept_bytes)} kept in RAM: a live model or tensor still uses "
+                "it (while ComfyUI has a model unloaded, its cached weights are its host weights; "
+                "they go when ComfyUI loads or drops it)"
+            )
+        return out
+
+
+def _pinned_pool_bytes() -> int | None:
+    """Page-locked bytes torch's pinned allocator holds from CUDA (blocks in use or cached, at
+    their rounded size); 0 without CUDA, None where this torch cannot say."""
+    if not torch.cuda.is_available():
+        return 0
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    value = stats().get("allocated_bytes.current") if callable(stats) else None
+    return None if value is None else int(value)
+
+
+def _free_pinned_pool() -> None:
+    """Give freed page-locked blocks back to the OS (torch's host allocator keeps them for reuse
+    otherwise)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if torch.cuda.is_available() and callable(empty):
+        empty()
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS: glibc keeps freed chunks below its mmap
+    threshold (up to 32 MiB) for reuse, so a freed small tensor would otherwise stay in the RSS.
+    Nothing to do with another C library."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return
+    trim(0)
+
+
+def _weak_storages(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[StorageWeakRef, int, bool]]:
+    """The distinct host storages under ``tensors``: a weak reference, the byte size and whether it
+    is pinned (device tensors hold no RAM and are left out)."""
+    out: dict[int, tuple[StorageWeakRef, int, bool]] = {}
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr() not in out:
+            out[s.data_ptr()] = (StorageWeakRef(s), s.nbytes(), t.is_pinned())
+    return out
+
+
+def _release(held: list[torch.Tensor], copied: int = 0) -> Freed:
+    """Drop the references in ``held`` (the list is emptied; the caller keeps none of its own),
+    give the freed memory back to the OS and report it: a storage counts as freed only when it died,
+    so one that a live model or another tensor still uses is kept.  ``copied``: bytes of pageable
+    copies the caller made in place of pinned buffers a live model used."""
+    storages = _weak_storages(held)
+    _free_pinned_pool()  # blocks freed before this release go first: the drop below is its own
+    pinned_before = _pinned_pool_bytes()
+    held.clear()
+    _free_pinned_pool()
+    _trim_heap()
+    pinned_after = _pinned_pool_bytes()
+    died = [(n, pinned) for ref, n, pinned in storages.values() if ref.expired()]
+    died_bytes = sum(n for n, _ in died)
+    pinned_freed = (
+        pinned_before - pinned_after
+        if pinned_before is not None and pinned_after is not None
+        else sum(n for n, pinned in died if pinned)
+    )
+    pageable_freed = sum(n for n, pinned in died if not pinned)
+    total = sum(n for _, n, _ in storages.values())
+    return Freed(pageable_freed + pinned_freed - copied, pinned_freed, total - died_bytes + copied)
 
 
 class OutputCache:
@@ -191,13 +311,16 @@ class OutputCache:
         while len(self._items) > max(keep, 0):
             self._pop_oldest()
 
-    def clear(self) -> int:
-        """Drop every entry (counters stay); returns how many there were."""
+    def clear(self) -> tuple[int, Freed]:
+        """Drop every entry (counters stay); returns how many there were and what that gave back
+        (the stored outputs are the cache's own copies, so all of it unless a caller kept a
+        tensor of one)."""
         with self._lock:
             n = len(self._items)
+            held = [t for value, _ in self._items.values() for t in _tensors(value)]
             self._items.clear()
             self._bytes = 0
-            return n
+        return n, _release(held)
 
     def stats(self) -> dict:
         """The status route's ``text_encoder_outputs`` section."""
@@ -218,14 +341,6 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
     host.copy_(t.detach())
     return host
-
-
-def _free_pinned_pool() -> None:
-    """Give freed page-locked blocks back to the OS (torch's host allocator keeps them for reuse
-    otherwise)."""
-    empty = getattr(torch._C, "_host_emptyCache", None)
-    if torch.cuda.is_available() and callable(empty):
-        empty()
 
 
 @dataclass
@@ -256,6 +371,19 @@ class CachedWeights:
             "pinned": torch.cuda.is_available(),
             "reason": None,
         }
+
+
+def _unpin(module: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> int:
+    """Give ``module``'s tensors that are pinned ``buffers`` pageable copies (the buffers are its
+    host weights: the bytes stay, page-locked no more); returns the bytes copied."""
+    copied = 0
+    with torch.no_grad():
+        for name, t in named_tensors(module).items():
+            src = buffers.get(name)
+            if src is not None and src.is_pinned() and t.data_ptr() == src.data_ptr():
+                t.data = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
+                copied += src.nbytes
+    return copied
 
 
 def named_tensors(
@@ -383,32 +511,28 @@ class WeightCache:
         if new:
             log.warning("weight cache %s holds nothing: %s", group, reason)
 
-    def release(self, group: str) -> int:
-        """Drop ``group``'s copy (a module still using it as its host weights gets plain RAM copies
-        first); returns the pinned bytes freed."""
+    def release(self, group: str) -> Freed:
+        """Drop ``group``'s copy; returns what that gave back.  Buffers a live module still uses as
+        its host weights (ComfyUI has it unloaded) stay in RAM with the module, as ``kept_bytes``;
+        pinned ones are first swapped for pageable copies, so the page-locked memory goes back."""
         with self._lock:
             entry = self._groups.pop(group, None)
             self._asides.pop(group, None)
         if entry is None:
-            return 0
+            return Freed()
         owner = entry.owner() if entry.owner is not None else None
-        if owner is not None:
-            with torch.no_grad():
-                for name, t in named_tensors(owner).items():
-                    src = entry.tensors.get(name)
-                    if src is not None and t.data_ptr() == src.data_ptr():
-                        t.data = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
-        freed = entry.nbytes
+        copied = _unpin(owner, entry.tensors) if owner is not None else 0
+        held = list(entry.tensors.values())
         entry.tensors.clear()
-        _free_pinned_pool()
-        log.info("weight cache %s released: %.2f GiB", group, freed / GIB)
+        freed = _release(held, copied)
+        log.info("weight cache %s released: %s", group, freed.text())
         return freed
 
-    def clear(self) -> int:
-        """Drop every group; returns the bytes freed."""
+    def clear(self) -> Freed:
+        """Drop every group; returns what that gave back."""
         with self._lock:
             groups = list(self._groups)
-        return sum(self.release(g) for g in groups)
+        return sum((self.release(g) for g in groups), Freed())
 
     def bytes_held(self) -> int:
         with self._lock:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from h3ms_async.caches import CacheRefused, named_tensors, weight_cache
+from h3ms_async.caches import CacheRefused, Freed, named_tensors, weight_cache
 from h3ms_async.log import get_logger
 
 log = get_logger("Caches")
@@ -131,8 +131,9 @@ def ensure_callback(patcher: Any) -> None:
         patcher.add_callback_with_key(ON_DETACH, CALLBACK_KEY, _on_detach)
 
 
-def detach(model: torch.nn.Module, group: str) -> int:
-    """Stop caching ``model``'s weights and free ``group``'s copy; returns the bytes freed."""
+def detach(model: torch.nn.Module, group: str) -> Freed:
+    """Stop caching ``model``'s weights and drop ``group``'s copy; returns what that gave back
+    (while ComfyUI has ``model`` unloaded the copy is its host weights and stays with it)."""
     _ATTACHED.pop(model, None)
     return weight_cache().release(group)
 

@@ -56,7 +56,9 @@ class H3MSReleaseResourcesAsync:
     OUTPUT_NODE = True
     DESCRIPTION = (
         "Frees what H3 MultiStream holds, from inside a workflow (the same actions are in the menu "
-        "and on POST /h3multistream/...). Runs every time it is queued."
+        "and on POST /h3multistream/...). Runs every time it is queued and shows what each action "
+        "gave back: RAM freed, pinned memory returned, and what stays in RAM because a model still "
+        "uses it."
     )
 
     @classmethod
@@ -76,8 +78,11 @@ class H3MSReleaseResourcesAsync:
                     {
                         "default": False,
                         "tooltip": "Drop the shared-memory copy of the block weights and the "
-                        "pinned copies of the VAE Cache and Text Encoder Cache (RAM is freed; the "
-                        "workers stay up and the next run refills it).",
+                        "weight copies of the VAE Cache and Text Encoder Cache (the workers stay "
+                        "up; the next run refills them). A cache copy's RAM is freed only while "
+                        "ComfyUI has that model loaded: while it is unloaded the copy is its host "
+                        "weights and stays with it (unpinned). The result says how much RAM was "
+                        "freed and how much was kept.",
                     },
                 ),
                 "detach_hooks": (
@@ -105,7 +110,8 @@ class H3MSReleaseResourcesAsync:
                     "BOOLEAN",
                     {
                         "default": False,
-                        "tooltip": "Drop the cached text-encoder outputs (their RAM is freed).",
+                        "tooltip": "Drop the cached text-encoder outputs (the cache's own copies: "
+                        "their RAM is freed; the result says how much).",
                     },
                 ),
             },

@@ -198,8 +198,9 @@ class H3MSTextEncoderCacheAsync(PatchNode):
         "required": {
             "clip": ("CLIP",),
             "enabled": enabled_input(
-                "Off stops caching this encoder and frees its weight copy (bypassing the node "
-                "leaves an earlier configuration in place)."
+                "Off stops caching this encoder and drops its weight copy (RAM freed only while "
+                "ComfyUI has the encoder loaded: while it is unloaded the copy is its host weights "
+                "and stays with it). Bypassing the node leaves an earlier configuration in place."
             ),
             "weight_cache": (
                 "BOOLEAN",
@@ -210,7 +211,9 @@ class H3MSTextEncoderCacheAsync(PatchNode):
                     "Qwen3-VL-32B encoder; no second copy: they are the host weights). Holds "
                     "nothing (and says why) where ComfyUI never unloads them: --cpu, --gpu-only, "
                     "an encoder ComfyUI runs on the CPU, DynamicVRAM (ComfyUI's default on NVIDIA; "
-                    "use --disable-dynamic-vram). Off frees the copy.",
+                    "use --disable-dynamic-vram). Off drops the copy: RAM is freed only while "
+                    "ComfyUI has the encoder loaded (while it is unloaded the copy is its host "
+                    "weights and stays with it).",
                 },
             ),
             "cond_cache_entries": (
@@ -245,9 +248,11 @@ class H3MSTextEncoderCacheAsync(PatchNode):
         register_status()
         if not enabled:
             _CONFIGS.pop(cond_model, None)
-            detach(cond_model, group)
+            freed = detach(cond_model, group)
             _uninstall_if_unused(type(clip))
-            log.info("node configured: off for this encoder (weight copy freed)")
+            log.info(
+                "node configured: off for this encoder (weight copy dropped: %s)", freed.text()
+            )
             return (clip.clone(),)
         if weight_cache:
             weight_cache = attach(clip.patcher, group, base, cache_ram_reserve_gb)

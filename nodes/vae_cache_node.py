@@ -62,7 +62,9 @@ class H3MSVAECacheAsync(PatchNode):
                     "RAM, so ComfyUI's next load copies them at full speed (0.56 GB for the H3 "
                     "audio VAE). Holds nothing (and says why) where ComfyUI never unloads the "
                     "weights: --cpu, --gpu-only, DynamicVRAM (ComfyUI's default on NVIDIA; use "
-                    "--disable-dynamic-vram), or a quantized (int8) VAE. Off frees the copy.",
+                    "--disable-dynamic-vram), or a quantized (int8) VAE. Off drops the copy: RAM "
+                    "is freed only while ComfyUI has the VAE loaded (while it is unloaded the copy "
+                    "is its host weights and stays with it).",
                 },
             ),
             "cache_ram_reserve_gb": ram_reserve_input(

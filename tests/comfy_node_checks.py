@@ -760,9 +760,12 @@ def test_routes_over_a_running_split(prompt_server, split, monkeypatch):
 
             answer = await post("/h3multistream/cache/clear_weights")
             assert answer["busy"] is False and "weight store cleared" in answer["message"]
-            assert "weight caches: 0.00 GiB freed" in answer["message"]
+            assert "weight caches: 0.0 KiB of RAM freed" in answer["message"]
+            assert answer["caches"] == {"freed_bytes": 0, "pinned_freed_bytes": 0, "kept_bytes": 0}, answer
             answer = await post("/h3multistream/cache/clear_text")
             assert answer["busy"] is False and "text-encoder output cache cleared" in answer["message"]
+            assert set(answer["text_encoder_outputs"]) == {"entries", "freed_bytes", "pinned_freed_bytes",
+                                                           "kept_bytes"}, answer
             st = await get("/h3multistream/status")
             assert st["weight_store"]["state"] == "empty" and [w["pid"] for w in st["workers"]] == pids
             answer = await post("/h3multistream/hooks/detach")

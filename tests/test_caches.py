@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
+import psutil
 import pytest
 import torch
 
 from h3ms_async import caches
-from h3ms_async.caches import CacheRefused, OutputCache, WeightCache, digest
+from h3ms_async.caches import CacheRefused, Freed, OutputCache, WeightCache, digest
 from h3ms_async.status.hub import StatusHub, get_hub
 
 pytestmark = pytest.mark.fast
@@ -78,7 +78,7 @@ def test_output_cache_hit_is_an_equal_copy_and_lru_bounded() -> None:
     assert c.get("k1") is None and c.get("k2") is not None
     st = c.stats()
     assert st["entries"] == 2 and st["hits"] == 3 and st["misses"] == 2 and st["bytes"] == 2 * caches._nbytes(out)
-    assert c.clear() == 2 and c.stats()["entries"] == 0 and c.stats()["hits"] == 3
+    assert c.clear()[0] == 2 and c.stats()["entries"] == 0 and c.stats()["hits"] == 3
     assert not c.put("k4", out, max_entries=0)  # 0 entries: the cache is off
     assert c.stats()["entries"] == 0
 
@@ -91,8 +91,20 @@ def test_output_cache_honours_the_ram_reserve() -> None:
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """This process's RSS once the C heap's free pages and torch's cached pinned blocks are back with
+    the OS, so that a drop measured from it is what the code in between gave back, not what an earlier
+    free left behind."""
+    gc.collect()
+    caches._free_pinned_pool()
+    caches._trim_heap()
+    return psutil.Process().memory_info().rss
+
+
+# how far a release's reported freed_bytes may be from the RSS drop it caused: page rounding and the
+# interpreter's own allocations (the figures measured here are a few hundred MiB; a wrong one is off by
+# tens to hundreds of MiB)
+RSS_TOLERANCE = 8 << 20
+PINNED = torch.cuda.is_available()  # the weight cache pins its buffers exactly when CUDA is available
 
 
 def test_output_cache_clear_gives_the_bytes_back() -> None:
@@ -104,9 +116,24 @@ def test_output_cache_clear_gives_the_bytes_back() -> None:
     held = c.stats()["bytes"]
     grown = _rss() - before
     assert held == big.nbytes + 32 and grown > 200 << 20, (held, grown)
-    assert c.clear() == 1 and c.stats()["bytes"] == 0
-    gc.collect()
+    n, freed = c.clear()
+    assert n == 1 and c.stats()["bytes"] == 0 and freed == Freed(held, 0, 0), freed
     assert stored() is None and _rss() - before < 64 << 20, _rss() - before
+
+
+def test_output_cache_clear_reports_the_rss_it_gives_back() -> None:
+    """Many small outputs (each below glibc's mmap threshold, so freed into its heap): the bytes the
+    clear reports are the bytes the process's RSS drops."""
+    c = OutputCache()
+    for i in range(250):  # 250 x 1 MiB
+        assert c.put(f"k{i}", (torch.full((1, 256, 1024), float(i)), {"pooled_output": torch.ones(1, 1024)}),
+                     max_entries=250)
+    held = c.stats()["bytes"]
+    before = _rss()
+    n, freed = c.clear()
+    dropped = before - psutil.Process().memory_info().rss
+    assert n == 250 and abs(dropped - freed.freed_bytes) <= RSS_TOLERANCE, (dropped, freed)
+    assert freed == Freed(held, 0, 0), (freed, held)
 
 
 def test_weight_cache_homes_host_weights_counts_a_load_and_releases_its_copy() -> None:
@@ -128,7 +155,10 @@ def test_weight_cache_homes_host_weights_counts_a_load_and_releases_its_copy() -
     buffers = [weakref.ref(t) for t in entry.tensors.values()]
     [row] = wc.summaries()
     assert row["state"] == "held" and row["bytes"] == entry.nbytes and row["restores"] == 1
-    assert wc.release("te:a") == entry.nbytes and wc.bytes_held() == 0 and wc.summaries() == []
+    # the module's host weights are the cache's buffers: releasing keeps them, with the module
+    freed = wc.release("te:a")
+    assert freed.kept_bytes == entry.nbytes and wc.bytes_held() == 0 and wc.summaries() == [], freed
+    assert PINNED or freed == Freed(0, 0, entry.nbytes), freed
     del entry
     gc.collect()
     assert all(r() is None for r in buffers), "a released copy must not stay referenced"
@@ -138,6 +168,53 @@ def test_weight_cache_homes_host_weights_counts_a_load_and_releases_its_copy() -
     wc.stand_aside("te:b", "its load device and offload device are both cpu")
     assert wc.summaries() == [{"group": "te:b", "state": "aside", "bytes": 0,
                                "reason": "its load device and offload device are both cpu"}]
+
+
+def _encoder() -> torch.nn.Module:
+    """A text encoder's mix of tensors at 240 MiB: three 64 MiB projections (glibc maps each on its
+    own) and 384 small tensors of up to 256 KiB (glibc keeps those in its heap once freed)."""
+    torch.manual_seed(1)
+    return torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(3)),
+                               *(torch.nn.Linear(256, 256) for _ in range(192)))
+
+
+@pytest.mark.parametrize("state", ["unloaded", "loaded", "loaded_with_backup", "dropped"])
+def test_weight_cache_release_reports_the_rss_it_gives_back(state: str) -> None:
+    """What the weight cache's release reports as freed is what the process's RSS drops, in each state ComfyUI
+    can leave the model in:
+
+    * ``unloaded``: ComfyUI's unload moved the weights to the host and the cache homed them, so the module's
+      host weights *are* the cache's buffers; a release can free none of it (it stays as the module's
+      weights, unpinned where pinned);
+    * ``loaded``: ComfyUI's next load moved the weights off the host (to the GPU; here to ``meta``, which
+      leaves nothing on the host either): the buffers are the cache's alone, all of it is freed;
+    * ``loaded_with_backup``: loaded with a LoRA: ComfyUI's patcher keeps the unpatched weights (the
+      cache's buffers) as its ``backup`` while the patched ones are on the GPU, so those stay;
+    * ``dropped``: ComfyUI dropped the model: the buffers are the cache's alone.
+    """
+    mod = _encoder()
+    want = {n: t.clone() for n, t in caches.named_tensors(mod).items()} if state == "unloaded" else None
+    wc = WeightCache()
+    assert wc.home("te:enc", ("te", "enc"), mod) == "homed"
+    held = wc.bytes_held()
+    backup: dict[str, torch.Tensor] = {}
+    if state == "loaded_with_backup":
+        backup = {n: t.data for n, t in caches.named_tensors(mod).items() if n.startswith(("0.", "3."))}
+    if state in ("loaded", "loaded_with_backup"):
+        mod.to("meta")
+    elif state == "dropped":
+        del mod
+    before = _rss()
+    freed = wc.release("te:enc")
+    dropped = before - psutil.Process().memory_info().rss
+    kept = {"unloaded": held, "loaded": 0, "dropped": 0,
+            "loaded_with_backup": sum(t.nbytes for t in backup.values())}[state]
+    assert held > 200 << 20 and abs(dropped - freed.freed_bytes) <= RSS_TOLERANCE, (state, dropped, freed)
+    assert freed.kept_bytes == kept, (held, freed)
+    if not PINNED:
+        assert freed == Freed(held - kept, 0, kept), (held, freed)
+    if want is not None:  # the module kept its weights
+        assert all(torch.equal(t, want[n]) for n, t in caches.named_tensors(mod).items())
 
 
 def test_digest_refuses_objects_it_cannot_key_by_content() -> None:

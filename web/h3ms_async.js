@@ -6,7 +6,7 @@
 // actions; and a toast naming the rank and its log when a prompt fails in a worker.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { Panel, describe, fmtBytes, fmtSec, human } from "./panel.js";
+import { ACTIONS, Panel, describe, fmtBytes, fmtSec, human } from "./panel.js";
 
 const EXT = "H3MultiStreamAsync";
 const TAB_ID = "h3multistream";
@@ -140,6 +140,9 @@ function action(path, summary) {
   };
 }
 
+// a release action's tooltip: what it frees (panel.js's ACTIONS, shared with the panel's buttons)
+const tip = (path) => ACTIONS.find(([p]) => p === path)[2];
+
 const commands = [
   {
     id: `${EXT}.Status`, label: "Show status", icon: "pi pi-info-circle",
@@ -157,11 +160,12 @@ const commands = [
   },
   { id: `${EXT}.ShowTab`, label: "Show live panel tab", icon: "pi pi-window-maximize",
     function: () => app.extensionManager.command.execute(`Workspace.ToggleSidebarTab.${TAB_ID}`) },
-  { id: `${EXT}.ReleaseWorkers`, label: "Release workers", icon: "pi pi-power-off",
+  { id: `${EXT}.ReleaseWorkers`, label: "Release workers", icon: "pi pi-power-off", tooltip: tip("workers/release"),
     function: action("/h3multistream/workers/release", "Release workers") },
   { id: `${EXT}.ClearWeightStore`, label: "Clear weight store", icon: "pi pi-trash",
+    tooltip: tip("cache/clear_weights"),
     function: action("/h3multistream/cache/clear_weights", "Clear weight store") },
-  { id: `${EXT}.DetachHooks`, label: "Detach hooks", icon: "pi pi-link",
+  { id: `${EXT}.DetachHooks`, label: "Detach hooks", icon: "pi pi-link", tooltip: tip("hooks/detach"),
     function: action("/h3multistream/hooks/detach", "Detach hooks") },
 ];
 

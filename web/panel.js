@@ -29,6 +29,18 @@ function fmtUptime(s) {
   return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${sec}s`;
 }
 
+// The release actions the panel's buttons and the menu entries run: route (under /h3multistream/), label, and what it
+// frees (their tooltip). The answer's message says what each gave back.
+export const ACTIONS = [
+  ["workers/release", "Release workers", "Stop every worker process (the split's, the attention helpers' and the " +
+    "VAE split's): their VRAM is freed, and the split's shared-memory weight store with them."],
+  ["cache/clear_weights", "Clear weight store", "Drop the split's shared-memory weight store (the workers stay up) " +
+    "and the VAE / text-encoder weight caches' copies. RAM is freed where nothing else uses it; a model ComfyUI " +
+    "has unloaded keeps its cached weights as its host weights (unpinned): the answer reports them as kept."],
+  ["hooks/detach", "Detach hooks", "Make patched models run unsplit until their H3 MultiStream node runs again, " +
+    "and remove the VAE split, VAE cache and text-encoder cache hooks. Frees no memory."],
+];
+
 function el(tag, text, attrs) {
   const e = document.createElement(tag);
   if (text !== undefined && text !== null) e.textContent = String(text);
@@ -212,8 +224,7 @@ function buildPanel(root) {
     legend.appendChild(s);
   }
   const actions = el("div", null, { class: "actions" });
-  for (const [path, text] of [["workers/release", "Release workers"], ["cache/clear_weights", "Clear weight store"],
-    ["hooks/detach", "Detach hooks"]]) actions.appendChild(el("button", text, { "data-action": path }));
+  for (const [path, text, tip] of ACTIONS) actions.appendChild(el("button", text, { "data-action": path, title: tip }));
   actions.appendChild(el("span", "", { id: "h3ms-action-result", class: "dim" }));
   const exact = el("div", null, { id: "h3ms-exactness" });
   const heads = (cols) => cols.map((c) => c.replace(/_/g, " "));

@@ -25,7 +25,6 @@ from aiohttp import web
 
 from h3ms_async import PACK_ROOT
 from h3ms_async.log import get_logger, tail_file
-from h3ms_async.runtime.host_memory import GIB
 from h3ms_async.status.hub import RING_SIZE, StatusHub, get_hub
 
 _log = get_logger("Status")
@@ -161,7 +160,9 @@ def action_release_workers() -> dict:
 def action_clear_weights() -> dict:
     """Drop every live engine's shared-memory weight store (the workers stay up and reload it on the
     next step) and every pinned copy of the VAE / text-encoder weight caches (refilled at ComfyUI's
-    next unload)."""
+    next unload).  ``caches`` says what the weight caches gave back
+    (:class:`h3ms_async.caches.Freed`): a copy that is the host weights of a model ComfyUI has
+    unloaded stays in RAM with that model (``kept_bytes``)."""
     from h3ms_async.caches import weight_cache
     from h3ms_async.runtime.engines import live_engines
 
@@ -172,17 +173,18 @@ def action_clear_weights() -> dict:
         if n
         else "no weight store was held"
     )
-    return {"message": f"{store}; weight caches: {freed / GIB:.2f} GiB freed"}
+    return {"message": f"{store}; weight caches: {freed.text()}", "caches": freed.as_dict()}
 
 
 def action_clear_text_cache() -> dict:
-    """Drop every cached text-encoder output (the hit/miss counters stay)."""
+    """Drop every cached text-encoder output (the hit/miss counters stay); ``text_encoder_outputs``
+    says how many and what that gave back (:class:`h3ms_async.caches.Freed`)."""
     from h3ms_async.caches import output_cache
 
-    held = output_cache().stats()["bytes"]
-    n = output_cache().clear()
+    n, freed = output_cache().clear()
     return {
-        "message": f"text-encoder output cache cleared ({n} entries, {held / GIB:.3f} GiB freed)"
+        "message": f"text-encoder output cache cleared ({n} entries): {freed.text()}",
+        "text_encoder_outputs": {"entries": n, **freed.as_dict()},
     }
 
 

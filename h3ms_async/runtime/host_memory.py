@@ -1,7 +1,8 @@
 """This host's RAM as the process may use it: psutil's figures capped by the memory cgroup.
 
 The weight store, the caches and the node layer check their RAM reserve against :func:`ram_info`;
-the status document shows it as its ``ram`` section.
+the status document shows it as its ``ram`` section.  :func:`fmt_bytes` writes byte counts for
+people.
 """
 
 from __future__ import annotations
@@ -13,6 +14,18 @@ import msgspec
 import psutil
 
 GIB = 1024**3
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Human bytes for log lines and the status text: GiB at >= 1 GiB, else MiB (KiB for tiny
+    amounts)."""
+    if n is None:
+        return "n/a"
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if abs(n) >= 1024**2:
+        return f"{n / 1024**2:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
 
 
 class RamInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

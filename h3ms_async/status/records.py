@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from h3ms_async.runtime.host_memory import GIB
+from h3ms_async.runtime.host_memory import fmt_bytes
 from workers.dit.protocol import Transport
 
 #: A step record's ``exchange``: the transport as it ran.
@@ -98,18 +98,6 @@ class VerifyRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def now_iso() -> str:
     """The ``at`` field of a step record: local time, second precision, ISO-8601."""
     return _dt.datetime.now().isoformat(timespec="seconds")
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    """Human bytes for log lines and the status text: GiB at >= 1 GiB, else MiB (KiB for tiny
-    amounts)."""
-    if n is None:
-        return "n/a"
-    if n >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if n >= 1024**2:
-        return f"{n / 1024**2:.1f} MiB"
-    return f"{n / 1024:.1f} KiB"
 
 
 def _joined(values: Iterable[float]) -> str:
