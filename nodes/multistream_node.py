@@ -180,19 +180,20 @@ class H3MultiStreamAsync(ModelPatchNode):
         # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would
         # without the node
         refuse_comfy_sparse(model)
-        from h3ms_async.dit.options import COMFY_ATTENTION, SplitOptions
+        from h3ms_async.dit.options import COMFY_ATTENTION, SplitOptions, parse_pattern
+        from workers.dit.protocol import Residency, Transport
 
         options = SplitOptions(
-            exchange=exchange,
+            exchange=Transport(exchange),
             exchange_chunks=int(exchange_chunks),
-            vram_residency=vram_residency,
+            vram_residency=Residency(vram_residency),
             cache_ram_reserve_gb=float(cache_ram_reserve_gb),
             shares=shares,
             attention=COMFY_ATTENTION,
             comfy_host=host,
             verify=bool(verify),
             sparse=sparse,
-            pattern=exchange_pattern,
+            pattern=parse_pattern(exchange_pattern),
         )
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb), bool(weight_cache))

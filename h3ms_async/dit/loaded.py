@@ -46,6 +46,6 @@ class LoadedWeights:
     config: DiTConfig
     head_bounds: tuple[int, ...]
     compute_dtype: str
-    pattern: dit_protocol.Pattern = "gather"
+    pattern: dit_protocol.Pattern = dit_protocol.Pattern.GATHER
     # the block stack's distinct linears, for the probe (lazily)
     ops: list[dit_protocol.LinearOp] | None = None

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from h3ms_async.dit.errors import SplitError
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import Transport
+from workers.dit.protocol import Pattern, Residency, Transport
 from workers.dit.sparse import SparseConfig
 from workers.runtime.comfy_host import ComfyHost
 
@@ -22,6 +23,18 @@ BASELINE_EXCHANGE = Transport.NONE.value
 #: The attention name that means "the parent ComfyUI's selected function"
 #: (``SplitOptions.comfy_host``).
 COMFY_ATTENTION = "comfy"
+
+
+def parse_pattern(raw: str) -> Pattern | Literal["auto"]:
+    """A pattern setting as a user writes it ("gather", "ulysses", "auto")."""
+    if raw == "auto":
+        return "auto"
+    try:
+        return Pattern(raw)
+    except ValueError:
+        raise ValueError(
+            f"pattern={raw!r} is not one of {(*dit_protocol.PATTERNS, 'auto')}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -45,9 +58,9 @@ class SplitOptions:
     ``speed_model.choose_pattern``; gather with sparse attention), fixed when weights load.
     """
 
-    exchange: str = "host"
+    exchange: Transport = Transport.HOST
     exchange_chunks: int = 0
-    vram_residency: str = "auto"
+    vram_residency: Residency = Residency.AUTO
     cache_ram_reserve_gb: float = 0.0
     shares: tuple[float, ...] | None = None
     attention: str = "sdpa"
@@ -58,11 +71,13 @@ class SplitOptions:
     sparse: SparseConfig | None = None
     head_pieces: int = 0
     gather_overlap: bool = False
-    pattern: str = "gather"
+    pattern: Pattern | Literal["auto"] = Pattern.GATHER
 
     def __post_init__(self) -> None:
         if self.exchange not in (*EXCHANGES, BASELINE_EXCHANGE):
             raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
+        # a caller's plain strings become the setting's one type
+        object.__setattr__(self, "exchange", Transport(self.exchange))
         if not 0 <= self.exchange_chunks <= 32:
             raise ValueError(
                 f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single "
@@ -78,6 +93,8 @@ class SplitOptions:
             raise ValueError(
                 f"pattern={self.pattern!r} is not one of {(*dit_protocol.PATTERNS, 'auto')}"
             )
+        if self.pattern != "auto":
+            object.__setattr__(self, "pattern", Pattern(self.pattern))
         if self.pattern == "ulysses" and self.sparse is not None:
             raise ValueError(
                 "sparse attention runs with the all-gather pattern (its kernel needs the block "
@@ -87,6 +104,7 @@ class SplitOptions:
             raise ValueError(
                 f"vram_residency={self.vram_residency!r} is not one of {dit_protocol.RESIDENCIES}"
             )
+        object.__setattr__(self, "vram_residency", Residency(self.vram_residency))
         if self.attention not in (*dit_ops.ATTENTION_BACKENDS, COMFY_ATTENTION):
             raise ValueError(
                 f"attention={self.attention!r} is not one of {dit_ops.ATTENTION_BACKENDS} or "

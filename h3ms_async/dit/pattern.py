@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 from h3ms_async.dit import speed_model, tested_paths
 from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.reference import DiTConfig
-from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import Transport
+from workers.dit.protocol import Pattern, Transport
 
 
 def pick_pattern(
     options: SplitOptions, devices: Sequence[str], transport: Transport, config: DiTConfig
-) -> dit_protocol.Pattern:
+) -> Pattern:
     """The option's pattern, or for "auto" the one whose exchange moves fewer bytes among those
     tested on these devices (the all-gather with sparse attention or one rank)."""
     if options.pattern != "auto":
-        return cast(dit_protocol.Pattern, options.pattern)
+        return Pattern(options.pattern)
     if (
         options.sparse is not None
         or len(devices) == 1
         or not tested_paths.is_tested(tested_paths.SplitPath.ULYSSES, devices)
     ):
-        return "gather"
+        return Pattern.GATHER
     picked = speed_model.choose_pattern(
         config.hidden,
         config.heads,
@@ -33,4 +31,4 @@ def pick_pattern(
         "host" if transport == Transport.HOST else "nccl",
         options.shares,
     )
-    return cast(dit_protocol.Pattern, picked)
+    return Pattern(picked)

@@ -37,8 +37,8 @@ from typing import Literal, overload
 
 from h3ms_async.dit.exactness import Overlap
 from h3ms_async.runtime.plans import partition
+from workers.dit.protocol import PATTERNS
 
-PATTERNS = ("gather", "ulysses")
 TRANSPORTS = ("host", "nccl")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: Each pattern's two ops per block, in block order: (name, op kind of :func:`traffic`).

@@ -22,7 +22,7 @@ import concurrent.futures as cf
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -385,7 +385,7 @@ class SplitEngine(Engine):
                 deadline_s=opts.exchange_deadline_s,
                 blocks=(0, blocks),
                 # __post_init__ checked vram_residency against RESIDENCIES
-                residency=cast(dit_protocol.Residency, opts.vram_residency),
+                residency=opts.vram_residency,
                 trace=planned.trace,
                 sparse=sparse,
                 head_pieces=opts.head_pieces,

@@ -45,7 +45,7 @@ class Step:
     progress: StepProgress | None = None
     in_place: bool = False
     sparse_branch: str = ""
-    exchange: str | None = None
+    exchange: Transport | None = None
     exchange_chunks: int | None = None
     head_pieces: int | None = None
     gather_overlap: bool | None = None

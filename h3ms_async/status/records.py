@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from h3ms_async.runtime.host_memory import fmt_bytes
-from workers.dit.protocol import Transport
+from workers.dit.protocol import Pattern, Transport
 
 #: A step record's ``exchange``: the transport as it ran.
 Exchange = Transport
@@ -58,7 +58,7 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: the qkv projection ran on each rank's gathered rows as they arrived
     gather_overlap: bool = False
     #: how attention got its inputs: the all-gather of the block input, or Ulysses' q/k/v all-to-all
-    pattern: Literal["gather", "ulysses"] = "gather"
+    pattern: Pattern = Pattern.GATHER
     wall_s: float
     moved_bytes: int
     weight_store: str

@@ -70,7 +70,7 @@ class LoopPaths:
     chunks: int = 0
     head_pieces: int = 0
     gather_overlap: bool = False
-    pattern: Pattern = "gather"
+    pattern: Pattern = Pattern.GATHER
     sparse: SparseStep | None = None
 
 

@@ -67,7 +67,7 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -102,9 +102,19 @@ class Transport(enum.StrEnum):
         return self
 
 
-#: Weight residency choices of a CUDA rank.
-Residency = Literal["auto", "resident", "stream"]
-RESIDENCIES: tuple[str, ...] = get_args(Residency)
+class Residency(enum.StrEnum):
+    """Where a CUDA rank keeps its block weights: the one vocabulary of the node input
+    (``vram_residency``), the options, the wire and the status JSON."""
+
+    #: as many blocks resident in VRAM as fit beside the step's working set, the rest streamed
+    AUTO = "auto"
+    #: every block in VRAM
+    RESIDENT = "resident"
+    #: every block streamed from the pinned store through two device slots
+    STREAM = "stream"
+
+
+RESIDENCIES: tuple[str, ...] = tuple(r.value for r in Residency)
 
 
 class DitLoaded(Answer):
@@ -165,11 +175,20 @@ class DitStepped(Answer):
 
 #: Most head pieces a step's attention may run in (``DitStep.head_pieces``).
 MAX_HEAD_PIECES = 16
-#: How a block's attention gets its inputs: the all-gather of the block input (each rank projects
-#: its heads for every token) or Ulysses (each rank projects every head for its tokens, then an
-#: all-to-all of q, k, v).
-Pattern = Literal["gather", "ulysses"]
-PATTERNS: tuple[str, ...] = get_args(Pattern)
+
+
+class Pattern(enum.StrEnum):
+    """How a block's attention gets its inputs: the one vocabulary of the node input
+    (``exchange_pattern``, which adds "auto"), the options, the wire, the step records and the
+    status JSON."""
+
+    #: the all-gather of the block input; each rank projects its heads for every token
+    GATHER = "gather"
+    #: each rank projects every head for its tokens, then an all-to-all of q, k, v
+    ULYSSES = "ulysses"
+
+
+PATTERNS: tuple[str, ...] = tuple(p.value for p in Pattern)
 
 
 class DitStep(Request, tag="dit_step"):
@@ -191,7 +210,7 @@ class DitStep(Request, tag="dit_step"):
     sparse: Plain = msgspec.field(default_factory=dict)
     head_pieces: int = 0
     gather_overlap: bool = False
-    pattern: Pattern = "gather"
+    pattern: Pattern = Pattern.GATHER
     PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
     ANSWER: ClassVar[type[Answer]] = DitStepped
 

@@ -36,13 +36,14 @@ import torch
 
 from h3ms_async.dit.exactness import Overlap
 from h3ms_async.dit.layout import layout_for_tokens
-from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.options import SplitOptions, parse_pattern
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, release_all_engines
 from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import BlockInputs, block_forward_unsplit
+from workers.dit.protocol import Residency
 from workers.runtime.shm import Segment, register_cuda
 
 FULL = {
@@ -220,7 +221,8 @@ def run(
     for residency in residencies:
         for nr in ranks_list:
             eng = SplitEngine(
-                ["cuda:0"] * nr, SplitOptions(vram_residency=residency, pattern=pattern)
+                ["cuda:0"] * nr,
+                SplitOptions(vram_residency=Residency(residency), pattern=parse_pattern(pattern)),
             )
             try:
                 for kind in kinds:

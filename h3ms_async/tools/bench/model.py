@@ -345,6 +345,7 @@ def validate(
     from h3ms_async.dit.reference import DiTConfig, make_step_inputs
     from h3ms_async.dit.split import SplitEngine
     from h3ms_async.tools.bench.gpu import FULL, CachedModel
+    from workers.dit.protocol import Transport
 
     cfg = DiTConfig(layers=layers, **FULL)
     model = CachedModel(cfg, weights, 1234)
@@ -364,7 +365,7 @@ def validate(
         eng = SplitEngine(
             ["cuda:0"] * n,
             SplitOptions(
-                exchange="host",
+                exchange=Transport.HOST,
                 exchange_chunks=0,
                 head_pieces=schedule.head_pieces,
                 gather_overlap=schedule.gather,

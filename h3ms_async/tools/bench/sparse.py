@@ -33,6 +33,7 @@ from h3ms_async.dit.split import SplitEngine, release_all_engines
 from h3ms_async.tools.bench.gpu import FULL
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from workers.dit.ops import ModSegment
+from workers.dit.protocol import Residency
 from workers.dit.sparse import SparseConfig, kernel_unavailable
 
 
@@ -119,7 +120,7 @@ def run(
             save()
     for nr in ranks_list:
         eng = SplitEngine(
-            ["cuda:0"] * nr, SplitOptions(vram_residency="resident", exchange_chunks=8)
+            ["cuda:0"] * nr, SplitOptions(vram_residency=Residency.RESIDENT, exchange_chunks=8)
         )
         try:
             eng.load_weights(("bench-sparse", weights, seed, layers), cfg, model.block_weights)

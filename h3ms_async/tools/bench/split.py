@@ -34,7 +34,7 @@ import torch
 
 from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 from h3ms_async.dit.layout import layout_for_tokens
-from h3ms_async.dit.options import EXCHANGES, SplitOptions
+from h3ms_async.dit.options import EXCHANGES, SplitOptions, parse_pattern
 from h3ms_async.dit.reference import (
     WEIGHT_KINDS,
     DiTConfig,
@@ -50,6 +50,7 @@ from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
+from workers.dit.protocol import Transport
 from workers.transports.dist import check_nccl_rank_map
 from workers.transports.host import ArenaLayout
 
@@ -434,7 +435,11 @@ def run_bench_split(
     probe = signal_probe(len(ranks), probe_rounds)
     engine = SplitEngine(
         ranks,
-        SplitOptions(exchange=variants[0][0], exchange_chunks=variants[0][1], pattern=pattern),
+        SplitOptions(
+            exchange=Transport(variants[0][0]),
+            exchange_chunks=variants[0][1],
+            pattern=parse_pattern(pattern),
+        ),
     )
     runs = [VariantRun(engine, ex, c, o) for ex, c, o in variants]
     unsplit_s: list[float] = []
