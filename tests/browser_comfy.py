@@ -1,9 +1,13 @@
-"""A real ComfyUI server with the pack, for the browser test: a tiny H3 checkpoint, the API workflows, the server.
+"""A real ComfyUI server with the pack, for the browser tests: tiny models under the example workflows' file names,
+the API workflows, the server.
 
-The checkpoint carries MiniMax H3's real key names at a tiny width, so ComfyUI's own ``model_detection`` builds its
-``MiniMaxH3Model`` from it through ``UNETLoader``. Its text width is the one of the conditioning
+The DiT checkpoint carries MiniMax H3's real key names at a tiny width, so ComfyUI's own ``model_detection`` builds
+its ``MiniMaxH3Model`` from it through ``UNETLoader``. Its default text width is the one of the conditioning
 ``LotusConditioning`` outputs (a real ComfyUI node with no inputs: [1, 2, 1024]), so a workflow gets conditioning
-without a text encoder.
+without a text encoder. The text encoder is a random CLIP-L; the video and audio VAEs are H3's, built small
+(``tests/small_h3_vae.py``: a test-only custom node shrinks ComfyUI's constructors' size defaults in the server, so
+``VAELoader`` builds them from the small files). Each sits under the standard H3 file name the example workflows'
+loaders name, so a workflow loaded in the frontend finds every model it names.
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ from typing import Any, Iterator
 
 from tests import comfy_tree
 from tests.comfy_tree import main_py_command
+from tests.example_workflows import AUDIO_VAE_FILE, DIT_FILE, TEXT_ENCODER_FILE, VIDEO_VAE_FILE
 
-CKPT_NAME = "h3ms_browser_tiny.safetensors"
 TEXT_DIM = 1024  # LotusConditioning's width
 HIDDEN, HEADS, HEAD_DIM, FFN, T_IN, T_HID, T_DIM, ROPE = 64, 2, 32, 96, 32, 64, 64, 4
 VIDEO_PATCH, AUDIO_DIM = 24 * 4, 32  # latent channels x patch 1x2x2; audio latent channels (fixed by the family)
@@ -66,22 +70,62 @@ def tiny_h3_state_dict(layers: int, seed: int = 0, text_dim: int = TEXT_DIM) -> 
     return sd
 
 
-def write_models_dir(root: Path, layers: int = 2, text_dim: int = TEXT_DIM, extra: str = "") -> Path:
-    """``root/diffusion_models/<CKPT_NAME>`` plus an extra-model-paths YAML naming it (and ``extra`` YAML lines of
-    the same entry, e.g. more model folders); returns the YAML's path."""
+#: The tests folder, for the script and the custom node that import the small models from it: the server of
+#: :func:`write_models_dir`'s folder needs it in its environment.
+TESTS_ENV = {"H3MS_TESTS_DIR": str(Path(__file__).parent)}
+
+#: Writes the text encoder and the VAEs inside the tree (their classes are ComfyUI's).
+MAKE_FILES = r'''
+import os, sys, torch, safetensors.torch
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from small_h3_vae import small_h3_audio_vae_state_dict, small_h3_vae_state_dict
+import comfy.sd1_clip
+out = os.environ["MODELS"]
+names = dict(item.split("=") for item in os.environ["NAMES"].split(","))
+safetensors.torch.save_file(small_h3_vae_state_dict(), f"{out}/vae/{names['video']}")
+safetensors.torch.save_file(small_h3_audio_vae_state_dict(), f"{out}/vae/{names['audio']}")
+with torch.device("meta"):  # CLIP-L at its real geometry (the shapes only), random fp16 weights
+    shapes = comfy.sd1_clip.SDClipModel(device="meta", dtype=torch.float16).transformer.state_dict()
+g = torch.Generator().manual_seed(3)
+sd = {k: (torch.randn(t.shape, generator=g) * 0.02 + (1.0 if k.endswith("norm1.weight") or k.endswith(
+      "norm2.weight") or k.endswith("final_layer_norm.weight") else 0.0)).to(torch.float16)
+      for k, t in shapes.items() if t.is_floating_point()}
+safetensors.torch.save_file(sd, f"{out}/text_encoders/{names['clip']}")
+'''
+
+#: A test-only custom node: shrink the H3 VAE classes before any VAELoader runs in this server.
+SHRINK_NODE = '''import os, sys
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from small_h3_vae import shrink_h3_vae_classes
+shrink_h3_vae_classes()
+NODE_CLASS_MAPPINGS = {}
+'''
+
+
+def write_models_dir(root: Path, layers: int = 2, text_dim: int = TEXT_DIM) -> Path:
+    """The tiny models under the standard H3 file names in ``root`` (``diffusion_models/``, ``text_encoders/``,
+    ``vae/``), the VAE-shrinking custom node (``custom_nodes/``) and an extra-model-paths YAML naming the folders;
+    returns the YAML's path (its server needs :data:`TESTS_ENV`). ``text_dim``: the DiT's conditioning width."""
     import safetensors.torch
-    (root / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    for sub in ("diffusion_models", "vae", "text_encoders", "custom_nodes/h3ms_tiny_vaes"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(tiny_h3_state_dict(layers, text_dim=text_dim),
-                                str(root / "diffusion_models" / CKPT_NAME))
+                                str(root / "diffusion_models" / DIT_FILE))
+    (root / "custom_nodes" / "h3ms_tiny_vaes" / "__init__.py").write_text(SHRINK_NODE)
+    names = {"video": VIDEO_VAE_FILE, "audio": AUDIO_VAE_FILE, "clip": TEXT_ENCODER_FILE}
+    made = comfy_tree.run_comfy_script(MAKE_FILES, ["--cpu"], env={
+        **TESTS_ENV, "MODELS": str(root), "NAMES": ",".join(f"{k}={v}" for k, v in names.items())}, timeout_s=300)
+    assert made.returncode == 0, made.stderr[-3000:]
     cfg = root / "extra_model_paths.yaml"
-    cfg.write_text(f"h3ms_browser_test:\n  base_path: {root}\n  diffusion_models: diffusion_models\n{extra}")
+    cfg.write_text(f"h3ms_browser_test:\n  base_path: {root}\n  diffusion_models: diffusion_models\n"
+                   "  vae: vae\n  text_encoders: text_encoders\n  custom_nodes: custom_nodes\n")
     return cfg
 
 
 def sample_workflow(steps: int, seed: int, *, width: int = 256, height: int = 256, length: int = 22) -> dict:
     """API workflow: UNETLoader -> H3 MS GPU Set -> H3 MultiStream -> KSampler on an empty H3 AV latent."""
     return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": CKPT_NAME, "weight_dtype": "default"}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": DIT_FILE, "weight_dtype": "default"}},
         "2": {"class_type": "H3MSGPUSetAsync", "inputs": {"gpus": "auto", "exclude": "", "shares": "",
                                                           "min_free_vram_gb": 0.0, "max_gpus": 2}},
         "3": {"class_type": "H3MultiStreamAsync", "inputs": {

@@ -1,11 +1,13 @@
 """The pack in a running ComfyUI, driven through ComfyUI's real frontend in a real browser.
 
 A real ``main.py`` server from the ComfyUI tree (``tests/comfy_tree.py``) with the pack in ``custom_nodes/``, two CPU
-ranks (``H3MS_RANK_MAP=cpu,cpu``) and a tiny H3 checkpoint (``tests/browser_comfy.py``); Playwright drives Debian's
-chromium (``executable_path``: there is no browser download). One test walks what a user does:
+ranks (``H3MS_RANK_MAP=cpu,cpu``) and tiny models under the file names of the example workflows
+(``tests/browser_comfy.py``); Playwright drives Debian's chromium (``executable_path``: there is no browser
+download). One test walks what a user does:
 
 1. the H3 MultiStream entry in ComfyUI's main menu lists the pack's commands; *Open live panel* opens the panel
-   page; the H3 MultiStream sidebar tab opens the same panel next to the graph;
+   page; the H3 MultiStream sidebar tab opens the same panel next to the pack's example workflow, which the
+   frontend finds ready to run (no "issues found": every model its loaders name is there);
 2. a sampling prompt queued through ``POST /prompt``: the page and the tab show each rank's compute / exchange /
    wait per step as the steps arrive over ComfyUI's websocket (every step, in order: the 3 s status poll could
    not) and plot them per rank; screenshots mid-run (the page, and ComfyUI with the tab);
@@ -35,7 +37,8 @@ from pathlib import Path
 import pytest
 
 from tests import comfy_tree
-from tests.browser_comfy import ComfyServer, comfy_server, release_workflow, sample_workflow, write_models_dir
+from tests.browser_comfy import (TESTS_ENV, ComfyServer, comfy_server, release_workflow, sample_workflow,
+                                 write_models_dir)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 try:
@@ -66,8 +69,8 @@ def comfy(tmp_path):
     """A real ComfyUI server with the pack, in a private user dir, models dir and run-dir base."""
     OUT.mkdir(parents=True, exist_ok=True)
     cfg = write_models_dir(tmp_path / "models")
-    with comfy_server(tmp_path, cfg, {"H3MS_RANK_MAP": "cpu,cpu", "H3MS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)},
-                      OUT / "comfyui.log") as server:
+    env = {**TESTS_ENV, "H3MS_RANK_MAP": "cpu,cpu", "H3MS_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)}
+    with comfy_server(tmp_path, cfg, env, OUT / "comfyui.log") as server:
         yield server
 
 
@@ -166,8 +169,9 @@ def test_pack_in_running_comfyui_frontend(comfy):
                 (st := comfy_page.evaluate(PANEL_STATE)) and len(st["seqs"]) >= 5 and st), 30, server)
             assert len(tab_mid["ranks"]) == 2 and [r for r, _ in tab_mid["lines"]] == ["0", "1"], tab_mid
             assert all(re.fullmatch(NUM, v) for row in tab_mid["ranks"] for v in row[5:8]), tab_mid["ranks"]
-            for close in comfy_page.get_by_test_id("toast-close").all():  # its standard model files are not here
-                close.click()
+            # the workflow is ready to run: the frontend found every model its loaders name (no "issues found")
+            assert comfy_page.get_by_test_id("error-overlay").count() == 0, comfy_page.get_by_test_id(
+                "error-overlay").all_text_contents()
             shoot(comfy_page, "comfyui_sidebar_tab.png", docs=True)
             assert server.wait_done(prompt_a, 120)["status"]["status_str"] == "success"
             final = wait_until("the panel showed every step", lambda: (

@@ -1,26 +1,25 @@
 """The example workflows in a running ComfyUI, through its template route and its real frontend.
 
-A real ``main.py`` (``tests/comfy_tree.py``) with the pack, two CPU ranks and tiny models under the workflows' own
-loaders: the H3 DiT of ``tests/browser_comfy.py`` (CLIP-L's conditioning width), a random CLIP-L, and H3's video
-and audio VAEs built small (``tests/small_h3_vae.py``: a test-only custom node shrinks ComfyUI's constructors'
-size defaults in the server, so ``VAELoader`` builds them from the small files). ComfyUI runs with
-``--use-ck-attention`` as the Attention Parallel workflow says (on CPU ComfyUI falls back to its other attention and
-the node runs on the model's device alone). For each workflow the template route lists, the frontend (Playwright,
-Debian's chromium) loads the served file: every node type resolves, and ``app.graphToPrompt()`` gives the prompt
-the frontend's Run would queue; its tiny variant (the same nodes and links) runs through ``/prompt`` to a video with
-sound. Then every pack node in the shape of its first release (``tests/node_history.py``) validates and runs.
+A real ``main.py`` (``tests/comfy_tree.py``) with the pack, two CPU ranks and tiny models under the standard H3 file
+names the workflows' loaders name (``tests/browser_comfy.write_models_dir``): the H3 DiT at CLIP-L's conditioning
+width, a random CLIP-L, and H3's video and audio VAEs built small. ComfyUI runs with ``--use-ck-attention`` as the
+Attention Parallel workflow says (on CPU ComfyUI falls back to its other attention and the node runs on the model's
+device alone). For each workflow the template route lists, the frontend (Playwright, Debian's chromium) loads the
+served file: every node type resolves, no node is marked (every model it names is there), and the frontend
+serializes every node back to what the file holds (``scripts/example_workflows.py`` writes what the frontend would);
+``app.graphToPrompt()`` gives the prompt the frontend's Run would queue, and its tiny variant (the same nodes, links
+and files; a tiny latent, two steps, the text encoder as CLIP-L) runs through ``/prompt`` to a video with sound.
+Then every pack node in the shape of its first release (``tests/node_history.py``) validates and runs.
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests import comfy_tree
-from tests.browser_comfy import comfy_server, write_models_dir
-from tests.example_workflows import (AUDIO_VAE_FILE, DIR, TEXT_ENCODER_FILE, TINY_FILES, VIDEO_VAE_FILE, specs,
-                                     tiny_variant)
+from tests.browser_comfy import TESTS_ENV, comfy_server, write_models_dir
+from tests.example_workflows import DIR, specs, tiny_variant
 from tests.node_history import FIRST_RELEASE
 from tests.test_browser_comfy import CHROMIUM, OUT, sync_playwright
 
@@ -35,37 +34,8 @@ pytestmark = [
 PACK = comfy_tree.PACK_NAME  # the pack's folder in custom_nodes/: the template browser's group
 CLIP_L_TEXT_DIM = 768
 ATTENTION = "h3_attention_parallel.json"
-#: The tests folder, for the scripts and the custom node that import the small models from it.
-TESTS_ENV = {"H3MS_TESTS_DIR": str(Path(__file__).parent)}
-
-#: Writes the tiny text encoder and VAEs inside the tree (their classes are ComfyUI's).
-MAKE_FILES = r'''
-import os, sys, torch, safetensors.torch
-sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
-from small_h3_vae import small_h3_audio_vae_state_dict, small_h3_vae_state_dict
-import comfy.sd1_clip
-out = os.environ["MODELS"]
-names = dict(item.split("=") for item in os.environ["NAMES"].split(","))
-safetensors.torch.save_file(small_h3_vae_state_dict(), f"{out}/vae/{names['video']}")
-safetensors.torch.save_file(small_h3_audio_vae_state_dict(), f"{out}/vae/{names['audio']}")
-with torch.device("meta"):  # CLIP-L at its real geometry (the shapes only), random fp16 weights
-    shapes = comfy.sd1_clip.SDClipModel(device="meta", dtype=torch.float16).transformer.state_dict()
-g = torch.Generator().manual_seed(3)
-sd = {k: (torch.randn(t.shape, generator=g) * 0.02 + (1.0 if k.endswith("norm1.weight") or k.endswith(
-      "norm2.weight") or k.endswith("final_layer_norm.weight") else 0.0)).to(torch.float16)
-      for k, t in shapes.items() if t.is_floating_point()}
-safetensors.torch.save_file(sd, f"{out}/text_encoders/{names['clip']}")
-'''
-
-#: A test-only custom node: shrink the H3 VAE classes before any VAELoader runs in this server.
-SHRINK_NODE = '''import os, sys
-sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
-from small_h3_vae import shrink_h3_vae_classes
-shrink_h3_vae_classes()
-NODE_CLASS_MAPPINGS = {}
-'''
-
-#: Loads a served template in the page: unresolved node types, then the graph and the prompt Run would queue.
+#: Loads a served template in the page: unresolved node types, then the graph, the frontend's serialization of its
+#: nodes and the prompt Run would queue.
 LOAD_JS = """async ([pack, name]) => {
   const app = window.app, LG = window.LiteGraph;
   const resp = await fetch(`/api/workflow_templates/${pack}/${name}.json`);
@@ -74,26 +44,20 @@ LOAD_JS = """async ([pack, name]) => {
   const missing = wf.nodes.map((n) => n.type).filter((t) => !LG.registered_node_types[t]);
   await app.loadGraphData(wf, true, true, name);
   const loaded = app.graph._nodes.map((n) => [n.id, n.type, n.has_errors === true]);
+  const serialized = app.graph.serialize().nodes;
   const { output } = await app.graphToPrompt();
-  return JSON.stringify({ missing, loaded, output, saved: wf.nodes.map((n) => [n.id, n.type]) });
+  return JSON.stringify({ missing, loaded, serialized, output, saved: wf.nodes });
 }"""
+#: What the frontend's serialization of a loaded node keeps from the file (its position and size it may move: it
+#: grows a node to fit its content, and numbers the execution order itself).
+KEPT = ("type", "title", "mode", "flags", "inputs", "outputs", "properties", "widgets_values", "widgets_values_named",
+        "color", "bgcolor")
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    """The models folder: the tiny files under the workflows' loaders, the VAE-shrinking custom node, and the
-    extra-model-paths YAML naming them (its path is returned)."""
-    models = tmp_path_factory.mktemp("models")
-    for sub in ("vae", "text_encoders", "custom_nodes/h3ms_tiny_vaes"):
-        (models / sub).mkdir(parents=True)
-    (models / "custom_nodes" / "h3ms_tiny_vaes" / "__init__.py").write_text(SHRINK_NODE)
-    cfg = write_models_dir(models, text_dim=CLIP_L_TEXT_DIM,
-                           extra="  vae: vae\n  text_encoders: text_encoders\n  custom_nodes: custom_nodes\n")
-    names = {"video": TINY_FILES[VIDEO_VAE_FILE], "audio": TINY_FILES[AUDIO_VAE_FILE],
-             "clip": TINY_FILES[TEXT_ENCODER_FILE]}
-    made = comfy_tree.run_comfy_script(MAKE_FILES, ["--cpu"], env={
-        **TESTS_ENV, "MODELS": str(models), "NAMES": ",".join(f"{k}={v}" for k, v in names.items())}, timeout_s=300)
-    assert made.returncode == 0, made.stderr[-3000:]
+    """The extra-model-paths YAML of the tiny models under the workflows' file names."""
+    cfg = write_models_dir(tmp_path_factory.mktemp("models"), text_dim=CLIP_L_TEXT_DIM)
     OUT.mkdir(parents=True, exist_ok=True)
     return cfg
 
@@ -133,14 +97,20 @@ def frontend_prompts(server, names: list[str]) -> dict[str, dict]:
             for name in names:
                 got = json.loads(page.evaluate(LOAD_JS, [PACK, name]))
                 assert got["missing"] == [], f"{name}: node types the frontend does not know: {got['missing']}"
-                assert sorted([str(i), t] for i, t in got["saved"]) == sorted(
-                    [str(i), t] for i, t, _ in got["loaded"]), got["loaded"]
-                # the loaders name the standard H3 files, which this server does not have (the tiny variant
-                # swaps them): the frontend marks those four, and nothing else
-                flagged = sorted(t for _, t, err in got["loaded"] if err)
-                assert flagged == ["CLIPLoader", "UNETLoader", "VAELoader", "VAELoader"], got["loaded"]
+                saved = [[str(n["id"]), n["type"]] for n in got["saved"]]
+                assert sorted(saved) == sorted([str(i), t] for i, t, _ in got["loaded"]), got["loaded"]
+                # the loaders name the standard H3 files, which this server has: the frontend marks no node
+                assert [t for _, t, err in got["loaded"] if err] == [], got["loaded"]
+                by_id = {str(n["id"]): n for n in got["serialized"]}
+                for node in got["saved"]:
+                    back = by_id[str(node["id"])]
+                    diff = [k for k in KEPT if node.get(k) != back.get(k)]
+                    assert not diff, (f"{name}: the frontend serializes node {node['id']} ({node['type']}) "
+                                      f"otherwise in {diff}: "
+                                      f"{json.dumps({k: [node.get(k), back.get(k)] for k in diff})[:3000]}")
                 # every node but the note is in the prompt
-                assert sorted(int(k) for k in got["output"]) == sorted(i for i, t in got["saved"] if t != "Note")
+                assert sorted(int(k) for k in got["output"]) == sorted(
+                    n["id"] for n in got["saved"] if n["type"] != "Note")
                 prompts[name] = got["output"]
         finally:
             browser.close()
