@@ -85,9 +85,11 @@ class H3MultiStreamAsync(ModelPatchNode):
                 ["auto", "resident", "stream"],
                 {
                     "default": "auto",
-                    "tooltip": "auto: keep as many blocks in each GPU's VRAM as fit and stream the "
-                    "rest with prefetch. resident: all blocks must fit. stream: stream every block "
-                    "each step.",
+                    "tooltip": "Where each GPU keeps its block weights. auto: as many blocks "
+                    "resident as fit in the GPU's free VRAM after the step's working set and a "
+                    "reserve (H3MS_VRAM_RESERVE_GB, default 2), the rest streamed from the pinned "
+                    "host store with prefetch. resident: all blocks must fit. stream: stream every "
+                    "block each step. The panel's weights column shows each rank's result.",
                 },
             ),
         },

@@ -277,3 +277,14 @@ def test_record_verdict_refuses_an_unknown_verdict():
         record_verdict("dit", "mlp.fc2", "cpu", "float32", "8x8x8", [4, 4], "maybe", "", 0.0)
     out = record_verdict("vae", "vae.chunk", "cpu", "float16", "1x16x8x8", [2, 3], "exact", "", 3.0)
     assert out["verdict"] == "exact" and out["shards"] == [2, 3]
+
+
+def test_a_gpu_ranks_record_says_where_its_weights_live():
+    """The step record's residency fields come from the weights summary a CUDA rank answers (resident blocks x block
+    bytes in VRAM, the rest streamed); a CPU rank answers none and its record says null (the host store)."""
+    from h3ms_async.dit.step import _residency
+    cuda = {"resident_blocks": 40, "streamed_blocks": 10, "block_bytes": 512 << 20, "prefetch_copy_s": 0.1}
+    assert _residency(cuda) == {"weights_vram_bytes": 20 << 30, "resident_blocks": 40, "streamed_blocks": 10}
+    assert _residency(None) == {}
+    rec = msgspec.convert({**msgspec.to_builtins(make_record()).get("ranks")[0], **_residency(cuda)}, RankRecord)
+    assert rec.weights_vram_bytes == 20 << 30 and make_record().ranks[0].resident_blocks is None

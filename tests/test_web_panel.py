@@ -54,6 +54,7 @@ def served(tmp_path):
         rec = make_record(i, wall=wall, ranks=2)
         rec.ranks[0].compute_s, rec.ranks[0].exchange_s, rec.ranks[0].wait_s = 1.234, 0.321, 0.045
         rec.ranks[1].compute_s, rec.ranks[1].exchange_s, rec.ranks[1].wait_s = 0.987, 0.211, 0.402
+        rec.ranks[0].weights_vram_bytes, rec.ranks[0].resident_blocks, rec.ranks[0].streamed_blocks = 20 << 30, 40, 10
         hub.record_step(rec, log=False)
     log = tmp_path / "rank0.log"
     log.write_text("hello from rank 0\n")
@@ -81,7 +82,8 @@ def test_panel_shows_ranks_history_and_workers(served, tmp_path):
     assert 'data-loaded="1"' in dom
     r0, r1 = rank_row(dom, 0), rank_row(dom, 1)
     assert r0[:4] == ["0", "cuda:0", "0–500 (500)", "0–28 (28)"]
-    assert r0[5:] == ["1.234", "0.321", "0.045", "512.0 MiB", "10.00 GiB"]
+    assert r0[5:] == ["1.234", "0.321", "0.045", "512.0 MiB", "10.00 GiB", "20.00 GiB in VRAM · 40 resident, 10 streamed"]
+    assert rank_row(dom, 1)[-1] == "host store"  # a CPU rank's weights are views of the host store
     assert r1[5:8] == ["0.987", "0.211", "0.402"]
     assert "step 3 · sigma 0.9375 · 1000 tokens × 50 blocks on cuda:0+cuda:1 · 1.625 s" in dom
     assert re.findall(r'data-seq="(\d+)"', dom) == ["3", "2", "1", "0"]

@@ -10,6 +10,12 @@
 export const COLORS = { compute: "#4e9af1", exchange: "#f0a53a", wait: "#8a8f99" };
 const SVG_NS = "http://www.w3.org/2000/svg";
 
+// A rank's block weights as its step record gives them: in VRAM (resident / streamed blocks) or the host store.
+export function rankWeights(r) {
+  if (r.resident_blocks === null || r.resident_blocks === undefined) return "host store";
+  return `${fmtBytes(r.weights_vram_bytes)} in VRAM · ${r.resident_blocks} resident, ${r.streamed_blocks} streamed`;
+}
+
 export function fmtBytes(n) {
   if (n === null || n === undefined) return "n/a";
   const gib = 1024 ** 3;
@@ -242,7 +248,7 @@ function buildPanel(root) {
     head,
     section("Latest step", el("div", "no split step recorded yet", { id: "h3ms-last-summary", class: "summary" }),
       legend, scroll(table("h3ms-ranks", ["rank", "device", "tokens", "heads", "time split", "compute s",
-        "exchange s", "wait s", "moved", "VRAM peak"]))),
+        "exchange s", "wait s", "moved", "VRAM peak", "weights"]))),
     section("Step history", el("div", null, { id: "h3ms-chart", class: "chart", title: "per step: each rank's " +
       "compute + exchange seconds (solid) and the step's wall time (dashed); the gap is the rank's wait" }),
     scroll(table("h3ms-history", ["seq", "at", "sigma", "tokens × blocks", "ranks", "exchange", "wall s", "moved",
@@ -319,6 +325,9 @@ export class Panel {
       tr.appendChild(el("td", fmtSec(r.wait_s), { class: "num wait" }));
       tr.appendChild(el("td", fmtBytes(r.moved_bytes), { class: "num" }));
       tr.appendChild(el("td", fmtBytes(r.vram_peak_bytes), { class: "num" }));
+      tr.appendChild(el("td", rankWeights(r), { class: "weights", title: "where this rank's block weights " +
+        "live: GPU ranks keep as many blocks in VRAM as fit (vram_residency) and stream the rest from the " +
+        "pinned store each step; CPU ranks read the host store" }));
       tbody.appendChild(tr);
     }
     const chart = this.$("h3ms-chart");

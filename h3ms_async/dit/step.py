@@ -100,6 +100,7 @@ def record_step(
             wait_s=res.wait_s,
             moved_bytes=res.moved_bytes,
             vram_peak_bytes=res.vram_peak_bytes,
+            **_residency(res.weights),
         )
         for r, res in enumerate(results)
     ]
@@ -122,3 +123,16 @@ def record_step(
         ranks=ranks,
     )
     hub.record_step(rec)
+
+
+def _residency(weights: dict | None) -> dict[str, int | None]:
+    """A GPU rank's residency fields of its rank record, from the weights summary it answered
+    (``workers.dit.cuda.CudaWeights.timer``); none on a CPU rank."""
+    if not weights or "resident_blocks" not in weights:
+        return {}
+    resident = int(weights["resident_blocks"])
+    return {
+        "weights_vram_bytes": resident * int(weights["block_bytes"]),
+        "resident_blocks": resident,
+        "streamed_blocks": int(weights["streamed_blocks"]),
+    }

@@ -37,6 +37,11 @@ class RankRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     wait_s: float
     moved_bytes: int
     vram_peak_bytes: int | None
+    #: a GPU rank's block weights: bytes kept in its VRAM, blocks resident there and blocks streamed
+    #: from the pinned store each step (None on a CPU rank: its weights are views of the host store)
+    weights_vram_bytes: int | None = None
+    resident_blocks: int | None = None
+    streamed_blocks: int | None = None
 
 
 class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
