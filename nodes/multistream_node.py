@@ -100,7 +100,8 @@ class H3MultiStreamAsync(ModelPatchNode):
                 {
                     "default": False,
                     "tooltip": "Prove the split bit-exact on this machine: the first split step of "
-                    "each prompt also runs unsplit on the model's GPU (block by block, streaming "
+                    "each prompt (with sparse_attention, its first sparse step) also runs unsplit "
+                    "on the model's GPU, with the same attention (block by block, streaming "
                     "the weights) and is compared with torch.equal; the log and the panel say "
                     "'bit-exact on <GPUs>' or where it differs. Costs one unsplit step per prompt.",
                 },

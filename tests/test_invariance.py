@@ -29,8 +29,10 @@ from workers.testing.faults import ShapeFault
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
 FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
-#: The ops a plan's probe reports when no head pieces are asked for.
-PLAN_OPS = [op for op in invariance.OP_ORDER if op not in exactness.OVERLAP_OPS]
+#: The ops a plan's probe reports when no overlap and no sparse attention are asked for.
+PLAN_OPS = [op for op in invariance.OP_ORDER if op not in {**exactness.OVERLAP_OPS, **exactness.SPARSE_OPS}]
+#: ... and with every overlap.
+OVERLAP_PLAN_OPS = [op for op in invariance.OP_ORDER if op not in exactness.SPARSE_OPS]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,7 @@ def test_head_pieces_run_exact_and_are_recorded(engine, model):
     assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 4] * 2
     assert get_hub().recent_steps(1)[0]["head_pieces"] == 3
     rows = get_hub().status()["exactness"]["verdicts"][-7:]
-    assert [r["op"] for r in rows] == [op for op in invariance.OP_ORDER if op != "attn.qkv_proj.rows"]
+    assert [r["op"] for r in rows] == [op for op in OVERLAP_PLAN_OPS if op != "attn.qkv_proj.rows"]
     assert {r["verdict"] for r in rows} == {"exact"} and rows[3]["shards"] == [1, 1, 2, 1, 1, 2]
     inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), 5, model.dtype)
     one_call = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, head_pieces=0)
@@ -195,7 +197,7 @@ def test_gather_overlap_runs_exact_and_is_recorded(engine, model):
         rec = get_hub().recent_steps(1)[0]
         assert rec["gather_overlap"] is True and rec["head_pieces"] == 2
     rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"][-8:]}
-    assert list(rows) == list(invariance.OP_ORDER) and {r["verdict"] for r in rows.values()} == {"exact"}
+    assert list(rows) == OVERLAP_PLAN_OPS and {r["verdict"] for r in rows.values()} == {"exact"}
     assert rows["attn.qkv_proj.rows"]["shards"] == [100, 100, 100, 100]  # each rank: both ranks' ranges
 
 

@@ -7,7 +7,8 @@ attention. Each rank runs comfy-kitchen's ``sol_attn_chunked`` over its own head
 block selection is the unsplit run's. Covered: 2, 3 (uneven shares 1, 2, 1) and 4 logical ranks on cuda:0 and the
 one-rank engine; Sol-Attn (tau) and top-k; the first step after the workers start; several steps of two conditioning
 branches so the pooled statistics are reused (and checked to be: ``stats_reused``); a dense block and a step outside
-the sigma window; the reset at sampling end (the next step starts from fresh statistics again).
+the sigma window; the reset at sampling end (the next step starts from fresh statistics again); the invariance probe's
+sparse ops and ``verify`` of the first sparse step against the same sparse attention unsplit.
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ pytestmark = [pytest.mark.cuda,
                                  "kernel (sol_attn) needs CUDA SM >= 8.0 and has no CPU version; run these on a GPU "
                                  "machine, e.g. benchmarks/device_run.sh sparse")]
 
+from h3ms_async.dit import exactness  # noqa: E402
 from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
 from h3ms_async.dit.sparse import UnsplitSparse  # noqa: E402
 from h3ms_async.dit.options import SplitOptions  # noqa: E402
 from h3ms_async.dit.split import SplitEngine  # noqa: E402
+from h3ms_async.status.hub import get_hub  # noqa: E402
 from workers.dit.sparse import SparseConfig, kernel_unavailable  # noqa: E402
 
 CFG = DiTConfig(hidden=1024, layers=3, heads=16, head_dim=128, ffn=2816, t_dim=256, rope_pairs=48)
@@ -121,5 +124,26 @@ def test_bf16_weights_two_ranks(model):
     try:
         eng.load_weights(("sparse-cuda", "bf16"), CFG, bf16.block_weights)
         _check_split(eng, refs, "2 ranks bf16 sol-attn")
+    finally:
+        eng.release()
+
+
+def test_sparse_ops_are_probed_and_the_first_sparse_step_verified(model, refs, monkeypatch):
+    """verify with sparse attention on 2 logical ranks: the probe measures the sparse ops (the qkv projection in the
+    kernel's row chunks, the kernel per head group from fresh and pooled statistics) exact on the GPU, the prompt's
+    first step (inside the window) is verified bit-exact against the same sparse attention unsplit on cuda:0, and every
+    step still equals the unsplit sparse run."""
+    hub = get_hub()
+    seen: list[dict] = []
+    record = hub.record_verify
+    monkeypatch.setattr(hub, "record_verify", lambda rec: seen.append(record(rec)) or seen[-1])
+    exactness.VERDICTS.clear()  # probe this plan here, whatever the tests above cached
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(sparse=METHODS["sol-attn"], verify=True))
+    try:
+        eng.load_weights(("sparse-cuda", "int8"), CFG, model.block_weights)
+        _check_split(eng, refs["sol-attn"], "2 ranks sol-attn verified")
+        assert len(seen) == 1 and seen[0]["bit_exact"] and seen[0]["first_difference"] is None, seen
+        rows = [r for r in hub.status()["exactness"]["verdicts"] if r["op"] in exactness.SPARSE_OPS][-2:]
+        assert [r["op"] for r in rows] == list(exactness.SPARSE_OPS) and {r["verdict"] for r in rows} == {"exact"}
     finally:
         eng.release()

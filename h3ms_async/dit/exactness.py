@@ -5,7 +5,9 @@ device.  The plan runs as planned when every op is exact there; when only token-
 the shard boundaries move to a measured safe size (multiples of :data:`ADJUST_MULTIPLES` rows, or
 that many rows at least, shares kept as close as possible) and the candidates are probed again;
 otherwise (a head group's attention or qkv rows differ, or a rank's device computes the unsplit
-products with other bits than rank 0's) the step runs unsplit.
+products with other bits than rank 0's) the step runs unsplit.  The overlaps and sparse attention
+are measured too and run only where exact: a differing op turns that feature off for the plan
+(:func:`measured_overlap`, :func:`measured_sparse`).
 
 The fixed rules :data:`MIN_SHARD_TOKENS` and ``dit_ops.flash_tiles_ok`` are priors: they only
 order the adjustments and are named in the log when the measurement overrides them.  The decision is
@@ -83,13 +85,15 @@ NO_OVERLAP = Overlap()
 class PlanVerdict:
     """The engine's decision about one plan: the token bounds to run (None: run the step unsplit),
     the verdict, one sentence saying why, what the probe cost (the slowest rank's wall time, all
-    rounds), and the overlap it runs with (what was asked for, less what measured inexact)."""
+    rounds), the overlap it runs with (what was asked for, less what measured inexact) and whether
+    sparse attention is off on it (asked for and measured inexact: the plan runs dense)."""
 
     token_bounds: tuple[int, ...] | None
     verdict: Verdict
     detail: str
     probe_ms: float
     overlap: Overlap = NO_OVERLAP
+    sparse_off: bool = False
 
 
 def verdict_key(
@@ -101,10 +105,12 @@ def verdict_key(
     head_bounds: Sequence[int],
     head_dim: int,
     overlap: Overlap = NO_OVERLAP,
+    sparse: Mapping | None = None,
 ) -> str:
     """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch
     and comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention
-    function, the shards, the overlap asked for."""
+    function, the shards, the overlap asked for, the sparse kernel's settings asked for (the
+    ``dit_probe``'s ``sparse``; None: no sparse attention)."""
     key = {
         "devices": [dict(sorted(fp.items())) for fp in fingerprints],
         "dtype": compute_dtype,
@@ -114,6 +120,7 @@ def verdict_key(
         "heads": list(head_bounds),
         "head_dim": head_dim,
         "overlap": asdict(overlap),
+        "sparse": dict(sparse) if sparse else None,
     }
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
@@ -176,6 +183,7 @@ def _load(path: str) -> dict[str, PlanVerdict]:
                 str(v["detail"]),
                 float(v["probe_ms"]),
                 Overlap(**v.get("overlap", {})),
+                bool(v.get("sparse_off", False)),
             )
         return out
     except FileNotFoundError:
@@ -283,19 +291,30 @@ def token_failure(reports: Sequence[ProbeReport], c: int = 0) -> str | None:
 def fixed_failure(reports: Sequence[ProbeReport]) -> str | None:
     """What no token adjustment can fix: a head group's qkv rows or attention differ from the
     unsplit call's, or a rank's device computes an unsplit product with other bits than rank 0's
-    device (ranks on other GPU models)."""
+    device (ranks on other GPU models). The sparse ops are :func:`measured_sparse`'s."""
     for rep in reports:
         for v in rep.ops:
+            if v.op in SPARSE_OPS:
+                continue
             if v.split == "heads" and v.exact and not v.exact[0]:
                 g0, g1 = v.shards[0]
                 return (
                     f"{v.op} ({v.dtype}, {v.shape}) of heads [{g0}, {g1}) differs from the unsplit "
                     f"call's on {_device(rep)} (max abs difference {v.max_abs_diff[0]:g})"
                 )
-    first = {v.op: v.digest for v in reports[0].ops}
+    for v in reports[0].ops:
+        if v.op not in SPARSE_OPS and (why := _other_bits(reports, v.op)) is not None:
+            return why
+    return None
+
+
+def _other_bits(reports: Sequence[ProbeReport], op: str) -> str | None:
+    """Where a rank's device computes ``op``'s unsplit call with other bits than rank 0's, or
+    None."""
+    first = next((v.digest for v in reports[0].ops if v.op == op), None)
     for rep in reports[1:]:
         for v in rep.ops:
-            if first.get(v.op) != v.digest:
+            if v.op == op and v.digest != first:
                 return (
                     f"{v.op} ({v.dtype}, {v.shape}) computes other bits on {_device(rep)} than on "
                     f"{_device(reports[0])}"
@@ -316,7 +335,7 @@ def _first_inexact(reports: Sequence[ProbeReport], op: str) -> str | None:
         for v in rep.ops:
             if v.op != op:
                 continue
-            what = "heads" if v.split == "pieces" else "tokens"
+            what = "heads" if v.split in ("pieces", "heads") else "tokens"
             for (a, b), ok, d in zip(v.shards, v.exact, v.max_abs_diff):
                 if not ok:
                     return (
@@ -352,6 +371,33 @@ def measured_overlap(
     return Overlap(pieces, gather), {op: f"{why}; {OVERLAP_OPS[op]}" for op, why in off.items()}
 
 
+#: The ops sparse attention adds to a probe: op name -> what it is.
+SPARSE_OPS = {
+    "attn.qkv_proj.chunks": "the qkv projection in the sparse kernel's row chunks",
+    "attention.sparse": "the sparse kernel over the head group",
+}
+
+
+def measured_sparse(
+    reports: Sequence[ProbeReport], verdict: PlanVerdict, asked: bool
+) -> tuple[bool, dict[str, str]]:
+    """Whether sparse attention asked for is off on a plan, and why (op name -> one sentence): the
+    first sparse op whose group calls differ from the calls over every head, or whose unsplit call
+    gives another rank's device other bits than rank 0's.  Measured on the plan as made: the sparse
+    calls of every rank cover every token, so adjusted token bounds keep the verdict."""
+    if not asked or verdict.token_bounds is None:
+        return False, {}
+    for op in SPARSE_OPS:
+        why = _first_inexact(reports, op) or _other_bits(reports, op)
+        if why is not None:
+            return True, {op: f"{why}; {SPARSE_OFF}"}
+    return False, {}
+
+
+#: What a plan whose sparse ops differ runs.
+SPARSE_OFF = "sparse attention is off on this plan (attention runs dense)"
+
+
 def slowest_ms(*rounds: Sequence[ProbeReport]) -> float:
     return sum(max(rep.ms for rep in reps) for reps in rounds)
 
@@ -364,12 +410,15 @@ def op_rows(
 ) -> list[dict]:
     """One status row per op of the plan (``status.record_verdict`` fields): the op's shard sizes as
     probed, its verdict (the failing op carries the plan's adjusted/unsplit verdict and detail, an
-    overlap op in ``off`` "adjusted" with why it is off, the others "exact" or, when the step runs
-    unsplit, "unsplit"), and its slowest rank's probe time."""
+    overlap or sparse op in ``off`` "adjusted" with why it is off, the others "exact" or, when the
+    step runs unsplit, "unsplit"), and its slowest rank's probe time."""
     rows = []
     for i, v in enumerate(reports[0].ops):
         per_rank = [rep.ops[i] for rep in reports]
-        cut = [rv.shards if v.split in ("pieces", "rows") else rv.shards[:1] for rv in per_rank]
+        cut = [
+            rv.shards if v.split in ("pieces", "rows", "chunks") else rv.shards[:1]
+            for rv in per_rank
+        ]
         shards = [b - a for rv in cut for a, b in rv]
         bad = failing is not None and failing.startswith(v.op + " ")
         if bad:

@@ -46,10 +46,11 @@ class SplitOptions:
     reserve applies when the store is filled. ``attention="comfy"`` runs ``comfy_host.attention``
     (ComfyUI's selected function) on the ranks; ``sparse`` runs attention through comfy-kitchen's
     sparse kernel where its settings say so (``workers.dit.sparse``).
-    ``verify``: the first split step of each prompt also runs unsplit on rank 0's device and is
-    compared (``h3ms_async.dit.verify``, dense attention only).  ``head_pieces`` > 1: each rank's
-    dense attention runs in that many head pieces, each moved by the all-to-all while the next one
-    computes, where the probe measures the pieces exact (``workers.dit.loop``).
+    ``verify``: the first split step of each prompt (with sparse attention, its first step that
+    runs the sparse kernel) also runs unsplit on rank 0's device and is compared
+    (``h3ms_async.dit.verify``).  ``head_pieces`` > 1: each rank's dense attention runs in that
+    many head pieces, each moved by the all-to-all while the next one computes, where the probe
+    measures the pieces exact (``workers.dit.loop``).
     ``gather_overlap``: on dense steps each rank's qkv projection runs on every rank's rows as they
     arrive (its own first), where the probe measures those row ranges exact.  ``pattern``: how
     attention gets its inputs, "gather" (all-gather of the block input), "ulysses" (every rank
@@ -117,11 +118,6 @@ class SplitOptions:
             )
         if self.cache_ram_reserve_gb < 0:
             raise ValueError(f"cache_ram_reserve_gb={self.cache_ram_reserve_gb} must be >= 0")
-        if self.verify and self.sparse is not None:
-            raise ValueError(
-                "verify compares the split with a dense unsplit step; disconnect sparse_attention "
-                "(or turn verify off) to verify this model"
-            )
         if self.sparse is not None and not isinstance(self.sparse, SparseConfig):
             raise ValueError(
                 f"sparse={self.sparse!r} must be a SparseConfig (SparseSettings.resolve) or None"

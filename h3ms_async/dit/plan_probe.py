@@ -3,7 +3,8 @@ ranks (``h3ms_async.dit.exactness`` keeps the verdicts, ``workers.dit.invariance
 
 A verdict is looked up by everything it depends on; a new plan is probed on every rank at once,
 then its adjusted candidates when a token split differs; the overlap asked for runs less what
-measured inexact.  The lookup costs no round trip to the ranks once they have loaded.
+measured inexact, and sparse attention asked for is off on the plan where it measured inexact.
+The lookup costs no round trip to the ranks once they have loaded.
 """
 
 from __future__ import annotations
@@ -35,14 +36,19 @@ class PlanProbe:
         self.engine = engine
 
     def measured_plan(
-        self, plan: plans.SplitPlan, t_rows: int, asked: exactness.Overlap
-    ) -> tuple[plans.SplitPlan, exactness.Overlap]:
+        self,
+        plan: plans.SplitPlan,
+        t_rows: int,
+        asked: exactness.Overlap,
+        sparse: dict | None = None,
+    ) -> tuple[plans.SplitPlan, exactness.Overlap, bool]:
         """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with
-        its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); and
-        the overlap it runs with (``asked`` less what measured inexact).  Probed once per new plan
-        and overlap."""
+        its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); the
+        overlap it runs with (``asked`` less what measured inexact); and whether sparse attention,
+        asked for with the probe settings ``sparse`` (``h3ms_async.dit.sparse.probe_settings``), is
+        off on it.  Probed once per new plan, overlap and sparse settings."""
         if self.engine.ranks == 1:
-            return plan, exactness.NO_OVERLAP
+            return plan, exactness.NO_OVERLAP, False
         ld = self.engine.loaded
         assert ld is not None
         if not self.engine.fingerprints:  # the ranks never loaded: the key needs their devices
@@ -60,16 +66,18 @@ class PlanProbe:
             plan.head_bounds,
             ld.config.head_dim,
             asked,
+            sparse,
         )
         verdict = exactness.VERDICTS.get(key)
         first = verdict is None
         if verdict is None:
             with self.engine.job():
-                verdict = self._probe_plan(plan, t_rows, asked)
+                verdict = self._probe_plan(plan, t_rows, asked, sparse)
             exactness.VERDICTS.put(key, verdict)
         if verdict.token_bounds is None:
             raise SplitUnsafe(verdict.detail, first=first)
-        return replace(plan, token_bounds=verdict.token_bounds), verdict.overlap
+        bounds = verdict.token_bounds
+        return replace(plan, token_bounds=bounds), verdict.overlap, verdict.sparse_off
 
     def ops(self) -> list[dit_protocol.LinearOp]:
         ld = self.engine.loaded
@@ -106,14 +114,19 @@ class PlanProbe:
         return None
 
     def _probe_plan(
-        self, plan: plans.SplitPlan, t_rows: int, asked: exactness.Overlap
+        self,
+        plan: plans.SplitPlan,
+        t_rows: int,
+        asked: exactness.Overlap,
+        sparse: dict | None = None,
     ) -> PlanVerdict:
-        """Probe ``plan`` (and the overlap ``asked`` for) on every rank (concurrently); on a
-        token-split failure probe the adjusted candidates."""
+        """Probe ``plan`` (and the overlap ``asked`` for, and sparse attention with the probe
+        settings ``sparse``) on every rank (concurrently); on a token-split failure probe the
+        adjusted candidates."""
         ld = self.engine.loaded
         assert ld is not None
         tokens = plan.token_bounds[-1]
-        reports = self._probe_round([plan.token_bounds], plan, t_rows, asked)
+        reports = self._probe_round([plan.token_bounds], plan, t_rows, asked, sparse)
         rounds = [reports]
         failing = exactness.fixed_failure(reports)
         if failing is not None:
@@ -152,9 +165,11 @@ class PlanProbe:
                     ms,
                 )
         ran, off = exactness.measured_overlap(reports, verdict, asked)
+        sparse_off, sparse_why = exactness.measured_sparse(reports, verdict, sparse is not None)
+        off.update(sparse_why)
         for why in off.values():
             log.warning("%s", why)
-        verdict = replace(verdict, overlap=ran)
+        verdict = replace(verdict, overlap=ran, sparse_off=sparse_off)
         for row in exactness.op_rows(reports, verdict, failing, off):
             record_verdict("dit", **row)
         prior = self._prior_refusal(plan)
@@ -194,6 +209,7 @@ class PlanProbe:
         plan: plans.SplitPlan,
         t_rows: int,
         overlap: exactness.Overlap,
+        sparse: dict | None = None,
     ) -> list[dit_protocol.ProbeReport]:
         hb, tb0 = plan.head_bounds, plan.token_bounds
         every_rank = (
@@ -208,6 +224,7 @@ class PlanProbe:
                 t_rows=t_rows,
                 pieces=overlap.head_pieces,
                 gather_ranges=every_rank,
+                sparse=sparse or {},
             )
             for r in range(self.engine.ranks)
         ]

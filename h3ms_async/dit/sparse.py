@@ -6,8 +6,9 @@ the fix; :meth:`SparseSettings.resolve` turns it into the ranks' ``workers.dit.s
 (the percent window as sigmas, the block list checked against the model). :class:`DenseFallback`
 decides, once per step, whether the kernel can run at all on these ranks and this stream (CUDA SM
 >= 8.0, bfloat16, head_dim 128) and says why not in ONE log line per reason; every rank then runs
-dense, so a split never mixes sparse and dense ranks. :class:`UnsplitSparse` is the engine's
-unsplit path: the same sparse attention over every head on one device, with its own statistics.
+dense, so a split never mixes sparse and dense ranks. :func:`probe_settings` is what the invariance
+probe measures the kernel with. :class:`UnsplitSparse` is the engine's unsplit path: the same
+sparse attention over every head on one device, with its own statistics.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from workers.dit.sparse import (
     PooledStats,
     SparseConfig,
     SparseStep,
+    dense_reason,
     kernel_unavailable,
+    probe_wire,
     sparse_step,
 )
 
@@ -192,6 +195,22 @@ class DenseFallback:
 def step_wire(config: SparseConfig, sigma: float | None, branch: str) -> dict:
     """A ``dit_step``'s ``sparse`` field."""
     return {"config": config.to_wire(), "sigma": sigma, "branch": branch}
+
+
+def probe_settings(
+    config: SparseConfig,
+    tokens: int,
+    blocks: int,
+    segments: Sequence[tuple],
+    rope_freqs: torch.Tensor,
+) -> dict | None:
+    """What the invariance probe measures sparse attention ``config`` with on a step of ``tokens``
+    tokens through ``blocks`` blocks (a ``dit_probe``'s ``sparse``:
+    ``workers.dit.sparse.probe_wire``), or None when the settings keep every block dense at this
+    length (no step of it runs the kernel)."""
+    if all(dense_reason(config, None, tokens, i) is not None for i in range(blocks)):
+        return None
+    return probe_wire(config, segments, rope_freqs)
 
 
 class UnsplitSparse:

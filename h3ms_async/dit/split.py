@@ -41,7 +41,7 @@ from h3ms_async.dit.options import (
 from h3ms_async.dit.pattern import pick_pattern
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.reference import DiTConfig
-from h3ms_async.dit.sparse import DenseFallback, step_wire
+from h3ms_async.dit.sparse import DenseFallback, probe_settings, step_wire
 from h3ms_async.dit.step import PlannedStep, Step, StepProgress, record_step
 from h3ms_async.dit.step_buffers import StepBuffers, StepBufferSlot
 from h3ms_async.log import get_logger
@@ -314,26 +314,43 @@ class SplitEngine(Engine):
             )
         gather = opts.gather_overlap and ld.pattern == "gather"
         asked = Overlap(opts.head_pieces if opts.head_pieces > 1 else 0, gather)
-        plan, ran = self.probe.measured_plan(plan, int(step.t_emb.shape[0]), asked)
+        sparse_cfg = opts.sparse
+        if sparse_cfg is not None and self._sparse_fallback.blocked(
+            x.dtype, ld.config.head_dim, self._sparse_kernel
+        ):
+            sparse_cfg = None  # the kernel cannot run: every rank runs the step dense
+        blocks = len(ld.store.manifest)
+        probe = (
+            None
+            if sparse_cfg is None
+            else probe_settings(sparse_cfg, x.shape[0], blocks, step.mod_segments, step.rope_freqs)
+        )
+        plan, ran, sparse_off = self.probe.measured_plan(
+            plan, int(step.t_emb.shape[0]), asked, probe
+        )
         planned = PlannedStep(
             step,
             plan,
             replace(opts, head_pieces=ran.head_pieces, gather_overlap=ran.gather),
             ld.pattern,
             self._transport(opts.exchange),
+            {}
+            if sparse_cfg is None or sparse_off
+            else step_wire(sparse_cfg, step.sigma, step.sparse_branch),
         )
         with self.job():
-            if opts.verify and self._verify_due:  # never with sparse (SplitOptions refuses both)
-                from h3ms_async.dit.verify import verify_step
+            if opts.verify and self._verify_due:
+                from h3ms_async.dit import verify
 
-                out = verify_step(self, planned)
-                self._verify_due = False
-                return out
+                if verify.due(planned.sparse, step.sigma, x.shape[0], blocks):
+                    out = verify.verify_step(self, planned)
+                    self._verify_due = False
+                    return out
             return self.run_planned(planned)
 
     def new_prompt(self) -> None:
-        """A new prompt starts sampling: with ``SplitOptions.verify`` its first split step is
-        verified."""
+        """A new prompt starts sampling: with ``SplitOptions.verify`` its first split step (with
+        sparse attention, its first step that runs the kernel: ``verify.due``) is verified."""
         self._verify_due = True
 
     def run_planned(self, planned: PlannedStep) -> torch.Tensor:
@@ -363,11 +380,7 @@ class SplitEngine(Engine):
         self._steps += 1
         blocks = len(ld.store.manifest)
         layout = buf.layout.to_dict()
-        sparse = {}
-        if opts.sparse is not None and not self._sparse_fallback.blocked(
-            x.dtype, ld.config.head_dim, self._sparse_kernel
-        ):
-            sparse = step_wire(opts.sparse, step.sigma, step.sparse_branch)
+        if planned.sparse:
             self._sparse_ran = True
         steps = [
             dit_protocol.DitStep(
@@ -387,7 +400,7 @@ class SplitEngine(Engine):
                 # __post_init__ checked vram_residency against RESIDENCIES
                 residency=opts.vram_residency,
                 trace=planned.trace,
-                sparse=sparse,
+                sparse=planned.sparse,
                 head_pieces=opts.head_pieces,
                 gather_overlap=opts.gather_overlap,
                 pattern=planned.pattern,
@@ -491,19 +504,24 @@ class SplitEngine(Engine):
         starts afresh). Returns how many entries the ranks dropped (0, sending nothing, when no step
         ran sparse)."""
         with self.job():
-            # fresh workers after a crash hold no statistics; a dead rank would first restart the
-            # whole pool
-            dead = self.pool.any_dead
-            if not self._sparse_ran or not self.pool.running or dead:
-                self._sparse_ran = False
-                return 0
+            return self.drop_sparse_stats()
+
+    def drop_sparse_stats(self) -> int:
+        """Have the ranks drop their sparse attention statistics (inside a job); returns how many
+        entries they dropped (0, sending nothing, when no step ran sparse since the last drop)."""
+        # fresh workers after a crash hold no statistics; a dead rank would first restart the whole
+        # pool
+        dead = self.pool.any_dead
+        if not self._sparse_ran or not self.pool.running or dead:
             self._sparse_ran = False
-            results = self.run(
-                self.pool.all([dit_protocol.DitSparseReset()] * self.ranks, 30.0),
-                60.0,
-                "dropping the sparse attention statistics",
-            )
-            return sum(r.dropped for r in results)
+            return 0
+        self._sparse_ran = False
+        results = self.run(
+            self.pool.all([dit_protocol.DitSparseReset()] * self.ranks, 30.0),
+            60.0,
+            "dropping the sparse attention statistics",
+        )
+        return sum(r.dropped for r in results)
 
     # -- resident state ----------------------------------------------------------------------------
     def holds_resident(self) -> bool:

@@ -67,14 +67,17 @@ class Step:
 @dataclass(frozen=True)
 class PlannedStep:
     """A step as it runs: its shards (as measured), the options with the overlaps that measured
-    exact, the loaded pattern and the transport as it runs on these devices; ``trace``: the ranks
-    also digest each op's output (``verify``)."""
+    exact, the loaded pattern and the transport as it runs on these devices; ``sparse``: its sparse
+    attention as the ranks get it (``dit_step``'s field; {}: dense: not asked for, the kernel
+    cannot run, or measured inexact on this plan); ``trace``: the ranks also digest each op's output
+    (``verify``)."""
 
     step: Step
     plan: plans.SplitPlan
     options: SplitOptions
     pattern: dit_protocol.Pattern
     transport: Transport
+    sparse: dict = field(default_factory=dict)
     trace: bool = field(default=False)
 
 

@@ -21,13 +21,15 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit import sparse as dit_sparse
 from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, Split
+from workers.dit.weights import BlockView
 from workers.transports.host import piece
 
 #: Period of the random buffer's values (a prime, so no row of any H3 width repeats another).
@@ -40,8 +42,10 @@ OP_ORDER = (
     "adaln_proj.linear",
     "attn.qkv_proj",
     "attn.qkv_proj.rows",
+    "attn.qkv_proj.chunks",
     "attention",
     "attention.pieces",
+    "attention.sparse",
     "attn.out_proj",
     "mlp.fc1",
     "mlp.fc2",
@@ -160,6 +164,13 @@ def _weights(
     return w, scale, bias, dit_ops.QuantInfo(op.convrot, op.convrot_groupsize)
 
 
+def _linear_dtype(op: LinearOp, act: torch.dtype) -> str:
+    """A linear's dtype as a verdict names it: ``int8`` (``+convrot``) or the activation dtype."""
+    if op.weight_dtype == "int8":
+        return "int8" + ("+convrot" if op.convrot else "")
+    return str(act).split(".")[-1]
+
+
 def _in_features(op: LinearOp) -> int:
     return op.in_features * (2 if op.input_act == "swiglu" else 1)
 
@@ -218,11 +229,7 @@ def probe_linear(
     x = pool.view(act, rows, _in_features(op))
     full = dit_ops.linear(x, w, scale, bias, quant=quant, input_act=op.input_act)
     dig = digest(full)
-    dtype = (
-        "int8" + ("+convrot" if op.convrot else "")
-        if op.weight_dtype == "int8"
-        else str(act).split(".")[-1]
-    )
+    dtype = _linear_dtype(op, act)
     group: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
     out: list[OpVerdict] = []
     for v in variants:
@@ -327,8 +334,104 @@ def probe_attention(
     return out
 
 
+def probe_sparse(
+    pool: RandomPool,
+    op: LinearOp,
+    tokens: int,
+    heads: tuple[int, int],
+    total_heads: int,
+    head_dim: int,
+    act: torch.dtype,
+    eps: float,
+    sparse: Mapping,
+    clock: Clock,
+) -> list[OpVerdict]:
+    """Sparse attention as a rank runs it (``workers.dit.sparse.SparseStep.attention``, the
+    ``dit_probe``'s ``sparse`` settings: ``workers.dit.sparse.probe_wire``) over the head group,
+    against the same call over every head: twice, from fresh statistics and then from the ones the
+    first call pooled.  Two verdicts: ``attn.qkv_proj.chunks``, each of the kernel's row chunks of
+    the group's qkv projection against the whole weight's projection of the same rows, and
+    ``attention.sparse``, the group's output and statistics against the whole call's (one entry
+    per call).  The first verdict's time includes the whole calls."""
+    t0 = clock.start()
+    g0, g1 = heads
+    w, scale, _, quant = _weights(pool, op, act)
+    x = pool.view(act, tokens, op.in_features)
+    norm = pool.view(act, head_dim)
+    weights = {"attn.q_norm.weight": norm, "attn.k_norm.weight": norm}
+    pairs = int(sparse["rope_pairs"])
+    angle = pool.view(torch.float32, tokens, pairs)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    rope = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)
+    rope = rope[None, :, None].to(getattr(torch, sparse["rope_dtype"]))
+    named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever its name
+    if scale is not None:
+        named["attn.qkv_proj.weight_scale"] = scale
+    w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
+    q = {"attn.qkv_proj": quant}
+
+    def calls(blk: BlockView, group: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
+        step = dit_sparse.probe_step(sparse, group)
+        seen: list[dict[str, torch.Tensor]] = []
+        for call in range(2):
+            got: dict[str, torch.Tensor] = {}
+            step.attention(0, x, blk, rope, group[1] - group[0], head_dim, eps, got.__setitem__)
+            if call:  # the same projection again: only the first call's is compared
+                del got["attn.qkv_proj"]
+            seen.append(got)
+        return seen
+
+    full = calls(BlockView(weights, w, scale, q), (0, total_heads))
+    part = calls(BlockView(weights, w_g, s_g, q), heads)
+    rows_of = dit_ops.head_rows(g0, g1, total_heads, head_dim)
+    qkv_full = torch.cat([full[0]["attn.qkv_proj"][:, r.start : r.stop] for r in rows_of], dim=1)
+    chunks = [
+        (a, min(a + dit_sparse.PRODUCER_CHUNK, tokens))
+        for a in range(0, tokens, dit_sparse.PRODUCER_CHUNK)
+    ]
+    chunk_verdicts = [_compare(qkv_full[a:b], part[0]["attn.qkv_proj"][a:b]) for a, b in chunks]
+    group_of = {
+        "attention": lambda t: t[:, g0 * head_dim : g1 * head_dim],
+        "attention.kmean": lambda t: t[g0:g1],
+        "attention.vscale": lambda t: t[g0:g1],
+    }
+    call_verdicts = []
+    for f, p in zip(full, part):
+        got = [_compare(cut(f[op]), p[op]) for op, cut in group_of.items()]
+        call_verdicts.append((all(ok for ok, _ in got), max(d for _, d in got)))
+    shape = f"{tokens}x{total_heads}x{head_dim}"
+    out = [
+        OpVerdict(
+            "attn.qkv_proj.chunks",
+            _linear_dtype(op, act),
+            f"{tokens}x{op.out_features}x{op.in_features}",
+            "chunks",
+            [[a, b] for a, b in chunks],
+            [ok for ok, _ in chunk_verdicts],
+            [d for _, d in chunk_verdicts],
+            digest(full[0]["attn.qkv_proj"]),
+            clock.ms(t0),
+        )
+    ]
+    t0 = clock.start()
+    out.append(
+        OpVerdict(
+            "attention.sparse",
+            "bfloat16",
+            shape,
+            "heads",
+            [[g0, g1]] * len(call_verdicts),
+            [ok for ok, _ in call_verdicts],
+            [d for _, d in call_verdicts],
+            digest(full[0]["attention"]),
+            clock.ms(t0),
+        )
+    )
+    return out
+
+
 def run_probe(
-    ops: Iterable[LinearOp],
+    ops: Sequence[LinearOp],
     *,
     tokens: int,
     candidates: Sequence[tuple[int, int]],
@@ -341,6 +444,8 @@ def run_probe(
     t_rows: int = 2,
     pieces: int = 0,
     gather_ranges: Sequence[tuple[int, int]] = (),
+    eps: float = 1e-5,
+    sparse: Mapping | None = None,
 ) -> ProbeReport:
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 
@@ -348,8 +453,10 @@ def run_probe(
     ``total_heads``; ``t_rows``: rows of the adaLN call (the step's timestep rows); ``pieces`` > 1:
     also the group's head pieces against the whole call (op ``attention.pieces``);
     ``gather_ranges``: also the group's qkv rows on each of these token ranges (every rank's)
-    against the unsplit call (op ``attn.qkv_proj.rows``).  Each op's unsplit call is made once
-    for all the verdicts taken from it.  Runs under inference mode and
+    against the unsplit call (op ``attn.qkv_proj.rows``); ``sparse`` (``dit_probe``'s settings):
+    also sparse attention as the rank runs it, with the blocks' epsilon ``eps``
+    (:func:`probe_sparse`).  Each op's unsplit call is made once for all the verdicts taken from
+    it.  Runs under inference mode and
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
     clock = Clock(device)
@@ -374,6 +481,11 @@ def run_probe(
         report.ops += probe_attention(
             pool, tokens, groups, total_heads, head_dim, dtype, attend, clock
         )
+        if sparse:
+            qkv = next(op for op in ops if op.name == "attn.qkv_proj")
+            report.ops += probe_sparse(
+                pool, qkv, tokens, heads, total_heads, head_dim, dtype, eps, sparse, clock
+            )
     report.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
     report.ms = clock.ms(t0)
     return report

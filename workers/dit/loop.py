@@ -125,7 +125,9 @@ def run_blocks(
         else:
             n1_full = exchange.all_gather_rows(n1, chunks)
             if sparse is not None:
-                attn = sparse.attention(i, n1_full, blk, rope_freqs, heads_local, head_dim, eps)
+                attn = sparse.attention(
+                    i, n1_full, blk, rope_freqs, heads_local, head_dim, eps, op_trace
+                )
             if attn is None:
                 qkv = dit_ops.linear(
                     n1_full, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"]

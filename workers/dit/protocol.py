@@ -58,6 +58,10 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 each of ``candidates`` (this rank's token range in each candidate plan), the qkv
                 projection and attention for its head group ``heads``; random data of the real
                 shapes, in the loaded compute dtype, with the loaded attention function.
+    sparse      {} (no sparse attention), or the kernel's settings
+                (``workers.dit.sparse.probe_wire``): also the group's qkv projection in the
+                kernel's row chunks and the sparse kernel over the group, from fresh and from
+                pooled statistics, against the same calls over every head
     -> ProbeReport: the rank's fingerprint and one verdict per op
 
 ``dit_release`` drop this rank's weights, exchange objects and process group.
@@ -219,12 +223,11 @@ class DitSparseReset(Request, tag="dit_sparse_reset"):
     ANSWER: ClassVar[type[Answer]] = Dropped
 
 
-#: How an op is split across the ranks: by token rows, by head (output columns), or not at all (same
-#: call everywhere).
 #: How an op's calls are cut: by token rows, by head groups, by head pieces within a group
-#: (``head_pieces``), a head group's rows by every rank's token range (``gather_overlap``), or not
-#: at all.
-Split = Literal["tokens", "heads", "pieces", "rows", "none"]
+#: (``head_pieces``), a head group's rows by every rank's token range (``gather_overlap``) or by the
+#: sparse kernel's row chunks (compared with the whole weight's call on the same rows), or not at
+#: all.
+Split = Literal["tokens", "heads", "pieces", "rows", "chunks", "none"]
 
 
 class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -279,6 +282,8 @@ class DitProbe(Request, tag="dit_probe"):
     t_rows: int = 2
     pieces: int = 0
     gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    sparse: Plain = msgspec.field(default_factory=dict)
+    PLAIN: ClassVar[tuple[str, ...]] = ("sparse",)
     ANSWER: ClassVar[type[Answer]] = ProbeReport
 
 

@@ -165,7 +165,7 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protoc
 async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReport:
     """Measure this rank's shards against the unsplit calls on its own device
     (``workers.dit.invariance``), in the loaded compute dtype and with the loaded attention
-    function."""
+    function (and the sparse kernel with the settings ``msg.sparse`` names)."""
     w = _state(ctx).weights
     if w is None:
         raise RuntimeError(
@@ -187,6 +187,8 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             t_rows=int(msg.t_rows),
             pieces=int(msg.pieces),
             gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
+            eps=float(cfg["eps"]),
+            sparse=msg.sparse or None,
         )
     )
     if ctx.device.startswith("cuda"):

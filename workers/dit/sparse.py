@@ -17,8 +17,8 @@ facts: ``docs/comfyui_facts.md`` (sparse attention).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import comfy_kitchen as ck
 import torch
@@ -130,19 +130,19 @@ def dense_reason(cfg: SparseConfig, sigma: float | None, tokens: int, block: int
 
 def kernel_unavailable(device: torch.device) -> str | None:
     """Why comfy-kitchen's Sol-Attn kernel cannot run on ``device`` (no CUDA, SM < 8.0, not
-    compiled), or None. The per-call rules (bfloat16 chunks, head_dim 128) are the caller's:
-    ``h3ms_async.dit.sparse``."""
+    compiled), or None where ``ck.sol_attn_is_available`` says it can. The per-call rules
+    (bfloat16 chunks, head_dim 128) are the caller's: ``h3ms_async.dit.sparse``."""
+    if ck.sol_attn_is_available(device):
+        return None
     if device.type != "cuda":
         return f"{device} is not a CUDA device (comfy-kitchen has no CPU sparse attention kernel)"
-    if not ck.sol_attn_is_available(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 0):
-            return f"{device} is SM {major}.{minor}; the kernel needs SM 8.0 or newer"
-        return (
-            f"comfy-kitchen's sol_attn kernel is not available on {device} (its CUDA backend is "
-            "disabled or not compiled for this GPU)"
-        )
-    return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return f"{device} is SM {major}.{minor}; the kernel needs SM 8.0 or newer"
+    return (
+        f"comfy-kitchen's sol_attn kernel is not available on {device} (its CUDA backend is "
+        "disabled or not compiled for this GPU)"
+    )
 
 
 def target_starts(segments: Sequence[tuple]) -> tuple[int, int] | None:
@@ -223,24 +223,32 @@ class SparseStep:
         heads_local: int,
         head_dim: int,
         eps: float,
+        trace: dit_ops.Trace | None = None,
     ) -> torch.Tensor | None:
         """Block ``i``'s attention of this rank's heads, ``[S, h·D]`` like ``dit_ops.norm_rope_``
         + ``dit_ops.attend_group``; None when the settings keep this block dense (the caller then
-        runs the dense path)."""
+        runs the dense path). ``trace`` sees the qkv projection (its chunks of the first producer
+        pass, joined), the output and the statistics passed to the next step (``attention.kmean``,
+        ``attention.vscale``: ``[h, 128]``)."""
         seq = n1_full.shape[0]
         if dense_reason(self.config, self.sigma, seq, i) is not None:
             self.counts["dense_blocks"] += 1
             return None
         w = blk.weights
         quant = blk.quant["attn.qkv_proj"]
+        n_chunks = -(-seq // PRODUCER_CHUNK)
+        projected: list[torch.Tensor] = []
 
         def chunks():
             # the qkv projection in 64-aligned row slices, each handed to the kernel's producer as
             # it is made
             for a in range(0, seq, PRODUCER_CHUNK):
-                yield dit_ops.linear(
+                chunk = dit_ops.linear(
                     n1_full[a : a + PRODUCER_CHUNK], blk.qkv, blk.qkv_scale, None, quant=quant
                 )
+                if trace is not None and len(projected) < n_chunks:
+                    projected.append(chunk)
+                yield chunk
 
         key: StatsKey = (i, seq, self.heads, self.branch)
         pooled = self.stats.get(key)
@@ -263,10 +271,21 @@ class SparseStep:
             sink_q=list(self.sink_q),
             rope_eps=eps,
         )
+        attn = out.view(seq, heads_local * head_dim)
+        if dit_ops.SHAPE_FAULT is not None:
+            dit_ops.SHAPE_FAULT.apply("sparse", (heads_local,), attn, dit_ops.is_probing())
         self.stats.put(key, kmean, vscale)
         self.counts["sparse_blocks"] += 1
         self.counts["stats_reused"] += pooled is not None
-        return out.view(seq, heads_local * head_dim)
+        if trace is not None:
+            for op, t in (
+                ("attn.qkv_proj", torch.cat(projected)),
+                ("attention", attn),
+                ("attention.kmean", kmean),
+                ("attention.vscale", vscale),
+            ):
+                trace(op, t)
+        return attn
 
 
 def sparse_step(
@@ -285,4 +304,36 @@ def sparse_step(
         (int(heads[0]), int(heads[1])),
         sb,
         sq,
+    )
+
+
+def probe_wire(config: SparseConfig, segments: Sequence[tuple], rope: torch.Tensor) -> dict:
+    """A ``dit_probe``'s ``sparse`` field: what the kernel's calls depend on besides the shapes
+    (method, ``tau``/``topk_ratio``, ``extra_tokens``, the sinks of this stream's ``segments``)
+    and the rope table's pairs and dtype; the per-step decisions (sigma window, ``min_tokens``,
+    ``dense_blocks``) left out."""
+    sb, sq = sinks(config, target_starts(segments))
+    kernel = replace(
+        config, sigma_start=math.inf, sigma_end=0.0, min_tokens=0, dense_blocks=()
+    ).to_wire()
+    return {
+        "config": kernel,
+        "sink_blocks": list(sb),
+        "sink_q": list(sq),
+        "rope_pairs": int(rope.shape[-3]),
+        "rope_dtype": str(rope.dtype).removeprefix("torch."),
+    }
+
+
+def probe_step(wire: Mapping, heads: tuple[int, int]) -> SparseStep:
+    """The :class:`SparseStep` the invariance probe calls for ``heads`` (fresh statistics; every
+    block sparse)."""
+    return SparseStep(
+        SparseConfig.from_wire(wire["config"]),
+        PooledStats(),
+        None,
+        "",
+        (int(heads[0]), int(heads[1])),
+        (int(wire["sink_blocks"][0]), int(wire["sink_blocks"][1])),
+        (int(wire["sink_q"][0]), int(wire["sink_q"][1])),
     )

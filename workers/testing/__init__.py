@@ -1,5 +1,5 @@
 """Test-only code of the workers: request kinds that sleep, crash or hang on request, kitchen's
-INT8 attention on the CPU, and faults injected into the DiT and VAE paths.  A worker loads it
-(:func:`workers.testing.hooks.load`) only with ``H3MS_TEST_HOOKS=1``; production processes never
-import it.  This marker imports none of its modules: each of them imports the package first, so
-the package importing one back would be a cycle."""
+INT8 attention and chunked sparse attention on the CPU, and faults injected into the DiT and VAE
+paths.  A worker loads it (:func:`workers.testing.hooks.load`) only with ``H3MS_TEST_HOOKS=1``;
+production processes never import it.  This marker imports none of its modules: each of them
+imports the package first, so the package importing one back would be a cycle."""

@@ -20,11 +20,12 @@ from workers.testing import settings
 class ShapeFault:
     """One call shape rounds differently on purpose, as a kernel library that picks another kernel
     for it would.  ``kind`` "linear" matches ``(rows, in_features)`` or ``(rows, in_features,
-    out_features)``, "attention" matches ``(heads,)``; ``steps_only``: the invariance probe
+    out_features)``, "attention" (dense attention) and "sparse" (the sparse kernel,
+    ``workers.dit.sparse``) match ``(heads,)``; ``steps_only``: the invariance probe
     (:func:`probing`) does not see it, a difference only ``verify`` can catch.
 
-    Text form (``H3MS_TEST_SHAPE_FAULT``): ``linear:ROWS:IN_FEATURES[:OUT_FEATURES]`` or
-    ``attention:HEADS``, ``:step`` appended for ``steps_only``.
+    Text form (``H3MS_TEST_SHAPE_FAULT``): ``linear:ROWS:IN_FEATURES[:OUT_FEATURES]``,
+    ``attention:HEADS`` or ``sparse:HEADS``, ``:step`` appended for ``steps_only``.
     """
 
     kind: str
@@ -37,15 +38,15 @@ class ShapeFault:
         steps_only = parts[-1] == "step"
         if steps_only:
             parts = parts[:-1]
-        arities = {"linear": (2, 3), "attention": (1,)}.get(parts[0])
+        arities = {"linear": (2, 3), "attention": (1,), "sparse": (1,)}.get(parts[0])
         if (
             arities is None
             or len(parts) - 1 not in arities
             or not all(p.isdigit() and int(p) > 0 for p in parts[1:])
         ):
             raise ValueError(
-                "is not linear:ROWS:IN_FEATURES[:OUT_FEATURES] or attention:HEADS (optionally "
-                "followed by :step)"
+                "is not linear:ROWS:IN_FEATURES[:OUT_FEATURES], attention:HEADS or sparse:HEADS "
+                "(optionally followed by :step)"
             )
         return cls(parts[0], tuple(int(p) for p in parts[1:]), steps_only)
 

@@ -11,16 +11,22 @@ CK_ATTENTION_CPU = _flag_var(
     "With `H3MS_TEST_HOOKS=1`: attention helpers run kitchen's INT8 attention API on the CPU "
     "through the pack's test hook (`workers/testing/ck_cpu.py`). Tests only.",
 )
+CK_SPARSE_CPU = _flag_var(
+    "H3MS_CK_SPARSE_CPU",
+    "With `H3MS_TEST_HOOKS=1`: DiT ranks run kitchen's chunked sparse attention "
+    "(`sol_attn_chunked`) on the CPU through the pack's test hook (`workers/testing/"
+    "ck_sparse_cpu.py`, over kitchen's eager `sol_attn`). Tests only.",
+)
 TEST_SHAPE_FAULT = _var(
     "H3MS_TEST_SHAPE_FAULT",
     "text",
     "",
     "unset",
     "With `H3MS_TEST_HOOKS=1`: one call shape rounds differently on purpose "
-    "(`linear:ROWS:IN_FEATURES[:OUT_FEATURES]` or `attention:HEADS`, `:step` appended = the "
-    "invariance probe does not see it), so tests show the probe and `verify` catch it; read once "
-    "per process. Tests only.",
-    "give e.g. linear:10:64 or attention:1:step, or unset it",
+    "(`linear:ROWS:IN_FEATURES[:OUT_FEATURES]`, `attention:HEADS` or `sparse:HEADS`, `:step` "
+    "appended = the invariance probe does not see it), so tests show the probe and `verify` "
+    "catch it; read once per process. Tests only.",
+    "give e.g. linear:10:64, attention:1:step or sparse:2, or unset it",
     _text,
 )
 TEST_VAE_CRASH_FILE = _var(
