@@ -3,7 +3,8 @@ through real CPU rank workers, the one-line dense fallback and the sampling-end 
 
 comfy-kitchen has no CPU sparse attention kernel (``sol_attn`` needs CUDA SM >= 8.0), so on CPU the kernel path
 itself cannot run: a CPU split with sparse settings must run dense, say so in one log line and equal the dense split.
-The kernel path (split == unsplit sparse, pooled statistics across steps) runs in tests/test_sparse_cuda.py.
+The kernel path (split == unsplit sparse, pooled statistics across steps) runs in tests/test_sparse_cuda.py, and on CPU
+through the pack's stand-in for the kernel in tests/test_sparse_exactness.py (with the probe and verify).
 """
 from __future__ import annotations
 
