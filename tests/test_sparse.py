@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -70,9 +71,14 @@ def test_resolve_maps_the_window_to_sigmas_and_checks_blocks():
 
 def test_config_round_trips_the_wire_and_validates():
     cfg = SparseSettings(dense_blocks="3-4").resolve(lambda p: 1.0 - p, 50)
-    assert SparseConfig.from_wire(cfg.to_wire()) == cfg
+    step = dit_protocol.SparseStepSettings(cfg, 0.5, "")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(step), type=dit_protocol.SparseStepSettings) == step
     open_start = SparseConfig()
-    assert open_start.to_wire()["sigma_start"] is None and SparseConfig.from_wire(open_start.to_wire()) == open_start
+    assert open_start.as_json()["sigma_start"] is None and msgspec.msgpack.decode(
+        msgspec.msgpack.encode(open_start), type=SparseConfig) == open_start
+    with pytest.raises(msgspec.ValidationError, match="tau"):  # the wire validates as the constructor does
+        msgspec.msgpack.decode(msgspec.msgpack.encode({**open_start.as_json(), "sigma_start": 1.0, "tau": 99.0}),
+                               type=SparseConfig)
     for kw, match in (({"topk_ratio": 1.0}, "topk_ratio"), ({"sigma_start": 0.1, "sigma_end": 0.5}, "sigma window"),
                       ({"extra_tokens": 65}, "extra_tokens"), ({"dense_blocks": (-1,)}, "dense_blocks")):
         with pytest.raises(ValueError, match=match):
@@ -109,7 +115,7 @@ def test_sinks_cover_the_conditioning_prefix():
 def test_sparse_step_from_the_wire_and_branch_keys():
     lay = build_layout(9, 3, 4, 6, 8, keyframes=1, sigma=0.7)
     cfg = SparseConfig(topk_ratio=0.1)
-    wire = {"config": cfg.to_wire(), "sigma": 0.5, "branch": branch_key(["u1", "u2"])}
+    wire = dit_protocol.SparseStepSettings(cfg, 0.5, branch_key(["u1", "u2"]))
     step = sparse_step(wire, PooledStats(), (2, 5), lay.mod_segments)
     assert (step.config, step.sigma, step.branch, step.heads) == (cfg, 0.5, "u1,u2", (2, 5))
     assert (step.sink_blocks, step.sink_q) == sinks(cfg, target_starts(lay.mod_segments))
@@ -117,7 +123,7 @@ def test_sparse_step_from_the_wire_and_branch_keys():
 
 def test_dit_step_carries_the_sparse_field():
     lay = build_layout(9, 3, 4, 6, 8, sigma=0.7)
-    wire = {"config": SparseConfig().to_wire(), "sigma": None, "branch": ""}
+    wire = dit_protocol.SparseStepSettings(SparseConfig(), None, "")
     desc = dict(seg="h3ms-1-0000abcd-step", off=0, dtype="bfloat16", shape=[1])
     from workers.runtime.protocol import TensorDesc
     msg = dit_protocol.DitStep(job=1, x=TensorDesc(**desc), t_emb=TensorDesc(**desc), rope=TensorDesc(**desc),
@@ -125,7 +131,7 @@ def test_dit_step_carries_the_sparse_field():
                                exchange="none", chunks=0, abort_gen=0, deadline_s=1.0, blocks=(0, 1),
                                residency="auto", sparse=wire)
     back = decode(encode(msg)[4:])
-    assert back.sparse == wire and SparseConfig.from_wire(back.sparse["config"]) == SparseConfig()
+    assert back.sparse == wire and back.sparse.config == SparseConfig()
     assert decode(encode(dit_protocol.DitSparseReset())[4:]).kind == "dit_sparse_reset"
 
 

@@ -20,7 +20,8 @@ import torch
 from h3ms_async.dit import exactness, verify
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.dit.sparse import UnsplitSparse, step_wire
+from h3ms_async.dit.sparse import UnsplitSparse
+from workers.dit.protocol import SparseStepSettings
 from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.status.hub import get_hub
@@ -201,15 +202,15 @@ def test_the_probe_compares_the_qkv_projection_chunk_by_chunk(kernel, model, mon
 
 
 def test_verify_waits_for_the_first_step_that_can_run_the_kernel():
-    wire = step_wire(SPARSE, 0.9, "cond")
+    wire = SparseStepSettings(SPARSE, 0.9, "cond")
     assert not verify.due(wire, 0.9, 200, CFG.layers)  # above the window: a later step runs sparse
     assert verify.due(wire, 0.6, 200, CFG.layers) and verify.due(wire, None, 200, CFG.layers)
     assert verify.due(wire, 0.1, 200, CFG.layers)  # below it: no later step will
-    short = step_wire(SparseConfig(sigma_start=0.8, min_tokens=1000), 0.9, "cond")
+    short = SparseStepSettings(SparseConfig(sigma_start=0.8, min_tokens=1000), 0.9, "cond")
     assert verify.due(short, 0.9, 200, CFG.layers)  # too short for any sparse block
-    every = step_wire(SparseConfig(sigma_start=0.8, min_tokens=0, dense_blocks=(0, 1)), 0.9, "cond")
+    every = SparseStepSettings(SparseConfig(sigma_start=0.8, min_tokens=0, dense_blocks=(0, 1)), 0.9, "cond")
     assert verify.due(every, 0.9, 200, CFG.layers)
-    assert verify.due({}, 0.9, 200, CFG.layers)  # no sparse attention on this step
+    assert verify.due(None, 0.9, 200, CFG.layers)  # no sparse attention on this step
 
 
 def test_sparse_fault_text():

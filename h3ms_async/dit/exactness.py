@@ -28,7 +28,7 @@ from typing import Literal
 import msgspec
 
 from h3ms_async.log import get_logger
-from workers.dit.protocol import LinearOp, ProbeReport
+from workers.dit.protocol import LinearOp, ProbeReport, SparseProbeSettings
 from workers.runtime import config
 
 log = get_logger("MultiStream")
@@ -105,7 +105,7 @@ def verdict_key(
     head_bounds: Sequence[int],
     head_dim: int,
     overlap: Overlap = NO_OVERLAP,
-    sparse: Mapping | None = None,
+    sparse: SparseProbeSettings | None = None,
 ) -> str:
     """Everything a plan's verdict depends on, as one JSON text: each rank's device, runtime, torch
     and comfy-kitchen (its fingerprint), the dtype, the ops' shapes and storage, the attention
@@ -120,7 +120,7 @@ def verdict_key(
         "heads": list(head_bounds),
         "head_dim": head_dim,
         "overlap": asdict(overlap),
-        "sparse": dict(sparse) if sparse else None,
+        "sparse": msgspec.to_builtins(sparse) if sparse else None,
     }
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 

@@ -140,7 +140,7 @@ def options_dict(o: SplitOptions) -> dict:
         "vram_residency": o.vram_residency,
         "attention": o.comfy_host.attention if o.comfy_host else o.attention,
         "cache_ram_reserve_gb": o.cache_ram_reserve_gb,
-        "sparse": o.sparse.to_wire() if o.sparse else None,
+        "sparse": o.sparse.as_json() if o.sparse else None,
         "shares": list(o.shares) if o.shares else None,
     }
 

@@ -40,7 +40,7 @@ class PlanProbe:
         plan: plans.SplitPlan,
         t_rows: int,
         asked: exactness.Overlap,
-        sparse: dict | None = None,
+        sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> tuple[plans.SplitPlan, exactness.Overlap, bool]:
         """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with
         its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); the
@@ -118,7 +118,7 @@ class PlanProbe:
         plan: plans.SplitPlan,
         t_rows: int,
         asked: exactness.Overlap,
-        sparse: dict | None = None,
+        sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> PlanVerdict:
         """Probe ``plan`` (and the overlap ``asked`` for, and sparse attention with the probe
         settings ``sparse``) on every rank (concurrently); on a token-split failure probe the
@@ -209,7 +209,7 @@ class PlanProbe:
         plan: plans.SplitPlan,
         t_rows: int,
         overlap: exactness.Overlap,
-        sparse: dict | None = None,
+        sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> list[dit_protocol.ProbeReport]:
         hb, tb0 = plan.head_bounds, plan.token_bounds
         every_rank = (
@@ -224,7 +224,7 @@ class PlanProbe:
                 t_rows=t_rows,
                 pieces=overlap.head_pieces,
                 gather_ranges=every_rank,
-                sparse=sparse or {},
+                sparse=sparse,
             )
             for r in range(self.engine.ranks)
         ]

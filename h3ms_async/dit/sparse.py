@@ -21,12 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from h3ms_async.log import get_logger
-from workers.dit.sparse import (
+from workers.dit.protocol import (
     EXTRA_TOKENS_MAX,
-    HEAD_DIM,
     SINK_MODES,
-    PooledStats,
     SparseConfig,
+    SparseProbeSettings,
+    SparseStepSettings,
+)
+from workers.dit.sparse import (
+    HEAD_DIM,
+    PooledStats,
     SparseStep,
     dense_reason,
     kernel_unavailable,
@@ -192,18 +196,13 @@ class DenseFallback:
         return reason
 
 
-def step_wire(config: SparseConfig, sigma: float | None, branch: str) -> dict:
-    """A ``dit_step``'s ``sparse`` field."""
-    return {"config": config.to_wire(), "sigma": sigma, "branch": branch}
-
-
 def probe_settings(
     config: SparseConfig,
     tokens: int,
     blocks: int,
     segments: Sequence[tuple],
     rope_freqs: torch.Tensor,
-) -> dict | None:
+) -> SparseProbeSettings | None:
     """What the invariance probe measures sparse attention ``config`` with on a step of ``tokens``
     tokens through ``blocks`` blocks (a ``dit_probe``'s ``sparse``:
     ``workers.dit.sparse.probe_wire``), or None when the settings keep every block dense at this
@@ -238,7 +237,9 @@ class UnsplitSparse:
         (dense)."""
         if self.fallback.blocked(dtype, head_dim, [kernel_unavailable(device)]):
             return None
-        return sparse_step(step_wire(self.config, sigma, branch), self.stats, (0, heads), segments)
+        return sparse_step(
+            SparseStepSettings(self.config, sigma, branch), self.stats, (0, heads), segments
+        )
 
     def end_sampling(self) -> int:
         """Drop the statistics (sampling ended); returns how many entries there were."""

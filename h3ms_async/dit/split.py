@@ -41,7 +41,7 @@ from h3ms_async.dit.options import (
 from h3ms_async.dit.pattern import pick_pattern
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.reference import DiTConfig
-from h3ms_async.dit.sparse import DenseFallback, probe_settings, step_wire
+from h3ms_async.dit.sparse import DenseFallback, probe_settings
 from h3ms_async.dit.step import PlannedStep, Step, StepProgress, record_step
 from h3ms_async.dit.step_buffers import StepBuffers, StepBufferSlot
 from h3ms_async.log import get_logger
@@ -53,7 +53,7 @@ from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.runtime.weight_store import BlockReader, fill
 from h3ms_async.status.hub import get_hub
 from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import Transport
+from workers.dit.protocol import SparseStepSettings, Transport
 from workers.runtime.protocol import DropReleased, TensorDesc
 from workers.runtime.shm import dtype_name
 from workers.transports.dist import check_nccl_rank_map
@@ -334,9 +334,9 @@ class SplitEngine(Engine):
             replace(opts, head_pieces=ran.head_pieces, gather_overlap=ran.gather),
             ld.pattern,
             self._transport(opts.exchange),
-            {}
+            None
             if sparse_cfg is None or sparse_off
-            else step_wire(sparse_cfg, step.sigma, step.sparse_branch),
+            else SparseStepSettings(sparse_cfg, step.sigma, step.sparse_branch),
         )
         with self.job():
             if opts.verify and self._verify_due:

@@ -14,7 +14,7 @@ from h3ms_async.runtime import plans
 from h3ms_async.status.hub import get_hub
 from h3ms_async.status.records import RankRecord, StepRecord, now_iso
 from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import Transport
+from workers.dit.protocol import SparseStepSettings, Transport
 
 #: ``progress(blocks_done, blocks_total)``: called from the caller's thread while a step runs
 #: (progress bars).
@@ -77,7 +77,7 @@ class PlannedStep:
     options: SplitOptions
     pattern: dit_protocol.Pattern
     transport: Transport
-    sparse: dict = field(default_factory=dict)
+    sparse: SparseStepSettings | None = None
     trace: bool = field(default=False)
 
 

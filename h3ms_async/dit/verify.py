@@ -34,7 +34,8 @@ from h3ms_async.status.records import VerifyRecord, now_iso
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
-from workers.dit.sparse import PooledStats, SparseConfig, dense_reason, sparse_step
+from workers.dit.protocol import SparseStepSettings
+from workers.dit.sparse import PooledStats, dense_reason, sparse_step
 from workers.dit.weights import CpuWeights
 from workers.transports.exchange import NoExchange
 
@@ -54,7 +55,7 @@ TRACED_OPS = (
 )
 
 
-def due(sparse: dict, sigma: float | None, tokens: int, blocks: int) -> bool:
+def due(sparse: SparseStepSettings | None, sigma: float | None, tokens: int, blocks: int) -> bool:
     """Whether a step of a prompt not yet verified is the one to verify, given its ``dit_step``
     ``sparse`` field: any step without sparse attention (not asked for, or it cannot run); with it,
     the first step that runs the kernel in some block, or one after which no step of the prompt can
@@ -62,7 +63,7 @@ def due(sparse: dict, sigma: float | None, tokens: int, blocks: int) -> bool:
     whose sigma is still above the window waits (sigmas fall while a prompt samples)."""
     if not sparse:
         return True
-    cfg = SparseConfig.from_wire(sparse["config"])
+    cfg = sparse.config
     if all(dense_reason(cfg, None, tokens, i) is not None for i in range(blocks)):
         return True
     return sigma is None or sigma <= cfg.sigma_start

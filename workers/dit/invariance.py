@@ -28,7 +28,7 @@ import torch
 
 from workers.dit import ops as dit_ops
 from workers.dit import sparse as dit_sparse
-from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, Split
+from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, SparseProbeSettings, Split
 from workers.dit.weights import BlockView
 from workers.transports.host import piece
 
@@ -343,7 +343,7 @@ def probe_sparse(
     head_dim: int,
     act: torch.dtype,
     eps: float,
-    sparse: Mapping,
+    sparse: SparseProbeSettings,
     clock: Clock,
 ) -> list[OpVerdict]:
     """Sparse attention as a rank runs it (``workers.dit.sparse.SparseStep.attention``, the
@@ -359,11 +359,11 @@ def probe_sparse(
     x = pool.view(act, tokens, op.in_features)
     norm = pool.view(act, head_dim)
     weights = {"attn.q_norm.weight": norm, "attn.k_norm.weight": norm}
-    pairs = int(sparse["rope_pairs"])
+    pairs = sparse.rope_pairs
     angle = pool.view(torch.float32, tokens, pairs)
     cos, sin = torch.cos(angle), torch.sin(angle)
     rope = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)
-    rope = rope[None, :, None].to(getattr(torch, sparse["rope_dtype"]))
+    rope = rope[None, :, None].to(getattr(torch, sparse.rope_dtype))
     named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever its name
     if scale is not None:
         named["attn.qkv_proj.weight_scale"] = scale
@@ -445,7 +445,7 @@ def run_probe(
     pieces: int = 0,
     gather_ranges: Sequence[tuple[int, int]] = (),
     eps: float = 1e-5,
-    sparse: Mapping | None = None,
+    sparse: SparseProbeSettings | None = None,
 ) -> ProbeReport:
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 

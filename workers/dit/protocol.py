@@ -41,10 +41,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
     blocks      [b0, b1): the blocks to run (normally all)
     residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks
                 read shm); a change between steps re-places the weights from the same store
-    sparse      {} (dense attention), or {config, sigma, branch}: sparse attention over this rank's
-                heads (``workers.dit.sparse``: config = ``SparseConfig.to_wire()``, sigma = the
-                step's sigma or None, branch = the conditioning branch the pooled statistics are
-                kept for)
+    sparse      None (dense attention), or :class:`SparseStepSettings` (config, sigma, branch):
+                sparse attention over this rank's heads (``workers.dit.sparse``)
     trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and
                 answer them (the ``verify`` setting's localisation of a difference); off for normal
                 steps
@@ -58,7 +56,7 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 each of ``candidates`` (this rank's token range in each candidate plan), the qkv
                 projection and attention for its head group ``heads``; random data of the real
                 shapes, in the loaded compute dtype, with the loaded attention function.
-    sparse      {} (no sparse attention), or the kernel's settings
+    sparse      None (no sparse attention), or :class:`SparseProbeSettings`
                 (``workers.dit.sparse.probe_wire``): also the group's qkv projection in the
                 kernel's row chunks and the sparse kernel over the group, from fresh and from
                 pooled statistics, against the same calls over every head
@@ -71,6 +69,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
 from __future__ import annotations
 
 import enum
+import math
+from dataclasses import asdict, dataclass
 from typing import ClassVar, Literal
 
 import msgspec
@@ -195,6 +195,105 @@ class Pattern(enum.StrEnum):
 PATTERNS: tuple[str, ...] = tuple(p.value for p in Pattern)
 
 
+#: Sparse attention: the kernel's query/key block length.
+BLOCK = 64
+SINK_MODES = ("exact_kv_and_rows", "exact_kv", "off")
+#: ``token_aug`` of the kernel: extra tokens per query block, a multiple of 64 up to 256.
+EXTRA_TOKENS_MAX = 256
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """What a rank needs to decide and run sparse attention; validated on construction (both sides).
+
+    ``topk_ratio`` > 0 selects top-k (``tau`` is then ignored); attention is sparse while
+    ``sigma_end <= sigma <= sigma_start``, the sequence has at least ``min_tokens`` tokens and the
+    block is not in ``dense_blocks``.
+    """
+
+    tau: float = 1.3
+    topk_ratio: float = 0.0
+    sigma_start: float = math.inf
+    sigma_end: float = 0.0
+    min_tokens: int = 12288
+    dense_blocks: tuple[int, ...] = ()
+    sink_conditioning: str = "exact_kv_and_rows"
+    extra_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tau <= 16.0:
+            raise ValueError(
+                f"tau={self.tau}: must be between 0 and 16 (higher is sparser; 1.3 is the default)"
+            )
+        if not 0.0 <= self.topk_ratio < 1.0:
+            raise ValueError(
+                f"topk_ratio={self.topk_ratio}: must be 0 (Sol-Attn threshold) or in (0, 1) "
+                "(top-k: the fraction of key blocks kept); set keep_percent below 100"
+            )
+        if (
+            math.isnan(self.sigma_start)
+            or math.isnan(self.sigma_end)
+            or self.sigma_end > self.sigma_start
+        ):
+            raise ValueError(
+                f"sigma window [{self.sigma_end}, {self.sigma_start}] is empty: the end sigma must "
+                "not exceed the start sigma; set end_percent >= start_percent"
+            )
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or self.min_tokens < 0
+        ):
+            raise ValueError(f"min_tokens={self.min_tokens!r}: must be an integer >= 0")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.dense_blocks):
+            raise ValueError(
+                f"dense_blocks={list(self.dense_blocks)}: block indices must be integers >= 0"
+            )
+        if self.sink_conditioning not in SINK_MODES:
+            raise ValueError(
+                f"sink_conditioning={self.sink_conditioning!r}: must be one of "
+                f"{', '.join(SINK_MODES)}"
+            )
+        if not 0 <= self.extra_tokens <= EXTRA_TOKENS_MAX or self.extra_tokens % BLOCK:
+            raise ValueError(
+                f"extra_tokens={self.extra_tokens}: must be 0, 64, 128, 192 or 256 (the kernel "
+                "routes tokens in 64-token tiles)"
+            )
+
+    @property
+    def method(self) -> str:
+        return "top-k" if self.topk_ratio else "sol-attn"
+
+    def as_json(self) -> dict:
+        """The settings as JSON data (the status document, benchmark output): an open start
+        (+inf) is null."""
+        d = asdict(self)
+        d["dense_blocks"] = list(self.dense_blocks)
+        d["sigma_start"] = None if math.isinf(self.sigma_start) else self.sigma_start
+        return d
+
+
+class SparseStepSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A ``dit_step``'s sparse attention: the settings, the step's sigma (decides the window) and
+    the conditioning branch whose pooled statistics the step reuses."""
+
+    config: SparseConfig
+    sigma: float | None
+    branch: str
+
+
+class SparseProbeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A ``dit_probe``'s sparse attention: what the kernel's calls depend on besides the shapes
+    (the settings with the per-step decisions left out, the sinks of this stream's segments) and
+    the rope table's pairs and dtype."""
+
+    config: SparseConfig
+    sink_blocks: tuple[int, int]
+    sink_q: tuple[int, int]
+    rope_pairs: int
+    rope_dtype: str
+
+
 class DitStep(Request, tag="dit_step"):
     job: int
     x: TensorDesc
@@ -211,11 +310,11 @@ class DitStep(Request, tag="dit_step"):
     blocks: tuple[int, int]
     residency: Residency
     trace: bool = False
-    sparse: Plain = msgspec.field(default_factory=dict)
+    sparse: SparseStepSettings | None = None
     head_pieces: int = 0
     gather_overlap: bool = False
     pattern: Pattern = Pattern.GATHER
-    PLAIN: ClassVar[tuple[str, ...]] = ("layout", "sparse")
+    PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
     ANSWER: ClassVar[type[Answer]] = DitStepped
 
 
@@ -282,8 +381,7 @@ class DitProbe(Request, tag="dit_probe"):
     t_rows: int = 2
     pieces: int = 0
     gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
-    sparse: Plain = msgspec.field(default_factory=dict)
-    PLAIN: ClassVar[tuple[str, ...]] = ("sparse",)
+    sparse: SparseProbeSettings | None = None
     ANSWER: ClassVar[type[Answer]] = ProbeReport
 
 

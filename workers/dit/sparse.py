@@ -17,103 +17,25 @@ facts: ``docs/comfyui_facts.md`` (sparse attention).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import comfy_kitchen as ck
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.protocol import (
+    BLOCK,
+    SparseConfig,
+    SparseProbeSettings,
+    SparseStepSettings,
+)
 from workers.dit.weights import BlockView
 
 #: Rows of the qkv projection per producer chunk (64-aligned, as ComfyUI's H3 path): Q/K/V are never
 #: built whole.
 PRODUCER_CHUNK = 4096
-#: The kernel's query/key block length and its one head size.
-BLOCK = 64
 HEAD_DIM = 128
-SINK_MODES = ("exact_kv_and_rows", "exact_kv", "off")
-#: ``token_aug`` of the kernel: extra tokens per query block, a multiple of 64 up to 256.
-EXTRA_TOKENS_MAX = 256
-
-
-@dataclass(frozen=True)
-class SparseConfig:
-    """What a rank needs to decide and run sparse attention; validated on construction (both sides).
-
-    ``topk_ratio`` > 0 selects top-k (``tau`` is then ignored); attention is sparse while
-    ``sigma_end <= sigma <= sigma_start``, the sequence has at least ``min_tokens`` tokens and the
-    block is not in ``dense_blocks``.
-    """
-
-    tau: float = 1.3
-    topk_ratio: float = 0.0
-    sigma_start: float = math.inf
-    sigma_end: float = 0.0
-    min_tokens: int = 12288
-    dense_blocks: tuple[int, ...] = ()
-    sink_conditioning: str = "exact_kv_and_rows"
-    extra_tokens: int = 256
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.tau <= 16.0:
-            raise ValueError(
-                f"tau={self.tau}: must be between 0 and 16 (higher is sparser; 1.3 is the default)"
-            )
-        if not 0.0 <= self.topk_ratio < 1.0:
-            raise ValueError(
-                f"topk_ratio={self.topk_ratio}: must be 0 (Sol-Attn threshold) or in (0, 1) "
-                "(top-k: the fraction of key blocks kept); set keep_percent below 100"
-            )
-        if (
-            math.isnan(self.sigma_start)
-            or math.isnan(self.sigma_end)
-            or self.sigma_end > self.sigma_start
-        ):
-            raise ValueError(
-                f"sigma window [{self.sigma_end}, {self.sigma_start}] is empty: the end sigma must "
-                "not exceed the start sigma; set end_percent >= start_percent"
-            )
-        if (
-            isinstance(self.min_tokens, bool)
-            or not isinstance(self.min_tokens, int)
-            or self.min_tokens < 0
-        ):
-            raise ValueError(f"min_tokens={self.min_tokens!r}: must be an integer >= 0")
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in self.dense_blocks):
-            raise ValueError(
-                f"dense_blocks={list(self.dense_blocks)}: block indices must be integers >= 0"
-            )
-        if self.sink_conditioning not in SINK_MODES:
-            raise ValueError(
-                f"sink_conditioning={self.sink_conditioning!r}: must be one of "
-                f"{', '.join(SINK_MODES)}"
-            )
-        if not 0 <= self.extra_tokens <= EXTRA_TOKENS_MAX or self.extra_tokens % BLOCK:
-            raise ValueError(
-                f"extra_tokens={self.extra_tokens}: must be 0, 64, 128, 192 or 256 (the kernel "
-                "routes tokens in 64-token tiles)"
-            )
-
-    @property
-    def method(self) -> str:
-        return "top-k" if self.topk_ratio else "sol-attn"
-
-    def to_wire(self) -> dict:
-        """Plain data for a ``dit_step``; an open start (+inf) travels as None, so the form is also
-        JSON (logs, bench output)."""
-        d = asdict(self)
-        d["dense_blocks"] = list(self.dense_blocks)
-        d["sigma_start"] = None if math.isinf(self.sigma_start) else self.sigma_start
-        return d
-
-    @classmethod
-    def from_wire(cls, d: dict) -> SparseConfig:
-        d = dict(d)
-        d["dense_blocks"] = tuple(int(b) for b in d.get("dense_blocks", ()))
-        if d.get("sigma_start") is None:
-            d["sigma_start"] = math.inf
-        return cls(**d)
 
 
 def dense_reason(cfg: SparseConfig, sigma: float | None, tokens: int, block: int) -> str | None:
@@ -289,51 +211,52 @@ class SparseStep:
 
 
 def sparse_step(
-    wire: dict, stats: PooledStats, heads: tuple[int, int], segments: Sequence[tuple]
+    wire: SparseStepSettings,
+    stats: PooledStats,
+    heads: tuple[int, int],
+    segments: Sequence[tuple],
 ) -> SparseStep:
-    """The :class:`SparseStep` of a ``dit_step``'s ``sparse`` field (``{config, sigma, branch}``);
-    ``segments`` are the whole stream's mod segments (not a rank's clipped ones)."""
-    cfg = SparseConfig.from_wire(wire["config"])
-    sigma = wire.get("sigma")
-    sb, sq = sinks(cfg, target_starts(segments))
+    """The :class:`SparseStep` of a ``dit_step``'s ``sparse`` settings; ``segments`` are the whole
+    stream's mod segments (not a rank's clipped ones)."""
+    sb, sq = sinks(wire.config, target_starts(segments))
     return SparseStep(
-        cfg,
+        wire.config,
         stats,
-        None if sigma is None else float(sigma),
-        str(wire.get("branch", "")),
+        wire.sigma,
+        wire.branch,
         (int(heads[0]), int(heads[1])),
         sb,
         sq,
     )
 
 
-def probe_wire(config: SparseConfig, segments: Sequence[tuple], rope: torch.Tensor) -> dict:
-    """A ``dit_probe``'s ``sparse`` field: what the kernel's calls depend on besides the shapes
+def probe_wire(
+    config: SparseConfig, segments: Sequence[tuple], rope: torch.Tensor
+) -> SparseProbeSettings:
+    """A ``dit_probe``'s ``sparse`` settings: what the kernel's calls depend on besides the shapes
     (method, ``tau``/``topk_ratio``, ``extra_tokens``, the sinks of this stream's ``segments``)
     and the rope table's pairs and dtype; the per-step decisions (sigma window, ``min_tokens``,
     ``dense_blocks``) left out."""
     sb, sq = sinks(config, target_starts(segments))
-    kernel = replace(
-        config, sigma_start=math.inf, sigma_end=0.0, min_tokens=0, dense_blocks=()
-    ).to_wire()
-    return {
-        "config": kernel,
-        "sink_blocks": list(sb),
-        "sink_q": list(sq),
-        "rope_pairs": int(rope.shape[-3]),
-        "rope_dtype": str(rope.dtype).removeprefix("torch."),
-    }
+    kernel = replace(config, sigma_start=math.inf, sigma_end=0.0, min_tokens=0, dense_blocks=())
+    return SparseProbeSettings(
+        kernel,
+        (int(sb[0]), int(sb[1])),
+        (int(sq[0]), int(sq[1])),
+        int(rope.shape[-3]),
+        str(rope.dtype).removeprefix("torch."),
+    )
 
 
-def probe_step(wire: Mapping, heads: tuple[int, int]) -> SparseStep:
+def probe_step(wire: SparseProbeSettings, heads: tuple[int, int]) -> SparseStep:
     """The :class:`SparseStep` the invariance probe calls for ``heads`` (fresh statistics; every
     block sparse)."""
     return SparseStep(
-        SparseConfig.from_wire(wire["config"]),
+        wire.config,
         PooledStats(),
         None,
         "",
         (int(heads[0]), int(heads[1])),
-        (int(wire["sink_blocks"][0]), int(wire["sink_blocks"][1])),
-        (int(wire["sink_q"][0]), int(wire["sink_q"][1])),
+        wire.sink_blocks,
+        wire.sink_q,
     )

@@ -78,7 +78,7 @@ def run(
             "tokens": list(tokens),
             "weights": weights,
             "steps": steps,
-            "modes": {k: (v.to_wire() if v else None) for k, v in modes.items()},
+            "modes": {k: (v.as_json() if v else None) for k, v in modes.items()},
         },
         "runs": [],
         "errors": [],
