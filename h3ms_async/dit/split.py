@@ -52,8 +52,8 @@ from workers.dit.sparse import SparseConfig
 from workers.runtime.comfy_host import HEAD_SPLIT_SAFE, ComfyHost, subquad_unchunked  # noqa: F401
 from workers.runtime.protocol import DropReleased, TensorDesc
 from workers.runtime.shm import dtype_name
+from workers.transports.arena import decode_seq
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import decode_seq
 
 log = get_logger("MultiStream")
 

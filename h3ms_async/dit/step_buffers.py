@@ -19,7 +19,7 @@ import torch
 from h3ms_async.runtime import plans
 from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
-from workers.transports.host import ArenaLayout
+from workers.transports.arena import ArenaLayout
 
 #: ``name: (dtype, shape)`` of the tensors one segment holds.
 Specs = dict[str, tuple[torch.dtype, Sequence[int]]]

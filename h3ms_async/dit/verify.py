@@ -25,7 +25,7 @@ from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit.loop import run_blocks
 from workers.dit.weights import CpuWeights
-from workers.transports.exchange import NoExchange
+from workers.transports.exchange import IdentityExchange
 
 #: ``h3ms_async.dit.split.SplitEngine`` (which calls this module; typed loosely so the import points
 #: one way).
@@ -108,7 +108,7 @@ def unsplit_step(
             segs,
             rope_freqs.to(device),
             weights,
-            NoExchange(),
+            IdentityExchange(),
             range(n),
             heads_local=cfg.heads,
             head_dim=cfg.head_dim,

@@ -28,7 +28,7 @@ import torch
 
 from workers.dit import ops as dit_ops
 from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, Split
-from workers.transports.host import piece
+from workers.transports.arena import piece
 
 #: Period of the random buffer's values (a prime, so no row of any H3 width repeats another).
 _PERIOD = 65521

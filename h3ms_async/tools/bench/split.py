@@ -47,8 +47,8 @@ from h3ms_async.observability.status import get_hub
 from h3ms_async.runtime import plans
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
+from workers.transports.arena import ArenaLayout
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import ArenaLayout
 
 log = get_logger("bench")
 
