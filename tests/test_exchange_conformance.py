@@ -24,7 +24,7 @@ from h3ms_async.runtime.plans import partition
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from workers.runtime.shm import Segment
 from workers.transports.arena import ArenaLayout
-from workers.transports.exchange import Exchange, IdentityExchange, NoExchange
+from workers.transports.exchange import Exchange, ExchangeBase, IdentityExchange, NoExchange
 from workers.transports.host import HostExchange
 from workers.transports.local import LocalArena, LocalExchange
 from workers.transports.probe import run_case
@@ -210,3 +210,32 @@ def test_every_collective_equals_the_spec(impl: Impl, world: int) -> None:
     per_block = [2 + bool(c["layout"].q_offsets) + 2 * c["overlap"] for c in cases]
     runs = [len(c["chunks"]) * c["rounds"] * c["blocks"] for c in cases]
     assert ops == world * sum(n * k for n, k in zip(runs, per_block))
+
+
+def test_transports_move_bytes_only():
+    """Every implementation with a layout takes the ops, their checks and their results from
+    ExchangeBase: a bad input fails alike on each, naming what the op expected."""
+    from workers.dit.cuda import CudaExchange
+    from workers.transports.dist import DistExchange
+
+    ops = ("all_gather_rows", "all_gather_rows_each", "all_to_all_cols", "all_to_all_qkv",
+           "all_to_all_heads")
+    for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange):
+        assert issubclass(cls, ExchangeBase)
+        assert all(getattr(cls, op) is getattr(ExchangeBase, op) for op in ops), cls
+    lay = _cases(2, True)[0]["layout"]
+    rig = Rig(lay, lambda r: torch.device("cpu"))
+    try:
+        for ex in (HostExchange(*rig.host_args(0)), LocalExchange(0, rig.local()), NoExchange(0, lay)):
+            ex.begin(0)
+            with pytest.raises(ValueError, match=r"rank 0: all_gather_rows input must be bfloat16 \[1, 6\]"):
+                ex.all_gather_rows(torch.zeros(2, 6, dtype=torch.bfloat16))
+            with pytest.raises(ValueError, match=r"exchange chunks must be an int in 0..255"):
+                ex.all_to_all_cols(torch.zeros(12, 4, dtype=torch.bfloat16), 256)
+            with pytest.raises(ValueError, match=r"all_to_all_qkv out must be bfloat16 \[12, 12\]"):
+                ex.all_to_all_qkv(torch.zeros(1, 18, dtype=torch.bfloat16), out=torch.zeros(1))
+            with pytest.raises(ValueError, match=r"head pieces must be an int"):
+                ex.all_to_all_heads(lambda a, b: torch.zeros(12, b - a), -1)
+            ex.close()
+    finally:
+        rig.close()

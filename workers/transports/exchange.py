@@ -180,8 +180,7 @@ class ExchangeBase(ABC):
         ``[S, row_width]``."""
         lay = self.layout
         self._check_input(KIND_NAMES[KIND_GATHER], local, (self._n_rows, lay.row_width))
-        n = self._start(KIND_GATHER, chunks)
-        res = self._out(KIND_GATHER, out, (lay.tokens, lay.row_width), local.device)
+        n, res = self._start(KIND_GATHER, chunks, out, (lay.tokens, lay.row_width), local.device)
         return self._all_gather_rows(local, n, res)
 
     def all_gather_rows_each(
@@ -191,8 +190,7 @@ class ExchangeBase(ABC):
         rows first and then for each non-empty peer's (as they arrive where the transport can)."""
         lay = self.layout
         self._check_input(KIND_NAMES[KIND_GATHER], local, (self._n_rows, lay.row_width))
-        self._start(KIND_GATHER, 1)
-        res = self._out(KIND_GATHER, out, (lay.tokens, lay.row_width), local.device)
+        _, res = self._start(KIND_GATHER, 1, out, (lay.tokens, lay.row_width), local.device)
         return self._all_gather_rows_each(local, on_rows, res)
 
     def all_to_all_cols(
@@ -203,8 +201,8 @@ class ExchangeBase(ABC):
         lay = self.layout
         c0, c1 = lay.cols(self.rank)
         self._check_input(KIND_NAMES[KIND_ALL_TO_ALL], local, (lay.tokens, c1 - c0))
-        n = self._start(KIND_ALL_TO_ALL, chunks)
-        res = self._out(KIND_ALL_TO_ALL, out, (self._n_rows, lay.columns), local.device)
+        shape = (self._n_rows, lay.columns)
+        n, res = self._start(KIND_ALL_TO_ALL, chunks, out, shape, local.device)
         return self._all_to_all_cols(local, n, res)
 
     def all_to_all_qkv(
@@ -215,8 +213,7 @@ class ExchangeBase(ABC):
         lay = self.layout
         c0, c1 = lay.cols(self.rank)
         self._check_input(KIND_NAMES[KIND_QKV], local, (self._n_rows, 3 * lay.columns))
-        n = self._start(KIND_QKV, chunks)
-        res = self._out(KIND_QKV, out, (lay.tokens, 3 * (c1 - c0)), local.device)
+        n, res = self._start(KIND_QKV, chunks, out, (lay.tokens, 3 * (c1 - c0)), local.device)
         return self._all_to_all_qkv(local, n, res)
 
     def all_to_all_heads(
@@ -224,9 +221,8 @@ class ExchangeBase(ABC):
     ) -> torch.Tensor:
         """:meth:`all_to_all_cols` of this rank's columns produced in ``pieces`` head pieces
         (``produce(c_a, c_b)``, :meth:`ArenaLayout.head_piece`; 0 and 1: one piece)."""
-        lay = self.layout
-        n = self._start(KIND_ALL_TO_ALL_HEADS, pieces)
-        res = self._out(KIND_ALL_TO_ALL_HEADS, out, (self._n_rows, lay.columns), self.device)
+        shape = (self._n_rows, self.layout.columns)
+        n, res = self._start(KIND_ALL_TO_ALL_HEADS, pieces, out, shape, self.device)
         return self._all_to_all_heads(produce, n, res)
 
     # -- the transport's hooks ---------------------------------------------------------------------
@@ -263,7 +259,8 @@ class ExchangeBase(ABC):
         )
 
     def _begin_op(self, kind: int, n: int) -> None:  # noqa: B027 - a hook most transports skip
-        """Called once per op after its checks (``n``: its chunk count, at least 1)."""
+        """Called once per op after its argument checks, before its result is allocated (``n``:
+        its chunk count, at least 1)."""
 
     def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         """The tensor an op without ``out`` writes its result into (a transport with result buffers
@@ -276,15 +273,29 @@ class ExchangeBase(ABC):
         t0, t1 = self.layout.rows(self.rank)
         return t1 - t0
 
-    def _start(self, kind: int, chunks: int) -> int:
+    def _start(
+        self,
+        kind: int,
+        chunks: int,
+        out: torch.Tensor | None,
+        shape: tuple[int, int],
+        device: torch.device,
+    ) -> tuple[int, torch.Tensor]:
+        """Check ``chunks`` and ``out``, begin the op; its chunk count (at least 1) and the tensor
+        its ``shape`` result goes into."""
         if not isinstance(chunks, int) or not 0 <= chunks <= MAX_CHUNKS:
+            what = "head pieces" if kind == KIND_ALL_TO_ALL_HEADS else "exchange chunks"
             raise ValueError(
-                f"exchange chunks must be an int in 0..{MAX_CHUNKS} (0/1 = single shot), got "
-                f"{chunks!r}"
+                f"{what} must be an int in 0..{MAX_CHUNKS} (0/1 = single shot), got {chunks!r}"
+            )
+        if out is not None and (tuple(out.shape) != shape or out.dtype != self.layout.torch_dtype):
+            raise ValueError(
+                f"rank {self.rank}: {KIND_NAMES[kind]} out must be {self.layout.dtype} "
+                f"{list(shape)}, got {out.dtype} {list(out.shape)}"
             )
         n = max(1, chunks)
         self._begin_op(kind, n)
-        return n
+        return n, self._result(kind, shape, device) if out is None else out
 
     def _check_input(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
         if tuple(t.shape) != shape or t.dtype != self.layout.torch_dtype:
@@ -292,18 +303,6 @@ class ExchangeBase(ABC):
                 f"rank {self.rank}: {what} input must be {self.layout.dtype} {list(shape)}, got "
                 f"{t.dtype} {list(t.shape)}; the rank plan and the exchange layout disagree"
             )
-
-    def _out(
-        self, kind: int, out: torch.Tensor | None, shape: tuple[int, int], device: torch.device
-    ) -> torch.Tensor:
-        if out is None:
-            return self._result(kind, shape, device)
-        if tuple(out.shape) != shape or out.dtype != self.layout.torch_dtype:
-            raise ValueError(
-                f"rank {self.rank}: {KIND_NAMES[kind]} out must be {self.layout.dtype} "
-                f"{list(shape)}, got {out.dtype} {list(out.shape)}"
-            )
-        return out
 
     def _piece(self, produce: ProduceFn, n: int, j: int) -> tuple[int, int, torch.Tensor | None]:
         """Head piece j of ``n`` of this rank's columns: its bounds (group coordinates) and
