@@ -42,14 +42,21 @@ TOKENS = {
     8: [0, 3, 7, 8, 12, 12, 17, 20, 25],
 }
 #: Head bounds per world: uneven groups, a rank without heads at 8.
-HEADS = {1: [0, 3], 2: [0, 2, 3], 3: [0, 2, 3, 5], 5: [0, 2, 3, 4, 6, 7], 8: [0, 1, 2, 3, 3, 4, 5, 6, 7]}
+HEADS = {
+    1: [0, 3],
+    2: [0, 2, 3],
+    3: [0, 2, 3, 5],
+    5: [0, 2, 3, 4, 6, 7],
+    8: [0, 1, 2, 3, 3, 4, 5, 6, 7],
+}
 DEADLINE_S = 30.0
 
 
 def _cases(world: int, full: bool) -> list[dict]:
     """The cases every implementation of ``world`` ranks runs: the uneven bf16 plan with the q/k/v
     blocks in 0, 3 and 13 chunks (13: more than any rank has rows), and a partitioned fp32 plan
-    without them in 2.  ``full`` False (an exchange without a layout): gather and all-to-all only."""
+    without them in 2.  ``full`` False (an exchange without a layout): gather and all-to-all
+    only."""
     shares = [(1.0, 1.0, 0.7)[r % 3] for r in range(world)]
     uneven = ArenaLayout.plan(
         world, TOKENS[world], [h * HEAD_DIM for h in HEADS[world]], 6, "bfloat16", HEAD_DIM, full
@@ -178,7 +185,9 @@ def _in_threads(impl: Impl, world: int, cases: list[dict], devices: list[str]) -
         for rig in rigs:
             rig.close()
     if errors:  # the first cause, not the others' broken barrier
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise next(
+            (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+        )
     return [case_result for per_rank in results for case_result in per_rank]
 
 
@@ -206,7 +215,9 @@ def test_every_collective_equals_the_spec(impl: Impl, world: int) -> None:
     assert not failures, failures[:20]
     # every op ran: gather and all-to-all, the q/k/v all-to-all on a qkv plan, head pieces and the
     # gather handing rows over with "overlap"
-    ops = sum(len(v) for res in results for r in res["runs"] for k, v in r.items() if k.endswith("_s"))
+    ops = sum(
+        len(v) for res in results for r in res["runs"] for k, v in r.items() if k.endswith("_s")
+    )
     per_block = [2 + bool(c["layout"].q_offsets) + 2 * c["overlap"] for c in cases]
     runs = [len(c["chunks"]) * c["rounds"] * c["blocks"] for c in cases]
     assert ops == world * sum(n * k for n, k in zip(runs, per_block))
@@ -218,17 +229,27 @@ def test_transports_move_bytes_only():
     from workers.dit.cuda import CudaExchange
     from workers.transports.dist import DistExchange
 
-    ops = ("all_gather_rows", "all_gather_rows_each", "all_to_all_cols", "all_to_all_qkv",
-           "all_to_all_heads")
+    ops = (
+        "all_gather_rows",
+        "all_gather_rows_each",
+        "all_to_all_cols",
+        "all_to_all_qkv",
+        "all_to_all_heads",
+    )
     for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange):
         assert issubclass(cls, ExchangeBase)
         assert all(getattr(cls, op) is getattr(ExchangeBase, op) for op in ops), cls
     lay = _cases(2, True)[0]["layout"]
     rig = Rig(lay, lambda r: torch.device("cpu"))
+    bad_rows = r"rank 0: all_gather_rows input must be bfloat16 \[1, 6\]"
     try:
-        for ex in (HostExchange(*rig.host_args(0)), LocalExchange(0, rig.local()), NoExchange(0, lay)):
+        for ex in (
+            HostExchange(*rig.host_args(0)),
+            LocalExchange(0, rig.local()),
+            NoExchange(0, lay),
+        ):
             ex.begin(0)
-            with pytest.raises(ValueError, match=r"rank 0: all_gather_rows input must be bfloat16 \[1, 6\]"):
+            with pytest.raises(ValueError, match=bad_rows):
                 ex.all_gather_rows(torch.zeros(2, 6, dtype=torch.bfloat16))
             with pytest.raises(ValueError, match=r"exchange chunks must be an int in 0..255"):
                 ex.all_to_all_cols(torch.zeros(12, 4, dtype=torch.bfloat16), 256)
