@@ -14,7 +14,7 @@ import torch
 from conftest import run_probe_cases
 from h3ms_async.dit import speed_model as sm
 from h3ms_async.runtime.plans import partition
-from workers.transports.host import ArenaLayout
+from workers.transports.arena import ArenaLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ROOT / "benchmarks" / "speed_parts_h200.json"
@@ -72,7 +72,7 @@ def test_byte_counts_match_what_the_real_transports_move():
     shape = sm.Shape(tokens, 12, heads, d, 1, "bfloat16")
     plan = sm.make_plan(shape, world, shares)
     lay = ArenaLayout.plan(world, list(plan.tokens), [h * d for h in plan.heads], shape.hidden, "bfloat16")
-    recs = run_probe_cases(world, [{"transport": "both", "layout": lay.to_dict(), "chunks": [0], "rounds": 1,
+    recs = run_probe_cases(world, [{"transport": ["host", "gloo"], "layout": lay.to_dict(), "chunks": [0], "rounds": 1,
                                     "blocks": 1}])
     for rank, rec in enumerate(sorted(recs, key=lambda r: r["rank"])):
         by = {run["transport"]: run["stats"] for run in rec["cases"][0]["runs"]}

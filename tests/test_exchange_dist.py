@@ -1,4 +1,5 @@
-"""torch.distributed exchange (gloo on CPU) against the host exchange; the NCCL rank-map check."""
+"""torch.distributed exchange: gloo's counters (``tests/test_exchange_conformance.py`` checks its results); the NCCL
+rank-map check."""
 from __future__ import annotations
 
 
@@ -6,33 +7,24 @@ import pytest
 
 from conftest import run_probe_cases
 from h3ms_async.runtime.plans import partition
+from workers.transports.arena import ArenaLayout
 from workers.transports.dist import check_nccl_rank_map, init_group
-from workers.transports.host import ArenaLayout
 
 
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_gloo_equals_host_bit_exact(world):
-    shares = [1.0, 1.0, 0.7, 1.0][:world]
-    cases = []
-    for dt in ("bfloat16", "float32"):
-        lay = ArenaLayout.plan(world, partition(19 + world, shares), [h * 4 for h in partition(6, shares)],
-                               24, dt, 4, True)
-        # "both": every op runs on the host arena and on gloo with the same inputs; each result must be
-        # torch.equal to the exact expected tensor, so host == gloo bit for bit
-        cases.append({"transport": "both", "layout": lay, "chunks": [0, 3], "rounds": 2, "blocks": 2, "seed": 11,
-                      "overlap": True})
-    recs = run_probe_cases(world, cases)
-    for rec in recs:
-        transports = [r["transport"] for r in rec["cases"][0]["runs"]]
-        assert transports == ["host", "gloo", "host", "gloo"]
-        dist_stats = rec["cases"][0]["runs"][1]["stats"]
-        # 2 rounds x 2 blocks x (gather, all-to-all, q/k/v all-to-all, all-to-all by head pieces, gather each: one
-        # collective each)
-        assert dist_stats["transport"] == "gloo" and dist_stats["ops"] == 20
-        assert dist_stats["bytes_read"] > 0
+def test_gloo_runs_one_collective_per_op():
+    """Its counters (the conformance test checks the results): every op one collective, whatever its
+    chunks or head pieces, and the bytes that crossed."""
+    lay = ArenaLayout.plan(2, partition(21, [1.0, 0.7]), [h * 4 for h in partition(6, [1.0, 0.7])], 24,
+                           "bfloat16", 4, True)
+    case = {"transport": "gloo", "layout": lay, "chunks": [3], "rounds": 2, "blocks": 2, "overlap": True}
+    for rec in run_probe_cases(2, [case]):
+        st = rec["cases"][0]["runs"][0]["stats"]
+        # 2 rounds x 2 blocks x (gather, all-to-all, q/k/v all-to-all, all-to-all by head pieces, gather each)
+        assert st["transport"] == "gloo" and st["ops"] == 20
+        assert st["bytes_read"] > 0 and st["bytes_written"] > 0
 
 
 def test_nccl_refuses_two_ranks_on_one_gpu():

@@ -25,15 +25,9 @@ from workers.dit import ops as dit_ops
 from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
 from workers.dit.ops import ModSegment, Shard
 from workers.dit.weights import CpuWeights
-from workers.transports.exchange import InProcessExchange, NoExchange
-from workers.transports.host import (
-    ArenaLayout,
-    ProduceFn,
-    RowsFn,
-    each_rank_rows,
-    packed_qkv,
-    produced_columns,
-)
+from workers.transports.arena import ArenaLayout
+from workers.transports.exchange import IdentityExchange
+from workers.transports.local import LocalArena, LocalExchange
 
 WEIGHT_KINDS = ("int8", "bf16", "fp32")
 INIT_STD = 0.02
@@ -286,7 +280,7 @@ class ReferenceDiT:
                 BlockInputs(t_emb, segments, rope_freqs),
                 RankBlocks(
                     weights,
-                    NoExchange(),
+                    IdentityExchange(),
                     c.heads,
                     c.head_dim,
                     c.eps,
@@ -382,66 +376,10 @@ class _Lockstep:
             self.take()
 
 
-class _LocalExchange(InProcessExchange):
-    """One rank thread's side of the in-process exchange: every rank writes its part into shared
-    buffers, meets the others, and reads the whole.
-
-    A buffer is rewritten only one op after everyone met over it, by when every rank has consumed
-    it: the gather result is read by attention, before its rank reaches the all-to-all; a rank's
-    all-to-all result by out_proj, before it reaches the next gather.
-    """
-
-    transport = "simulated"
-
-    def __init__(
-        self,
-        rank: int,
-        layout: ArenaLayout,
-        gathered: torch.Tensor,
-        received: list[torch.Tensor],
-        lockstep: _Lockstep,
-        qkv: list[torch.Tensor] | None = None,
-    ) -> None:
-        self.rank, self.layout = rank, layout
-        self._g, self._a, self._meet = gathered, received, lockstep.meet
-        self._q = qkv or []
-
-    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        t0, t1 = self.layout.rows(self.rank)
-        self._g[t0:t1].copy_(local)
-        self._meet()
-        return self._g
-
-    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        c0, c1 = self.layout.cols(self.rank)
-        for p, dst in enumerate(self._a):
-            p0, p1 = self.layout.rows(p)
-            dst[:, c0:c1].copy_(local[p0:p1])
-        self._meet()
-        return self._a[self.rank]
-
-    def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
-        return self.all_to_all_cols(produced_columns(self.layout, self.rank, pieces, produce))
-
-    def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        if not self._q:
-            raise ValueError("this simulated split runs the all-gather pattern (pattern='gather')")
-        t0, t1 = self.layout.rows(self.rank)
-        for p, dst in enumerate(self._q):
-            dst[t0:t1].copy_(packed_qkv(local, self.layout.qkv_cols(p)))
-        self._meet()
-        return self._q[self.rank]
-
-    def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
-        out = self.all_gather_rows(local)
-        each_rank_rows(self.layout, out, on_rows)
-        return out
-
-
 class SimulatedSplit:
     """R ranks of the split run in one process, each a thread running the rank's block loop
     (``workers.dit.loop``) on its own weights view, with the real slicing; the exchanges go through
-    shared buffers (``_LocalExchange``).  The result is each rank's rows concatenated.
+    shared buffers (``workers.transports.local``).  The result is each rank's rows concatenated.
     """
 
     def __init__(self, model: ReferenceDiT, head_bounds: Sequence[int]) -> None:
@@ -494,17 +432,14 @@ class SimulatedSplit:
             c.hidden,
             x.dtype,
         )
-        gathered = torch.empty((seq, c.hidden), dtype=x.dtype, device=x.device)
-        received = [
-            torch.empty((s.n_tokens, c.inner), dtype=x.dtype, device=x.device) for s in shards
-        ]
         lockstep = _Lockstep(self.ranks)
+        arena = LocalArena(layout, x.device, lockstep.meet)
         rows = [x[s.tokens].clone() for s in shards]
         errors: list[BaseException] = []
 
         def rank(r: int) -> None:
             s = shards[r]
-            ex = _LocalExchange(r, layout, gathered, received, lockstep)
+            ex = LocalExchange(r, arena)
             try:
                 lockstep.take()
                 with torch.inference_mode():

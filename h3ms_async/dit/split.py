@@ -56,8 +56,8 @@ from workers.dit import protocol as dit_protocol
 from workers.dit.protocol import SparseStepSettings, Transport
 from workers.runtime.protocol import DropReleased, TensorDesc
 from workers.runtime.shm import dtype_name
+from workers.transports.arena import decode_seq
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import decode_seq
 
 log = get_logger("MultiStream")
 

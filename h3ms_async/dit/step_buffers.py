@@ -19,7 +19,7 @@ import torch
 
 from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
-from workers.transports.host import ArenaLayout
+from workers.transports.arena import ArenaLayout
 
 if TYPE_CHECKING:
     from h3ms_async.dit.loaded import LoadedWeights

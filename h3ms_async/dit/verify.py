@@ -37,7 +37,7 @@ from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_
 from workers.dit.protocol import SparseStepSettings
 from workers.dit.sparse import PooledStats, dense_reason, sparse_step
 from workers.dit.weights import CpuWeights
-from workers.transports.exchange import NoExchange
+from workers.transports.exchange import IdentityExchange
 
 log = get_logger("MultiStream")
 
@@ -138,7 +138,7 @@ def unsplit_step(
         run_blocks(
             xr,
             BlockInputs(step.t_emb.to(device), segs, step.rope_freqs.to(device)),
-            RankBlocks(weights, NoExchange(), cfg.heads, cfg.head_dim, cfg.eps, attend),
+            RankBlocks(weights, IdentityExchange(), cfg.heads, cfg.head_dim, cfg.eps, attend),
             range(n),
             LoopPaths(sparse=sparse),
             LoopHooks(trace=trace),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,10 +37,11 @@ from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
+from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn
+from workers.transports.host import HostExchange
 
 if TYPE_CHECKING:
     from workers.transports.dist import DistExchange
-    from workers.transports.host import HostExchange, ProduceFn, RowsFn
 
 GIB = 1 << 30
 
@@ -282,9 +283,10 @@ class CudaWeights:
         self.host.clear()
 
 
-class CudaExchange:
-    """Wraps a HostExchange or DistExchange for a CUDA rank (a
-    ``workers.transports.exchange.Exchange``): copy streams, compute/copy/wait accounting."""
+class CudaExchange(ExchangeBase):
+    """Wraps a HostExchange or DistExchange for a CUDA rank: copy streams, compute/copy/wait
+    accounting.  Results are allocated on ``device``; each op is the wrapped exchange's into
+    them."""
 
     def __init__(self, device: torch.device, host: bool) -> None:
         self.inner: HostExchange | DistExchange | None = None
@@ -297,10 +299,25 @@ class CudaExchange:
         self.compute_wait_s = 0.0
         self.sync_s = 0.0
 
+    @classmethod
+    def over_host(cls, device: torch.device, *args: Any, **kwargs: Any) -> CudaExchange:
+        """A host exchange (``HostExchange(*args, **kwargs)``) moving this device's tensors through
+        the copy streams."""
+        wrap = cls(device, host=True)
+        inner = HostExchange(
+            *args,
+            **kwargs,
+            to_host=wrap.to_host,
+            to_device=wrap.to_device,
+            to_host_async=wrap.to_host_async,
+        )
+        return wrap.bind(inner)
+
     def bind(self, inner: HostExchange | DistExchange) -> CudaExchange:
         """Wrap ``inner`` (built with ``to_host=self.to_host, to_device=self.to_device`` for the
         host exchange)."""
         self.inner = inner
+        self.rank, self.layout = inner.rank, inner.layout
         return self
 
     @property
@@ -333,7 +350,9 @@ class CudaExchange:
             dst.copy_(src, non_blocking=True)
             self.timer.stop(tok, self.h2d)
 
-    def _pre(self) -> torch.cuda.Stream:
+    def _moved(self, op: Callable[[torch.cuda.Stream], torch.Tensor]) -> torch.Tensor:
+        """Run the wrapped op ``op(compute_stream)`` between the waits for its input and for its
+        result's copies."""
         cur = torch.cuda.current_stream(self.device)
         t = time.perf_counter()
         ev = torch.cuda.Event()
@@ -344,9 +363,7 @@ class CudaExchange:
         self.compute_wait_s += time.perf_counter() - t
         self.d2h.wait_stream(cur)
         self.h2d.wait_stream(cur)
-        return cur
-
-    def _post(self, cur: torch.cuda.Stream, out: torch.Tensor) -> torch.Tensor:
+        out = op(cur)
         if self.host:
             self._reads = torch.cuda.Event()
             self._reads.record(self.h2d)
@@ -357,52 +374,38 @@ class CudaExchange:
             self.sync_s += time.perf_counter() - t
         return out
 
-    def _out(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         """An op's result on this device (the H2D stream writes into it)."""
-        out = torch.empty(shape, dtype=dtype, device=self.device)
+        out = torch.empty(shape, dtype=self.layout.torch_dtype, device=self.device)
         out.record_stream(self.h2d)
         return out
 
-    def begin(self, gen: int) -> None:
-        self._inner.begin(gen)
+    def begin(self, abort_generation: int) -> None:
+        self._inner.begin(abort_generation)
 
-    def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        cur = self._pre()
-        lay = self._inner.layout
-        out = self._out((lay.tokens, lay.row_width), local.dtype)
-        return self._post(cur, self._inner.all_gather_rows(local, chunks, out=out))
+    def _all_gather_rows(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        return self._moved(lambda cur: self._inner.all_gather_rows(local, n, out=out))
 
-    def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        cur = self._pre()
-        lay = self._inner.layout
-        t0, t1 = lay.rows(self._inner.rank)
-        out = self._out((t1 - t0, lay.columns), local.dtype)
-        return self._post(cur, self._inner.all_to_all_cols(local, chunks, out=out))
+    def _all_to_all_cols(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        return self._moved(lambda cur: self._inner.all_to_all_cols(local, n, out=out))
 
-    def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
-        cur = self._pre()
-        lay = self._inner.layout
-        c0, c1 = lay.cols(self._inner.rank)
-        out = self._out((lay.tokens, 3 * (c1 - c0)), local.dtype)
-        return self._post(cur, self._inner.all_to_all_qkv(local, chunks, out=out))
+    def _all_to_all_qkv(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        return self._moved(lambda cur: self._inner.all_to_all_qkv(local, n, out=out))
 
-    def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
-        cur = self._pre()
-        lay = self._inner.layout
-        out = self._out((lay.tokens, lay.row_width), local.dtype)
+    def _all_gather_rows_each(
+        self, local: torch.Tensor, on_rows: RowsFn, out: torch.Tensor
+    ) -> torch.Tensor:
+        def run(cur: torch.cuda.Stream) -> torch.Tensor:
+            def each(a: int, b: int, rows: torch.Tensor) -> None:
+                cur.wait_stream(self.h2d)  # these rows' copy in was queued before this call
+                on_rows(a, b, rows)
 
-        def each(a: int, b: int, rows: torch.Tensor) -> None:
-            cur.wait_stream(self.h2d)  # these rows' copy in was queued before this call
-            on_rows(a, b, rows)
+            return self._inner.all_gather_rows_each(local, each, out=out)
 
-        return self._post(cur, self._inner.all_gather_rows_each(local, each, out=out))
+        return self._moved(run)
 
-    def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
-        cur = self._pre()
-        lay = self._inner.layout
-        t0, t1 = lay.rows(self._inner.rank)
-        out = self._out((t1 - t0, lay.columns), lay.torch_dtype)
-        return self._post(cur, self._inner.all_to_all_heads(produce, pieces, out=out))
+    def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:
+        return self._moved(lambda cur: self._inner.all_to_all_heads(produce, n, out=out))
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with

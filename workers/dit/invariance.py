@@ -30,7 +30,7 @@ from workers.dit import ops as dit_ops
 from workers.dit import sparse as dit_sparse
 from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, SparseProbeSettings, Split
 from workers.dit.weights import BlockView
-from workers.transports.host import piece
+from workers.transports.arena import piece
 
 #: Period of the random buffer's values (a prime, so no row of any H3 width repeats another).
 _PERIOD = 65521

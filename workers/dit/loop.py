@@ -11,7 +11,7 @@ Per block, a rank with tokens [t0, t1) and heads [g0, g1) (docs/architecture.md,
 5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as
    ComfyUI).
 
-With one rank (``NoExchange``, all heads) both collectives return their input and the loop is
+With one rank (``IdentityExchange``, all heads) both collectives return their input and the loop is
 ComfyUI's unsplit block stack op for op; a split can only differ from it through what the weight
 provider and the exchange slice and move, never through how a block computes.  Where the weights
 come from (``workers.dit.weights``) and how rows move (``workers.transports.exchange``) are the
@@ -30,7 +30,7 @@ from workers.dit import ops as dit_ops
 from workers.dit.protocol import Pattern
 from workers.dit.sparse import SparseStep
 from workers.dit.weights import BlockView, CpuWeights, WeightProvider
-from workers.transports.exchange import Exchange, NoExchange
+from workers.transports.exchange import Exchange, IdentityExchange
 
 
 @dataclass(frozen=True)
@@ -241,5 +241,7 @@ def block_forward_unsplit(
     """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned,
     like ComfyUI."""
     one = CpuWeights(lambda _: weights, 1, (0, heads), heads, head_dim, eager=False)
-    run_blocks(x, inputs, RankBlocks(one, NoExchange(), heads, head_dim, eps, attend), range(1))
+    run_blocks(
+        x, inputs, RankBlocks(one, IdentityExchange(), heads, head_dim, eps, attend), range(1)
+    )
     return x

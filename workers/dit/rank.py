@@ -27,8 +27,9 @@ from workers.dit.weights import CpuWeights, WeightProvider
 from workers.runtime import comfy_host
 from workers.runtime.handlers import WorkerContext, handler, on_release
 from workers.runtime.protocol import Dropped, Released, TensorDesc
-from workers.transports.exchange import Exchange, NoExchange
-from workers.transports.host import ArenaLayout, ExchangeAborted, HostExchange
+from workers.transports.arena import ArenaLayout
+from workers.transports.exchange import Exchange, ExchangeAborted, NoExchange
+from workers.transports.host import HostExchange
 
 _STATE = "dit"
 
@@ -262,20 +263,11 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
             for old in [k for k in st.exchanges if k[0] is Transport.HOST]:
                 st.exchanges.pop(old).close()
             arena = ctx.segment(msg.arena).base_tensor()
-            wrap = CudaExchange(torch.device(ctx.device), host=True) if cuda else None
-            ex = HostExchange(
-                ctx.rank,
-                ctx.world_size,
-                arena,
-                layout,
-                ctx.doorbell_fds,
-                ctx.control,
-                msg.deadline_s,
-                to_host=wrap.to_host if wrap is not None else None,
-                to_device=wrap.to_device if wrap is not None else None,
-                to_host_async=wrap.to_host_async if wrap is not None else None,
-            )
-            ex = wrap.bind(ex) if wrap is not None else ex
+            args = (ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control)
+            if cuda:
+                ex = CudaExchange.over_host(torch.device(ctx.device), *args, msg.deadline_s)
+            else:
+                ex = HostExchange(*args, msg.deadline_s)
             st.exchanges[key] = ex
         return ex
     from workers.transports.dist import DistExchange, init_group

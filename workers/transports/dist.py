@@ -1,15 +1,9 @@
 """The exchange over ``torch.distributed``: gloo on CPU (tests, CI), NCCL on CUDA (NVLink machines).
 
-Same two collectives as :class:`workers.transports.host.HostExchange`, with the same rank plan (an
-``ArenaLayout`` is used only for its bounds here).  Gloo in torch 2.13 (checked) supports
-``all_gather_into_tensor`` for equal sizes and ``all_to_all_single`` with per-rank splits, so:
-
-* ``all_gather_rows``: equal shards go straight through ``all_gather_into_tensor``; uneven shards
-  are padded to the largest shard and trimmed on the way out.
-* ``all_to_all_cols``: rank r's ``[S, c_r]`` input is row-major, so the rows destined for rank q are
-  one contiguous run of ``n_q * c_r`` elements; one flat ``all_to_all_single`` with those splits
-  moves everything and the receiver places rank p's ``[n_r, c_p]`` block at columns
-  ``col_bounds[p]:col_bounds[p+1]``.
+The collectives of ``workers.transports.exchange`` on its rank plan (an ``ArenaLayout`` is used only
+for its bounds here).  Gloo in torch 2.13 (checked) supports ``all_gather_into_tensor`` for equal
+sizes and ``all_to_all_single`` with per-rank splits, so every op is one collective
+(``all_gather_rows_each`` and ``all_to_all_heads`` the base's: the gather, or the whole columns).
 
 Collectives are not chunked (``chunks`` is accepted for interface parity; NCCL pipelines
 internally).  A collective cannot be interrupted: the abort word is checked between ops, and a stuck
@@ -27,16 +21,8 @@ import torch
 import torch.distributed as dist
 
 from workers.dit.protocol import Transport
-from workers.transports.host import (
-    ArenaLayout,
-    ExchangeAborted,
-    ExchangeStats,
-    ProduceFn,
-    RowsFn,
-    each_rank_rows,
-    packed_qkv,
-    produced_columns,
-)
+from workers.transports.arena import ArenaLayout
+from workers.transports.exchange import JobExchange, packed_qkv
 
 log = logging.getLogger("h3_multistream.worker")
 
@@ -114,52 +100,37 @@ def destroy_group() -> None:
         dist.destroy_process_group()
 
 
-class DistExchange:
-    """``all_gather_rows`` / ``all_to_all_cols`` over the default process group.
+class DistExchange(JobExchange):
+    """The exchange over the default process group.
 
     ``control`` (optional int64 shm tensor, word 0 = abort generation) makes ``begin()`` and every
-    op raise :class:`ExchangeAborted` once the pool has aborted the job.
+    op raise :class:`ExchangeAborted` once the pool has aborted the job.  ``stats()["wait_s"]`` is
+    the time inside collectives.
     """
 
     def __init__(
         self, rank: int, world: int, layout: ArenaLayout, *, control: torch.Tensor | None = None
     ) -> None:
-        if world != layout.world:
-            raise ValueError(f"world={world} but the layout was planned for world={layout.world}")
         if not dist.is_initialized() or dist.get_world_size() != world or dist.get_rank() != rank:
             raise RuntimeError(
                 f"DistExchange(rank={rank}, world={world}) needs init_group() with the same "
                 "rank/world"
             )
-        self.rank, self.world, self.layout = rank, world, layout
-        self._ctl = control.reshape(-1).numpy() if control is not None else None
-        self._gen: int | None = None
+        self.transport = Transport(dist.get_backend()).value
+        super().__init__(rank, world, layout, control)
         rows = [layout.rows(r) for r in range(world)]
         self._counts = [b - a for a, b in rows]
-        self.reset_stats()
 
-    def begin(self, abort_generation: int) -> None:
-        self._gen = int(abort_generation)
-        self._check_abort("begin")
-
-    def all_gather_rows(
-        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Every rank's rows in token order: ``[n_rank, row_width]`` in, ``[S, row_width]`` out."""
+    def _all_gather_rows(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """Equal shards go straight through ``all_gather_into_tensor``; uneven ones are padded to
+        the largest shard and trimmed on the way out."""
         lay = self.layout
         width = lay.row_width
-        self._check("all_gather_rows", local, (self._counts[self.rank], width))
-        self._start()
-        out = (
-            out
-            if out is not None
-            else torch.empty((lay.tokens, width), dtype=local.dtype, device=local.device)
-        )
         biggest = max(self._counts)
         if self.world == 1:
             out.copy_(local)
             return out
-        if all(n == biggest for n in self._counts):
+        if all(c == biggest for c in self._counts):
             self._collective(dist.all_gather_into_tensor, out, local.contiguous())
         else:
             t = time.perf_counter()
@@ -180,27 +151,20 @@ class DistExchange:
         self._stats["bytes_read"] += nb * biggest * (self.world - 1)
         return out
 
-    def all_to_all_cols(
-        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
+    def _all_to_all_cols(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """Rank r's ``[S, c_r]`` input is row-major, so the rows for rank q are one contiguous run
+        of ``n_q * c_r`` elements: one flat ``all_to_all_single`` with those splits, and rank p's
+        ``[n_r, c_p]`` block lands at its columns."""
         lay = self.layout
         me = self.rank
         c0, c1 = lay.cols(me)
         mine = self._counts[me]
-        self._check("all_to_all_cols", local, (lay.tokens, c1 - c0))
-        self._start()
-        out = (
-            out
-            if out is not None
-            else torch.empty((mine, lay.columns), dtype=local.dtype, device=local.device)
-        )
         if self.world == 1:
             out.copy_(local)
             return out
         widths = [b - a for a, b in (lay.cols(p) for p in range(self.world))]
         send = local.contiguous().view(-1)
-        in_splits = [n * (c1 - c0) for n in self._counts]
+        in_splits = [c * (c1 - c0) for c in self._counts]
         out_splits = [mine * w for w in widths]
         recv = self._all_to_all(send, in_splits, out_splits)
         t = time.perf_counter()
@@ -212,21 +176,11 @@ class DistExchange:
         self._stats["copy_s"] += time.perf_counter() - t
         return out
 
-    def all_to_all_qkv(
-        self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """q, k and v of this rank's heads for every token: ``[n_rank, 3·C]`` in, ``[S, 3·c_rank]``
-        out (``host.packed_qkv`` layout), in one collective."""
+    def _all_to_all_qkv(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """One ``all_to_all_single`` of every rank's packed q, k and v columns."""
         lay = self.layout
         me = self.rank
         c0, c1 = lay.cols(me)
-        self._check("all_to_all_qkv", local, (self._counts[me], 3 * lay.columns))
-        self._start()
-        out = (
-            out
-            if out is not None
-            else torch.empty((lay.tokens, 3 * (c1 - c0)), dtype=local.dtype, device=local.device)
-        )
         if self.world == 1:
             out.copy_(packed_qkv(local, lay.qkv_cols(me)))
             return out
@@ -235,68 +189,16 @@ class DistExchange:
         )
         widths = [3 * (b - a) for a, b in (lay.cols(p) for p in range(self.world))]
         in_splits = [self._counts[me] * w for w in widths]
-        out_splits = [n * 3 * (c1 - c0) for n in self._counts]
+        out_splits = [c * 3 * (c1 - c0) for c in self._counts]
         recv = self._all_to_all(send, in_splits, out_splits)
         t = time.perf_counter()
         out.copy_(recv.view(lay.tokens, 3 * (c1 - c0)))
         self._stats["copy_s"] += time.perf_counter() - t
         return out
 
-    def all_gather_rows_each(
-        self, local: torch.Tensor, on_rows: RowsFn, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """:meth:`all_gather_rows` in one collective, then ``on_rows`` per rank."""
-        gathered = self.all_gather_rows(local, out=out)
-        each_rank_rows(self.layout, gathered, on_rows)
-        return gathered
-
-    def all_to_all_heads(
-        self, produce: ProduceFn, pieces: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """:meth:`all_to_all_cols` of the pieces ``produce`` returns, moved in one collective."""
-        local = produced_columns(self.layout, self.rank, pieces, produce)
-        return self.all_to_all_cols(local, out=out)
-
     def close(self) -> None:
         """Nothing to drop per object: the process group outlives it (``destroy_group`` ends
         that)."""
-
-    def counters(self) -> tuple[float, float]:
-        """(copy seconds, wait seconds) since the last :meth:`reset_stats`
-        (``workers.transports.exchange``)."""
-        return self._stats["copy_s"], self._stats["wait_s"]
-
-    def stats(self) -> dict:
-        """Counters since construction or the last :meth:`reset_stats` (``wait_s`` = time inside
-        collectives)."""
-        return dict(self._stats)
-
-    def reset_stats(self) -> None:
-        self._stats: ExchangeStats = {
-            "transport": Transport(dist.get_backend()).value,
-            "rank": self.rank,
-            "ops": 0,
-            "bytes_written": 0,
-            "bytes_read": 0,
-            "copy_s": 0.0,
-            "wait_s": 0.0,
-            "signals_sent": 0,
-        }
-
-    def _check(self, what: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
-        if tuple(t.shape) != shape or t.dtype != self.layout.torch_dtype:
-            raise ValueError(
-                f"rank {self.rank}: {what} input must be {self.layout.dtype} {list(shape)}, got "
-                f"{t.dtype} {list(t.shape)}; the rank plan and the layout disagree"
-            )
-
-    def _start(self) -> None:
-        if self._gen is None:
-            raise RuntimeError(
-                f"rank {self.rank}: call begin(abort_generation) before the first exchange of a job"
-            )
-        self._stats["ops"] += 1
-        self._check_abort("start")
 
     def _all_to_all(
         self, send: torch.Tensor, in_splits: list[int], out_splits: list[int]
@@ -315,10 +217,3 @@ class DistExchange:
         t = time.perf_counter()
         fn(*args)
         self._stats["wait_s"] += time.perf_counter() - t
-
-    def _check_abort(self, where: str) -> None:
-        if self._ctl is not None and int(self._ctl[0]) != self._gen:
-            raise ExchangeAborted(
-                f"rank {self.rank}: exchange aborted during {where} (abort generation "
-                f"{int(self._ctl[0])}, job started under {self._gen})"
-            )

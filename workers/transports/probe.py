@@ -1,18 +1,24 @@
-"""A rank program for the exchange tests and benchmark: ``python -m workers.transports.probe --rank
-R --world W ...``.
+"""The exchange probe: every collective of an exchange checked against the spec
+(``workers.transports.exchange``) with ``torch.equal``, and timed.
 
-It runs the cases of ``--spec`` (JSON) in order.  A case names a transport (``host``, ``gloo`` or
-``both``), an arena segment (``workers/runtime/shm.py``, attached by id) with its layout (host), the
-chunk counts to run, and rounds x blocks of (all_gather_rows, all_to_all_cols), with ``"overlap":
-true`` also ``all_to_all_heads`` in as many head pieces as chunks (each piece produced on demand
-from the pattern) and ``all_gather_rows_each`` (each rank's rows handed over once); a layout
-planned with ``qkv`` adds ``all_to_all_qkv`` (of a ``[S, 3·C]`` pattern).  Every rank
-generates every rank's inputs from the case seed, so it checks its own results against the exact
-expected tensors (``torch.equal``) and, with ``both``, the host result against the torch.distributed
-one. Doorbell eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a
-segment id (``--control``).  Output: one JSON line on stdout with per-case results, per-op timings
-and the exchange stats; exit status 0 when every check passed, 1 when a check failed, 3 when an
-exchange raised.
+:func:`run_case` runs one case on one rank over any :class:`~workers.transports.exchange.Exchange`
+(``tests/test_exchange_conformance.py`` calls it on rank threads for the in-process ones).
+``python -m workers.transports.probe --rank R --world W ...`` is the rank program that runs the
+cases of ``--spec`` (JSON) in order in a process of its own, over the transports that need one (the
+exchange tests and benchmark; ``ProbeGroup`` in ``h3ms_async/tools/bench/exchange.py`` starts it).
+
+A case names its transports (``transport``: one of ``host``, ``gloo``, ``nccl`` or a list of them;
+the spec's ``devices``, one per rank, put the ranks on CUDA devices: the host exchange is then
+wrapped as a CUDA rank wraps it, ``nccl`` needs them), an arena segment (``workers/runtime/shm.py``,
+attached by id) with its layout (host), the chunk counts to run, and rounds x blocks of
+(all_gather_rows, all_to_all_cols); a layout planned with ``qkv`` adds ``all_to_all_qkv`` (of a
+``[S, 3·C]`` pattern); ``"overlap": true`` adds ``all_to_all_heads`` in as many head pieces as
+chunks (each piece produced on demand from the pattern) and ``all_gather_rows_each`` (each rank's
+rows handed over once, its own first).  Every rank generates every rank's inputs from the case seed,
+so it checks its own results against the spec's exact tensors.  Doorbell eventfds arrive through
+``pass_fds`` (``--doorbells``), the abort control word as a segment id (``--control``).  Output: one
+JSON line on stdout with per-case results, per-op timings and the exchange stats; exit status 0 when
+every check passed, 1 when a check failed, 3 when an exchange raised.
 """
 
 from __future__ import annotations
@@ -24,12 +30,44 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from workers.dit.protocol import Transport
 from workers.runtime.shm import Segment
-from workers.transports.host import ArenaLayout, ExchangeError, HostExchange, packed_qkv
+from workers.transports.arena import ArenaLayout
+from workers.transports.exchange import (
+    Exchange,
+    ExchangeError,
+    gathered_rows,
+    received_cols,
+    received_qkv,
+)
+from workers.transports.host import HostExchange
+
+_CPU = torch.device("cpu")
+#: The transports the rank program builds (those that need a process per rank).
+TRANSPORTS = (Transport.HOST.value, Transport.GLOO.value, Transport.NCCL.value)
+
+
+def case_transports(case: dict) -> list[str]:
+    """The transports a case names (``transport``: one name or a list)."""
+    given = case["transport"]
+    names = [given] if isinstance(given, str) else list(given)
+    unknown = [t for t in names if t not in TRANSPORTS]
+    if unknown or not names:
+        raise ValueError(
+            f"probe case transport {given!r}: name one or more of {', '.join(TRANSPORTS)}"
+        )
+    return names
+
+
+def case_layout(case: dict) -> ArenaLayout:
+    """The case's layout (an ``ArenaLayout`` or its ``to_dict()``)."""
+    lay = case["layout"]
+    return lay if isinstance(lay, ArenaLayout) else ArenaLayout.from_dict(lay)
 
 
 def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,113 +83,156 @@ def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tenso
 
 def _keep(into: list[tuple[int, int, torch.Tensor]], a: int, b: int, rows: torch.Tensor) -> None:
     """``all_gather_rows_each``'s callback in the probe: keep a copy of each handed-over range."""
-    into.append((a, b, rows.clone()))
+    into.append((a, b, rows.cpu().clone()))
 
 
-def run_case(rank: int, case: dict, host: HostExchange | None, dist_ex, stall_hook=None) -> dict:
-    """Run one case on this rank; returns its result record."""
-    layout = ArenaLayout.from_dict(case["layout"])
+#: ``timed(key, op, *args)``: the op's result, its duration appended to the run's ``key`` list.
+Timed = Callable[..., torch.Tensor]
+
+
+def _block(
+    ex: Exchange,
+    lay: ArenaLayout,
+    rank: int,
+    pattern: tuple[torch.Tensor, torch.Tensor],
+    chunks: int,
+    overlap: bool,
+    timed: Timed,
+    device: torch.device,
+) -> list[str]:
+    """One block's ops in the split's order, each result checked against the spec at once (a
+    result may be a buffer the next op of its kind rewrites); returns what differed."""
+    x, y = pattern
+    ranks = range(lay.world)
+    rows = [x[slice(*lay.rows(p))] for p in ranks]
+    cols = [y[:, slice(*lay.cols(p))] for p in ranks]
+    bad: list[str] = []
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return t.clone().to(device)
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got.cpu(), want):
+            bad.append(f"{what} differs")
+
+    got = timed("gather_s", ex.all_gather_rows, mine(rows[rank]), chunks)
+    check("gather", got, gathered_rows(lay, rows))
+    got = timed("a2a_s", ex.all_to_all_cols, mine(cols[rank]), chunks)
+    check("all_to_all", got, received_cols(lay, rank, cols))
+    if lay.q_offsets:
+        z = torch.cat([y, y.flip(0), -y], dim=1)  # q, k, v of every head
+        qkv = [z[slice(*lay.rows(p))] for p in ranks]
+        got = timed("qkv_s", ex.all_to_all_qkv, mine(qkv[rank]), chunks)
+        check("all_to_all_qkv", got, received_qkv(lay, rank, qkv))
+    if overlap:
+        c0 = lay.cols(rank)[0]
+        got = timed(
+            "heads_s", ex.all_to_all_heads, lambda ca, cb: mine(y[:, c0 + ca : c0 + cb]), chunks
+        )
+        check(f"all_to_all_heads ({chunks} pieces)", got, received_cols(lay, rank, cols))
+        handed: list[tuple[int, int, torch.Tensor]] = []
+        got = timed(
+            "each_s", ex.all_gather_rows_each, mine(rows[rank]), functools.partial(_keep, handed)
+        )
+        check("all_gather_rows_each", got, gathered_rows(lay, rows))
+        order = [(a, b) for a, b, _ in handed]
+        ranges = [lay.rows(p) for p in ranks]
+        r0, r1 = lay.rows(rank)
+        own_first = r1 == r0 or order[:1] == [(r0, r1)]
+        if sorted(order) != [(a, b) for a, b in ranges if b > a] or not own_first:
+            bad.append(f"rows handed over as {order}")
+        if not all(torch.equal(part, x[a:b]) for a, b, part in handed):
+            bad.append("handed-over rows differ")
+    return bad
+
+
+def run_case(
+    rank: int,
+    case: dict,
+    exchanges: Sequence[tuple[str, Exchange]],
+    stall_hook: Callable[[int], None] | None = None,
+    device: torch.device = _CPU,
+) -> dict:
+    """Run one case on this rank over each of ``exchanges`` (name, exchange) in turn, its inputs on
+    ``device``; returns its result record.  ``stall_hook(n)`` runs before the case's n-th op (a test
+    freezes one rank there)."""
+    layout = case_layout(case)
     rounds, blocks = int(case.get("rounds", 2)), int(case.get("blocks", 2))
     n_pat = int(case.get("patterns", rounds * blocks))
     seed = int(case.get("seed", 1))
     gen = int(case.get("gen", 0))
     patterns = [case_inputs(layout, seed, k) for k in range(n_pat)]
-    r0, r1 = layout.rows(rank)
-    c0, c1 = layout.cols(rank)
-    gloo = (Transport.GLOO.value, dist_ex)
-    transports = [("host", host)] if case["transport"] == "host" else [gloo]
-    if case["transport"] == "both":
-        transports = [("host", host), gloo]
     result: dict = {"name": case.get("name", ""), "ok": True, "failures": [], "runs": []}
+    overlap = bool(case.get("overlap"))
     op_count = 0
+    times: dict[str, list[float]] = {}
 
-    def timed(op, data, chunks, times):
-        # every op counts for the stall hook (a test freezes one rank at op N), then is timed
+    def timed(key: str, op: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         nonlocal op_count
         op_count += 1
         if stall_hook:
             stall_hook(op_count)
         t = time.perf_counter()
-        out = op(data, chunks)
-        times.append(time.perf_counter() - t)
+        out = op(*args)
+        times[key].append(time.perf_counter() - t)
         return out
 
     for chunks in case.get("chunks", [0]):
-        for tname, ex in transports:
-            assert ex is not None  # main() builds the exchange of every transport the case names
+        for tname, ex in exchanges:
             ex.reset_stats()
-            gather_s: list[float] = []
-            a2a_s: list[float] = []
-            heads_s: list[float] = []
-            each_s: list[float] = []
+            times = {k: [] for k in ("gather_s", "a2a_s", "qkv_s", "heads_s", "each_s")}
             for rnd in range(rounds):
                 ex.begin(gen)
                 for blk in range(blocks):
-                    x, y = patterns[(rnd * blocks + blk) % n_pat]
-                    local_rows = x[r0:r1].clone()
-                    local_cols = y[:, c0:c1].clone()
-                    g = timed(ex.all_gather_rows, local_rows, chunks, gather_s)
-                    a = timed(ex.all_to_all_cols, local_cols, chunks, a2a_s)
-                    if layout.q_offsets:
-                        z = torch.cat([y, y.flip(0), -y], dim=1)  # q, k, v of every head
-                        q = ex.all_to_all_qkv(z[r0:r1].clone(), chunks)
-                        if not torch.equal(q, packed_qkv(z, layout.qkv_cols(rank))):
-                            result["failures"].append(
-                                f"{tname} chunks={chunks} round={rnd} block={blk}: "
-                                "all_to_all_qkv differs"
-                            )
-                    if not torch.equal(g, x):
-                        result["failures"].append(
-                            f"{tname} chunks={chunks} round={rnd} block={blk}: gather differs"
-                        )
-                    if not torch.equal(a, y[r0:r1]):
-                        result["failures"].append(
-                            f"{tname} chunks={chunks} round={rnd} block={blk}: all_to_all differs"
-                        )
-                    if case.get("overlap"):
-                        h = timed(
-                            ex.all_to_all_heads,
-                            lambda ca, cb, y=y: y[:, c0 + ca : c0 + cb].clone(),
-                            chunks,
-                            heads_s,
-                        )
-                        if not torch.equal(h, y[r0:r1]):
-                            result["failures"].append(
-                                f"{tname} pieces={chunks} round={rnd} block={blk}: "
-                                "all_to_all_heads differs"
-                            )
-                        handed: list[tuple[int, int, torch.Tensor]] = []
-                        t = time.perf_counter()
-                        e = ex.all_gather_rows_each(local_rows, functools.partial(_keep, handed))
-                        each_s.append(time.perf_counter() - t)
-                        order = [(a, b) for a, b, _ in handed]
-                        ranges = [layout.rows(p) for p in range(layout.world)]
-                        own_first = tname != "host" or r1 == r0 or order[:1] == [(r0, r1)]
-                        if sorted(order) != [(a, b) for a, b in ranges if b > a] or not own_first:
-                            result["failures"].append(
-                                f"{tname} round={rnd} block={blk}: rows handed over as {order}"
-                            )
-                        if not all(torch.equal(rows, x[a:b]) for a, b, rows in handed):
-                            result["failures"].append(
-                                f"{tname} round={rnd} block={blk}: handed-over rows differ"
-                            )
-                        if not torch.equal(e, x):
-                            result["failures"].append(
-                                f"{tname} round={rnd} block={blk}: all_gather_rows_each differs"
-                            )
+                    pattern = patterns[(rnd * blocks + blk) % n_pat]
+                    bad = _block(ex, layout, rank, pattern, chunks, overlap, timed, device)
+                    where = f"{tname} chunks={chunks} round={rnd} block={blk}"
+                    result["failures"] += [f"{where}: {what}" for what in bad]
             result["runs"].append(
-                {
-                    "transport": tname,
-                    "chunks": chunks,
-                    "gather_s": gather_s,
-                    "a2a_s": a2a_s,
-                    "heads_s": heads_s,
-                    "each_s": each_s,
-                    "stats": ex.stats(),
-                }
+                {"transport": tname, "chunks": chunks, **times, "stats": ex.stats()}
             )
     result["ok"] = not result["failures"]
     return result
+
+
+def build_exchange(
+    transport: str,
+    rank: int,
+    world: int,
+    case: dict,
+    device: torch.device,
+    doorbells: list[int],
+    control: torch.Tensor | None,
+    segments: list[Segment],
+) -> Exchange:
+    """This rank's exchange of ``transport`` for ``case`` (a dist one needs ``init_group`` first);
+    the host arena's segment is attached into ``segments``."""
+    layout = case_layout(case)
+    cuda = device.type == "cuda"
+    if transport == Transport.HOST.value:
+        if control is None:
+            raise ValueError("a host case needs --control (the abort generation's segment)")
+        segments.append(Segment.attach(case["arena"]))
+        arena = segments[-1].base_tensor()[: layout.nbytes]
+        args = (rank, world, arena, layout, doorbells, control, float(case.get("deadline_s", 30)))
+        spin_us = float(case.get("spin_us", 0))
+        if cuda:
+            from workers.dit.cuda import CudaExchange
+
+            return CudaExchange.over_host(device, *args, spin_us=spin_us)
+        return HostExchange(*args, spin_us=spin_us)
+    from workers.transports.dist import DistExchange
+
+    if cuda != (transport == Transport.NCCL.value):
+        raise ValueError(
+            f"probe transport {transport!r} on {device}: gloo runs CPU ranks, nccl CUDA ranks"
+        )
+    ex = DistExchange(rank, world, layout, control=control)
+    if cuda:
+        from workers.dit.cuda import CudaExchange
+
+        return CudaExchange(device, host=False).bind(ex)
+    return ex
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,29 +245,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--control", default="", help="segment id whose int64 word 0 is the abort generation"
     )
-    ap.add_argument("--spec", required=True, help="JSON: {cases: [...], init_file, dist_timeout_s}")
+    ap.add_argument(
+        "--spec",
+        required=True,
+        help="JSON: {cases: [...], init_file, dist_timeout_s, devices (one per rank; default cpu)}",
+    )
     args = ap.parse_args(argv)
     spec = json.loads(args.spec)
     out: dict = {"rank": args.rank, "pid": os.getpid(), "ok": False, "cases": [], "error": None}
     # attached for the process's life: the exchanges hold views into them
     segments: list[Segment] = []
-    dist_ex = None
+    backends: set[str] = set()
     try:
+        devices = spec.get("devices") or ["cpu"] * args.world
+        device = torch.device(devices[args.rank])
         doorbells = [int(x) for x in args.doorbells.split(",") if x]
         control = None
         if args.control:
             segments.append(Segment.attach(args.control))
             control = segments[-1].base_tensor().view(torch.int64)
-        needs_dist = any(c["transport"] in ("gloo", "both") for c in spec["cases"])
-        if needs_dist:
+        names = {t for c in spec["cases"] for t in case_transports(c)}
+        backends = names - {Transport.HOST.value}
+        if len(backends) > 1:
+            raise ValueError("a probe process joins one process group: name gloo or nccl, not both")
+        if backends:
             from workers.transports.dist import init_group
 
+            nccl = backends == {Transport.NCCL.value}
             init_group(
                 args.rank,
                 args.world,
-                "gloo",
+                next(iter(backends)),
                 spec["init_file"],
                 float(spec.get("dist_timeout_s", 60)),
+                devices=devices if nccl else None,
+                local_device=devices[args.rank] if nccl else None,
             )
         stall = spec.get("stall") or {}
 
@@ -196,31 +289,19 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(float(stall.get("sleep_s", 30)))
 
         for case in spec["cases"]:
-            layout = ArenaLayout.from_dict(case["layout"])
-            host = None
-            if case["transport"] in ("host", "both"):
-                if control is None:
-                    raise ValueError("a host case needs --control (the abort generation's segment)")
-                segments.append(Segment.attach(case["arena"]))
-                host = HostExchange(
-                    args.rank,
-                    args.world,
-                    segments[-1].base_tensor()[: layout.nbytes],
-                    layout,
-                    doorbells,
-                    control,
-                    float(case.get("deadline_s", 30)),
-                    spin_us=float(case.get("spin_us", 0)),
+            exchanges = [
+                (
+                    t,
+                    build_exchange(
+                        t, args.rank, args.world, case, device, doorbells, control, segments
+                    ),
                 )
-            if needs_dist and case["transport"] != "host":
-                from workers.transports.dist import DistExchange
-
-                dist_ex = DistExchange(args.rank, args.world, layout, control=control)
-            out["cases"].append(
-                run_case(args.rank, case, host, dist_ex, stall_hook if stall else None)
-            )
-            if host is not None:
-                host.close()
+                for t in case_transports(case)
+            ]
+            hook = stall_hook if stall else None
+            out["cases"].append(run_case(args.rank, case, exchanges, hook, device))
+            for _, ex in exchanges:
+                ex.close()
         out["ok"] = all(c["ok"] for c in out["cases"])
         rc = 0 if out["ok"] else 1
     except ExchangeError as e:
@@ -235,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rc = 2
     finally:
-        if dist_ex is not None or any(c["transport"] != "host" for c in spec.get("cases", [])):
+        if backends:
             from workers.transports.dist import destroy_group
 
             destroy_group()

@@ -26,14 +26,17 @@ from h3ms_async import PACK_ROOT
 from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.runtime.plans import partition
 from h3ms_async.tools.cli import ArgParser, UsageError, int_list, positive_int
+from workers.dit.protocol import Transport
 from workers.runtime.shm import Segment
-from workers.transports.host import ArenaLayout
+from workers.transports.arena import ArenaLayout
+from workers.transports.probe import case_layout, case_transports
 
 log = get_logger("bench")
 
 
 class ProbeGroup:
-    """``world`` probe ranks running ``cases`` (probe case dicts; ``layout`` may be an ArenaLayout).
+    """``world`` probe ranks running ``cases`` (probe case dicts; ``layout`` may be an ArenaLayout),
+    on ``devices`` (one per rank; default: CPU ranks).
 
     Host cases get a fresh arena each (header initialised here).  Use as a context manager: on exit
     every rank still alive is killed, every segment closed, every fd closed and the run dir removed.
@@ -47,6 +50,7 @@ class ProbeGroup:
         stall: dict | None = None,
         gen: int = 0,
         dist_timeout_s: float = 60.0,
+        devices: list[str] | None = None,
     ) -> None:
         self.world = world
         # owner pid: a leak check can tell its own
@@ -63,11 +67,10 @@ class ProbeGroup:
             self.cases = []
             for given in cases:
                 case = dict(given)
-                lay = case["layout"]
-                lay = lay if isinstance(lay, ArenaLayout) else ArenaLayout.from_dict(lay)
+                lay = case_layout(case)
                 case["layout"] = lay.to_dict()
                 case.setdefault("gen", gen)
-                if case["transport"] in ("host", "both"):
+                if Transport.HOST.value in case_transports(case):
                     arena = Segment.create(lay.nbytes, "xarena")
                     self._shm.append(arena)
                     lay.init_header(arena.base_tensor()[: lay.nbytes])
@@ -78,6 +81,7 @@ class ProbeGroup:
                 "init_file": os.path.join(self.run_dir, "dist-init"),
                 "dist_timeout_s": dist_timeout_s,
                 "stall": stall,
+                "devices": devices,
             }
         except BaseException:
             self.close()

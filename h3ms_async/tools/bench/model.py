@@ -252,8 +252,8 @@ def measure_parts(
     from workers.dit import ops as dit_ops
     from workers.dit.loop import BlockInputs, RankBlocks, run_blocks
     from workers.dit.weights import CpuWeights
-    from workers.transports.exchange import NoExchange
-    from workers.transports.host import ArenaLayout
+    from workers.transports.arena import ArenaLayout
+    from workers.transports.exchange import IdentityExchange, NoExchange
 
     bw = copy_bandwidth()
     cfg = DiTConfig(layers=1, **FULL)
@@ -281,7 +281,7 @@ def measure_parts(
             torch.bfloat16,
         )
         w = CpuWeights(model.block_weights, 1, (g0, g1), cfg.heads, cfg.head_dim, eager=True)
-        ex = NoExchange(r, lay if world > 1 else None, dev)
+        ex = NoExchange(r, lay, dev) if world > 1 else IdentityExchange()
         rows = dit_ops.clip_segments(segs, t0, t1)
 
         def once():

@@ -51,8 +51,8 @@ from h3ms_async.status.hub import get_hub
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
 from workers.dit.protocol import Transport
+from workers.transports.arena import ArenaLayout
 from workers.transports.dist import check_nccl_rank_map
-from workers.transports.host import ArenaLayout
 
 log = get_logger("bench")
 

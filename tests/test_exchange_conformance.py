@@ -1,0 +1,262 @@
+"""Every exchange against the spec (``workers.transports.exchange``): each collective of each
+implementation, one shot, chunked (more chunks than a rank has rows included) and in head pieces, on
+uneven shares (a rank of one row, a rank without rows, a rank without heads), on 1 to 8 ranks, in
+bf16 and fp32, with and without the q/k/v all-to-all, each result checked with ``torch.equal`` by
+the exchange probe (``workers.transports.probe.run_case``).
+
+An implementation is one line of ``IMPLEMENTATIONS``: its name and either how one rank builds it in
+a thread of this process (over a :class:`Rig`: the shm arena, abort word and doorbells of the host
+exchange, the shared buffers of the in-process one) or the probe transport whose rank processes run
+it (``ProbeGroup``).  The CUDA ones skip without a GPU (``nccl``: without one GPU per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from h3ms_async.runtime.plans import partition
+from h3ms_async.tools.bench.exchange import ProbeGroup
+from workers.runtime.shm import Segment
+from workers.transports.arena import ArenaLayout
+from workers.transports.exchange import Exchange, ExchangeBase, IdentityExchange, NoExchange
+from workers.transports.host import HostExchange
+from workers.transports.local import LocalArena, LocalExchange
+from workers.transports.probe import run_case
+
+pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
+
+WORLDS = (1, 2, 3, 5, 8)
+HEAD_DIM = 2
+#: Uneven token bounds per world: a rank of one row from 2 ranks on, one without rows at 8.
+TOKENS = {
+    1: [0, 9],
+    2: [0, 1, 12],
+    3: [0, 7, 8, 17],
+    5: [0, 5, 9, 10, 16, 21],
+    8: [0, 3, 7, 8, 12, 12, 17, 20, 25],
+}
+#: Head bounds per world: uneven groups, a rank without heads at 8.
+HEADS = {
+    1: [0, 3],
+    2: [0, 2, 3],
+    3: [0, 2, 3, 5],
+    5: [0, 2, 3, 4, 6, 7],
+    8: [0, 1, 2, 3, 3, 4, 5, 6, 7],
+}
+DEADLINE_S = 30.0
+
+
+def _cases(world: int, full: bool) -> list[dict]:
+    """The cases every implementation of ``world`` ranks runs: the uneven bf16 plan with the q/k/v
+    blocks in 0, 3 and 13 chunks (13: more than any rank has rows), and a partitioned fp32 plan
+    without them in 2.  ``full`` False (an exchange without a layout): gather and all-to-all
+    only."""
+    shares = [(1.0, 1.0, 0.7)[r % 3] for r in range(world)]
+    uneven = ArenaLayout.plan(
+        world, TOKENS[world], [h * HEAD_DIM for h in HEADS[world]], 6, "bfloat16", HEAD_DIM, full
+    )
+    even = ArenaLayout.plan(
+        world,
+        partition(4 * world + 3, shares),
+        [h * HEAD_DIM for h in partition(world + 2, shares)],
+        5,
+        "float32",
+        HEAD_DIM,
+    )
+    common = {"rounds": 2, "blocks": 2, "seed": world, "deadline_s": DEADLINE_S, "overlap": full}
+    return [
+        {"name": "uneven", "layout": uneven, "chunks": [0, 3, 13], **common},
+        {"name": "partitioned", "layout": even, "chunks": [2], **common},
+    ]
+
+
+class Rig:
+    """What the rank threads of one case share: the host exchange's arena, abort word and doorbells,
+    and the in-process exchange's buffers (each made when first asked for)."""
+
+    def __init__(self, layout: ArenaLayout, device: Callable[[int], torch.device]) -> None:
+        self.layout, self.device = layout, device
+        self._shm: Segment | None = None
+        self.fds: list[int] = []
+        self._local: LocalArena | None = None
+        self._lock = threading.Lock()
+        self.barrier = threading.Barrier(layout.world, timeout=DEADLINE_S)
+
+    def host_args(self, rank: int) -> tuple:
+        """``HostExchange``'s positional arguments for ``rank``."""
+        with self._lock:
+            if self._shm is None:
+                self._shm = Segment.create(self.layout.nbytes + 4096, "xconf")
+                self.layout.init_header(self._shm.base_tensor()[: self.layout.nbytes])
+                self.fds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(self.layout.world)]
+        base = self._shm.base_tensor()
+        arena, control = base[: self.layout.nbytes], base[self.layout.nbytes :].view(torch.int64)
+        return rank, self.layout.world, arena, self.layout, self.fds, control, DEADLINE_S
+
+    def local(self) -> LocalArena:
+        with self._lock:
+            if self._local is None:
+                self._local = LocalArena(self.layout, self.device(0), self.barrier.wait)
+        return self._local
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        if self._shm is not None:
+            self._shm.close()
+        self._local = None
+
+
+def _cuda_host(rig: Rig, rank: int) -> Exchange:
+    from workers.dit.cuda import CudaExchange
+
+    return CudaExchange.over_host(rig.device(rank), *rig.host_args(rank))
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One exchange implementation under test: ``build(rig, rank)`` makes a rank thread's, or
+    ``probe`` names the transport of the probe's rank processes."""
+
+    name: str
+    build: Callable[[Rig, int], Exchange] | None = None
+    probe: str | None = None
+    worlds: tuple[int, ...] = WORLDS
+    cuda: bool = False
+    full: bool = True  # False: no layout, so no q/k/v all-to-all and no head pieces
+
+
+IMPLEMENTATIONS = [
+    Impl("host", lambda rig, rank: HostExchange(*rig.host_args(rank))),
+    Impl("gloo", probe="gloo"),
+    Impl("simulated", lambda rig, rank: LocalExchange(rank, rig.local())),
+    Impl("none", lambda rig, rank: NoExchange(rank, rig.layout), worlds=(1,)),
+    Impl("identity", lambda rig, rank: IdentityExchange(), worlds=(1,), full=False),
+    Impl("cuda-host", _cuda_host, cuda=True),
+    Impl("nccl", probe="nccl", cuda=True),
+]
+
+
+def _devices(impl: Impl, world: int) -> list[str]:
+    if not impl.cuda:
+        return ["cpu"] * world
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: run the CUDA exchanges on a GPU machine")
+    count = torch.cuda.device_count()
+    if impl.probe and count < world:
+        pytest.skip(f"{impl.name} needs one GPU per rank: {world} ranks, {count} GPU(s)")
+    return [f"cuda:{r % count}" for r in range(world)]
+
+
+def _in_threads(impl: Impl, world: int, cases: list[dict], devices: list[str]) -> list[dict]:
+    """Every case on ``world`` rank threads of this process; each rank's result records."""
+    assert impl.build is not None
+    rigs = [Rig(c["layout"], lambda r: torch.device(devices[r])) for c in cases]
+    results: list[list[dict]] = [[] for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            for case, rig in zip(cases, rigs):
+                ex = impl.build(rig, r)
+                try:
+                    dev = torch.device(devices[r])
+                    results[r].append(run_case(r, case, [(impl.name, ex)], device=dev))
+                finally:
+                    ex.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            for rig in rigs:
+                rig.barrier.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"xconf-{r}") for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for rig in rigs:
+            rig.close()
+    if errors:  # the first cause, not the others' broken barrier
+        raise next(
+            (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+        )
+    return [case_result for per_rank in results for case_result in per_rank]
+
+
+def _in_processes(impl: Impl, world: int, cases: list[dict], devices: list[str]) -> list[dict]:
+    """Every case on ``world`` probe rank processes; each rank's result records."""
+    with ProbeGroup(world, [dict(c, transport=impl.probe) for c in cases], devices=devices) as grp:
+        grp.start()
+        recs = grp.results(timeout_s=120)
+    for rec in recs:
+        assert rec["error"] is None, rec["error"]
+    return [case_result for rec in recs for case_result in rec["cases"]]
+
+
+@pytest.mark.parametrize(
+    "impl,world",
+    [pytest.param(i, w, id=f"{i.name}-{w}") for i in IMPLEMENTATIONS for w in i.worlds],
+)
+def test_every_collective_equals_the_spec(impl: Impl, world: int) -> None:
+    devices = _devices(impl, world)
+    cases = _cases(world, impl.full)
+    run = _in_processes if impl.probe else _in_threads
+    results = run(impl, world, cases, devices)
+    assert len(results) == world * len(cases)
+    failures = [f for res in results for f in res["failures"]]
+    assert not failures, failures[:20]
+    # every op ran: gather and all-to-all, the q/k/v all-to-all on a qkv plan, head pieces and the
+    # gather handing rows over with "overlap"
+    ops = sum(
+        len(v) for res in results for r in res["runs"] for k, v in r.items() if k.endswith("_s")
+    )
+    per_block = [2 + bool(c["layout"].q_offsets) + 2 * c["overlap"] for c in cases]
+    runs = [len(c["chunks"]) * c["rounds"] * c["blocks"] for c in cases]
+    assert ops == world * sum(n * k for n, k in zip(runs, per_block))
+
+
+def test_transports_move_bytes_only():
+    """Every implementation with a layout takes the ops, their checks and their results from
+    ExchangeBase: a bad input fails alike on each, naming what the op expected."""
+    from workers.dit.cuda import CudaExchange
+    from workers.transports.dist import DistExchange
+
+    ops = (
+        "all_gather_rows",
+        "all_gather_rows_each",
+        "all_to_all_cols",
+        "all_to_all_qkv",
+        "all_to_all_heads",
+    )
+    for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange):
+        assert issubclass(cls, ExchangeBase)
+        assert all(getattr(cls, op) is getattr(ExchangeBase, op) for op in ops), cls
+    lay = _cases(2, True)[0]["layout"]
+    rig = Rig(lay, lambda r: torch.device("cpu"))
+    bad_rows = r"rank 0: all_gather_rows input must be bfloat16 \[1, 6\]"
+    try:
+        for ex in (
+            HostExchange(*rig.host_args(0)),
+            LocalExchange(0, rig.local()),
+            NoExchange(0, lay),
+        ):
+            ex.begin(0)
+            with pytest.raises(ValueError, match=bad_rows):
+                ex.all_gather_rows(torch.zeros(2, 6, dtype=torch.bfloat16))
+            with pytest.raises(ValueError, match=r"exchange chunks must be an int in 0..255"):
+                ex.all_to_all_cols(torch.zeros(12, 4, dtype=torch.bfloat16), 256)
+            with pytest.raises(ValueError, match=r"all_to_all_qkv out must be bfloat16 \[12, 12\]"):
+                ex.all_to_all_qkv(torch.zeros(1, 18, dtype=torch.bfloat16), out=torch.zeros(1))
+            with pytest.raises(ValueError, match=r"head pieces must be an int"):
+                ex.all_to_all_heads(lambda a, b: torch.zeros(12, b - a), -1)
+            ex.close()
+    finally:
+        rig.close()
