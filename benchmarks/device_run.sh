@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh TARGET [extra bench args...]
-#   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu
+#   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu|
+#           paths
+#   paths: what the landing's CPU-only changes need on a GPU, each file under its own deadline (~9 min in all, ComfyUI
+#   tree needed): the split paths at full width from fresh workers (tests/test_cuda.py: Ulysses, head pieces, the
+#   gather overlap), every CUDA exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl"), the
+#   bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify (tests/test_sparse_cuda.py); a pass of the
+#   first lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   demo-gpu: the demo on 2 logical ranks of cuda:0 at full H3 width (20000 tokens, 2 blocks, 3 steps), int8 then
 #   bf16: its per-step table and summary must compare like with like (unsplit and split times of one order)
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
@@ -67,6 +73,17 @@ if [ "$what" = vae-exact ]; then
     | tee "$out/pytest_vae_exact.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
+fi
+if [ "$what" = paths ]; then
+  for t in "tests/test_cuda.py|split_paths or untested|200" "tests/test_exchange_conformance.py|cuda or nccl|90" \
+           "tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110"; do
+    IFS='|' read -r file kexpr limit <<< "$t"
+    name=$(basename "$file" .py)
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider -s "$file" ${kexpr:+-k "$kexpr"} \
+      > "$out/pytest_paths_$name.log" 2>&1
+    echo "$file ${kexpr:+-k '$kexpr'}: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
+  done
+  grep -hE "passed|failed" "$out"/pytest_paths_*.log | tee -a "$out/paths_summary.txt"
 fi
 if [ "$what" = vae ] || [ "$what" = vae-bench ]; then
   root=$(python3 -c "import sys; sys.path.insert(0, 'tests'); import comfy_tree; print(comfy_tree.ensure_tree())")
