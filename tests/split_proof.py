@@ -4,7 +4,8 @@ A parity case compares the pack's output inside real ComfyUI with plain ComfyUI'
 falls back to ComfyUI's own path (a plan the invariance probe refused, an attention shape measured inexact, a VAE
 worker the exactness probe dropped, a node that passed the model through) the two are equal trivially, so equality
 alone proves nothing. :class:`SplitProof` wraps the case's split run inside the ComfyUI process: it counts the calls
-ComfyUI's own H3 modules make (a global forward pre-hook) and takes the records the engine kept for them:
+ComfyUI's own H3 modules make inside the diffusion model's calls (global forward hooks) and takes the records the
+engine kept for them:
 
 * DiT split: one step record per model call (the split's ``StepRecord``): the expected ranks, each with a non-empty
   token range and head group, the ranges tiling the call's tokens and the model's heads;
@@ -107,6 +108,21 @@ def vae_decode_failure(rec: Mapping | None, devices: Sequence[str], dropped: Seq
     return None
 
 
+def vae_decodes_failure(records: Sequence[Mapping | None], devices: Sequence[str],
+                        dropped: Sequence[int] = ()) -> str | None:
+    """:func:`vae_decode_failure` for the records a benchmark took after each of its consecutive decodes with one
+    engine; they must be those decodes' own records (a decode that ran unsplit leaves none, so the record taken after
+    it is the one before)."""
+    for i, rec in enumerate(records):
+        why = vae_decode_failure(rec, devices, dropped)
+        if why is not None:
+            return f"decode {i}: {why}"
+    jobs = [rec["job"] for rec in records if rec is not None]
+    if jobs != list(range(jobs[0], jobs[0] + len(jobs))):
+        return f"the records are of the engine's decodes {jobs}, not of {len(jobs)} consecutive ones: one ran unsplit"
+    return None
+
+
 class SplitProof:
     """A context manager around a parity case's split run in the ComfyUI process (see the module doc): on exit,
     :attr:`failure` says why the run does not prove the split (None when it does) and, with ``strict`` (the default),
@@ -131,29 +147,40 @@ class SplitProof:
         self.calls: list[tuple[int, ...]] = []
         self.records: list[dict] = []
         self._model: tuple[int, int] = (0, 0)
-        self._hook: Any = None
+        self._inside = 0
+        self._hooks: list[Any] = []
         self._before: Any = None
 
     # -- what the model asked for ------------------------------------------------------------------
     def _seen(self, module: Any, args: tuple) -> None:
+        """Before a module call: a diffusion-model call starts (its heads and blocks), its final layer takes its
+        tokens (DiT), or an attention call inside it (the text refiner's run before sampling, with no
+        ``transformer_options``: ComfyUI's own attention whatever the nodes)."""
         from comfy.ldm.minimax import model as h3
         if isinstance(module, h3.MiniMaxH3Model):
             self._model = (int(module.blocks[0].attn.heads), len(module.blocks))
+            self._inside += 1
         elif isinstance(module, h3.FinalLayer) and self.program == "dit":
             self.calls.append((int(args[0].shape[0]), *self._model))
-        elif isinstance(module, h3.Attention) and self.program == "attention":
+        elif isinstance(module, h3.Attention) and self.program == "attention" and self._inside:
             self.calls.append((int(args[0].shape[0]), int(module.heads)))
 
+    def _left(self, module: Any, args: tuple, out: Any) -> None:
+        from comfy.ldm.minimax import model as h3
+        if isinstance(module, h3.MiniMaxH3Model):
+            self._inside -= 1
+
     def __enter__(self) -> SplitProof:
-        import torch
+        from torch.nn.modules import module
         self._before = self._engine_state()
         if self.program != "vae":
-            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
+            self._hooks = [module.register_module_forward_pre_hook(self._seen),
+                           module.register_module_forward_hook(self._left)]
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         if exc_type is not None:
             return
         self.failure = self._failure()
