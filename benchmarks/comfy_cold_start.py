@@ -160,7 +160,7 @@ refilled = eng.last_load is not load or eng._loaded.store.segment.name != segmen
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(
-    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, lora={lora}, tokens=get_hub().recent_steps(1)[0]["tokens"],
+    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, lora={lora}, tokens=proofs[0].calls[0][0],
     width=W, height=H, length=length, checkpoint_bytes=file_bytes, checkpoint_write_s=round(write_s, 2),
     disk_read_gbps=round(disk_gbps, 2), copies=copies,
     plain=dict(load_s=round(plain_load_s, 4), block_stack_s=plain, cold_s=comfy_cold),

@@ -228,15 +228,15 @@ class SplitProof:
     def _failure(self) -> str | None:
         self.records = self._new_records()
         made = len(self.calls) if self.program != "vae" else 1
-        if self.program != "vae" and not made:
-            return f"the block made no {'attention' if self.program == 'attention' else 'diffusion-model'} call"
+        what = {"dit": "diffusion-model call(s)", "attention": "attention call(s)", "vae": "decode(s)"}[self.program]
+        if not made:
+            return f"the block made no {what}"
         if self.unsplit:
             if self.records:
-                return (f"{len(self.records)} of {made} call(s) split where the case expects ComfyUI's own path "
-                        "(a refusal)")
+                return f"{len(self.records)} of {made} {what} split where the case expects ComfyUI's own path"
             return None
         if len(self.records) != made:
-            return (f"{made - len(self.records)} of {made} call(s) ran ComfyUI's own path, not the split (a refused "
+            return (f"{made - len(self.records)} of {made} {what} ran ComfyUI's own path, not the split (a refused "
                     "plan runs unsplit and equals ComfyUI trivially; if the case expects that, say unsplit=True). "
                     f"The probe's latest non-exact verdicts: {self._verdicts()}")
         for rec, call in zip(self.records, self.calls or [()]):
