@@ -16,7 +16,7 @@ engine kept for them:
 It fails, naming what ran unsplit and the probe's verdicts, unless all of that holds. A case that expects ComfyUI's own
 path says so (``unsplit=True``): then the proof asserts that refusal instead (calls made, none split). The record checks
 (:func:`dit_step_failure`, :func:`attention_call_failure`, :func:`vae_decode_failure`) also take records a benchmark
-wrote (``bench vae``'s JSON). Imported inside ComfyUI processes (``tests/`` on ``sys.path``); the pack's modules are
+wrote (``bench vae``'s JSON: :func:`vae_decodes_failure`). Imported inside ComfyUI processes (``tests/`` on ``sys.path``); the pack's modules are
 imported when a proof starts, so after ComfyUI's loader loaded the pack.
 """
 from __future__ import annotations
@@ -113,6 +113,8 @@ def vae_decodes_failure(records: Sequence[Mapping | None], devices: Sequence[str
     """:func:`vae_decode_failure` for the records a benchmark took after each of its consecutive decodes with one
     engine; they must be those decodes' own records (a decode that ran unsplit leaves none, so the record taken after
     it is the one before)."""
+    if not records:
+        return "no decode records"
     for i, rec in enumerate(records):
         why = vae_decode_failure(rec, devices, dropped)
         if why is not None:
@@ -131,7 +133,7 @@ class SplitProof:
     ``devices``: the expected ranks (DiT: the rank map; Attention Parallel: the model's device, then the helpers';
     VAE: rank 0's, then the workers'). ``program``: ``dit``, ``attention`` or ``vae``. ``unsplit``: the case expects
     ComfyUI's own path (a refusal): the calls must be made and none split. ``dropped``: VAE ranks the exactness probe
-    must drop. A VAE proof wraps one decode; the others every model call of the block."""
+    must drop. A VAE proof wraps one decode; a DiT or attention proof any number of diffusion-model calls."""
 
     def __init__(self, devices: Sequence[str], program: str = "dit", *, unsplit: bool = False,
                  dropped: Sequence[int] = (), strict: bool = True) -> None:
@@ -148,15 +150,17 @@ class SplitProof:
         self.records: list[dict] = []
         self._model: tuple[int, int] = (0, 0)
         self._inside = 0
+        self._h3: Any = None  # ComfyUI's H3 module, imported when the proof starts
         self._hooks: list[Any] = []
         self._before: Any = None
 
     # -- what the model asked for ------------------------------------------------------------------
     def _seen(self, module: Any, args: tuple) -> None:
         """Before a module call: a diffusion-model call starts (its heads and blocks), its final layer takes its
-        tokens (DiT), or an attention call inside it (the text refiner's run before sampling, with no
-        ``transformer_options``: ComfyUI's own attention whatever the nodes)."""
-        from comfy.ldm.minimax import model as h3
+        tokens (DiT), or an attention call inside a diffusion-model call (not the text refiner's, which ComfyUI runs
+        once per sampling before the calls, without ``transformer_options``: ComfyUI's own attention whatever the
+        nodes)."""
+        h3 = self._h3
         if isinstance(module, h3.MiniMaxH3Model):
             self._model = (int(module.blocks[0].attn.heads), len(module.blocks))
             self._inside += 1
@@ -166,12 +170,13 @@ class SplitProof:
             self.calls.append((int(args[0].shape[0]), int(module.heads)))
 
     def _left(self, module: Any, args: tuple, out: Any) -> None:
-        from comfy.ldm.minimax import model as h3
-        if isinstance(module, h3.MiniMaxH3Model):
+        if isinstance(module, self._h3.MiniMaxH3Model):
             self._inside -= 1
 
     def __enter__(self) -> SplitProof:
+        from comfy.ldm.minimax import model as h3
         from torch.nn.modules import module
+        self._h3 = h3
         self._before = self._engine_state()
         if self.program != "vae":
             self._hooks = [module.register_module_forward_pre_hook(self._seen),
