@@ -153,10 +153,10 @@ with proofs[0]:
     first, first_out = sample(split)
 eng = S.engines()[0]
 load = eng.last_load
-segment = eng._loaded.store.segment.name
+segment = eng.loaded.store.segment.name
 with proofs[1]:
     second, second_out = sample(split)
-refilled = eng.last_load is not load or eng._loaded.store.segment.name != segment
+refilled = eng.last_load is not load or eng.loaded.store.segment.name != segment
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(

@@ -14,10 +14,10 @@ engine kept for them:
   worker's chunks came back with bytes), the dropped ranks none.
 
 It fails, naming what ran unsplit and the probe's verdicts, unless all of that holds. A case that expects ComfyUI's own
-path says so (``unsplit=True``): then the proof asserts that refusal instead (calls made, none split). The record checks
-(:func:`dit_step_failure`, :func:`attention_call_failure`, :func:`vae_decode_failure`) also take records a benchmark
-wrote (``bench vae``'s JSON: :func:`vae_decodes_failure`). Imported inside ComfyUI processes (``tests/`` on ``sys.path``); the pack's modules are
-imported when a proof starts, so after ComfyUI's loader loaded the pack.
+path says so (``unsplit=True``): then the proof asserts that refusal instead (calls made, none split). The record
+checks (:func:`dit_step_failure`, :func:`attention_call_failure`, :func:`vae_decode_failure`) also take records a
+benchmark wrote (``bench vae``'s JSON: :func:`vae_decodes_failure`). Imported inside ComfyUI processes (``tests/`` on
+``sys.path``); the pack's modules are imported when a proof starts, so after ComfyUI's loader loaded the pack.
 """
 from __future__ import annotations
 

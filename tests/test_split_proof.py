@@ -13,7 +13,7 @@ from split_proof import (
     vae_decodes_failure,
 )
 
-from h3ms_async.observability.records import RankRecord, StepRecord
+from h3ms_async.status.records import RankRecord, StepRecord
 
 pytestmark = pytest.mark.fast
 
