@@ -221,6 +221,16 @@ class SplitProof:
         rec = self._vae_engine_record()
         return [rec] if rec is not None and rec is not self._before else []
 
+    def _records_kept(self) -> int:
+        """How many of its latest records the engine keeps."""
+        if self.program == "dit":
+            from h3ms_async.status.hub import RING_SIZE
+            return RING_SIZE
+        if self.program == "attention":
+            from h3ms_async.attention.engine import RECENT_CALLS
+            return RECENT_CALLS
+        return 1
+
     def _verdicts(self) -> str:
         """The probe's latest verdicts other than exact, for a failure message: the ops that differed (not the rows of
         the ops refused with them)."""
@@ -236,6 +246,9 @@ class SplitProof:
         what = {"dit": "diffusion-model call(s)", "attention": "attention call(s)", "vae": "decode(s)"}[self.program]
         if not made:
             return f"the block made no {what}"
+        kept = self._records_kept()
+        if made > kept:
+            return f"the block made {made} {what}; the engine keeps the records of its last {kept}: wrap fewer"
         if self.unsplit:
             if self.records:
                 return f"{len(self.records)} of {made} {what} split where the case expects ComfyUI's own path"
