@@ -18,7 +18,9 @@ both sides read it from disk. Then:
    (first block stack - the steady one): the workers' start, the weight-store fill, the ranks' load, the exactness
    probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down).
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
-   whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's.
+   whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's
+   (None when ``split_proof``, per prompt, says why it does not prove that every model call split on every rank:
+   ``tests/split_proof.py``; a refused plan runs ComfyUI's own blocks).
 
 ``--lora`` puts a rank-16 LoRA on every block's qkv and fc1 on both sides: ComfyUI then patches those weights in its
 cast, and the node's fill takes them from that cast (``nodes/comfy_weights.py``), the slower path.
@@ -42,6 +44,7 @@ import safetensors.torch
 import comfy.model_management as mm
 import comfy.sd
 from h3ms_async.status.hub import get_hub  # the pack's own copy, loaded by start()
+from split_proof import SplitProof
 cuda = torch.cuda.is_available()
 dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
 W, H, TEXT = {width}, {height}, 9
@@ -145,16 +148,19 @@ os.environ["H3MS_RANK_MAP"] = {ranks!r}
 model, node_load_s = loaded()
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", None)[0]
 from h3ms_async.dit import split as S
-first, first_out = sample(split)
+proofs = [SplitProof({ranks!r}.split(","), strict=False) for _ in range(2)]  # every call split, per prompt
+with proofs[0]:
+    first, first_out = sample(split)
 eng = S.engines()[0]
 load = eng.last_load
-segment = eng._loaded.store.segment.name
-second, second_out = sample(split)
-refilled = eng.last_load is not load or eng._loaded.store.segment.name != segment
+segment = eng.loaded.store.segment.name
+with proofs[1]:
+    second, second_out = sample(split)
+refilled = eng.last_load is not load or eng.loaded.store.segment.name != segment
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(
-    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, lora={lora}, tokens=get_hub().recent_steps(1)[0]["tokens"],
+    patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, lora={lora}, tokens=proofs[0].calls[0][0],
     width=W, height=H, length=length, checkpoint_bytes=file_bytes, checkpoint_write_s=round(write_s, 2),
     disk_read_gbps=round(disk_gbps, 2), copies=copies,
     plain=dict(load_s=round(plain_load_s, 4), block_stack_s=plain, cold_s=comfy_cold),
@@ -167,7 +173,9 @@ print("RESULT " + json.dumps(dict(
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_cold_over_comfy_cold=round(node_cold / comfy_cold, 3) if comfy_cold > 0 else None,
-    bit_exact=comfy_h3.same(plain_out, first_out)[0] and comfy_h3.same(plain_out, second_out)[0],
+    split_proof=[p.failure for p in proofs],
+    bit_exact=comfy_h3.same(plain_out, first_out)[0] and comfy_h3.same(plain_out, second_out)[0]
+    if not any(p.failure for p in proofs) else None,
 )), flush=True)
 N["H3MSReleaseResourcesAsync"]().run(True, True, True)
 os.remove(path)

@@ -21,6 +21,7 @@ import comfy_h3
 import psutil
 import pytest
 import torch
+from split_proof import SplitProof
 from torch.overrides import TorchFunctionMode
 
 H, FFN = comfy_h3.HIDDEN, comfy_h3.FFN
@@ -46,6 +47,13 @@ def clear_interrupt():
 def sample(model, **kw):
     """One KSampler run (1 step unless given) through ``nodes.common_ksampler``; the sampled streams."""
     return comfy_h3.ksample(model, steps=kw.pop("steps", 1), **kw)
+
+
+def split_sample(model, devices=("cpu", "cpu"), unsplit: bool = False, **kw):
+    """:func:`sample` of a split model under the split's proof (``tests/split_proof.py``): every model call ran split
+    on ``devices`` (``unsplit``: the case expects ComfyUI's own path, and no call split)."""
+    with SplitProof(list(devices), unsplit=unsplit):
+        return sample(model, **kw)
 
 
 def same(a, b) -> bool:
@@ -374,7 +382,7 @@ def test_release_node_detaches_and_a_detached_split_runs_plain_comfyui():
     assert state.detached and "detached" in out["ui"]["text"][0] and "RAM available" in out["ui"]["text"][-1]
     nothing = RELEASE.H3MSReleaseResourcesAsync().run(False, False, False, release_vae_workers=False)
     assert nothing["ui"]["text"][0] == "nothing selected"
-    assert same(reference, sample(clone))
+    assert same(reference, split_sample(clone, unsplit=True))
     assert n > 0 and calls == [1] * (2 * n)
 
 
@@ -416,7 +424,7 @@ def test_split_step_is_recorded_and_gpu_set_shares_reach_the_engine(split, monke
     patcher = comfy_h3.model(layers=3, int8=True)
     reference = sample(patcher)
     patched = _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1", "", "1,0.5"))
-    assert same(reference, sample(patched))
+    assert same(reference, split_sample(patched))
     (engine,) = split.engines()
     assert engine.options.shares == (1.0, 0.5)
     rec = get_hub().recent_steps(1)[-1]
@@ -476,7 +484,7 @@ def test_cancel_aborts_every_rank_within_two_seconds(split, monkeypatch):
     with pytest.raises(mm.InterruptProcessingException):
         sample(patched)
     assert engine.snapshot()["steps"] == steps
-    assert same(sample(patcher), sample(patched))
+    assert same(sample(patcher), split_sample(patched))
 
 
 def test_release_node_clears_store_keeps_workers_then_releases(split, monkeypatch):
@@ -489,11 +497,11 @@ def test_release_node_clears_store_keeps_workers_then_releases(split, monkeypatc
     text = RELEASE.H3MSReleaseResourcesAsync().run(False, True, False, release_vae_workers=False)["ui"]["text"]
     assert "weight store cleared" in text[0] and engine.weight_state == "empty"
     assert [w["pid"] for w in engine.pool.snapshot()] == pids  # workers kept
-    assert same(reference, sample(patched))  # refilled on the next step, same workers
+    assert same(reference, split_sample(patched))  # refilled on the next step, same workers
     assert [w["pid"] for w in engine.pool.snapshot()] == pids
     text = RELEASE.H3MSReleaseResourcesAsync().run(True, False, False, release_vae_workers=False)["ui"]["text"]
     assert "released (1 engine" in text[0] and split.engines() == []
-    assert same(reference, sample(patched))  # a new engine starts on demand
+    assert same(reference, split_sample(patched))  # a new engine starts on demand
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["weight_cache-on", "weight_cache-off"])
@@ -504,11 +512,11 @@ def test_weight_cache_keeps_or_releases_the_store_after_sampling(split, monkeypa
     reference = sample(patcher)
     monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
     (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, cache, 0.0, "auto", None)
-    assert same(reference, sample(patched))
+    assert same(reference, split_sample(patched))
     (engine,) = split.engines()
     pids = [w["pid"] for w in engine.pool.snapshot()]
     assert engine.weight_state.startswith("warm") if cache else engine.weight_state == "empty"
-    assert same(reference, sample(patched))
+    assert same(reference, split_sample(patched))
     assert [w["pid"] for w in engine.pool.snapshot()] == pids
 
 
@@ -518,7 +526,6 @@ def test_step_measured_not_exact_runs_unsplit_with_one_warning(split, monkeypatc
     makes fc2 round differently at the second rank's 2 rows (the smallest H3 latent packs 19 tokens; shares
     1 : 0.15 leave that rank 2 of them), too few tokens for any adjusted plan."""
     from h3ms_async.runtime.plans import GPUSet
-    from h3ms_async.status.hub import get_hub
     from h3ms_async.dit import exactness
     exactness.VERDICTS.clear()  # this process may have measured the plan before, without the fault
     patcher = comfy_h3.model(layers=2, int8=True)
@@ -527,16 +534,13 @@ def test_step_measured_not_exact_runs_unsplit_with_one_warning(split, monkeypatc
     tiny = dict(width=32, height=32, length=5, text_len=1)
     reference = sample(patcher, **tiny)
     patched = _patch_node(patcher, "cpu,cpu", monkeypatch, gpus=GPUSet.parse("0,1", "", "1,0.15"))
-    before = get_hub().next_seq()
     with caplog.at_level("WARNING", logger="h3_multistream"):
-        out = sample(patched, **tiny)
+        out = split_sample(patched, unsplit=True, **tiny)  # no split step is recorded
     assert same(reference, out)
     warned = [r.getMessage() for r in caplog.records if "running this step unsplit" in r.getMessage()]
     assert len(warned) == 1 and "mlp.fc2" in warned[0] and "2-row shard" in warned[0] and "cpu " in warned[0]
-    assert get_hub().next_seq() == before  # no split step was recorded
     inputs = dict(width=128, height=128, length=5)  # a larger step on the same patched model still splits
-    assert same(sample(patcher, **inputs), sample(patched, **inputs))
-    assert get_hub().next_seq() > before
+    assert same(sample(patcher, **inputs), split_sample(patched, **inputs))
 
 
 def test_verify_input_checks_the_first_split_step_of_each_prompt(split, monkeypatch, caplog):
@@ -549,8 +553,8 @@ def test_verify_input_checks_the_first_split_step_of_each_prompt(split, monkeypa
     (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None, True)
     n0 = len(get_hub().exactness()["verify"])
     with caplog.at_level("INFO", logger="h3_multistream"):
-        assert same(reference, sample(patched))
-        assert same(reference, sample(patched))
+        assert same(reference, split_sample(patched))
+        assert same(reference, split_sample(patched))
     got = get_hub().exactness()["verify"][n0:]
     assert len(got) == 2 and all(v["bit_exact"] and v["first_difference"] is None for v in got)
     assert "verify: bit-exact on cpu " in caplog.text
@@ -615,8 +619,8 @@ def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split,
     (patched,) = NODE.H3MultiStreamAsync().patch(patcher, True, -1, "host", 0, True, 0.0, "auto", None,
                                                  sparse_attention=settings)
     with caplog.at_level("WARNING", logger="h3_multistream"):
-        assert same(reference, sample(patched, steps=2))
-        assert same(reference, sample(patched, steps=2))
+        assert same(reference, split_sample(patched, steps=2))
+        assert same(reference, split_sample(patched, steps=2))
     (engine,) = split.engines()
     cfg = engine.options.sparse
     sampling = patcher.get_model_object("model_sampling")
@@ -771,7 +775,7 @@ def test_routes_over_a_running_split(prompt_server, split, monkeypatch):
             answer = await post("/h3multistream/hooks/detach")
             assert answer["busy"] is False and "detached" in answer["message"]
             assert all(h["detached"] for h in (await get("/h3multistream/status"))["hooks"])
-            assert same(sample(patcher), sample(patched))
+            assert same(sample(patcher), split_sample(patched, unsplit=True))
             answer = await post("/h3multistream/workers/release")
             assert answer["busy"] is False and "released (1 engine" in answer["message"]
             assert (await get("/h3multistream/status"))["workers"] == []

@@ -5,7 +5,8 @@ hook (``workers/testing/ck_cpu.py``: kitchen's packed layout and dataclass) is i
 before ComfyUI imports its
 attention module, in ComfyUI's process and (through ``H3MS_CK_ATTENTION_CPU=1``) in the helpers.  Plain ComfyUI and the
 node then sample the same tiny MiniMax H3 (random weights, real ComfyUI loader, sampler and H3 code) with that same
-attention, and the latents must be equal bit for bit, with 2-4 devices (1-3 CPU helpers through ``H3MS_ATTN_HELPERS``).
+attention, and the latents must be equal bit for bit, with 2-4 devices (1-3 CPU helpers through ``H3MS_ATTN_HELPERS``),
+each sampling's every attention call proven split over the devices (``tests/split_proof.py``).
 """
 from __future__ import annotations
 
@@ -20,10 +21,15 @@ pytestmark = pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=str
 _HOOK = comfy_tree.CK_CPU_HOOK
 
 #: Builds a tiny MiniMax H3 (H3MS_TEST_HEADS heads) through ComfyUI's own loader, loads the pack, and defines
-#: ``sample(model)`` (2 euler steps at cfg 2 on an H3MS_TEST_LATENT=width,height,length AV latent).
+#: ``sample(model)`` (2 euler steps at cfg 2 on an H3MS_TEST_LATENT=width,height,length AV latent) and
+#: ``split_sample(model, helpers)``: ``sample`` under the split's proof (``tests/split_proof.py``: every attention call
+#: split over the model's device and the ``H3MS_ATTN_HELPERS`` list ``helpers``; ``unsplit``: none did).
+#: Needs ``H3MS_TESTS_DIR`` (this folder).
 MODEL_SCRIPT = r'''
 import asyncio, json, os, sys, time
 import psutil, torch
+sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
+from split_proof import SplitProof
 import comfy.ldm.modules.attention as attention
 import comfy.model_patcher, comfy.ops, comfy.sd, nodes
 from comfy.ldm.minimax.model import MiniMaxH3Model
@@ -57,6 +63,12 @@ def sample(m):
     with torch.inference_mode():
         (out,) = nodes.common_ksampler(m, 7, 2, 2.0, "euler", "simple", pos, neg, latent)
     return out["samples"].unbind()
+
+def split_sample(m, helpers, unsplit=False):
+    """(the sampled streams, the proof's summary)."""
+    with SplitProof([str(m.load_device)] + helpers.split(","), "attention", unsplit=unsplit) as proof:
+        out = sample(m)
+    return out, proof.summary()
 '''
 
 _BODY = _HOOK + MODEL_SCRIPT + r'''
@@ -68,10 +80,10 @@ hub = importlib.import_module("h3ms_async.status.hub").get_hub()
 def equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
-def calls():
-    """Calls made so far by the engine of the current H3MS_ATTN_HELPERS (0 before it exists)."""
-    devices = ["cpu"] + os.environ["H3MS_ATTN_HELPERS"].split(",")
-    return sum(e.snapshot()["calls"] for e in ap.live_engines() if e.devices == devices)
+def run(m, helpers, unsplit=False):
+    """A parity run: equal to plain ComfyUI, and the proof's summary."""
+    out, proof = split_sample(m, helpers, unsplit)
+    return {"equal": equal(plain, out), "proof": proof}
 
 def error(fn):
     try:
@@ -86,19 +98,15 @@ runs = {}
 for helpers, devices, shares in (("cpu", "2", ""), ("cpu,cpu,cpu", "4", "1,2,1,1")):
     os.environ["H3MS_ATTN_HELPERS"] = helpers
     gpus = GPUSET().build("auto", "", shares, 0.0, 8)[0] if shares else None
-    before = calls()
     (patched,) = AP().patch(model, devices, 32768, gpus)
-    runs[devices] = {"equal": equal(plain, sample(patched)), "calls": calls() - before,
-                     "bounds": ap.live_engines()[-1].head_bounds(8)}
+    runs[devices] = {**run(patched, helpers), "bounds": ap.live_engines()[-1].head_bounds(8)}
 res["runs"] = runs
 res["status_attention"] = hub.status().get("attention")
 # auto (same helpers and shares: the same engine): calls under min_sequence_length stay on the model's device
 (short,) = AP().patch(model, "auto", 1_000_000, gpus)
-before = calls()
-res["auto_short"] = {"equal": equal(plain, sample(short)), "calls": calls() - before}
+res["auto_short"] = run(short, helpers, unsplit=True)
 (long_,) = AP().patch(model, "auto", 1, gpus)
-before = calls()
-res["auto_long"] = {"equal": equal(plain, sample(long_)), "calls": calls() - before}
+res["auto_long"] = run(long_, helpers)
 # refusals
 override = long_.model_options["transformer_options"]["optimized_attention_override"]
 q = torch.randn(1, 8, 40, 128)
@@ -141,18 +149,17 @@ def _result(proc) -> dict:
 def test_sampling_equals_plain_comfyui_with_ck_attention():
     proc = comfy_tree.run_comfy_script(
         _BODY, ["--cpu", "--use-ck-attention", "--disable-api-nodes"],
-        env={"H3MS_PACK": str(comfy_tree.ROOT), "H3MS_TEST_HOOKS": "1", "H3MS_CK_ATTENTION_CPU": "1"}, timeout_s=300)
+        env={"H3MS_PACK": str(comfy_tree.ROOT), "H3MS_TEST_HOOKS": "1", "H3MS_CK_ATTENTION_CPU": "1",
+             "H3MS_TESTS_DIR": str(comfy_tree.ROOT / "tests")}, timeout_s=300)
     res = _result(proc)
     assert res["ck_attention"] and res["plain_nonzero"]
-    for devices, run in res["runs"].items():
-        assert run["equal"], f"devices={devices}: sampling differs from plain ComfyUI"
-        assert run["calls"] > 0, f"devices={devices}: the parallel attention never ran"
+    for devices, run in [*res["runs"].items(), ("auto, short", res["auto_short"]), ("auto, long", res["auto_long"])]:
+        # the proof passed in ComfyUI's process: every call split over the devices (short: none did)
+        assert run["equal"] and run["proof"]["failure"] is None, f"devices={devices}: {run}"
     assert res["runs"]["2"]["bounds"] == [0, 4, 8]
     assert res["runs"]["4"]["bounds"] == [0, 1, 4, 6, 8]  # shares 1,2,1,1: largest remainder, ties to later
     engines = res["status_attention"]["engines"]
     assert engines and engines[-1]["helpers"] and engines[-1]["recent_calls"][-1]["ranks"][0]["device"] == "cpu"
-    assert res["auto_short"] == {"equal": True, "calls": 0}
-    assert res["auto_long"]["equal"] and res["auto_long"]["calls"] > 0
     assert "does not split masked attention" in res["mask_error"]
     assert "grouped-query" in res["gqa_error"]
     assert "needs a MiniMax H3 model" in res["non_h3_error"]

@@ -7,7 +7,8 @@
 * a helper on a second GPU by CUDA IPC where two GPUs reach each other (skipped on one GPU);
 * real ComfyUI with ``--use-ck-attention``, the model on ``cuda:0``, 1 and 3 logical helpers (``H3MS_ATTN_HELPERS``),
   a >= 30k-token AV latent, the transport the node picks (CUDA IPC on one GPU) and host staging: every sampling output
-  ``torch.equal`` to plain ComfyUI in the same process.
+  ``torch.equal`` to plain ComfyUI in the same process, every attention call of it proven split
+  (``tests/split_proof.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import comfy_tree
+from split_proof import attention_call_failure
 from test_attention_parallel_comfy import MODEL_SCRIPT
 
 pytestmark = [pytest.mark.cuda,
@@ -42,7 +44,11 @@ def _exact_calls(devices: list[str], transport: str, seed: int, chunk_heads: int
             for call in range(3):
                 out = eng.attend(pq)
                 assert out.device == whole.device and torch.equal(out, whole), f"call {call} differs"
-            last = eng.recent_calls()[-1]
+            # each call split over the devices (a shape measured inexact runs unsplit and records nothing)
+            calls = eng.recent_calls()
+            assert len(calls) == 3, f"{3 - len(calls)} of 3 calls ran unsplit"
+            assert not [why for c in calls if (why := attention_call_failure(c, devices, 32768, 56))], calls
+            last = calls[-1]
             assert [r["transport"] for r in last["ranks"][1:]] == [transport] * (len(devices) - 1)
             assert eng.snapshot()["splits"], "no split was tuned"
             if transport == "cuda_ipc" and all(d == devices[0] for d in devices):
@@ -80,14 +86,14 @@ for helpers, transport in (("cuda:0", "auto"), ("cuda:0,cuda:0,cuda:0", "auto"),
     os.environ["H3MS_ATTN_HELPERS"] = helpers
     os.environ["H3MS_ATTN_TRANSPORT"] = transport
     (patched,) = AP().patch(model, str(1 + len(helpers.split(","))), 32768)
-    first = sample(patched)  # the first call after the helpers start
-    second = sample(patched)  # on the tuned split
+    first, first_proof = split_sample(patched, helpers)  # the first call after the helpers start
+    second, second_proof = split_sample(patched, helpers)  # on the tuned split
     # the node's engine; the one before was released when this one was made
     eng = [e for e in ap.live_engines() if e.devices == ["cuda:0"] + helpers.split(",") and e.pool.running][0]
     res["runs"][f"{helpers} {transport}"] = {
         "first_equal": all(torch.equal(a, b) for a, b in zip(plain, first)),
         "second_equal": all(torch.equal(a, b) for a, b in zip(plain, second)),
-        "calls": eng.snapshot()["calls"], "transport": eng.transport,
+        "proofs": [first_proof, second_proof], "transport": eng.transport,
         "tokens": max(c["tokens"] for c in eng.recent_calls())}
 ap.release_all_engines()
 print("RESULT " + json.dumps(res))
@@ -100,7 +106,8 @@ def test_comfyui_sampling_equals_plain_with_ck_attention():
         pytest.skip(reason)
     proc = comfy_tree.run_comfy_script(
         _BODY, ["--use-ck-attention", "--disable-api-nodes", "--disable-cuda-malloc"],
-        env={"H3MS_TEST_HEADS": "56", "H3MS_TEST_LATENT": "928,896,124"}, timeout_s=900)
+        env={"H3MS_TEST_HEADS": "56", "H3MS_TEST_LATENT": "928,896,124",
+             "H3MS_TESTS_DIR": str(comfy_tree.ROOT / "tests")}, timeout_s=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"ComfyUI script failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     res = json.loads(lines[-1][len("RESULT "):])
@@ -111,4 +118,6 @@ def test_comfyui_sampling_equals_plain_with_ck_attention():
     print(f"allocator {res['allocator']}; CUDA IPC {res['ipc_unavailable'] or 'available'}")
     for helpers, run in res["runs"].items():
         assert run["tokens"] >= 30000, f"{helpers}: only {run['tokens']} tokens per attention call"
-        assert run["calls"] > 0 and run["first_equal"] and run["second_equal"], f"{helpers}: {run}"
+        # the proofs passed in ComfyUI's process: every attention call split over the model's GPU and the helpers
+        assert all(p["failure"] is None for p in run["proofs"]), f"{helpers}: {run}"
+        assert run["first_equal"] and run["second_equal"], f"{helpers}: {run}"

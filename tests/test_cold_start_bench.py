@@ -35,5 +35,6 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     assert w["fill_bytes"] > 0 and w["workers_start_s"] > 0 and w["start_wait_s"] <= w["workers_start_s"]
     assert w["wall_s"] >= w["fill_s"] + w["ranks_load_s"]
     assert first["probe_ms"] > 0
+    assert rep["split_proof"] == [None, None]  # every model call of both prompts split on both ranks
     assert rep["node_second_prompt"]["refilled"] is False and rep["bit_exact"] is True
     assert rep["node_cold_over_comfy_cold"] == pytest.approx(first["cold_s"] / rep["plain"]["cold_s"], rel=0.01)

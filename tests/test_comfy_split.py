@@ -4,9 +4,13 @@ plain ComfyUI.
 Two ComfyUI processes (flags and the attention choice are process-wide): ``--cpu`` (ComfyUI's default CPU attention,
 sub-quadratic) and ``--cpu --use-pytorch-cross-attention`` (SDPA). Each starts a real ``PromptServer``, loads the pack
 with ComfyUI's own custom-node loader (``comfy_h3.start``), writes tiny 2-block H3 ``.safetensors`` files
-(``tests/comfy_h3.py``; ~25 tokens, just over the 3-rank split's minimum) and samples them plain and through the node,
-with ``nodes.common_ksampler`` and, once, an ``execution.PromptExecutor`` graph from ``UNETLoader``. Ranks come from
-``H3MS_RANK_MAP``; shares from the H3 MS GPU Set node.
+(``tests/comfy_h3.py``) and samples them plain and through the node, with ``nodes.common_ksampler`` and, once, an
+``execution.PromptExecutor`` graph from ``UNETLoader``, on 64x64x22 latents (~110 tokens: every rank's share is at
+least 16 rows; the fp32 GEMMs of an x86 CPU can give an 8-row shard other bits than the whole, and the engine then
+runs the step unsplit). Ranks come from ``H3MS_RANK_MAP``; shares from the H3 MS GPU Set node. Every split sampling
+runs under ``tests/split_proof.py``'s proof: each of its model calls has a step record in which every expected rank
+computed a non-empty part of the tokens and heads (a refused plan runs ComfyUI's own blocks and fails the case unless
+the case expects it).
 
 Weights: fp32; bf16 computed in fp32 (what CPU ComfyUI does: ``model_management.should_use_bf16`` is False for every
 CPU device whatever the flags, so ``--bf16-unet`` / ``--force-fp16`` still give fp32 compute on CPU; bf16 compute
@@ -29,15 +33,28 @@ _PRELUDE = r'''
 import glob, json, os, sys, torch
 sys.path.insert(0, {tests!r})
 import comfy_h3, nodes, comfy.sd
+from split_proof import SplitProof
 import comfy.ldm.modules.attention as A
 SERVER = comfy_h3.start(extras=("nodes_minimax_h3.py", "nodes_lotus.py"))
 N = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.dit import split as S
 CKPT = comfy_h3.checkpoint_dir()
 
-def report(case, a, b, **extra):
-    eq, diff = comfy_h3.same(a, b)
-    print("CASE " + json.dumps(dict(case=case, equal=eq, max_diff=diff, **extra)), flush=True)
+def proven(ranks, run, unsplit=False):
+    """``run()`` under the split's proof (tests/split_proof.py): every model call it makes ran split on ``ranks``
+    CPU ranks (``unsplit``: none did); (its output, the proof's summary)."""
+    with SplitProof(["cpu"] * ranks, unsplit=unsplit) as proof:
+        out = run()
+    return out, proof.summary()
+
+def report(case, plain, split, **extra):
+    """One parity case: ``plain`` ComfyUI's output against ``split``, a :func:`proven` run."""
+    out, proof = split
+    eq, diff = comfy_h3.same(plain, out)
+    print("CASE " + json.dumps(dict(case=case, equal=eq, max_diff=diff, proof=proof, **extra)), flush=True)
+
+def note(case, **facts):
+    print("CASE " + json.dumps(dict(case=case, **facts)), flush=True)
 
 def node(model, ranks, shares="", exchange="host", chunks=0, residency="auto", cache=True, pattern="gather"):
     os.environ["H3MS_RANK_MAP"] = ",".join(["cpu"] * ranks)
@@ -57,8 +74,13 @@ def pids():
 def store():
     return [e.loaded.store.segment.name if e.loaded else None for e in S.engines()]
 
+LENGTH = 22  # the latent's frames (see the module doc)
+
 def ksample(model):
-    return comfy_h3.ksample(model, steps=1)
+    return comfy_h3.ksample(model, steps=1, length=LENGTH)
+
+def split_ksample(model, ranks, unsplit=False):
+    return proven(ranks, lambda: ksample(model), unsplit)
 
 names = []
 try:
@@ -82,8 +104,9 @@ def _run(cases: str, comfy_args: list[str]) -> dict[str, dict]:
     left = [json.loads(line[5:]) for line in lines if line.startswith("LEFT ")]
     assert r.returncode == 0, f"ComfyUI run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     assert left == [[]], f"shm segments left behind: {left}"
-    for case in out:
-        assert case["equal"], f"{case} differs from plain ComfyUI\n{r.stderr[-4000:]}"
+    for case in (c for c in out if "equal" in c):  # a parity case: the proof passed in ComfyUI's process
+        assert case["equal"] and case["proof"]["failure"] is None, \
+            f"{case} differs from plain ComfyUI\n{r.stderr[-4000:]}"
     return {c["case"]: c for c in out}
 
 
@@ -100,7 +123,7 @@ def test_default_cpu_attention():
         g = {"unet": {"class_type": "UNETLoader", "inputs": {"unet_name": graph_ckpt, "weight_dtype": "default"}},
              "pos": {"class_type": "LotusConditioning", "inputs": {}},
              "neg": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["pos", 0]}},
-             "lat": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
+             "lat": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": LENGTH}},
              "ks": {"class_type": "KSampler", "inputs": {"model": model, "seed": 5, "steps": 2, "cfg": 2.0,
                     "sampler_name": "euler", "scheduler": "simple", "positive": ["pos", 0],
                     "negative": ["neg", 0], "latent_image": ["lat", 0], "denoise": 1.0}}}
@@ -112,47 +135,45 @@ def test_default_cpu_attention():
     os.environ["H3MS_RANK_MAP"] = "cpu,cpu"
     executor = execution.PromptExecutor(SERVER, cache_type=execution.CacheType.CLASSIC,
                                         cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
-    got = {}
-    for split in (False, True):
+    def sampled(split):
         executor.execute(graph(split), f"prompt-{split}", {}, ["ks"])
         assert executor.success, executor.status_messages[-3:]
         entry = SERVER.loop.run_until_complete(executor.caches.outputs.get("ks"))
-        got[split] = [t.clone() for t in entry.outputs[0][0]["samples"].unbind()]
-    report("PromptExecutor graph UNETLoader -> node -> KSampler, 2 ranks", got[False], got[True],
-           engines=len(S.engines()))
+        return [t.clone() for t in entry.outputs[0][0]["samples"].unbind()]
+    report("PromptExecutor graph UNETLoader -> node -> KSampler, 2 ranks", sampled(False),
+           proven(2, lambda: sampled(True)), engines=len(S.engines()))
     fp32 = comfy_h3.load(write("fp32"))
     plain = ksample(fp32)
     split = node(fp32, 2)
     first_pids = pids()
-    report("fp32 2 ranks", plain, ksample(split))
+    report("fp32 2 ranks", plain, split_ksample(split, 2))
     first_store = store()
     # per-step settings switched between two prompts: same processes, same filled store
-    report("fp32 2 ranks chunks 4 stream", plain, ksample(node(fp32, 2, chunks=4, residency="stream")))
-    report("fp32 2 ranks gloo", plain, ksample(node(fp32, 2, exchange="nccl", chunks=2)),
+    report("fp32 2 ranks chunks 4 stream", plain, split_ksample(node(fp32, 2, chunks=4, residency="stream"), 2))
+    report("fp32 2 ranks gloo", plain, split_ksample(node(fp32, 2, exchange="nccl", chunks=2), 2),
            same_pids=pids() == first_pids, same_store=store() == first_store)
     bf16 = comfy_h3.load(write("bf16", dtype=torch.bfloat16), dtype=torch.bfloat16)
     assert bf16.model.manual_cast_dtype == torch.float32  # bf16 weights, fp32 compute: cast per layer on the ranks
-    report("bf16->fp32 2 ranks", ksample(bf16), ksample(node(bf16, 2)))
+    report("bf16->fp32 2 ranks", ksample(bf16), split_ksample(node(bf16, 2), 2))
     int8 = comfy_h3.load(write("int8", int8=True))
-    report("int8 2 ranks", ksample(int8), ksample(node(int8, 2)))
+    report("int8 2 ranks", ksample(int8), split_ksample(node(int8, 2), 2))
     lora = comfy_h3.lora_state_dict(2)
     with torch.inference_mode():
         before = comfy.sd.load_lora_for_models(fp32, None, lora, 0.8, 0)[0]
     plain_lora = ksample(before)
-    report("lora before node", plain_lora, ksample(node(before, 2)))
+    report("lora before node", plain_lora, split_ksample(node(before, 2), 2))
     with torch.inference_mode():
         after = comfy.sd.load_lora_for_models(node(fp32, 2), None, lora, 0.8, 0)[0]
-    report("lora after node", plain_lora, ksample(after))
+    report("lora after node", plain_lora, split_ksample(after, 2))
     # a whole-model attention override: the model runs unsplit (with one warning), as plain ComfyUI with it
     over = fp32.clone(); over.set_model_optimized_attention(A.attention_basic)
     over_split = node(fp32, 2).clone(); over_split.set_model_optimized_attention(A.attention_basic)
-    report("attention override unsplit", ksample(over), ksample(over_split))
-    report("bf16->fp32 3 ranks shares 1,2,1", ksample(bf16), ksample(node(bf16, 3, "1,2,1")),
+    report("attention override unsplit", ksample(over), split_ksample(over_split, 2, unsplit=True))
+    report("bf16->fp32 3 ranks shares 1,2,1", ksample(bf16), split_ksample(node(bf16, 3, "1,2,1"), 3),
            shares=S.engines()[0].options.shares)
     three = pids()
     N["H3MSReleaseResourcesAsync"]().run(True, True, False)
-    report("after release", [], [], engines=len(S.engines()),
-           pids_gone=all(not os.path.exists(f"/proc/{p}") for p in three))
+    note("after release", engines=len(S.engines()), pids_gone=all(not os.path.exists(f"/proc/{p}") for p in three))
 '''
     out = _run(cases, [])
     assert len(out) == 11, list(out)
@@ -168,16 +189,17 @@ def test_pytorch_attention():
     cases = r'''
     assert A.optimized_attention.__name__ == "attention_pytorch", A.optimized_attention.__name__
     fp32 = comfy_h3.load(write("fp32"))
-    report("fp32 2 ranks", ksample(fp32), ksample(node(fp32, 2)))
+    report("fp32 2 ranks", ksample(fp32), split_ksample(node(fp32, 2), 2))
     bf16 = comfy_h3.load(write("bf16", dtype=torch.bfloat16), dtype=torch.bfloat16)
-    report("bf16->fp32 2 ranks", ksample(bf16), ksample(node(bf16, 2)))
+    report("bf16->fp32 2 ranks", ksample(bf16), split_ksample(node(bf16, 2), 2))
     int8 = comfy_h3.load(write("int8", int8=True))
     plain8 = ksample(int8)
-    report("int8 2 ranks", plain8, ksample(node(int8, 2)))
-    report("int8 3 ranks shares 1,2,1", plain8, ksample(node(int8, 3, "1,2,1")))
-    report("int8 2 ranks ulysses", plain8, ksample(node(int8, 2, pattern="ulysses")),
+    report("int8 2 ranks", plain8, split_ksample(node(int8, 2), 2))
+    report("int8 3 ranks shares 1,2,1", plain8, split_ksample(node(int8, 3, "1,2,1"), 3))
+    report("int8 2 ranks ulysses", plain8, split_ksample(node(int8, 2, pattern="ulysses"), 2),
            pattern=S.engines()[0].loaded.pattern)
-    report("bf16->fp32 3 ranks ulysses shares 1,2,1", ksample(bf16), ksample(node(bf16, 3, "1,2,1", pattern="ulysses")))
+    report("bf16->fp32 3 ranks ulysses shares 1,2,1", ksample(bf16),
+           split_ksample(node(bf16, 3, "1,2,1", pattern="ulysses"), 3))
 '''
     out = _run(cases, ["--use-pytorch-cross-attention"])
     assert len(out) == 6 and out["int8 2 ranks ulysses"]["pattern"] == "ulysses"

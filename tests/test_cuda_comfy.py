@@ -1,5 +1,6 @@
 """The split inside real ComfyUI on CUDA, started as ``main.py`` starts: every output ``torch.equal`` to plain ComfyUI,
-including the first call after the workers start, with no warm-up anywhere in the test.
+including the first call after the workers start, with no warm-up anywhere in the test, and every model call proven
+split on the case's ranks (``tests/split_proof.py``).
 
 ``import main`` runs ComfyUI's own start-up code (up to its ``__main__`` guards): comfy-aimdo is initialised and the
 patcher class becomes ``ModelPatcherDynamic`` (DynamicVRAM, ComfyUI's default on NVIDIA) unless
@@ -34,6 +35,7 @@ import json, os, sys, torch
 sys.path.insert(0, {tests!r})
 import main  # noqa: F401  (ComfyUI's start-up: comfy-aimdo and the ModelPatcherDynamic swap)
 import comfy_h3, nodes, comfy.sd, comfy.model_patcher
+from split_proof import SplitProof
 comfy_h3.start()
 N = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.dit import split as S
@@ -52,16 +54,19 @@ for cid, ranks, shares, int8, lora in {cases!r}:
         gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
         split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus, {verify!r})[0]
         n_verify = len(get_hub().exactness()["verify"])
-        first = comfy_h3.ksample(split, **KW)   # the first calls after this rank map's workers start
+        proofs = [SplitProof(ranks.split(",")), SplitProof(ranks.split(","))]  # every call split on these ranks
+        with proofs[0]:
+            first = comfy_h3.ksample(split, **KW)   # the first calls after this rank map's workers start
         rec = get_hub().recent_steps(1)[-1]
         verified = get_hub().exactness()["verify"][n_verify:]
         plain = comfy_h3.ksample(model, **KW)
-        second = comfy_h3.ksample(split, **KW)
+        with proofs[1]:
+            second = comfy_h3.ksample(split, **KW)
         r = dict(case=cid, ranks=ranks, shares=shares, int8=int8, lora=lora, patcher=type(model).__name__,
                  core_patcher=comfy.model_patcher.CoreModelPatcher.__name__,
                  compute_dtype=str(model.model.get_dtype() if model.model.manual_cast_dtype is None
                                    else model.model.manual_cast_dtype),
-                 tokens=rec["tokens"], devices=rec["devices"], first=comfy_h3.same(plain, first),
+                 tokens=rec["tokens"], proofs=[p.summary() for p in proofs], first=comfy_h3.same(plain, first),
                  second=comfy_h3.same(plain, second), verify=verified)
         print("CASE " + json.dumps(r), flush=True)
     finally:
@@ -106,7 +111,7 @@ def test_split_equals_comfyui_on_cuda(group):
         assert case["patcher"] == patcher and case["core_patcher"] == patcher, case  # DynamicVRAM really on/off
         assert case["tokens"] >= 8000, case
         assert case["int8"] or case["compute_dtype"] == "torch.bfloat16", case  # bf16 weights compute in bf16
-        assert case["devices"] == case["ranks"].split(","), case
+        assert all(p["failure"] is None for p in case["proofs"]), case  # tests/split_proof.py, in ComfyUI's process
         assert case["first"][0] and case["second"][0], case
         if verify:  # one result per prompt's first split step, each bit-exact on the ranks' GPUs
             assert case["verify"], case

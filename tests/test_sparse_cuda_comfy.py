@@ -1,7 +1,8 @@
 """H3 MS Sparse Attention through the real ComfyUI node graph on CUDA: the same graph on one GPU (one worker rank)
 and split over 2 and 3 logical ranks (shares 1, 2, 1) of cuda:0 gives the same bits, Sol-Attn and top-k, each rank
 map's first calls after its workers start included, 3 sampling steps of two conditioning branches (so the pooled
-statistics are reused), and differs from plain (dense) ComfyUI.
+statistics are reused), every model call proven split on the rank map's ranks (``tests/split_proof.py``), and differs
+from plain (dense) ComfyUI.
 
 Skipped without CUDA (comfy-kitchen's sparse attention kernel needs CUDA SM >= 8.0; it has no CPU version) or
 without the ComfyUI tree. On the GPU machine: ``bash benchmarks/device_run.sh sparse``.
@@ -28,6 +29,7 @@ _BODY = r'''
 import json, os, sys, torch
 sys.path.insert(0, {tests!r})
 import comfy_h3, nodes
+from split_proof import SplitProof
 comfy_h3.start()
 N = nodes.NODE_CLASS_MAPPINGS
 from h3ms_async.dit import split as S
@@ -47,10 +49,11 @@ try:
             gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
             split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", gpus,
                                                     sparse_attention=settings)[0]
-            outs[ranks] = comfy_h3.ksample(split, **KW)  # the first calls after this rank map's workers start
+            with SplitProof(ranks.split(",")) as proof:  # every call split on these ranks
+                outs[ranks] = comfy_h3.ksample(split, **KW)  # the first calls after this rank map's workers start
             (eng,) = S.engines()
             counts = [r.sparse for r in eng.last_rank_results]
-            r = dict(method=method, ranks=ranks, shares=shares, counts=counts,
+            r = dict(method=method, ranks=ranks, shares=shares, counts=counts, proof=proof.summary(),
                      same_as_one_gpu=comfy_h3.same(outs["cuda:0"], outs[ranks]),
                      same_as_dense=comfy_h3.same(plain, outs[ranks]))
             print("CASE " + json.dumps(r), flush=True)
@@ -70,6 +73,7 @@ def test_node_split_sparse_equals_one_gpu_sparse():
             json.dump({"results": out, "rc": r.returncode, "stderr_tail": r.stderr[-4000:]}, fh, indent=1)
     assert r.returncode == 0 and len(out) == 6, r.stderr[-4000:]
     for case in out:
+        assert case["proof"]["failure"] is None, case  # tests/split_proof.py, in ComfyUI's process
         assert case["same_as_one_gpu"][0], case
         assert not case["same_as_dense"][0], case  # sparse attention really ran
         # the last call (step 3) reused the statistics of its branch on every block of every rank

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import comfy_tree
+from split_proof import vae_decodes_failure
 from h3ms_async.tools.bench.caches import main as bench_caches_main
 from h3ms_async.tools.bench.vae import main as bench_vae_main
 
@@ -23,6 +24,8 @@ def test_bench_vae_tiny_on_cpu_ranks(tmp_path, capsys) -> None:
     assert rc == 0 and rep["output"] == [1, 3, 39, 32, 48]
     [run] = rep["runs"]
     assert run["equal"] and run["equal_first"] and run["ranks"] == 2
+    # both compared decodes split: each has its own record, both ranks decoding (tests/split_proof.py)
+    assert vae_decodes_failure([run["first_record"], run["record"]], ["cpu", "cpu"]) is None, run
     rec = run["record"]
     assert rec["chunks_per_rank"] == [1, 1] and rec["moved_bytes"] > 0 and rec["transport"] == "shm"
     assert {"local_decode_s", "wait_s", "assemble_s", "per_chunk"} <= set(rec)

@@ -22,6 +22,7 @@ import comfy.sd, nodes
 
 sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
 from small_h3_vae import small_h3_vae_state_dict
+from split_proof import SplitProof
 sd = small_h3_vae_state_dict()
 # The decoder blocks' linears as an int8 convrot checkpoint stores them: int8 weight, scale, comfy_quant metadata.
 conf = json.dumps({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}).encode()
@@ -36,25 +37,30 @@ with torch.inference_mode():  # as ComfyUI's VAELoader runs; on a GPU in the dty
     vae = comfy.sd.VAE(sd=sd, dtype=torch.float32 if DEVICE == "cpu" else None)
 lin = type(vae.first_stage_model.decoder.transformer_blocks[0].attn.to_qkv)
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
-from h3ms_async.vae import split as vae_split
 z = torch.randn(1, 24, 20, 2, 3, generator=torch.Generator().manual_seed(7))
 with torch.inference_mode():
     ref = vae.decode(z)
-outs, shares = [], []
+outs, proofs = [], []
+
+def split_decode(v, n):
+    """One decode under the split's proof: ``n`` ranks each decoded chunks of their own, every chunk once."""
+    with SplitProof([DEVICE] * n, "vae") as proof:
+        with torch.inference_mode():
+            out = v.decode(z)
+    proofs.append(proof.summary())
+    return out
+
 for n in (2, 3):
     os.environ["H3MS_VAE_RANK_MAP"] = ",".join([DEVICE] * n)
     split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
-    with torch.inference_mode():
-        outs += [split_vae.decode(z) for _ in range(2)]
-    shares.append(vae_split.live_vae_engines()[-1].snapshot()["last_decode"]["chunks_per_rank"])
+    outs += [split_decode(split_vae, n) for _ in range(2)]
 # H3 MS VAE Cache on the same VAE: quantized weights cannot be byte-copied back, so it must stand aside, not fail
 from h3ms_async.caches import weight_cache
 cache_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAECacheAsync"]().patch(split_vae, True, True, 0.0)[0]
-with torch.inference_mode():
-    outs += [cache_vae.decode(z) for _ in range(2)]
+outs += [split_decode(cache_vae, 3) for _ in range(2)]
 print("RESULT", json.dumps({"cache_rows": weight_cache().summaries(), "linear": lin.__qualname__,
                             "equal": [bool(torch.equal(o, ref)) for o in outs], "std": float(ref.std()),
-                            "shares": shares}))
+                            "proofs": proofs}))
 '''
 
 
@@ -70,8 +76,10 @@ def test_quantized_vae_splits_and_equals_comfyui(device: str) -> None:
     r = json.loads(lines[-1][len("RESULT "):])
     assert r["linear"].startswith("mixed_precision_ops."), r  # ComfyUI really loaded it as a quantized decoder
     assert r["equal"] == [True] * 6 and r["std"] > 0.01, r
-    # every rank decoded chunks of its own (2 ranks, then 3): the workers really ran the quantized decoder
-    assert len(r["shares"]) == 2 and [len(s) for s in r["shares"]] == [2, 3] and all(min(s) > 0 for s in r["shares"])
+    # every rank decoded chunks of its own (2 ranks, then 3): the workers really ran the quantized decoder (the proofs
+    # passed in ComfyUI's process, tests/split_proof.py)
+    assert [(p["devices"], p["failure"]) for p in r["proofs"]] == [([device] * n, None) for n in (2, 2, 3, 3, 3, 3)]
+    assert all(min(p["share"]) > 0 for p in r["proofs"]), r["proofs"]
     assert not [ln for ln in proc.stderr.splitlines() if "decoding unsplit" in ln], "the split must not fall back"
     # quantized weights are never cached as plain bytes: the group holds nothing and says why, once
     assert [(row["state"], row["bytes"]) for row in r["cache_rows"]] == [("aside", 0)], r["cache_rows"]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import comfy_tree
+from split_proof import vae_decodes_failure
 from h3ms_async.tools.bench.vae import main as bench_vae_main
 
 pytestmark = [pytest.mark.cuda,
@@ -35,6 +36,9 @@ def test_first_split_decode_after_start_equals_comfyui(tmp_path, dtype) -> None:
     for run in rep["runs"]:
         assert run["equal_first"], f"{run['ranks']} ranks, {dtype}: the first decode after the workers started differs"
         assert run["equal"], f"{run['ranks']} ranks, {dtype}: the second decode differs"
+        # both compared decodes split: each has its own record, every rank decoding (tests/split_proof.py)
+        why = vae_decodes_failure([run["first_record"], run["record"]], ["cuda:0"] * run["ranks"])
+        assert why is None, f"{run['ranks']} ranks, {dtype}: {why}"
         assert run["first_record"]["load_s"] > 0 and len(set(run["first_record"]["devices"])) == 1
     assert rc == 0 and [r["ranks"] for r in rep["runs"]] == [2, 3]
 
@@ -45,6 +49,7 @@ import main  # noqa: F401  (ComfyUI's start-up: comfy-aimdo and the ModelPatcher
 import comfy.sd, nodes
 sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
 from small_h3_vae import small_h3_vae_state_dict
+from split_proof import SplitProof
 sd = {k: v.to(torch.bfloat16) for k, v in small_h3_vae_state_dict().items()}  # a bf16-stored checkpoint
 vae = comfy.sd.VAE(sd=sd)  # as VAELoader builds it: ComfyUI picks the compute dtype
 assert asyncio.run(nodes.load_custom_node(os.path.join(os.getcwd(), "custom_nodes", "h3_multistream_async")))
@@ -56,24 +61,30 @@ with torch.inference_mode():
 blocks = sorted({str(p.dtype) for n, p in vae.first_stage_model.named_parameters()
                  if n.startswith("decoder.transformer_blocks.")})
 equal, shares = [], []
+
+def split_decode(v, latent, n, dropped=()):
+    """One decode under the split's proof: ``n`` ranks less ``dropped`` decoded every chunk (tests/split_proof.py)."""
+    with SplitProof(["cuda:0"] * n, "vae", dropped=dropped) as proof:
+        with torch.inference_mode():
+            out = v.decode(latent)
+    shares.append(proof.summary()["share"])
+    return out
+
 for n in (2, 3):
     os.environ["H3MS_VAE_RANK_MAP"] = ",".join(["cuda:0"] * n)
     split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
-    with torch.inference_mode():
-        equal += [bool(torch.equal(split_vae.decode(z), ref)) for _ in range(2)]
-    shares.append(vae_split.get_vae_engine(["cuda:0"] * n).last_record["chunks_per_rank"])
+    equal += [bool(torch.equal(split_decode(split_vae, z, n), ref)) for _ in range(2)]
 # the exactness probe on the GPU: a fresh 2-rank pool whose worker decodes otherwise on purpose (test hook), a new
 # chunk shape (so the probe runs again): the worker is dropped and the decode stays exact
 os.environ["H3MS_TEST_VAE_SKEW_RANK"] = "1"
 os.environ["H3MS_VAE_RANK_MAP"] = "cuda:0,cuda:0"
 with torch.inference_mode():
     split_vae = nodes.NODE_CLASS_MAPPINGS["H3MSVAESplitDecodeAsync"]().patch(vae, True, -1)[0]
-    skew_equal = bool(torch.equal(split_vae.decode(z2), ref2))
+skew_equal = bool(torch.equal(split_decode(split_vae, z2, 2, dropped=[1]), ref2))
 skew_rec = vae_split.get_vae_engine(["cuda:0"] * 2).last_record
 print("RESULT", json.dumps({"patcher": type(vae.patcher).__name__, "vae_dtype": str(vae.vae_dtype),
                             "blocks": blocks, "equal": equal, "shares": shares, "std": float(ref.std()),
-                            "skew_equal": skew_equal, "skew_dropped": skew_rec["dropped_ranks"],
-                            "probe_ms": skew_rec["probe_ms"]}))
+                            "skew_equal": skew_equal, "probe_ms": skew_rec["probe_ms"]}))
 '''
 
 
@@ -96,8 +107,9 @@ def test_bf16_checkpoint_splits_exactly_under_dynamic_vram_and_without(dynamic: 
     if dynamic:
         assert r["blocks"] == ["torch.bfloat16", "torch.float16"], r  # the mixed case itself
     assert r["equal"] == [True] * 4 and r["std"] > 0.01, r
-    assert [len(s) for s in r["shares"]] == [2, 3] and all(min(s) > 0 for s in r["shares"]), r
+    # the proofs passed in ComfyUI's process (tests/split_proof.py): every rank decoded chunks of its own
+    assert [len(s) for s in r["shares"]] == [2, 2, 3, 3, 2] and all(min(s) > 0 for s in r["shares"][:4]), r
     assert not [ln for ln in proc.stderr.splitlines() if "decoding unsplit" in ln], proc.stderr[-3000:]
     # a worker made to decode otherwise is caught on the GPU too: one warning naming it, dropped, still exact
-    assert r["skew_equal"] and r["skew_dropped"] == [1] and r["probe_ms"] > 0, r
+    assert r["skew_equal"] and r["probe_ms"] > 0, r  # its proof: rank 1 dropped, rank 0 decoded every chunk
     assert proc.stderr.count("rank 1 (cuda:0 ") == 1, proc.stderr[-3000:]

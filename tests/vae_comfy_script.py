@@ -2,8 +2,9 @@
 
 Builds a small random H3 video VAE with real key names through ComfyUI's own loader (``comfy.sd.VAE``; the two
 constructors' size defaults are shrunk for the test), decodes every case's latent with plain ComfyUI (no hook), then
-through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, and prints one JSON line per
-case and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
+through the H3 MS VAE Split Decode node at the case's CPU rank count and return path, each split decode compared under
+the split's proof (``tests/split_proof.py``: the case's ranks decoded every chunk), and prints one JSON line per case
+and a final ``RESULT`` line.  Cases come as JSON in ``VAE_CASES``: ``[{"ranks", "T", "h", "dtype",
 "transport"}]``, optionally ``"skew_rank": r`` (that worker's decode differs from rank 0's on purpose, through
 the test hook ``H3MS_TEST_VAE_SKEW_RANK``: the exactness probe must drop it), ``"cold_skew_rank": r`` (only that
 worker's first decode differs, ``H3MS_TEST_VAE_COLD_SKEW_RANK``: the probe must keep it) and ``"dit_map": n`` (the ranks come
@@ -26,6 +27,7 @@ import nodes
 t0 = time.time()
 sys.path.insert(0, os.environ["H3MS_TESTS_DIR"])
 from small_h3_vae import small_h3_vae_state_dict  # noqa: E402
+from split_proof import SplitProof  # noqa: E402
 
 sd = small_h3_vae_state_dict()
 
@@ -101,9 +103,18 @@ for c in cases:
         except Exception as exc:  # noqa: BLE001 - the error text is what the test checks
             crash_error = f"{type(exc).__name__}: {exc}"
     ref = refs[((c["T"], c["h"]), c["dtype"])]
-    with torch.inference_mode():
-        got = vae.decode(latents[(c["T"], c["h"])])
-        again = vae.decode(latents[(c["T"], c["h"])]) if c.get("skew_rank") else got  # the verdict is kept
+    proofs = []
+
+    def split_decode():
+        """One decode under the split's proof: the case's ranks (less the skewed one) decoded every chunk."""
+        with SplitProof(["cpu"] * c["ranks"], "vae", dropped=[c["skew_rank"]] if c.get("skew_rank") else []) as p:
+            with torch.inference_mode():
+                out = vae.decode(latents[(c["T"], c["h"])])
+        proofs.append(p.summary())
+        return out
+
+    got = split_decode()
+    again = split_decode() if c.get("skew_rank") else got  # the verdict is kept
     rec = vae_split.get_vae_engine(["cpu"] * c["ranks"]).last_record
     unchecked_equal = None
     if c.get("skew_rank"):  # the same decode with every rank taken as exact: the skew reaches the output
@@ -112,13 +123,13 @@ for c in cases:
         with torch.inference_mode():
             unchecked_equal = bool(torch.equal(vae.decode(latents[(c["T"], c["h"])]), ref))
         vae_split.exactness.known = known
-    row = {**c, "equal": bool(torch.equal(got, ref)) and bool(torch.equal(again, ref)), "record": rec,
+    row = {**c, "equal": bool(torch.equal(got, ref)) and bool(torch.equal(again, ref)), "record": rec, "proofs": proofs,
            "unchecked_equal": unchecked_equal, "crash_error": crash_error, "seconds": round(time.time() - t, 2),
            "std": float(ref.float().std()), "saturated": float((ref == 0).float().mean() + (ref == 1).float().mean()),
            "block_dtypes": sorted({str(p.dtype) for n, p in vae.first_stage_model.named_parameters()
                                    if n.startswith("decoder.transformer_blocks.")})}
     results.append(row)
-    print("CASE", json.dumps({k: v for k, v in row.items() if k not in ("record", "crash_error")}), "load",
+    print("CASE", json.dumps({k: v for k, v in row.items() if k not in ("record", "crash_error", "proofs")}), "load",
           rec and rec["load_s"],
           flush=True)
 vae_split.Segment = real_segment

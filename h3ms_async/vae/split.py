@@ -395,6 +395,7 @@ class VaeSplitEngine(Engine):
                 seg.unlink()
         record = {
             "at": now_iso(),
+            "job": job,
             "T": plan.T,
             "chunks": plan.num_chunks,
             "ranks": self.ranks,
