@@ -11,7 +11,8 @@ kitchen's own ``PrequantizedInt8Attention`` with kitchen's packed layout (head d
 rebuilding run on exactly the tensors a GPU run ships.  The arithmetic is a real INT8 attention:
 int8 Q·K and uint8 P·int8 V are integer-valued products summed in a float type wide enough to hold
 them exactly, so a head's result depends on that head's data only (any slicing, any thread count);
-softmax is fp32, the output bf16 (``.float()`` for fp32 inputs), as kitchen's kernel returns it. It
+softmax is float64 (so no result depends on how ATen chunks its exp over threads), the output
+bf16 (``.float()`` for fp32 inputs), as kitchen's kernel returns it. It
 is not bit-comparable with kitchen's CUDA kernel, and does not need to be: CI compares plain ComfyUI
 against the pack with the same attention on both sides.
 """
@@ -129,14 +130,16 @@ def int8_attention_from_prequantized(pq: PrequantizedInt8Attention) -> torch.Ten
             # summation order
             dots = pq.q[bi, h].float() @ pq.k[bi, hk].float().T
             scores = dots * (qs[:, None] * ks[None, :]) * pq.attention_scale
-            # in (0, 1], the row's largest is 1
-            e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            # in (0, 1], the row's largest is 1; in float64, so that ATen's vector and scalar exp
+            # (which one an element gets depends on where its thread's chunk of the tensor starts,
+            # i.e. on the thread count) agree far below the rounding to P's 8 bits and to bf16
+            e = torch.exp((scores - scores.amax(dim=-1, keepdim=True)).double())
             p8 = torch.round(e * 255.0)
             # uint8 P times int8 V summed over the keys: exact in float64 for any sequence length
             # used here
-            acc = p8.double() @ v8[bi, hk, :, :sk].double().T
+            acc = p8 @ v8[bi, hk, :, :sk].double().T
             out[bi, h] = (
-                acc.float() * (v_scale[bi, hk] / (255.0 * e.sum(dim=-1, keepdim=True)))
+                acc * (v_scale[bi, hk].double() / (255.0 * e.sum(dim=-1, keepdim=True)))
             ).to(out_dtype)
     out = out[..., : pq.original_head_dim]
     return out.float() if pq.input_dtype == torch.float32 else out
