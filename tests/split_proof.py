@@ -200,12 +200,13 @@ class SplitProof:
         if self.program == "attention":
             from h3ms_async.attention.engine import live_engines
             return {id(e): e.snapshot()["calls"] for e in live_engines()}
-        return self._vae_engine_record()
+        return {id(e): e.last_record for e in self._vae_engines()}
 
-    def _vae_engine_record(self) -> dict | None:
+    def _vae_engines(self) -> list:
+        """Every live VAE engine on these devices: a released one can outlive its case (a traceback, a local name
+        still holds it), so the engine that decoded is the one whose record changed, not the last one found."""
         from h3ms_async.vae.split import live_vae_engines
-        found = [e for e in live_vae_engines() if e.devices == self.devices]
-        return found[-1].last_record if found else None
+        return [e for e in live_vae_engines() if e.devices == self.devices]
 
     def _new_records(self) -> list[dict]:
         if self.program == "dit":
@@ -218,8 +219,8 @@ class SplitProof:
                 before = self._before.get(id(e), 0)
                 out += [c for c in e.recent_calls() if c["call"] > before]
             return out
-        rec = self._vae_engine_record()
-        return [rec] if rec is not None and rec is not self._before else []
+        return [e.last_record for e in self._vae_engines()
+                if e.last_record is not None and e.last_record is not self._before.get(id(e))]
 
     def _records_kept(self) -> int:
         """How many of its latest records the engine keeps."""
