@@ -14,6 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import os
+from collections.abc import Callable, Iterator
+
+import psutil
+
+from h3ms_async.dit import exactness
+from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.reference import ReferenceDiT, StepInputs
 from h3ms_async.dit.errors import SplitUnsafe
 from h3ms_async.dit.split import SplitEngine
@@ -77,3 +84,25 @@ def engine_step(engine: SplitEngine, inp: StepInputs, seen: Compared, ref: torch
         seen.refused.append(f"{what}: {exc}")
         return
     seen.equal(out, ref, what)
+
+
+def fault_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., SplitEngine]]:
+    """For a fixture (``yield from``): a maker of engines on two CPU ranks, each measuring its own plans, optionally
+    with a shape fault (``workers.testing.faults.ShapeFault`` text) its workers read when they start; afterwards every
+    engine released, no worker process and no shm segment of this process left."""
+    made: list[SplitEngine] = []
+
+    def make(fault: str | None = None, **opts) -> SplitEngine:
+        if fault is not None:
+            monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", fault)  # read by the workers when they start
+        exactness.VERDICTS.clear()  # the verdict cache is per process: each test measures its own plans
+        eng = SplitEngine(["cpu", "cpu"], SplitOptions(**opts))
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.release()
+    kids = [k for k in psutil.Process().children(recursive=True) if k.status() != psutil.STATUS_ZOMBIE]
+    assert not kids
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]

@@ -8,9 +8,7 @@ purpose, so neither the probe nor ``verify`` can pass vacuously.
 from __future__ import annotations
 
 import json
-import os
 
-import psutil
 import pytest
 import torch
 
@@ -18,13 +16,13 @@ from h3ms_async.dit import exactness
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.errors import SplitUnsafe
-from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.testing.faults import ShapeFault
+from split_checks import fault_engines
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
@@ -43,22 +41,7 @@ def model():
 
 @pytest.fixture
 def engine(monkeypatch):
-    made: list[SplitEngine] = []
-
-    def make(fault: str | None = None, **opts) -> SplitEngine:
-        if fault is not None:
-            monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", fault)  # read by the workers when they start
-        exactness.VERDICTS.clear()  # the verdict cache is per process: each test measures its own plans
-        eng = SplitEngine(["cpu", "cpu"], SplitOptions(**opts))
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        eng.release()
-    kids = [k for k in psutil.Process().children(recursive=True) if k.status() != psutil.STATUS_ZOMBIE]
-    assert not kids
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
+    yield from fault_engines(monkeypatch)
 
 
 def _step(eng: SplitEngine, model: ReferenceDiT, seed: int = 3):

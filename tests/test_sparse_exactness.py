@@ -11,9 +11,7 @@ verify catch a difference, so neither passes vacuously.
 from __future__ import annotations
 
 import logging
-import os
 
-import psutil
 import pytest
 import torch
 
@@ -22,7 +20,6 @@ from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.sparse import UnsplitSparse
 from workers.dit.protocol import SparseStepSettings
-from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
@@ -32,6 +29,7 @@ from workers.dit.sparse import SparseConfig
 from workers.runtime.shm import dtype_name
 from workers.testing import ck_sparse_cpu
 from workers.testing.faults import ShapeFault
+from split_checks import fault_engines
 
 #: head_dim 128 and a bfloat16 stream: what the kernel takes
 CFG = DiTConfig(hidden=256, layers=2, heads=4, head_dim=128, ffn=384, t_dim=16, rope_pairs=12)
@@ -58,23 +56,16 @@ def kernel(monkeypatch):
 
 @pytest.fixture
 def engine(monkeypatch, kernel, model):
-    made: list[SplitEngine] = []
+    engines = fault_engines(monkeypatch)
+    make = next(engines)
 
-    def make(fault: str | None = None, **opts) -> SplitEngine:
-        if fault is not None:
-            monkeypatch.setenv("H3MS_TEST_SHAPE_FAULT", fault)  # read by the workers when they start
-        exactness.VERDICTS.clear()  # the verdict cache is per process: each test measures its own plans
-        eng = SplitEngine(["cpu", "cpu"], SplitOptions(sparse=SPARSE, **opts))
+    def loaded(fault: str | None = None, **opts) -> SplitEngine:
+        eng = make(fault, sparse=SPARSE, **opts)
         eng.load_weights(("sparse-exactness", fault), CFG, model.block_weights, compute_dtype=torch.bfloat16)
-        made.append(eng)
         return eng
 
-    yield make
-    for eng in made:
-        eng.release()
-    kids = [k for k in psutil.Process().children(recursive=True) if k.status() != psutil.STATUS_ZOMBIE]
-    assert not kids
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
+    yield loaded
+    next(engines, None)  # release them all, and check nothing is left
 
 
 def _inputs(s: int):
