@@ -90,12 +90,7 @@ class SplitOptions:
                 f"{dit_protocol.MAX_HEAD_PIECES} (0/1: "
                 "attention in one call)"
             )
-        if self.pattern not in (*dit_protocol.PATTERNS, "auto"):
-            raise ValueError(
-                f"pattern={self.pattern!r} is not one of {(*dit_protocol.PATTERNS, 'auto')}"
-            )
-        if self.pattern != "auto":
-            object.__setattr__(self, "pattern", Pattern(self.pattern))
+        object.__setattr__(self, "pattern", parse_pattern(self.pattern))
         if self.pattern == "ulysses" and self.sparse is not None:
             raise ValueError(
                 "sparse attention runs with the all-gather pattern (its kernel needs the block "

@@ -5,7 +5,7 @@ shards, the options it runs with, the pattern), and the record it leaves in the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -78,7 +78,7 @@ class PlannedStep:
     pattern: dit_protocol.Pattern
     transport: Transport
     sparse: SparseStepSettings | None = None
-    trace: bool = field(default=False)
+    trace: bool = False
 
 
 def record_step(
