@@ -21,6 +21,7 @@ benchmark wrote (``bench vae``'s JSON: :func:`vae_decodes_failure`). Imported in
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -194,13 +195,16 @@ class SplitProof:
 
     # -- what the engine recorded ------------------------------------------------------------------
     def _engine_state(self) -> Any:
+        """What each engine had recorded when the block started. Keyed weakly by the engine, not by ``id()``: making an
+        engine for other devices releases the old one, and the new one can take the freed address (seen in CI: a 4-rank
+        engine read as the released 2-rank one, its 8 split calls as none)."""
         if self.program == "dit":
             from h3ms_async.status.hub import get_hub
             return get_hub().next_seq() - 1
         if self.program == "attention":
             from h3ms_async.attention.engine import live_engines
-            return {id(e): e.snapshot()["calls"] for e in live_engines()}
-        return {id(e): e.last_record for e in self._vae_engines()}
+            return weakref.WeakKeyDictionary({e: e.snapshot()["calls"] for e in live_engines()})
+        return weakref.WeakKeyDictionary({e: e.last_record for e in self._vae_engines()})
 
     def _vae_engines(self) -> list:
         """Every live VAE engine on these devices: a released one can outlive its case (a traceback, a local name
@@ -216,11 +220,11 @@ class SplitProof:
             from h3ms_async.attention.engine import live_engines
             out = []
             for e in live_engines():
-                before = self._before.get(id(e), 0)
+                before = self._before.get(e, 0)
                 out += [c for c in e.recent_calls() if c["call"] > before]
             return out
         return [e.last_record for e in self._vae_engines()
-                if e.last_record is not None and e.last_record is not self._before.get(id(e))]
+                if e.last_record is not None and e.last_record is not self._before.get(e)]
 
     def _records_kept(self) -> int:
         """How many of its latest records the engine keeps."""
