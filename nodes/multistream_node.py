@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+from h3ms_async.dit.overlap_tuner import OverlapChoice, overlap_options
 from h3ms_async.log import get_logger
 from workers.dit.protocol import Transport
 from workers.runtime import config
@@ -129,6 +130,20 @@ class H3MultiStreamAsync(ModelPatchNode):
                     "gather.",
                 },
             ),
+            "overlaps": (
+                [c.value for c in OverlapChoice],
+                {
+                    "default": OverlapChoice.AUTO.value,
+                    "advanced": True,
+                    "tooltip": "What each GPU computes while its exchanges move. auto: attention "
+                    "in 4 head pieces (each moved while the next computes) and the qkv projection "
+                    "on each GPU's rows as they arrive, each only where the probe measured it "
+                    "bit-exact and its test has passed on this device kind; the first steps of a "
+                    "plan time each combination once and the rest run the fastest (the panel's "
+                    "step line says 'overlaps measuring' or 'fastest'). off: none. head pieces, "
+                    "gather, both: exactly that (refused in one line where untested).",
+                },
+            ),
         },
     }
 
@@ -146,6 +161,7 @@ class H3MultiStreamAsync(ModelPatchNode):
         verify: bool = False,
         sparse_attention: Any = None,
         exchange_pattern: str = "gather",
+        overlaps: str = "auto",
     ) -> tuple:
         if not enabled:
             return (model,)
@@ -197,12 +213,14 @@ class H3MultiStreamAsync(ModelPatchNode):
             verify=bool(verify),
             sparse=sparse,
             pattern=parse_pattern(exchange_pattern),
+            **overlap_options(overlaps),
         )
         clone = model.clone()
         install_split(clone, devices, options, float(cache_ram_reserve_gb), bool(weight_cache))
         log.info(
             "node configured: model %s on %s, ranks %s (%s), exchange %s x%d (pattern %s), weight "
-            "cache %s, RAM reserve %g GiB, vram residency %s, verify %s, sparse attention %s",
+            "cache %s, RAM reserve %g GiB, vram residency %s, verify %s, sparse attention %s, "
+            "overlaps %s",
             type(dm).__name__,
             getattr(model, "load_device", "?"),
             ",".join(devices),
@@ -215,6 +233,7 @@ class H3MultiStreamAsync(ModelPatchNode):
             vram_residency,
             "on" if verify else "off",
             sparse_attention.describe() if sparse is not None else "off",
+            overlaps,
         )
         return (clone,)
 

@@ -12,10 +12,11 @@ import json
 import pytest
 import torch
 
-from h3ms_async.dit import exactness
+from h3ms_async.dit import exactness, tested_paths
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.errors import SplitUnsafe
+from h3ms_async.dit.overlap_tuner import overlap_options
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.status.hub import get_hub
@@ -279,3 +280,60 @@ def test_the_verdict_file_is_on_by_default(monkeypatch, tmp_path):
     assert exactness.cache_path() is None
     monkeypatch.setenv("H3MS_INVARIANCE_CACHE", str(tmp_path / "v.json"))
     assert exactness.cache_path() == str(tmp_path / "v.json")
+
+
+def _overlaps_seen(eng: SplitEngine, model: ReferenceDiT, steps: int) -> list[tuple[str, int, bool]]:
+    """Run ``steps`` steps, each equal to the unsplit output; per step what its record says the overlaps were."""
+    seen = []
+    for seed in range(3, 3 + steps):
+        out, ref = _step(eng, model, seed)
+        assert torch.equal(out, ref)
+        rec = get_hub().recent_steps(1)[0]
+        seen.append((rec["overlap_tuning"], rec["head_pieces"], rec["gather_overlap"]))
+    return seen
+
+
+def test_auto_overlaps_time_each_exact_combination_then_run_the_fastest(engine, model):
+    """The node's default (overlaps "auto"): a plan's first step runs without overlaps, each exact combination then
+    runs one step, and later steps run the one that took the least time per block; every step is bit-exact."""
+    eng = engine(**overlap_options("auto"))
+    eng.load_weights(("inv", 11), CFG, model.block_weights)
+    seen = _overlaps_seen(eng, model, 7)
+    assert seen[:5] == [("warming", 0, False), ("measuring", 0, False), ("measuring", 4, False),
+                        ("measuring", 0, True), ("measuring", 4, True)]
+    (tuned,) = eng.overlaps.snapshot()
+    fastest = min(tuned["ms_per_block"], key=tuned["ms_per_block"].get)
+    assert tuned["phase"] == "fastest" and tuned["choice"] == fastest
+    assert sorted(tuned["ms_per_block"]) == ["gather", "gather+pieces4", "none", "pieces4"]
+    expect = exactness.Overlap.from_name(fastest)
+    assert seen[5:] == [("fastest", expect.head_pieces, expect.gather)] * 2
+
+
+def test_auto_overlaps_leave_out_what_the_probe_measured_inexact(engine, model):
+    """Attention of a 1-head piece rounds differently on purpose: "auto" times only none and the gather overlap."""
+    eng = engine("attention:1", **overlap_options("auto"))
+    eng.load_weights(("inv", 12), CFG, model.block_weights)
+    seen = _overlaps_seen(eng, model, 4)
+    assert [s[0] for s in seen] == ["warming", "measuring", "measuring", "fastest"]
+    assert {s[1] for s in seen} == {0} and [s[2] for s in seen[1:3]] == [False, True]
+    assert sorted(eng.overlaps.snapshot()[0]["ms_per_block"]) == ["gather", "none"]
+
+
+def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
+    """On CUDA no overlap has a passing test yet: "auto" asks for none there (an explicit choice is refused)."""
+    monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
+    gpus = ["cuda:0", "cuda:1"]
+    assert tested_paths.tested_overlap(gpus, 4, True) == (0, False)
+    assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True) == (4, True)
+    with pytest.raises(tested_paths.UntestedPath, match="attention in head pieces has no passing"):
+        tested_paths.check(gpus, "gather", 4, False)
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")
+    assert tested_paths.tested_overlap(gpus, 4, True) == (4, True)
+
+
+def test_overlap_choices_map_onto_the_options():
+    assert overlap_options("auto") == {"head_pieces": 4, "gather_overlap": True, "overlap_tuning": True}
+    assert overlap_options("off") == {"head_pieces": 0, "gather_overlap": False, "overlap_tuning": False}
+    assert overlap_options("both") == {"head_pieces": 4, "gather_overlap": True, "overlap_tuning": False}
+    with pytest.raises(ValueError, match="overlaps='fast' is not one of 'auto', 'off'"):
+        overlap_options("fast")

@@ -135,7 +135,8 @@ export function stepSummary(rec) {
   const sigma = rec.sigma === null ? "" : `sigma ${Number(rec.sigma).toFixed(4)} · `;
   const chunks = rec.chunks > 1 ? ` ×${rec.chunks}` : "";
   const pieces = (rec.head_pieces > 1 ? ` · attention in ${rec.head_pieces} head pieces` : "") +
-    (rec.gather_overlap ? " · qkv as the rows arrive" : "");
+    (rec.gather_overlap ? " · qkv as the rows arrive" : "") +
+    (rec.overlap_tuning ? ` · overlaps ${rec.overlap_tuning}` : "");
   return `step ${rec.seq} · ${sigma}${rec.tokens} tokens × ${rec.blocks} blocks on ${rec.devices.join("+")} · ` +
     `${fmtSec(rec.wall_s)} s · exchange ${rec.exchange}${chunks}${pieces} · ${fmtBytes(rec.moved_bytes)} moved · ` +
     `weight store ${rec.weight_store}`;

@@ -52,7 +52,10 @@ class SplitOptions:
     many head pieces, each moved by the all-to-all while the next one computes, where the probe
     measures the pieces exact (``workers.dit.loop``).
     ``gather_overlap``: on dense steps each rank's qkv projection runs on every rank's rows as they
-    arrive (its own first), where the probe measures those row ranges exact.  ``pattern``: how
+    arrive (its own first), where the probe measures those row ranges exact.
+    ``overlap_tuning``: ``head_pieces`` and ``gather_overlap`` name what the engine may use, not
+    what it must: per plan it runs the exact ones that measured fastest, leaving out any without a
+    passing test on the ranks' device kind (``h3ms_async.dit.overlap_tuner``).  ``pattern``: how
     attention gets its inputs, "gather" (all-gather of the block input), "ulysses" (every rank
     projects every head for its tokens, then an all-to-all of q, k, v; dense attention only) or
     "auto" (the one whose exchange moves fewer bytes at this N and transport,
@@ -72,6 +75,7 @@ class SplitOptions:
     sparse: SparseConfig | None = None
     head_pieces: int = 0
     gather_overlap: bool = False
+    overlap_tuning: bool = False
     pattern: Pattern | Literal["auto"] = Pattern.GATHER
 
     def __post_init__(self) -> None:
@@ -131,6 +135,7 @@ def options_dict(o: SplitOptions) -> dict:
         "exchange_chunks": o.exchange_chunks,
         "head_pieces": o.head_pieces,
         "gather_overlap": o.gather_overlap,
+        "overlap_tuning": o.overlap_tuning,
         "pattern": o.pattern,
         "vram_residency": o.vram_residency,
         "attention": o.comfy_host.attention if o.comfy_host else o.attention,

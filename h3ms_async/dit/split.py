@@ -38,6 +38,7 @@ from h3ms_async.dit.options import (
     options_dict,
     process_key,
 )
+from h3ms_async.dit.overlap_tuner import OverlapTuner
 from h3ms_async.dit.pattern import pick_pattern
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.reference import DiTConfig
@@ -109,6 +110,8 @@ class SplitEngine(Engine):
         super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
         #: The invariance probe's orchestration (which plan a step runs with).
         self.probe = PlanProbe(self)
+        #: The overlaps each plan runs when the options let the engine pick them.
+        self.overlaps = OverlapTuner()
         #: The last successful step's per-rank answers (rank order), including fields the hub's
         #: step record leaves out (``signals``, ``wall_s``, ``weights``, ``setup_s``, ``tail_s``,
         #: ``cuda_alloc``); benchmarks read it.
@@ -300,7 +303,15 @@ class SplitEngine(Engine):
         ld = self.loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
-        tested_paths.check(self.devices, ld.pattern, opts.head_pieces, opts.gather_overlap)
+        tuning = opts.overlap_tuning
+        if tuning:
+            pieces, gather = tested_paths.tested_overlap(
+                self.devices, opts.head_pieces, opts.gather_overlap
+            )
+            tested_paths.check(self.devices, ld.pattern, 0, False)
+        else:
+            pieces, gather = opts.head_pieces, opts.gather_overlap
+            tested_paths.check(self.devices, ld.pattern, pieces, gather)
         check_block_options(step.block_options)
         x = step.x
         if x.dim() != 2 or x.shape[1] != ld.config.hidden:
@@ -312,8 +323,7 @@ class SplitEngine(Engine):
             raise SplitError(
                 "head plan changed since the weights were loaded; call load_weights again"
             )
-        gather = opts.gather_overlap and ld.pattern == "gather"
-        asked = Overlap(opts.head_pieces if opts.head_pieces > 1 else 0, gather)
+        asked = Overlap(pieces if pieces > 1 else 0, gather and ld.pattern == "gather")
         sparse_cfg = opts.sparse
         if sparse_cfg is not None and self._sparse_fallback.blocked(
             x.dtype, ld.config.head_dim, self._sparse_kernel
@@ -328,15 +338,30 @@ class SplitEngine(Engine):
         plan, ran, sparse_off = self.probe.measured_plan(
             plan, int(step.t_emb.shape[0]), asked, probe
         )
+        transport = self._transport(opts.exchange)
+        sparse_step = (
+            None
+            if sparse_cfg is None or sparse_off
+            else SparseStepSettings(sparse_cfg, step.sigma, step.sparse_branch)
+        )
+        phase = None
+        if tuning:
+            tune_key = (
+                plan.token_bounds,
+                plan.head_bounds,
+                ld.pattern,
+                transport,
+                bool(sparse_step),
+            )
+            ran, phase = self.overlaps.choose(tune_key, ran)
         planned = PlannedStep(
             step,
             plan,
             replace(opts, head_pieces=ran.head_pieces, gather_overlap=ran.gather),
             ld.pattern,
-            self._transport(opts.exchange),
-            None
-            if sparse_cfg is None or sparse_off
-            else SparseStepSettings(sparse_cfg, step.sigma, step.sparse_branch),
+            transport,
+            sparse_step,
+            overlap_phase=phase,
         )
         with self.job():
             if opts.verify and self._verify_due:
@@ -346,7 +371,12 @@ class SplitEngine(Engine):
                     out = verify.verify_step(self, planned)
                     self._verify_due = False
                     return out
-            return self.run_planned(planned)
+            t_start = time.perf_counter()
+            out = self.run_planned(planned)
+            if phase is not None:
+                per_block = (time.perf_counter() - t_start) / blocks
+                self.overlaps.record(tune_key, ran, phase, per_block)
+            return out
 
     def new_prompt(self) -> None:
         """A new prompt starts sampling: with ``SplitOptions.verify`` its first split step (with
@@ -547,6 +577,7 @@ class SplitEngine(Engine):
             "weight_store": self.loaded.store.summary() if self.loaded else {"state": "empty"},
             "running": self._running,
             "steps": self._steps,
+            "overlaps": self.overlaps.snapshot(),
         }
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from h3ms_async.dit.options import SplitOptions
+from h3ms_async.dit.overlap_tuner import TuningPhase
 from h3ms_async.runtime import plans
 from h3ms_async.status.hub import get_hub
 from h3ms_async.status.records import RankRecord, StepRecord, now_iso
@@ -70,7 +71,8 @@ class PlannedStep:
     exact, the loaded pattern and the transport as it runs on these devices; ``sparse``: its sparse
     attention as the ranks get it (``dit_step``'s field; {}: dense: not asked for, the kernel
     cannot run, or measured inexact on this plan); ``trace``: the ranks also digest each op's output
-    (``verify``)."""
+    (``verify``); ``overlap_phase``: where the engine's own choice of overlaps stands on this plan
+    (None: the options fixed them)."""
 
     step: Step
     plan: plans.SplitPlan
@@ -79,6 +81,7 @@ class PlannedStep:
     transport: Transport
     sparse: SparseStepSettings | None = None
     trace: bool = False
+    overlap_phase: TuningPhase | None = None
 
 
 def record_step(
@@ -119,6 +122,7 @@ def record_step(
         chunks=max(chunks, 1),
         head_pieces=opts.head_pieces,
         gather_overlap=opts.gather_overlap,
+        overlap_tuning=planned.overlap_phase.value if planned.overlap_phase else "",
         pattern=planned.pattern,
         wall_s=wall_s,
         moved_bytes=sum(r.moved_bytes for r in ranks),

@@ -66,6 +66,16 @@ def asked_paths(pattern: str, head_pieces: int, gather_overlap: bool) -> list[Sp
     ]
 
 
+def tested_overlap(devices: Sequence[str], head_pieces: int, gather: bool) -> tuple[int, bool]:
+    """``(head_pieces, gather)`` less the overlaps with no passing test on these devices (what the
+    engine may pick among when it picks the overlaps itself: it leaves an untested one out rather
+    than refuse the step)."""
+    return (
+        head_pieces if head_pieces > 1 and is_tested(SplitPath.HEAD_PIECES, devices) else 0,
+        gather and is_tested(SplitPath.GATHER_OVERLAP, devices),
+    )
+
+
 def check(devices: Sequence[str], pattern: str, head_pieces: int, gather_overlap: bool) -> None:
     """Refuse, in one line, the first asked-for path with no passing test on these devices."""
     for path in asked_paths(pattern, head_pieces, gather_overlap):

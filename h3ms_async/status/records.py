@@ -62,6 +62,9 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     head_pieces: int = 0
     #: the qkv projection ran on each rank's gathered rows as they arrived
     gather_overlap: bool = False
+    #: when the engine picks the overlaps (``overlap_tuning``): "warming" (a plan's first step, no
+    #: overlaps), "measuring" (timing one exact combination) or "fastest"; "" when options fix them
+    overlap_tuning: Literal["", "warming", "measuring", "fastest"] = ""
     #: how attention got its inputs: the all-gather of the block input, or Ulysses' q/k/v all-to-all
     pattern: Pattern = Pattern.GATHER
     wall_s: float
@@ -125,6 +128,8 @@ def format_step_line(rec: Mapping) -> str:
         chunks += f", attention in {rec['head_pieces']} head pieces"
     if rec.get("gather_overlap"):
         chunks += ", qkv as the rows arrive"
+    if rec.get("overlap_tuning"):
+        chunks += f" (overlaps {rec['overlap_tuning']})"
     if rec.get("pattern") == "ulysses":
         chunks += ", Ulysses"
     line = (
