@@ -47,6 +47,7 @@ def test_byte_counts_follow_the_plan(report):
         host = _pred(report, n, "pcie5-host")["bytes_per_rank"]
         nccl = _pred(report, n, "nvlink-nccl")["bytes_per_rank"]
         uly = _pred(report, n, "pcie5-host", "ulysses")["bytes_per_rank"]
+        p2p = _pred(report, n, "pcie5-p2p")["bytes_per_rank"]
         big = max(b - a for a, b in zip(tb, tb[1:]))
         for r in range(n):
             rows, cols = tb[r + 1] - tb[r], (hb[r + 1] - hb[r]) * D
@@ -56,6 +57,10 @@ def test_byte_counts_follow_the_plan(report):
             assert host[r]["all_to_all_attn_in"] == rows * (C - cols) * e
             assert nccl[r]["all_gather_input_out"] == (n - 1) * big * W * e  # padded to the largest shard
             assert uly[r]["all_to_all_qkv_out"] == 3 * rows * (C - cols) * e
+            assert p2p[r]["all_gather_input_out"] == (n - 1) * rows * W * e  # each peer copies it, unpadded
+            assert p2p[r]["all_gather_input_in"] == (S - rows) * W * e
+            assert (p2p[r]["all_to_all_attn_out"], p2p[r]["all_to_all_attn_in"]) == (
+                host[r]["all_to_all_attn_out"], host[r]["all_to_all_attn_in"])
             assert uly[r]["all_to_all_qkv_in"] == 3 * (S - rows) * cols * e
     # the one-H200 figures of docs/performance.md: 407 MB gathered + 272 MB all-to-all out per rank
     # at N = 2

@@ -12,11 +12,16 @@ and head plan exactly as the transports move them:
 * NCCL (``workers/transports/dist.py``): an all-gather of uneven shards is padded to the largest
   shard, a rank sends and receives (N-1) padded shards; an all-to-all sends and receives exactly
   the rows and columns it owes.
+* GPU-direct (``workers/transports/cuda_ipc.py``): a rank publishes its part in its own GPU buffer
+  and every peer copies what it needs from there, peer to peer: a rank's link carries out exactly
+  what its peers read of it and in what it reads of theirs (no padding, no host memory).
 
 Times: a host-staged op takes each rank's device->host then host->device copies in sequence (the
 default, ``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host
 memory; an NCCL op takes the larger of a rank's send and receive bytes at the collective's bus
-bandwidth (for an all-gather that is the nccl-tests "busbw" convention).  Ranks on several hosts
+bandwidth (for an all-gather that is the nccl-tests "busbw" convention); a GPU-direct op the
+larger of a rank's out and in bytes at the peer-to-peer copy rate (on logical ranks of one GPU,
+every rank's in bytes through that GPU's memory, one after another).  Ranks on several hosts
 add the bytes each host must receive from the others over its network link, after the intra-host
 part (no overlap of the two levels).
 
@@ -31,7 +36,7 @@ hides a further fraction of what stays exposed, for schedules not built yet.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -39,7 +44,7 @@ from h3ms_async.dit.exactness import Overlap
 from h3ms_async.runtime.plans import partition
 from workers.dit.protocol import PATTERNS
 
-TRANSPORTS = ("host", "nccl")
+TRANSPORTS = ("host", "nccl", "cuda_ipc")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: Each pattern's two ops per block, in block order: (name, op kind of :func:`traffic`).
 _OPS = {
@@ -229,6 +234,22 @@ def nccl_bytes(
     ]
 
 
+def p2p_bytes(shape: Shape, plan: Plan, kind: str) -> list[tuple[int, int]]:
+    """Per rank (read by its peers, read from its peers) for one GPU-direct op: exactly the bytes
+    each pair owes."""
+    m = traffic(shape, plan, kind)
+    N = plan.world
+    return [
+        (sum(m[r][q] for q in range(N) if q != r), sum(m[p][r] for p in range(N) if p != r))
+        for r in range(N)
+    ]
+
+
+def moved_bytes(transport: str) -> Callable[[Shape, Plan, str], list[tuple[int, int]]]:
+    """Per rank (out, in) bytes of one op on ``transport``."""
+    return {"host": host_bytes, "cuda_ipc": p2p_bytes}.get(transport, nccl_bytes)
+
+
 def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
     """Largest bytes one host receives from the other hosts for one op (an all-gather brings each
     remote row once per host)."""
@@ -263,9 +284,10 @@ def choose_pattern(
     plan = make_plan(shape, world, shares)
 
     def busiest(kind: str) -> int:
+        moved = moved_bytes(transport)(shape, plan, kind)
         if transport == "host":
-            return max(w + r for w, r in host_bytes(shape, plan, kind))
-        return max(max(s, r) for s, r in nccl_bytes(shape, plan, kind))
+            return max(w + r for w, r in moved)
+        return max(max(s, r) for s, r in moved)
 
     return "ulysses" if busiest("a2a_qkv") < busiest("gather") else "gather"
 
@@ -284,6 +306,12 @@ def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: f
         copies = sum(per_rank) if link.shared else max(per_rank)
         memory = sum(w + r for w, r in moved) / (host_mem_gbps * 1e9)
         t = max(copies, memory)
+    elif link.transport == "cuda_ipc":
+        moved = p2p_bytes(shape, plan, kind)
+        if link.shared:
+            t = sum(r for _, r in moved) / (link.gbps * 1e9)
+        else:
+            t = max(max(o, i) for o, i in moved) / (link.gbps * 1e9)
     elif link.net_gbps and link.gpus_per_host and plan.world > link.gpus_per_host:
         t = max(max(s, r) for s, r in nccl_bytes(shape, plan, kind, link.gpus_per_host)) / (
             link.gbps * 1e9
@@ -405,7 +433,7 @@ def predict(
     )
     unsplit_step = s.layers * unsplit_block * compute_scale
     step = s.layers * block + (parts.step_overhead_s if world > 1 else 0.0)
-    moved = host_bytes if link.transport == "host" else nccl_bytes
+    moved = moved_bytes(link.transport)
     per_rank = [{"rank": r, "tokens": plan.n(r), "heads": plan.h(r)} for r in range(world)]
     for name, kind in _OPS[pattern]:
         for r, (o, i) in enumerate(moved(s, plan, kind)):

@@ -47,6 +47,12 @@ SOURCES = {
     "host measured 51.9-55.0 GB/s pinned, docs/performance.md)",
     "nvlink": "ASSUMED: NVLink4 (H100/H200, 450 GB/s per direction raw); NCCL all-gather bus "
     "bandwidth ~350-400 GB/s achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
+    "pcie4_p2p": "ASSUMED: peer-to-peer copies between GPUs under one PCIe Gen4 switch or root "
+    "complex at the pinned-copy rate (~25 GB/s per direction); GPU-direct exchange (cuda_ipc)",
+    "pcie5_p2p": "ASSUMED: peer-to-peer copies on PCIe Gen5 at ~50 GB/s per direction; GPU-direct "
+    "exchange (cuda_ipc)",
+    "nvlink_p2p": "ASSUMED: copy-engine peer copies over NVLink4 at the NCCL bus bandwidth figure "
+    "(~360 GB/s per direction); GPU-direct exchange (cuda_ipc)",
     "host_latency": "per-op signalling of the host exchange: 31-43 us per doorbell measured on the "
     "2-core CPU box (docs/performance.md), taken as 40 us per op",
     "nccl_latency": "ASSUMED: ~20 us per NCCL collective launch on NVLink",
@@ -60,6 +66,15 @@ def default_links(parts: sm.Parts, a) -> list[sm.Link]:
         sm.Link("pcie4-host", "host", a.pcie4_gbps, HOST_OP_LATENCY_S, SOURCES["pcie4"], True),
         sm.Link("pcie5-host", "host", a.pcie5_gbps, HOST_OP_LATENCY_S, SOURCES["pcie5"], True),
         sm.Link("nvlink-nccl", "nccl", a.nvlink_gbps, NCCL_OP_LATENCY_S, SOURCES["nvlink"], True),
+        sm.Link(
+            "pcie4-p2p", "cuda_ipc", a.pcie4_gbps, HOST_OP_LATENCY_S, SOURCES["pcie4_p2p"], True
+        ),
+        sm.Link(
+            "pcie5-p2p", "cuda_ipc", a.pcie5_gbps, HOST_OP_LATENCY_S, SOURCES["pcie5_p2p"], True
+        ),
+        sm.Link(
+            "nvlink-p2p", "cuda_ipc", a.nvlink_gbps, HOST_OP_LATENCY_S, SOURCES["nvlink_p2p"], True
+        ),
     ]
     if parts.pinned_h2d_gbps and parts.pinned_d2h_gbps:
         src = (
