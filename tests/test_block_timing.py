@@ -29,11 +29,30 @@ def real_step(engine: SplitEngine, seed: int = 1, **kw) -> dict:
     return get_hub().recent_steps(1)[-1]
 
 
-@pytest.fixture(scope="module")
-def cpu_engine():
+def started_engine() -> SplitEngine:
+    """Two CPU rank workers with CFG's int8 weights loaded (the caller releases them)."""
     eng = SplitEngine(["cpu", "cpu"], SplitOptions())
     try:
         eng.load_weights(("bt", "int8", 5), CFG, ReferenceDiT(CFG, weights="int8", seed=5).block_weights)
+    except BaseException:
+        eng.release()
+        raise
+    return eng
+
+
+def recorded_cpu_step(**kw) -> dict:
+    """The step record of one real step on two CPU rank workers."""
+    eng = started_engine()
+    try:
+        return real_step(eng, **kw)
+    finally:
+        eng.release()
+
+
+@pytest.fixture(scope="module")
+def cpu_engine():
+    eng = started_engine()
+    try:
         yield eng
     finally:
         eng.release()
