@@ -13,9 +13,10 @@ block, ``block_done()`` after each block and ``finish()`` once at the end of the
   the host waits for before the op to the one after the op's copies in: the stream holds no work
   in between but what the op itself queues there), the compute it queues inside the window (the
   qkv projection on rows as they arrive, head pieces' attention) and each copy's event pair on the
-  copy streams.  :func:`block_timings` turns those intervals into the four numbers: exposed = the
-  windows less the compute inside them, compute = the block's span less that, hidden = the copy
-  time that intersects compute.
+  copy streams (an NCCL collective runs on a stream of its own: its window less the compute inside
+  is its copy, nothing of it hidden).  Only a started clock keeps events.  :func:`block_timings`
+  turns those intervals into the four numbers: exposed = the windows less the compute inside
+  them, compute = the block's span less that, hidden = the copy time that intersects compute.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class CudaBlockClock:
         self._windows: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._busy: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._copies: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._collectives: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
     def event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
         """A timing event recorded now on ``stream`` (default: the compute stream)."""
@@ -163,22 +165,27 @@ class CudaBlockClock:
     def _block(self) -> int:
         return len(self._bounds) - 1
 
-    def window(self, a: torch.cuda.Event, b: torch.cuda.Event) -> None:
-        """An exchange op's window on the compute stream."""
-        self._windows.append((self._block, a, b))
+    def _add(self, rows: list, a: torch.cuda.Event, b: torch.cuda.Event) -> None:
+        # only inside a block loop: an exchange used without one (the exchange probe) keeps nothing
+        if self._bounds:
+            rows.append((self._block, a, b))
+
+    def window(self, a: torch.cuda.Event, b: torch.cuda.Event, *, collective: bool = False) -> None:
+        """An exchange op's window on the compute stream; a ``collective``'s (NCCL, on a stream of
+        its own) idle part is its copy."""
+        self._add(self._collectives if collective else self._windows, a, b)
 
     def busy(self, a: torch.cuda.Event, b: torch.cuda.Event) -> None:
         """Compute queued on the compute stream inside an op's window."""
-        self._busy.append((self._block, a, b))
+        self._add(self._busy, a, b)
 
     def copy(self, a: torch.cuda.Event, b: torch.cuda.Event) -> None:
         """One exchange copy (events on its copy stream)."""
-        self._copies.append((self._block, a, b))
+        self._add(self._copies, a, b)
 
     def start(self) -> None:
-        self._windows.clear()
-        self._busy.clear()
-        self._copies.clear()
+        for rows in (self._windows, self._busy, self._copies, self._collectives):
+            rows.clear()
         self._bounds = [self.event()]
 
     def block_done(self) -> None:
@@ -194,9 +201,15 @@ class CudaBlockClock:
         def tagged(rows: list[tuple[int, torch.cuda.Event, torch.cuda.Event]]) -> list[Tagged]:
             return [(k, sec(a), sec(b)) for k, a, b in rows]
 
-        return block_timings(
+        busy = tagged(self._busy)
+        held = [(a, b) for _, a, b in busy]
+        collectives = tagged(self._collectives)
+        moved = [(k, a, b) for k, w0, w1 in collectives for a, b in _minus([(w0, w1)], held)]
+        out = block_timings(
             [sec(ev) for ev in self._bounds],
-            tagged(self._windows),
-            tagged(self._busy),
-            tagged(self._copies),
+            tagged(self._windows) + collectives,
+            busy,
+            tagged(self._copies) + moved,
         )
+        self._bounds = []
+        return out

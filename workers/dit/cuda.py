@@ -289,7 +289,8 @@ class CudaExchange(ExchangeBase):
     """Wraps a HostExchange or DistExchange for a CUDA rank: copy streams, compute/copy/wait
     accounting.  Results are allocated on ``device``; each op is the wrapped exchange's into
     them.  ``clock`` gets each op's window on the compute stream, the compute queued inside it and
-    every copy's events (a collective's window is its copy), for the per-block timings."""
+    every copy's events (a collective's time outside that compute is its copy), for the per-block
+    timings."""
 
     def __init__(self, device: torch.device, host: bool) -> None:
         self.inner: HostExchange | DistExchange | None = None
@@ -379,8 +380,7 @@ class CudaExchange(ExchangeBase):
             end = self.clock.event(cur)
             end.synchronize()
             self.sync_s += time.perf_counter() - t
-            self.clock.window(ev, end)
-            self.clock.copy(ev, end)
+            self.clock.window(ev, end, collective=True)
         return out
 
     def _busy(self, queue: Callable[[], _T]) -> _T:
