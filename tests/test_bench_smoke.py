@@ -15,7 +15,8 @@ from workers.runtime.shm import held_shm
 
 RANK_KEYS = {"rank", "device", "tokens", "heads", "compute_s", "exchange_copy_s", "wait_s", "moved_bytes",
              "signals_per_step", "signals_per_block", "wait_per_block_ms", "signalling_per_block_us_est",
-             "vram_peak_bytes"}
+             "vram_peak_bytes", "block_ms"}
+BLOCK_KEYS = {"compute_ms", "copy_ms", "hidden_ms", "exposed_ms", "block_ms", "exposed_pct"}
 
 
 def _ours() -> set:
@@ -30,7 +31,7 @@ def _ours() -> set:
 def test_bench_split_tiny_two_cpu_ranks():
     before = _ours()
     rep = run_bench_split(ranks=["cpu", "cpu"], tokens=300, layers=2, hidden=64, heads=4, head_dim=16,
-                          weights="int8", steps=1, warmup=1, chunks=(0, 2), exchanges=("host", "nccl"),
+                          weights="int8", steps=1, warmup=1, chunks=(0, 2), exchanges=("host", "nccl", "none"),
                           probe_rounds=5, print_json=False)
     assert rep["bench"] == "split"
     assert rep["bit_exact"] is True and rep["max_abs_diff"] == 0.0
@@ -40,13 +41,21 @@ def test_bench_split_tiny_two_cpu_ranks():
     assert len(un["step_s"]) == 1 and un["block_mean_s"] == pytest.approx(un["step_mean_s"] / 2)
 
     labels = [v["label"] for v in rep["split"]]
-    assert labels == ["host x1", "host x2", "gloo"]
+    assert labels == ["host x1", "host x2", "gloo", "none"]
     by = {v["label"]: v for v in rep["split"]}
+    assert by["none"]["bit_exact"] is None  # the baseline's ranks exchange nothing: its output is not compared
     for v in rep["split"]:
-        assert v["bit_exact"] is True and len(v["step_s"]) == 1 and v["step_mean_s"] > 0
+        assert v["bit_exact"] in (True, None) and len(v["step_s"]) == 1 and v["step_mean_s"] > 0
+        # where a block's time went, averaged: per rank and over the ranks, compute + exposed being the block
+        for block in [v["block_ms"], *(r["block_ms"] for r in v["ranks"])]:
+            assert set(block) == BLOCK_KEYS and block["compute_ms"] > 0
+            assert block["block_ms"] == pytest.approx(block["compute_ms"] + block["exposed_ms"])
+            assert block["hidden_ms"] <= block["copy_ms"]
+        exchanged = v["exchange"] != "none"
+        assert (v["block_ms"]["copy_ms"] > 0) == exchanged and (v["block_ms"]["exposed_pct"] > 0) == exchanged
         assert len(v["ranks"]) == 2 and all(set(r) == RANK_KEYS for r in v["ranks"])
         assert [r["tokens"] for r in v["ranks"]] == [[0, 150], [150, 300]]
-        assert v["moved_bytes_per_step"] > 0
+        assert (v["moved_bytes_per_step"] > 0) == exchanged
     # Doorbells: more chunks, more signals per block; torch.distributed sends none of ours.
     host1, host2 = by["host x1"]["ranks"][0], by["host x2"]["ranks"][0]
     assert 0 < host1["signals_per_block"] < host2["signals_per_block"]
@@ -63,6 +72,7 @@ def test_bench_split_tiny_two_cpu_ranks():
     assert set(rep["comparisons"]["unsplit_over_split"]) == set(labels)
     assert set(rep["comparisons"]["host_serial_over_chunked"]) == {"host x2"}
     assert "host_serial_over_gloo" in rep["comparisons"]
+    assert set(rep["comparisons"]["block_over_no_exchange"]) == {"host x1", "host x2", "gloo"}
 
     assert _ours() <= before
 

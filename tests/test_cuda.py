@@ -205,6 +205,40 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
         eng.release()
 
 
+@pytest.mark.parametrize("kw", [dict(exchange_chunks=8), dict(exchange_chunks=8, head_pieces=4), dict(exchange="none")],
+                         ids=["host-x8", "pieces4", "no-exchange"])
+def test_block_timings_from_cuda_events(models, kw, monkeypatch):
+    """A CUDA rank's per-block timings come from CUDA events read once per step (workers/dit/block_clock.py): one
+    per block, compute + exposed tiling the rank's block loop, hidden <= copy; head pieces hide part of their copies
+    behind the next piece's attention; the no-exchange baseline copies nothing and never waits."""
+    import msgspec
+    from h3ms_async.status.hub import get_hub
+    from h3ms_async.status.records import StepRecord
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions())
+    try:
+        eng.load_weights(("cuda-timing", "bf16"), CFG, models["bf16"].block_weights)
+        inp = make_step_inputs(CFG, layout_for_tokens(6000), 9, torch.bfloat16)
+        for _ in range(2):  # the second step is timed warm
+            eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw)
+        typed = msgspec.convert(get_hub().recent_steps(1)[-1], StepRecord)
+        for r, raw in zip(typed.ranks, eng.last_rank_results):
+            assert len(r.per_block) == CFG.layers
+            loop_s = raw.wall_s - raw.setup_s - raw.tail_s
+            assert sum(b.compute_s + b.exposed_s for b in r.per_block) == pytest.approx(loop_s, rel=0.1, abs=0.005)
+            assert all(b.compute_s > 0 and b.hidden_s <= b.copy_s for b in r.per_block), r.per_block
+            print(f"rank {r.rank} {kw}: {r.per_block}")
+        blocks = [b for r in typed.ranks for b in r.per_block]
+        if kw.get("exchange") == "none":
+            assert all(b.copy_s == 0 and b.exposed_s == 0 for b in blocks), blocks
+        else:
+            assert all(b.copy_s > 0 and b.exposed_s > 0 for b in blocks), blocks
+        if kw.get("head_pieces"):
+            assert sum(b.hidden_s for b in blocks) > 0, blocks
+    finally:
+        eng.release()
+
+
 def test_untested_paths_are_refused_on_cuda_in_one_line(monkeypatch):
     """Without a passing CUDA test (h3ms_async/dit/tested_paths.py) a path is refused on CUDA ranks, naming it and the
     fix; "auto" falls back to the all-gather."""

@@ -14,6 +14,7 @@ from split_proof import (
 )
 
 from h3ms_async.status.records import RankRecord, StepRecord
+from workers.dit.protocol import BlockTiming
 
 pytestmark = pytest.mark.fast
 
@@ -23,7 +24,8 @@ CPU2 = ["cpu", "cpu"]
 def step(tokens: list[list[int]], heads: list[list[int]], devices: list[str] = CPU2) -> dict:
     """A step record's JSON form, as the split engine records it."""
     ranks = [RankRecord(rank=r, device=d, tokens=t, heads=h, compute_s=0.1, exchange_s=0.0, wait_s=0.0,
-                        moved_bytes=1, vram_peak_bytes=None)
+                        moved_bytes=1, vram_peak_bytes=None,
+                        per_block=[BlockTiming(compute_s=0.05, copy_s=0.0, hidden_s=0.0, exposed_s=0.0)] * 2)
              for r, (d, t, h) in enumerate(zip(devices, tokens, heads))]
     rec = StepRecord(at="now", seq=7, sigma=1.0, tokens=tokens[-1][1], blocks=2, devices=devices, exchange="host",
                      chunks=1, wall_s=0.2, moved_bytes=2, weight_store="warm", ranks=ranks)

@@ -13,6 +13,7 @@ import pytest
 
 from h3ms_async.status.document import SchemaError, Status
 from h3ms_async.status.records import RankRecord, StepRecord, format_step_line, now_iso
+from workers.dit.protocol import BlockTiming
 from h3ms_async.status.hub import RING_SIZE, StatusHub
 from h3ms_async.runtime.host_memory import ram_info
 
@@ -29,7 +30,9 @@ def make_record(seq: int = 0, *, wall: float = 1.5, ranks: int = 2, tokens: int 
         rank=r, device=devices[r % len(devices)],
         tokens=[tokens * r // ranks, tokens * (r + 1) // ranks], heads=[heads * r // ranks, heads * (r + 1) // ranks],
         compute_s=1.0 + 0.125 * r, exchange_s=0.25 + 0.0625 * r, wait_s=0.0625 * (ranks - r),
-        moved_bytes=512 * 1024 ** 2, vram_peak_bytes=(10 + r) * GIB if vram else None) for r in range(ranks)]
+        moved_bytes=512 * 1024 ** 2, vram_peak_bytes=(10 + r) * GIB if vram else None,
+        per_block=[BlockTiming(compute_s=0.02, copy_s=0.005, hidden_s=0.001 * r, exposed_s=0.004)] * 50)
+        for r in range(ranks)]
     return StepRecord(at=now_iso(), seq=seq, sigma=0.9375, tokens=tokens, blocks=50, devices=sorted(set(devices)),
                       exchange="host", chunks=4, wall_s=wall, moved_bytes=ranks * 512 * 1024 ** 2,
                       weight_store="warm, 18.5 GiB", ranks=rows)
@@ -66,6 +69,9 @@ def test_a_recorded_step_serves_its_typed_shape():
     (lambda r: r.update(exchange="p2p"), "`$.exchange`"),
     (lambda r: r.update(sigma="high"), "`$.sigma`"),
     (lambda r: r["ranks"][0].pop("vram_peak_bytes"), "`$.ranks[0]`"),
+    (lambda r: r["ranks"][1]["per_block"][3].update(hidden_s=1.0), "hidden_s 1.0 exceeds copy_s 0.005"),
+    (lambda r: r["ranks"][0]["per_block"][0].update(exposed_s=-0.1), "`$.ranks[0].per_block[0].exposed_s`"),
+    (lambda r: r["ranks"][1]["per_block"].pop(), "rank(s) [1]: per_block must hold one timing per block (50)"),
 ])
 def test_the_typed_shape_refuses_a_malformed_record(mutate, fragment):
     rec = msgspec.to_builtins(make_record())
@@ -288,3 +294,13 @@ def test_a_gpu_ranks_record_says_where_its_weights_live():
     assert _residency(None) == {}
     rec = msgspec.convert({**msgspec.to_builtins(make_record()).get("ranks")[0], **_residency(cuda)}, RankRecord)
     assert rec.weights_vram_bytes == 20 << 30 and make_record().ranks[0].resident_blocks is None
+
+
+def test_block_means_average_a_ranks_blocks_in_milliseconds():
+    from h3ms_async.status.records import block_means
+    rows = [{"compute_s": 0.004, "copy_s": 0.002, "hidden_s": 0.001, "exposed_s": 0.001},
+            {"compute_s": 0.002, "copy_s": 0.0, "hidden_s": 0.0, "exposed_s": 0.003}]
+    got = block_means(rows)
+    assert got == pytest.approx({"compute_ms": 3.0, "copy_ms": 1.0, "hidden_ms": 0.5, "exposed_ms": 2.0,
+                                 "block_ms": 5.0, "exposed_pct": 40.0})
+    assert block_means([])["exposed_pct"] == 0.0

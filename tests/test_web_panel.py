@@ -15,12 +15,15 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from aiohttp import web
 
 from h3ms_async.observability.routes import WEB_DIR, add_routes
 from h3ms_async.observability.serve import start_background_server
 from h3ms_async.status.hub import StatusHub
+from h3ms_async.status.records import StepRecord
+from tests.test_block_timing import recorded_cpu_step
 from tests.test_status import make_record
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -100,6 +103,39 @@ def test_panel_shows_ranks_history_and_workers(served, tmp_path):
     chromium(["--virtual-time-budget=2500", "--window-size=1200,1000", f"--screenshot={shot}",
               f"{url}/h3multistream/panel?feed=poll"], tmp_path / "profile")
     assert shot.stat().st_size > 10_000
+
+
+def test_rank_bars_show_a_real_steps_block_timings(tmp_path):
+    """The stacked bar per rank (compute | compute with hidden copy | exposed wait) from a step two real CPU rank
+    workers ran: its parts are the record's per-block numbers added up, its widths those seconds over the slowest
+    rank's blocks, its tooltip one line per block."""
+    rec = recorded_cpu_step(head_pieces=2)
+    hub = StatusHub()
+    hub.record_step(msgspec.convert(rec, StepRecord), log=False)
+    url, stop = start_background_server(0, hub=hub)
+    try:
+        dom = chromium(["--virtual-time-budget=2500", "--dump-dom", f"{url}/h3multistream/panel?feed=poll"],
+                       tmp_path / "profile")
+    finally:
+        stop()
+    assert 'data-loaded="1"' in dom
+    totals = [{"compute": sum(b["compute_s"] - min(b["hidden_s"], b["compute_s"]) for b in r["per_block"]),
+               "hidden": sum(min(b["hidden_s"], b["compute_s"]) for b in r["per_block"]),
+               "exposed": sum(b["exposed_s"] for b in r["per_block"])} for r in rec["ranks"]]
+    scale = max(sum(t.values()) for t in totals)
+    for r, want in zip(rec["ranks"], totals):
+        row = re.search(rf'<tr id="h3ms-rank-{r["rank"]}"[^>]*>(.*?)</tr>', dom, re.S).group(1)
+        bar = re.search(r'<div class="h3ms-bar" title="([^"]*)"', row, re.S).group(1)
+        assert bar.startswith(f"rank {r['rank']}: ") and bar.count("\nblock ") == rec["blocks"] == len(r["per_block"])
+        segs = re.findall(r'<div class="h3ms-seg (\w+)" data-part="\w+" data-seconds="([\d.]+)" style="width: '
+                          r'([\d.]+)%', row)
+        assert [s[0] for s in segs] == ["compute", "hidden", "exposed"]
+        for part, seconds, width in segs:
+            assert float(seconds) == pytest.approx(want[part], abs=1e-6)
+            assert float(width) == pytest.approx(100 * want[part] / scale, abs=0.01)
+    # the CPU ranks copy on their compute thread: no hidden part, and the exchange shows as exposed wait
+    assert all(t["hidden"] == 0 and t["exposed"] > 0 for t in totals)
+    assert "compute with hidden copy" in dom and "exposed wait" in dom
 
 
 def test_panel_live_feed_over_events(served, tmp_path):

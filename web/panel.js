@@ -7,7 +7,9 @@
 // hooks and exactness verdicts as readable rows, and the release actions.
 // All data goes into the DOM through textContent, never innerHTML: worker states and paths are not trusted markup.
 
-export const COLORS = { compute: "#4e9af1", exchange: "#f0a53a", wait: "#8a8f99" };
+export const COLORS = { compute: "#4e9af1", hidden: "#3fb37f", exposed: "#f0a53a" };
+// The rank bar's parts: what its blocks' time was, as the step record's per-block timings say.
+export const BAR_PARTS = [["compute", "compute"], ["hidden", "compute with hidden copy"], ["exposed", "exposed wait"]];
 const SVG_NS = "http://www.w3.org/2000/svg";
 
 // A rank's block weights as its step record gives them: in VRAM (resident / streamed blocks) or the host store.
@@ -54,24 +56,49 @@ function el(tag, text, attrs) {
   return e;
 }
 
-// One stacked bar (compute | exchange | wait) for a rank, scaled so that `scale` seconds fill the width.
+// A rank's blocks added up (seconds): compute alone, compute while exchange copies ran (the copy hidden behind it),
+// the exposed wait (its compute stream stood still for the exchange); `copy` is every copy's time, hidden or not.
+export function blockTotals(rank) {
+  const t = { compute: 0, copy: 0, hidden: 0, exposed: 0 };
+  for (const b of rank.per_block || []) {
+    t.compute += b.compute_s; t.copy += b.copy_s; t.hidden += b.hidden_s; t.exposed += b.exposed_s;
+  }
+  const hidden = Math.min(t.hidden, t.compute);
+  return { compute: t.compute - hidden, hidden, exposed: t.exposed, copy: t.copy, blocks: t.compute + t.exposed };
+}
+
+const ms = (s) => (s * 1e3).toFixed(1);
+
+// The bar's tooltip: the totals, then each block's four numbers.
+export function blockDetail(rank) {
+  const t = blockTotals(rank);
+  const lines = [`rank ${rank.rank}: ${fmtSec(t.blocks)} s in ${(rank.per_block || []).length} blocks = compute ` +
+    `${fmtSec(t.compute + t.hidden)} s (${fmtSec(t.hidden)} s of it hiding copies) + exposed wait ` +
+    `${fmtSec(t.exposed)} s; exchange copies ${fmtSec(t.copy)} s`];
+  (rank.per_block || []).forEach((b, i) => lines.push(`block ${i}: compute ${ms(b.compute_s)} ms · copy ` +
+    `${ms(b.copy_s)} ms (hidden ${ms(b.hidden_s)}) · exposed ${ms(b.exposed_s)} ms`));
+  return lines.join("\n");
+}
+
+// One stacked bar (compute | compute with hidden copy | exposed wait) for a rank's blocks, scaled so that `scale`
+// seconds fill the width; hovering shows every block's numbers.
 export function rankBar(rank, scale) {
-  const bar = el("div", null, { class: "h3ms-bar", title: `rank ${rank.rank}: compute ${fmtSec(rank.compute_s)}s, ` +
-    `exchange ${fmtSec(rank.exchange_s)}s, wait ${fmtSec(rank.wait_s)}s` });
+  const bar = el("div", null, { class: "h3ms-bar", title: blockDetail(rank) });
   bar.style.cssText = "display:flex;height:12px;width:100%;background:rgba(128,128,128,.15);border-radius:3px;" +
     "overflow:hidden";
-  for (const part of ["compute", "exchange", "wait"]) {
-    const seg = el("div", null, { class: `h3ms-seg ${part}` });
-    const pct = scale > 0 ? (100 * rank[`${part}_s`]) / scale : 0;
+  const t = blockTotals(rank);
+  for (const [part] of BAR_PARTS) {
+    const seg = el("div", null, { class: `h3ms-seg ${part}`, "data-part": part, "data-seconds": t[part].toFixed(6) });
+    const pct = scale > 0 ? (100 * t[part]) / scale : 0;
     seg.style.cssText = `width:${Math.max(0, Math.min(100, pct)).toFixed(2)}%;background:${COLORS[part]}`;
     bar.appendChild(seg);
   }
   return bar;
 }
 
-// The time that fills a bar: the slowest rank's total, or the step's wall time if that is longer.
+// The time that fills a bar: the slowest rank's blocks.
 export function barScale(rec) {
-  return Math.max(rec.wall_s || 0, ...rec.ranks.map((r) => r.compute_s + r.exchange_s + r.wait_s));
+  return Math.max(0, ...rec.ranks.map((r) => blockTotals(r).blocks));
 }
 
 // Line colours of ranks 0..7 (then they repeat).
@@ -225,11 +252,12 @@ function buildPanel(root) {
   head.append(badges, el("div", "", { id: "h3ms-ram", class: "dim" }), el("div", "", { id: "h3ms-error",
     class: "error", hidden: "" }));
   const legend = el("div", null, { class: "legend" });
-  for (const part of ["compute", "exchange", "wait"]) {
+  for (const [part, text] of BAR_PARTS) {
     const s = el("span");
-    s.append(el("i", null, { class: `sw ${part}` }), part);
+    s.append(el("i", null, { class: `sw ${part}` }), text);
     legend.appendChild(s);
   }
+  legend.appendChild(el("span", "(the bar: a rank's blocks; hover it for each block)", { class: "dim" }));
   const actions = el("div", null, { class: "actions" });
   for (const [path, text, tip] of ACTIONS) actions.appendChild(el("button", text, { "data-action": path, title: tip }));
   actions.appendChild(el("span", "", { id: "h3ms-action-result", class: "dim" }));

@@ -106,6 +106,7 @@ def record_step(
             wait_s=res.wait_s,
             moved_bytes=res.moved_bytes,
             vram_peak_bytes=res.vram_peak_bytes,
+            per_block=res.per_block,
             **_residency(res.weights),
         )
         for r, res in enumerate(results)

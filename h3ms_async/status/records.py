@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from h3ms_async.runtime.host_memory import fmt_bytes
-from workers.dit.protocol import Pattern, Transport
+from workers.dit.protocol import BlockTiming, Pattern, Transport
 
 #: A step record's ``exchange``: the transport as it ran.
 Exchange = Transport
@@ -26,7 +26,8 @@ Range = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
 
 class RankRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One rank's share of a step: its token range and head group (``[start, end)``), its seconds
-    and bytes."""
+    and bytes, and where each block's time went (``per_block``: compute, exchange copy, the copy
+    hidden behind compute, the exposed wait; ``workers.dit.protocol.BlockTiming``)."""
 
     rank: int
     device: str
@@ -37,6 +38,7 @@ class RankRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     wait_s: float
     moved_bytes: int
     vram_peak_bytes: int | None
+    per_block: list[BlockTiming]
     #: a GPU rank's block weights: bytes kept in its VRAM, blocks resident there and blocks streamed
     #: from the pinned store each step (None on a CPU rank: its weights are views of the host store)
     weights_vram_bytes: int | None = None
@@ -72,6 +74,13 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weight_store: str
     ranks: list[RankRecord]
 
+    def __post_init__(self) -> None:
+        short = [r.rank for r in self.ranks if len(r.per_block) != self.blocks]
+        if short:
+            raise ValueError(
+                f"rank(s) {short}: per_block must hold one timing per block ({self.blocks})"
+            )
+
 
 class VerdictRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One measured exactness verdict of a plan's op on one device (``exactness.verdicts``):
@@ -101,6 +110,25 @@ class VerifyRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_abs_diff: float
     first_difference: str | None
     steps_checked: int
+
+
+#: :func:`block_means`' keys: the four numbers of ``BlockTiming`` in milliseconds.
+BLOCK_MS = ("compute_ms", "copy_ms", "hidden_ms", "exposed_ms")
+
+
+def block_means(per_block: Iterable[Mapping]) -> dict[str, float]:
+    """The mean block of per-block timings (``BlockTiming`` JSON forms, e.g. every timed step's
+    ``per_block`` of one rank): its four numbers in milliseconds, the block's time (compute +
+    exposed) and the exposed wait as a percentage of it."""
+    rows = list(per_block)
+    n = max(1, len(rows))
+    out = {
+        ms: sum(float(r[ms.removesuffix("_ms") + "_s"]) for r in rows) / n * 1e3 for ms in BLOCK_MS
+    }
+    block = out["compute_ms"] + out["exposed_ms"]
+    out["block_ms"] = block
+    out["exposed_pct"] = 100.0 * out["exposed_ms"] / block if block > 0 else 0.0
+    return out
 
 
 def now_iso() -> str:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from workers.dit import ops as dit_ops
+from workers.dit.block_clock import CudaBlockClock
 from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView
 from workers.runtime import config
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from workers.transports.dist import DistExchange
 
 GIB = 1 << 30
+_T = TypeVar("_T")
 
 
 class StreamTimer:
@@ -286,7 +288,9 @@ class CudaWeights:
 class CudaExchange(ExchangeBase):
     """Wraps a HostExchange or DistExchange for a CUDA rank: copy streams, compute/copy/wait
     accounting.  Results are allocated on ``device``; each op is the wrapped exchange's into
-    them."""
+    them.  ``clock`` gets each op's window on the compute stream, the compute queued inside it and
+    every copy's events (a collective's time outside that compute is its copy), for the per-block
+    timings."""
 
     def __init__(self, device: torch.device, host: bool) -> None:
         self.inner: HostExchange | DistExchange | None = None
@@ -295,6 +299,7 @@ class CudaExchange(ExchangeBase):
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self.timer = StreamTimer()
+        self.clock = CudaBlockClock(device)
         self._reads: torch.cuda.Event | None = None
         self.compute_wait_s = 0.0
         self.sync_s = 0.0
@@ -326,37 +331,38 @@ class CudaExchange(ExchangeBase):
             raise RuntimeError("CudaExchange.bind() must run before the exchange is used")
         return self.inner
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.d2h):
-            tok = self.timer.start("d2h", self.d2h)
+    def _copy(
+        self, what: str, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor
+    ) -> torch.cuda.Event:
+        """``dst.copy_(src)`` queued on ``stream``, timed for the step's stats and the clock; the
+        event that ends it."""
+        with torch.cuda.stream(stream):
+            tok = self.timer.start(what, stream)
             dst.copy_(src, non_blocking=True)
-            self.timer.stop(tok, self.d2h)
-        tok[2].synchronize()
+            self.timer.stop(tok, stream)
+        self.clock.copy(tok[1], tok[2])
+        return tok[2]
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._copy("d2h", self.d2h, dst, src).synchronize()
 
     def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
         """Start a D2H copy of ``src`` (computed on the current stream) on the D2H stream; returns
         the wait for it, so the compute stream goes on with the next head piece meanwhile."""
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h):
-            tok = self.timer.start("d2h", self.d2h)
-            dst.copy_(src, non_blocking=True)
-            self.timer.stop(tok, self.d2h)
+        done = self._copy("d2h", self.d2h, dst, src)
         src.record_stream(self.d2h)
-        return tok[2].synchronize
+        return done.synchronize
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.h2d):
-            tok = self.timer.start("h2d", self.h2d)
-            dst.copy_(src, non_blocking=True)
-            self.timer.stop(tok, self.h2d)
+        self._copy("h2d", self.h2d, dst, src)
 
     def _moved(self, op: Callable[[torch.cuda.Stream], torch.Tensor]) -> torch.Tensor:
         """Run the wrapped op ``op(compute_stream)`` between the waits for its input and for its
         result's copies."""
         cur = torch.cuda.current_stream(self.device)
         t = time.perf_counter()
-        ev = torch.cuda.Event()
-        ev.record(cur)
+        ev = self.clock.event(cur)
         ev.synchronize()  # the op's input is computed: from here on the rank only moves data
         if self._reads is not None:
             self._reads.synchronize()  # the previous op's H2D reads of the arena are complete
@@ -368,10 +374,21 @@ class CudaExchange(ExchangeBase):
             self._reads = torch.cuda.Event()
             self._reads.record(self.h2d)
             cur.wait_stream(self.h2d)
+            self.clock.window(ev, self.clock.event(cur))
         else:
             t = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
+            end = self.clock.event(cur)
+            end.synchronize()
             self.sync_s += time.perf_counter() - t
+            self.clock.window(ev, end, collective=True)
+        return out
+
+    def _busy(self, queue: Callable[[], _T]) -> _T:
+        """``queue()``, compute an op queues on the compute stream inside its window, bracketed by
+        events for the clock."""
+        a = self.clock.event()
+        out = queue()
+        self.clock.busy(a, self.clock.event())
         return out
 
     def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -398,14 +415,17 @@ class CudaExchange(ExchangeBase):
         def run(cur: torch.cuda.Stream) -> torch.Tensor:
             def each(a: int, b: int, rows: torch.Tensor) -> None:
                 cur.wait_stream(self.h2d)  # these rows' copy in was queued before this call
-                on_rows(a, b, rows)
+                self._busy(lambda: on_rows(a, b, rows))
 
             return self._inner.all_gather_rows_each(local, each, out=out)
 
         return self._moved(run)
 
     def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:
-        return self._moved(lambda cur: self._inner.all_to_all_heads(produce, n, out=out))
+        def timed(a: int, b: int) -> torch.Tensor:
+            return self._busy(lambda: produce(a, b))
+
+        return self._moved(lambda cur: self._inner.all_to_all_heads(timed, n, out=out))
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with

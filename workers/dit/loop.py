@@ -20,14 +20,14 @@ loop's two parameters.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from workers.dit import ops as dit_ops
-from workers.dit.protocol import Pattern
+from workers.dit.block_clock import BlockClock, HostBlockClock
+from workers.dit.protocol import BlockTiming, Pattern
 from workers.dit.sparse import SparseStep
 from workers.dit.weights import BlockView, CpuWeights, WeightProvider
 from workers.transports.exchange import Exchange, IdentityExchange
@@ -46,7 +46,8 @@ class BlockInputs:
 @dataclass(frozen=True)
 class RankBlocks:
     """What a rank computes its blocks with: where the weights come from, how rows move, its head
-    count, the head size, the norms' epsilon and the attention function (None: SDPA)."""
+    count, the head size, the norms' epsilon, the attention function (None: SDPA) and the clock
+    its blocks report to (None: the host clock over the exchange's counters)."""
 
     weights: WeightProvider
     exchange: Exchange
@@ -54,6 +55,7 @@ class RankBlocks:
     head_dim: int
     eps: float
     attend: dit_ops.Attend | None = None
+    clock: BlockClock | None = None
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,9 @@ def run_blocks(
     blocks: range,
     paths: LoopPaths = LoopPaths(),
     hooks: LoopHooks = LoopHooks(),
-) -> list[list[float]]:
-    """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns per block
-    ``[compute, copy, wait]`` seconds on the host clock (copy and wait as the exchange counts them,
-    compute the rest).  On a CUDA rank the host waits for a block's compute before each exchange
-    (``workers.dit.cuda``), so "compute" is the GPU time up to there."""
+) -> list[BlockTiming]:
+    """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns where each block's
+    time went (``rank.clock``'s reading: ``workers.dit.block_clock``)."""
     t_emb, segments, rope_freqs = inputs.t_emb, inputs.segments, inputs.rope_freqs
     weights, exchange, attend = rank.weights, rank.exchange, rank.attend
     heads_local, head_dim, eps = rank.heads_local, rank.head_dim, rank.eps
@@ -107,8 +107,8 @@ def run_blocks(
         paths.sparse,
     )
     before_block, after_block, trace = hooks.before_block, hooks.after_block, hooks.trace
-    per_block: list[list[float]] = []
-    mark = (time.perf_counter(), *exchange.counters())
+    clock = rank.clock or HostBlockClock(exchange.counters)
+    clock.start()
     for i in blocks:
         if before_block is not None:
             before_block(i)
@@ -168,13 +168,10 @@ def run_blocks(
         if op_trace is not None:
             op_trace("block", x_rows)
         weights.done(i)
-        now = (time.perf_counter(), *exchange.counters())
-        d_wall, d_copy, d_wait = (a - b for a, b in zip(now, mark))
-        per_block.append([round(d_wall - d_copy - d_wait, 6), round(d_copy, 6), round(d_wait, 6)])
-        mark = now
+        clock.block_done()
         if after_block is not None:
             after_block(i)
-    return per_block
+    return clock.finish()
 
 
 def _ulysses_projection(

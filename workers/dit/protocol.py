@@ -71,7 +71,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import asdict, dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -147,11 +147,38 @@ class DitLoad(Request, tag="dit_load"):
     ANSWER: ClassVar[type[Answer]] = DitLoaded
 
 
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class BlockTiming(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where one block's time went on one rank (``workers.dit.block_clock``), the one form of it on
+    the wire, in the step records and the status JSON.
+
+    ``compute_s``: the rank's compute stream (CPU: its compute thread) was working;
+    ``exposed_s``: it stood still waiting for the exchange (copies on its own thread, peers'
+    data), so ``compute_s + exposed_s`` is the block's time on that stream; ``copy_s``: the
+    exchange's copies (CUDA: on the copy streams, event-timed; CPU: on the compute thread);
+    ``hidden_s``: the part of ``copy_s`` that ran while the rank computed (0 where copies run on
+    the compute thread), never more than ``copy_s``."""
+
+    compute_s: Seconds
+    copy_s: Seconds
+    hidden_s: Seconds
+    exposed_s: Seconds
+
+    def __post_init__(self) -> None:
+        if self.hidden_s > self.copy_s:
+            raise ValueError(
+                f"hidden_s {self.hidden_s} exceeds copy_s {self.copy_s}: only copy time can be "
+                "hidden behind compute"
+            )
+
+
 class DitStepped(Answer):
     """One rank's step: wall, compute, exchange-copy and wait seconds, bytes moved, doorbell
     signals, peak VRAM (None on a CPU); on CUDA the copies' own GPU seconds and the host's waits
-    for compute; the weights' residency timings (None where weights do not move); per block
-    [compute, copy, wait] seconds; the seconds outside the blocks before (``setup_s``: mapping
+    for compute; the weights' residency timings (None where weights do not move); per block its
+    :class:`BlockTiming`; the seconds outside the blocks before (``setup_s``: mapping
     segments, input copies, weight placement, exchange setup) and after (``tail_s``: the copy
     back); the CUDA caching allocator's growth (``new_segments``, ``retries``,
     ``reserved_bytes``; None on a CPU); with ``trace`` "block:op" -> digest of this rank's
@@ -168,7 +195,7 @@ class DitStepped(Answer):
     copy_gpu_s: float
     compute_wait_s: float
     weights: Plain | None
-    per_block: list[list[float]]
+    per_block: list[BlockTiming]
     setup_s: float
     tail_s: float
     cuda_alloc: dict[str, int] | None

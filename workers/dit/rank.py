@@ -20,6 +20,7 @@ from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.dit import sparse as dit_sparse
+from workers.dit.block_clock import BlockClock, CudaBlockClock
 from workers.dit.cuda import CudaExchange, CudaWeights
 from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
 from workers.dit.protocol import Transport
@@ -294,6 +295,14 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
     return ex
 
 
+def _clock(ex: Exchange, device: torch.device) -> BlockClock | None:
+    """A CUDA rank's blocks are timed by CUDA events (its exchange's clock, which also sees the
+    copies); a CPU rank's by the host clock (None: the loop's default)."""
+    if isinstance(ex, CudaExchange):
+        return ex.clock
+    return CudaBlockClock(device) if device.type == "cuda" else None
+
+
 def _segments(
     ctx: WorkerContext, raw: list[tuple[int, int, int | TensorDesc]], device: torch.device
 ) -> list[dit_ops.ModSegment]:
@@ -358,6 +367,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
             int(cfg["head_dim"]),
             float(cfg["eps"]),
             _attend(cfg["attention"]),
+            _clock(ex, device),
         ),
         range(b0, b1),
         LoopPaths(
@@ -389,7 +399,6 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         copy_gpu_s=float(xs.get("d2h_gpu_s", 0.0)) + float(xs.get("h2d_gpu_s", 0.0)),
         compute_wait_s=float(xs.get("compute_wait_s", 0.0)),
         weights=w.provider.timer(),
-        # the last block's GPU tail shows in the step total, not in per_block (run_blocks)
         per_block=per_block,
         # (new allocator segments are cudaMalloc calls; a retry after freeing its cache is a sync)
         setup_s=setup_s,

@@ -13,6 +13,11 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
   baseline (the same ranks computing their shards with no exchange: two CUDA contexts time-slicing
   one GPU), so the split's own overhead is split / baseline;
 * where the time goes per rank (compute / copy / wait) and the host exchange's achieved bandwidth;
+* where a block's time goes, from the step records' per-block timings (CUDA events, read once per
+  step) of each run's best step (``block_ms``: compute, exchange copy, the copy hidden behind
+  compute, the exposed wait, the exposed wait as % of the block; per rank in ``block_ms_by_rank``),
+  and per case each split's block over the no-exchange baseline's (``*_block_vs_baseline``) and its
+  exposed exchange as % of the block (``*_exposed_pct``);
 * streamed vs resident step time.
 
 This process (the stand-in for ComfyUI's, which is long warm when a split starts) runs one unsplit
@@ -41,6 +46,7 @@ from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.split import SplitEngine, release_all_engines
 from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.status.hub import get_hub
+from h3ms_async.status.records import block_means
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import BlockInputs, block_forward_unsplit
 from workers.dit.protocol import Residency
@@ -161,6 +167,8 @@ def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) ->
                 "raw": msgspec.to_builtins(eng.last_rank_results),
             }
     assert best is not None  # steps >= 1 (--steps is a positive int)
+    best["block_ms"] = block_means(b for r in best["ranks"] for b in r["per_block"])
+    best["block_ms_by_rank"] = [block_means(r["per_block"]) for r in best["ranks"]]
     best["rank_wall_s"] = max(r["wall_s"] for r in best["raw"]) if best.get("raw") else None
     if ref is not None:
         best.update(bit_exact=exact, max_abs_diff=diff)
@@ -289,6 +297,7 @@ def summarize(res: dict) -> dict:
         kind, n = r["kind"], r["tokens"]
         case = {"kind": kind, "tokens": n, "unsplit_ms_per_block": r["per_block_s"] * 1e3}
         split_ms: list[float] = []
+        split_blocks: dict[str, float] = {}
         for s in runs:
             if (s["kind"], s["tokens"], s["mode"], s.get("residency"), s.get("exchange")) != (
                 kind,
@@ -301,6 +310,8 @@ def summarize(res: dict) -> dict:
             name = f"split2_x{s['chunks']}" + (f"_{s['overlap']}" if s["overlap"] != "none" else "")
             case[f"{name}_ms_per_block"] = s["per_block_s"] * 1e3
             case[f"{name}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
+            case[f"{name}_exposed_pct"] = s["block_ms"]["exposed_pct"]
+            split_blocks[name] = s["block_ms"]["block_ms"]
             if s["overlap"] != "none":
                 case[f"{name}_ran"] = s["overlap_ran"]
             split_ms.append(s["per_block_s"] * 1e3)
@@ -311,6 +322,9 @@ def summarize(res: dict) -> dict:
             if split_ms:
                 best = min(split_ms)
                 case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
+            base_block = base["block_ms"]["block_ms"]
+            for name, block in split_blocks.items() if base_block > 0 else ():
+                case[f"{name}_block_vs_baseline"] = block / base_block
         plain = {"kind": kind, "tokens": n, "mode": "split2", "exchange": "host", "chunks": 8}
         st = find(**plain, residency="stream", overlap="none")
         rs = find(**plain, residency="resident", overlap="none")

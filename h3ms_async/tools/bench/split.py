@@ -6,10 +6,14 @@ side in one run.
 * the unsplit wall time per step and per block (``--device``; CUDA clocks are read after
   ``torch.cuda.synchronize``);
 * for every transport x chunking x overlap variant (``--exchange host,nccl`` x ``--chunks 0,8`` x
-  ``--overlap none,pieces4,gather``; nccl runs as gloo on CPU ranks and is never chunked), on the
-  same workers and weights: split wall time per step
-  and per block, per-rank compute / copy / wait seconds, bytes moved, doorbell signals per block and
-  the estimated signalling cost per block;
+  ``--overlap none,pieces4,gather``; nccl runs as gloo on CPU ranks and is never chunked; ``none``
+  is the no-exchange baseline, its output not compared), on the same workers and weights: split
+  wall time per step and per block, per-rank compute / copy / wait seconds, bytes moved, doorbell
+  signals per block and the estimated signalling cost per block;
+* where a block's time goes, from the step records' per-block timings averaged over the timed
+  steps (``block_ms``, per rank and over every rank): compute, exchange copy, the copy hidden
+  behind compute, the exposed wait, and the exposed wait as a percentage of the block; with the
+  ``none`` baseline each variant's block over the baseline's (``comparisons``);
 * a tiny-payload host-exchange probe that measures what one more chunk round (and so one doorbell
   signal) costs;
 * a bit-exact check of every split output (warm-up steps included) against the unsplit output of the
@@ -34,7 +38,7 @@ import torch
 
 from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 from h3ms_async.dit.layout import layout_for_tokens
-from h3ms_async.dit.options import EXCHANGES, SplitOptions, parse_pattern
+from h3ms_async.dit.options import BASELINE_EXCHANGE, EXCHANGES, SplitOptions, parse_pattern
 from h3ms_async.dit.reference import (
     WEIGHT_KINDS,
     DiTConfig,
@@ -48,6 +52,7 @@ from h3ms_async.log import ensure_console_handler, get_logger
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.status.hub import get_hub
+from h3ms_async.status.records import block_means
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list
 from workers.dit.protocol import Transport
@@ -247,7 +252,8 @@ class VariantRun:
         rec = get_hub().recent_steps(1)[-1]
         self.transport = rec["exchange"]
         self.overlap_ran = Overlap(rec["head_pieces"], rec["gather_overlap"])
-        same = bool(torch.equal(out, ref))
+        # the baseline's ranks get nothing from their peers: its output is not the model's
+        same = self.exchange == BASELINE_EXCHANGE or bool(torch.equal(out, ref))
         self.exact = self.exact and same
         # The float difference costs seconds at full width (75794 x 5376); compute it only when
         # there is one.
@@ -256,7 +262,11 @@ class VariantRun:
             "split %s: %.3f s, %s%s",
             self.label,
             dt,
-            "bit-exact" if same else f"DIFFERS (max {self.diffs[-1]:g})",
+            "no exchange, not compared"
+            if self.exchange == BASELINE_EXCHANGE
+            else "bit-exact"
+            if same
+            else f"DIFFERS (max {self.diffs[-1]:g})",
             "" if timed else " (warm-up)",
         )
         if timed:
@@ -301,6 +311,7 @@ class VariantRun:
                     if per_signal is not None
                     else None,
                     "vram_peak_bytes": max(vram) if vram else None,
+                    "block_ms": block_means(b for row in rows for b in row["per_block"]),
                 }
             )
         mean_wall = statistics.fmean(self.walls)
@@ -317,8 +328,11 @@ class VariantRun:
             "block_mean_s": mean_wall / layers,
             "engine_wall_mean_s": statistics.fmean(self.engine_walls),
             "moved_bytes_per_step": sum(r["moved_bytes"] for r in ranks),
+            "block_ms": block_means(
+                b for step in self.per_rank for row in step for b in row["per_block"]
+            ),
             "ranks": ranks,
-            "bit_exact": self.exact,
+            "bit_exact": None if self.exchange == BASELINE_EXCHANGE else self.exact,
             "max_abs_diff": max(self.diffs),
         }
 
@@ -350,6 +364,13 @@ def _comparisons(unsplit: dict, variants: list[dict]) -> dict:
     dist = next((v for v in one_call if v["exchange"] == "nccl"), None)
     if dist is not None and serial is not None:
         out["host_serial_over_" + dist["transport"]] = serial["step_mean_s"] / dist["step_mean_s"]
+    base = next((v for v in ran if v["exchange"] == BASELINE_EXCHANGE), None)
+    if base is not None and base["block_ms"]["block_ms"] > 0:
+        out["block_over_no_exchange"] = {
+            v["label"]: v["block_ms"]["block_ms"] / base["block_ms"]["block_ms"]
+            for v in ran
+            if v is not base
+        }
     return out
 
 
@@ -384,9 +405,10 @@ def run_bench_split(
         raise ValueError(f"weights={weights!r}; use one of {', '.join(WEIGHT_KINDS)}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
-    bad = [e for e in exchanges if e not in EXCHANGES]
+    known = (*EXCHANGES, BASELINE_EXCHANGE)
+    bad = [e for e in exchanges if e not in known]
     if bad or not exchanges:
-        raise ValueError(f"exchange {bad or '(none)'}: choose from {', '.join(EXCHANGES)}")
+        raise ValueError(f"exchange {bad or '(none)'}: choose from {', '.join(known)}")
     if "host" in exchanges and not chunks:
         raise ValueError("chunks: give at least one host exchange chunk count (e.g. 0 or 0,8)")
     for c in chunks:
@@ -482,6 +504,7 @@ def run_bench_split(
     results = [run.summary(cfg.layers, probe) for run in runs]
     results += skipped
     ran = [v for v in results if "skipped" not in v]
+    compared = [v for v in ran if v["exchange"] != BASELINE_EXCHANGE]
     machine["load_avg_1_5_15_end"] = [round(v, 2) for v in os.getloadavg()]
     report = {
         "bench": "split",
@@ -515,8 +538,8 @@ def run_bench_split(
         "split": results,
         "signal_probe": probe,
         "comparisons": _comparisons(unsplit, results),
-        "bit_exact": all(v["bit_exact"] for v in ran),
-        "max_abs_diff": max(v["max_abs_diff"] for v in ran),
+        "bit_exact": all(v["bit_exact"] for v in compared),
+        "max_abs_diff": max((v["max_abs_diff"] for v in compared), default=0.0),
     }
     if print_json:
         print(json.dumps(report, indent=2))
@@ -571,7 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--exchange",
         default="host,nccl",
-        help="transports to compare: host, nccl (gloo on CPU ranks)",
+        help="transports to compare: host, nccl (gloo on CPU ranks), none (the no-exchange "
+        "baseline: each rank computes its shard alone)",
     )
     p.add_argument(
         "--probe-rounds", type=int, default=50, help="tiny-payload signal probe rounds (0: skip)"
