@@ -5,7 +5,9 @@
 #           paths
 #   paths: what the landing's CPU-only changes need on a GPU, each file under its own deadline (~9 min in all, ComfyUI
 #   tree needed): the split paths at full width from fresh workers (tests/test_cuda.py: Ulysses, head pieces, the
-#   gather overlap), every CUDA exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl"), the
+#   gather overlap; the GPU-direct exchange against the unsplit step), every CUDA exchange against the spec
+#   (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc included), `bench gpu` with host
+#   staging and the GPU-direct exchange side by side (--exchange host,cuda_ipc, one token count, 2 blocks), the
 #   bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify (tests/test_sparse_cuda.py); a pass of the
 #   first lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   demo-gpu: the demo on 2 logical ranks of cuda:0 at full H3 width (20000 tokens, 2 blocks, 3 steps), int8 then
@@ -75,7 +77,8 @@ if [ "$what" = vae-exact ]; then
   echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
 fi
 if [ "$what" = paths ]; then
-  for t in "tests/test_cuda.py|split_paths or untested|200" "tests/test_exchange_conformance.py|cuda or nccl|90" \
+  for t in "tests/test_cuda.py|split_paths or untested or gpu_direct|260" \
+           "tests/test_exchange_conformance.py|cuda or nccl|120" \
            "tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110"; do
     IFS='|' read -r file kexpr limit <<< "$t"
     name=$(basename "$file" .py)
@@ -83,6 +86,9 @@ if [ "$what" = paths ]; then
       > "$out/pytest_paths_$name.log" 2>&1
     echo "$file ${kexpr:+-k '$kexpr'}: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
   done
+  timeout 180 python3 -m h3ms_async bench gpu --exchange host,cuda_ipc --tokens 39975 --layers 2 --weights int8 \
+    --ranks 2 --residency resident --overlap none --out "$out" > "$out/bench_gpu_exchange.log" 2>&1
+  echo "bench gpu --exchange host,cuda_ipc: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
   grep -hE "passed|failed" "$out"/pytest_paths_*.log | tee -a "$out/paths_summary.txt"
 fi
 if [ "$what" = vae ] || [ "$what" = vae-bench ]; then

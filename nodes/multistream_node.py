@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+from h3ms_async.dit.exchange_choice import EXCHANGES
 from h3ms_async.dit.overlap_tuner import OverlapChoice, overlap_options
 from h3ms_async.log import get_logger
-from workers.dit.protocol import Transport
 from workers.runtime import config
 
 from .attention_parallel_node import has_parallel_attention
@@ -51,11 +51,15 @@ class H3MultiStreamAsync(ModelPatchNode):
             ),
             "second_gpu": SECOND_GPU_INPUT,
             "exchange": (
-                [Transport.HOST.value, Transport.NCCL.value],
+                list(EXCHANGES),
                 {
                     "default": "host",
                     "tooltip": "host: per-block exchanges through pinned shared memory, works on "
-                    "any PCIe box. nccl: torch.distributed collectives, for NVLink machines.",
+                    "any PCIe box. nccl: torch.distributed collectives, for NVLink machines. "
+                    "cuda_ipc: GPU-direct, each GPU reads the others' rows straight from their "
+                    "memory (GPUs with peer access, or logical ranks of one GPU). auto: cuda_ipc "
+                    "where it can run and has passed its bit-exactness test on CUDA (not yet), "
+                    "else host.",
                 },
             ),
             "exchange_chunks": (
@@ -199,11 +203,12 @@ class H3MultiStreamAsync(ModelPatchNode):
         # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would
         # without the node
         refuse_comfy_sparse(model)
+        from h3ms_async.dit.exchange_choice import parse as parse_exchange
         from h3ms_async.dit.options import COMFY_ATTENTION, SplitOptions, parse_pattern
-        from workers.dit.protocol import Residency, Transport
+        from workers.dit.protocol import Residency
 
         options = SplitOptions(
-            exchange=Transport(exchange),
+            exchange=parse_exchange(exchange),
             exchange_chunks=int(exchange_chunks),
             vram_residency=Residency(vram_residency),
             cache_ram_reserve_gb=float(cache_ram_reserve_gb),

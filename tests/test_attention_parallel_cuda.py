@@ -77,10 +77,11 @@ def test_engine_with_a_helper_on_another_gpu_by_cuda_ipc():
 
 _BODY = MODEL_SCRIPT + r'''
 import importlib
-ap = importlib.import_module("h3ms_async.attention.buffers")
+ap = importlib.import_module("h3ms_async.attention.engine")
+ipc = importlib.import_module("workers.runtime.cuda_ipc")
 print("load device", model.load_device, flush=True)
 plain = sample(model)
-res = {"load_device": str(model.load_device), "runs": {}, "ipc_unavailable": ap.cuda_ipc_unavailable("cuda:0"),
+res = {"load_device": str(model.load_device), "runs": {}, "ipc_unavailable": ipc.unavailable("cuda:0"),
        "allocator": torch.cuda.get_allocator_backend()}
 for helpers, transport in (("cuda:0", "auto"), ("cuda:0,cuda:0,cuda:0", "auto"), ("cuda:0,cuda:0,cuda:0", "host")):
     os.environ["H3MS_ATTN_HELPERS"] = helpers

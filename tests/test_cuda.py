@@ -3,7 +3,8 @@
 Covers: pinned (cudaHostRegister'ed) shm moving through a CUDA worker bit-exactly; the split on logical ranks of one
 GPU bit-exact against the unsplit run in this process, for int8 and bf16 weights, chunked and single-shot host
 exchange, weights resident and streamed; the NCCL refusal for two ranks on one GPU; each split path (Ulysses, head
-pieces, the gather overlap) at full H3 width from fresh workers, and the refusal of a path with no passing CUDA test.
+pieces, the gather overlap) and the GPU-direct exchange at full H3 width from fresh workers, and the refusal of a path
+with no passing CUDA test.
 
 Warm-up: measured on the H200 (benchmarks/diag_parity.py), the FIRST block-stack pass of a process differs in the
 last bits from every later pass, in this process and in a worker alike (first == first, later == later, split or
@@ -235,6 +236,31 @@ def test_block_timings_from_cuda_events(models, kw, monkeypatch):
             assert all(b.copy_s > 0 and b.exposed_s > 0 for b in blocks), blocks
         if kw.get("head_pieces"):
             assert sum(b.hidden_s for b in blocks) > 0, blocks
+    finally:
+        eng.release()
+
+
+@pytest.mark.parametrize("chunks", [0, 8])
+def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, chunks, monkeypatch):
+    """The GPU-direct exchange (workers/transports/cuda_ipc.py: each rank's send buffer in its GPU's memory, shared
+    by CUDA IPC) at full H3 width on 2 logical ranks of one GPU: fresh workers, their FIRST step equals the unsplit
+    step with torch.equal, then a second step (the buffers reused); the step record names the transport and both
+    ranks computed and moved bytes. A pass here is what lets SplitPath.CUDA_IPC into TESTED["cuda"]."""
+    from h3ms_async.status.hub import get_hub
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(exchange="cuda_ipc", exchange_chunks=chunks))
+    try:
+        eng.load_weights(("cuda-ipc", "int8"), FULL, full_int8.block_weights)
+        for s, tokens in enumerate((8192, 8192)):
+            inp = make_step_inputs(FULL, layout_for_tokens(tokens), 70 + s, full_int8.dtype)
+            ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                            inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+            diff = (out.float() - ref.float()).abs().max().item()
+            assert torch.equal(out, ref), f"cuda_ipc x{chunks} step {s}: max |diff| {diff:g}"
+            rec = get_hub().recent_steps(1)[0]
+            assert rec["exchange"] == "cuda_ipc" and rec["chunks"] == max(chunks, 1), rec
+            assert all(r["tokens"][1] > r["tokens"][0] and r["moved_bytes"] > 0 for r in rec["ranks"]), rec
     finally:
         eng.release()
 

@@ -7,7 +7,9 @@ the exchange probe (``workers.transports.probe.run_case``).
 An implementation is one line of ``IMPLEMENTATIONS``: its name and either how one rank builds it in
 a thread of this process (over a :class:`Rig`: the shm arena, abort word and doorbells of the host
 exchange, the shared buffers of the in-process one) or the probe transport whose rank processes run
-it (``ProbeGroup``).  The CUDA ones skip without a GPU (``nccl``: without one GPU per rank).
+it (``ProbeGroup``).  The CUDA ones skip without a GPU (``nccl``: without one GPU per rank);
+``cuda-ipc`` (the GPU-direct exchange) spreads its ranks over the GPUs when every pair reaches the
+other by peer access, else puts them all on one GPU as logical ranks.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class Impl:
     worlds: tuple[int, ...] = WORLDS
     cuda: bool = False
     full: bool = True  # False: no layout, so no q/k/v all-to-all and no head pieces
+    shares_gpus: bool = False  # ranks may share a GPU (logical ranks)
 
 
 IMPLEMENTATIONS = [
@@ -140,6 +143,7 @@ IMPLEMENTATIONS = [
     Impl("identity", lambda rig, rank: IdentityExchange(), worlds=(1,), full=False),
     Impl("cuda-host", _cuda_host, cuda=True),
     Impl("nccl", probe="nccl", cuda=True),
+    Impl("cuda-ipc", probe="cuda_ipc", cuda=True, shares_gpus=True),
 ]
 
 
@@ -149,6 +153,9 @@ def _devices(impl: Impl, world: int) -> list[str]:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU: run the CUDA exchanges on a GPU machine")
     count = torch.cuda.device_count()
+    if impl.shares_gpus:
+        peers = all(torch.cuda.can_device_access_peer(a, b) for a in range(count) for b in range(count) if a != b)
+        return [f"cuda:{r % count if peers else 0}" for r in range(world)]
     if impl.probe and count < world:
         pytest.skip(f"{impl.name} needs one GPU per rank: {world} ranks, {count} GPU(s)")
     return [f"cuda:{r % count}" for r in range(world)]
@@ -227,6 +234,7 @@ def test_transports_move_bytes_only():
     """Every implementation with a layout takes the ops, their checks and their results from
     ExchangeBase: a bad input fails alike on each, naming what the op expected."""
     from workers.dit.cuda import CudaExchange
+    from workers.transports.cuda_ipc import CudaIpcExchange
     from workers.transports.dist import DistExchange
 
     ops = (
@@ -236,7 +244,7 @@ def test_transports_move_bytes_only():
         "all_to_all_qkv",
         "all_to_all_heads",
     )
-    for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange):
+    for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange, CudaIpcExchange):
         assert issubclass(cls, ExchangeBase)
         assert all(getattr(cls, op) is getattr(ExchangeBase, op) for op in ops), cls
     lay = _cases(2, True)[0]["layout"]

@@ -10,6 +10,7 @@ import abc
 import torch
 
 from workers.attention import protocol as attn_protocol
+from workers.runtime import cuda_ipc
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
 
 
@@ -124,7 +125,7 @@ class IpcBuffers(Buffers):
             self._in.append(flat_in)
             self._out.append(flat_out)
             self._handles.append(
-                {"device": index, "in": _ipc_handle(flat_in), "out": _ipc_handle(flat_out)}
+                {"device": index, "in": cuda_ipc.share(flat_in), "out": cuda_ipc.share(flat_out)}
             )
 
     def inputs(self, p: int) -> dict[str, torch.Tensor]:
@@ -150,25 +151,3 @@ class IpcBuffers(Buffers):
     def close(self) -> None:
         self._in.clear()
         self._out.clear()
-
-
-def cuda_ipc_unavailable(device: str) -> str:
-    """'' when this process can share memory of ``device`` by CUDA IPC, else why not (and the fix).
-    PyTorch's ``backend:cudaMallocAsync`` (ComfyUI's default ``--cuda-malloc`` on recent GPUs) and
-    pluggable allocators have no IPC handles, so a real share is tried."""
-    try:
-        _ipc_handle(torch.empty(1, dtype=torch.uint8, device=device))
-    except Exception as exc:  # noqa: BLE001
-        # any failure means: no IPC here, with torch's own reason
-        return (
-            f"this process cannot share {device} memory by CUDA IPC (allocator "
-            f"{torch.cuda.get_allocator_backend()}: {str(exc).splitlines()[0]}); start ComfyUI "
-            "with --disable-cuda-malloc for the GPU-direct path"
-        )
-    return ""
-
-
-def _ipc_handle(t: torch.Tensor) -> list:
-    """The CUDA IPC handle of ``t``'s storage as it travels (device, handle, size, offset, ref
-    counter, event)."""
-    return list(t.untyped_storage()._share_cuda_())

@@ -43,7 +43,7 @@ from typing import Any, NotRequired, TypedDict
 import torch
 
 from h3ms_async.attention import schedule as attention_schedule
-from h3ms_async.attention.buffers import Buffers, IpcBuffers, ShmBuffers, cuda_ipc_unavailable
+from h3ms_async.attention.buffers import Buffers, IpcBuffers, ShmBuffers
 from h3ms_async.log import get_logger
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.coordinator import get_coordinator
@@ -53,6 +53,7 @@ from h3ms_async.status.hub import get_hub, record_verdict
 from h3ms_async.status.records import now_iso
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
+from workers.runtime import cuda_ipc
 
 log = get_logger("AttentionParallel")
 
@@ -584,7 +585,7 @@ class AttentionParallelEngine(Engine):
             return self._buffers
         self._drop_buffers()
         if self.transport == "cuda_ipc":
-            why = cuda_ipc_unavailable(str(device))
+            why = cuda_ipc.unavailable(str(device))
             if why:
                 raise AttentionParallelError(f"transport cuda_ipc: {why}; or use transport host")
             index = [self.pool.local_index(r, str(device)) for r in range(len(self.devices) - 1)]

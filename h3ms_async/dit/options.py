@@ -8,15 +8,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from h3ms_async.dit import exchange_choice
 from h3ms_async.dit.errors import SplitError
+from h3ms_async.dit.exchange_choice import EXCHANGES
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.dit.protocol import Pattern, Residency, Transport
 from workers.dit.sparse import SparseConfig
 from workers.runtime.comfy_host import ComfyHost
 
-#: The node input's exchange choices (:class:`Transport` values; ``nccl`` runs as gloo on CPUs).
-EXCHANGES = (Transport.HOST.value, Transport.NCCL.value)
 #: Benchmark-only transport: ranks compute their shards without exchanging (wrong output, timing
 #: baseline).
 BASELINE_EXCHANGE = Transport.NONE.value
@@ -62,7 +62,7 @@ class SplitOptions:
     ``speed_model.choose_pattern``; gather with sparse attention), fixed when weights load.
     """
 
-    exchange: Transport = Transport.HOST
+    exchange: exchange_choice.Setting = Transport.HOST
     exchange_chunks: int = 0
     vram_residency: Residency = Residency.AUTO
     cache_ram_reserve_gb: float = 0.0
@@ -82,7 +82,13 @@ class SplitOptions:
         if self.exchange not in (*EXCHANGES, BASELINE_EXCHANGE):
             raise ValueError(f"exchange={self.exchange!r} is not one of {EXCHANGES}")
         # a caller's plain strings become the setting's one type
-        object.__setattr__(self, "exchange", Transport(self.exchange))
+        object.__setattr__(
+            self,
+            "exchange",
+            Transport.NONE
+            if self.exchange == BASELINE_EXCHANGE
+            else exchange_choice.parse(self.exchange),
+        )
         if not 0 <= self.exchange_chunks <= 32:
             raise ValueError(
                 f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single "
@@ -174,6 +180,20 @@ _WORKER_OPTIONS: frozenset[str] = frozenset({"block_index"})
 
 
 def process_key(devices: Sequence[str], options: SplitOptions) -> tuple:
-    """What needs other worker processes: the rank devices, the shares (head groups) and the
-    attention function."""
-    return tuple(devices), options.shares, options.attention, options.comfy_host
+    """What needs other worker processes: the rank devices, the shares (head groups), the
+    attention function and the GPUs the workers see (the GPU-direct exchange across GPUs opens the
+    others' buffers: :func:`worker_gpus`)."""
+    return (
+        tuple(devices),
+        options.shares,
+        options.attention,
+        options.comfy_host,
+        worker_gpus(devices, options),
+    )
+
+
+def worker_gpus(devices: Sequence[str], options: SplitOptions) -> tuple[str, ...]:
+    """The GPUs every worker sees besides its own for ``options.exchange`` on ``devices`` (raises
+    ``exchange_choice``'s refusal for an exchange that cannot run there)."""
+    transport = exchange_choice.resolve(options.exchange, devices)
+    return exchange_choice.also_visible(transport, devices)

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from h3ms_async.dit import tested_paths
+from h3ms_async.dit import exchange_choice, tested_paths
 from h3ms_async.dit.errors import SplitError, SplitInterrupted
 from h3ms_async.dit.exactness import Overlap
 from h3ms_async.dit.loaded import LoadedWeights, LoadTimes
@@ -37,6 +37,7 @@ from h3ms_async.dit.options import (
     check_block_options,
     options_dict,
     process_key,
+    worker_gpus,
 )
 from h3ms_async.dit.overlap_tuner import OverlapTuner
 from h3ms_async.dit.pattern import pick_pattern
@@ -107,7 +108,12 @@ class SplitEngine(Engine):
         self._sparse_kernel: list[str | None] = []
         self._sparse_fallback = DenseFallback()
         self._sparse_ran = False  # a step has sent sparse settings since the last end_sampling
-        super().__init__(WorkerPool(self.devices, name="dit", program="dit", env=env), ENGINES)
+        #: The GPUs each worker sees besides its own (the GPU-direct exchange across GPUs).
+        self.worker_gpus = worker_gpus(self.devices, options)
+        pool = WorkerPool(
+            self.devices, name="dit", program="dit", env=env, also_visible=self.worker_gpus
+        )
+        super().__init__(pool, ENGINES)
         #: The invariance probe's orchestration (which plan a step runs with).
         self.probe = PlanProbe(self)
         #: The overlaps each plan runs when the options let the engine pick them.
@@ -138,7 +144,14 @@ class SplitEngine(Engine):
         return self._transport(self.options.exchange)
 
     def _transport(self, exchange: str) -> Transport:
-        return Transport(exchange).on(self.devices[0].startswith("cuda"))
+        transport = exchange_choice.resolve(exchange, self.devices)
+        if not set(exchange_choice.also_visible(transport, self.devices)) <= set(self.worker_gpus):
+            raise SplitError(
+                f"exchange {exchange} runs as {transport}, whose workers must see every rank's "
+                f"GPU, and these were started for exchange {self.options.exchange}: set exchange "
+                "on the node (or SplitOptions) instead of per step"
+            )
+        return transport
 
     # -- weights -----------------------------------------------------------------------------------
     def load_weights(
@@ -434,6 +447,7 @@ class SplitEngine(Engine):
                 head_pieces=opts.head_pieces,
                 gather_overlap=opts.gather_overlap,
                 pattern=planned.pattern,
+                peer_devices=self._peer_devices(r, planned.transport),
             )
             for r in range(self.ranks)
         ]
@@ -473,6 +487,13 @@ class SplitEngine(Engine):
         if step.progress is not None:
             step.progress(blocks, blocks)
         return out
+
+    def _peer_devices(self, rank: int, transport: Transport) -> tuple[int, ...]:
+        """The GPU-direct exchange's ``peer_devices`` for ``rank``: its worker's index of each
+        rank's GPU."""
+        if transport is not Transport.CUDA_IPC:
+            return ()
+        return tuple(self.pool.local_index(rank, d) for d in self.devices)
 
     @staticmethod
     def _block_probe(

@@ -111,7 +111,8 @@ def record_step(
         )
         for r, res in enumerate(results)
     ]
-    chunks = opts.exchange_chunks if opts.exchange == "host" else 0
+    staged = planned.transport in (Transport.HOST, Transport.CUDA_IPC)
+    chunks = opts.exchange_chunks if staged else 0
     rec = StepRecord(
         at=now_iso(),
         seq=hub.next_seq(),

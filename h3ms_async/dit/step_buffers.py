@@ -1,7 +1,8 @@
 """The DiT split's shared-memory step buffers and their lifetime.
 
 One :class:`StepBufferSlot` per split engine owns the buffers a step runs in: the step segment
-(residual stream in and out, rope table), the host exchange's arena, and the small side segment
+(residual stream in and out, rope table), the host (or GPU-direct) exchange's arena, and the small
+side segment
 (t_emb, per-token mod rows). They are made at the first step, reused while the step's shapes stay,
 replaced when they change and freed by :meth:`StepBufferSlot.drop` (a failed step, a weight-store
 release, the engine's release). Freeing closes and unlinks the coordinator's side; each rank drops
@@ -17,13 +18,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.dit.protocol import Transport
 from workers.runtime.protocol import TensorDesc
 from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
+from workers.transports import cuda_ipc
 from workers.transports.arena import ArenaLayout
 
 if TYPE_CHECKING:
     from h3ms_async.dit.loaded import LoadedWeights
     from h3ms_async.dit.step import PlannedStep
+
+#: The transports that run over an arena, and its size for a layout: the host exchange's holds the
+#: data, the GPU-direct exchange's the header page and its buffers' handles.
+ARENA_BYTES: dict[Transport, Callable[[ArenaLayout], int]] = {
+    Transport.HOST: lambda layout: layout.nbytes,
+    Transport.CUDA_IPC: cuda_ipc.arena_bytes,
+}
 
 #: ``name: (dtype, shape)`` of the tensors one segment holds.
 Specs = dict[str, tuple[torch.dtype, Sequence[int]]]
@@ -81,7 +91,7 @@ class StepBufferSlot:
             x.dtype,
             tuple(rope.shape),
             rope.dtype,
-            planned.options.exchange,
+            planned.transport,
             str(x.device),
             planned.pattern == "ulysses",
         )
@@ -107,7 +117,7 @@ class StepBufferSlot:
     def _new(self, key: tuple, planned: PlannedStep, loaded: LoadedWeights) -> StepBuffers:
         plan, x, rope = planned.plan, planned.step.x, planned.step.rope_freqs
         head_dim, hidden = loaded.config.head_dim, loaded.config.hidden
-        exchange, qkv = planned.options.exchange, planned.pattern == "ulysses"
+        transport, qkv = planned.transport, planned.pattern == "ulysses"
         self.drop()
         self._unmap_released()
         specs: Specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
@@ -120,8 +130,8 @@ class StepBufferSlot:
             layout = ArenaLayout.plan(
                 ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype, head_dim, qkv
             )
-            if exchange == "host":
-                arena_seg = Segment.create(layout.nbytes, "arena")
+            if transport in ARENA_BYTES:
+                arena_seg = Segment.create(ARENA_BYTES[transport](layout), "arena")
                 layout.init_header(arena_seg.base_tensor())
         except BaseException:
             _free(step, arena_seg)

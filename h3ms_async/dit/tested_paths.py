@@ -1,12 +1,12 @@
 """Which split paths have a passing bit-exactness test on which device kind.
 
 A path (the Ulysses pattern, attention in head pieces, the qkv projection as gathered rows
-arrive) runs on a device kind only once a test there compared its split step with the unsplit
-step with ``torch.equal``, from fresh workers, first step included; ``pattern="auto"`` never
-picks an untested one, and asking for one is refused with one line.  The table below names the
-test behind each entry; an entry is added when that test passed on that kind (its log in
-``docs/device_runs/`` for CUDA).  ``H3MS_ALLOW_UNTESTED_PATHS=1`` lets the tests and benchmarks
-that measure a path there run it.
+arrive, the GPU-direct exchange) runs on a device kind only once a test there compared its split
+step with the unsplit step with ``torch.equal``, from fresh workers, first step included;
+``pattern="auto"`` and ``exchange="auto"`` never pick an untested one, and asking for one is
+refused with one line.  The table below names the test behind each entry; an entry is added when
+that test passed on that kind (its log in ``docs/device_runs/`` for CUDA).
+``H3MS_ALLOW_UNTESTED_PATHS=1`` lets the tests and benchmarks that measure a path there run it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,17 @@ class SplitPath(StrEnum):
     ULYSSES = "the Ulysses pattern"
     HEAD_PIECES = "attention in head pieces"
     GATHER_OVERLAP = "the gather overlap"
+    CUDA_IPC = "the GPU-direct exchange (cuda_ipc)"
+
+
+_NO_PATTERN_PATHS = "use pattern 'gather' (or 'auto') without head pieces or the gather overlap"
+#: How to leave each path out, for the refusal.
+_FIX = {
+    SplitPath.ULYSSES: _NO_PATTERN_PATHS,
+    SplitPath.HEAD_PIECES: _NO_PATTERN_PATHS,
+    SplitPath.GATHER_OVERLAP: _NO_PATTERN_PATHS,
+    SplitPath.CUDA_IPC: "set exchange to host (or auto)",
+}
 
 
 #: device kind -> path -> the test that passed there
@@ -35,7 +46,9 @@ TESTED: dict[str, dict[SplitPath, str]] = {
             "tests/test_invariance.py::test_gather_overlap_runs_exact_and_is_recorded"
         ),
     },
-    # tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact has not run on a GPU yet
+    # tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact and
+    # tests/test_cuda.py::test_gpu_direct_exchange_on_logical_ranks_is_exact have not run on a GPU
+    # yet
     "cuda": {},
 }
 
@@ -76,16 +89,20 @@ def tested_overlap(devices: Sequence[str], head_pieces: int, gather: bool) -> tu
     )
 
 
+def require(path: SplitPath, devices: Sequence[str]) -> None:
+    """Refuse ``path`` in one line (naming it and the fix) unless it is tested on these
+    devices."""
+    if not is_tested(path, devices):
+        raise UntestedPath(
+            f"{path.value} has no passing bit-exactness test on {device_kind(devices)} yet, so it "
+            f"does not run there: {_FIX[path]}"
+        )
+
+
 def check(devices: Sequence[str], pattern: str, head_pieces: int, gather_overlap: bool) -> None:
     """Refuse, in one line, the first asked-for path with no passing test on these devices."""
     for path in asked_paths(pattern, head_pieces, gather_overlap):
-        if not is_tested(path, devices):
-            kind = device_kind(devices)
-            raise UntestedPath(
-                f"{path.value} has no passing bit-exactness test on {kind} yet, so it does not run "
-                f"there: use pattern 'gather' (or 'auto') without head pieces or the gather "
-                f"overlap"
-            )
+        require(path, devices)
 
 
 def allow_untested_paths() -> None:

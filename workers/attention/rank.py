@@ -22,6 +22,7 @@ import torch
 
 from workers.attention import ops as attn_ops
 from workers.attention import protocol as attn_protocol
+from workers.runtime import cuda_ipc
 from workers.runtime.handlers import WorkerContext, handler
 from workers.runtime.protocol import Released
 
@@ -47,26 +48,12 @@ def _ipc_storage(ctx: WorkerContext, handle: list, device: int) -> torch.Untyped
     key = (device, bytes(handle[1]), int(handle[3]))
     opened = ctx.state.setdefault(_IPC, {})
     if key not in opened:
-        torch.cuda._lazy_init()
-        _, h, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = handle
-        opened[key] = torch.UntypedStorage._new_shared_cuda(
-            device,
-            bytes(h),
-            int(size),
-            int(offset),
-            bytes(rc_handle),
-            int(rc_offset),
-            None if ev_handle is None else bytes(ev_handle),
-            bool(ev_sync),
-        )
+        opened[key] = cuda_ipc.open_storage(handle, device)
     return opened[key]
 
 
 def _ipc_view(storage: torch.UntypedStorage, d: dict) -> torch.Tensor:
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
-        storage, 0, (storage.nbytes(),), (1,)
-    )
-    return attn_protocol.ipc_view(flat, d)
+    return attn_protocol.ipc_view(cuda_ipc.bytes_of(storage), d)
 
 
 def _sources(

@@ -305,11 +305,18 @@ class CudaExchange(ExchangeBase):
         self.sync_s = 0.0
 
     @classmethod
-    def over_host(cls, device: torch.device, *args: Any, **kwargs: Any) -> CudaExchange:
-        """A host exchange (``HostExchange(*args, **kwargs)``) moving this device's tensors through
-        the copy streams."""
+    def over_host(
+        cls,
+        device: torch.device,
+        *args: Any,
+        exchange: type[HostExchange] = HostExchange,
+        **kwargs: Any,
+    ) -> CudaExchange:
+        """A host exchange (``exchange(*args, **kwargs)``: ``HostExchange`` or the GPU-direct
+        ``workers.transports.cuda_ipc.CudaIpcExchange``, whose "arena" copies move device memory)
+        moving this device's tensors through the copy streams."""
         wrap = cls(device, host=True)
-        inner = HostExchange(
+        inner = exchange(
             *args,
             **kwargs,
             to_host=wrap.to_host,

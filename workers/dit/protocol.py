@@ -26,10 +26,13 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
     segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row
                 index
     tokens      [t0, t1]
-    arena       exchange arena segment name ("" unless exchange is "host");
+    arena       exchange arena segment name ("" unless exchange is "host" or "cuda_ipc": for
+                "cuda_ipc" the header page and handle slots, ``workers.transports.cuda_ipc``);
                 layout: ArenaLayout.to_dict()
-    exchange    a :class:`Transport` value: "host" | "nccl" | "gloo" | "none";
+    exchange    a :class:`Transport` value: "host" | "cuda_ipc" | "nccl" | "gloo" | "none";
                 chunks: pipelined chunks per exchange (0/1 = single shot).
+    peer_devices  ("cuda_ipc") per rank, the CUDA device index under which this rank's worker
+                sees that rank's GPU (its own is 0; the others through the pool's also_visible)
     head_pieces dense attention in that many head pieces, each moved by the all-to-all while the
                 next computes (0/1: one call; ``workers.dit.loop``)
     gather_overlap  dense steps: the qkv projection runs on each rank's gathered rows as they
@@ -80,9 +83,10 @@ from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, 
 
 class Transport(enum.StrEnum):
     """How the ranks of a split step exchange rows between blocks: the one vocabulary of the
-    node input (``host``, ``nccl``), the wire (a step's ``exchange``), the step records and the
-    status JSON.  The node's ``nccl`` means the collective transport; on CPU ranks it runs as
-    ``gloo`` (:meth:`on`)."""
+    node input (``host``, ``nccl``, ``cuda_ipc``; its ``auto`` is resolved to one of these before
+    a step, ``h3ms_async.dit.exchange_choice``), the wire (a step's ``exchange``), the step
+    records and the status JSON.  The node's ``nccl`` means the collective transport; on CPU
+    ranks it runs as ``gloo`` (:meth:`on`)."""
 
     #: shared-memory arena on the host plus eventfd doorbells (CPU and CUDA ranks)
     HOST = "host"
@@ -90,6 +94,9 @@ class Transport(enum.StrEnum):
     NCCL = "nccl"
     #: torch.distributed collectives over gloo: the CPU form of ``nccl``
     GLOO = "gloo"
+    #: GPU-direct: the host exchange's protocol over the ranks' GPU buffers shared by CUDA IPC
+    #: (``workers.transports.cuda_ipc``; CUDA ranks whose GPUs reach each other)
+    CUDA_IPC = "cuda_ipc"
     #: benchmark baseline without exchange (each rank's compute alone; wrong output by design)
     NONE = "none"
 
@@ -341,6 +348,7 @@ class DitStep(Request, tag="dit_step"):
     head_pieces: int = 0
     gather_overlap: bool = False
     pattern: Pattern = Pattern.GATHER
+    peer_devices: tuple[int, ...] = ()
     PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
     ANSWER: ClassVar[type[Answer]] = DitStepped
 

@@ -29,10 +29,13 @@ from workers.runtime import comfy_host
 from workers.runtime.handlers import WorkerContext, handler, on_release
 from workers.runtime.protocol import Dropped, Released, TensorDesc
 from workers.transports.arena import ArenaLayout
+from workers.transports.cuda_ipc import CudaIpcExchange
 from workers.transports.exchange import Exchange, ExchangeAborted, NoExchange
 from workers.transports.host import HostExchange
 
 _STATE = "dit"
+#: The transports whose exchange runs over a step's shm arena (kept per arena).
+_ARENA_TRANSPORTS = (Transport.HOST, Transport.CUDA_IPC)
 
 #: The ComfyUI this worker was started from (None: standalone). Importing its attention module
 #: applies ComfyUI's own comfy-kitchen backend policy; standalone workers apply the pack's copy of
@@ -241,9 +244,10 @@ async def _dit_sparse_reset(ctx: WorkerContext, msg: dit_protocol.DitSparseReset
 
 @on_release
 def _drop_released_arenas(ctx: WorkerContext, names: set[str]) -> None:
-    # A host exchange keeps its arena mapped; one over a released arena is never used again.
+    # A host or GPU-direct exchange keeps its arena mapped; one over a released arena is never
+    # used again.
     st = _state(ctx)
-    for key in [k for k in st.exchanges if k[0] is Transport.HOST and k[1] in names]:
+    for key in [k for k in st.exchanges if k[0] in _ARENA_TRANSPORTS and k[1] in names]:
         st.exchanges.pop(key).close()
 
 
@@ -257,15 +261,28 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
         if key0 not in st.exchanges:
             st.exchanges[key0] = NoExchange(ctx.rank, layout, torch.device(ctx.device))
         return st.exchanges[key0]
-    if msg.exchange is Transport.HOST:
-        key: tuple = (Transport.HOST, msg.arena)
+    if msg.exchange in _ARENA_TRANSPORTS:
+        key: tuple = (msg.exchange, msg.arena)
         ex = st.exchanges.get(key)
         if ex is None:
-            for old in [k for k in st.exchanges if k[0] is Transport.HOST]:
+            for old in [k for k in st.exchanges if k[0] in _ARENA_TRANSPORTS]:
                 st.exchanges.pop(old).close()
             arena = ctx.segment(msg.arena).base_tensor()
             args = (ctx.rank, ctx.world_size, arena, layout, ctx.doorbell_fds, ctx.control)
-            if cuda:
+            if msg.exchange is Transport.CUDA_IPC:
+                if not cuda:
+                    raise ValueError(
+                        f"rank {ctx.rank}: exchange cuda_ipc needs a CUDA rank, this one runs on "
+                        f"{ctx.device}; use exchange host"
+                    )
+                ex = CudaExchange.over_host(
+                    torch.device(ctx.device),
+                    *args,
+                    msg.deadline_s,
+                    exchange=CudaIpcExchange,
+                    devices=msg.peer_devices,
+                )
+            elif cuda:
                 ex = CudaExchange.over_host(torch.device(ctx.device), *args, msg.deadline_s)
             else:
                 ex = HostExchange(*args, msg.deadline_s)

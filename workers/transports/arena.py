@@ -201,7 +201,10 @@ class ArenaLayout:
         return lay
 
     # -- views -------------------------------------------------------------------------------------
-    def _check_arena(self, arena: torch.Tensor) -> None:
+    def _check_arena(self, arena: torch.Tensor, nbytes: int | None = None) -> None:
+        """Raise unless ``arena`` is a flat uint8 CPU tensor of at least ``nbytes`` (default: the
+        whole layout's)."""
+        need = self.nbytes if nbytes is None else nbytes
         if (
             arena.dtype != torch.uint8
             or arena.device.type != "cpu"
@@ -212,16 +215,17 @@ class ArenaLayout:
                 "the exchange arena must be a contiguous 1-D uint8 CPU tensor over shared memory, "
                 f"got {arena.dtype} {tuple(arena.shape)} on {arena.device}"
             )
-        if arena.numel() < self.nbytes:
+        if arena.numel() < need:
             raise ValueError(
-                f"exchange arena holds {arena.numel()} bytes, the layout needs {self.nbytes}; size "
+                f"exchange arena holds {arena.numel()} bytes, the layout needs {need}; size "
                 "the segment with layout.nbytes"
             )
 
     def header_words(self, arena: torch.Tensor) -> np.ndarray:
         """The header page as an int64 numpy view (plain loads/stores, no tensor dispatch per
-        check)."""
-        self._check_arena(arena)
+        check).  Only the header page must be there: the GPU-direct exchange's arena is that page
+        and its buffers' handles (``workers.transports.cuda_ipc``)."""
+        self._check_arena(arena, self.header_bytes)
         return arena.numpy()[: self.header_bytes].view(np.int64)
 
     def seq_words(self, arena: torch.Tensor) -> list[int]:

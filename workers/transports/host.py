@@ -184,9 +184,7 @@ class HostExchange(JobExchange):
         self._to_host_async = to_host_async or _sync_copy(self._to_host)
         self._arena = arena  # keeps the mapping's views alive
         self._words = layout.header_words(arena)
-        self._g = layout.g_view(arena)
-        self._a = [layout.a_view(arena, r) for r in range(world)]
-        self._q = [layout.q_view(arena, r) for r in range(world)] if layout.q_offsets else []
+        self._map_data(arena)
         self._peers = [p for p in range(world) if p != rank]
         self._peer_fds = [doorbell_fds[p] for p in self._peers]
         self._my_fd = doorbell_fds[rank]
@@ -197,6 +195,26 @@ class HostExchange(JobExchange):
         self._n_chunks = 1
         self._last_use = {"G": -1, "A": -1, "Q": -1}  # per arena buffer; -1: not used in this job
         self._deadline = 0.0
+
+    def _map_data(self, arena: torch.Tensor) -> None:
+        """The arena's data blocks G, A_r and Q_r (a transport whose blocks live elsewhere maps
+        its own and overrides the three views below)."""
+        lay = self.layout
+        self._g = lay.g_view(arena)
+        self._a = [lay.a_view(arena, r) for r in range(self.world)]
+        self._q = [lay.q_view(arena, r) for r in range(self.world)] if lay.q_offsets else []
+
+    def _g_rows(self, p: int, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of G, inside rank p's tokens (which rank p writes)."""
+        return self._g[a:b]
+
+    def _a_block(self, p: int) -> torch.Tensor:
+        """A_p ``[S, c_p]`` (rank p writes it)."""
+        return self._a[p]
+
+    def _q_rows(self, r: int, p: int, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of Q_r, inside rank p's tokens (which rank p writes)."""
+        return self._q[r][a:b]
 
     def begin(self, abort_generation: int) -> None:
         if abort_generation != self._gen:
@@ -237,19 +255,20 @@ class HostExchange(JobExchange):
         self._guard_reuse(kind)
 
     def _all_gather_rows(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-        lay, me, g = self.layout, self.rank, self._g
+        lay, me = self.layout, self.rank
         t0, t1 = lay.rows(me)
         self._timed_copy(out[t0:t1], local, _default_copy)
 
         def publish(j: int) -> None:
             a, b = lay.chunk_rows(me, n, j)
             if b > a and self._peers:
-                self._timed_copy(g[a:b], local[a - t0 : b - t0], self._to_host, written=True)
+                dst = self._g_rows(me, a, b)
+                self._timed_copy(dst, local[a - t0 : b - t0], self._to_host, written=True)
 
         def take(p: int, j: int) -> None:
             a, b = lay.chunk_rows(p, n, j)
             if b > a:
-                self._timed_copy(out[a:b], g[a:b], self._to_device, read=True)
+                self._timed_copy(out[a:b], self._g_rows(p, a, b), self._to_device, read=True)
 
         self._pipeline(KIND_GATHER, n, publish, take)
         return out
@@ -259,18 +278,17 @@ class HostExchange(JobExchange):
     ) -> torch.Tensor:
         """This rank's rows handed over once published, each peer's as soon as they arrive (in
         arrival order)."""
-        g = self._g
         t0, t1 = self.layout.rows(self.rank)
         self._timed_copy(out[t0:t1], local, _default_copy)
         if t1 > t0 and self._peers:
-            self._timed_copy(g[t0:t1], local, self._to_host, written=True)
+            self._timed_copy(self._g_rows(self.rank, t0, t1), local, self._to_host, written=True)
         self._publish(KIND_GATHER, 1, 0)
         self._hand_over(self.rank, out, on_rows)
 
         def take(p: int, j: int) -> None:
             a, b = self.layout.rows(p)
             if b > a:
-                self._timed_copy(out[a:b], g[a:b], self._to_device, read=True)
+                self._timed_copy(out[a:b], self._g_rows(p, a, b), self._to_device, read=True)
                 on_rows(a, b, out[a:b])
 
         self._consume(KIND_GATHER, 1, 0, take)
@@ -282,7 +300,7 @@ class HostExchange(JobExchange):
         t0, t1 = lay.rows(me)
         c0, c1 = lay.cols(me)
         self._timed_copy(out[:, c0:c1], local[t0:t1], _default_copy)
-        mine = self._a[me]
+        mine = self._a_block(me)
 
         def publish(j: int) -> None:
             if c1 == c0:
@@ -298,7 +316,7 @@ class HostExchange(JobExchange):
             p0, p1 = lay.cols(p)
             a, b = lay.chunk_rows(me, n, j)
             if b > a and p1 > p0:
-                src = self._a[p][a:b]
+                src = self._a_block(p)[a:b]
                 self._timed_copy(out[a - t0 : b - t0, p0:p1], src, self._to_device, read=True)
 
         self._pipeline(KIND_ALL_TO_ALL, n, publish, take)
@@ -317,12 +335,13 @@ class HostExchange(JobExchange):
                 if r1 > r0:
                     part = packed_qkv(local[a - t0 : b - t0], lay.qkv_cols(r))
                     # packed after the op began: the copy out must wait for the packing
-                    self._timed_copy(self._q[r][a:b], part, self._to_host_after, written=True)
+                    dst = self._q_rows(r, me, a, b)
+                    self._timed_copy(dst, part, self._to_host_after, written=True)
 
         def take(p: int, j: int) -> None:
             a, b = lay.chunk_rows(p, n, j)
             if b > a and c1 > c0:
-                self._timed_copy(out[a:b], self._q[me][a:b], self._to_device, read=True)
+                self._timed_copy(out[a:b], self._q_rows(me, p, a, b), self._to_device, read=True)
 
         self._pipeline(KIND_QKV, n, publish, take)
         return out
@@ -333,7 +352,7 @@ class HostExchange(JobExchange):
         lay, me = self.layout, self.rank
         t0, t1 = lay.rows(me)
         c0 = lay.cols(me)[0]
-        mine = self._a[me]
+        mine = self._a_block(me)
 
         def stage(j: int) -> list[Callable[[], None]]:
             a, b, part = self._piece(produce, n, j)
@@ -355,7 +374,7 @@ class HostExchange(JobExchange):
             a, b = lay.head_piece(p, n, j)
             if b > a and t1 > t0:
                 p0 = lay.cols(p)[0]
-                src = lay.a_piece_view(self._a[p], p, n, j)[t0:t1]
+                src = lay.a_piece_view(self._a_block(p), p, n, j)[t0:t1]
                 self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
 
         started = stage(0)

@@ -7,10 +7,12 @@
 cases of ``--spec`` (JSON) in order in a process of its own, over the transports that need one (the
 exchange tests and benchmark; ``ProbeGroup`` in ``h3ms_async/tools/bench/exchange.py`` starts it).
 
-A case names its transports (``transport``: one of ``host``, ``gloo``, ``nccl`` or a list of them;
-the spec's ``devices``, one per rank, put the ranks on CUDA devices: the host exchange is then
-wrapped as a CUDA rank wraps it, ``nccl`` needs them), an arena segment (``workers/runtime/shm.py``,
-attached by id) with its layout (host), the chunk counts to run, and rounds x blocks of
+A case names its transports (``transport``: one of ``host``, ``cuda_ipc``, ``gloo``, ``nccl`` or a
+list of them; the spec's ``devices``, one per rank, put the ranks on CUDA devices: the host exchange
+is then wrapped as a CUDA rank wraps it, ``cuda_ipc`` and ``nccl`` need them), an arena segment
+(``workers/runtime/shm.py``, attached by id) with its layout (host; for ``cuda_ipc`` the
+GPU-direct exchange's header and handle slots, ``arena_ipc``), the chunk counts to run, and rounds x
+blocks of
 (all_gather_rows, all_to_all_cols); a layout planned with ``qkv`` adds ``all_to_all_qkv`` (of a
 ``[S, 3·C]`` pattern); ``"overlap": true`` adds ``all_to_all_heads`` in as many head pieces as
 chunks (each piece produced on demand from the pattern) and ``all_gather_rows_each`` (each rank's
@@ -49,7 +51,14 @@ from workers.transports.host import HostExchange
 
 _CPU = torch.device("cpu")
 #: The transports the rank program builds (those that need a process per rank).
-TRANSPORTS = (Transport.HOST.value, Transport.GLOO.value, Transport.NCCL.value)
+TRANSPORTS = (
+    Transport.HOST.value,
+    Transport.CUDA_IPC.value,
+    Transport.GLOO.value,
+    Transport.NCCL.value,
+)
+#: The transports that run over a shm arena of the case's (``arena``).
+ARENA_TRANSPORTS = (Transport.HOST.value, Transport.CUDA_IPC.value)
 
 
 def case_transports(case: dict) -> list[str]:
@@ -200,22 +209,37 @@ def build_exchange(
     rank: int,
     world: int,
     case: dict,
-    device: torch.device,
+    devices: list[str],
     doorbells: list[int],
     control: torch.Tensor | None,
     segments: list[Segment],
 ) -> Exchange:
-    """This rank's exchange of ``transport`` for ``case`` (a dist one needs ``init_group`` first);
-    the host arena's segment is attached into ``segments``."""
+    """This rank's exchange of ``transport`` for ``case`` on ``devices[rank]`` (a dist one needs
+    ``init_group`` first); the arena's segment is attached into ``segments``."""
+    device = torch.device(devices[rank])
     layout = case_layout(case)
     cuda = device.type == "cuda"
-    if transport == Transport.HOST.value:
+    if transport in ARENA_TRANSPORTS:
         if control is None:
-            raise ValueError("a host case needs --control (the abort generation's segment)")
-        segments.append(Segment.attach(case["arena"]))
-        arena = segments[-1].base_tensor()[: layout.nbytes]
+            raise ValueError(f"a {transport} case needs --control (the abort generation's segment)")
+        ipc = transport == Transport.CUDA_IPC.value
+        segments.append(Segment.attach(case["arena_ipc" if ipc else "arena"]))
+        arena = segments[-1].base_tensor()
         args = (rank, world, arena, layout, doorbells, control, float(case.get("deadline_s", 30)))
         spin_us = float(case.get("spin_us", 0))
+        if ipc:
+            from workers.dit.cuda import CudaExchange
+            from workers.transports.cuda_ipc import CudaIpcExchange
+
+            if not cuda:
+                raise ValueError(f"probe transport cuda_ipc on {device}: it runs CUDA ranks")
+            return CudaExchange.over_host(
+                device,
+                *args,
+                spin_us=spin_us,
+                exchange=CudaIpcExchange,
+                devices=[torch.device(d).index or 0 for d in devices],
+            )
         if cuda:
             from workers.dit.cuda import CudaExchange
 
@@ -265,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             segments.append(Segment.attach(args.control))
             control = segments[-1].base_tensor().view(torch.int64)
         names = {t for c in spec["cases"] for t in case_transports(c)}
-        backends = names - {Transport.HOST.value}
+        backends = names - set(ARENA_TRANSPORTS)
         if len(backends) > 1:
             raise ValueError("a probe process joins one process group: name gloo or nccl, not both")
         if backends:
@@ -293,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 (
                     t,
                     build_exchange(
-                        t, args.rank, args.world, case, device, doorbells, control, segments
+                        t, args.rank, args.world, case, devices, doorbells, control, segments
                     ),
                 )
                 for t in case_transports(case)

@@ -28,6 +28,7 @@ from h3ms_async.runtime.plans import partition
 from h3ms_async.tools.cli import ArgParser, UsageError, int_list, positive_int
 from workers.dit.protocol import Transport
 from workers.runtime.shm import Segment
+from workers.transports import cuda_ipc
 from workers.transports.arena import ArenaLayout
 from workers.transports.probe import case_layout, case_transports
 
@@ -70,11 +71,11 @@ class ProbeGroup:
                 lay = case_layout(case)
                 case["layout"] = lay.to_dict()
                 case.setdefault("gen", gen)
-                if Transport.HOST.value in case_transports(case):
-                    arena = Segment.create(lay.nbytes, "xarena")
-                    self._shm.append(arena)
-                    lay.init_header(arena.base_tensor()[: lay.nbytes])
-                    case["arena"] = arena.name
+                names = case_transports(case)
+                if Transport.HOST.value in names:
+                    case["arena"] = self._arena(lay, lay.nbytes)
+                if Transport.CUDA_IPC.value in names:
+                    case["arena_ipc"] = self._arena(lay, cuda_ipc.arena_bytes(lay))
                 self.cases.append(case)
             self.spec = {
                 "cases": self.cases,
@@ -86,6 +87,13 @@ class ProbeGroup:
         except BaseException:
             self.close()
             raise
+
+    def _arena(self, lay: ArenaLayout, nbytes: int) -> str:
+        """A fresh arena segment of ``nbytes`` with ``lay``'s header; its name."""
+        arena = Segment.create(nbytes, "xarena")
+        self._shm.append(arena)
+        lay.init_header(arena.base_tensor())
+        return arena.name
 
     def __enter__(self) -> ProbeGroup:
         return self

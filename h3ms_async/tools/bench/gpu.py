@@ -18,6 +18,9 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
   compute, the exposed wait, the exposed wait as % of the block; per rank in ``block_ms_by_rank``),
   and per case each split's block over the no-exchange baseline's (``*_block_vs_baseline``) and its
   exposed exchange as % of the block (``*_exposed_pct``);
+* with ``--exchange host,cuda_ipc``, host staging and the GPU-direct exchange side by side: every
+  variant above in each, on the same workers and weights (``split2_cuda_ipc_x8...`` in the
+  summary);
 * streamed vs resident step time.
 
 This process (the stand-in for ComfyUI's, which is long warm when a split starts) runs one unsplit
@@ -49,7 +52,7 @@ from h3ms_async.status.hub import get_hub
 from h3ms_async.status.records import block_means
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import BlockInputs, block_forward_unsplit
-from workers.dit.protocol import Residency
+from workers.dit.protocol import Residency, Transport
 from workers.runtime.shm import Segment, register_cuda
 
 FULL = {
@@ -61,6 +64,9 @@ FULL = {
     "rope_pairs": 48,
 }
 
+
+#: The exchanges ``bench gpu --exchange`` can time side by side (host staging first: the default).
+STAGED = (Transport.HOST.value, Transport.CUDA_IPC.value)
 
 #: The overlaps ``bench gpu`` times by default (``exactness.Overlap.from_name``).
 OVERLAPS = ("none", "pieces4", "gather", "gather+pieces4")
@@ -185,6 +191,7 @@ def run(
     residencies: Sequence[str] = ("resident", "stream"),
     overlaps: Sequence[str] = OVERLAPS,
     pattern: str = "gather",
+    exchanges: Sequence[str] = (STAGED[0],),
 ) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
     res: dict = {
@@ -201,6 +208,7 @@ def run(
             "steps": steps,
             "overlaps": list(overlaps),
             "pattern": pattern,
+            "exchanges": list(exchanges),
         },
         "copy_bandwidth": copy_bandwidth(),
         "runs": [],
@@ -237,7 +245,11 @@ def run(
                     eng.load_weights(("bench-gpu", kind, seed), cfg, models[kind].block_weights)
                     for n in tokens:
                         inp, ref = refs[(kind, n)]
-                        variants = [("host", 0, "none")] + [("host", 8, o) for o in overlaps]
+                        variants = [
+                            v
+                            for exch in exchanges
+                            for v in [(exch, 0, "none")] + [(exch, 8, o) for o in overlaps]
+                        ]
                         if residency == "resident" and nr == 2:
                             variants.append(("none", 0, "none"))
                         for exch, chunks, overlap in variants:
@@ -299,15 +311,17 @@ def summarize(res: dict) -> dict:
         split_ms: list[float] = []
         split_blocks: dict[str, float] = {}
         for s in runs:
-            if (s["kind"], s["tokens"], s["mode"], s.get("residency"), s.get("exchange")) != (
+            if (s["kind"], s["tokens"], s["mode"], s.get("residency")) != (
                 kind,
                 n,
                 "split2",
                 "resident",
-                "host",
-            ):
+            ) or s.get("exchange") not in STAGED:
                 continue
-            name = f"split2_x{s['chunks']}" + (f"_{s['overlap']}" if s["overlap"] != "none" else "")
+            via = "" if s["exchange"] == STAGED[0] else f"_{s['exchange']}"
+            name = f"split2{via}_x{s['chunks']}" + (
+                f"_{s['overlap']}" if s["overlap"] != "none" else ""
+            )
             case[f"{name}_ms_per_block"] = s["per_block_s"] * 1e3
             case[f"{name}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
             case[f"{name}_exposed_pct"] = s["block_ms"]["exposed_pct"]
@@ -369,8 +383,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(attention in N head pieces), gather (qkv on the rows as they arrive), gather+piecesN",
     )
     add_pattern_argument(p)
+    p.add_argument(
+        "--exchange",
+        default=STAGED[0],
+        help="comma-separated exchanges timed side by side on the same workers: host (staging "
+        "through pinned shared memory), cuda_ipc (GPU-direct)",
+    )
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
+    exchanges = [e.strip() for e in a.exchange.split(",") if e.strip()]
+    bad = [e for e in exchanges if e not in STAGED]
+    if bad or not exchanges:
+        p.error(f"--exchange {','.join(bad) or '(none)'}: choose from {', '.join(STAGED)}")
     overlaps = [o.strip() for o in a.overlap.split(",") if o.strip()]
     try:
         for o in overlaps:
@@ -392,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             residencies=a.residency.split(","),
             overlaps=overlaps,
             pattern=a.pattern,
+            exchanges=exchanges,
         )
     finally:
         release_all_engines()

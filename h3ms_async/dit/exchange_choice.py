@@ -1,0 +1,116 @@
+"""Which transport a split's exchange runs over: the ``exchange`` setting (``auto``, ``host``,
+``nccl``, ``cuda_ipc``) resolved for the rank devices, with one-line refusals naming the input and
+the fix, and the CUDA devices every worker must see for it.
+
+``auto`` takes the GPU-direct exchange (``cuda_ipc``, ``workers/transports/cuda_ipc.py``) where
+every rank is on a GPU, the ranks are on one GPU or every pair of their GPUs has peer access both
+ways, and ``h3ms_async/dit/tested_paths.py`` lists it as tested on CUDA; otherwise the host
+exchange.  ``nccl`` and ``host`` stay as they are (GPUs without peer access keep host staging).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from h3ms_async.dit import tested_paths
+from workers.dit.protocol import Transport
+
+#: The setting that picks the transport for the devices.
+AUTO: Literal["auto"] = "auto"
+#: What the ``exchange`` setting takes (the node input's choices; ``nccl`` runs as gloo on CPUs).
+EXCHANGES = (
+    Transport.HOST.value,
+    Transport.NCCL.value,
+    Transport.CUDA_IPC.value,
+    AUTO,
+)
+
+#: An ``exchange`` setting as the options hold it.
+Setting = Transport | Literal["auto"]
+
+
+class ExchangeRefused(ValueError):
+    """The ``exchange`` setting cannot run on these rank devices (the message names the fix)."""
+
+
+def parse(raw: str) -> Setting:
+    """An exchange setting as a user writes it."""
+    if raw == AUTO:
+        return AUTO
+    try:
+        return Transport(raw)
+    except ValueError:
+        raise ValueError(f"exchange={raw!r} is not one of {EXCHANGES}") from None
+
+
+def _gpus(devices: Sequence[str]) -> list[str]:
+    """The distinct GPUs of the rank map, in rank order (``cuda`` is ``cuda:0``)."""
+    out: list[str] = []
+    for d in devices:
+        name = "cuda:0" if d == "cuda" else d
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def no_peer_access(devices: Sequence[str]) -> list[tuple[str, str]]:
+    """The pairs of the ranks' distinct GPUs where one cannot reach the other's memory (every pair
+    in a process without CUDA)."""
+    gpus = _gpus(devices)
+    cuda = torch.cuda.is_available()
+    return [
+        (a, b)
+        for a in gpus
+        for b in gpus
+        if a != b
+        and not (cuda and torch.cuda.can_device_access_peer(torch.device(a), torch.device(b)))
+    ]
+
+
+def check_cuda_ipc(devices: Sequence[str]) -> None:
+    """Refuse the GPU-direct exchange in one line naming the input and the fix where it cannot run
+    on these rank devices: CPU ranks, no passing CUDA test (``tested_paths.UntestedPath``), GPUs
+    without peer access both ways."""
+    cpu = [d for d in devices if not d.startswith("cuda")]
+    if cpu:
+        raise ExchangeRefused(
+            f"exchange cuda_ipc moves rows between GPUs and rank map {list(devices)} has CPU "
+            "ranks; set exchange to host (or auto)"
+        )
+    tested_paths.require(tested_paths.SplitPath.CUDA_IPC, devices)
+    missing = no_peer_access(devices)
+    if missing:
+        a, b = missing[0]
+        raise ExchangeRefused(
+            f"exchange cuda_ipc needs peer access between the ranks' GPUs and {a} cannot reach "
+            f"{b}'s memory; set exchange to host (or auto) for these GPUs"
+        )
+
+
+def resolve(exchange: Setting | str, devices: Sequence[str]) -> Transport:
+    """The transport ``exchange`` runs as on ``devices`` (``auto``: the GPU-direct exchange where
+    :func:`check_cuda_ipc` passes on more than one rank, else host); an explicit ``cuda_ipc`` that
+    cannot run raises :func:`check_cuda_ipc`'s refusal."""
+    cuda = bool(devices) and all(d.startswith("cuda") for d in devices)
+    if exchange == AUTO:
+        if len(devices) > 1 and cuda:
+            try:
+                check_cuda_ipc(devices)
+            except ValueError:
+                return Transport.HOST
+            return Transport.CUDA_IPC
+        return Transport.HOST
+    transport = Transport(exchange)
+    if transport is Transport.CUDA_IPC:
+        check_cuda_ipc(devices)
+    return transport.on(cuda)
+
+
+def also_visible(transport: Transport, devices: Sequence[str]) -> tuple[str, ...]:
+    """The GPUs every worker must see besides its own for ``transport``: the ranks' GPUs for the
+    GPU-direct exchange across GPUs (it opens their buffers), none otherwise."""
+    gpus = _gpus(devices)
+    return tuple(gpus) if transport is Transport.CUDA_IPC and len(gpus) > 1 else ()
