@@ -51,7 +51,7 @@ def test_multistream_node_inputs():
                          "cache_ram_reserve_gb", "vram_residency"]
     assert req["enabled"] == ("BOOLEAN", req["enabled"][1]) and req["enabled"][1]["default"] is True
     assert (req["second_gpu"][1]["default"], req["second_gpu"][1]["min"], req["second_gpu"][1]["max"]) == (-1, -1, 15)
-    assert req["exchange"][0] == ["host", "nccl"]
+    assert req["exchange"][0] == ["host", "nccl", "cuda_ipc", "auto"] and req["exchange"][1]["default"] == "host"
     assert (req["exchange_chunks"][1]["default"], req["exchange_chunks"][1]["max"]) == (0, 32)
     assert "8" in req["exchange_chunks"][1]["tooltip"]
     reserve = req["cache_ram_reserve_gb"][1]
@@ -59,6 +59,8 @@ def test_multistream_node_inputs():
     assert req["vram_residency"][0] == ["auto", "resident", "stream"]
     assert spec["optional"]["gpus"][0] == "H3MS_GPUS"
     assert spec["optional"]["sparse_attention"][0] == "H3MS_SPARSE_ATTENTION"
+    overlaps = spec["optional"]["overlaps"]
+    assert overlaps[0] == ["auto", "off", "head pieces", "gather", "both"] and overlaps[1]["default"] == "auto"
     assert N.RETURN_TYPES == ("MODEL",)
     assert "dynamic_vram" in N.DESCRIPTION and "vram_block_cache" in N.DESCRIPTION
 
