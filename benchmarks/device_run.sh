@@ -2,14 +2,15 @@
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh TARGET [extra bench args...]
 #   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu|
-#           paths
-#   paths: what the landing's CPU-only changes need on a GPU, each file under its own deadline (~9 min in all, ComfyUI
-#   tree needed): the split paths at full width from fresh workers (tests/test_cuda.py: Ulysses, head pieces, the
-#   gather overlap; the GPU-direct exchange against the unsplit step), every CUDA exchange against the spec
-#   (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc included), `bench gpu` with host
-#   staging and the GPU-direct exchange side by side (--exchange host,cuda_ipc, one token count, 2 blocks), the
-#   bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify (tests/test_sparse_cuda.py); a pass of the
-#   first lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
+#           paths|paths-more
+#   paths (~8 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
+#   needed): the split paths at full width from fresh workers (tests/test_cuda.py: Ulysses, head pieces, the gather
+#   overlap; the GPU-direct exchange against the unsplit step; per-block timings from CUDA events), every CUDA
+#   exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc
+#   included); a pass lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
+#   paths-more (~7 min): the bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify
+#   (tests/test_sparse_cuda.py), `bench gpu` with host staging and the GPU-direct exchange side by side
+#   (--exchange host,cuda_ipc, one token count, 2 blocks)
 #   demo-gpu: the demo on 2 logical ranks of cuda:0 at full H3 width (20000 tokens, 2 blocks, 3 steps), int8 then
 #   bf16: its per-step table and summary must compare like with like (unsplit and split times of one order)
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
@@ -76,19 +77,26 @@ if [ "$what" = vae-exact ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
 fi
-if [ "$what" = paths ]; then
-  for t in "tests/test_cuda.py|split_paths or untested or gpu_direct|260" \
-           "tests/test_exchange_conformance.py|cuda or nccl|120" \
-           "tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110"; do
+# paths / paths-more: each file under its own deadline, two device calls of under 10 minutes each
+set_a=("tests/test_cuda.py|split_paths or untested or gpu_direct or block_timings|330"
+       "tests/test_exchange_conformance.py|cuda or nccl|120")
+set_b=("tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110")
+if [ "$what" = paths ] || [ "$what" = paths-more ]; then
+  [ "$what" = paths ] && tests=("${set_a[@]}") || tests=("${set_b[@]}")
+  for t in "${tests[@]}"; do
     IFS='|' read -r file kexpr limit <<< "$t"
     name=$(basename "$file" .py)
     timeout "$limit" python3 -m pytest -q -p no:cacheprovider -s "$file" ${kexpr:+-k "$kexpr"} \
       > "$out/pytest_paths_$name.log" 2>&1
     echo "$file ${kexpr:+-k '$kexpr'}: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
   done
+fi
+if [ "$what" = paths-more ]; then
   timeout 180 python3 -m h3ms_async bench gpu --exchange host,cuda_ipc --tokens 39975 --layers 2 --weights int8 \
     --ranks 2 --residency resident --overlap none --out "$out" > "$out/bench_gpu_exchange.log" 2>&1
   echo "bench gpu --exchange host,cuda_ipc: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
+fi
+if [ "$what" = paths ] || [ "$what" = paths-more ]; then
   grep -hE "passed|failed" "$out"/pytest_paths_*.log | tee -a "$out/paths_summary.txt"
 fi
 if [ "$what" = vae ] || [ "$what" = vae-bench ]; then
