@@ -76,8 +76,9 @@ class Compared:
 
 def engine_step(engine: SplitEngine, model: ReferenceDiT, inp: StepInputs, seen: Compared, ref: torch.Tensor,
                 what: str, **step_kw: object) -> None:
-    """One engine step of ``model`` (whose modulation rows it gets) against ``ref``: a refused plan (``SplitUnsafe``) is the engine's verdict for this machine,
-    and the engine must stay usable after it (the caller's next step runs)."""
+    """One engine step of ``model`` (whose modulation rows it gets) against ``ref``: a refused plan (``SplitUnsafe``)
+    is the engine's verdict for this machine, and the engine must stay usable after it (the caller's next step
+    runs)."""
     try:
         out = engine.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, **step_kw)
     except SplitUnsafe as exc:

@@ -237,7 +237,8 @@ def test_modulation_rows_are_comfyuis_own():
     n0 = len(get_hub().exactness()["verify"])
     out, proof = split_ksample(node(int8, 2, verify=True), 2)
     eq, diff = comfy_h3.same(plain8, out)
-    verified = [dict(bit_exact=v["bit_exact"], first=v["first_difference"]) for v in get_hub().exactness()["verify"][n0:]]
+    verified = [dict(bit_exact=v["bit_exact"], first=v["first_difference"])
+                for v in get_hub().exactness()["verify"][n0:]]
     note("block 1 rows one ulp off", same_as_plain=eq, max_diff=diff, proof_failure=proof["failure"], verify=verified)
     del os.environ["H3MS_TEST_MODULATION_FAULT"]
 '''

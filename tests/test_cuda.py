@@ -74,9 +74,11 @@ def test_split_on_logical_ranks_is_exact(models, ranks, residency):
                 inp = make_step_inputs(CFG, lay, 40 + s, model.dtype)
                 refs = [model.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
                                              inp.rope_freqs.cuda()).cpu() for _ in range(2)]
-                eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)  # warm (see module doc)
+                eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments,
+                               inp.rope_freqs)  # warm (see module doc)
                 for chunks in (0, 8):
-                    out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, exchange_chunks=chunks)
+                    out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs,
+                                         exchange_chunks=chunks)
                     diff = (out.float() - refs[1].float()).abs().max().item()
                     assert torch.equal(out, refs[1]), f"{kind} chunks={chunks} step {s}: max |diff| {diff:g}"
     finally:

@@ -107,7 +107,8 @@ def test_block_forward_is_in_place_like_comfyui() -> None:
     inp = make_step_inputs(CFG, _layouts()[0], seed=1, dtype=model.dtype)
     x = inp.x.clone()
     with torch.inference_mode():
-        out = block_forward_unsplit(x, model.block_weights(0), BlockInputs(model.modulation(inp.t_emb)[:1], inp.segments, inp.rope_freqs),
+        mod = model.modulation(inp.t_emb)[:1]
+        out = block_forward_unsplit(x, model.block_weights(0), BlockInputs(mod, inp.segments, inp.rope_freqs),
                                     CFG.heads, CFG.head_dim, CFG.eps)
     assert out is x and not torch.equal(x, inp.x)
 

@@ -183,7 +183,8 @@ def test_cpu_split_with_sparse_settings_runs_dense_says_so_once_and_equals_the_d
             for s in range(2):
                 inp = make_step_inputs(CFG, lay, 20 + s, model.dtype)
                 ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
-                out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=0.5, sparse_branch="b")
+                out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=0.5,
+                                     sparse_branch="b")
                 assert torch.equal(out, ref), f"step {s}"
                 assert all(r.sparse is None for r in eng.last_rank_results)
         lines = [r.getMessage() for r in caplog.records if "sparse attention cannot run" in r.getMessage()]

@@ -71,7 +71,8 @@ def _check_split(eng: SplitEngine, model: ReferenceDiT, refs: list[torch.Tensor]
     seen: set[str] = set()
     for s, (sigma, branch) in enumerate(STEPS):
         inp = _inputs(s)
-        out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=sigma, sparse_branch=branch,
+        out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=sigma,
+                             sparse_branch=branch,
                              exchange_chunks=8)
         diff = (out.float() - refs[s].float()).abs().max().item()
         assert torch.equal(out, refs[s]), f"{what} step {s} (sigma {sigma}, {branch}): max |diff| {diff:g}"

@@ -94,7 +94,8 @@ def _dense_ref(model: ReferenceDiT, s: int) -> torch.Tensor:
 def _run(eng: SplitEngine, model: ReferenceDiT, s: int) -> torch.Tensor:
     inp = _inputs(s)
     sigma, branch = STEPS[s]
-    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=sigma, sparse_branch=branch)
+    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=sigma,
+                          sparse_branch=branch)
 
 
 @pytest.fixture

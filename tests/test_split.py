@@ -317,8 +317,8 @@ def test_auto_residency_keeps_what_fits_in_the_ranks_share_of_the_gpu():
 
 def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_model):
     """H3's first step has one modulation row and the next ones two: a t_emb (or per-token row) shape change between
-    steps replaces the side segment (the adaLN rows) only; the step segment and the arena, which every rank has mapped (and
-    CUDA ranks registered), stay. Each step is still exact."""
+    steps replaces the side segment (the adaLN rows) only; the step segment and the arena, which every rank has
+    mapped (and CUDA ranks registered), stay. Each step is still exact."""
     eng = engine_factory(["cpu", "cpu"])
     eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
     lay = _layouts()[0]
@@ -327,7 +327,8 @@ def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_m
         inp = make_step_inputs(CFG, lay, 30 + s, int8_model.dtype)
         t_emb = torch.cat([inp.t_emb, torch.randn(extra_rows, CFG.t_dim).to(inp.t_emb.dtype)])
         ref = int8_model.forward_blocks(inp.x.clone(), t_emb, inp.segments, inp.rope_freqs)
-        assert torch.equal(eng.run_blocks(inp.x, int8_model.modulation(t_emb), inp.segments, inp.rope_freqs), ref), f"step {s}"
+        out = eng.run_blocks(inp.x, int8_model.modulation(t_emb), inp.segments, inp.rope_freqs)
+        assert torch.equal(out, ref), f"step {s}"
         buf = eng.step_buffers.current
         names.append((buf.step.name, buf.arena.name, buf.side.name))
         assert eng.last_phases["new_buffers"] == (s == 0) and eng.last_phases["new_side"] == (s < 2)
