@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from h3ms_async.runtime.host_memory import GIB, ram_info
+from workers.dit.ops import held_by_ranks
 
 from .errors import MultiStreamError
 
@@ -190,13 +191,15 @@ def block_tensors(
     """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight
     store takes them: what ComfyUI's cast gives for a module that patches in its cast, the stored
     (patched) tensors otherwise, which ranks cast to the activation dtype as ComfyUI's ops do.
+    The adaLN projection is not read: its rows are computed in ComfyUI (``nodes/modulation.py``)
+    and the ranks hold no adaLN weights (``workers.dit.ops.held_by_ranks``).
     """
     dm = patcher.get_model_object(prefix.rstrip("."))
     block = dm.blocks[block_index]
     out: dict[str, torch.Tensor] = {}
     for mod_name, module in block.named_modules():
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        if not own:
+        if not own or not held_by_ranks(f"{mod_name}."):
             continue
         if _patched_in_cast(module):
             _cast_path_tensors(patcher, module, mod_name, compute_dtype, out)
@@ -208,9 +211,12 @@ def block_tensors(
 
 
 def block_nbytes(dm: Any, block_index: int) -> int:
-    """Bytes the block occupies as stored (int8 data counts one byte per element)."""
+    """Bytes of the block's weights the store takes, as stored (int8 data counts one byte per
+    element; the adaLN projection stays in ComfyUI)."""
     total = 0
-    for p in dm.blocks[block_index].parameters():
+    for name, p in dm.blocks[block_index].named_parameters():
+        if not held_by_ranks(name):
+            continue
         data = p._qdata if _is_quantized(p) else p
         total += data.numel() * data.element_size()
     return total

@@ -35,6 +35,7 @@ from .block_patches import (
 from .comfy_weights import block_reader, weight_key
 from .errors import MultiStreamError
 from .h3_detect import is_h3, read_config
+from .modulation import block_modulation
 
 log = get_logger("MultiStream")
 
@@ -199,7 +200,7 @@ class _RunStack:
             out = engine.run_step(
                 Step(
                     args["img"],
-                    args["t_emb"],
+                    block_modulation(self.dm, args["t_emb"]),
                     args["mod_segments"],
                     args["rope_freqs"],
                     block_options=block_options,

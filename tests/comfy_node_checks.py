@@ -264,6 +264,7 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
     assert torch.equal(got["mlp.fc1.weight_scale"].flatten(), sd["blocks.0.mlp.fc1.weight_scale"].flatten())
     assert "mlp.fc1.comfy_quant" not in got  # a plain tensorwise layer needs no tag
     assert "norm1.weight_scale" not in got and got["norm1.weight"].dtype == torch.float32
+    assert not [k for k in got if k.startswith("adaln_proj.")]  # its rows are computed in ComfyUI, not read
     block = patcher.model.diffusion_model.blocks[0]  # a convrot layer carries its group size in the tag
     q = torch.randint(-127, 128, (3 * H, H), dtype=torch.int8)
     params = TensorWiseINT8Layout.Params(scale=torch.rand(3 * H, 1) / 100, orig_dtype=torch.float32,

@@ -46,7 +46,7 @@ MODEL_PRELUDE = BASE_PRELUDE + textwrap.dedent("""\
 
     def step(engine, tokens, seed=1):
         inp = make_step_inputs(CFG, layout_for_tokens(tokens), seed, torch.bfloat16)
-        out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+        out = engine.run_blocks(inp.x, MODEL.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
         ref = MODEL.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
         return bool(torch.equal(out, ref))
     """)

@@ -30,7 +30,7 @@ from workers.dit import ops as dit_ops
 from workers.runtime.shm import dtype_name
 
 
-def probe_refusals(model: ReferenceDiT, plan: SplitPlan, dtype: torch.dtype, t_rows: int,
+def probe_refusals(model: ReferenceDiT, plan: SplitPlan, dtype: torch.dtype,
                    attention: str = "sdpa") -> list[str]:
     """What the invariance probe finds inexact on this CPU for ``plan`` over ``model``'s blocks computed in
     ``dtype``; empty when every op gives the unsplit call's bits.  Every token shard is a candidate of one probe call
@@ -49,7 +49,7 @@ def probe_refusals(model: ReferenceDiT, plan: SplitPlan, dtype: torch.dtype, t_r
             ops if r == 0 else [op for op in ops if op.split == "heads"], tokens=plan.token_bounds[-1],
             candidates=shards if r == 0 else [], heads=(plan.head_bounds[r], plan.head_bounds[r + 1]),
             total_heads=c.heads, head_dim=c.head_dim, dtype=dtype, attend=dit_ops.builtin_attend(attention),
-            device=torch.device("cpu"), t_rows=t_rows)
+            device=torch.device("cpu"))
         for v in report.ops:
             out += [f"{v.op} ({v.dtype}, {v.shape}, {v.split} {shard}) max |diff| {d:g}"
                     for ok, shard, d in zip(v.exact, v.shards, v.max_abs_diff) if not ok]
@@ -74,12 +74,13 @@ class Compared:
             pytest.skip(f"every plan of this check is refused on this machine, e.g. {self.refused[0]}")
 
 
-def engine_step(engine: SplitEngine, inp: StepInputs, seen: Compared, ref: torch.Tensor, what: str,
-                **step_kw: object) -> None:
-    """One engine step against ``ref``: a refused plan (``SplitUnsafe``) is the engine's verdict for this machine,
-    and the engine must stay usable after it (the caller's next step runs)."""
+def engine_step(engine: SplitEngine, model: ReferenceDiT, inp: StepInputs, seen: Compared, ref: torch.Tensor,
+                what: str, **step_kw: object) -> None:
+    """One engine step of ``model`` (whose modulation rows it gets) against ``ref``: a refused plan (``SplitUnsafe``)
+    is the engine's verdict for this machine, and the engine must stay usable after it (the caller's next step
+    runs)."""
     try:
-        out = engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **step_kw)
+        out = engine.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, **step_kw)
     except SplitUnsafe as exc:
         seen.refused.append(f"{what}: {exc}")
         return

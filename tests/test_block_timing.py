@@ -21,9 +21,10 @@ CFG = DiTConfig(hidden=128, layers=3, heads=8, head_dim=32, ffn=192, t_dim=16, r
 
 def real_step(engine: SplitEngine, seed: int = 1, **kw) -> dict:
     """One step of 300 tokens on ``engine``: its step record (the hub's JSON form)."""
-    inp = make_step_inputs(CFG, layout_for_tokens(300), seed, ReferenceDiT(CFG, weights="int8", seed=5).dtype)
+    model = ReferenceDiT(CFG, weights="int8", seed=5)
+    inp = make_step_inputs(CFG, layout_for_tokens(300), seed, model.dtype)
     try:
-        engine.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw)
+        engine.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, **kw)
     except SplitUnsafe as exc:
         pytest.skip(f"the engine refused this plan on this CPU: {exc}")
     return get_hub().recent_steps(1)[-1]

@@ -56,10 +56,11 @@ def report(case, plain, split, **extra):
 def note(case, **facts):
     print("CASE " + json.dumps(dict(case=case, **facts)), flush=True)
 
-def node(model, ranks, shares="", exchange="host", chunks=0, residency="auto", cache=True, pattern="gather"):
+def node(model, ranks, shares="", exchange="host", chunks=0, residency="auto", cache=True, pattern="gather",
+         verify=False):
     os.environ["H3MS_RANK_MAP"] = ",".join(["cpu"] * ranks)
     gpus = N["H3MSGPUSetAsync"]().build("auto", "", shares, 0.0, 8)[0] if shares else None
-    return N["H3MultiStreamAsync"]().patch(model, True, -1, exchange, chunks, cache, 0.0, residency, gpus,
+    return N["H3MultiStreamAsync"]().patch(model, True, -1, exchange, chunks, cache, 0.0, residency, gpus, verify,
                                            exchange_pattern=pattern)[0]
 
 def write(tag, **kw):
@@ -203,3 +204,49 @@ def test_pytorch_attention():
 '''
     out = _run(cases, ["--use-pytorch-cross-attention"])
     assert len(out) == 6 and out["int8 2 ranks ulysses"]["pattern"] == "ulysses"
+
+
+def test_modulation_rows_are_comfyuis_own():
+    """The ranks get every block's adaLN rows from ComfyUI's own ``adaln_proj`` modules (``nodes/modulation.py``),
+    not from weights of their own: the split equals plain ComfyUI (fp32, int8, a LoRA on the adaLN linears, which
+    the rows must carry since the store holds no adaLN weights); with the rows of block 1 moved one unit in the last
+    place on the ranks (``H3MS_TEST_MODULATION_FAULT``, a test hook), the sample differs from plain ComfyUI and
+    ``verify`` names block 1."""
+    cases = r'''
+    from h3ms_async.status.hub import get_hub
+    fp32 = comfy_h3.load(write("fp32"))
+    report("fp32 2 ranks", ksample(fp32), split_ksample(node(fp32, 2), 2),
+           store_keys=sorted({k for b in S.engines()[0].loaded.store.manifest for k in b}))
+    int8 = comfy_h3.load(write("int8", int8=True))
+    plain8 = ksample(int8)
+    report("int8 2 ranks", plain8, split_ksample(node(int8, 2), 2))
+    adaln_lora = {}
+    g = torch.Generator().manual_seed(11)
+    for i in range(2):
+        w = int8.get_model_object("diffusion_model").blocks[i].adaln_proj.linear.weight
+        base = f"diffusion_model.blocks.{i}.adaln_proj.linear"
+        adaln_lora[f"{base}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.1
+        adaln_lora[f"{base}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.1
+    with torch.inference_mode():
+        lora8 = comfy.sd.load_lora_for_models(int8, None, adaln_lora, 0.8, 0)[0]
+    plain_lora = ksample(lora8)
+    eq_lora, _ = comfy_h3.same(plain8, plain_lora)
+    report("adaLN LoRA 2 ranks", plain_lora, split_ksample(node(lora8, 2), 2), lora_changes_output=not eq_lora)
+    S.release_all_engines()  # the next workers start with the fault
+    os.environ["H3MS_TEST_MODULATION_FAULT"] = "1"
+    n0 = len(get_hub().exactness()["verify"])
+    out, proof = split_ksample(node(int8, 2, verify=True), 2)
+    eq, diff = comfy_h3.same(plain8, out)
+    verified = [dict(bit_exact=v["bit_exact"], first=v["first_difference"])
+                for v in get_hub().exactness()["verify"][n0:]]
+    note("block 1 rows one ulp off", same_as_plain=eq, max_diff=diff, proof_failure=proof["failure"], verify=verified)
+    del os.environ["H3MS_TEST_MODULATION_FAULT"]
+'''
+    out = _run(cases, ["--use-pytorch-cross-attention"])
+    assert not any(k.startswith("adaln_proj.") for k in out["fp32 2 ranks"]["store_keys"])
+    assert out["adaLN LoRA 2 ranks"]["lora_changes_output"]
+    faulty = out["block 1 rows one ulp off"]
+    assert faulty["proof_failure"] is None, faulty  # it ran split
+    assert not faulty["same_as_plain"], faulty  # parity catches rows one ulp off ComfyUI's
+    assert faulty["verify"] and not faulty["verify"][0]["bit_exact"], faulty
+    assert faulty["verify"][0]["first"].startswith("block 1 "), faulty

@@ -75,9 +75,11 @@ def test_split_on_logical_ranks_is_exact(models, ranks, residency):
                 inp = make_step_inputs(CFG, lay, 40 + s, model.dtype)
                 refs = [model.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
                                              inp.rope_freqs.cuda()).cpu() for _ in range(2)]
-                eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)  # warm (see module doc)
+                eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments,
+                               inp.rope_freqs)  # warm (see module doc)
                 for chunks in (0, 8):
-                    out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, exchange_chunks=chunks)
+                    out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs,
+                                         exchange_chunks=chunks)
                     diff = (out.float() - refs[1].float()).abs().max().item()
                     assert torch.equal(out, refs[1]), f"{kind} chunks={chunks} step {s}: max |diff| {diff:g}"
     finally:
@@ -94,7 +96,7 @@ def test_ck_int8_attention_head_split_is_exact(models):
         eng = SplitEngine(["cuda:0"] * ranks, SplitOptions(attention="ck_int8"))
         try:
             eng.load_weights(("cuda-test", "int8-ck"), CFG, model.block_weights)
-            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, exchange_chunks=8)
+            out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, exchange_chunks=8)
             assert torch.equal(out, refs[1]), f"{ranks} ranks: max |diff| {(out.float() - refs[1].float()).abs().max()}"
         finally:
             eng.release()
@@ -113,8 +115,8 @@ def test_short_sequence_is_measured_not_assumed(models):
         refs = [model.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments, inp.rope_freqs.cuda()).cpu()
                 for _ in range(2)]
         try:
-            eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)  # warm (see module doc)
-            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+            eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)  # warm (see module doc)
+            out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
         except SplitUnsafe as exc:
             assert "attention" in str(exc) and "NVIDIA" in str(exc)
         else:
@@ -140,7 +142,7 @@ eng = SplitEngine(["cuda:0", "cuda:0"], SplitOptions())
 eng.load_weights(("vram",), cfg, model.block_weights)
 inp = make_step_inputs(cfg, layout_for_tokens(4096), 1, torch.bfloat16)
 for _ in range(2):
-    eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+    eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
 peaks = [r.vram_peak_bytes for r in eng.last_rank_results]
 print(json.dumps({"parent_cuda_initialized": torch.cuda.is_initialized(), "rank_vram_peaks": peaks,
                   "parent_allocated": torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0,
@@ -194,7 +196,7 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
             inp = make_step_inputs(FULL, layout_for_tokens(tokens), 60 + s, full_int8.dtype)
             ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
                                             inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
-            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+            out = eng.run_blocks(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
             diff = (out.float() - ref.float()).abs().max().item()
             assert torch.equal(out, ref), f"{path} step {s}: max |diff| {diff:g}"
             rec = get_hub().recent_steps(1)[0]
@@ -221,7 +223,7 @@ def test_block_timings_from_cuda_events(models, kw, monkeypatch):
         eng.load_weights(("cuda-timing", "bf16"), CFG, models["bf16"].block_weights)
         inp = make_step_inputs(CFG, layout_for_tokens(6000), 9, torch.bfloat16)
         for _ in range(2):  # the second step is timed warm
-            eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw)
+            eng.run_blocks(inp.x, models["bf16"].modulation(inp.t_emb), inp.segments, inp.rope_freqs, **kw)
         typed = msgspec.convert(get_hub().recent_steps(1)[-1], StepRecord)
         for r, raw in zip(typed.ranks, eng.last_rank_results):
             assert len(r.per_block) == CFG.layers
@@ -255,7 +257,7 @@ def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, chunks, monkey
             inp = make_step_inputs(FULL, layout_for_tokens(tokens), 70 + s, full_int8.dtype)
             ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
                                             inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
-            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+            out = eng.run_blocks(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
             diff = (out.float() - ref.float()).abs().max().item()
             assert torch.equal(out, ref), f"cuda_ipc x{chunks} step {s}: max |diff| {diff:g}"
             rec = get_hub().recent_steps(1)[0]

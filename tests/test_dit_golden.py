@@ -44,9 +44,10 @@ report = {"rope_equal": torch.equal(rope, inp["rope_freqs"]), "blocks": [],
           "isa": torch.backends.cpu.get_cpu_capability()}
 from workers.dit.loop import BlockInputs, block_forward_unsplit
 h = inp["h"].clone()
+mod = model.modulation(inp["t_emb"])
 with torch.inference_mode():
     for i in range(cfg.layers):
-        h = block_forward_unsplit(h, model.block_weights(i), BlockInputs(inp["t_emb"], segs, inp["rope_freqs"]),
+        h = block_forward_unsplit(h, model.block_weights(i), BlockInputs(mod[i : i + 1], segs, inp["rope_freqs"]),
                                   cfg.heads, cfg.head_dim, cfg.eps)
         ref = g["block_outputs"][i]
         report["blocks"].append([torch.equal(h, ref), (h.float() - ref.float()).abs().max().item()])

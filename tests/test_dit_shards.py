@@ -44,7 +44,7 @@ def _check_split(model: ReferenceDiT, shares, steps) -> None:
         plan = make_split_plan(["cpu"] * len(shares), shares, inp.x.shape[0], model.config.heads)
         what = (f"{model.weights} in {inp.x.dtype} step {n} ranks {len(shares)} shares {shares} "
                 f"heads {plan.heads_per_rank()} tokens {plan.tokens_per_rank()}")
-        refusals = probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0])
+        refusals = probe_refusals(model, plan, inp.x.dtype)
         if refusals:
             seen.refused.append(f"{what}: {refusals[0]}")
             continue
@@ -107,7 +107,8 @@ def test_block_forward_is_in_place_like_comfyui() -> None:
     inp = make_step_inputs(CFG, _layouts()[0], seed=1, dtype=model.dtype)
     x = inp.x.clone()
     with torch.inference_mode():
-        out = block_forward_unsplit(x, model.block_weights(0), BlockInputs(inp.t_emb, inp.segments, inp.rope_freqs),
+        mod = model.modulation(inp.t_emb)[:1]
+        out = block_forward_unsplit(x, model.block_weights(0), BlockInputs(mod, inp.segments, inp.rope_freqs),
                                     CFG.heads, CFG.head_dim, CFG.eps)
     assert out is x and not torch.equal(x, inp.x)
 
@@ -194,9 +195,9 @@ def test_a_shape_dependent_gemm_is_refused_not_compared(monkeypatch) -> None:
     inp = make_step_inputs(CFG, _layouts()[0], seed=4, dtype=model.dtype)
     plan = make_split_plan(["cpu"] * 3, None, inp.x.shape[0], CFG.heads)
     rows = plan.tokens_per_rank()[1]
-    assert probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0]) == []
+    assert probe_refusals(model, plan, inp.x.dtype) == []
     monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault("linear", (rows, CFG.ffn)))
-    refusals = probe_refusals(model, plan, inp.x.dtype, inp.t_emb.shape[0])
+    refusals = probe_refusals(model, plan, inp.x.dtype)
     # (out_proj has fc2's 320 input features in this config: both are hit, nothing else)
     assert any(r.startswith("mlp.fc2") for r in refusals), refusals
     assert all(r.startswith(("mlp.fc2", "attn.out_proj")) for r in refusals), refusals

@@ -49,7 +49,7 @@ def _step(eng: SplitEngine, model: ReferenceDiT, seed: int = 3):
     inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), seed, model.dtype)
     assert inp.x.shape[0] == TOKENS
     ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
-    return eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs), ref
+    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs), ref
 
 
 def _ops() -> list:
@@ -101,7 +101,7 @@ def test_exact_plan_runs_split_and_is_recorded(engine, model):
     eng.load_weights(("inv", 1), CFG, model.block_weights)
     out, ref = _step(eng, model)
     assert torch.equal(out, ref)
-    rows = get_hub().status()["exactness"]["verdicts"][-6:]
+    rows = get_hub().status()["exactness"]["verdicts"][-len(PLAN_OPS):]
     assert [r["op"] for r in rows] == PLAN_OPS
     assert {r["verdict"] for r in rows} == {"exact"} and all(r["program"] == "dit" for r in rows)
     assert rows[-1]["shards"] == [100, 100] and rows[-1]["shape"] == f"{TOKENS}x{CFG.hidden}x{CFG.ffn}"
@@ -145,11 +145,11 @@ def test_head_pieces_run_exact_and_are_recorded(engine, model):
     # to the one peer: the job's begin, then per block the all-gather's one chunk and the all-to-all's three
     assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 4] * 2
     assert get_hub().recent_steps(1)[0]["head_pieces"] == 3
-    rows = get_hub().status()["exactness"]["verdicts"][-7:]
+    rows = get_hub().status()["exactness"]["verdicts"][-(len(OVERLAP_PLAN_OPS) - 1):]
     assert [r["op"] for r in rows] == [op for op in OVERLAP_PLAN_OPS if op != "attn.qkv_proj.rows"]
-    assert {r["verdict"] for r in rows} == {"exact"} and rows[3]["shards"] == [1, 1, 2, 1, 1, 2]
+    assert {r["verdict"] for r in rows} == {"exact"} and rows[2]["shards"] == [1, 1, 2, 1, 1, 2]  # attention.pieces
     inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), 5, model.dtype)
-    one_call = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, head_pieces=0)
+    one_call = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, head_pieces=0)
     assert torch.equal(one_call, model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs))
     assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 2] * 2
 
@@ -180,7 +180,7 @@ def test_gather_overlap_runs_exact_and_is_recorded(engine, model):
         assert torch.equal(out, ref)
         rec = get_hub().recent_steps(1)[0]
         assert rec["gather_overlap"] is True and rec["head_pieces"] == 2
-    rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"][-8:]}
+    rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"][-len(OVERLAP_PLAN_OPS):]}
     assert list(rows) == OVERLAP_PLAN_OPS and {r["verdict"] for r in rows.values()} == {"exact"}
     assert rows["attn.qkv_proj.rows"]["shards"] == [100, 100, 100, 100]  # each rank: both ranks' ranges
 

@@ -34,8 +34,8 @@ def test_bf16_ten_row_shard_adjusts_or_runs_unsplit_never_differs():
     try:
         eng.load_weights(("cuda-inv", "bf16"), WIDE, model.block_weights)
         try:
-            eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)  # warm
-            out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+            eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)  # warm
+            out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
         except SplitUnsafe as exc:
             print("refused:", exc)
             assert "NVIDIA" in str(exc)
@@ -56,7 +56,7 @@ def test_verify_on_logical_ranks_says_bit_exact():
     eng = SplitEngine(["cuda:0", "cuda:0"], SplitOptions(verify=True))
     try:
         eng.load_weights(("cuda-inv", "int8"), cfg, model.block_weights)
-        eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+        eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
         v = get_hub().exactness()["verify"][-1]
         print("verify:", v)
         assert v["bit_exact"] and v["first_difference"] is None and "NVIDIA" in v["devices"][0]

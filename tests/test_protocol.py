@@ -69,7 +69,7 @@ def test_program_messages_roundtrip():
     from workers.vae.protocol import VaeChunk
 
     d = desc(dtype="float32", shape=[4, 8])
-    step = DitStep(id=9, job=1, x=d, t_emb=d, rope=d, segments=[(0, 2, 5), (2, 4, desc(dtype="int64", shape=[2]))],
+    step = DitStep(id=9, job=1, x=d, modulation=d, rope=d, segments=[(0, 2, 5), (2, 4, desc(dtype="int64", shape=[2]))],
                    tokens=(0, 2), arena="", layout={"world": 2}, exchange="host", chunks=1, abort_gen=0,
                    deadline_s=1.0, blocks=(0, 3), residency="auto")
     got = decode(encode(step)[4:])

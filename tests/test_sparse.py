@@ -126,7 +126,7 @@ def test_dit_step_carries_the_sparse_field():
     wire = dit_protocol.SparseStepSettings(SparseConfig(), None, "")
     desc = dict(seg="h3ms-1-0000abcd-step", off=0, dtype="bfloat16", shape=[1])
     from workers.runtime.protocol import TensorDesc
-    msg = dit_protocol.DitStep(job=1, x=TensorDesc(**desc), t_emb=TensorDesc(**desc), rope=TensorDesc(**desc),
+    msg = dit_protocol.DitStep(job=1, x=TensorDesc(**desc), modulation=TensorDesc(**desc), rope=TensorDesc(**desc),
                                segments=[tuple(s) for s in lay.mod_segments], tokens=(0, 1), arena="", layout={},
                                exchange="none", chunks=0, abort_gen=0, deadline_s=1.0, blocks=(0, 1),
                                residency="auto", sparse=wire)
@@ -183,7 +183,8 @@ def test_cpu_split_with_sparse_settings_runs_dense_says_so_once_and_equals_the_d
             for s in range(2):
                 inp = make_step_inputs(CFG, lay, 20 + s, model.dtype)
                 ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
-                out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=0.5, sparse_branch="b")
+                out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=0.5,
+                                     sparse_branch="b")
                 assert torch.equal(out, ref), f"step {s}"
                 assert all(r.sparse is None for r in eng.last_rank_results)
         lines = [r.getMessage() for r in caplog.records if "sparse attention cannot run" in r.getMessage()]

@@ -67,11 +67,12 @@ def _reference(model: ReferenceDiT, cfg: SparseConfig) -> list[torch.Tensor]:
     return outs
 
 
-def _check_split(eng: SplitEngine, refs: list[torch.Tensor], what: str) -> None:
+def _check_split(eng: SplitEngine, model: ReferenceDiT, refs: list[torch.Tensor], what: str) -> None:
     seen: set[str] = set()
     for s, (sigma, branch) in enumerate(STEPS):
         inp = _inputs(s)
-        out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=sigma, sparse_branch=branch,
+        out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=sigma,
+                             sparse_branch=branch,
                              exchange_chunks=8)
         diff = (out.float() - refs[s].float()).abs().max().item()
         assert torch.equal(out, refs[s]), f"{what} step {s} (sigma {sigma}, {branch}): max |diff| {diff:g}"
@@ -111,7 +112,7 @@ def test_split_sparse_equals_unsplit_sparse(model, refs, ranks, shares):
         eng.load_weights(("sparse-cuda", "int8"), CFG, model.block_weights)
         for name, cfg in METHODS.items():
             eng.options = replace(eng.options, sparse=cfg)
-            _check_split(eng, refs[name], f"{ranks} ranks {name}")
+            _check_split(eng, model, refs[name], f"{ranks} ranks {name}")
     finally:
         eng.release()
 
@@ -123,7 +124,7 @@ def test_bf16_weights_two_ranks(model):
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(sparse=cfg))
     try:
         eng.load_weights(("sparse-cuda", "bf16"), CFG, bf16.block_weights)
-        _check_split(eng, refs, "2 ranks bf16 sol-attn")
+        _check_split(eng, bf16, refs, "2 ranks bf16 sol-attn")
     finally:
         eng.release()
 
@@ -141,7 +142,7 @@ def test_sparse_ops_are_probed_and_the_first_sparse_step_verified(model, refs, m
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(sparse=METHODS["sol-attn"], verify=True))
     try:
         eng.load_weights(("sparse-cuda", "int8"), CFG, model.block_weights)
-        _check_split(eng, refs["sol-attn"], "2 ranks sol-attn verified")
+        _check_split(eng, model, refs["sol-attn"], "2 ranks sol-attn verified")
         assert len(seen) == 1 and seen[0]["bit_exact"] and seen[0]["first_difference"] is None, seen
         rows = [r for r in hub.status()["exactness"]["verdicts"] if r["op"] in exactness.SPARSE_OPS][-2:]
         assert [r["op"] for r in rows] == list(exactness.SPARSE_OPS) and {r["verdict"] for r in rows} == {"exact"}

@@ -91,10 +91,11 @@ def _dense_ref(model: ReferenceDiT, s: int) -> torch.Tensor:
     return model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
 
 
-def _run(eng: SplitEngine, s: int) -> torch.Tensor:
+def _run(eng: SplitEngine, model: ReferenceDiT, s: int) -> torch.Tensor:
     inp = _inputs(s)
     sigma, branch = STEPS[s]
-    return eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, sigma=sigma, sparse_branch=branch)
+    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, sigma=sigma,
+                          sparse_branch=branch)
 
 
 @pytest.fixture
@@ -115,7 +116,7 @@ def test_sparse_split_is_measured_and_verified_bit_exact(engine, model, verified
     refs = _sparse_refs(model)
     eng = engine(verify=True)
     for s, (sigma, branch) in enumerate(STEPS):
-        out = _run(eng, s)
+        out = _run(eng, model, s)
         assert torch.equal(out, refs[s]), f"step {s} (sigma {sigma}, {branch})"
         counts = [r.sparse for r in eng.last_rank_results]
         inside = s > 0
@@ -125,14 +126,15 @@ def test_sparse_split_is_measured_and_verified_bit_exact(engine, model, verified
         assert len(verified) == (1 if inside else 0), s
     v = verified[0]
     assert v["bit_exact"] and v["max_abs_diff"] == 0.0 and v["first_difference"] is None
-    rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"][-8:]}
-    assert list(rows) == [op for op in invariance.OP_ORDER if op not in exactness.OVERLAP_OPS]
+    probed = [op for op in invariance.OP_ORDER if op not in exactness.OVERLAP_OPS]
+    rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"][-len(probed):]}
+    assert list(rows) == probed
     assert {r["verdict"] for r in rows.values()} == {"exact"}
     assert rows["attn.qkv_proj.chunks"]["shards"] == [200, 200] and rows["attention.sparse"]["shards"] == [2, 2]
     # a new prompt whose first step is sparse, the last one's statistics still on the ranks (its sampling end never
     # came): verify drops them first, as its unsplit run starts without any
     eng.new_prompt()
-    assert torch.equal(_run(eng, 1), refs[1])
+    assert torch.equal(_run(eng, model, 1), refs[1])
     assert len(verified) == 2 and verified[1]["bit_exact"]
     assert eng.end_sampling() == eng.ranks * CFG.layers  # (block, rows, heads, branch): this step's only
 
@@ -142,8 +144,8 @@ def test_verify_names_a_sparse_kernel_difference_the_probe_cannot_see(engine, mo
     the plan, verify reports the step not bit-exact, first at block 0's attention, and the split result stands."""
     refs = _sparse_refs(model, 2)
     eng = engine("sparse:2:step", verify=True)
-    _run(eng, 0)
-    out = _run(eng, 1)
+    _run(eng, model, 0)
+    out = _run(eng, model, 1)
     assert not torch.equal(out, refs[1])
     assert len(verified) == 1
     v = verified[0]
@@ -159,7 +161,7 @@ def test_a_differing_sparse_kernel_turns_sparse_attention_off_for_the_plan(engin
     eng = engine("sparse:2")
     with caplog.at_level(logging.WARNING, logger="h3_multistream"):
         for s in (1, 3):  # the second step reuses the cached verdict
-            out = _run(eng, s)
+            out = _run(eng, model, s)
             assert torch.equal(out, _dense_ref(model, s)), s
             assert all(r.sparse is None for r in eng.last_rank_results)
     warned = [r.getMessage() for r in caplog.records if "sparse attention is off" in r.getMessage()]

@@ -46,7 +46,7 @@ def _check_exact(engine: SplitEngine, model: ReferenceDiT, layouts, seen: Compar
     (split_checks: a refusal is counted in ``seen``, whose ``done()`` ends the test)."""
     for s, lay in enumerate(layouts):
         inp = make_step_inputs(model.config, lay, seed + s, model.dtype)
-        engine_step(engine, inp, seen, _reference(model, inp), f"{model.weights} step {s} {step_kw}", **step_kw)
+        engine_step(engine, model, inp, seen, _reference(model, inp), f"{model.weights} step {s} {step_kw}", **step_kw)
 
 
 def _no_workers_alive() -> bool:
@@ -183,13 +183,13 @@ def test_fewer_tokens_than_ranks(engine_factory, int8_model):
     inp = make_step_inputs(CFG, _layouts()[0], 1, torch.bfloat16)
     three = [(0, 3, inp.segments[0][2])]
     with pytest.raises(GPUSelectionError, match="cannot split 3 tokens across 4"):
-        eng.run_blocks(inp.x[:3], inp.t_emb, three, inp.rope_freqs[:, :3])
+        eng.run_blocks(inp.x[:3], int8_model.modulation(inp.t_emb), three, inp.rope_freqs[:, :3])
     # 12 tokens: one rank gets 3 rows, which the old fixed rule (MIN_SHARD_TOKENS, now a prior) refused; the engine
     # measures it on the ranks instead and runs it split only where those shapes are exact on this CPU
     twelve = [(0, 12, inp.segments[0][2])]
     ref = int8_model.forward_blocks(inp.x[:12].clone(), inp.t_emb, twelve, inp.rope_freqs[:, :12])
     try:
-        out = eng.run_blocks(inp.x[:12], inp.t_emb, twelve, inp.rope_freqs[:, :12])
+        out = eng.run_blocks(inp.x[:12], int8_model.modulation(inp.t_emb), twelve, inp.rope_freqs[:, :12])
     except SplitUnsafe as exc:
         assert "3-row shard" in str(exc) and "cpu " in str(exc)
     else:
@@ -243,7 +243,8 @@ def big_model():
 
 def _long_step(eng: SplitEngine, model: ReferenceDiT, **kw):
     inp = make_step_inputs(BIG, layout_for_tokens(6000), 3, torch.bfloat16)
-    return inp, (lambda: eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw))
+    mod = model.modulation(inp.t_emb)  # before the step: the tests time from its start
+    return inp, (lambda: eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, **kw))
 
 
 def test_worker_killed_mid_step_fails_fast_then_recovers(engine_factory, big_model):
@@ -264,7 +265,7 @@ def test_worker_killed_mid_step_fails_fast_then_recovers(engine_factory, big_mod
     assert "rank 1" in msg and "last lines" in msg
     # every other rank is idle again (the abort reached them), and the next step restarts the pool and is exact
     ref = _reference(big_model, inp)
-    out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+    out = eng.run_blocks(inp.x, big_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
     assert torch.equal(out, ref)
     assert victim not in [w["pid"] for w in eng.pool.snapshot()]
 
@@ -283,14 +284,14 @@ def test_interrupt_aborts_every_rank(engine_factory, big_model):
         return time.monotonic() > fire
 
     with pytest.raises(SplitInterrupted):
-        eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, interrupt=interrupt)
+        eng.run_blocks(inp.x, big_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, interrupt=interrupt)
     t = time.monotonic() - fire
     assert t < 2.0, f"interrupt took {t:.2f}s"
     assert busy_seen and all(busy_seen) and not get_hub().busy()
     states = [w["state"] for w in eng.pool.snapshot()]
     assert all(st in ("ready", "busy") for st in states), states  # alive: nobody was killed for it
     ref = _reference(big_model, inp)
-    assert torch.equal(eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs), ref)
+    assert torch.equal(eng.run_blocks(inp.x, big_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs), ref)
 
 
 def test_ck_int8_attention_unavailable_on_cpu_is_a_clear_error(engine_factory, int8_model):
@@ -316,8 +317,8 @@ def test_auto_residency_keeps_what_fits_in_the_ranks_share_of_the_gpu():
 
 def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_model):
     """H3's first step has one modulation row and the next ones two: a t_emb (or per-token row) shape change between
-    steps replaces the few-KiB side segment only; the step segment and the arena, which every rank has mapped (and
-    CUDA ranks registered), stay. Each step is still exact."""
+    steps replaces the side segment (the adaLN rows) only; the step segment and the arena, which every rank has
+    mapped (and CUDA ranks registered), stay. Each step is still exact."""
     eng = engine_factory(["cpu", "cpu"])
     eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
     lay = _layouts()[0]
@@ -326,7 +327,8 @@ def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_m
         inp = make_step_inputs(CFG, lay, 30 + s, int8_model.dtype)
         t_emb = torch.cat([inp.t_emb, torch.randn(extra_rows, CFG.t_dim).to(inp.t_emb.dtype)])
         ref = int8_model.forward_blocks(inp.x.clone(), t_emb, inp.segments, inp.rope_freqs)
-        assert torch.equal(eng.run_blocks(inp.x, t_emb, inp.segments, inp.rope_freqs), ref), f"step {s}"
+        out = eng.run_blocks(inp.x, int8_model.modulation(t_emb), inp.segments, inp.rope_freqs)
+        assert torch.equal(out, ref), f"step {s}"
         buf = eng.step_buffers.current
         names.append((buf.step.name, buf.arena.name, buf.side.name))
         assert eng.last_phases["new_buffers"] == (s == 0) and eng.last_phases["new_side"] == (s < 2)
@@ -341,12 +343,12 @@ def test_a_step_with_a_known_plan_is_one_round_trip(engine_factory, int8_model, 
     eng.load_weights(("t", "trips"), CFG, int8_model.block_weights)
     inp = make_step_inputs(CFG, _layouts()[0], 3, int8_model.dtype)
     try:
-        eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)  # measures the plan
+        eng.run_blocks(inp.x, int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)  # measures the plan
     except SplitUnsafe:
         pytest.skip("this CPU refuses the plan (measured); the round trips are those of an unsplit step")
     submitted: list[str] = []
     real = Coordinator.submit
     monkeypatch.setattr(Coordinator, "submit", lambda self, coro: submitted.append(coro.__qualname__) or real(self, coro))
-    out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+    out = eng.run_blocks(inp.x, int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
     assert submitted == ["SplitEngine._dispatch"], submitted
     assert torch.equal(out, _reference(int8_model, inp))

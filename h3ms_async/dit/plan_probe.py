@@ -38,7 +38,6 @@ class PlanProbe:
     def measured_plan(
         self,
         plan: plans.SplitPlan,
-        t_rows: int,
         asked: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> tuple[plans.SplitPlan, exactness.Overlap, bool]:
@@ -72,7 +71,7 @@ class PlanProbe:
         first = verdict is None
         if verdict is None:
             with self.engine.job():
-                verdict = self._probe_plan(plan, t_rows, asked, sparse)
+                verdict = self._probe_plan(plan, asked, sparse)
             exactness.VERDICTS.put(key, verdict)
         if verdict.token_bounds is None:
             raise SplitUnsafe(verdict.detail, first=first)
@@ -116,7 +115,6 @@ class PlanProbe:
     def _probe_plan(
         self,
         plan: plans.SplitPlan,
-        t_rows: int,
         asked: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> PlanVerdict:
@@ -126,7 +124,7 @@ class PlanProbe:
         ld = self.engine.loaded
         assert ld is not None
         tokens = plan.token_bounds[-1]
-        reports = self._probe_round([plan.token_bounds], plan, t_rows, asked, sparse)
+        reports = self._probe_round([plan.token_bounds], plan, asked, sparse)
         rounds = [reports]
         failing = exactness.fixed_failure(reports)
         if failing is not None:
@@ -144,7 +142,7 @@ class PlanProbe:
             cands = exactness.adjusted_bounds(plan.token_bounds)
             pick = None
             if cands:
-                rounds.append(self._probe_round(cands, plan, t_rows, exactness.NO_OVERLAP))
+                rounds.append(self._probe_round(cands, plan, exactness.NO_OVERLAP))
                 pick = exactness.first_exact(rounds[-1], len(cands))
             ms = exactness.slowest_ms(*rounds)
             if pick is None:
@@ -207,7 +205,6 @@ class PlanProbe:
         self,
         candidates: Sequence[Sequence[int]],
         plan: plans.SplitPlan,
-        t_rows: int,
         overlap: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> list[dit_protocol.ProbeReport]:
@@ -221,7 +218,6 @@ class PlanProbe:
                 tokens=plan.token_bounds[-1],
                 candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
                 heads=(hb[r], hb[r + 1]),
-                t_rows=t_rows,
                 pieces=overlap.head_pieces,
                 gather_ranges=every_rank,
                 sparse=sparse,

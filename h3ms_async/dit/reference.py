@@ -72,8 +72,8 @@ class DiTConfig:
         """Parameter shapes inside one block, by ComfyUI name."""
         h, i, f, t = self.hidden, self.inner, self.ffn, self.t_dim
         return {
-            "adaln_proj.linear.bias": (18 * h,),
-            "adaln_proj.linear.weight": (18 * h, t),
+            "adaln_proj.linear.bias": (dit_ops.adaln_width(h),),
+            "adaln_proj.linear.weight": (dit_ops.adaln_width(h), t),
             "attn.k_norm.weight": (self.head_dim,),
             "attn.out_proj.weight": (h, i),
             "attn.q_norm.weight": (self.head_dim,),
@@ -239,6 +239,17 @@ class ReferenceDiT:
                     )
         self._loaded = blocks
 
+    def modulation(self, t_emb: torch.Tensor) -> torch.Tensor:
+        """Every block's raw adaLN output for the step's timestep rows ``t_emb`` [M, t_dim],
+        ``[layers, M, 18·hidden]`` on the model's device (``dit_ops.adaln_rows``): what the owner of
+        the model computes once per step and the ranks receive with it (the weight store holds no
+        adaLN weights)."""
+        t = t_emb.to(self.device)
+        with torch.inference_mode():
+            return torch.stack(
+                [dit_ops.adaln_rows(self.block_weights(i), t) for i in range(self.config.layers)]
+            )
+
     def forward_blocks(
         self,
         x: torch.Tensor,
@@ -252,7 +263,8 @@ class ReferenceDiT:
         sigma: float | None = None,
         branch: str = "",
     ) -> torch.Tensor:
-        """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned).
+        """The unsplit block loop, as ComfyUI runs it (``x`` is updated in place and returned), with
+        the modulation rows of :meth:`modulation`, the ones a split of this model gets.
 
         ``on_block(i)`` is called after block ``i`` (progress bars).  ``sparse``: sparse attention
         over every head with these settings and statistics, at ``sigma`` for conditioning ``branch``
@@ -277,7 +289,7 @@ class ReferenceDiT:
         with torch.inference_mode():
             run_blocks(
                 x,
-                BlockInputs(t_emb, segments, rope_freqs),
+                BlockInputs(self.modulation(t_emb), segments, rope_freqs),
                 RankBlocks(
                     weights,
                     IdentityExchange(),
@@ -410,9 +422,11 @@ class SimulatedSplit:
         rope_freqs: torch.Tensor,
         token_bounds: Sequence[int],
     ) -> torch.Tensor:
-        """Run all blocks split over the ranks; returns a new ``[S, H]`` tensor (``x`` is not
+        """Run all blocks split over the ranks, every rank with the model's modulation rows
+        (:meth:`ReferenceDiT.modulation`); returns a new ``[S, H]`` tensor (``x`` is not
         modified)."""
         c = self.model.config
+        mod = self.model.modulation(t_emb)
         seq = x.shape[0]
         if len(token_bounds) != self.ranks + 1 or token_bounds[0] != 0 or token_bounds[-1] != seq:
             raise ValueError(
@@ -445,7 +459,7 @@ class SimulatedSplit:
                 with torch.inference_mode():
                     run_blocks(
                         rows[r],
-                        BlockInputs(t_emb, dit_ops.clip_segments(segments, s.t0, s.t1), rope_freqs),
+                        BlockInputs(mod, dit_ops.clip_segments(segments, s.t0, s.t1), rope_freqs),
                         RankBlocks(self._weights[r], ex, s.n_heads, c.head_dim, c.eps),
                         range(c.layers),
                     )

@@ -4,8 +4,9 @@ Synchronous callers (ComfyUI's prompt thread, the demo) use :class:`SplitEngine`
 runs as coroutines on the coordinator loop.  Per step the engine
 
 1. plans token and head ranges (largest remainder by shares, ``plans.make_split_plan``);
-2. writes the residual stream and rope table into the step segment, t_emb and any per-token mod rows
-   into the small side segment (shm), once;
+2. writes the residual stream and rope table into the step segment, every block's adaLN rows (the
+   step's modulation, computed by the model's owner) and any per-token mod rows into the side
+   segment (shm), once;
 3. sends ``dit_step`` to every rank (``workers.dit.rank``): each runs all blocks on its shard,
    exchanging through the arena (``exchange="host"``) or torch.distributed (``"nccl"``; gloo on CPU
    ranks);
@@ -54,6 +55,7 @@ from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.runtime.weight_store import BlockReader, fill
 from h3ms_async.status.hub import get_hub
+from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.dit.protocol import SparseStepSettings, Transport
 from workers.runtime.protocol import DropReleased, TensorDesc
@@ -202,7 +204,7 @@ class SplitEngine(Engine):
             store = fill(
                 key,
                 n,
-                block_weights,
+                lambda i: dit_ops.rank_weights(block_weights(i)),  # adaLN stays with the owner
                 reserve_gb=self.options.cache_ram_reserve_gb,
                 on_sized=start_workers,
             )
@@ -296,14 +298,14 @@ class SplitEngine(Engine):
     def run_blocks(
         self,
         x: torch.Tensor,
-        t_emb: torch.Tensor,
+        modulation: torch.Tensor,
         mod_segments: Sequence[tuple],
         rope_freqs: torch.Tensor,
         **controls: Any,
     ) -> torch.Tensor:
-        """:meth:`run_step` of ``Step(x, t_emb, mod_segments, rope_freqs, **controls)`` (the
+        """:meth:`run_step` of ``Step(x, modulation, mod_segments, rope_freqs, **controls)`` (the
         benchmarks' and tests' shorthand; ``controls`` are :class:`Step`'s other fields)."""
-        return self.run_step(Step(x, t_emb, mod_segments, rope_freqs, **controls))
+        return self.run_step(Step(x, modulation, mod_segments, rope_freqs, **controls))
 
     def run_step(self, step: Step) -> torch.Tensor:
         """Run every loaded block on the ranks; returns the new residual stream on ``step.x``'s
@@ -331,6 +333,14 @@ class SplitEngine(Engine):
             raise ValueError(
                 f"x must be [S, {ld.config.hidden}] (the residual stream), got {tuple(x.shape)}"
             )
+        blocks = len(ld.store.manifest)
+        mod = step.modulation
+        width = dit_ops.adaln_width(ld.config.hidden)
+        if mod.dim() != 3 or mod.shape[0] != blocks or mod.shape[2] != width:
+            raise ValueError(
+                f"modulation must be [{blocks}, M, {width}] (every block's adaLN output for the "
+                f"step's timestep rows), got {tuple(mod.shape)}"
+            )
         plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
         if tuple(plan.head_bounds) != ld.head_bounds:
             raise SplitError(
@@ -342,15 +352,12 @@ class SplitEngine(Engine):
             x.dtype, ld.config.head_dim, self._sparse_kernel
         ):
             sparse_cfg = None  # the kernel cannot run: every rank runs the step dense
-        blocks = len(ld.store.manifest)
         probe = (
             None
             if sparse_cfg is None
             else probe_settings(sparse_cfg, x.shape[0], blocks, step.mod_segments, step.rope_freqs)
         )
-        plan, ran, sparse_off = self.probe.measured_plan(
-            plan, int(step.t_emb.shape[0]), asked, probe
-        )
+        plan, ran, sparse_off = self.probe.measured_plan(plan, asked, probe)
         transport = self._transport(opts.exchange)
         sparse_step = (
             None
@@ -411,7 +418,7 @@ class SplitEngine(Engine):
         seg, side = buf.step, buf.side
         assert side is not None
         seg.tensor(buf.descs["x"]).copy_(x)
-        side.tensor(buf.descs["t_emb"]).copy_(step.t_emb)
+        side.tensor(buf.descs["modulation"]).copy_(step.modulation)
         seg.tensor(buf.descs["rope"]).copy_(step.rope_freqs)
         segments: list[tuple[int, int, int | TensorDesc]] = []
         for i, (a, b, row) in enumerate(step.mod_segments):
@@ -429,7 +436,7 @@ class SplitEngine(Engine):
             dit_protocol.DitStep(
                 job=self._steps,
                 x=buf.descs["x"],
-                t_emb=buf.descs["t_emb"],
+                modulation=buf.descs["modulation"],
                 rope=buf.descs["rope"],
                 segments=segments,
                 tokens=(plan.token_bounds[r], plan.token_bounds[r + 1]),

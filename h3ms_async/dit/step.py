@@ -26,8 +26,11 @@ StepProgress = Callable[[int, int], None]
 class Step:
     """One step's inputs and controls.
 
-    ``x`` [S, hidden] residual stream, ``t_emb`` [M, t_dim], ``mod_segments`` (a, b, row) and
-    ``rope_freqs``, as H3's block loop takes them.  ``block_options``: per-block
+    ``x`` [S, hidden] residual stream, ``mod_segments`` (a, b, row) and ``rope_freqs``, as H3's
+    block loop takes them; ``modulation`` [blocks, M, 18·hidden]: every block's raw adaLN output
+    for the step's M timestep rows, computed once by the process that owns the model (ComfyUI's
+    own ``adaln_proj`` modules, or ``workers.dit.ops.adaln_rows`` standalone), so the ranks hold no
+    adaLN weights.  ``block_options``: per-block
     transformer_options adjustments captured from user patches (plain data only).  ``sigma``
     decides sparse attention's window; ``sparse_branch``: the conditioning branch
     (``h3ms_async.dit.sparse.branch_key``) whose pooled statistics a sparse step reuses.
@@ -37,7 +40,7 @@ class Step:
     (benchmarks compare them side by side on the same workers)."""
 
     x: torch.Tensor
-    t_emb: torch.Tensor
+    modulation: torch.Tensor
     mod_segments: Sequence[tuple]
     rope_freqs: torch.Tensor
     block_options: list[dict] | None = None

@@ -1,13 +1,12 @@
 """The DiT split's shared-memory step buffers and their lifetime.
 
 One :class:`StepBufferSlot` per split engine owns the buffers a step runs in: the step segment
-(residual stream in and out, rope table), the host (or GPU-direct) exchange's arena, and the small
-side segment
-(t_emb, per-token mod rows). They are made at the first step, reused while the step's shapes stay,
-replaced when they change and freed by :meth:`StepBufferSlot.drop` (a failed step, a weight-store
-release, the engine's release). Freeing closes and unlinks the coordinator's side; each rank drops
-its mapping when told (``DropReleased``) or at its next attach, so a segment lives until its last
-user lets go.
+(residual stream in and out, rope table), the host (or GPU-direct) exchange's arena, and the side
+segment (every block's adaLN rows, per-token mod rows). They are made at the first step, reused
+while the step's shapes stay, replaced when they change and freed by :meth:`StepBufferSlot.drop` (a
+failed step, a weight-store release, the engine's release). Freeing closes and unlinks the
+coordinator's side; each rank drops its mapping when told (``DropReleased``) or at its next attach,
+so a segment lives until its last user lets go.
 """
 
 from __future__ import annotations
@@ -42,10 +41,11 @@ Specs = dict[str, tuple[torch.dtype, Sequence[int]]]
 @dataclass
 class StepBuffers:
     """The step segment (residual stream in/out, rope) and the exchange arena, reused while the
-    token plan stays the same, plus the side segment for t_emb and per-token mod rows.
+    token plan stays the same, plus the side segment for the adaLN rows and per-token mod rows.
 
     Those two change shape between the steps of one prompt (H3's first step has one modulation row,
-    the next ones two), so they live apart: a new shape replaces the few-KiB side segment only,
+    the next ones two), so they live apart: a new shape replaces the side segment only (full H3:
+    50 blocks x M rows x 96768 adaLN values, ~10 MB per row in bf16),
     never the step segment or the multi-GiB arena that every rank has mapped and registered with
     CUDA."""
 
@@ -81,7 +81,7 @@ class StepBufferSlot:
     def for_step(self, planned: PlannedStep, loaded: LoadedWeights) -> StepBuffers:
         """The buffers for this step: the held ones when the shapes match, else new ones (the step
         segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
-        a new t_emb or per-token row shape).  Under the Ulysses pattern the arena also holds the
+        new adaLN rows or per-token row shapes).  Under the Ulysses pattern the arena also holds the
         q/k/v blocks."""
         step, plan = planned.step, planned.plan
         x, rope = step.x, step.rope_freqs
@@ -103,9 +103,10 @@ class StepBufferSlot:
             for i, (_, _, r) in enumerate(step.mod_segments)
             if isinstance(r, torch.Tensor)
         )
-        side_key = (tuple(step.t_emb.shape), step.t_emb.dtype, rows)
+        mod = step.modulation
+        side_key = (tuple(mod.shape), mod.dtype, rows)
         if buf.side_key != side_key:
-            _new_side(buf, side_key, step.t_emb, rows)
+            _new_side(buf, side_key, mod, rows)
         return buf
 
     def drop(self) -> None:
@@ -141,10 +142,11 @@ class StepBufferSlot:
         return self._current
 
 
-def _new_side(buf: StepBuffers, side_key: tuple, t_emb: torch.Tensor, rows: tuple) -> None:
-    """Replace ``buf``'s side segment (t_emb and per-token rows) for new shapes; ranks map the new
-    one at the step that names it and drop the old one (its owner let go) at their next attach."""
-    specs: Specs = {"t_emb": (t_emb.dtype, t_emb.shape)}
+def _new_side(buf: StepBuffers, side_key: tuple, mod: torch.Tensor, rows: tuple) -> None:
+    """Replace ``buf``'s side segment (adaLN rows and per-token rows) for new shapes; ranks map the
+    new one at the step that names it and drop the old one (its owner let go) at their next
+    attach."""
+    specs: Specs = {"modulation": (mod.dtype, mod.shape)}
     specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
     side = Segment.create(_segment_bytes(specs), "side")
     try:

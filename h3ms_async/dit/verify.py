@@ -137,7 +137,7 @@ def unsplit_step(
         xr = x.to(device).clone()
         run_blocks(
             xr,
-            BlockInputs(step.t_emb.to(device), segs, step.rope_freqs.to(device)),
+            BlockInputs(step.modulation.to(device), segs, step.rope_freqs.to(device)),
             RankBlocks(weights, IdentityExchange(), cfg.heads, cfg.head_dim, cfg.eps, attend),
             range(n),
             LoopPaths(sparse=sparse),

@@ -487,7 +487,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
             try:
                 out = engine.run_blocks(
                     inp.x,
-                    inp.t_emb,
+                    model.modulation(inp.t_emb),
                     inp.segments,
                     inp.rope_freqs,
                     sigma=0.7,

@@ -39,7 +39,6 @@ _SEED = 20260321
 _DIGEST_CHUNK = 1 << 24
 #: Op names in block order (the order a verdict's first failing op is named in).
 OP_ORDER = (
-    "adaln_proj.linear",
     "attn.qkv_proj",
     "attn.qkv_proj.rows",
     "attn.qkv_proj.chunks",
@@ -222,8 +221,8 @@ def probe_linear(
 ) -> list[OpVerdict]:
     """One linear's unsplit call over ``rows`` rows, made once, against each variant: per token
     range (``split="tokens"``), the head group's rows of the fused qkv weight over every row
-    (``"heads"``) or on each token range (``"rows"``: every rank's range), or nothing (``"none"``:
-    only its digest).  The first verdict's time includes the unsplit call."""
+    (``"heads"``) or on each token range (``"rows"``: every rank's range).  The first verdict's
+    time includes the unsplit call."""
     t0 = clock.start()
     w, scale, bias, quant = _weights(pool, op, act)
     x = pool.view(act, rows, _in_features(op))
@@ -441,7 +440,6 @@ def run_probe(
     dtype: torch.dtype,
     attend: dit_ops.Attend,
     device: torch.device,
-    t_rows: int = 2,
     pieces: int = 0,
     gather_ranges: Sequence[tuple[int, int]] = (),
     eps: float = 1e-5,
@@ -450,7 +448,7 @@ def run_probe(
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 
     ``candidates``: this rank's token range in each candidate plan; ``heads``: its head group of
-    ``total_heads``; ``t_rows``: rows of the adaLN call (the step's timestep rows); ``pieces`` > 1:
+    ``total_heads``; ``pieces`` > 1:
     also the group's head pieces against the whole call (op ``attention.pieces``);
     ``gather_ranges``: also the group's qkv rows on each of these token ranges (every rank's)
     against the unsplit call (op ``attn.qkv_proj.rows``); ``sparse`` (``dit_probe``'s settings):
@@ -465,12 +463,11 @@ def run_probe(
     t0 = clock.start()
     with torch.inference_mode(), dit_ops.probing():
         for op in ops:
-            rows = t_rows if op.split == "none" else tokens
             variants = [Variant(op.name, op.split, candidates)]
             if gather_ranges and op.name == "attn.qkv_proj":
                 variants.append(Variant("attn.qkv_proj.rows", "rows", gather_ranges))
             report.ops += probe_linear(
-                pool, op, rows, variants, dtype, heads, total_heads, head_dim, clock
+                pool, op, tokens, variants, dtype, heads, total_heads, head_dim, clock
             )
         groups = [Variant("attention", "heads", [heads])]
         if pieces > 1:
@@ -506,7 +503,6 @@ def block_ops(
             else {}
         )
         linears: tuple[tuple[str, Split, str | None], ...] = (
-            ("adaln_proj.linear", "none", None),
             ("attn.qkv_proj", "heads", None),
             ("attn.out_proj", "tokens", None),
             ("mlp.fc1", "tokens", None),

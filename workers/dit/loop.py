@@ -3,8 +3,8 @@ rank run it.
 
 Per block, a rank with tokens [t0, t1) and heads [g0, g1) (docs/architecture.md, the DiT split):
 
-1. adaln of t_emb (same GEMM shape on every rank, so the same numbers); norm1 + modulation of its
-   tokens;
+1. the block's modulation vectors from its adaLN rows (computed once per step by the model's
+   owner and handed to every rank alike); norm1 + modulation of its tokens;
 2. all-gather of the modulated rows -> [S, H];
 3. qkv of its head rows over all tokens, fused RMSNorm + rope, attention over the whole sequence;
 4. all-to-all -> every head's attention output for its own tokens [n_r, heads*D];
@@ -35,10 +35,12 @@ from workers.transports.exchange import Exchange, IdentityExchange
 
 @dataclass(frozen=True)
 class BlockInputs:
-    """One step's inputs as a rank's blocks read them: ``t_emb`` rows, the mod ``segments`` in the
-    rank's row coordinates (``dit_ops.clip_segments``), the rope table of all tokens."""
+    """One step's inputs as a rank's blocks read them: ``modulation``, every block's raw adaLN
+    output ``[blocks, M, 18·hidden]`` indexed by block (``dit_ops.adaln_rows``), the mod
+    ``segments`` in the rank's row coordinates (``dit_ops.clip_segments``), the rope table of all
+    tokens."""
 
-    t_emb: torch.Tensor
+    modulation: torch.Tensor
     segments: Sequence[dit_ops.ModSegment]
     rope_freqs: torch.Tensor
 
@@ -97,7 +99,7 @@ def run_blocks(
 ) -> list[BlockTiming]:
     """Run ``blocks`` on this rank's rows ``x_rows`` (updated in place); returns where each block's
     time went (``rank.clock``'s reading: ``workers.dit.block_clock``)."""
-    t_emb, segments, rope_freqs = inputs.t_emb, inputs.segments, inputs.rope_freqs
+    mod, segments, rope_freqs = inputs.modulation, inputs.segments, inputs.rope_freqs
     weights, exchange, attend = rank.weights, rank.exchange, rank.attend
     heads_local, head_dim, eps = rank.heads_local, rank.head_dim, rank.eps
     chunks, head_pieces, pattern, sparse = (
@@ -115,7 +117,7 @@ def run_blocks(
         blk = weights.block(i)
         w = blk.weights
         op_trace = None if trace is None else (lambda op, t, i=i: trace(i, op, t))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.adaln(w, t_emb)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.modulation(mod[i])
         n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         attn: torch.Tensor | None = None
         if pattern == "ulysses":
@@ -235,8 +237,8 @@ def block_forward_unsplit(
     eps: float,
     attend: dit_ops.Attend | None = None,
 ) -> torch.Tensor:
-    """One whole ComfyUI DiT block on all tokens and heads; ``x`` is mutated in place and returned,
-    like ComfyUI."""
+    """One whole ComfyUI DiT block on all tokens and heads (``inputs.modulation``: this block's
+    rows alone, ``[1, M, 18·hidden]``); ``x`` is mutated in place and returned, like ComfyUI."""
     one = CpuWeights(lambda _: weights, 1, (0, heads), heads, head_dim, eager=False)
     run_blocks(
         x, inputs, RankBlocks(one, IdentityExchange(), heads, head_dim, eps, attend), range(1)

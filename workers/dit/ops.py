@@ -255,18 +255,46 @@ def _linear_named(
     return linear(x, w, None, weights.get(f"{name}.bias"), input_act=input_act)
 
 
-def adaln(
-    weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: bool = True
-) -> tuple[torch.Tensor, ...]:
-    """The block's modulation vectors ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
-    gate_mlp)``; row ``3·t_row + tag`` of each belongs to one timestep and modality.
+#: Prefix of a block's adaLN projection: its weights stay with the model's owner, which computes
+#: the modulation rows once per step (:func:`adaln_rows`); the ranks get the rows with the step.
+ADALN_PREFIX = "adaln_proj."
 
-    The GEMM has the same shape on every rank, so every rank gets the same numbers.
-    """
+
+def held_by_ranks(name: str) -> bool:
+    """Whether the block parameter ``name`` (in-block name) is one the ranks hold: every one but
+    the adaLN projection's."""
+    return not name.startswith(ADALN_PREFIX)
+
+
+def rank_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The part of a block's weights the ranks hold (:func:`held_by_ranks`): what the weight store
+    keeps of a block."""
+    return {name: t for name, t in weights.items() if held_by_ranks(name)}
+
+
+def adaln_width(hidden: int) -> int:
+    """Columns of a block's raw adaLN output: 6 vectors (shift, scale, gate for attention and MLP)
+    for each of 3 modalities."""
+    return 18 * hidden
+
+
+def adaln_rows(
+    weights: dict[str, torch.Tensor], t_emb: torch.Tensor, *, apply_silu: bool = True
+) -> torch.Tensor:
+    """A block's raw adaLN output ``[M, 18·hidden]``: ``adaln_proj.linear`` of ``silu(t_emb)``
+    (of ``t_emb`` when ``apply_silu`` is off: curve-form checkpoints), what ComfyUI's
+    ``AdalnProj.forward`` computes before it chunks; split into the six vectors by
+    :func:`modulation`."""
     inp = F.silu(t_emb) if apply_silu else t_emb
-    y = _linear_named(inp, weights, "adaln_proj.linear")
-    m = t_emb.shape[0]
-    return y.view(m * 3, -1).chunk(6, dim=-1)
+    return _linear_named(inp, weights, "adaln_proj.linear")
+
+
+def modulation(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A block's modulation vectors ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
+    gate_mlp)`` from its raw adaLN output ``rows`` [M, 18·hidden] (:func:`adaln_rows`); row
+    ``3·t_row + tag`` of each belongs to one timestep and modality, as ComfyUI's ``AdalnProj``
+    views and chunks it."""
+    return rows.view(rows.shape[0] * 3, -1).chunk(6, dim=-1)
 
 
 def clip_segments(segments: Sequence[ModSegment], t0: int, t1: int) -> list[ModSegment]:

@@ -20,9 +20,11 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
     job         step number (logs)
     x           descriptor of the residual stream [S, H]; rank r reads and finally writes rows [t0,
                 t1)
-    t_emb       descriptor [M, T] (in a small side segment with the per-token rows: M changes
-                between steps, the step segment and the arena stay);  rope: descriptor [1, S, 1, P,
-                2, 2]
+    modulation  descriptor [L, M, 18·hidden]: every block's raw adaLN output for the step's M
+                timestep rows, computed once by the model's owner (``workers.dit.ops.adaln_rows``;
+                ranks hold no adaLN weights); in a small side segment with the per-token rows (M
+                changes between steps, the step segment and the arena stay);  rope: descriptor [1,
+                S, 1, P, 2, 2]
     segments    list of [a, b, row]; row is an int or a descriptor of an int64 [b - a] per-token row
                 index
     tokens      [t0, t1]
@@ -331,7 +333,7 @@ class SparseProbeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
 class DitStep(Request, tag="dit_step"):
     job: int
     x: TensorDesc
-    t_emb: TensorDesc
+    modulation: TensorDesc
     rope: TensorDesc
     segments: list[tuple[int, int, int | TensorDesc]]
     tokens: tuple[int, int]
@@ -359,9 +361,8 @@ class DitSparseReset(Request, tag="dit_sparse_reset"):
 
 #: How an op's calls are cut: by token rows, by head groups, by head pieces within a group
 #: (``head_pieces``), a head group's rows by every rank's token range (``gather_overlap``) or by the
-#: sparse kernel's row chunks (compared with the whole weight's call on the same rows), or not at
-#: all.
-Split = Literal["tokens", "heads", "pieces", "rows", "chunks", "none"]
+#: sparse kernel's row chunks (compared with the whole weight's call on the same rows).
+Split = Literal["tokens", "heads", "pieces", "rows", "chunks"]
 
 
 class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -385,7 +386,7 @@ class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class OpVerdict(msgspec.Struct, forbid_unknown_fields=True):
     """One op on one rank: ``exact[c]`` for candidate ``c`` (token-split ops), one entry for
-    head-split ops, none for ops every rank calls alike; ``digest`` of the unsplit call's
+    head-split ops; ``digest`` of the unsplit call's
     output; ``max_abs_diff`` per candidate."""
 
     op: str
@@ -413,7 +414,6 @@ class DitProbe(Request, tag="dit_probe"):
     tokens: int
     candidates: list[tuple[int, int]]
     heads: tuple[int, int]
-    t_rows: int = 2
     pieces: int = 0
     gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     sparse: SparseProbeSettings | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from workers.dit.cuda import CudaExchange, CudaWeights
 from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
 from workers.dit.protocol import Transport
 from workers.dit.weights import CpuWeights, WeightProvider
-from workers.runtime import comfy_host
+from workers.runtime import comfy_host, config
 from workers.runtime.handlers import WorkerContext, handler, on_release
 from workers.runtime.protocol import Dropped, Released, TensorDesc
 from workers.transports.arena import ArenaLayout
@@ -44,6 +45,14 @@ _HOST = comfy_host.ComfyHost.from_env()
 if _HOST is None:
     dit_ops.apply_kitchen_policy()
 _ATTEND: dict[str, dit_ops.Attend] = {}
+
+#: The test hooks' modulation fault (``H3MS_TEST_HOOKS=1``, read once at import): the step's adaLN
+#: rows as this rank uses them, moved on purpose; None in production.
+MODULATION_FAULT: Callable[[torch.Tensor], torch.Tensor] | None = None
+if config.TEST_HOOKS.get():
+    from workers.testing.faults import modulation_fault_from_env
+
+    MODULATION_FAULT = modulation_fault_from_env()
 
 
 def _attend(name: str) -> dit_ops.Attend:
@@ -189,7 +198,6 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             dtype=getattr(torch, cfg["compute_dtype"]),
             attend=_attend(cfg["attention"]),
             device=torch.device(ctx.device),
-            t_rows=int(msg.t_rows),
             pieces=int(msg.pieces),
             gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
             eps=float(cfg["eps"]),
@@ -330,6 +338,26 @@ def _segments(
     return out
 
 
+def _modulation(
+    ctx: WorkerContext, msg: dit_protocol.DitStep, hidden: int, device: torch.device
+) -> torch.Tensor:
+    """The step's adaLN rows of every block on this rank's device, checked against the blocks it
+    runs and the model's width (``DitStep.modulation``)."""
+    desc = msg.modulation
+    shape = tuple(int(v) for v in desc.shape)
+    b1 = int(msg.blocks[1])
+    width = dit_ops.adaln_width(hidden)
+    if len(shape) != 3 or shape[0] < b1 or shape[2] != width:
+        raise ValueError(
+            f"dit_step modulation has shape {list(shape)}; expected [blocks >= {b1}, M, {width}] "
+            "(every block's adaLN output for the step's timestep rows)"
+        )
+    mod = ctx.segment(desc.seg).tensor(desc).to(device)
+    if MODULATION_FAULT is not None:
+        mod = MODULATION_FAULT(mod)
+    return mod
+
+
 def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
     """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank
     timings."""
@@ -348,7 +376,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     step_seg = ctx.segment(msg.x.seg)
     x_full = step_seg.tensor(msg.x)
     x_rows = x_full[t0:t1].to(device, non_blocking=True) if cuda else x_full[t0:t1]
-    t_emb = ctx.segment(msg.t_emb.seg).tensor(msg.t_emb).to(device)
+    mod = _modulation(ctx, msg, int(cfg["hidden"]), device)
     rope = step_seg.tensor(msg.rope).to(device)
     segs = dit_ops.clip_segments(_segments(ctx, msg.segments, device), t0, t1)
     alloc0 = _alloc_counters(device) if cuda else None
@@ -376,7 +404,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     setup_s = time.perf_counter() - t_start
     per_block = run_blocks(
         x_rows,
-        BlockInputs(t_emb, segs, rope),
+        BlockInputs(mod, segs, rope),
         RankBlocks(
             w.provider,
             ex,

@@ -1,13 +1,15 @@
 """Faults the tests inject into the rank programs' compute: a call shape that rounds differently
-(:class:`ShapeFault`, ``H3MS_TEST_SHAPE_FAULT``), a VAE worker that dies mid-chunk or decodes one
+(:class:`ShapeFault`, ``H3MS_TEST_SHAPE_FAULT``), a block's adaLN rows one unit off
+(``H3MS_TEST_MODULATION_FAULT``), a VAE worker that dies mid-chunk or decodes one
 unit off (``H3MS_TEST_VAE_CRASH_FILE``, ``H3MS_TEST_VAE_SKEW_RANK``,
-``H3MS_TEST_VAE_COLD_SKEW_RANK``).  ``workers/dit/ops.py`` and
+``H3MS_TEST_VAE_COLD_SKEW_RANK``).  ``workers/dit/ops.py``, ``workers/dit/rank.py`` and
 ``workers/vae/rank.py`` take them from here at import, only with ``H3MS_TEST_HOOKS=1``."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,3 +90,21 @@ def vae_skew(ctx: Any, raw: torch.Tensor) -> None:
 def shape_fault_from_env() -> ShapeFault | None:
     """The shape fault ``H3MS_TEST_SHAPE_FAULT`` names (None when unset)."""
     return settings.TEST_SHAPE_FAULT.get(ShapeFault.parse) or None
+
+
+def modulation_fault_from_env() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The modulation fault ``H3MS_TEST_MODULATION_FAULT`` names (None when unset): a copy of the
+    step's adaLN rows ``[blocks, M, 18·hidden]`` with every value of that block one unit in the
+    last place up (the staged rows stay as the owner wrote them)."""
+    block = settings.TEST_MODULATION_FAULT.get()
+    if block < 0:
+        return None
+
+    def fault(rows: torch.Tensor) -> torch.Tensor:
+        if block >= rows.shape[0]:
+            return rows
+        out = rows.clone()
+        out[block] = torch.nextafter(out[block], torch.full_like(out[block], float("inf")))
+        return out
+
+    return fault

@@ -29,6 +29,18 @@ TEST_SHAPE_FAULT = _var(
     "give e.g. linear:10:64, attention:1:step or sparse:2, or unset it",
     _text,
 )
+TEST_MODULATION_FAULT = _var(
+    "H3MS_TEST_MODULATION_FAULT",
+    "integer",
+    -1,
+    "unset",
+    "With `H3MS_TEST_HOOKS=1`: DiT ranks move every value of this block's adaLN rows (the step's "
+    "modulation, computed by the model's owner) one unit in the last place before using them, so "
+    "tests show that parity and `verify` catch rows that differ from the model's own; read once "
+    "per process. Tests only.",
+    "give a block index (0 or more) or unset it",
+    _number(int, "an integer block index", lambda v: v >= 0, "must be >= 0"),
+)
 TEST_VAE_CRASH_FILE = _var(
     "H3MS_TEST_VAE_CRASH_FILE",
     "path",

@@ -118,21 +118,26 @@ class CachedModel:
     """The reference model with every block's weights kept on the GPU (generated once)."""
 
     def __init__(self, cfg: DiTConfig, kind: str, seed: int) -> None:
-        self.model = ReferenceDiT(cfg, weights=kind, seed=seed, device="cuda")
+        self.model = ReferenceDiT(cfg, weights=kind, seed=seed, device="cuda").materialize()
         self.cfg = cfg
         self.blocks = [self.model.block_weights(i) for i in range(cfg.layers)]
 
     def block_weights(self, i: int) -> dict[str, torch.Tensor]:
         return self.blocks[i]
 
+    def modulation(self, t_emb: torch.Tensor) -> torch.Tensor:
+        """Every block's adaLN rows for ``t_emb`` (``ReferenceDiT.modulation``)."""
+        return self.model.modulation(t_emb)
+
     def forward(
         self, x: torch.Tensor, t_emb: torch.Tensor, segments, rope: torch.Tensor
     ) -> torch.Tensor:
         c = self.cfg
+        mod = self.modulation(t_emb)
         with torch.inference_mode():
-            for w in self.blocks:
+            for i, w in enumerate(self.blocks):
                 x = block_forward_unsplit(
-                    x, w, BlockInputs(t_emb, segments, rope), c.heads, c.head_dim, c.eps
+                    x, w, BlockInputs(mod[i : i + 1], segments, rope), c.heads, c.head_dim, c.eps
                 )
         return x
 
@@ -154,13 +159,15 @@ def _unsplit(model: CachedModel, inp, steps: int) -> tuple[torch.Tensor, float]:
     return out.cpu(), best
 
 
-def _split(eng: SplitEngine, inp, steps: int, ref: torch.Tensor | None, **kw) -> dict:
+def _split(
+    eng: SplitEngine, model: CachedModel, inp, steps: int, ref: torch.Tensor | None, **kw
+) -> dict:
     best = None
     exact = True
     diff = 0.0
     for _ in range(steps):
         t = time.perf_counter()
-        out = eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs, **kw)
+        out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, **kw)
         wall = time.perf_counter() - t
         rec = get_hub().recent_steps(1)[-1]
         if ref is not None:
@@ -256,6 +263,7 @@ def run(
                             asked = Overlap.from_name(overlap)
                             r = _split(
                                 eng,
+                                models[kind],
                                 inp,
                                 steps,
                                 None if exch == "none" else ref,

@@ -160,8 +160,6 @@ def _measure(
     table = []
     with torch.inference_mode():
         for op in h3_ops(cfg, kind):
-            if op.split == "none":
-                continue
             # qkv is head-split in the engine; its rows are measured too, for the table only
             [v] = invariance.probe_linear(
                 pool,

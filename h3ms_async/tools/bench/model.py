@@ -275,7 +275,7 @@ def measure_parts(
     model = CachedModel(cfg, weights, 1234)
     inp = make_step_inputs(cfg, layout_for_tokens(tokens), 7, torch.bfloat16)
     dev = torch.device("cuda")
-    x, t_emb, rope = inp.x.to(dev), inp.t_emb.to(dev), inp.rope_freqs.to(dev)
+    x, mod, rope = inp.x.to(dev), model.modulation(inp.t_emb), inp.rope_freqs.to(dev)
     segs = [(a, b, r.to(dev) if isinstance(r, torch.Tensor) else r) for a, b, r in inp.segments]
 
     def no_attention(q, k, v, heads):
@@ -303,7 +303,7 @@ def measure_parts(
             with torch.inference_mode():
                 run_blocks(
                     x[t0:t1].clone(),
-                    BlockInputs(t_emb, rows, rope),
+                    BlockInputs(mod, rows, rope),
                     RankBlocks(w, ex, g1 - g0, cfg.head_dim, cfg.eps, attend),
                     range(1),
                 )
@@ -391,7 +391,7 @@ def validate(
             walls = []
             for _ in range(3):  # the first step is a warm-up
                 t = time.perf_counter()
-                eng.run_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs)
+                eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
                 walls.append(time.perf_counter() - t)
             measured = max(r.wall_s for r in eng.last_rank_results) / layers
         finally:

@@ -131,7 +131,11 @@ def run(
                     eng.end_sampling()  # fresh statistics, as the unsplit run started
                     outs, walls = _timed(
                         functools.partial(
-                            eng.run_blocks, inp.x, inp.t_emb, inp.segments, inp.rope_freqs
+                            eng.run_blocks,
+                            inp.x,
+                            model.modulation(inp.t_emb),
+                            inp.segments,
+                            inp.rope_freqs,
                         ),
                         steps,
                     )

@@ -235,11 +235,13 @@ class VariantRun:
         )
         return f"{name} {self.overlap.name}" if self.overlap != NO_OVERLAP else name
 
-    def step(self, inp: StepInputs, ref: torch.Tensor, timed: bool) -> None:
+    def step(self, model: ReferenceDiT, inp: StepInputs, ref: torch.Tensor, timed: bool) -> None:
+        """One step of ``model`` on the engine; its modulation rows are computed on the model's
+        device inside the timed span, as the node computes them before every split step."""
         t = time.perf_counter()
         out = self.engine.run_blocks(
             inp.x,
-            inp.t_emb,
+            model.modulation(inp.t_emb),
             inp.segments,
             inp.rope_freqs,
             exchange=self.exchange,
@@ -486,7 +488,7 @@ def run_bench_split(
             if timed:
                 unsplit_s.append(dt)
             for run in runs:
-                run.step(inp, ref, timed)
+                run.step(model, inp, ref, timed)
     finally:
         engine.release()
     mean = statistics.fmean(unsplit_s)
