@@ -237,11 +237,12 @@ class SplitEngine(Engine):
 
     def _probe_ahead(
         self, step: Step, ops: list[dit_protocol.LinearOp], t0: float
-    ) -> cf.Future[ProbeAhead]:
+    ) -> cf.Future[ProbeAhead | None]:
         """Probe ``step``'s plan on the ranks in a thread of its own while this one fills the
         store: once the workers are up it asks their devices (the verdict's key), then probes
-        unless the verdict is known."""
-        done: cf.Future[ProbeAhead] = cf.Future()
+        unless the verdict is known (None: no plan can be made for the step; the step says
+        why)."""
+        done: cf.Future[ProbeAhead | None] = cf.Future()
 
         def run() -> None:
             try:
@@ -251,7 +252,12 @@ class SplitEngine(Engine):
                     "asking the ranks' devices",
                 )
                 self._take_devices(devices)
-                plan, asked, _, sparse = self._probe_inputs(step, step.options(self.options))
+                try:
+                    plan, asked, _, sparse = self._probe_inputs(step, step.options(self.options))
+                except Exception as exc:  # noqa: BLE001 - the step itself raises it
+                    log.debug("no plan probe at the load: %s", exc)
+                    done.set_result(None)
+                    return
                 start = time.monotonic() - t0
                 probed = self.probe.probe_ahead(plan, int(step.t_emb.shape[0]), asked, sparse, ops)
                 done.set_result(ProbeAhead(start, time.monotonic() - t0, probed))

@@ -64,7 +64,7 @@ class WeightStore:
         return repr(self.key)
 
     def fill_progress(self) -> FillProgress:
-        return FillProgress(self.segment.tensor(self.progress), len(self.manifest))
+        return FillProgress(self.segment, self.progress, len(self.manifest))
 
     def block(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's tensors as zero-copy views (tests and diagnostics)."""

@@ -119,7 +119,7 @@ async def _place_blocks(
     """Place every block as soon as the store's progress word says it is complete (the event loop
     waits, so a probe runs on the compute thread meanwhile); returns the ``time.monotonic()``
     stamps of the first and the last block placed."""
-    progress = FillProgress(ctx.segment(msg.store).tensor(msg.progress), len(msg.manifest))
+    progress = FillProgress(ctx.segment(msg.store), msg.progress, len(msg.manifest))
     gen = ctx.abort_generation()
     first_at = 0.0
     for i in range(len(msg.manifest)):

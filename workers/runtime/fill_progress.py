@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from workers.runtime.protocol import ProtocolError, TensorDesc
 
 if TYPE_CHECKING:
-    import torch
+    from workers.runtime.shm import Segment
 
 #: The word's dtype and shape in the store segment.
 DTYPE = "int64"
@@ -45,29 +45,29 @@ def check_desc(desc: TensorDesc, store: str) -> None:
 
 
 class FillProgress:
-    """The progress word of a store of ``blocks`` blocks (``word``: its int64 [1] view)."""
+    """The progress word ``desc`` (:func:`check_desc`) of a store of ``blocks`` blocks in
+    ``segment``.  Each access makes its own view of the word: an exception raised while waiting
+    keeps no view alive in its frames, so the segment can be unmapped while it propagates."""
 
-    def __init__(self, word: torch.Tensor, blocks: int) -> None:
-        if word.numel() != 1 or word.element_size() != 8:
-            raise ValueError(
-                f"the progress word is one int64, got {word.dtype} {tuple(word.shape)}"
-            )
-        self._word = word.view(-1)
+    def __init__(self, segment: Segment, desc: TensorDesc, blocks: int) -> None:
+        check_desc(desc, segment.name)
+        self._segment = segment
+        self._desc = desc
         self.blocks = blocks
 
     def read(self) -> int:
         """Blocks complete, or :data:`FAILED`."""
-        return int(self._word[0])
+        return int(self._segment.tensor(self._desc)[0])
 
     def publish(self, done: int) -> None:
         """``done`` blocks are complete (call after their bytes are written)."""
         if not 0 <= done <= self.blocks:
             raise ValueError(f"{done} blocks complete of {self.blocks}")
-        self._word[0] = done
+        self._segment.tensor(self._desc)[0] = done
 
     def fail(self) -> None:
         """The fill stopped: every waiter raises."""
-        self._word[0] = FAILED
+        self._segment.tensor(self._desc)[0] = FAILED
 
     async def wait_for(
         self, i: int, deadline_s: float, aborted: Callable[[], bool] = lambda: False
