@@ -187,18 +187,23 @@ class SplitEngine(Engine):
             t0 = time.monotonic()
             sized = size_store(key, n, block_weights, reserve_gb=self.options.cache_ram_reserve_gb)
             store = sized.store
-            dtype = compute_dtype or sized.first["norm1.weight"].dtype
-            self.loaded = LoadedWeights(store, config, head_bounds, dtype_name(dtype), pattern)
-            # Once the store passed its RAM and /dev/shm checks, before the blocks are copied: a
-            # CUDA worker's start takes seconds, a whole H3's fill tens.
-            loading = get_coordinator().submit(self._start_and_load())
-            ahead = None
-            if first_step is not None and self.ranks > 1:
-                ahead = self._probe_ahead(first_step, self.probe.block0_ops(sized.first), t0)
+            started: list[cf.Future[Any]] = []
             try:
+                dtype = compute_dtype or sized.first["norm1.weight"].dtype
+                self.loaded = LoadedWeights(store, config, head_bounds, dtype_name(dtype), pattern)
+                # Once the store passed its RAM and /dev/shm checks, before the blocks are copied:
+                # a CUDA worker's start takes seconds, a whole H3's fill tens.
+                loading = get_coordinator().submit(self._start_and_load())
+                started.append(loading)
+                ahead = None
+                if first_step is not None and self.ranks > 1:
+                    ahead = self._probe_ahead(first_step, self.probe.block0_ops(sized.first), t0)
+                    started.append(ahead)
                 sized.run()
             except BaseException:
-                self._settle([loading] + ([ahead] if ahead is not None else []))
+                self._settle(started)
+                if self.loaded is None:
+                    store.release()
                 self._drop_store()
                 raise
             assert store.filled_at is not None
