@@ -275,8 +275,9 @@ class SplitEngine(Engine):
     @staticmethod
     def _settle(futs: Sequence[cf.Future[Any]]) -> None:
         """Wait (bounded) for a failed load's rank requests and probe to end, whatever their
-        outcome, so that no rank maps the store after it is dropped (a fill that failed is marked
-        so in the store: every waiting rank stops at once)."""
+        outcome (a fill that failed is marked so in the store: every waiting rank stops at once).
+        The pool answers the first rank's failure at once; the release that follows
+        (``_drop_store``) is answered by each rank only after its own load let go of the store."""
         cf.wait(futs, timeout=SETTLE_S)
 
     async def _describe(self) -> list[dit_protocol.DitDevice]:

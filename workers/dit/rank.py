@@ -84,6 +84,10 @@ class RankState:
     #: sparse attention's statistics carried from step to step (dropped at sampling end and with the
     #: weights)
     pooled: dit_sparse.PooledStats = field(default_factory=dit_sparse.PooledStats)
+    #: held by a load from its start to its end, and by a release: a release sent after a load
+    #: failed (the coordinator's pool answers the first rank's failure at once) is answered only
+    #: once this rank's load has let go of the store too
+    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def _state(ctx: WorkerContext) -> RankState:
@@ -161,6 +165,13 @@ async def _dit_describe(
 @handler(dit_protocol.DitLoad)
 async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protocol.DitLoaded:
     st = _state(ctx)
+    async with st.loading:
+        return await _load(ctx, st, msg)
+
+
+async def _load(
+    ctx: WorkerContext, st: RankState, msg: dit_protocol.DitLoad
+) -> dit_protocol.DitLoaded:
     if (
         st.weights is not None
         and st.weights.key == msg.key
@@ -263,6 +274,11 @@ def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
 @handler(dit_protocol.DitRelease)
 async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> Released:
     st = _state(ctx)
+    async with st.loading:
+        return await _release(ctx, st)
+
+
+async def _release(ctx: WorkerContext, st: RankState) -> Released:
     store = st.weights.store if st.weights is not None else None
     _drop_weights(ctx, st)
     for ex in st.exchanges.values():
