@@ -16,7 +16,9 @@ both sides read it from disk. Then:
 2. ``unload_all_models()``, as between prompts; the model is loaded again from the dropped file and H3 MultiStream
    (``--ranks``, host exchange, resident weights, weight cache on) patches it. The node's cold cost = the loader +
    (first block stack - the steady one): the workers' start, the weight-store fill, the ranks' load, the exactness
-   probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down).
+   probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down; the start, the ranks'
+   load and the probe run beside the fill: ``weights`` gives their offsets from the load's start, the fill's end
+   ``fill_end_s``, and ``probe.overlapped``).
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
    whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's
    (None when ``split_proof``, per prompt, says why it does not prove that every model call split on every rank:
@@ -133,6 +135,9 @@ def sample(model):
     out = comfy_h3.ksample(model, **KW)
     return [round(x, 4) for x in timer.times], out
 
+def rnd(s):
+    return None if s is None else round(s, 3)
+
 def cold(load_s, stacks):
     return round(load_s + stacks[0] - min(stacks[1:]), 4)
 
@@ -168,7 +173,13 @@ print("RESULT " + json.dumps(dict(
                            weights=dict(workers_start_s=round(load.workers_start_s, 3), fill_s=round(load.fill_s, 3),
                                         fill_bytes=load.fill_bytes, fill_gbps=round(load.fill_gbps, 2),
                                         start_wait_s=round(load.start_wait_s, 3),
-                                        ranks_load_s=round(load.ranks_load_s, 3), wall_s=round(load.wall_s, 3)),
+                                        ranks_load_s=round(load.ranks_load_s, 3), wall_s=round(load.wall_s, 3),
+                                        fill_end_s=round(load.fill_end_s, 3),
+                                        ranks_first_block_s=rnd(load.ranks_first_block_s),
+                                        ranks_last_block_s=rnd(load.ranks_last_block_s),
+                                        probe=None if load.probe is None else dict(
+                                            start_s=round(load.probe.start_s, 3), end_s=round(load.probe.end_s, 3),
+                                            probed=load.probe.probed, overlapped=load.probe_overlapped)),
                            probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0)),
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),

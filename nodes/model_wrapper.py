@@ -189,27 +189,28 @@ class _RunStack:
         if self.state.take_new_prompt():
             engine.new_prompt()
         dtype = args["img"].dtype
+        step = Step(
+            args["img"],
+            block_modulation(self.dm, args["t_emb"]),
+            args["mod_segments"],
+            args["rope_freqs"],
+            block_options=block_options,
+            interrupt=interrupt,
+            sigma=_sigma(args),
+            in_place=True,
+            sparse_branch=branch_key(args["transformer_options"].get("uuids", ())),
+        )
+        # a load probes this step's plan on the ranks while the store fills
         engine.load_weights(
             key,
             read_config(self.dm),
             block_reader(patcher, self.state.reserve_gb, dtype),
             n,
             compute_dtype=dtype,
+            first_step=step,
         )
         try:
-            out = engine.run_step(
-                Step(
-                    args["img"],
-                    block_modulation(self.dm, args["t_emb"]),
-                    args["mod_segments"],
-                    args["rope_freqs"],
-                    block_options=block_options,
-                    interrupt=interrupt,
-                    sigma=_sigma(args),
-                    in_place=True,
-                    sparse_branch=branch_key(args["transformer_options"].get("uuids", ())),
-                )
-            )
+            out = engine.run_step(step)
         except SplitInterrupted as exc:
             progress.raise_interrupted(exc)
         except SplitUnsafe as exc:

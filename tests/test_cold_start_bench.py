@@ -35,6 +35,11 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     assert w["fill_bytes"] > 0 and w["workers_start_s"] > 0 and w["start_wait_s"] <= w["workers_start_s"]
     assert w["wall_s"] >= w["fill_s"] + w["ranks_load_s"]
     assert first["probe_ms"] > 0
+    # the load probed the first step's plan (at this size the fill ends before the workers are up, so not beside it)
+    probe = w["probe"]
+    assert probe["probed"] and 0 < probe["start_s"] < probe["end_s"] <= w["wall_s"]
+    assert probe["overlapped"] == (probe["start_s"] < w["fill_end_s"])
+    assert 0 < w["ranks_first_block_s"] <= w["ranks_last_block_s"] <= w["wall_s"]
     assert rep["split_proof"] == [None, None]  # every model call of both prompts split on both ranks
     assert rep["node_second_prompt"]["refilled"] is False and rep["bit_exact"] is True
     assert rep["node_cold_over_comfy_cold"] == pytest.approx(first["cold_s"] / rep["plain"]["cold_s"], rel=0.01)

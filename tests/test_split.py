@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -22,6 +23,7 @@ from h3ms_async.dit.options import SplitOptions
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.dit.pattern import pick_pattern
 from workers.dit.protocol import Transport
+from workers.runtime.shm import held_shm
 
 from split_checks import Compared, engine_step
 
@@ -221,6 +223,123 @@ def test_workers_start_while_the_store_fills(engine_factory, int8_model):
     assert load.start_wait_s < load.workers_start_s
     assert not eng.load_weights(("t", "int8", 5), CFG, read)  # nothing refilled, nothing restarted
     assert eng.last_load is load
+
+
+def _holders(segment: str, pids) -> list[int]:
+    """Which of ``pids`` map or hold the shm segment ``segment`` (an unnamed tmpfs file: found by its inode)."""
+    ino = int(segment.split("-")[2][8:], 16)
+    return [pid for pid in pids if any(h.startswith(f"/dev/shm/#{ino} ") for h in held_shm(pid))]
+
+
+def _wait(cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.02)
+
+
+def test_the_first_steps_plan_is_probed_while_the_store_fills(engine_factory, int8_model, monkeypatch, tmp_path):
+    """Given the first step at the load, its plan is probed on the ranks beside the fill: the last block is read only
+    once the probe's verdict is in (were the probe run after the fill, or at the step, it would start after the
+    fill's end), and the step then finds the verdict without a probe round trip.  A second load, in a process that
+    measured nothing yet but reads the verdict file, probes nothing at all."""
+    from h3ms_async.dit import exactness
+    from h3ms_async.dit.step import Step
+    monkeypatch.setenv("H3MS_INVARIANCE_CACHE", str(tmp_path / "verdicts.json"))
+    exactness.VERDICTS.clear()
+    eng = engine_factory(["cpu"] * 2)
+    inp = make_step_inputs(CFG, _layouts()[0], 3, int8_model.dtype)
+
+    def read(i: int):
+        if i == CFG.layers - 1:
+            _wait((tmp_path / "verdicts.json").exists, "the plan probe's verdict", 60)
+            time.sleep(0.3)  # the probe's own end (its verdict is stored last thing before it returns)
+        return int8_model.block_weights(i)
+
+    step = Step(inp.x.clone(), int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
+    assert eng.load_weights(("t", "ahead"), CFG, read, first_step=step)
+    load = eng.last_load
+    assert load.probe is not None and load.probe.probed, load.line()
+    assert 0 < load.probe.start_s < load.probe.end_s < load.fill_end_s, load.line()
+    assert load.probe_overlapped and "plan probe" in load.line() and "beside the fill" in load.line()
+    rounds = eng.probe.rounds
+    assert rounds >= 1
+    try:
+        out = eng.run_step(step)
+    except SplitUnsafe:
+        out = None  # refused here as measured: the step runs unsplit in the caller
+    assert eng.probe.rounds == rounds, "the first step probed its plan again"
+    if out is not None:
+        assert torch.equal(out, _reference(int8_model, inp))
+
+    eng.release_weights()
+    exactness.VERDICTS.clear()  # as in a new process: only the verdict file knows the plan
+    assert eng.load_weights(("t", "ahead", 2), CFG, int8_model.block_weights, first_step=step)
+    assert eng.last_load.probe is not None and not eng.last_load.probe.probed
+    assert eng.probe.rounds == rounds and "verdict was known" in eng.last_load.line()
+
+
+def test_the_ranks_take_each_block_in_while_the_store_fills(engine_factory):
+    """A rank takes a block in once it is complete, not after the whole fill: the last block is read only once every
+    rank maps the store (its load request is in), and the ranks' first block was in before the fill ended."""
+    cfg = replace(CFG, layers=4)
+    model = ReferenceDiT(cfg, weights="bf16", seed=3)
+    eng = engine_factory(["cpu"] * 2)
+
+    def read(i: int):
+        if i == cfg.layers - 1:
+            store = eng.loaded.store.segment.name
+            _wait(lambda: eng.pool.running and len(_holders(store, eng.pool.worker_pids())) == eng.ranks,
+                  "every rank mapping the store")
+            time.sleep(0.5)
+        return model.block_weights(i)
+
+    assert eng.load_weights(("t", "blocks"), cfg, read)
+    load = eng.last_load
+    assert load.ranks_first_block_s is not None and load.ranks_last_block_s is not None, load.line()
+    assert load.ranks_first_block_s < load.fill_end_s <= load.ranks_last_block_s, load.line()
+    assert "first block taken in at" in load.line()
+    inp = make_step_inputs(cfg, _layouts()[1], 4, model.dtype)
+    seen = Compared()
+    engine_step(eng, inp, seen, _reference(model, inp), "blocks taken in during the fill")
+    seen.done()
+
+
+@pytest.mark.parametrize("ranks_waiting", [True, False], ids=["ranks-waiting", "workers-starting"])
+def test_a_fill_that_fails_midway_stops_every_ranks_load(engine_factory, int8_model, ranks_waiting):
+    """A reader that raises midway fails the load with its own error, after every rank stopped its load with one line
+    saying the fill failed (at once, not at a deadline); the store is mapped by no process after, and the next load
+    works on the same workers."""
+    eng = engine_factory(["cpu"] * 2)
+    seen = []
+
+    def read(i: int):
+        if i == 0:  # sizes the store
+            return int8_model.block_weights(i)
+        store = eng.loaded.store.segment.name
+        seen.append(store)
+        if ranks_waiting:
+            _wait(lambda: eng.pool.running and len(_holders(store, eng.pool.worker_pids())) == eng.ranks,
+                  "every rank mapping the store")
+        raise RuntimeError(f"checkpoint read failed at block {i}")
+
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="checkpoint read failed at block 1"):
+        eng.load_weights(("t", "broken"), CFG, read)
+    assert time.monotonic() - t < 60
+    assert eng.loaded is None and eng.pool.running
+    pids = eng.pool.worker_pids()
+    assert _holders(seen[0], [os.getpid(), *pids]) == [], (os.getpid(), pids)
+    if ranks_waiting:
+        for w in eng.pool.snapshot():
+            with open(w["log"]) as fh:
+                assert "the weight store's fill failed before block 1 of 2" in fh.read(), w["log"]
+    assert eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    assert eng.pool.worker_pids() == pids
+    inp = make_step_inputs(CFG, _layouts()[0], 7, int8_model.dtype)
+    cmp = Compared()
+    engine_step(eng, inp, cmp, _reference(int8_model, inp), "after a failed fill")
+    cmp.done()
 
 
 def test_a_refused_store_starts_no_workers(engine_factory, int8_model):

@@ -11,9 +11,26 @@ from workers.dit import protocol as dit_protocol
 
 
 @dataclass(frozen=True)
+class ProbeAhead:
+    """The first step's plan probe as the load ran it beside the store's fill (offsets in seconds
+    from the load's start): ``probed`` False when its verdict was known already (this process or
+    ``H3MS_INVARIANCE_CACHE``), so nothing ran on the ranks."""
+
+    start_s: float
+    end_s: float
+    probed: bool
+
+    @property
+    def probe_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
 class LoadTimes:
-    """Where a weight load's wall time went (``SplitEngine.last_load``): the workers start while
-    the store fills, so ``wall_s`` is about ``fill_s + start_wait_s + ranks_load_s``."""
+    """Where a weight load's wall time went (``SplitEngine.last_load``).  The workers start, the
+    ranks take each block in and the first step's plan is probed while the store fills, so
+    ``wall_s`` is about ``fill_s + start_wait_s + ranks_load_s``; the offsets (seconds from the
+    load's start, one clock for every process) say what ran beside the fill."""
 
     #: the pool's start (0 when the workers were already up)
     workers_start_s: float
@@ -21,20 +38,47 @@ class LoadTimes:
     fill_bytes: int
     #: the wait for the workers after the fill (the part of their start the fill did not hide)
     start_wait_s: float
-    #: every rank mapping the store and placing its weights (``dit_load``)
+    #: the ranks' load after the fill and the workers' start (the part the fill did not hide)
     ranks_load_s: float
     wall_s: float
+    #: when the fill's last block was complete
+    fill_end_s: float = 0.0
+    #: when the last rank to do so took its first block in, and its last (None: the ranks held
+    #: these weights already)
+    ranks_first_block_s: float | None = None
+    ranks_last_block_s: float | None = None
+    #: the first step's plan probe (None: no step was known at the load, or a single rank)
+    probe: ProbeAhead | None = None
 
     @property
     def fill_gbps(self) -> float:
         return self.fill_bytes / max(self.fill_s, 1e-9) / 1e9
 
+    @property
+    def probe_overlapped(self) -> bool:
+        """Whether the plan probe ran on the ranks while the store filled."""
+        return self.probe is not None and self.probe.probed and self.probe.start_s < self.fill_end_s
+
     def line(self) -> str:
-        return (
+        out = (
             f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
             f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s), workers started in "
             f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "
-            f"fill), ranks loaded in {self.ranks_load_s:.2f}s"
+            f"fill), ranks loaded in {self.ranks_load_s:.2f}s after it"
+        )
+        if self.ranks_first_block_s is not None:
+            out += f" (first block taken in at {self.ranks_first_block_s:.2f}s"
+            if self.ranks_last_block_s is not None:
+                out += f", last at {self.ranks_last_block_s:.2f}s"
+            out += f"; fill ended at {self.fill_end_s:.2f}s)"
+        p = self.probe
+        if p is None:
+            return out + "; no plan probe at load"
+        if not p.probed:
+            return out + "; the first step's plan verdict was known (no probe)"
+        beside = "beside the fill" if self.probe_overlapped else "after the fill"
+        return out + (
+            f"; plan probe {p.probe_s:.2f}s {beside} (from {p.start_s:.2f}s to {p.end_s:.2f}s)"
         )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from h3ms_async.dit import exchange_choice
+from h3ms_async.dit import exchange_choice, tested_paths
 from h3ms_async.dit.errors import SplitError
 from h3ms_async.dit.exchange_choice import EXCHANGES
 from workers.dit import ops as dit_ops
@@ -127,6 +127,14 @@ class SplitOptions:
             raise ValueError(
                 f"sparse={self.sparse!r} must be a SparseConfig (SparseSettings.resolve) or None"
             )
+
+    def overlaps_on(self, devices: Sequence[str]) -> tuple[int, bool]:
+        """``(head_pieces, gather_overlap)`` these options ask for on ``devices``: as set, or with
+        ``overlap_tuning`` only those with a passing test on the devices' kind (the engine leaves an
+        untested one out instead of refusing the step)."""
+        if self.overlap_tuning:
+            return tested_paths.tested_overlap(devices, self.head_pieces, self.gather_overlap)
+        return self.head_pieces, self.gather_overlap
 
 
 #: The options of an engine made without any.

@@ -4,7 +4,9 @@ ranks (``h3ms_async.dit.exactness`` keeps the verdicts, ``workers.dit.invariance
 A verdict is looked up by everything it depends on; a new plan is probed on every rank at once,
 then its adjusted candidates when a token split differs; the overlap asked for runs less what
 measured inexact, and sparse attention asked for is off on the plan where it measured inexact.
-The lookup costs no round trip to the ranks once they have loaded.
+The lookup costs no round trip to the ranks once they have loaded.  The load probes the first
+step's plan ahead (:meth:`PlanProbe.probe_ahead`), on the ranks while the store fills: the probe
+needs the ranks' devices and the blocks' structure, not their weights.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import msgspec
+import torch
 
 from h3ms_async.dit import exactness
 from h3ms_async.dit.engine_view import EngineView
@@ -25,6 +28,7 @@ from h3ms_async.status.hub import record_verdict
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
+from workers.runtime.shm import dtype_name
 
 log = get_logger("MultiStream")
 
@@ -34,6 +38,11 @@ class PlanProbe:
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
+        #: probe rounds sent to the ranks so far (each one round trip)
+        self.rounds = 0
+        # verdicts measured ahead of their first step (probe_ahead) that no step has used yet: that
+        # step still warns about a refusal (SplitUnsafe.first)
+        self._ahead: set[str] = set()
 
     def measured_plan(
         self,
@@ -56,10 +65,50 @@ class PlanProbe:
                 self.engine.options.step_timeout_s,
                 "starting the ranks",
             )
-        key = exactness.verdict_key(
+        ops = self.ops()
+        key = self._key(plan, asked, sparse, ops)
+        verdict = exactness.VERDICTS.get(key)
+        first = verdict is None or key in self._ahead
+        self._ahead.discard(key)
+        if verdict is None:
+            with self.engine.job():
+                verdict = self._probe_plan(plan, asked, sparse, ops)
+            exactness.VERDICTS.put(key, verdict)
+        if verdict.token_bounds is None:
+            raise SplitUnsafe(verdict.detail, first=first)
+        bounds = verdict.token_bounds
+        return replace(plan, token_bounds=bounds), verdict.overlap, verdict.sparse_off
+
+    def probe_ahead(
+        self,
+        plan: plans.SplitPlan,
+        asked: exactness.Overlap,
+        sparse: dit_protocol.SparseProbeSettings | None,
+        ops: list[dit_protocol.LinearOp],
+    ) -> bool:
+        """Measure ``plan`` before its first step (the load runs it beside the store's fill, the
+        engine held by the load), with ``ops`` (:meth:`block0_ops`); the step then finds the
+        verdict.  Returns whether it probed (False: the verdict was known)."""
+        key = self._key(plan, asked, sparse, ops)
+        if exactness.VERDICTS.get(key) is not None:
+            return False
+        exactness.VERDICTS.put(key, self._probe_plan(plan, asked, sparse, ops))
+        self._ahead.add(key)
+        return True
+
+    def _key(
+        self,
+        plan: plans.SplitPlan,
+        asked: exactness.Overlap,
+        sparse: dit_protocol.SparseProbeSettings | None,
+        ops: list[dit_protocol.LinearOp],
+    ) -> str:
+        ld = self.engine.loaded
+        assert ld is not None
+        return exactness.verdict_key(
             self.engine.fingerprints,
             ld.compute_dtype,
-            self.ops(),
+            ops,
             self._attention_name(),
             plan.token_bounds,
             plan.head_bounds,
@@ -67,34 +116,47 @@ class PlanProbe:
             asked,
             sparse,
         )
-        verdict = exactness.VERDICTS.get(key)
-        first = verdict is None
-        if verdict is None:
-            with self.engine.job():
-                verdict = self._probe_plan(plan, asked, sparse)
-            exactness.VERDICTS.put(key, verdict)
-        if verdict.token_bounds is None:
-            raise SplitUnsafe(verdict.detail, first=first)
-        bounds = verdict.token_bounds
-        return replace(plan, token_bounds=bounds), verdict.overlap, verdict.sparse_off
 
     def ops(self) -> list[dit_protocol.LinearOp]:
+        """The loaded block stack's distinct linears (every block of the filled store)."""
         ld = self.engine.loaded
         assert ld is not None
         if ld.ops is None:
             man = [
                 {n: (d.dtype, tuple(d.shape)) for n, d in blk.items()} for blk in ld.store.manifest
             ]
-            ops = invariance.block_ops(man, lambda i: dit_ops.block_quant(ld.store.block(i)))
-            if ld.pattern == "ulysses":  # every head's qkv rows on each rank's own tokens
-                ops = [
-                    msgspec.structs.replace(op, split="tokens")
-                    if op.name == "attn.qkv_proj"
-                    else op
-                    for op in ops
-                ]
-            ld.ops = ops
+            ld.ops = self._pattern_ops(
+                invariance.block_ops(man, lambda i: dit_ops.block_quant(ld.store.block(i)))
+            )
         return ld.ops
+
+    def block0_ops(self, first: dict[str, torch.Tensor]) -> list[dit_protocol.LinearOp]:
+        """The distinct linears of a stack of blocks like block 0 (``first``: its tensors), before
+        the store holds them: :meth:`ops` once the store is filled, unless a later block's int8
+        settings differ (then the verdict keys differ and the first step probes again)."""
+        man = [{n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in first.items()}]
+        return self._pattern_ops(invariance.block_ops(man, lambda _i: dit_ops.block_quant(first)))
+
+    def _pattern_ops(self, ops: list[dit_protocol.LinearOp]) -> list[dit_protocol.LinearOp]:
+        ld = self.engine.loaded
+        assert ld is not None
+        if ld.pattern == "ulysses":  # every head's qkv rows on each rank's own tokens
+            return [
+                msgspec.structs.replace(op, split="tokens") if op.name == "attn.qkv_proj" else op
+                for op in ops
+            ]
+        return ops
+
+    def _model(self) -> dit_protocol.ProbeModel:
+        ld = self.engine.loaded
+        assert ld is not None
+        return dit_protocol.ProbeModel(
+            heads=ld.config.heads,
+            head_dim=ld.config.head_dim,
+            eps=ld.config.eps,
+            compute_dtype=ld.compute_dtype,
+            attention=self.engine.options.attention,
+        )
 
     def _attention_name(self) -> str:
         host = self.engine.options.comfy_host
@@ -116,7 +178,8 @@ class PlanProbe:
         self,
         plan: plans.SplitPlan,
         asked: exactness.Overlap,
-        sparse: dit_protocol.SparseProbeSettings | None = None,
+        sparse: dit_protocol.SparseProbeSettings | None,
+        ops: list[dit_protocol.LinearOp],
     ) -> PlanVerdict:
         """Probe ``plan`` (and the overlap ``asked`` for, and sparse attention with the probe
         settings ``sparse``) on every rank (concurrently); on a token-split failure probe the
@@ -124,7 +187,7 @@ class PlanProbe:
         ld = self.engine.loaded
         assert ld is not None
         tokens = plan.token_bounds[-1]
-        reports = self._probe_round([plan.token_bounds], plan, asked, sparse)
+        reports = self._probe_round([plan.token_bounds], plan, ops, asked, sparse)
         rounds = [reports]
         failing = exactness.fixed_failure(reports)
         if failing is not None:
@@ -142,7 +205,7 @@ class PlanProbe:
             cands = exactness.adjusted_bounds(plan.token_bounds)
             pick = None
             if cands:
-                rounds.append(self._probe_round(cands, plan, exactness.NO_OVERLAP))
+                rounds.append(self._probe_round(cands, plan, ops, exactness.NO_OVERLAP))
                 pick = exactness.first_exact(rounds[-1], len(cands))
             ms = exactness.slowest_ms(*rounds)
             if pick is None:
@@ -205,16 +268,20 @@ class PlanProbe:
         self,
         candidates: Sequence[Sequence[int]],
         plan: plans.SplitPlan,
+        ops: list[dit_protocol.LinearOp],
         overlap: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None = None,
     ) -> list[dit_protocol.ProbeReport]:
+        self.rounds += 1
         hb, tb0 = plan.head_bounds, plan.token_bounds
         every_rank = (
             [(int(a), int(b)) for a, b in itertools.pairwise(tb0)] if overlap.gather else []
         )
+        model = self._model()
         msgs = [
             dit_protocol.DitProbe(
-                ops=self.ops(),
+                ops=ops,
+                model=model,
                 tokens=plan.token_bounds[-1],
                 candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
                 heads=(hb[r], hb[r + 1]),
@@ -224,12 +291,9 @@ class PlanProbe:
             )
             for r in range(self.engine.ranks)
         ]
+        # the probe needs no weights: fresh workers (a restarted pool) answer it as they are
         return self.engine.run(
-            self._probe_all(msgs),
+            self.engine.pool.all(msgs, self.engine.options.step_timeout_s),
             self.engine.options.step_timeout_s,
             "measuring the plan's invariance",
         )
-
-    async def _probe_all(self, msgs: list[dit_protocol.DitProbe]) -> list[dit_protocol.ProbeReport]:
-        await self.engine.ensure_loaded()
-        return await self.engine.pool.all(msgs, self.engine.options.step_timeout_s)

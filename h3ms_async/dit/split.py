@@ -20,6 +20,7 @@ every rank's waits.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -31,7 +32,7 @@ import torch
 from h3ms_async.dit import exchange_choice, tested_paths
 from h3ms_async.dit.errors import SplitError, SplitInterrupted
 from h3ms_async.dit.exactness import Overlap
-from h3ms_async.dit.loaded import LoadedWeights, LoadTimes
+from h3ms_async.dit.loaded import LoadedWeights, LoadTimes, ProbeAhead
 from h3ms_async.dit.options import (
     DEFAULT_OPTIONS,
     SplitOptions,
@@ -53,11 +54,11 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.runtime.spawn import cpu_thread_env
-from h3ms_async.runtime.weight_store import BlockReader, fill
+from h3ms_async.runtime.weight_store import BlockReader, size_store
 from h3ms_async.status.hub import get_hub
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import SparseStepSettings, Transport
+from workers.dit.protocol import SparseConfig, SparseProbeSettings, SparseStepSettings, Transport
 from workers.runtime.protocol import DropReleased, TensorDesc
 from workers.runtime.shm import dtype_name
 from workers.transports.arena import decode_seq
@@ -65,6 +66,9 @@ from workers.transports.dist import check_nccl_rank_map
 
 log = get_logger("MultiStream")
 
+#: How long a failed load waits for the ranks' loads and the plan probe to stop before it drops the
+#: store (a failed fill stops every rank's wait at once).
+SETTLE_S = 60.0
 #: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has
 #: reached.
 EXCHANGE_OPS_PER_BLOCK = 2
@@ -89,7 +93,7 @@ class SplitEngine(Engine):
             )
         if options.exchange == "nccl" and all(d.startswith("cuda") for d in devices):
             check_nccl_rank_map(list(devices))
-        tested_paths.check(devices, options.pattern, options.head_pieces, options.gather_overlap)
+        tested_paths.check(devices, options.pattern, *options.overlaps_on(devices))
         self.devices = list(devices)
         self.options = options
         env = cpu_thread_env(self.devices)
@@ -155,7 +159,7 @@ class SplitEngine(Engine):
             )
         return transport
 
-    # -- weights -----------------------------------------------------------------------------------
+    # -- weights ---------------------------------------------------------------------------------
     def load_weights(
         self,
         key: tuple,
@@ -164,13 +168,18 @@ class SplitEngine(Engine):
         n_blocks: int | None = None,
         *,
         compute_dtype: torch.dtype | None = None,
+        first_step: Step | None = None,
     ) -> bool:
         """Fill the weight store for ``key`` (no-op when it already holds ``key``) and load every
         rank.
 
+        Beside the fill (in this thread) the workers start, each rank takes every block in as soon
+        as it is complete, and with ``first_step`` (the step about to run) that step's plan is
+        probed on the ranks (:meth:`PlanProbe.probe_ahead`), so the step finds its verdict.
         ``compute_dtype``: the residual stream's dtype (ranks warm their attention up in it before
         the first step); default: the stored norm weights' dtype. Returns whether anything was
-        (re)loaded.  Raises ``WeightStoreRefused`` when the RAM reserve forbids it.
+        (re)loaded.  Raises ``WeightStoreRefused`` when the RAM reserve forbids it, and a failed
+        fill's own error once every rank has stopped its load.
         """
         n = config.layers if n_blocks is None else n_blocks
         if self.ranks > config.heads:
@@ -193,54 +202,124 @@ class SplitEngine(Engine):
             ):
                 return False
             self._drop_store()
-            t0 = time.perf_counter()
-            starting: list[cf.Future[float]] = []
-
-            def start_workers() -> None:
-                # The workers start while the blocks are copied (once the store passed its RAM and
-                # /dev/shm checks): a CUDA worker's start takes seconds, a whole H3's fill tens.
-                starting.append(get_coordinator().submit(self._start_workers()))
-
-            store = fill(
+            t0 = time.monotonic()
+            sized = size_store(
                 key,
                 n,
                 lambda i: dit_ops.rank_weights(block_weights(i)),  # adaLN stays with the owner
                 reserve_gb=self.options.cache_ram_reserve_gb,
-                on_sized=start_workers,
             )
-            t_filled = time.perf_counter()
-            dtype = compute_dtype or store.block(0)["norm1.weight"].dtype
-            self.loaded = LoadedWeights(store, config, head_bounds, dtype_name(dtype), pattern)
+            store = sized.store
+            started: list[cf.Future[Any]] = []
             try:
-                started_s = self.wait(
-                    starting, self.pool.start_timeout + 30.0, "starting the workers"
-                )[0]
-                t_started = time.perf_counter()
-                self.run(
-                    self._load_ranks(), self.options.step_timeout_s, "loading weights on the ranks"
-                )
+                dtype = compute_dtype or sized.first["norm1.weight"].dtype
+                self.loaded = LoadedWeights(store, config, head_bounds, dtype_name(dtype), pattern)
+                # Once the store passed its RAM and /dev/shm checks, before the blocks are copied:
+                # a CUDA worker's start takes seconds, a whole H3's fill tens.
+                loading = get_coordinator().submit(self._start_and_load())
+                started.append(loading)
+                ahead = None
+                if first_step is not None and self.ranks > 1:
+                    ahead = self._probe_ahead(first_step, self.probe.block0_ops(sized.first), t0)
+                    started.append(ahead)
+                sized.run()
             except BaseException:
+                self._settle(started)
+                if self.loaded is None:
+                    store.release()
                 self._drop_store()
                 raise
-            t_end = time.perf_counter()
+            assert store.filled_at is not None
+            try:
+                probed = None
+                if ahead is not None:
+                    probed = ahead.result(
+                        timeout=self.pool.start_timeout + 2 * self.options.step_timeout_s
+                    )
+                started_s, started_at, loaded = self.wait(
+                    [loading],
+                    self.pool.start_timeout + self.options.step_timeout_s,
+                    "loading weights on the ranks",
+                )[0]
+            except BaseException:
+                self._settle([loading])
+                self._drop_store()
+                raise
+            t_end = time.monotonic()
+            firsts = [r.first_block_at for r in loaded if r.first_block_at is not None]
+            lasts = [r.last_block_at for r in loaded if r.last_block_at is not None]
             self.last_load = LoadTimes(
                 workers_start_s=started_s,
                 fill_s=store.fill_seconds,
                 fill_bytes=store.nbytes,
-                start_wait_s=t_started - t_filled,
-                ranks_load_s=t_end - t_started,
+                start_wait_s=max(0.0, started_at - store.filled_at),
+                ranks_load_s=t_end - max(started_at, store.filled_at),
                 wall_s=t_end - t0,
+                fill_end_s=store.filled_at - t0,
+                ranks_first_block_s=max(firsts) - t0 if firsts else None,
+                ranks_last_block_s=max(lasts) - t0 if lasts else None,
+                probe=probed,
             )
             log.info("%s", self.last_load.line())
             return True
 
-    async def _start_workers(self) -> float:
-        """Start the pool (a no-op when it runs); returns the seconds it took."""
-        t = time.perf_counter()
-        await self.pool.start()
-        return time.perf_counter() - t
+    def _probe_ahead(
+        self, step: Step, ops: list[dit_protocol.LinearOp], t0: float
+    ) -> cf.Future[ProbeAhead | None]:
+        """Probe ``step``'s plan on the ranks in a thread of its own while this one fills the
+        store: once the workers are up it asks their devices (the verdict's key), then probes
+        unless the verdict is known (None: no plan can be made for the step; the step says
+        why)."""
+        done: cf.Future[ProbeAhead | None] = cf.Future()
 
-    async def _load_ranks(self) -> None:
+        def run() -> None:
+            try:
+                devices = self.run(
+                    self._describe(),
+                    self.pool.start_timeout + self.options.step_timeout_s,
+                    "asking the ranks' devices",
+                )
+                self._take_devices(devices)
+                try:
+                    plan, asked, _, sparse = self._probe_inputs(step, step.options(self.options))
+                except Exception as exc:  # noqa: BLE001 - the step itself raises it
+                    log.debug("no plan probe at the load: %s", exc)
+                    done.set_result(None)
+                    return
+                start = time.monotonic() - t0
+                probed = self.probe.probe_ahead(plan, asked, sparse, ops)
+                done.set_result(ProbeAhead(start, time.monotonic() - t0, probed))
+            except BaseException as exc:  # noqa: BLE001 - handed to the load, which raises it
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="h3ms-probe-ahead", daemon=True).start()
+        return done
+
+    @staticmethod
+    def _settle(futs: Sequence[cf.Future[Any]]) -> None:
+        """Wait (bounded) for a failed load's rank requests and probe to end, whatever their
+        outcome (a fill that failed is marked so in the store: every waiting rank stops at once).
+        The pool answers the first rank's failure at once; the release that follows
+        (``_drop_store``) is answered by each rank only after its own load let go of the store."""
+        cf.wait(futs, timeout=SETTLE_S)
+
+    async def _describe(self) -> list[dit_protocol.DitDevice]:
+        return await self.pool.all([dit_protocol.DitDescribe()] * self.ranks, 60.0)
+
+    def _take_devices(self, devices: Sequence[dit_protocol.DitDevice]) -> None:
+        self.sm_counts = [d.sm_count for d in devices]
+        self.fingerprints = [d.fingerprint for d in devices]
+        self._sparse_kernel = [d.sparse_kernel for d in devices]
+
+    async def _start_and_load(self) -> tuple[float, float, list[dit_protocol.DitLoaded]]:
+        """Start the pool (a no-op when it runs) and load the ranks; returns the start's seconds,
+        the ``time.monotonic()`` when the workers were up, and the ranks' answers."""
+        t = time.monotonic()
+        await self.pool.start()
+        up = time.monotonic()
+        return up - t, up, await self._load_ranks()
+
+    async def _load_ranks(self) -> list[dit_protocol.DitLoaded]:
         ld = self.loaded
         assert ld is not None
         cfg = {
@@ -253,6 +332,7 @@ class SplitEngine(Engine):
             "attention": self.options.attention,
             "compute_dtype": ld.compute_dtype,
         }
+        wait_s = self.options.step_timeout_s
         loads = [
             dit_protocol.DitLoad(
                 store=ld.store.segment.name,
@@ -260,16 +340,18 @@ class SplitEngine(Engine):
                 config=cfg,
                 heads=(ld.head_bounds[r], ld.head_bounds[r + 1]),
                 key=ld.store.key_text,
+                progress=ld.store.progress,
+                deadline_s=wait_s,
                 qkv_heads=(0, ld.config.heads) if ld.pattern == "ulysses" else None,
             )
             for r in range(self.ranks)
         ]
         await self.pool.start()
-        results = await self.pool.all(loads, self.options.step_timeout_s)
+        # sent while the store may still fill: each block may take up to a rank's wait
+        results = await self.pool.all(loads, wait_s * (len(ld.store.manifest) + 1))
         self._rank_starts = self.pool.starts
-        self.sm_counts = [r.sm_count for r in results]
-        self.fingerprints = [r.fingerprint for r in results]
-        self._sparse_kernel = [r.sparse_kernel for r in results]
+        self._take_devices([r.device for r in results])
+        return results
 
     def _drop_store(self) -> None:
         if self.loaded is None:
@@ -318,15 +400,7 @@ class SplitEngine(Engine):
         ld = self.loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
-        tuning = opts.overlap_tuning
-        if tuning:
-            pieces, gather = tested_paths.tested_overlap(
-                self.devices, opts.head_pieces, opts.gather_overlap
-            )
-            tested_paths.check(self.devices, ld.pattern, 0, False)
-        else:
-            pieces, gather = opts.head_pieces, opts.gather_overlap
-            tested_paths.check(self.devices, ld.pattern, pieces, gather)
+        tested_paths.check(self.devices, ld.pattern, *opts.overlaps_on(self.devices))
         check_block_options(step.block_options)
         x = step.x
         if x.dim() != 2 or x.shape[1] != ld.config.hidden:
@@ -341,22 +415,11 @@ class SplitEngine(Engine):
                 f"modulation must be [{blocks}, M, {width}] (every block's adaLN output for the "
                 f"step's timestep rows), got {tuple(mod.shape)}"
             )
-        plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
+        plan, asked, sparse_cfg, probe = self._probe_inputs(step, opts)
         if tuple(plan.head_bounds) != ld.head_bounds:
             raise SplitError(
                 "head plan changed since the weights were loaded; call load_weights again"
             )
-        asked = Overlap(pieces if pieces > 1 else 0, gather and ld.pattern == "gather")
-        sparse_cfg = opts.sparse
-        if sparse_cfg is not None and self._sparse_fallback.blocked(
-            x.dtype, ld.config.head_dim, self._sparse_kernel
-        ):
-            sparse_cfg = None  # the kernel cannot run: every rank runs the step dense
-        probe = (
-            None
-            if sparse_cfg is None
-            else probe_settings(sparse_cfg, x.shape[0], blocks, step.mod_segments, step.rope_freqs)
-        )
         plan, ran, sparse_off = self.probe.measured_plan(plan, asked, probe)
         transport = self._transport(opts.exchange)
         sparse_step = (
@@ -365,7 +428,7 @@ class SplitEngine(Engine):
             else SparseStepSettings(sparse_cfg, step.sigma, step.sparse_branch)
         )
         phase = None
-        if tuning:
+        if opts.overlap_tuning:
             tune_key = (
                 plan.token_bounds,
                 plan.head_bounds,
@@ -397,6 +460,31 @@ class SplitEngine(Engine):
                 per_block = (time.perf_counter() - t_start) / blocks
                 self.overlaps.record(tune_key, ran, phase, per_block)
             return out
+
+    def _probe_inputs(
+        self, step: Step, opts: SplitOptions
+    ) -> tuple[plans.SplitPlan, Overlap, SparseConfig | None, SparseProbeSettings | None]:
+        """What ``step``'s plan is measured with: the plan as made, the overlap asked for, the
+        sparse attention it runs (None: dense) and the probe's sparse settings."""
+        ld = self.loaded
+        assert ld is not None
+        x = step.x
+        plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
+        pieces, gather = opts.overlaps_on(self.devices)
+        asked = Overlap(pieces if pieces > 1 else 0, gather and ld.pattern == "gather")
+        sparse_cfg = opts.sparse
+        if sparse_cfg is not None and self._sparse_fallback.blocked(
+            x.dtype, ld.config.head_dim, self._sparse_kernel
+        ):
+            sparse_cfg = None  # the kernel cannot run: every rank runs the step dense
+        probe = (
+            None
+            if sparse_cfg is None
+            else probe_settings(
+                sparse_cfg, x.shape[0], len(ld.store.manifest), step.mod_segments, step.rope_freqs
+            )
+        )
+        return plan, asked, sparse_cfg, probe
 
     def new_prompt(self) -> None:
         """A new prompt starts sampling: with ``SplitOptions.verify`` its first split step (with
@@ -632,7 +720,7 @@ def get_engine(devices: Sequence[str], options: SplitOptions = DEFAULT_OPTIONS) 
     weight store. Engines for another process key are released first: one split runs at a time, and
     each engine's workers and store hold memory.
     """
-    tested_paths.check(devices, options.pattern, options.head_pieces, options.gather_overlap)
+    tested_paths.check(devices, options.pattern, *options.overlaps_on(devices))
     eng = ENGINES.get(process_key(devices, options), lambda: SplitEngine(devices, options))
     eng.options = options
     return eng

@@ -100,7 +100,8 @@ class CudaWeights:
         self.rank = ctx.rank
         seg = ctx.segment(msg.store)
         self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg.manifest]
-        self.quant = [dit_ops.block_quant(b) for b in self.host]
+        # each block's int8 settings, read from the store once the block is complete (place)
+        self.quant: list[dict[str, dit_ops.QuantInfo]] = []
         g0, g1 = (int(v) for v in msg.qkv_heads or msg.heads)
         rows = dit_ops.head_rows(g0, g1, self.config["heads"], self.config["head_dim"])
         self._qkv_rows = [(r.start, r.stop) for r in rows]
@@ -115,6 +116,13 @@ class CudaWeights:
         self.freed: list[torch.cuda.Event | None] = [None, None]
         self.fetch_s = 0.0
         self.timer_events = StreamTimer()
+
+    def place(self, i: int) -> None:
+        if i != len(self.quant):
+            raise ValueError(
+                f"block {i} placed after {len(self.quant)} blocks; place them in order"
+            )
+        self.quant.append(dit_ops.block_quant(self.host[i]))
 
     # -- sizes -------------------------------------------------------------------------------------
     def _device_bytes(self, name: str, t: torch.Tensor) -> int:

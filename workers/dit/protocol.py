@@ -14,7 +14,15 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 before its first step
     heads       [g0, g1]: this rank's head group
     key         the store's key as text (logged, and a load with the same key is a no-op)
-    -> DitLoaded
+    progress    descriptor of the store's fill-progress word (``workers.runtime.fill_progress``):
+                the load is sent while the store fills and takes block i in once the word passed
+                i; it fails when the word says the fill failed, or when no new block is complete
+                within deadline_s
+    -> DitLoaded: the rank's device (as ``dit_describe``), when it took its first and last block in
+
+``dit_describe`` the rank's device as the plan probe keys its verdicts: fingerprint, SM count, why
+                the sparse kernel cannot run; no state, so it is answered while a load waits
+    -> DitDevice
 
 ``dit_step``    run every block on this rank's token range, exchanging with the other ranks.
     job         step number (logs)
@@ -60,7 +68,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against
                 each of ``candidates`` (this rank's token range in each candidate plan), the qkv
                 projection and attention for its head group ``heads``; random data of the real
-                shapes, in the loaded compute dtype, with the loaded attention function.
+                shapes, in ``model``'s compute dtype, with its attention function (warmed up as
+                ``dit_load`` does): no weights, so it runs while the store fills
     sparse      None (no sparse attention), or :class:`SparseProbeSettings`
                 (``workers.dit.sparse.probe_wire``): also the group's qkv projection in the
                 kernel's row chunks and the sparse kernel over the group, from fresh and from
@@ -80,7 +89,16 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
-from workers.runtime.protocol import Answer, Dropped, Plain, Released, Request, TensorDesc
+from workers.runtime import fill_progress
+from workers.runtime.protocol import (
+    Answer,
+    Dropped,
+    Plain,
+    ProtocolError,
+    Released,
+    Request,
+    TensorDesc,
+)
 
 
 class Transport(enum.StrEnum):
@@ -130,18 +148,32 @@ class Residency(enum.StrEnum):
 RESIDENCIES: tuple[str, ...] = tuple(r.value for r in Residency)
 
 
-class DitLoaded(Answer):
-    """Whether this call mapped the weights (False: this key and head group were loaded
-    already), their bytes, the load's seconds (when it loaded), the device's SM count (None on a
-    CPU), its fingerprint (``workers.dit.invariance.fingerprint``), and why the sparse kernel
+class DitDevice(Answer):
+    """A rank's device as the plan probe keys its verdicts: its fingerprint
+    (``workers.dit.invariance.fingerprint``), SM count (None on a CPU), and why the sparse kernel
     cannot run there (None: it can)."""
 
-    loaded: bool
-    bytes: int
     sm_count: int | None
     fingerprint: dict[str, str]
     sparse_kernel: str | None
+
+
+class DitDescribe(Request, tag="dit_describe"):
+    ANSWER: ClassVar[type[Answer]] = DitDevice
+
+
+class DitLoaded(Answer):
+    """Whether this call mapped the weights (False: this key and head group were loaded
+    already), their bytes, the load's seconds and the ``time.monotonic()`` stamps (one clock for
+    every process of the host) when it took its first and last block in (when it loaded), and the
+    rank's device."""
+
+    loaded: bool
+    bytes: int
+    device: DitDevice
     seconds: float | None = None
+    first_block_at: float | None = None
+    last_block_at: float | None = None
 
 
 class DitLoad(Request, tag="dit_load"):
@@ -150,10 +182,19 @@ class DitLoad(Request, tag="dit_load"):
     config: Plain
     heads: tuple[int, int]
     key: str
+    progress: TensorDesc
+    #: the longest wait for the next block while the store fills
+    deadline_s: float
     #: the heads whose qkv rows the rank holds: its own group (None) or every head (Ulysses)
     qkv_heads: tuple[int, int] | None = None
     PLAIN: ClassVar[tuple[str, ...]] = ("config",)
     ANSWER: ClassVar[type[Answer]] = DitLoaded
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fill_progress.check_desc(self.progress, self.store)
+        if not self.deadline_s > 0:
+            raise ProtocolError(f"dit_load deadline_s must be > 0, got {self.deadline_s}")
 
 
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -409,8 +450,21 @@ class ProbeReport(Answer):
     ms: float = 0.0
 
 
+class ProbeModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a probe needs of the model besides its linears: every head, their width, the blocks'
+    epsilon, the compute dtype (a torch dtype's name) and the attention function (as ``dit_load``'s
+    config names it)."""
+
+    heads: int
+    head_dim: int
+    eps: float
+    compute_dtype: str
+    attention: str
+
+
 class DitProbe(Request, tag="dit_probe"):
     ops: list[LinearOp]
+    model: ProbeModel
     tokens: int
     candidates: list[tuple[int, int]]
     heads: tuple[int, int]

@@ -9,6 +9,7 @@ This module picks the loop's two parameters per device and transport: the weight
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import time
@@ -27,6 +28,7 @@ from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_
 from workers.dit.protocol import Transport
 from workers.dit.weights import CpuWeights, WeightProvider
 from workers.runtime import comfy_host, config
+from workers.runtime.fill_progress import FillProgress
 from workers.runtime.handlers import WorkerContext, handler, on_release
 from workers.runtime.protocol import Dropped, Released, TensorDesc
 from workers.transports.arena import ArenaLayout
@@ -95,6 +97,10 @@ class RankState:
     #: sparse attention's statistics carried from step to step (dropped at sampling end and with the
     #: weights)
     pooled: dit_sparse.PooledStats = field(default_factory=dit_sparse.PooledStats)
+    #: held by a load from its start to its end, and by a release: a release sent after a load
+    #: failed (the coordinator's pool answers the first rank's failure at once) is answered only
+    #: once this rank's load has let go of the store too
+    loading: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def _state(ctx: WorkerContext) -> RankState:
@@ -104,31 +110,81 @@ def _state(ctx: WorkerContext) -> RankState:
     return st
 
 
-def _load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> RankWeights:
-    """A CUDA rank places blocks in VRAM per step (``CudaWeights``); a CPU rank uses zero-copy views
-    of the store, with the head group's qkv rows copied once."""
+def _provider(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> WeightProvider:
+    """The rank's weight provider over the store, no block placed yet: a CUDA rank places blocks in
+    VRAM per step (``CudaWeights``); a CPU rank uses zero-copy views of the store, with the head
+    group's qkv rows copied once per block."""
     cfg = msg.config
-    heads = (int(msg.heads[0]), int(msg.heads[1]))
-    qkv_heads = (int(msg.qkv_heads[0]), int(msg.qkv_heads[1])) if msg.qkv_heads else None
+    heads = msg.qkv_heads or msg.heads
     if ctx.device.startswith("cuda"):
-        provider: WeightProvider = CudaWeights(ctx, msg)
-    else:
-        seg = ctx.segment(msg.store)
-        manifest = msg.manifest
-        provider = CpuWeights(
-            lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
-            len(manifest),
-            qkv_heads or heads,
-            cfg["heads"],
-            cfg["head_dim"],
-            eager=True,
-        )
-    return RankWeights(msg.key, msg.store, cfg, heads, provider, qkv_heads)
+        return CudaWeights(ctx, msg)
+    seg = ctx.segment(msg.store)
+    manifest = msg.manifest
+    return CpuWeights(
+        lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
+        0,
+        (int(heads[0]), int(heads[1])),
+        cfg["heads"],
+        cfg["head_dim"],
+        eager=True,
+    )
+
+
+async def _place_blocks(
+    ctx: WorkerContext, msg: dit_protocol.DitLoad, provider: WeightProvider
+) -> tuple[float, float]:
+    """Place every block as soon as the store's progress word says it is complete (the event loop
+    waits, so a probe runs on the compute thread meanwhile); returns the ``time.monotonic()``
+    stamps of the first and the last block placed."""
+    progress = FillProgress(ctx.segment(msg.store), msg.progress, len(msg.manifest))
+    gen = ctx.abort_generation()
+    first_at = 0.0
+    for i in range(len(msg.manifest)):
+        await progress.wait_for(i, msg.deadline_s, lambda: ctx.abort_generation() != gen)
+        await ctx.run_compute(provider.place, i)
+        if i == 0:
+            first_at = time.monotonic()
+    return first_at, time.monotonic()
+
+
+async def _warm(ctx: WorkerContext, attention: str, dtype: torch.dtype) -> dit_ops.Attend:
+    """The attention function ``attention`` names, warmed up in ``dtype`` once (see
+    dit_ops.warm_up) before the first step or probe that uses them."""
+    attend = _attend(attention)
+    lock = ctx.state.setdefault("warm_lock", asyncio.Lock())
+    async with lock:  # a load and a probe may arrive together
+        if ctx.state.get("warm") != (attention, dtype):
+            await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
+            ctx.state["warm"] = (attention, dtype)
+    return attend
+
+
+def _device(ctx: WorkerContext) -> dit_protocol.DitDevice:
+    dev = torch.device(ctx.device)
+    return dit_protocol.DitDevice(
+        sm_count=_sm_count(ctx),
+        fingerprint=invariance.fingerprint(dev),
+        sparse_kernel=dit_sparse.kernel_unavailable(dev),
+    )
+
+
+@handler(dit_protocol.DitDescribe)
+async def _dit_describe(
+    ctx: WorkerContext, msg: dit_protocol.DitDescribe
+) -> dit_protocol.DitDevice:
+    return _device(ctx)
 
 
 @handler(dit_protocol.DitLoad)
 async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protocol.DitLoaded:
     st = _state(ctx)
+    async with st.loading:
+        return await _load(ctx, st, msg)
+
+
+async def _load(
+    ctx: WorkerContext, st: RankState, msg: dit_protocol.DitLoad
+) -> dit_protocol.DitLoaded:
     if (
         st.weights is not None
         and st.weights.key == msg.key
@@ -136,23 +192,26 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protoc
         and st.weights.qkv_heads == (tuple(msg.qkv_heads) if msg.qkv_heads else None)
     ):
         return dit_protocol.DitLoaded(
-            loaded=False,
-            bytes=st.weights.provider.nbytes,
-            sm_count=_sm_count(ctx),
-            fingerprint=invariance.fingerprint(torch.device(ctx.device)),
-            sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)),
+            loaded=False, bytes=st.weights.provider.nbytes, device=_device(ctx)
         )
     _drop_weights(ctx, st)
     ctx.state["devices"] = msg.config.get("devices")
-    attend = _attend(msg.config["attention"])
-    dtype = getattr(torch, msg.config["compute_dtype"])
-    if ctx.state.get("warm") != (msg.config["attention"], dtype):
-        # before the first step, under the very function and dtype the steps use (see
-        # dit_ops.warm_up)
-        await ctx.run_compute(dit_ops.warm_up, attend, torch.device(ctx.device), [dtype])
-        ctx.state["warm"] = (msg.config["attention"], dtype)
+    await _warm(ctx, msg.config["attention"], getattr(torch, msg.config["compute_dtype"]))
     t = time.perf_counter()
-    st.weights = await ctx.run_compute(_load, ctx, msg)
+    provider: WeightProvider | None = None
+    try:
+        provider = await ctx.run_compute(_provider, ctx, msg)
+        first_at, last_at = await _place_blocks(ctx, msg, provider)
+    except BaseException:
+        # a fill that failed or a load given up: nothing of the store stays mapped here
+        if provider is not None:
+            provider.close()
+        ctx.forget_segment(msg.store)
+        raise
+    heads = (int(msg.heads[0]), int(msg.heads[1]))
+    qkv_heads = (int(msg.qkv_heads[0]), int(msg.qkv_heads[1])) if msg.qkv_heads else None
+    st.weights = RankWeights(msg.key, msg.store, msg.config, heads, provider, qkv_heads)
+    seconds = time.perf_counter() - t
     ctx.log.info(
         "[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in "
         "%.2fs",
@@ -163,29 +222,26 @@ async def _dit_load(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> dit_protoc
         _HOST.attention
         if msg.config["attention"] == "comfy" and _HOST
         else msg.config["attention"],
-        time.perf_counter() - t,
+        seconds,
     )
     return dit_protocol.DitLoaded(
         loaded=True,
-        bytes=st.weights.provider.nbytes,
-        seconds=time.perf_counter() - t,
-        sm_count=_sm_count(ctx),
-        fingerprint=invariance.fingerprint(torch.device(ctx.device)),
-        sparse_kernel=dit_sparse.kernel_unavailable(torch.device(ctx.device)),
+        bytes=provider.nbytes,
+        device=_device(ctx),
+        seconds=seconds,
+        first_block_at=first_at,
+        last_block_at=last_at,
     )
 
 
 @handler(dit_protocol.DitProbe)
 async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReport:
     """Measure this rank's shards against the unsplit calls on its own device
-    (``workers.dit.invariance``), in the loaded compute dtype and with the loaded attention
-    function (and the sparse kernel with the settings ``msg.sparse`` names)."""
-    w = _state(ctx).weights
-    if w is None:
-        raise RuntimeError(
-            f"rank {ctx.rank}: dit_probe before dit_load; the coordinator must load weights first"
-        )
-    cfg = w.config
+    (``workers.dit.invariance``), in the model's compute dtype and with its attention function
+    (and the sparse kernel with the settings ``msg.sparse`` names); no weights needed."""
+    model = msg.model
+    dtype = getattr(torch, model.compute_dtype)
+    attend = await _warm(ctx, model.attention, dtype)
     report = await ctx.run_compute(
         functools.partial(
             invariance.run_probe,
@@ -193,14 +249,14 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             tokens=int(msg.tokens),
             candidates=[(int(a), int(b)) for a, b in msg.candidates],
             heads=(int(msg.heads[0]), int(msg.heads[1])),
-            total_heads=int(cfg["heads"]),
-            head_dim=int(cfg["head_dim"]),
-            dtype=getattr(torch, cfg["compute_dtype"]),
-            attend=_attend(cfg["attention"]),
+            total_heads=int(model.heads),
+            head_dim=int(model.head_dim),
+            dtype=dtype,
+            attend=attend,
             device=torch.device(ctx.device),
             pieces=int(msg.pieces),
             gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
-            eps=float(cfg["eps"]),
+            eps=float(model.eps),
             sparse=msg.sparse or None,
         )
     )
@@ -230,6 +286,11 @@ def _drop_weights(ctx: WorkerContext, st: RankState) -> None:
 @handler(dit_protocol.DitRelease)
 async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> Released:
     st = _state(ctx)
+    async with st.loading:
+        return await _release(ctx, st)
+
+
+async def _release(ctx: WorkerContext, st: RankState) -> Released:
     store = st.weights.store if st.weights is not None else None
     _drop_weights(ctx, st)
     for ex in st.exchanges.values():

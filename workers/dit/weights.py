@@ -38,6 +38,10 @@ class WeightProvider(Protocol):
     #: bytes this provider added on top of the store (copied qkv rows, VRAM copies)
     nbytes: int
 
+    def place(self, i: int) -> None:
+        """Block ``i`` is complete in the store: take it in (blocks are placed in order, each once,
+        all before the first step; a rank places them while the store still fills)."""
+
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
         """Place the weights for a step of ``tokens`` tokens (``local_tokens`` on this rank) under
         ``residency`` (``workers.dit.protocol.RESIDENCIES``); called before every step, a no-op when
@@ -70,10 +74,10 @@ class CpuWeights:
     """Block weights used in place (CPU ranks and the in-process reference): no residency, nothing
     to prefetch.
 
-    ``read(i)`` gives block ``i``'s parameters.  ``eager`` slices every block's qkv rows at
-    construction and keeps them (a rank's weights: per step nothing is copied); otherwise each
-    :meth:`block` call reads and slices anew (the reference's seeded model, which may be too big to
-    hold).
+    ``read(i)`` gives block ``i``'s parameters.  ``eager`` slices each block's qkv rows once and
+    keeps them (a rank's weights: per step nothing is copied): the first ``n_blocks`` at
+    construction, later ones as they are placed (:meth:`place`); otherwise each :meth:`block` call
+    reads and slices anew (the reference's seeded model, which may be too big to hold).
     """
 
     def __init__(
@@ -88,13 +92,24 @@ class CpuWeights:
     ) -> None:
         g0, g1 = heads
         self._view = lambda i: block_view(read(i), g0, g1, total_heads, head_dim)
-        self._views = [self._view(i) for i in range(n_blocks)] if eager else None
-        whole = (g0, g1) == (0, total_heads)
-        self.nbytes = (
-            0
-            if whole or self._views is None
-            else sum(v.qkv.numel() * v.qkv.element_size() for v in self._views)
-        )
+        self._views: list[BlockView] | None = [] if eager else None
+        self._copies = (g0, g1) != (0, total_heads)
+        self.nbytes = 0
+        if eager:
+            for i in range(n_blocks):
+                self.place(i)
+
+    def place(self, i: int) -> None:
+        if self._views is None:
+            return  # read per call
+        if i != len(self._views):
+            raise ValueError(
+                f"block {i} placed after {len(self._views)} blocks; place them in order"
+            )
+        view = self._view(i)
+        self._views.append(view)
+        if self._copies:
+            self.nbytes += view.qkv.numel() * view.qkv.element_size()
 
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
         """Nothing to place: the tensors are used where they are."""
