@@ -301,7 +301,7 @@ def test_the_ranks_take_each_block_in_while_the_store_fills(engine_factory):
     assert "first block taken in at" in load.line()
     inp = make_step_inputs(cfg, _layouts()[1], 4, model.dtype)
     seen = Compared()
-    engine_step(eng, inp, seen, _reference(model, inp), "blocks taken in during the fill")
+    engine_step(eng, model, inp, seen, _reference(model, inp), "blocks taken in during the fill")
     seen.done()
 
 
@@ -338,7 +338,7 @@ def test_a_fill_that_fails_midway_stops_every_ranks_load(engine_factory, int8_mo
     assert eng.pool.worker_pids() == pids
     inp = make_step_inputs(CFG, _layouts()[0], 7, int8_model.dtype)
     cmp = Compared()
-    engine_step(eng, inp, cmp, _reference(int8_model, inp), "after a failed fill")
+    engine_step(eng, int8_model, inp, cmp, _reference(int8_model, inp), "after a failed fill")
     cmp.done()
 
 
