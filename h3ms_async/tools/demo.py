@@ -413,6 +413,7 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     from h3ms_async.dit.options import SplitOptions
     from h3ms_async.dit.reference import ReferenceDiT, make_step_inputs
     from h3ms_async.dit.split import get_engine
+    from h3ms_async.dit.step import Step
     from h3ms_async.runtime.spawn import cpu_thread_env
 
     c = checked or check_args(a)
@@ -466,8 +467,16 @@ def run(a: argparse.Namespace, checked: dict | None = None) -> dict:
     steps: list[StepResult] = []
     try:
         t = time.perf_counter()
+        first = make_step_inputs(cfg, layout, a.seed, dtype)
+        # as the node does: the first step's plan is probed on the ranks while the store fills
         engine.load_weights(
-            ("demo", a.seed, weights, cfg), cfg, model.block_weights, compute_dtype=dtype
+            ("demo", a.seed, weights, cfg),
+            cfg,
+            model.block_weights,
+            compute_dtype=dtype,
+            first_step=Step(
+                first.x, model.modulation(first.t_emb), first.segments, first.rope_freqs, sigma=0.7
+            ),
         )
         start_s = time.perf_counter() - t
         for s in range(a.steps):
