@@ -46,14 +46,16 @@ plain = list(times); times.clear()
 os.environ["H3MS_RANK_MAP"] = "cuda:0,cuda:0"
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "resident", None)[0]
 from h3ms_async.dit import split as S
+import msgspec
 breakdown = []
 RANK_KEYS = ("wall_s", "setup_s", "tail_s", "compute_s", "exchange_s", "wait_s", "copy_gpu_s", "compute_wait_s",
              "cuda_alloc", "weights")
 def _grab(rec):  # on the recording thread, right after the engine kept the step's raw results
     eng = next(e for e in S.engines() if e.devices == rec["devices"])
+    raw = [msgspec.to_builtins(r) for r in eng.last_rank_results]  # DitStepped structs
     breakdown.append(dict(engine=dict(eng.last_phases), ranks=[dict(
-        {{k: r.get(k) for k in RANK_KEYS}}, blocks_s=[round(sum(c), 4) for c in zip(*r["per_block"])],
-        first_block_s=r["per_block"][0]) for r in eng.last_rank_results]))
+        {{k: r[k] for k in RANK_KEYS}}, blocks_s=round(sum(b["compute_s"] + b["exposed_s"] for b in r["per_block"]), 4),
+        first_block=r["per_block"][0]) for r in raw]))
 get_hub().add_listener(_grab)
 comfy_h3.ksample(split, **KW)
 node = list(times)
