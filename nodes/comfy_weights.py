@@ -104,7 +104,7 @@ def _cast_path_tensors(
     patcher: Any, module: Any, name: str, compute_dtype: torch.dtype, out: dict[str, torch.Tensor]
 ) -> None:
     """Put ``module``'s weight and bias, as ComfyUI's own cast hands them to its forward, into
-    ``out`` (host copies, store names; ``name`` is the module's in-block name).
+    ``out`` (copies on the cast's device, store names; ``name`` is the module's in-block name).
 
     Such a module's patched weight exists only inside ``comfy.ops.cast_bias_weight`` (under
     ``ModelPatcherDynamic`` its storage may be a read-only mapping of the checkpoint file), so this
@@ -123,9 +123,9 @@ def _cast_path_tensors(
         want_requant=_wants_requant(module, name),
     )
     try:
-        _put_host(out, f"{name}.weight", weight)
+        _put(out, f"{name}.weight", weight, released=True)
         if bias is not None:
-            _put_host(out, f"{name}.bias", bias)
+            _put(out, f"{name}.bias", bias, released=True)
     finally:
         comfy.ops.uncast_bias_weight(module, weight, bias, offload)
 
@@ -171,24 +171,33 @@ def _convrot_tag(params: Any) -> torch.Tensor | None:
     return torch.frombuffer(bytearray(json.dumps(conf).encode("utf-8")), dtype=torch.uint8).clone()
 
 
-def _put_host(out: dict[str, torch.Tensor], name: str, w: Any) -> None:
-    """Store ``w`` under ``name`` on the CPU as the weight store takes it: an int8
+def _put(out: dict[str, torch.Tensor], name: str, w: Any, *, released: bool = False) -> None:
+    """Store ``w`` under ``name`` as the weight store takes it, on the device it is on: the store
+    copies from any device straight into shared memory, so a weight ComfyUI patched on its GPU
+    goes there in one device-to-host copy, with no pageable host tensor between. An int8
     ``QuantizedTensor`` becomes ``<name>`` (its ``_qdata``) + ``<name>_scale`` (``_params.scale``,
-    fp32) + ``<linear>.comfy_quant`` (JSON bytes) when it is ConvRot."""
+    fp32) + ``<linear>.comfy_quant`` (JSON bytes) when it is ConvRot. ``released``: ComfyUI
+    reuses ``w``'s memory after this call (its cast buffers), so a copy is kept, on ``w``'s
+    device."""
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if released else t.detach()
+
     if _is_quantized(w):
-        out[name] = w._qdata.detach().to("cpu").contiguous()
-        out[f"{name}_scale"] = w._params.scale.detach().to("cpu", torch.float32).contiguous()
+        out[name] = keep(w._qdata)
+        out[f"{name}_scale"] = keep(w._params.scale.to(torch.float32))
         tag = _convrot_tag(w._params)
         if tag is not None:
             out[f"{name.rsplit('.', 1)[0]}.comfy_quant"] = tag
     else:
-        out[name] = w.detach().to("cpu").contiguous()
+        out[name] = keep(w)
 
 
 def block_tensors(
     patcher: Any, block_index: int, compute_dtype: torch.dtype, prefix: str = "diffusion_model."
 ) -> dict[str, torch.Tensor]:
-    """Block ``block_index``'s effective tensors on the CPU, keyed by in-block name, as the weight
+    """Block ``block_index``'s effective tensors on the device ComfyUI holds or patched them on
+    (the store copies them from there), keyed by in-block name, as the weight
     store takes them: what ComfyUI's cast gives for a module that patches in its cast, the stored
     (patched) tensors otherwise, which ranks cast to the activation dtype as ComfyUI's ops do.
     The adaLN projection is not read: its rows are computed in ComfyUI (``nodes/modulation.py``)
@@ -206,7 +215,7 @@ def block_tensors(
             own = [n for n in own if n not in ("weight", "bias")]
         for n in own:
             name = f"{mod_name}.{n}" if mod_name else n
-            _put_host(out, name, effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}"))
+            _put(out, name, effective_weight(patcher, f"{prefix}blocks.{block_index}.{name}"))
     return out
 
 
