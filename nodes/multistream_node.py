@@ -78,7 +78,8 @@ class H3MultiStreamAsync(ModelPatchNode):
                 {
                     "default": True,
                     "tooltip": "On: keep the block weights in shared memory after sampling (about "
-                    "18.5 GB for H3 int8), so the next prompt starts without refilling them. Off: "
+                    "19 GB for H3 int8; the adaLN weights stay in ComfyUI's model), so the next prompt "
+                    "starts without refilling them. Off: "
                     "release them when sampling ends (the workers stay).",
                 },
             ),
