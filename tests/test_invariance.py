@@ -304,6 +304,7 @@ def test_auto_overlaps_time_each_exact_combination_then_run_the_fastest(engine, 
     (tuned,) = eng.overlaps.snapshot()
     fastest = min(tuned["ms_per_block"], key=tuned["ms_per_block"].get)
     assert tuned["phase"] == "fastest" and tuned["choice"] == fastest
+    assert tuned["plan"] == "tokens 0-100-200, heads 0-4-8, gather over host, dense"
     assert sorted(tuned["ms_per_block"]) == ["gather", "gather+pieces4", "none", "pieces4"]
     expect = exactness.Overlap.from_name(fastest)
     assert seen[5:] == [("fastest", expect.head_pieces, expect.gather)] * 2

@@ -79,14 +79,32 @@ class _PlanTrial:
         return min(self.candidates, key=self.seconds_per_block.__getitem__), TuningPhase.FASTEST
 
 
+@dataclass(frozen=True)
+class PlanKey:
+    """What decides a step's speed for the tuner: shards, pattern, transport, sparse or dense."""
+
+    token_bounds: tuple[int, ...]
+    head_bounds: tuple[int, ...]
+    pattern: str
+    transport: str
+    sparse: bool
+
+    def describe(self) -> str:
+        """e.g. ``tokens 0-262-524, heads 0-4-8, gather over host, dense``."""
+        tokens = "-".join(map(str, self.token_bounds))
+        heads = "-".join(map(str, self.head_bounds))
+        kind = "sparse" if self.sparse else "dense"
+        return f"tokens {tokens}, heads {heads}, {self.pattern} over {self.transport}, {kind}"
+
+
 class OverlapTuner:
-    """Per plan key (what decides a step's speed: token and head bounds, pattern, transport, sparse
-    or dense), the measured seconds per block of each exact overlap and the resulting choice."""
+    """Per plan (:class:`PlanKey`), the measured seconds per block of each exact overlap and the
+    resulting choice."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple, _PlanTrial] = {}
+        self._plans: dict[PlanKey, _PlanTrial] = {}
 
-    def choose(self, key: tuple, exact: Overlap) -> tuple[Overlap, TuningPhase]:
+    def choose(self, key: PlanKey, exact: Overlap) -> tuple[Overlap, TuningPhase]:
         """The overlap the next step of ``key`` runs, given what the probe measured exact."""
         trial = self._plans.get(key)
         candidates = combinations(exact)
@@ -95,7 +113,7 @@ class OverlapTuner:
         return trial.next()
 
     def record(
-        self, key: tuple, ran: Overlap, phase: TuningPhase, seconds_per_block: float
+        self, key: PlanKey, ran: Overlap, phase: TuningPhase, seconds_per_block: float
     ) -> None:
         """The wall time per block of a step that ran ``ran`` in ``phase``."""
         trial = self._plans.get(key)
@@ -113,7 +131,7 @@ class OverlapTuner:
             choice, phase = trial.next()
             out.append(
                 {
-                    "plan": repr(key),
+                    "plan": key.describe(),
                     "phase": phase.value,
                     "choice": choice.name,
                     "ms_per_block": {

@@ -41,7 +41,7 @@ from h3ms_async.dit.options import (
     process_key,
     worker_gpus,
 )
-from h3ms_async.dit.overlap_tuner import OverlapTuner
+from h3ms_async.dit.overlap_tuner import OverlapTuner, PlanKey
 from h3ms_async.dit.pattern import pick_pattern
 from h3ms_async.dit.plan_probe import PlanProbe
 from h3ms_async.dit.reference import DiTConfig
@@ -429,12 +429,12 @@ class SplitEngine(Engine):
         )
         phase = None
         if opts.overlap_tuning:
-            tune_key = (
-                plan.token_bounds,
-                plan.head_bounds,
-                ld.pattern,
-                transport,
-                bool(sparse_step),
+            tune_key = PlanKey(
+                tuple(plan.token_bounds),
+                tuple(plan.head_bounds),
+                ld.pattern.value,
+                transport.value,
+                sparse_step is not None,
             )
             ran, phase = self.overlaps.choose(tune_key, ran)
         planned = PlannedStep(
