@@ -78,9 +78,9 @@ class H3MultiStreamAsync(ModelPatchNode):
                 {
                     "default": True,
                     "tooltip": "On: keep the block weights in shared memory after sampling (about "
-                    "19 GB for H3 int8; the adaLN weights stay in ComfyUI's model), so the next prompt "
-                    "starts without refilling them. Off: "
-                    "release them when sampling ends (the workers stay).",
+                    "19 GB for H3 int8; the adaLN weights stay in ComfyUI's model), so the next "
+                    "prompt starts without refilling them. Off: release them when sampling ends "
+                    "(the workers stay).",
                 },
             ),
             "cache_ram_reserve_gb": ram_reserve_input(
