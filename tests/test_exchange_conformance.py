@@ -9,13 +9,18 @@ a thread of this process (over a :class:`Rig`: the shm arena, abort word and doo
 exchange, the shared buffers of the in-process one) or the probe transport whose rank processes run
 it (``ProbeGroup``).  The CUDA ones skip without a GPU (``nccl``: without one GPU per rank);
 ``cuda-ipc`` (the GPU-direct exchange) spreads its ranks over the GPUs when every pair reaches the
-other by peer access, else puts them all on one GPU as logical ranks.
+other by peer access, else puts them all on one GPU as logical ranks.  ``cuda-ipc-cpu`` runs the same
+exchange on CPU rank processes through the test stand-in (``workers/testing/ipc_cpu.py``: each rank's
+send buffer a shm segment, its "IPC handle" the segment's id), so all of it but the CUDA calls runs
+without a GPU; the tests after the matrix add send-buffer parts larger than a page, a rank that never
+shares its buffer (the others fail at the op's deadline) and an abort while they wait for it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +34,7 @@ from workers.transports.arena import ArenaLayout
 from workers.transports.exchange import Exchange, ExchangeBase, IdentityExchange, NoExchange
 from workers.transports.host import HostExchange
 from workers.transports.local import LocalArena, LocalExchange
-from workers.transports.probe import run_case
+from workers.transports.probe import case_layout, run_case
 
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
 
@@ -52,6 +57,8 @@ HEADS = {
     8: [0, 1, 2, 3, 3, 4, 5, 6, 7],
 }
 DEADLINE_S = 30.0
+#: The probe ranks' environment for the GPU-direct exchange on CPU ranks (``workers/testing/ipc_cpu.py``).
+IPC_CPU = (("H3MS_TEST_HOOKS", "1"), ("H3MS_CUDA_IPC_CPU", "1"))
 
 
 def _cases(world: int, full: bool) -> list[dict]:
@@ -133,6 +140,7 @@ class Impl:
     cuda: bool = False
     full: bool = True  # False: no layout, so no q/k/v all-to-all and no head pieces
     shares_gpus: bool = False  # ranks may share a GPU (logical ranks)
+    env: tuple[tuple[str, str], ...] = ()  # the probe ranks' extra environment
 
 
 IMPLEMENTATIONS = [
@@ -144,6 +152,7 @@ IMPLEMENTATIONS = [
     Impl("cuda-host", _cuda_host, cuda=True),
     Impl("nccl", probe="nccl", cuda=True),
     Impl("cuda-ipc", probe="cuda_ipc", cuda=True, shares_gpus=True),
+    Impl("cuda-ipc-cpu", probe="cuda_ipc", env=IPC_CPU),
 ]
 
 
@@ -200,7 +209,12 @@ def _in_threads(impl: Impl, world: int, cases: list[dict], devices: list[str]) -
 
 def _in_processes(impl: Impl, world: int, cases: list[dict], devices: list[str]) -> list[dict]:
     """Every case on ``world`` probe rank processes; each rank's result records."""
-    with ProbeGroup(world, [dict(c, transport=impl.probe) for c in cases], devices=devices) as grp:
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        ProbeGroup(world, [dict(c, transport=impl.probe) for c in cases], devices=devices) as grp,
+    ):
+        for name, value in impl.env:
+            mp.setenv(name, value)
         grp.start()
         recs = grp.results(timeout_s=120)
     for rec in recs:
@@ -268,3 +282,65 @@ def test_transports_move_bytes_only():
             ex.close()
     finally:
         rig.close()
+
+
+def _withheld(deadline_s: float) -> ProbeGroup:
+    """Three probe ranks of the GPU-direct exchange on CPU ranks whose rank 1 never shares its buffer."""
+    lay = ArenaLayout.plan(3, [0, 4, 7, 9], [0, 2, 4, 6], 6, "float32", HEAD_DIM)
+    case = {"transport": "cuda_ipc", "layout": lay, "chunks": [2], "rounds": 1, "blocks": 1, "deadline_s": deadline_s}
+    return ProbeGroup(3, [case])
+
+
+def _ipc_cpu_env(mp: pytest.MonkeyPatch, **extra: str) -> None:
+    for name, value in IPC_CPU + tuple(extra.items()):
+        mp.setenv(name, value)
+
+
+def test_gpu_direct_waits_for_a_peer_that_never_shares_until_the_deadline(monkeypatch):
+    """A rank that begins the job without handing its buffer over: the others fail at the first op's deadline,
+    naming it (no hang)."""
+    _ipc_cpu_env(monkeypatch, H3MS_TEST_IPC_WITHHOLD_RANK="1")
+    with _withheld(deadline_s=2.0) as grp:
+        grp.start()
+        recs = grp.results(timeout_s=120)
+    for r in (0, 2):
+        err = recs[r]["error"]
+        assert err and err["type"] == "ExchangeTimeout", recs[r]
+        assert f"rank {r}: cuda_ipc: waiting for rank(s) [1] to share their GPU buffers within 2s" in err["message"]
+        assert recs[r]["returncode"] == 3
+    assert recs[1]["error"] and recs[1]["error"]["type"] == "ExchangeTimeout", recs[1]  # its peers went away
+
+
+def test_gpu_direct_abort_while_waiting_for_a_peers_buffer(monkeypatch):
+    """The abort generation ends the wait for a peer's buffer at once, long before the op's deadline."""
+    _ipc_cpu_env(monkeypatch, H3MS_TEST_IPC_WITHHOLD_RANK="1")
+    with _withheld(deadline_s=60.0) as grp:
+        lay = case_layout(grp.cases[0])
+        arena = Segment.attach(grp.cases[0]["arena_ipc"])
+        try:
+            grp.start()
+            end = time.monotonic() + 60
+            while not all(lay.seq_words(arena.base_tensor())) and time.monotonic() < end:
+                time.sleep(0.05)  # every rank has begun: 0 and 2 can only be waiting for rank 1's buffer
+        finally:
+            arena.close()
+        time.sleep(0.3)
+        t_abort = grp.abort()
+        recs = grp.results(timeout_s=60)
+    for r in (0, 2):
+        err = recs[r]["error"]
+        assert err and err["type"] == "ExchangeAborted", recs[r]
+        assert "during cuda_ipc: waiting for rank(s) [1] to share their GPU buffers" in err["message"]
+        assert err["t"] - t_abort < 2.0
+    assert recs[1]["error"] and recs[1]["error"]["type"] == "ExchangeAborted", recs[1]
+
+
+def test_gpu_direct_parts_larger_than_a_page(monkeypatch):
+    """Each part of a send buffer several pages long (the matrix's fit in one), so a part's size or offset that
+    is wrong makes parts overlap."""
+    _ipc_cpu_env(monkeypatch)
+    lay = ArenaLayout.plan(3, [0, 40, 41, 90], [h * 8 for h in (0, 4, 5, 8)], 64, "float32", 8)
+    case = {"name": "wide", "layout": lay, "chunks": [0, 3], "rounds": 2, "blocks": 2, "seed": 7,
+            "deadline_s": DEADLINE_S, "overlap": True}
+    results = _in_processes(Impl("cuda-ipc-cpu", probe="cuda_ipc", env=IPC_CPU), 3, [case], ["cpu"] * 3)
+    assert [f for res in results for f in res["failures"]] == []

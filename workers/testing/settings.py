@@ -17,6 +17,23 @@ CK_SPARSE_CPU = _flag_var(
     "(`sol_attn_chunked`) on the CPU through the pack's test hook (`workers/testing/"
     "ck_sparse_cpu.py`, over kitchen's eager `sol_attn`). Tests only.",
 )
+CUDA_IPC_CPU = _flag_var(
+    "H3MS_CUDA_IPC_CPU",
+    "With `H3MS_TEST_HOOKS=1`: the exchange probe runs `cuda_ipc` cases on CPU ranks, each rank's "
+    "send buffer a shm segment in place of GPU memory shared by CUDA IPC (the pack's stand-in "
+    "`workers/testing/ipc_cpu.py`). Tests only.",
+)
+TEST_IPC_WITHHOLD_RANK = _var(
+    "H3MS_TEST_IPC_WITHHOLD_RANK",
+    "integer",
+    -1,
+    "unset",
+    "With `H3MS_CUDA_IPC_CPU=1`: this exchange rank (0 = the first) never hands its send buffer to "
+    "its peers (its handle slots stay empty), so tests show that they fail at the op's deadline "
+    "or on abort. Tests only.",
+    "give a rank (0 or more) or unset it",
+    _number(int, "an integer rank", lambda v: v >= 0, "must be >= 0"),
+)
 TEST_SHAPE_FAULT = _var(
     "H3MS_TEST_SHAPE_FAULT",
     "text",

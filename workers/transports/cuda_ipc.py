@@ -18,12 +18,14 @@ synchronised on the host), and publishes anything of the next op only after its 
 previous op finished, which is all the host exchange's reuse argument needs.
 
 Handles.  Each rank allocates its send buffer once per exchange object (one per step arena, i.e. per
-step shape) and writes one handle per peer (``workers.runtime.cuda_ipc.share``) into slot (owner,
-peer) of the arena: the msgpack payload, then its length as the slot's first word (the x86-64 store
-order argument of ``workers.transports.host``).  A rank opens its peers' buffers at its first op,
-waiting for their slots under the op's deadline and the abort generation.  ``devices[p]`` is the
-index under which this process sees rank p's GPU (a worker sees its own as 0 and its peers' through
-the pool's ``also_visible``).
+step shape) and writes one handle per peer (:meth:`IpcBuffers.share`:
+``workers.runtime.cuda_ipc.share`` as msgpack) into slot (owner, peer) of the arena: the payload,
+then its length as the slot's first word (the x86-64 store order argument of
+``workers.transports.host``).  A rank opens its peers' buffers at its first op, waiting for their
+slots under the op's deadline and the abort generation.  ``devices[p]`` is the index under which
+this process sees rank p's GPU (a worker sees its own as 0 and its peers' through the pool's
+``also_visible``).  Only :class:`IpcBuffers` touches CUDA: ``workers/testing/ipc_cpu.py`` replaces
+it to run everything else on CPU ranks (``tests/test_exchange_conformance.py``).
 """
 
 from __future__ import annotations
@@ -115,11 +117,44 @@ class _SendBuffer:
         ]
 
 
+class IpcBuffers:
+    """Where the ranks' send buffers live and how a peer reaches one: memory of a CUDA device,
+    shared by CUDA IPC.  One object per exchange.  (``workers/testing/ipc_cpu.py`` overrides it to
+    run the exchange's protocol without a GPU, each buffer a shm segment.)"""
+
+    def device(self, index: int) -> torch.device:
+        """The device under this process's index ``index`` (``CudaIpcExchange``'s ``devices``)."""
+        return torch.device("cuda", index)
+
+    def allocate(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """A new flat uint8 send buffer of ``nbytes`` on ``device``."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def share(self, flat: torch.Tensor) -> bytes:
+        """A handle of ``flat`` for one opener (raises ``RuntimeError`` where this process cannot
+        share it)."""
+        return msgspec.msgpack.encode(cuda_ipc.share(flat))
+
+    def open(self, handle: bytes, index: int) -> torch.Tensor:
+        """The buffer behind a peer's ``handle`` as one flat uint8 tensor, on this process's device
+        ``index`` (raises ``RuntimeError`` where it cannot be opened)."""
+        return cuda_ipc.bytes_of(cuda_ipc.open_storage(msgspec.msgpack.decode(handle), index))
+
+    def unavailable(self, device: torch.device) -> str:
+        """Why this process cannot share memory of ``device`` ('' when it can)."""
+        return cuda_ipc.unavailable(str(device))
+
+    def close(self) -> None:
+        """Let go of what the buffers hold besides their tensors (here nothing: an opened storage
+        gives its reference back when its last tensor is freed)."""
+
+
 class CudaIpcExchange(HostExchange):
     """One CUDA rank's side of the GPU-direct exchange (the module docstring).  ``arena`` is the
     shm arena of :func:`arena_bytes` (header initialised by its creator with
-    ``layout.init_header``), ``devices[p]`` this process's index of rank p's GPU; the other
-    arguments are :class:`HostExchange`'s, whose copy hooks here move device memory."""
+    ``layout.init_header``), ``devices[p]`` this process's index of rank p's GPU, ``buffers``
+    where the send buffers live (default: :class:`IpcBuffers`, CUDA memory); the other arguments
+    are :class:`HostExchange`'s, whose copy hooks here move device memory."""
 
     transport = "cuda_ipc"
     _slots: np.ndarray
@@ -135,6 +170,7 @@ class CudaIpcExchange(HostExchange):
         deadline_s: float,
         *,
         devices: Sequence[int],
+        buffers: IpcBuffers | None = None,
         spin_us: float = 0.0,
         to_host: CopyFn | None = None,
         to_device: CopyFn | None = None,
@@ -143,7 +179,8 @@ class CudaIpcExchange(HostExchange):
         if len(devices) != world:
             raise ValueError(f"need one CUDA device index per rank ({world}), got {list(devices)}")
         self.devices = [int(d) for d in devices]
-        self.device = torch.device("cuda", self.devices[rank])
+        self.buffers = buffers or IpcBuffers()
+        self.device = self.buffers.device(self.devices[rank])
         self._bufs: list[_SendBuffer | None] = [None] * world
         super().__init__(
             rank,
@@ -171,16 +208,16 @@ class CudaIpcExchange(HostExchange):
         self._slots = arena.numpy()
         with torch.inference_mode(False):
             # a normal tensor: written in and outside inference mode
-            flat = torch.empty(send_plan(lay, me).nbytes, dtype=torch.uint8, device=self.device)
+            flat = self.buffers.allocate(self.device, send_plan(lay, me).nbytes)
         self._bufs[me] = _SendBuffer(lay, me, flat)
         try:
             for p in range(self.world):
                 if p != me:
-                    self._write_slot(p, msgspec.msgpack.encode(cuda_ipc.share(flat)))
+                    self._write_slot(p, self.buffers.share(flat))
         except RuntimeError as exc:
             raise CudaIpcUnavailable(
                 f"rank {me}: exchange=cuda_ipc cannot share its {self.device} buffer "
-                f"({cuda_ipc.unavailable(str(self.device)) or exc}); or use exchange host"
+                f"({self.buffers.unavailable(self.device) or exc}); or use exchange host"
             ) from exc
 
     def _write_slot(self, peer: int, payload: bytes) -> None:
@@ -199,14 +236,14 @@ class CudaIpcExchange(HostExchange):
         payload = self._read_slot(p)
         assert payload is not None  # _open_peers takes a peer once its slot is filled
         try:
-            storage = cuda_ipc.open_storage(msgspec.msgpack.decode(payload), self.devices[p])
+            flat = self.buffers.open(payload, self.devices[p])
         except RuntimeError as exc:
             raise CudaIpcUnavailable(
                 f"rank {self.rank}: exchange=cuda_ipc cannot open rank {p}'s buffer on its device "
                 f"{self.devices[p]} ({str(exc).splitlines()[0]}); every rank's worker must see "
                 "every rank's GPU, or use exchange host"
             ) from exc
-        self._bufs[p] = _SendBuffer(self.layout, p, cuda_ipc.bytes_of(storage))
+        self._bufs[p] = _SendBuffer(self.layout, p, flat)
 
     def _open_peers(self) -> None:
         """Open every peer's send buffer once its handle is there (the op's deadline, abort)."""
@@ -244,3 +281,4 @@ class CudaIpcExchange(HostExchange):
         """Drop the peers' buffers (each gives its reference back) and this rank's own."""
         super().close()
         self._bufs = [None] * self.world
+        self.buffers.close()

@@ -9,7 +9,8 @@ exchange tests and benchmark; ``ProbeGroup`` in ``h3ms_async/tools/bench/exchang
 
 A case names its transports (``transport``: one of ``host``, ``cuda_ipc``, ``gloo``, ``nccl`` or a
 list of them; the spec's ``devices``, one per rank, put the ranks on CUDA devices: the host exchange
-is then wrapped as a CUDA rank wraps it, ``cuda_ipc`` and ``nccl`` need them), an arena segment
+is then wrapped as a CUDA rank wraps it, ``nccl`` needs them, ``cuda_ipc`` too unless the test
+stand-in runs it on CPU ranks: ``workers/testing/ipc_cpu.py``), an arena segment
 (``workers/runtime/shm.py``, attached by id) with its layout (host; for ``cuda_ipc`` the
 GPU-direct exchange's header and handle slots, ``arena_ipc``), the chunk counts to run, and rounds x
 blocks of
@@ -38,8 +39,10 @@ from typing import Any
 import torch
 
 from workers.dit.protocol import Transport
+from workers.runtime import config
 from workers.runtime.shm import Segment
 from workers.transports.arena import ArenaLayout
+from workers.transports.cuda_ipc import CudaIpcExchange, IpcBuffers
 from workers.transports.exchange import (
     Exchange,
     ExchangeError,
@@ -204,6 +207,17 @@ def run_case(
     return result
 
 
+def _ipc_stand_in(rank: int) -> IpcBuffers | None:
+    """The test stand-in's send buffers of a ``cuda_ipc`` case on a CPU rank (shm segments,
+    ``workers/testing/ipc_cpu.py``; only with ``H3MS_TEST_HOOKS=1 H3MS_CUDA_IPC_CPU=1``), else
+    None."""
+    if not config.TEST_HOOKS.get():
+        return None
+    from workers.testing import ipc_cpu  # test-only code (H3MS_TEST_HOOKS=1)
+
+    return ipc_cpu.buffers(rank)
+
+
 def build_exchange(
     transport: str,
     rank: int,
@@ -228,11 +242,15 @@ def build_exchange(
         args = (rank, world, arena, layout, doorbells, control, float(case.get("deadline_s", 30)))
         spin_us = float(case.get("spin_us", 0))
         if ipc:
-            from workers.dit.cuda import CudaExchange
-            from workers.transports.cuda_ipc import CudaIpcExchange
-
             if not cuda:
-                raise ValueError(f"probe transport cuda_ipc on {device}: it runs CUDA ranks")
+                stand_in = _ipc_stand_in(rank)
+                if stand_in is None:
+                    raise ValueError(f"probe transport cuda_ipc on {device}: it runs CUDA ranks")
+                return CudaIpcExchange(
+                    *args, spin_us=spin_us, devices=[0] * world, buffers=stand_in
+                )
+            from workers.dit.cuda import CudaExchange
+
             return CudaExchange.over_host(
                 device,
                 *args,
