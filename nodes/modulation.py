@@ -17,8 +17,7 @@ def block_modulation(dm: Any, t_emb: torch.Tensor) -> torch.Tensor:
     patches, DynamicVRAM) on ``silu(t_emb)``, or on ``t_emb`` where the module's ``apply_silu``
     is off (curve-form checkpoints, fp32 adaLN). The ranks view and chunk it as that forward does
     (``workers.dit.ops.modulation``)."""
-    rows = []
-    for block in dm.blocks:
-        proj = block.adaln_proj
-        rows.append(proj.linear(torch.nn.functional.silu(t_emb) if proj.apply_silu else t_emb))
-    return torch.stack(rows)
+    silu = torch.nn.functional.silu(t_emb)  # the same input for every block: taken once
+    return torch.stack(
+        [b.adaln_proj.linear(silu if b.adaln_proj.apply_silu else t_emb) for b in dm.blocks]
+    )
