@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from h3ms_async.runtime.host_memory import GIB, ram_info
+from h3ms_async.runtime.readahead import BlockReadahead
 from workers.dit.ops import held_by_ranks
 
 from .errors import MultiStreamError
@@ -32,25 +33,34 @@ def weight_key(patcher: Any) -> tuple[tuple, str | None]:
     the store.
     """
     patches = str(getattr(patcher, "patches_uuid", ""))
-    init = getattr(patcher, "cached_patcher_init", None)
-    if init and len(init) >= 2 and init[1]:
-        args = init[1]
-        path = args[0]
-        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
-            st = os.stat(path)
-            options = args[1] if len(args) > 1 else None
-            opts = (
-                repr(sorted(options.items(), key=lambda kv: str(kv[0])))
-                if isinstance(options, Mapping)
-                else repr(options)
-            )
-            return ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns, opts, patches), None
+    path = checkpoint_path(patcher)
+    if path is not None:
+        st = os.stat(path)
+        args = patcher.cached_patcher_init[1]
+        options = args[1] if len(args) > 1 else None
+        opts = (
+            repr(sorted(options.items(), key=lambda kv: str(kv[0])))
+            if isinstance(options, Mapping)
+            else repr(options)
+        )
+        return ("dit", path, st.st_size, st.st_mtime_ns, opts, patches), None
     model = getattr(patcher, "model", patcher)
     return ("dit-object", id(model), patches), (
         "weight store keyed by model object: the loader gave no single-file reload factory "
         "(cached_patcher_init); load the DiT with a core loader (UNETLoader / "
         "CheckpointLoaderSimple) to keep the store across reloads"
     )
+
+
+def checkpoint_path(patcher: Any) -> str | None:
+    """The real path of the single file the loader's reload factory (``cached_patcher_init``)
+    loads the model from, or None."""
+    init = getattr(patcher, "cached_patcher_init", None)
+    if init and len(init) >= 2 and init[1]:
+        path = init[1][0]
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+            return os.path.realpath(path)
+    return None
 
 
 # --- weights through ComfyUI's own patch path -----------------------------------------------------
@@ -246,8 +256,15 @@ def block_reader(
     the RAM reserve."""
     dm = patcher.get_model_object("diffusion_model")
     reserve = int(reserve_gb * GIB)
+    path = checkpoint_path(patcher)
+    ahead: list[BlockReadahead | None] = []  # made at the first read: only a fill reads
 
     def read(i: int) -> dict[str, torch.Tensor]:
+        if not ahead:
+            safetensors = path is not None and path.lower().endswith((".safetensors", ".sft"))
+            ahead.append(BlockReadahead.of(path, held_by_ranks) if path and safetensors else None)
+        if ahead[0] is not None:
+            ahead[0].reading(i)
         need = block_nbytes(dm, i)
         avail = ram()
         if avail - need < reserve:

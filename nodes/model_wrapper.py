@@ -186,6 +186,9 @@ class _RunStack:
         if warning:
             self.state.warn_once("key", warning)
         engine = get_engine(self.state.devices, self.state.options)
+        # a first prompt's modulation reads every block's adaLN weights (from disk when cold):
+        # the workers start beside that read instead of after it
+        engine.start_workers()
         if self.state.take_new_prompt():
             engine.new_prompt()
         dtype = args["img"].dtype

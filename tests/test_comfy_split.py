@@ -215,8 +215,22 @@ def test_modulation_rows_are_comfyuis_own():
     cases = r'''
     from h3ms_async.status.hub import get_hub
     fp32 = comfy_h3.load(write("fp32"))
-    report("fp32 2 ranks", ksample(fp32), split_ksample(node(fp32, 2), 2),
-           store_keys=sorted({k for b in S.engines()[0].loaded.store.manifest for k in b}))
+    plain32 = ksample(fp32)
+    import time
+    pools_at_rows = []  # the pools' states while the first split call reads block 0's adaLN weights
+    def at_rows(module, args):
+        """A read that takes as long as a cold disk's: the workers must be starting meanwhile (without the early
+        start nothing starts them until the read ends, and the pool stays stopped)."""
+        if pools_at_rows or not S.engines():
+            return
+        t = time.monotonic()
+        while time.monotonic() - t < 10 and all(e.pool.state.value == "stopped" for e in S.engines()):
+            time.sleep(0.01)
+        pools_at_rows.extend(e.pool.state.value for e in S.engines())
+    hook = fp32.get_model_object("diffusion_model").blocks[0].adaln_proj.linear.register_forward_pre_hook(at_rows)
+    report("fp32 2 ranks", plain32, split_ksample(node(fp32, 2), 2),
+           store_keys=sorted({k for b in S.engines()[0].loaded.store.manifest for k in b}), pools_at_rows=pools_at_rows)
+    hook.remove()
     int8 = comfy_h3.load(write("int8", int8=True))
     plain8 = ksample(int8)
     report("int8 2 ranks", plain8, split_ksample(node(int8, 2), 2))
@@ -244,6 +258,8 @@ def test_modulation_rows_are_comfyuis_own():
 '''
     out = _run(cases, ["--use-pytorch-cross-attention"])
     assert not any(k.startswith("adaln_proj.") for k in out["fp32 2 ranks"]["store_keys"])
+    # fresh workers start beside ComfyUI's read of the adaLN weights, not after it
+    assert out["fp32 2 ranks"]["pools_at_rows"] in (["starting"], ["running"]), out["fp32 2 ranks"]
     assert out["adaLN LoRA 2 ranks"]["lora_changes_output"]
     faulty = out["block 1 rows one ulp off"]
     assert faulty["proof_failure"] is None, faulty  # it ran split

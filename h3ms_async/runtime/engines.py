@@ -86,6 +86,16 @@ class Engine:
             finally:
                 self._running = False
 
+    def start_workers(self) -> None:
+        """Start the workers in the background unless they are up: a caller with slow work of its
+        own before its first job (ComfyUI reading the adaLN weights from disk for the modulation
+        rows) starts them first, beside it.  The job's own start waits for this one; a start that
+        fails here is logged and tried again, and raised, by the job."""
+        if self.pool.running and not self.pool.any_dead:
+            return
+        fut = get_coordinator().submit(self.pool.start())
+        fut.add_done_callback(_log_early_start)
+
     # -- waiting for the ranks ---------------------------------------------------------------------
     def run(
         self,
@@ -198,6 +208,11 @@ class Engine:
         """Drop loaded weights but keep the workers; returns whether any were held (engines that
         keep none: False)."""
         return False
+
+
+def _log_early_start(fut: cf.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("an early start of the workers failed (the job starts them): %s", fut.exception())
 
 
 E = TypeVar("E", bound=Engine)

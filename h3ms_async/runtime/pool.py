@@ -129,6 +129,10 @@ class WorkerPool:
         return self._jobs > 0
 
     @property
+    def state(self) -> PoolState:
+        return self._state
+
+    @property
     def running(self) -> bool:
         return self._state is PoolState.RUNNING
 

@@ -1,0 +1,121 @@
+"""The fill's readahead (``h3ms_async/runtime/readahead.py``) on a real safetensors file: each block's ranges hold
+exactly its tensors' bytes (the file groups tensors by dtype, so a block is several ranges), and asking for block 1
+brings exactly its pages into the page cache of a file dropped from it (``mincore`` over a mapping of the file)."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from h3ms_async.runtime.readahead import BlockReadahead, block_ranges
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _checkpoint(path: str, blocks: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    sd = {"diffusion_model.patch_embed.weight": torch.randn(64, 64, generator=g)}
+    for i in range(blocks):
+        p = f"diffusion_model.blocks.{i}."
+        sd[p + "attn.qkv_proj.weight"] = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8, generator=g)
+        sd[p + "attn.qkv_proj.weight_scale"] = torch.rand(512, 1, generator=g)
+        sd[p + "norm1.weight"] = torch.randn(512, generator=g).to(torch.bfloat16)
+        sd[p + "adaln_proj.linear.weight"] = torch.randn(256, 512, generator=g).to(torch.bfloat16)
+    save_file(sd, path)
+    return sd
+
+
+def test_block_ranges_hold_exactly_the_blocks_tensors(tmp_path):
+    path = str(tmp_path / "h3.safetensors")
+    sd = _checkpoint(path)
+    held = block_ranges(path, lambda name: not name.startswith("adaln_proj."))
+    assert sorted(held) == [0, 1, 2]
+    data = open(path, "rb").read()
+    for i, ranges in held.items():
+        assert len(ranges) > 1  # int8, fp32 and bf16 tensors lie in different parts of the file
+        got = b"".join(data[off:off + n] for off, n in ranges)
+        names = [k for k in sd if k.startswith(f"diffusion_model.blocks.{i}.") and ".adaln_proj." not in k]
+        want = sorted(sd[k].contiguous().view(torch.uint8).numpy().tobytes() for k in names)
+        # the ranges are in file order; each tensor's bytes are one piece of them
+        assert len(got) == sum(len(w) for w in want)
+        assert all(w in got for w in want)
+        assert sd[f"diffusion_model.blocks.{i}.adaln_proj.linear.weight"].view(torch.uint8).numpy().tobytes() \
+            not in got
+    with pytest.raises(ValueError, match="safetensors"):
+        (tmp_path / "x.safetensors").write_bytes(b"\xff" * 7)
+        block_ranges(str(tmp_path / "x.safetensors"))
+
+
+def _pages(ranges: list[tuple[int, int]]) -> set[int]:
+    return {p for off, n in ranges for p in range(off // PAGE, (off + n - 1) // PAGE + 1)}
+
+
+def _resident(path: str) -> set[int]:
+    """The file's pages in the page cache (``mincore`` over a shared read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        pages = (size + PAGE - 1) // PAGE
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+    return {p for p in range(pages) if vec[p] & 1}
+
+
+def _cached_within(path: str, pages: set[int], deadline_s: float = 10.0) -> set[int]:
+    """The file's cached pages once ``pages`` are among them, or at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not pages <= (cached := _resident(path)) and time.monotonic() < end:
+        time.sleep(0.02)
+    return cached
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_reading_a_block_brings_the_next_blocks_into_the_page_cache(tmp_path):
+    path = str(tmp_path / "h3.safetensors")
+    _checkpoint(path, blocks=6)
+    wanted = lambda name: not name.startswith("adaln_proj.")  # noqa: E731
+    ranges = block_ranges(path, wanted)
+    pages = {i: _pages(r) for i, r in ranges.items()}
+    # a block's own pages: those no other block's ranges touch (small tensors of neighbouring blocks share pages)
+    own = {i: p - set().union(*(q for j, q in pages.items() if j != i)) for i, p in pages.items()}
+    assert all(len(p) >= 64 for p in own.values())
+    _drop(path)
+    if _resident(path) & own[0]:
+        pytest.skip(f"this filesystem keeps {path}'s pages cached after POSIX_FADV_DONTNEED")
+    ahead = BlockReadahead.of(path, wanted)
+    assert ahead is not None
+    ahead.reading(1)
+    ahead.wait()
+    cached = _cached_within(path, own[1] | own[2] | own[3])  # the kernel reads them in the background
+    # block 1 is read now and blocks 2 and 3 are asked for ahead of it; blocks 0, 4 and 5 are not
+    # (whole: the page cache may read a neighbour's edge with a range's last pages, in one large folio)
+    assert [own[i] <= cached for i in range(6)] == [False, True, True, True, False, False]
+    ahead.reading(2)  # block 4 is asked for now; 2 and 3 were asked for once already
+    ahead.wait()
+    cached = _cached_within(path, own[4])
+    assert own[4] <= cached and not own[5] <= cached
