@@ -25,7 +25,11 @@ both sides read it from disk. Then:
    ``tests/split_proof.py``; a refused plan runs ComfyUI's own blocks).
 
 ``--lora`` puts a rank-16 LoRA on every block's qkv and fc1 on both sides: ComfyUI then patches those weights in its
-cast, and the node's fill takes them from that cast (``nodes/comfy_weights.py``), the slower path.
+cast, and the node's fill takes them from that cast (``nodes/comfy_weights.py``), the slower path. Then a third
+prompt runs with the LoRA at another strength (0.3 instead of 0.8): the node rewrites only the patched tensors in
+place (``WeightStore.rewrite``); ``node_third_prompt`` gives its bytes and seconds (``refill``) beside the first
+prompt's full fill (``full_fill``), whether the store segment stayed (``same_store``), and ``bit_exact`` whether its
+samples equal plain ComfyUI's at that strength.
 
 Beside them: the file's sequential read rate after a drop (its first 4 GiB), and the copy bandwidths the fill is bounded by (CUDA:
 pinned and pageable device-to-host and host-to-device; CPU: a host memcpy). JSON: ``$OUT/comfy_cold_start.json``.
@@ -117,17 +121,21 @@ gc.collect()
 timer = comfy_h3.BlockStackTimer()
 lora = comfy_h3.lora_state_dict({layers}, rank=16, dims=dims) if {lora} else None
 
+def with_lora(model, strength):
+    with torch.inference_mode():
+        return comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0]
+
 def loaded():
-    """UNETLoader on the dropped file, hooks on the new model's own modules; (patcher, seconds)."""
+    """UNETLoader on the dropped file, hooks on the new model's own modules; (patcher, seconds, the unpatched
+    patcher)."""
     drop_cache()
     t = time.perf_counter()
-    model = comfy_h3.load(name)
+    base = model = comfy_h3.load(name)
     if {lora}:
-        with torch.inference_mode():
-            model = comfy.sd.load_lora_for_models(model, None, lora, 0.8, 0)[0]
+        model = with_lora(base, 0.8)
     s = time.perf_counter() - t
     timer.attach(model)
-    return model, s
+    return model, s, base
 
 def sample(model):
     """(block-stack seconds per call, the sampled streams)."""
@@ -141,7 +149,7 @@ def rnd(s):
 def cold(load_s, stacks):
     return round(load_s + stacks[0] - min(stacks[1:]), 4)
 
-model, plain_load_s = loaded()
+model, plain_load_s, _ = loaded()
 patcher = type(model).__name__
 plain, plain_out = sample(model)
 del model
@@ -150,7 +158,7 @@ gc.collect()
 mm.soft_empty_cache()
 
 os.environ["H3MS_RANK_MAP"] = {ranks!r}
-model, node_load_s = loaded()
+model, node_load_s, base = loaded()
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", None)[0]
 from h3ms_async.dit import split as S
 proofs = [SplitProof({ranks!r}.split(","), strict=False) for _ in range(2)]  # every call split, per prompt
@@ -162,6 +170,25 @@ segment = eng.loaded.store.segment.name
 with proofs[1]:
     second, second_out = sample(split)
 refilled = eng.last_load is not load or eng.loaded.store.segment.name != segment
+third = None
+if {lora}:  # the LoRA at another strength: only the patched tensors are rewritten
+    relora = with_lora(base, 0.3)
+    proofs.append(SplitProof({ranks!r}.split(","), strict=False))
+    with proofs[2]:
+        third_stacks, third_out = sample(N["H3MultiStreamAsync"]().patch(relora, True, -1, "host", 8, True, 0.0,
+                                                                          "auto", None)[0])
+    refill = eng.last_load
+    _, plain_third = sample(relora)
+    third = dict(strength=0.3, block_stack_s=third_stacks,
+                 first_over_steady_s=round(third_stacks[0] - min(third_stacks[1:]), 4),
+                 same_store=eng.loaded.store.segment.name == segment, full_because=refill.full_because,
+                 refill=None if refill.refill is None else dict(
+                     tensors=refill.refill.store.tensors, of_tensors=refill.refill.store.of_tensors,
+                     bytes=refill.fill_bytes, store_s=round(refill.fill_s, 4),
+                     ranks_s=round(refill.ranks_load_s, 4), ranks_bytes=refill.refill.ranks_bytes,
+                     wall_s=round(refill.wall_s, 4), line=refill.line()),
+                 full_fill=dict(bytes=load.fill_bytes, fill_s=round(load.fill_s, 3), wall_s=round(load.wall_s, 3)),
+                 bit_exact=comfy_h3.same(plain_third, third_out)[0] if proofs[2].failure is None else None)
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(
@@ -183,10 +210,11 @@ print("RESULT " + json.dumps(dict(
                            probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0)),
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
+    node_third_prompt=third,
     node_cold_over_comfy_cold=round(node_cold / comfy_cold, 3) if comfy_cold > 0 else None,
     split_proof=[p.failure for p in proofs],
     bit_exact=comfy_h3.same(plain_out, first_out)[0] and comfy_h3.same(plain_out, second_out)[0]
-    if not any(p.failure for p in proofs) else None,
+    if not any(p.failure for p in proofs[:2]) else None,
 )), flush=True)
 N["H3MSReleaseResourcesAsync"]().run(True, True, True)
 os.remove(path)

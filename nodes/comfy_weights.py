@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,19 +21,35 @@ import torch
 
 from h3ms_async.runtime.host_memory import GIB, ram_info
 from h3ms_async.runtime.readahead import BlockReadahead
+from h3ms_async.runtime.weight_store import PatchedKey
 from workers.dit.ops import held_by_ranks
 
 from .errors import MultiStreamError
 
+_BLOCK_PATCH = re.compile(r"diffusion_model\.blocks\.(\d+)\.(.+)")
 
-def weight_key(patcher: Any) -> tuple[tuple, str | None]:
+
+def patched_block_params(patcher: Any) -> frozenset[tuple[int, str]]:
+    """``(block, in-block parameter name)`` of every block parameter the ranks hold that
+    ``patcher``'s weight patches (``patches``: LoRA and other weight patches) change."""
+    out = set()
+    for key in getattr(patcher, "patches", {}):
+        m = _BLOCK_PATCH.fullmatch(str(key))
+        if m and held_by_ranks(m.group(2)):
+            out.add((int(m.group(1)), m.group(2)))
+    return frozenset(out)
+
+
+def weight_key(patcher: Any) -> tuple[PatchedKey, str | None]:
     """``(key, warning)``: the shm weight-store key of what ``patcher`` would run.
 
-    The key comes from the loader's reload factory (``cached_patcher_init``: file, options,
-    patches); without one it is the model object's ``id``, with a warning, and every reload refills
-    the store.
+    The key's base comes from the loader's reload factory (``cached_patcher_init``: file, options);
+    without one it is the model object's ``id``, with a warning, and every reload refills the
+    store. Its patch part is ComfyUI's ``patches_uuid`` with the block parameters the patches
+    change, so a LoRA change rewrites only those (``WeightStore.rewrite``).
     """
     patches = str(getattr(patcher, "patches_uuid", ""))
+    patched = patched_block_params(patcher)
     path = checkpoint_path(patcher)
     if path is not None:
         st = os.stat(path)
@@ -43,9 +60,9 @@ def weight_key(patcher: Any) -> tuple[tuple, str | None]:
             if isinstance(options, Mapping)
             else repr(options)
         )
-        return ("dit", path, st.st_size, st.st_mtime_ns, opts, patches), None
+        return PatchedKey(("dit", path, st.st_size, st.st_mtime_ns, opts), patches, patched), None
     model = getattr(patcher, "model", patcher)
-    return ("dit-object", id(model), patches), (
+    return PatchedKey(("dit-object", id(model)), patches, patched), (
         "weight store keyed by model object: the loader gave no single-file reload factory "
         "(cached_patcher_init); load the DiT with a core loader (UNETLoader / "
         "CheckpointLoaderSimple) to keep the store across reloads"

@@ -294,17 +294,22 @@ def test_ram_reserve_refuses_to_fill():
 def test_weight_key_from_loader_file_or_object():
     patcher = comfy_h3.model(layers=1)
     key, warning = CW.weight_key(patcher)
-    assert warning and "cached_patcher_init" in warning and key[0] == "dit-object"
+    assert warning and "cached_patcher_init" in warning and key.base[0] == "dit-object"
     name = f"h3key-{os.getpid()}.safetensors"
     path = comfy_h3.write_checkpoint(os.path.join(comfy_h3.checkpoint_dir(), name), layers=1)
     try:
         loaded = comfy_h3.load(name)  # UNETLoader registers ComfyUI's reload factory (cached_patcher_init)
         key, warning = CW.weight_key(loaded)
         st = os.stat(path)
-        assert warning is None and key[:4] == ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        assert warning is None and key.base[:4] == ("dit", os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        assert key.patched == frozenset()
         lora = loaded.clone()
-        lora.add_patches({"diffusion_model.blocks.0.norm1.weight": (torch.ones(H),)})
-        assert CW.weight_key(lora)[0] != key and CW.weight_key(loaded.clone())[0] == key
+        lora.add_patches({"diffusion_model.blocks.0.norm1.weight": (torch.ones(H),),
+                          "diffusion_model.blocks.0.adaln_proj.linear.weight": (torch.ones(1),),
+                          "diffusion_model.final_layer.norm.weight": (torch.ones(H),)})
+        patched = CW.weight_key(lora)[0]
+        assert patched != key and patched.base == key.base and CW.weight_key(loaded.clone())[0] == key
+        assert patched.patched == {(0, "norm1.weight")}  # the ranks hold no adaLN and no final layer
     finally:
         os.unlink(path)
 

@@ -116,3 +116,84 @@ def test_split_equals_comfyui_on_cuda(group):
         if verify:  # one result per prompt's first split step, each bit-exact on the ranks' GPUs
             assert case["verify"], case
             assert all(v["bit_exact"] and v["first_difference"] is None for v in case["verify"]), case
+
+
+_LORA_BODY = r'''
+import json, os, sys, torch
+sys.path.insert(0, {tests!r})
+import main  # noqa: F401  (ComfyUI's start-up: comfy-aimdo and the ModelPatcherDynamic swap)
+import comfy_h3, nodes, comfy.sd
+from split_proof import SplitProof
+comfy_h3.start()
+N = nodes.NODE_CLASS_MAPPINGS
+from h3ms_async.dit import split as S
+KW = dict(width=1280, height=768, length=56, steps=2)
+RANKS = "cuda:0,cuda:0"
+os.environ["H3MS_RANK_MAP"] = RANKS
+lora = comfy_h3.lora_state_dict(2, rank=16)
+modules = {{k.removeprefix("diffusion_model.").split(".lora_")[0] for k in lora}}
+for kind, int8 in (("bf16", False), ("int8", True)):
+    name = f"h3cuda-{{os.getpid()}}-lora-{{kind}}.safetensors"
+    path = os.path.join(comfy_h3.checkpoint_dir(), name)
+    comfy_h3.write_checkpoint(path, layers=2, int8=int8, dtype=torch.bfloat16, scale_2d=int8)
+    try:
+        base = comfy_h3.load(name)
+        first = None
+        for strength in (0.8, 0.3, None):
+            before = S.engines()[0].loaded.store.segment.name if first is not None else None
+            model = base
+            if strength is not None:
+                with torch.inference_mode():
+                    model = comfy.sd.load_lora_for_models(base, None, lora, strength, 0)[0]
+            split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "resident", None, False)[0]
+            proof = SplitProof(RANKS.split(","))
+            with proof:
+                out = comfy_h3.ksample(split, **KW)
+            plain = comfy_h3.ksample(model, **KW)
+            eng = S.engines()[0]
+            st, ld = eng.loaded.store, eng.last_load
+            if first is None:
+                first = (st.segment.name, sorted(w["pid"] for w in eng.pool.snapshot()))
+            r = ld.refill
+            r = dict(case=f"{{kind}} lora {{strength}}", patcher=type(model).__name__, proof=proof.summary(),
+                     same=comfy_h3.same(plain, out), same_store=st.segment.name == (before or first[0]),
+                     same_pids=sorted(w["pid"] for w in eng.pool.snapshot()) == first[1],
+                     full_because=ld.full_because, line=ld.line(),
+                     refill=None if r is None else dict(bytes=r.store.bytes, tensors=r.store.tensors,
+                                                        ranks_bytes=r.ranks_bytes),
+                     want_bytes=sum(t.numel() * t.element_size() for i in range(len(st.manifest))
+                                    for n, t in st.block(i).items()
+                                    if f"blocks.{{i}}.{{n.rsplit('.', 1)[0]}}" in modules))
+            print("CASE " + json.dumps(r), flush=True)
+    finally:
+        S.release_all_engines()
+        os.unlink(path)
+'''
+
+
+def test_lora_strength_change_refreshes_resident_blocks():
+    """Under DynamicVRAM (the LoRA applied in ``comfy.ops``' cast) on ranks cuda:0,cuda:0 with every block resident in
+    VRAM: a LoRA at 0.8, then 0.3, then none. The later prompts rewrite only the patched tensors in place (the bytes
+    counted equal those tensors' bytes in the store; same segment, same workers) and each rank copies them into its
+    resident blocks again; every output equals plain ComfyUI at that strength, every call proven split. An int8
+    change whose cast result changes the blocks' layout is filled anew instead, saying why."""
+    body = _LORA_BODY.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as web_root:
+        r = comfy_tree.run_comfy_script(body, ["--disable-api-nodes", "--front-end-root", web_root], timeout_s=400)
+    out = {c["case"]: c for c in (json.loads(x[5:]) for x in r.stdout.splitlines() if x.startswith("CASE "))}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "cuda_comfy-lora-refresh.json"), "w") as fh:
+            json.dump({"results": out, "rc": r.returncode}, fh, indent=1)
+    assert r.returncode == 0 and len(out) == 6, r.stderr[-4000:]
+    for case in out.values():
+        assert case["patcher"] == "ModelPatcherDynamic" and case["proof"]["failure"] is None, case
+        assert case["same"][0], case
+        if case["case"].endswith("0.8"):
+            continue
+        assert case["same_pids"], case
+        if case["refill"] is None:
+            assert case["case"].startswith("int8") and "layout" in case["full_because"], case
+            continue
+        assert case["same_store"] and case["refill"]["bytes"] == case["want_bytes"] > 0, case
+        assert case["refill"]["ranks_bytes"] > 0, case  # the resident blocks' copies
+    assert out["bf16 lora 0.3"]["refill"] is not None and out["bf16 lora None"]["refill"] is not None

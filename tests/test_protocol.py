@@ -82,6 +82,19 @@ def test_program_messages_roundtrip():
         decode(body(bad_exchange))
 
 
+def test_dit_refresh_names_blocks_once_in_order():
+    from workers.dit.protocol import DitRefresh, DitRefreshed
+
+    ok = DitRefresh(id=3, store=SEG, key="k", blocks=[(0, ["attn.qkv_proj.weight"]), (4, ["mlp.fc1.weight", "x"])])
+    assert decode(encode(ok)[4:]) == ok and DitRefresh.ANSWER is DitRefreshed
+    for blocks, needle in (([(1, ["a"]), (0, ["b"])], "ascending"), ([(1, ["a"]), (1, ["b"])], "each once"),
+                           ([(-1, ["a"])], ">= 0"), ([(0, [])], "at least one tensor"), ([(0, [""])], "none empty")):
+        frame = msgpack.unpackb(encode(ok)[4:])
+        frame["blocks"] = blocks
+        with pytest.raises(ProtocolError, match=needle):
+            decode(body(frame))
+
+
 @pytest.mark.parametrize("obj, needle", [
     ([1, 2], "Expected `object`, got `array`"),
     ({"id": 1}, "missing required field `k`"),

@@ -225,6 +225,52 @@ def test_workers_start_while_the_store_fills(engine_factory, int8_model):
     assert eng.last_load is load
 
 
+def test_a_patch_change_rewrites_the_patched_tensors_in_place(engine_factory):
+    """A key that differs from the held one in its patches only (``PatchedKey``) rewrites just the tensors of the
+    patched modules of both patch sets, keeping the store segment and the workers, and the step then equals the same
+    weights filled anew; a patch set that would change the blocks' layout is filled anew, saying why."""
+    from h3ms_async.runtime.weight_store import PatchedKey
+    model = ReferenceDiT(CFG, weights="fp32", seed=4)
+    eng = engine_factory(["cpu"] * 2)
+
+    def patched(scale: float, dtype=torch.float32):
+        def read(i: int):
+            w = model.block_weights(i)
+            if scale != 1.0 or dtype != torch.float32:
+                w["attn.qkv_proj.weight"] = (w["attn.qkv_proj.weight"] * scale).to(dtype)
+            return w
+        return read
+
+    def key(patch: str) -> PatchedKey:
+        touched = frozenset((i, "attn.qkv_proj.weight") for i in range(CFG.layers)) if patch else frozenset()
+        return PatchedKey(("t", "patch"), patch, touched)
+
+    inp = make_step_inputs(CFG, _layouts()[0], 6, model.dtype)
+    step = (inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
+    assert eng.load_weights(key("a"), CFG, patched(1.5))
+    segment, pids = eng.loaded.store.segment.name, eng.pool.worker_pids()
+    eng.run_blocks(*step)
+    qkv_bytes = CFG.layers * 3 * CFG.heads * CFG.head_dim * CFG.hidden * 4
+    outs = {}
+    for patch, scale in (("b", 0.5), ("", 1.0)):
+        assert eng.load_weights(key(patch), CFG, patched(scale))
+        refill = eng.last_load.refill
+        assert refill is not None and eng.last_load.full_because is None, eng.last_load.line()
+        assert refill.store.blocks == tuple((i, ("attn.qkv_proj.weight",)) for i in range(CFG.layers))
+        assert refill.store.bytes == qkv_bytes and refill.ranks_bytes > 0, eng.last_load.line()
+        assert eng.loaded.store.segment.name == segment and eng.pool.worker_pids() == pids
+        outs[patch] = eng.run_blocks(*step)
+        eng.release_weights()  # the same weights filled anew
+        assert eng.load_weights(key(patch), CFG, patched(scale)) and eng.last_load.refill is None
+        assert torch.equal(eng.run_blocks(*step), outs[patch]), patch
+        segment = eng.loaded.store.segment.name
+    assert not torch.equal(outs["b"], outs[""])
+    assert eng.load_weights(key("c"), CFG, patched(2.0, torch.bfloat16))  # the qkv weight's dtype changes
+    assert eng.last_load.refill is None and "layout" in eng.last_load.full_because, eng.last_load.line()
+    assert eng.loaded.store.segment.name != segment and "full refill" in eng.last_load.line()
+    assert eng.loaded.store.block(0)["attn.qkv_proj.weight"].dtype == torch.bfloat16
+
+
 def _holders(segment: str, pids) -> list[int]:
     """Which of ``pids`` map or hold the shm segment ``segment`` (an unnamed tmpfs file: found by its inode)."""
     ino = int(segment.split("-")[2][8:], 16)

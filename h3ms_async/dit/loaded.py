@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3ms_async.dit.reference import DiTConfig
-from h3ms_async.runtime.weight_store import WeightStore
+from h3ms_async.runtime.weight_store import GIB, Rewrite, WeightStore
 from workers.dit import protocol as dit_protocol
 
 
@@ -23,6 +23,25 @@ class ProbeAhead:
     @property
     def probe_s(self) -> float:
         return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class PatchRefill:
+    """A weight-patch change (a LoRA's strength, a LoRA added or removed) taken in place: the
+    store's rewrite of the patched tensors, then the ranks taking them in again (``ranks_s``, the
+    most bytes one rank copied again: ``ranks_bytes``; VRAM copies, sliced qkv rows)."""
+
+    store: Rewrite
+    ranks_s: float
+    ranks_bytes: int
+
+    def line(self) -> str:
+        s = self.store
+        return (
+            f"weights: LoRA change, refilled {s.tensors} of {s.of_tensors} tensors, "
+            f"{s.bytes / GIB:.2f} GiB in {s.seconds:.2f} s; the ranks took them in again in "
+            f"{self.ranks_s:.2f} s ({self.ranks_bytes / GIB:.2f} GiB copied on the busiest)"
+        )
 
 
 @dataclass(frozen=True)
@@ -49,6 +68,11 @@ class LoadTimes:
     ranks_last_block_s: float | None = None
     #: the first step's plan probe (None: no step was known at the load, or a single rank)
     probe: ProbeAhead | None = None
+    #: a patch change rewritten in place (then ``fill_*`` are the rewrite's, ``ranks_load_s`` the
+    #: ranks' refresh, nothing started); None: a full fill
+    refill: PatchRefill | None = None
+    #: why a patch change was filled in full instead (None: it was no patch change, or in place)
+    full_because: str | None = None
 
     @property
     def fill_gbps(self) -> float:
@@ -60,7 +84,10 @@ class LoadTimes:
         return self.probe is not None and self.probe.probed and self.probe.start_s < self.fill_end_s
 
     def line(self) -> str:
-        out = (
+        if self.refill is not None:
+            return f"{self.refill.line()}, load {self.wall_s:.2f} s"
+        out = "" if self.full_because is None else f"weights: LoRA change, {self.full_because}; "
+        out += (
             f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
             f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s), workers started in "
             f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "

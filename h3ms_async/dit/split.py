@@ -32,7 +32,7 @@ import torch
 from h3ms_async.dit import exchange_choice, tested_paths
 from h3ms_async.dit.errors import SplitError, SplitInterrupted
 from h3ms_async.dit.exactness import Overlap
-from h3ms_async.dit.loaded import LoadedWeights, LoadTimes, ProbeAhead
+from h3ms_async.dit.loaded import LoadedWeights, LoadTimes, PatchRefill, ProbeAhead
 from h3ms_async.dit.options import (
     DEFAULT_OPTIONS,
     SplitOptions,
@@ -54,7 +54,14 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.runtime.spawn import cpu_thread_env
-from h3ms_async.runtime.weight_store import BlockReader, size_store
+from h3ms_async.runtime.weight_store import (
+    BlockReader,
+    LayoutChanged,
+    PatchedKey,
+    StoreKey,
+    patch_change,
+    size_store,
+)
 from h3ms_async.status.hub import get_hub
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
@@ -162,7 +169,7 @@ class SplitEngine(Engine):
     # -- weights ---------------------------------------------------------------------------------
     def load_weights(
         self,
-        key: tuple,
+        key: StoreKey,
         config: DiTConfig,
         block_weights: BlockReader,
         n_blocks: int | None = None,
@@ -194,13 +201,26 @@ class SplitEngine(Engine):
         )
         pattern = pick_pattern(self.options, self.devices, self.transport, config)
         with self._lock:
-            if (
-                self.loaded
-                and self.loaded.store.key == key
-                and self.loaded.head_bounds == head_bounds
-                and self.loaded.pattern == pattern
-            ):
+            ld = self.loaded
+            same_plan = ld is not None and ld.head_bounds == head_bounds and ld.pattern == pattern
+            if ld is not None and same_plan and ld.store.key == key:
                 return False
+            full_because = None
+            if (
+                ld is not None
+                and same_plan
+                and patch_change(ld.store.key, key)
+                and len(ld.store.manifest) == n
+                and ld.config == config
+                and (compute_dtype is None or dtype_name(compute_dtype) == ld.compute_dtype)
+            ):
+                assert isinstance(key, PatchedKey)
+                try:
+                    self._refill_patched(key, block_weights)
+                    return True
+                except LayoutChanged as exc:
+                    full_because = f"full refill: {exc}"
+                    log.info("weights: LoRA change, %s", full_because)
             self._drop_store()
             t0 = time.monotonic()
             sized = size_store(
@@ -259,9 +279,60 @@ class SplitEngine(Engine):
                 ranks_first_block_s=max(firsts) - t0 if firsts else None,
                 ranks_last_block_s=max(lasts) - t0 if lasts else None,
                 probe=probed,
+                full_because=full_because,
             )
             log.info("%s", self.last_load.line())
             return True
+
+    def _refill_patched(self, key: PatchedKey, block_weights: BlockReader) -> None:
+        """Take ``key``, another weight-patch set on the held store's base, in place: the store
+        rewrites the tensors either patch set touches (``WeightStore.rewrite``), then ranks that
+        hold the store take those in again (``dit_refresh``); ranks that do not (none started yet,
+        or a restarted pool) load the whole store at the next step.  Under the engine lock, so no
+        step reads the store meanwhile.  Raises ``LayoutChanged`` when the blocks would change
+        layout (the caller fills anew, dropping this store first); any other failure drops the
+        store."""
+        ld = self.loaded
+        assert ld is not None
+        t0 = time.monotonic()
+        try:
+            rewrite = ld.store.rewrite(key, lambda i: dit_ops.rank_weights(block_weights(i)))
+        except LayoutChanged:
+            raise  # the full fill that follows drops the store first
+        except BaseException:
+            self._drop_store()
+            raise
+        t_store = time.monotonic()
+        refreshed: list[dit_protocol.DitRefreshed] = []
+        if self.pool.running and not self.pool.any_dead and self._rank_starts == self.pool.starts:
+            msg = dit_protocol.DitRefresh(
+                store=ld.store.segment.name,
+                key=ld.store.key_text,
+                blocks=[(i, list(names)) for i, names in rewrite.blocks],
+            )
+            try:
+                refreshed = self.run(
+                    self.pool.all([msg] * self.ranks, self.options.step_timeout_s),
+                    self.options.step_timeout_s + 30.0,
+                    "refreshing the ranks' weights",
+                )
+            except BaseException:
+                self._drop_store()
+                raise
+        t_end = time.monotonic()
+        self.last_load = LoadTimes(
+            workers_start_s=0.0,
+            fill_s=rewrite.seconds,
+            fill_bytes=rewrite.bytes,
+            start_wait_s=0.0,
+            ranks_load_s=t_end - t_store,
+            wall_s=t_end - t0,
+            fill_end_s=t_store - t0,
+            refill=PatchRefill(
+                rewrite, t_end - t_store, max((r.bytes for r in refreshed), default=0)
+            ),
+        )
+        log.info("%s", self.last_load.line())
 
     def _probe_ahead(
         self, step: Step, ops: list[dit_protocol.LinearOp], t0: float

@@ -9,12 +9,16 @@ structure, so block 0 sizes the segment, the whole manifest is laid out before a
 later block is checked against it.  The fill runs in two steps (:func:`size_store`, then
 :meth:`StoreFill.run`) so that what runs beside the copy (the workers' start, the ranks' loads, the
 plan probe) starts between them; each block is published in the progress word once it is complete.
+
+A store keyed by a :class:`PatchedKey` (weights = a base plus weight patches, e.g. a LoRA) can take
+another patch set of the same base in place (:meth:`WeightStore.rewrite`): only the tensors the old
+or the new patch set touches are read and copied again, as long as the blocks keep their layout.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +27,7 @@ from h3ms_async.log import get_logger
 from h3ms_async.runtime.host_memory import ram_info
 from workers.runtime import fill_progress as progress_layout
 from workers.runtime.fill_progress import FillProgress
-from workers.runtime.protocol import TensorDesc
+from workers.runtime.protocol import TensorDesc, tensor_nbytes
 from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
 
 log = get_logger("Weights")
@@ -37,8 +41,76 @@ class WeightStoreRefused(RuntimeError):
     run."""
 
 
+class LayoutChanged(ValueError):
+    """A patch change would change the blocks' layout (names, dtypes, shapes): the store cannot be
+    rewritten in place and must be filled anew."""
+
+
+@dataclass(frozen=True)
+class PatchedKey:
+    """A store key in two parts: ``base``, what fixes the unpatched weights (file, load options),
+    and ``patch``, the id of the weight patches on top (a LoRA at one strength; "" for none).
+    ``patched``: ``(block, in-block parameter name)`` of every block parameter the patch set
+    changes; it follows from ``patch``, so equality and the key's text are ``base`` and ``patch``
+    alone."""
+
+    base: tuple
+    patch: str
+    patched: frozenset[tuple[int, str]] = field(default=frozenset(), compare=False, repr=False)
+
+    def parts(self) -> list[str]:
+        return [*(str(k) for k in self.base), self.patch]
+
+
+StoreKey = tuple | PatchedKey
+
+
+def key_parts(key: StoreKey) -> list[str]:
+    """The key as the status route's list of strings."""
+    return key.parts() if isinstance(key, PatchedKey) else [str(k) for k in key]
+
+
+def patch_change(held: StoreKey, new: StoreKey) -> bool:
+    """Whether ``new`` differs from ``held`` in its weight patches only (the same base)."""
+    return (
+        isinstance(held, PatchedKey)
+        and isinstance(new, PatchedKey)
+        and held.base == new.base
+        and held.patch != new.patch
+    )
+
+
+def _module(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def touched_tensors(names: Iterable[str], patched_params: Iterable[str]) -> list[str]:
+    """The stored tensors among ``names`` (one block's) that patches of ``patched_params`` (in-block
+    parameter names) can change: every stored tensor of each patched parameter's module. A patched
+    int8 weight changes its data, its scale and its quantization tag, a weight patched in a cast
+    comes back with its bias."""
+    modules = {_module(p) for p in patched_params}
+    return sorted(n for n in names if _module(n) in modules)
+
+
 def _block_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
+
+
+def _desc_layout(entry: dict[str, TensorDesc]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (d.dtype, tuple(d.shape)) for name, d in sorted(entry.items())}
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """What :meth:`WeightStore.rewrite` copied: ``blocks`` (block, tensor names) in block order,
+    ``tensors`` of the store's ``of_tensors``, their ``bytes``, in ``seconds`` (reads included)."""
+
+    blocks: tuple[tuple[int, tuple[str, ...]], ...]
+    tensors: int
+    of_tensors: int
+    bytes: int
+    seconds: float
 
 
 @dataclass
@@ -48,7 +120,7 @@ class WeightStore:
     (``workers/runtime/fill_progress.py``), through which the ranks take blocks in while the store
     still fills."""
 
-    key: tuple
+    key: StoreKey
     segment: Segment
     manifest: list[dict[str, TensorDesc]]
     nbytes: int
@@ -80,12 +152,55 @@ class WeightStore:
         """The status route's ``weight_store`` section."""
         return {
             "state": "warm" if self.filled_at is not None else "filling",
-            "key": [str(k) for k in self.key],
+            "key": key_parts(self.key),
             "blocks": len(self.manifest),
             "bytes": self.nbytes,
             "fill_seconds": round(self.fill_seconds, 3),
             "segment": self.segment.name,
         }
+
+    def rewrite(self, key: PatchedKey, read_block: BlockReader) -> Rewrite:
+        """Take ``key``, another patch set on this store's base (:func:`patch_change`), in place:
+        read each block that either patch set touches and copy again the tensors of the patched
+        parameters of both (:func:`touched_tensors`: the old patches' are restored, the new ones'
+        written).  Raises :class:`LayoutChanged` when a block read has another layout than the store
+        (before copying anything when it is the first: all blocks share one layout); any failure
+        may leave the content mixed, so the caller drops the store.  No rank may read the store
+        meanwhile."""
+        assert isinstance(self.key, PatchedKey) and patch_change(self.key, key)
+        t = time.perf_counter()
+        params: dict[int, set[str]] = {}
+        for i, name in self.key.patched | key.patched:
+            if 0 <= i < len(self.manifest):
+                params.setdefault(i, set()).add(name)
+        blocks: list[tuple[int, tuple[str, ...]]] = []
+        nbytes = 0
+        for i in sorted(params):
+            entry = self.manifest[i]
+            names = touched_tensors(entry, params[i])
+            if not names:
+                continue
+            tensors = read_block(i)
+            got, want = _block_layout(tensors), _desc_layout(entry)
+            if got != want:
+                diff = sorted(set(got.items()) ^ set(want.items()))
+                raise LayoutChanged(
+                    f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
+                    f"{', ...' if len(diff) > 4 else ''})"
+                )
+            for name in names:
+                d = entry[name]
+                self.segment.tensor(d).copy_(tensors[name].detach())
+                nbytes += tensor_nbytes(d.dtype, d.shape)
+            blocks.append((i, tuple(names)))
+        self.key = key
+        return Rewrite(
+            tuple(blocks),
+            sum(len(n) for _, n in blocks),
+            sum(len(e) for e in self.manifest),
+            nbytes,
+            time.perf_counter() - t,
+        )
 
     def release(self) -> None:
         """Unmap and unlink (workers must have dropped their views first: ``dit_release``)."""
@@ -147,7 +262,7 @@ class StoreFill:
 
 
 def size_store(
-    key: tuple,
+    key: StoreKey,
     n_blocks: int,
     read_block: BlockReader,
     *,
@@ -196,7 +311,7 @@ def size_store(
 
 
 def fill(
-    key: tuple,
+    key: StoreKey,
     n_blocks: int,
     read_block: BlockReader,
     *,

@@ -27,7 +27,7 @@ so a rank never signals progress while one of its reads of an arena region is st
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -35,7 +35,7 @@ import torch
 from workers.dit import ops as dit_ops
 from workers.dit.block_clock import CudaBlockClock
 from workers.dit.protocol import DitLoad
-from workers.dit.weights import BlockView
+from workers.dit.weights import BlockView, check_names
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
 from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn
@@ -210,8 +210,11 @@ class CudaWeights:
         return out
 
     def _copy_block(self, dst: dict[str, torch.Tensor], i: int) -> None:
-        for name, src in self.host[i].items():
-            d = dst[name]
+        self._copy_names(dst, i, self.host[i])
+
+    def _copy_names(self, dst: dict[str, torch.Tensor], i: int, names: Iterable[str]) -> None:
+        for name in names:
+            src, d = self.host[i][name], dst[name]
             if name in ("attn.qkv_proj.weight", "attn.qkv_proj.weight_scale") and src.numel() > 1:
                 at = 0
                 for a, b in self._qkv_rows:
@@ -250,6 +253,24 @@ class CudaWeights:
         self.fetch_s += time.perf_counter() - t
 
     # -- the weight provider protocol (workers.dit.weights) ----------------------------------------
+    def refresh(self, blocks: Sequence[tuple[int, Sequence[str]]]) -> int:
+        """Copy the named tensors of resident blocks into VRAM again and read a block's int8
+        settings again where its tags changed; a streaming slot holding such a block is fetched
+        again (streamed blocks come from the store at each step anyway)."""
+        copied = 0
+        for i, names in blocks:
+            if i >= len(self.quant):
+                raise ValueError(f"refresh of block {i}: only {len(self.quant)} blocks placed")
+            check_names(i, self.host[i], names)
+            if any(n.endswith(".comfy_quant") for n in names):
+                self.quant[i] = dit_ops.block_quant(self.host[i])
+            if i < len(self.resident):
+                self._copy_names(self.resident[i], i, names)
+                copied += sum(self._device_bytes(n, self.host[i][n]) for n in names)
+            self.slot_block = [-1 if b == i else b for b in self.slot_block]
+        torch.cuda.synchronize(self.device)
+        return copied
+
     def block(self, i: int) -> BlockView:
         nxt = self._n_resident
         if i < nxt:

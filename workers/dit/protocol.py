@@ -76,6 +76,15 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 pooled statistics, against the same calls over every head
     -> ProbeReport: the rank's fingerprint and one verdict per op
 
+``dit_refresh`` the weight store this rank loaded was rewritten in place (a weight-patch change,
+                ``h3ms_async.runtime.weight_store.WeightStore.rewrite``; no step runs meanwhile):
+                take the named tensors in again where the rank holds copies of them.
+    store       the store's segment name (the one the rank loaded)
+    key         the store's new key as text (a later ``dit_load`` of it is a no-op)
+    blocks      list of [block, [tensor names]], blocks ascending, each once, names as in the
+                manifest
+    -> DitRefreshed: the bytes this rank copied again, its seconds
+
 ``dit_release`` drop this rank's weights, exchange objects and process group.
     -> Released {released: True}
 """
@@ -476,3 +485,28 @@ class DitProbe(Request, tag="dit_probe"):
 
 class DitRelease(Request, tag="dit_release"):
     ANSWER: ClassVar[type[Answer]] = Released
+
+
+class DitRefreshed(Answer):
+    """The bytes a rank copied again for a ``dit_refresh`` (VRAM copies, sliced qkv rows; store
+    views need none) and its seconds."""
+
+    bytes: int
+    seconds: float
+
+
+class DitRefresh(Request, tag="dit_refresh"):
+    store: str
+    key: str
+    blocks: list[tuple[int, list[str]]]
+    ANSWER: ClassVar[type[Answer]] = DitRefreshed
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        order = [i for i, _ in self.blocks]
+        if any(i < 0 for i in order) or order != sorted(set(order)):
+            raise ProtocolError(
+                f"dit_refresh blocks {order!r:.80} must be block indices >= 0, ascending, each once"
+            )
+        if any(not names or not all(names) for _, names in self.blocks):
+            raise ProtocolError("dit_refresh: every block names at least one tensor, none empty")

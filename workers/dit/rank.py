@@ -234,6 +234,37 @@ async def _load(
     )
 
 
+@handler(dit_protocol.DitRefresh)
+async def _dit_refresh(
+    ctx: WorkerContext, msg: dit_protocol.DitRefresh
+) -> dit_protocol.DitRefreshed:
+    st = _state(ctx)
+    async with st.loading:
+        w = st.weights
+        if w is None or w.store != msg.store:
+            raise RuntimeError(
+                f"rank {ctx.rank}: dit_refresh of store {msg.store}, but this rank holds "
+                f"{w.store if w else 'no weights'}; the engine must load the ranks again"
+            )
+        t = time.perf_counter()
+        copied = await ctx.run_compute(
+            w.provider.refresh, [(int(i), tuple(names)) for i, names in msg.blocks]
+        )
+        w.key = msg.key
+        # what a fresh load of the new weights would start with
+        st.pooled.clear()
+        seconds = time.perf_counter() - t
+    ctx.log.info(
+        "[dit] rank %d: weights %s refreshed in place (%d blocks, %d bytes copied) in %.3fs",
+        ctx.rank,
+        msg.key,
+        len(msg.blocks),
+        copied,
+        seconds,
+    )
+    return dit_protocol.DitRefreshed(bytes=copied, seconds=seconds)
+
+
 @handler(dit_protocol.DitProbe)
 async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReport:
     """Measure this rank's shards against the unsplit calls on its own device

@@ -14,7 +14,7 @@ linears.  Implementations:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -42,6 +42,11 @@ class WeightProvider(Protocol):
         """Block ``i`` is complete in the store: take it in (blocks are placed in order, each once,
         all before the first step; a rank places them while the store still fills)."""
 
+    def refresh(self, blocks: Sequence[tuple[int, Sequence[str]]]) -> int:
+        """The named tensors of these placed blocks were rewritten in the store (no step runs): take
+        them in again wherever this provider holds copies or settings read from them; returns the
+        bytes copied again."""
+
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
         """Place the weights for a step of ``tokens`` tokens (``local_tokens`` on this rank) under
         ``residency`` (``workers.dit.protocol.RESIDENCIES``); called before every step, a no-op when
@@ -59,6 +64,19 @@ class WeightProvider(Protocol):
 
     def close(self) -> None:
         """Drop the weights."""
+
+
+def _view_reads(name: str) -> bool:
+    """Whether a block view copies ``name`` or reads settings from it (the head group's qkv rows,
+    the int8 ConvRot tags); every other tensor of a CPU rank's view is a view of the store."""
+    return name.startswith("attn.qkv_proj.") or name.endswith(".comfy_quant")
+
+
+def check_names(i: int, held: dict[str, torch.Tensor], names: Sequence[str]) -> None:
+    """Refuse a refresh naming tensors block ``i`` does not hold."""
+    unknown = sorted(set(names) - set(held))
+    if unknown:
+        raise ValueError(f"refresh of block {i}: no tensors {unknown[:4]} in the loaded weights")
 
 
 def block_view(
@@ -110,6 +128,22 @@ class CpuWeights:
         self._views.append(view)
         if self._copies:
             self.nbytes += view.qkv.numel() * view.qkv.element_size()
+
+    def refresh(self, blocks: Sequence[tuple[int, Sequence[str]]]) -> int:
+        """The store views see the new bytes already; a block whose qkv rows or int8 tags changed
+        gets its view again (rows sliced anew, tags read anew)."""
+        if self._views is None:
+            return 0  # read per call
+        copied = 0
+        for i, names in blocks:
+            if i >= len(self._views):
+                raise ValueError(f"refresh of block {i}: only {len(self._views)} blocks placed")
+            check_names(i, self._views[i].weights, names)
+            if any(_view_reads(n) for n in names):
+                self._views[i] = self._view(i)
+                if self._copies:
+                    copied += self._views[i].qkv.numel() * self._views[i].qkv.element_size()
+        return copied
 
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
         """Nothing to place: the tensors are used where they are."""
