@@ -38,7 +38,7 @@ from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
-from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn
+from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn, RowsProduceFn
 from workers.transports.host import HostExchange
 
 if TYPE_CHECKING:
@@ -441,6 +441,14 @@ class CudaExchange(ExchangeBase):
             return self._busy(lambda: produce(a, b))
 
         return self._moved(lambda cur: self._inner.all_to_all_heads(timed, n, out=out))
+
+    def _all_gather_rows_produced(
+        self, produce: RowsProduceFn, n: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        def timed(a: int, b: int) -> torch.Tensor:
+            return self._busy(lambda: produce(a, b))
+
+        return self._moved(lambda cur: self._inner.all_gather_rows_produced(timed, n, out=out))
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with
