@@ -30,8 +30,8 @@ TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 1
 FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
 #: The ops a plan's probe reports when no overlap and no sparse attention are asked for.
 PLAN_OPS = [op for op in invariance.OP_ORDER if op not in {**exactness.OVERLAP_OPS, **exactness.SPARSE_OPS}]
-#: ... and with every overlap.
-OVERLAP_PLAN_OPS = [op for op in invariance.OP_ORDER if op not in exactness.SPARSE_OPS]
+#: ... and with head pieces and the gather overlap.
+OVERLAP_PLAN_OPS = [op for op in invariance.OP_ORDER if op not in {**exactness.SPARSE_OPS, **dict.fromkeys(exactness.TAIL_OPS)}]
 
 
 @pytest.fixture(scope="module")
@@ -324,12 +324,12 @@ def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
     """On CUDA no overlap has a passing test yet: "auto" asks for none there (an explicit choice is refused)."""
     monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
     gpus = ["cuda:0", "cuda:1"]
-    assert tested_paths.tested_overlap(gpus, 4, True) == (0, False)
-    assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True) == (4, True)
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (0, False, 0)
+    assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True, 4) == (4, True, 4)
     with pytest.raises(tested_paths.UntestedPath, match="attention in head pieces has no passing"):
         tested_paths.check(gpus, "gather", 4, False)
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")
-    assert tested_paths.tested_overlap(gpus, 4, True) == (4, True)
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (4, True, 4)
 
 
 def test_overlap_choices_map_onto_the_options():

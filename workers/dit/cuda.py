@@ -264,6 +264,17 @@ class CudaWeights:
             self._fetch(i + 1)
         return self._view(i, self.slots[slot])
 
+    def ahead(self, i: int) -> BlockView:
+        """Block ``i`` without the prefetch of block ``i + 1``, whose slot still holds block
+        ``i - 1`` (in use until its ``done``); ``block(i)`` issues that prefetch later."""
+        nxt = self._n_resident
+        if i < nxt:
+            return self._view(i, self.resident[i])
+        self._fetch(i)
+        slot = (i - nxt) % 2
+        torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
+        return self._view(i, self.slots[slot])
+
     def _view(self, i: int, b: dict[str, torch.Tensor]) -> BlockView:
         w = b["attn.qkv_proj.weight"]  # already the head group's rows (_copy_block)
         return BlockView(
