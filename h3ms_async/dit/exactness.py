@@ -80,7 +80,7 @@ class Overlap:
             elif part != "none":
                 raise ValueError(
                     f"overlap {text!r}: use none, or gather, piecesN, aheadN (N >= 2) joined by "
-                    "'+' (e.g. gather+pieces4+ahead4)"
+                    "'+' (gather+piecesN, gather+pieces4+ahead4)"
                 )
         return cls(pieces, gather, ahead)
 
