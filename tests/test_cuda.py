@@ -208,6 +208,33 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
         eng.release()
 
 
+@pytest.mark.parametrize("path", [dict(gather_ahead=4), dict(gather_ahead=4, gather_overlap=True, head_pieces=4),
+                                  dict(gather_ahead=4, exchange="cuda_ipc"), dict(gather_ahead=4, vram_residency="stream")],
+                         ids=["ahead4", "all-overlaps", "ahead4-gpu-direct", "ahead4-streamed"])
+def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
+    """The cross-block overlap (each block's tail in 4 row pieces feeding the next block's gather) at full H3 width
+    on 2 logical ranks, host-staged, GPU-direct and with streamed weights (the next block's norm1 weight is read
+    while the block before still computes: ``CudaWeights.ahead``): fresh workers, their FIRST step and a second one
+    equal the unsplit step with torch.equal, the record shows it ran. A pass here is what lets gather ahead into
+    TESTED["cuda"]."""
+    from h3ms_async.status.hub import get_hub
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(**path))
+    try:
+        eng.load_weights(("cuda-ahead", "int8"), FULL, full_int8.block_weights)
+        for s, tokens in enumerate((8192, 8192)):
+            inp = make_step_inputs(FULL, layout_for_tokens(tokens), 70 + s, full_int8.dtype)
+            ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                            inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+            out = eng.run_blocks(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
+            diff = (out.float() - ref.float()).abs().max().item()
+            assert torch.equal(out, ref), f"{path} step {s}: max |diff| {diff:g}"
+            rec = get_hub().recent_steps(1)[0]
+            assert rec["gather_ahead"] == 4 and rec["head_pieces"] == path.get("head_pieces", 0), rec
+    finally:
+        eng.release()
+
+
 @pytest.mark.parametrize("kw", [dict(exchange_chunks=8), dict(exchange_chunks=8, head_pieces=4), dict(exchange="none")],
                          ids=["host-x8", "pieces4", "no-exchange"])
 def test_block_timings_from_cuda_events(models, kw, monkeypatch):

@@ -1,5 +1,6 @@
 """Every exchange against the spec (``workers.transports.exchange``): each collective of each
-implementation, one shot, chunked (more chunks than a rank has rows included) and in head pieces, on
+implementation, one shot, chunked (more chunks than a rank has rows included), in head pieces and in
+produced row pieces, on
 uneven shares (a rank of one row, a rank without rows, a rank without heads), on 1 to 8 ranks, in
 bf16 and fp32, with and without the q/k/v all-to-all, each result checked with ``torch.equal`` by
 the exchange probe (``workers.transports.probe.run_case``).
@@ -234,12 +235,12 @@ def test_every_collective_equals_the_spec(impl: Impl, world: int) -> None:
     assert len(results) == world * len(cases)
     failures = [f for res in results for f in res["failures"]]
     assert not failures, failures[:20]
-    # every op ran: gather and all-to-all, the q/k/v all-to-all on a qkv plan, head pieces and the
-    # gather handing rows over with "overlap"
+    # every op ran: gather and all-to-all, the q/k/v all-to-all on a qkv plan, head pieces, the
+    # gather handing rows over and the gather of produced row pieces with "overlap"
     ops = sum(
         len(v) for res in results for r in res["runs"] for k, v in r.items() if k.endswith("_s")
     )
-    per_block = [2 + bool(c["layout"].q_offsets) + 2 * c["overlap"] for c in cases]
+    per_block = [2 + bool(c["layout"].q_offsets) + 3 * c["overlap"] for c in cases]
     runs = [len(c["chunks"]) * c["rounds"] * c["blocks"] for c in cases]
     assert ops == world * sum(n * k for n, k in zip(runs, per_block))
 
@@ -254,6 +255,7 @@ def test_transports_move_bytes_only():
     ops = (
         "all_gather_rows",
         "all_gather_rows_each",
+        "all_gather_rows_produced",
         "all_to_all_cols",
         "all_to_all_qkv",
         "all_to_all_heads",
@@ -279,9 +281,33 @@ def test_transports_move_bytes_only():
                 ex.all_to_all_qkv(torch.zeros(1, 18, dtype=torch.bfloat16), out=torch.zeros(1))
             with pytest.raises(ValueError, match=r"head pieces must be an int"):
                 ex.all_to_all_heads(lambda a, b: torch.zeros(12, b - a), -1)
+            with pytest.raises(ValueError, match=r"row pieces must be an int in 0..255"):
+                ex.all_gather_rows_produced(lambda a, b: torch.zeros(b - a, 6), 256)
+            if not isinstance(ex, HostExchange):  # its op would first wait for rank 1 to begin
+                with pytest.raises(ValueError, match=r"all_gather_rows_produced piece input must be bfloat16 \[1, 6\]"):
+                    ex.all_gather_rows_produced(lambda a, b: torch.zeros(b - a, 6), 2)
             ex.close()
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("pieces", [0, 1, 3, 13])
+def test_the_unsplit_gather_of_produced_rows(pieces: int) -> None:
+    """The identity exchange (the unsplit run, no layout) produces its 9 rows in the pieces one rank of a split
+    would and returns them whole."""
+    rows = torch.randn(9, 4)
+    asked: list[tuple[int, int]] = []
+
+    def produce(a: int, b: int) -> torch.Tensor:
+        asked.append((a, b))
+        return rows[a:b].clone()
+
+    got = IdentityExchange(tokens=9).all_gather_rows_produced(produce, pieces)
+    assert torch.equal(got, rows)
+    n = max(1, pieces)
+    assert asked == [(9 * j // n, 9 * (j + 1) // n) for j in range(n) if 9 * (j + 1) // n > 9 * j // n]
+    with pytest.raises(ValueError, match="need the token count"):
+        IdentityExchange().all_gather_rows_produced(produce, pieces)
 
 
 def _withheld(deadline_s: float) -> ProbeGroup:

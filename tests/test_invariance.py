@@ -30,8 +30,8 @@ TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 1
 FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
 #: The ops a plan's probe reports when no overlap and no sparse attention are asked for.
 PLAN_OPS = [op for op in invariance.OP_ORDER if op not in {**exactness.OVERLAP_OPS, **exactness.SPARSE_OPS}]
-#: ... and with every overlap.
-OVERLAP_PLAN_OPS = [op for op in invariance.OP_ORDER if op not in exactness.SPARSE_OPS]
+#: ... and with head pieces and the gather overlap.
+OVERLAP_PLAN_OPS = [op for op in invariance.OP_ORDER if op not in {**exactness.SPARSE_OPS, **dict.fromkeys(exactness.TAIL_OPS)}]
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +282,14 @@ def test_the_verdict_file_is_on_by_default(monkeypatch, tmp_path):
     assert exactness.cache_path() == str(tmp_path / "v.json")
 
 
-def _overlaps_seen(eng: SplitEngine, model: ReferenceDiT, steps: int) -> list[tuple[str, int, bool]]:
+def _overlaps_seen(eng: SplitEngine, model: ReferenceDiT, steps: int) -> list[tuple[str, int, bool, int]]:
     """Run ``steps`` steps, each equal to the unsplit output; per step what its record says the overlaps were."""
     seen = []
     for seed in range(3, 3 + steps):
         out, ref = _step(eng, model, seed)
         assert torch.equal(out, ref)
         rec = get_hub().recent_steps(1)[0]
-        seen.append((rec["overlap_tuning"], rec["head_pieces"], rec["gather_overlap"]))
+        seen.append((rec["overlap_tuning"], rec["head_pieces"], rec["gather_overlap"], rec["gather_ahead"]))
     return seen
 
 
@@ -298,43 +298,51 @@ def test_auto_overlaps_time_each_exact_combination_then_run_the_fastest(engine, 
     runs one step, and later steps run the one that took the least time per block; every step is bit-exact."""
     eng = engine(**overlap_options("auto"))
     eng.load_weights(("inv", 11), CFG, model.block_weights)
-    seen = _overlaps_seen(eng, model, 7)
-    assert seen[:5] == [("warming", 0, False), ("measuring", 0, False), ("measuring", 4, False),
-                        ("measuring", 0, True), ("measuring", 4, True)]
+    seen = _overlaps_seen(eng, model, 11)
+    assert seen[:9] == [("warming", 0, False, 0)] + [("measuring", p, g, a) for a in (0, 4) for g in (False, True)
+                                                     for p in (0, 4)]
     (tuned,) = eng.overlaps.snapshot()
     fastest = min(tuned["ms_per_block"], key=tuned["ms_per_block"].get)
     assert tuned["phase"] == "fastest" and tuned["choice"] == fastest
     assert tuned["plan"] == "tokens 0-100-200, heads 0-4-8, gather over host, dense"
-    assert sorted(tuned["ms_per_block"]) == ["gather", "gather+pieces4", "none", "pieces4"]
+    assert sorted(tuned["ms_per_block"]) == ["ahead4", "gather", "gather+ahead4", "gather+pieces4",
+                                             "gather+pieces4+ahead4", "none", "pieces4", "pieces4+ahead4"]
     expect = exactness.Overlap.from_name(fastest)
-    assert seen[5:] == [("fastest", expect.head_pieces, expect.gather)] * 2
+    assert seen[9:] == [("fastest", expect.head_pieces, expect.gather, expect.ahead)] * 2
 
 
 def test_auto_overlaps_leave_out_what_the_probe_measured_inexact(engine, model):
     """Attention of a 1-head piece rounds differently on purpose: "auto" times only none and the gather overlap."""
     eng = engine("attention:1", **overlap_options("auto"))
     eng.load_weights(("inv", 12), CFG, model.block_weights)
-    seen = _overlaps_seen(eng, model, 4)
-    assert [s[0] for s in seen] == ["warming", "measuring", "measuring", "fastest"]
-    assert {s[1] for s in seen} == {0} and [s[2] for s in seen[1:3]] == [False, True]
-    assert sorted(eng.overlaps.snapshot()[0]["ms_per_block"]) == ["gather", "none"]
+    seen = _overlaps_seen(eng, model, 6)
+    assert [s[0] for s in seen] == ["warming"] + ["measuring"] * 4 + ["fastest"]
+    assert {s[1] for s in seen} == {0} and [s[2:] for s in seen[1:5]] == [(False, 0), (True, 0), (False, 4), (True, 4)]
+    assert sorted(eng.overlaps.snapshot()[0]["ms_per_block"]) == ["ahead4", "gather", "gather+ahead4", "none"]
 
 
 def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
     """On CUDA no overlap has a passing test yet: "auto" asks for none there (an explicit choice is refused)."""
     monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
     gpus = ["cuda:0", "cuda:1"]
-    assert tested_paths.tested_overlap(gpus, 4, True) == (0, False)
-    assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True) == (4, True)
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (0, False, 0)
+    assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True, 4) == (4, True, 4)
     with pytest.raises(tested_paths.UntestedPath, match="attention in head pieces has no passing"):
         tested_paths.check(gpus, "gather", 4, False)
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")
-    assert tested_paths.tested_overlap(gpus, 4, True) == (4, True)
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (4, True, 4)
 
 
 def test_overlap_choices_map_onto_the_options():
-    assert overlap_options("auto") == {"head_pieces": 4, "gather_overlap": True, "overlap_tuning": True}
-    assert overlap_options("off") == {"head_pieces": 0, "gather_overlap": False, "overlap_tuning": False}
-    assert overlap_options("both") == {"head_pieces": 4, "gather_overlap": True, "overlap_tuning": False}
+    assert overlap_options("auto") == {"head_pieces": 4, "gather_overlap": True, "gather_ahead": 4,
+                                       "overlap_tuning": True}
+    assert overlap_options("off") == {"head_pieces": 0, "gather_overlap": False, "gather_ahead": 0,
+                                      "overlap_tuning": False}
+    assert overlap_options("both") == {"head_pieces": 4, "gather_overlap": True, "gather_ahead": 0,
+                                       "overlap_tuning": False}
+    assert overlap_options("gather ahead") == {"head_pieces": 0, "gather_overlap": False, "gather_ahead": 4,
+                                               "overlap_tuning": False}
+    assert overlap_options("all") == {"head_pieces": 4, "gather_overlap": True, "gather_ahead": 4,
+                                      "overlap_tuning": False}
     with pytest.raises(ValueError, match="overlaps='fast' is not one of 'auto', 'off'"):
         overlap_options("fast")

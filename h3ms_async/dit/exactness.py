@@ -46,35 +46,43 @@ Verdict = Literal["exact", "adjusted", "unsplit"]
 @dataclass(frozen=True)
 class Overlap:
     """What a step computes while its exchanges move: attention in ``head_pieces`` head pieces
-    inside the all-to-all (0: one call), and the qkv projection on each rank's gathered rows as they
-    arrive (``gather``).  Asked for by the options, run where the probe measures it exact."""
+    inside the all-to-all (0: one call), the qkv projection on each rank's gathered rows as they
+    arrive (``gather``), and each block's tail in ``ahead`` row pieces, each followed by the next
+    block's norm1 + modulation of those rows published into its gather (0: off).  Asked for by the
+    options, run where the probe measures it exact."""
 
     head_pieces: int = 0
     gather: bool = False
+    ahead: int = 0
 
     @property
     def name(self) -> str:
-        """``none``, ``piecesN``, ``gather`` or ``gather+piecesN`` (what :meth:`from_name`
+        """``none`` or ``+``-joined ``gather``, ``piecesN``, ``aheadN`` (what :meth:`from_name`
         reads)."""
-        parts = (["gather"] if self.gather else []) + (
-            [f"pieces{self.head_pieces}"] if self.head_pieces > 1 else []
+        parts = (
+            (["gather"] if self.gather else [])
+            + ([f"pieces{self.head_pieces}"] if self.head_pieces > 1 else [])
+            + ([f"ahead{self.ahead}"] if self.ahead > 1 else [])
         )
         return "+".join(parts) or "none"
 
     @classmethod
     def from_name(cls, text: str) -> Overlap:
         """The overlap :attr:`name` names; ValueError naming the accepted forms otherwise."""
-        pieces, gather = 0, False
+        pieces, gather, ahead = 0, False, 0
         for part in text.strip().split("+"):
             if part == "gather":
                 gather = True
             elif part.startswith("pieces") and part[6:].isdigit() and int(part[6:]) > 1:
                 pieces = int(part[6:])
+            elif part.startswith("ahead") and part[5:].isdigit() and int(part[5:]) > 1:
+                ahead = int(part[5:])
             elif part != "none":
                 raise ValueError(
-                    f"overlap {text!r}: use none, piecesN (N >= 2), gather or gather+piecesN"
+                    f"overlap {text!r}: use none, or gather, piecesN, aheadN (N >= 2) joined by "
+                    "'+' (gather+piecesN, gather+pieces4+ahead4)"
                 )
-        return cls(pieces, gather)
+        return cls(pieces, gather, ahead)
 
 
 #: The schedule without overlaps.
@@ -326,7 +334,12 @@ def _other_bits(reports: Sequence[ProbeReport], op: str) -> str | None:
 OVERLAP_OPS = {
     "attention.pieces": "attention runs in one call per rank",
     "attn.qkv_proj.rows": "the qkv projection waits for the whole gather",
+    "attn.out_proj.tail": "each block's tail runs whole before the next block's gather",
+    "mlp.fc1.tail": "each block's tail runs whole before the next block's gather",
+    "mlp.fc2.tail": "each block's tail runs whole before the next block's gather",
 }
+#: The ops the cross-block overlap adds to a probe (its tail's linears on its row pieces).
+TAIL_OPS = ("attn.out_proj.tail", "mlp.fc1.tail", "mlp.fc2.tail")
 
 
 def _first_inexact(reports: Sequence[ProbeReport], op: str) -> str | None:
@@ -354,21 +367,33 @@ def measured_overlap(
     off: dict[str, str] = {}
     if verdict.token_bounds is None:
         return NO_OVERLAP, off
-    pieces, gather = asked.head_pieces, asked.gather
+    pieces, gather, ahead = asked.head_pieces, asked.gather, asked.ahead
     if pieces and (why := _first_inexact(reports, "attention.pieces")) is not None:
         off["attention.pieces"] = why
         pieces = 0
     if gather:
-        why = (
-            "attn.qkv_proj.rows was measured on the token ranges as made, and the plan's were "
-            "adjusted"
-            if verdict.verdict != "exact"
-            else _first_inexact(reports, "attn.qkv_proj.rows")
+        why = _as_made(verdict, "attn.qkv_proj.rows") or _first_inexact(
+            reports, "attn.qkv_proj.rows"
         )
         if why is not None:
             off["attn.qkv_proj.rows"] = why
             gather = False
-    return Overlap(pieces, gather), {op: f"{why}; {OVERLAP_OPS[op]}" for op, why in off.items()}
+    if ahead:
+        for op in TAIL_OPS:
+            if (why := _as_made(verdict, op) or _first_inexact(reports, op)) is not None:
+                off[op] = why
+                ahead = 0
+                break
+    overlap = Overlap(pieces, gather, ahead)
+    return overlap, {op: f"{why}; {OVERLAP_OPS[op]}" for op, why in off.items()}
+
+
+def _as_made(verdict: PlanVerdict, op: str) -> str | None:
+    """Why ``op``'s verdict does not hold for an adjusted plan (it was measured on each rank's
+    token range as made), or None for a plan that runs as made."""
+    if verdict.verdict == "exact":
+        return None
+    return f"{op} was measured on the token ranges as made, and the plan's were adjusted"
 
 
 #: The ops sparse attention adds to a probe: op name -> what it is.
@@ -416,7 +441,7 @@ def op_rows(
     for i, v in enumerate(reports[0].ops):
         per_rank = [rep.ops[i] for rep in reports]
         cut = [
-            rv.shards if v.split in ("pieces", "rows", "chunks") else rv.shards[:1]
+            rv.shards if v.split in ("pieces", "rows", "chunks", "tail") else rv.shards[:1]
             for rv in per_rank
         ]
         shards = [b - a for rv in cut for a, b in rv]

@@ -53,7 +53,11 @@ class SplitOptions:
     measures the pieces exact (``workers.dit.loop``).
     ``gather_overlap``: on dense steps each rank's qkv projection runs on every rank's rows as they
     arrive (its own first), where the probe measures those row ranges exact.
-    ``overlap_tuning``: ``head_pieces`` and ``gather_overlap`` name what the engine may use, not
+    ``gather_ahead`` > 0 (the gather pattern): each block's tail runs in that many row pieces, each
+    followed by the next block's norm1 + modulation of those rows, published into the next
+    block's gather while the next piece computes, where the probe measures the pieces exact.
+    ``overlap_tuning``: ``head_pieces``, ``gather_overlap`` and ``gather_ahead`` name what the
+    engine may use, not
     what it must: per plan it runs the exact ones that measured fastest, leaving out any without a
     passing test on the ranks' device kind (``h3ms_async.dit.overlap_tuner``).  ``pattern``: how
     attention gets its inputs, "gather" (all-gather of the block input), "ulysses" (every rank
@@ -75,6 +79,7 @@ class SplitOptions:
     sparse: SparseConfig | None = None
     head_pieces: int = 0
     gather_overlap: bool = False
+    gather_ahead: int = 0
     overlap_tuning: bool = False
     pattern: Pattern | Literal["auto"] = Pattern.GATHER
 
@@ -99,6 +104,11 @@ class SplitOptions:
                 f"head_pieces={self.head_pieces} must be between 0 and "
                 f"{dit_protocol.MAX_HEAD_PIECES} (0/1: "
                 "attention in one call)"
+            )
+        if not 0 <= self.gather_ahead <= dit_protocol.MAX_GATHER_AHEAD:
+            raise ValueError(
+                f"gather_ahead={self.gather_ahead} must be between 0 (off) and "
+                f"{dit_protocol.MAX_GATHER_AHEAD} row pieces"
             )
         object.__setattr__(self, "pattern", parse_pattern(self.pattern))
         if self.pattern == "ulysses" and self.sparse is not None:
@@ -128,13 +138,14 @@ class SplitOptions:
                 f"sparse={self.sparse!r} must be a SparseConfig (SparseSettings.resolve) or None"
             )
 
-    def overlaps_on(self, devices: Sequence[str]) -> tuple[int, bool]:
-        """``(head_pieces, gather_overlap)`` these options ask for on ``devices``: as set, or with
-        ``overlap_tuning`` only those with a passing test on the devices' kind (the engine leaves an
-        untested one out instead of refusing the step)."""
+    def overlaps_on(self, devices: Sequence[str]) -> tuple[int, bool, int]:
+        """``(head_pieces, gather_overlap, gather_ahead)`` these options ask for on ``devices``: as
+        set, or with ``overlap_tuning`` only those with a passing test on the devices' kind (the
+        engine leaves an untested one out instead of refusing the step)."""
+        asked = (self.head_pieces, self.gather_overlap, self.gather_ahead)
         if self.overlap_tuning:
-            return tested_paths.tested_overlap(devices, self.head_pieces, self.gather_overlap)
-        return self.head_pieces, self.gather_overlap
+            return tested_paths.tested_overlap(devices, *asked)
+        return asked
 
 
 #: The options of an engine made without any.
@@ -149,6 +160,7 @@ def options_dict(o: SplitOptions) -> dict:
         "exchange_chunks": o.exchange_chunks,
         "head_pieces": o.head_pieces,
         "gather_overlap": o.gather_overlap,
+        "gather_ahead": o.gather_ahead,
         "overlap_tuning": o.overlap_tuning,
         "pattern": o.pattern,
         "vram_residency": o.vram_residency,

@@ -17,8 +17,9 @@ from enum import StrEnum
 from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 
 #: The overlaps the node's ``overlaps`` input "auto" offers the engine: attention in 4 head pieces
-#: (what the H200 runs measured best among 2-8 pieces) and the gather overlap.
-AUTO_OVERLAP = Overlap(head_pieces=4, gather=True)
+#: (what the H200 runs measured best among 2-8 pieces), the gather overlap and the cross-block
+#: overlap in 4 row pieces.
+AUTO_OVERLAP = Overlap(head_pieces=4, gather=True, ahead=4)
 
 
 class TuningPhase(StrEnum):
@@ -37,29 +38,35 @@ class OverlapChoice(StrEnum):
     HEAD_PIECES = "head pieces"
     GATHER = "gather"
     BOTH = "both"
+    AHEAD = "gather ahead"
+    ALL = "all"
 
 
 def overlap_options(choice: str) -> dict:
-    """The ``SplitOptions`` fields (head_pieces, gather_overlap, overlap_tuning) of a choice;
-    ValueError naming the input and its values otherwise."""
+    """The ``SplitOptions`` fields (head_pieces, gather_overlap, gather_ahead, overlap_tuning) of a
+    choice ("both": head pieces and gather; "all": those and gather ahead); ValueError naming the
+    input and its values otherwise."""
     try:
         c = OverlapChoice(choice)
     except ValueError:
         values = ", ".join(repr(v.value) for v in OverlapChoice)
         raise ValueError(f"overlaps={choice!r} is not one of {values}") from None
-    pieces = AUTO_OVERLAP.head_pieces if c in ("auto", "head pieces", "both") else 0
+    pieces = AUTO_OVERLAP.head_pieces if c in ("auto", "head pieces", "both", "all") else 0
     return {
         "head_pieces": pieces,
-        "gather_overlap": c in ("auto", "gather", "both"),
+        "gather_overlap": c in ("auto", "gather", "both", "all"),
+        "gather_ahead": AUTO_OVERLAP.ahead if c in ("auto", "gather ahead", "all") else 0,
         "overlap_tuning": c is OverlapChoice.AUTO,
     }
 
 
 def combinations(exact: Overlap) -> list[Overlap]:
-    """Every overlap ``exact`` allows, fewest first: none, pieces, gather, both."""
+    """Every overlap ``exact`` allows, fewest first: none, pieces, gather, both, then each of those
+    with gather ahead."""
     pieces = [0, exact.head_pieces] if exact.head_pieces > 1 else [0]
     gathers = [False, True] if exact.gather else [False]
-    return [Overlap(p, g) for g in gathers for p in pieces]
+    aheads = [0, exact.ahead] if exact.ahead > 0 else [0]
+    return [Overlap(p, g, a) for a in aheads for g in gathers for p in pieces]
 
 
 @dataclass

@@ -29,8 +29,19 @@ from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.dit import protocol as dit_protocol
 from workers.runtime.shm import dtype_name
+from workers.transports.arena import piece
 
 log = get_logger("MultiStream")
+
+
+def tail_pieces(token_bounds: Sequence[int], rank: int, pieces: int) -> list[tuple[int, int]]:
+    """Rank ``rank``'s row pieces of ``gather_ahead`` (``pieces``; 0: none) in sequence
+    coordinates, as ``Exchange.all_gather_rows_produced`` cuts its rows (the non-empty ones)."""
+    if pieces < 2:
+        return []
+    t0, t1 = int(token_bounds[rank]), int(token_bounds[rank + 1])
+    cuts = (piece(t1 - t0, pieces, j) for j in range(pieces))
+    return [(t0 + a, t0 + b) for a, b in cuts if b > a]
 
 
 class PlanProbe:
@@ -288,6 +299,7 @@ class PlanProbe:
                 pieces=overlap.head_pieces,
                 gather_ranges=every_rank,
                 sparse=sparse,
+                tail_ranges=tail_pieces(tb0, r, overlap.ahead),
             )
             for r in range(self.engine.ranks)
         ]

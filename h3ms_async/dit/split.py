@@ -511,7 +511,12 @@ class SplitEngine(Engine):
         planned = PlannedStep(
             step,
             plan,
-            replace(opts, head_pieces=ran.head_pieces, gather_overlap=ran.gather),
+            replace(
+                opts,
+                head_pieces=ran.head_pieces,
+                gather_overlap=ran.gather,
+                gather_ahead=ran.ahead,
+            ),
             ld.pattern,
             transport,
             sparse_step,
@@ -541,8 +546,11 @@ class SplitEngine(Engine):
         assert ld is not None
         x = step.x
         plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
-        pieces, gather = opts.overlaps_on(self.devices)
-        asked = Overlap(pieces if pieces > 1 else 0, gather and ld.pattern == "gather")
+        pieces, gather, ahead = opts.overlaps_on(self.devices)
+        on_gather = ld.pattern == "gather"
+        asked = Overlap(
+            pieces if pieces > 1 else 0, gather and on_gather, ahead if on_gather else 0
+        )
         sparse_cfg = opts.sparse
         if sparse_cfg is not None and self._sparse_fallback.blocked(
             x.dtype, ld.config.head_dim, self._sparse_kernel
@@ -612,6 +620,7 @@ class SplitEngine(Engine):
                 sparse=planned.sparse,
                 head_pieces=opts.head_pieces,
                 gather_overlap=opts.gather_overlap,
+                gather_ahead=opts.gather_ahead,
                 pattern=planned.pattern,
                 peer_devices=self._peer_devices(r, planned.transport),
             )

@@ -36,8 +36,8 @@ class Step:
     (``h3ms_async.dit.sparse.branch_key``) whose pooled statistics a sparse step reuses.
     ``progress``: see :data:`StepProgress`.  ``in_place``: write the result into ``x`` (H3's
     blocks update the stream in place too).  ``exchange``, ``exchange_chunks``, ``head_pieces``,
-    ``gather_overlap`` (None: the engine's options) override the engine's options for this step
-    (benchmarks compare them side by side on the same workers)."""
+    ``gather_overlap``, ``gather_ahead`` (None: the engine's options) override the engine's
+    options for this step (benchmarks compare them side by side on the same workers)."""
 
     x: torch.Tensor
     modulation: torch.Tensor
@@ -53,6 +53,7 @@ class Step:
     exchange_chunks: int | None = None
     head_pieces: int | None = None
     gather_overlap: bool | None = None
+    gather_ahead: int | None = None
 
     def options(self, base: SplitOptions) -> SplitOptions:
         """``base`` with this step's overrides."""
@@ -65,6 +66,8 @@ class Step:
             opts = replace(opts, head_pieces=self.head_pieces)
         if self.gather_overlap is not None:
             opts = replace(opts, gather_overlap=self.gather_overlap)
+        if self.gather_ahead is not None:
+            opts = replace(opts, gather_ahead=self.gather_ahead)
         return opts
 
 
@@ -127,6 +130,7 @@ def record_step(
         chunks=max(chunks, 1),
         head_pieces=opts.head_pieces,
         gather_overlap=opts.gather_overlap,
+        gather_ahead=opts.gather_ahead if planned.pattern == "gather" else 0,
         overlap_tuning=planned.overlap_phase.value if planned.overlap_phase else "",
         pattern=planned.pattern,
         wall_s=wall_s,

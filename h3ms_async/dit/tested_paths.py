@@ -1,11 +1,11 @@
 """Which split paths have a passing bit-exactness test on which device kind.
 
 A path (the Ulysses pattern, attention in head pieces, the qkv projection as gathered rows
-arrive, the GPU-direct exchange) runs on a device kind only once a test there compared its split
-step with the unsplit step with ``torch.equal``, from fresh workers, first step included;
-``pattern="auto"`` and ``exchange="auto"`` never pick an untested one, and asking for one is
-refused with one line.  The table below names the test behind each entry; an entry is added when
-that test passed on that kind (its log in ``docs/device_runs/`` for CUDA).
+arrive, the cross-block overlap, the GPU-direct exchange) runs on a device kind only once a test
+there compared its split step with the unsplit step with ``torch.equal``, from fresh workers,
+first step included; ``pattern="auto"`` and ``exchange="auto"`` never pick an untested one, and
+asking for one is refused with one line.  The table below names the test behind each entry; an
+entry is added when that test passed on that kind (its log in ``docs/device_runs/`` for CUDA).
 ``H3MS_ALLOW_UNTESTED_PATHS=1`` lets the tests and benchmarks that measure a path there run it.
 """
 
@@ -22,15 +22,19 @@ class SplitPath(StrEnum):
     ULYSSES = "the Ulysses pattern"
     HEAD_PIECES = "attention in head pieces"
     GATHER_OVERLAP = "the gather overlap"
+    GATHER_AHEAD = "the cross-block overlap (gather ahead)"
     CUDA_IPC = "the GPU-direct exchange (cuda_ipc)"
 
 
-_NO_PATTERN_PATHS = "use pattern 'gather' (or 'auto') without head pieces or the gather overlap"
+_NO_PATTERN_PATHS = (
+    "use pattern 'gather' (or 'auto') without head pieces, the gather overlap or gather ahead"
+)
 #: How to leave each path out, for the refusal.
 _FIX = {
     SplitPath.ULYSSES: _NO_PATTERN_PATHS,
     SplitPath.HEAD_PIECES: _NO_PATTERN_PATHS,
     SplitPath.GATHER_OVERLAP: _NO_PATTERN_PATHS,
+    SplitPath.GATHER_AHEAD: _NO_PATTERN_PATHS,
     SplitPath.CUDA_IPC: "set exchange to host (or auto)",
 }
 
@@ -45,8 +49,12 @@ TESTED: dict[str, dict[SplitPath, str]] = {
         SplitPath.GATHER_OVERLAP: (
             "tests/test_invariance.py::test_gather_overlap_runs_exact_and_is_recorded"
         ),
+        SplitPath.GATHER_AHEAD: (
+            "tests/test_gather_ahead.py::test_gather_ahead_runs_exact_and_is_recorded"
+        ),
     },
-    # tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact and
+    # tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact,
+    # tests/test_cuda.py::test_gather_ahead_on_logical_ranks_is_exact and
     # tests/test_cuda.py::test_gpu_direct_exchange_on_logical_ranks_is_exact have not run on a GPU
     # yet
     "cuda": {},
@@ -66,7 +74,9 @@ def is_tested(path: SplitPath, devices: Sequence[str]) -> bool:
     return path in TESTED[device_kind(devices)] or bool(config.ALLOW_UNTESTED_PATHS.get())
 
 
-def asked_paths(pattern: str, head_pieces: int, gather_overlap: bool) -> list[SplitPath]:
+def asked_paths(
+    pattern: str, head_pieces: int, gather_overlap: bool, gather_ahead: int = 0
+) -> list[SplitPath]:
     """The paths a setting asks for ("auto" asks for none: it picks among the tested)."""
     return [
         p
@@ -74,18 +84,22 @@ def asked_paths(pattern: str, head_pieces: int, gather_overlap: bool) -> list[Sp
             (SplitPath.ULYSSES, pattern == "ulysses"),
             (SplitPath.HEAD_PIECES, head_pieces > 1),
             (SplitPath.GATHER_OVERLAP, gather_overlap),
+            (SplitPath.GATHER_AHEAD, gather_ahead > 0),
         )
         if on
     ]
 
 
-def tested_overlap(devices: Sequence[str], head_pieces: int, gather: bool) -> tuple[int, bool]:
-    """``(head_pieces, gather)`` less the overlaps with no passing test on these devices (what the
-    engine may pick among when it picks the overlaps itself: it leaves an untested one out rather
-    than refuse the step)."""
+def tested_overlap(
+    devices: Sequence[str], head_pieces: int, gather: bool, ahead: int = 0
+) -> tuple[int, bool, int]:
+    """``(head_pieces, gather, ahead)`` less the overlaps with no passing test on these devices
+    (what the engine may pick among when it picks the overlaps itself: it leaves an untested one
+    out rather than refuse the step)."""
     return (
         head_pieces if head_pieces > 1 and is_tested(SplitPath.HEAD_PIECES, devices) else 0,
         gather and is_tested(SplitPath.GATHER_OVERLAP, devices),
+        ahead if ahead > 0 and is_tested(SplitPath.GATHER_AHEAD, devices) else 0,
     )
 
 
@@ -99,9 +113,15 @@ def require(path: SplitPath, devices: Sequence[str]) -> None:
         )
 
 
-def check(devices: Sequence[str], pattern: str, head_pieces: int, gather_overlap: bool) -> None:
+def check(
+    devices: Sequence[str],
+    pattern: str,
+    head_pieces: int,
+    gather_overlap: bool,
+    gather_ahead: int = 0,
+) -> None:
     """Refuse, in one line, the first asked-for path with no passing test on these devices."""
-    for path in asked_paths(pattern, head_pieces, gather_overlap):
+    for path in asked_paths(pattern, head_pieces, gather_overlap, gather_ahead):
         require(path, devices)
 
 

@@ -64,6 +64,9 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     head_pieces: int = 0
     #: the qkv projection ran on each rank's gathered rows as they arrived
     gather_overlap: bool = False
+    #: row pieces each block's tail ran in, each followed by the next block's norm1 + modulation
+    #: of those rows published into its gather (0: off)
+    gather_ahead: int = 0
     #: when the engine picks the overlaps (``overlap_tuning``): "warming" (a plan's first step, no
     #: overlaps), "measuring" (timing one exact combination) or "fastest"; "" when options fix them
     overlap_tuning: Literal["", "warming", "measuring", "fastest"] = ""
@@ -156,6 +159,8 @@ def format_step_line(rec: Mapping) -> str:
         chunks += f", attention in {rec['head_pieces']} head pieces"
     if rec.get("gather_overlap"):
         chunks += ", qkv as the rows arrive"
+    if rec.get("gather_ahead", 0) > 0:
+        chunks += f", next gather ahead in {rec['gather_ahead']} row pieces"
     if rec.get("overlap_tuning"):
         chunks += f" (overlaps {rec['overlap_tuning']})"
     if rec.get("pattern") == "ulysses":

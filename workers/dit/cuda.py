@@ -38,7 +38,7 @@ from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView, check_names
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
-from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn
+from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn, RowsProduceFn
 from workers.transports.host import HostExchange
 
 if TYPE_CHECKING:
@@ -285,6 +285,17 @@ class CudaWeights:
             self._fetch(i + 1)
         return self._view(i, self.slots[slot])
 
+    def ahead(self, i: int) -> BlockView:
+        """Block ``i`` without the prefetch of block ``i + 1``, whose slot still holds block
+        ``i - 1`` (in use until its ``done``); ``block(i)`` issues that prefetch later."""
+        nxt = self._n_resident
+        if i < nxt:
+            return self._view(i, self.resident[i])
+        self._fetch(i)
+        slot = (i - nxt) % 2
+        torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
+        return self._view(i, self.slots[slot])
+
     def _view(self, i: int, b: dict[str, torch.Tensor]) -> BlockView:
         w = b["attn.qkv_proj.weight"]  # already the head group's rows (_copy_block)
         return BlockView(
@@ -462,6 +473,14 @@ class CudaExchange(ExchangeBase):
             return self._busy(lambda: produce(a, b))
 
         return self._moved(lambda cur: self._inner.all_to_all_heads(timed, n, out=out))
+
+    def _all_gather_rows_produced(
+        self, produce: RowsProduceFn, n: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        def timed(a: int, b: int) -> torch.Tensor:
+            return self._busy(lambda: produce(a, b))
+
+        return self._moved(lambda cur: self._inner.all_gather_rows_produced(timed, n, out=out))
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with

@@ -46,9 +46,14 @@ OP_ORDER = (
     "attention.pieces",
     "attention.sparse",
     "attn.out_proj",
+    "attn.out_proj.tail",
     "mlp.fc1",
+    "mlp.fc1.tail",
     "mlp.fc2",
+    "mlp.fc2.tail",
 )
+#: The linears of a block's tail (``gather_ahead`` runs them in row pieces).
+TAIL_LINEARS = ("attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
 def fingerprint(device: torch.device) -> dict[str, str]:
@@ -220,9 +225,9 @@ def probe_linear(
     clock: Clock,
 ) -> list[OpVerdict]:
     """One linear's unsplit call over ``rows`` rows, made once, against each variant: per token
-    range (``split="tokens"``), the head group's rows of the fused qkv weight over every row
-    (``"heads"``) or on each token range (``"rows"``: every rank's range).  The first verdict's
-    time includes the unsplit call."""
+    range (``split="tokens"``, or ``"tail"``: a rank's tail pieces), the head group's rows of the
+    fused qkv weight over every row (``"heads"``) or on each token range (``"rows"``: every rank's
+    range).  The first verdict's time includes the unsplit call."""
     t0 = clock.start()
     w, scale, bias, quant = _weights(pool, op, act)
     x = pool.view(act, rows, _in_features(op))
@@ -235,7 +240,7 @@ def probe_linear(
         exact: list[bool] = []
         diffs: list[float] = []
         shards: list[list[int]] = []
-        if v.split == "tokens":
+        if v.split in ("tokens", "tail"):
             for a, b in v.ranges:
                 part = dit_ops.linear(
                     x[a:b].clone(), w, scale, bias, quant=quant, input_act=op.input_act
@@ -444,6 +449,7 @@ def run_probe(
     gather_ranges: Sequence[tuple[int, int]] = (),
     eps: float = 1e-5,
     sparse: SparseProbeSettings | None = None,
+    tail_ranges: Sequence[tuple[int, int]] = (),
 ) -> ProbeReport:
     """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
 
@@ -453,8 +459,9 @@ def run_probe(
     ``gather_ranges``: also the group's qkv rows on each of these token ranges (every rank's)
     against the unsplit call (op ``attn.qkv_proj.rows``); ``sparse`` (``dit_probe``'s settings):
     also sparse attention as the rank runs it, with the blocks' epsilon ``eps``
-    (:func:`probe_sparse`).  Each op's unsplit call is made once for all the verdicts taken from
-    it.  Runs under inference mode and
+    (:func:`probe_sparse`); ``tail_ranges``: also the tail's linears on each of these token ranges
+    (this rank's row pieces of ``gather_ahead``, ops ``<linear>.tail``).  Each op's unsplit call
+    is made once for all the verdicts taken from it.  Runs under inference mode and
     :func:`workers.dit.ops.probing`; the random buffers go when it returns.
     """
     clock = Clock(device)
@@ -466,6 +473,8 @@ def run_probe(
             variants = [Variant(op.name, op.split, candidates)]
             if gather_ranges and op.name == "attn.qkv_proj":
                 variants.append(Variant("attn.qkv_proj.rows", "rows", gather_ranges))
+            if tail_ranges and op.name in TAIL_LINEARS:
+                variants.append(Variant(f"{op.name}.tail", "tail", tail_ranges))
             report.ops += probe_linear(
                 pool, op, tokens, variants, dtype, heads, total_heads, head_dim, clock
             )

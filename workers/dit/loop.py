@@ -11,6 +11,12 @@ Per block, a rank with tokens [t0, t1) and heads [g0, g1) (docs/architecture.md,
 5. out_proj, gated residual, norm2 + modulation, MLP, gated residual on its own tokens (in place, as
    ComfyUI).
 
+With ``gather_ahead`` step 5 runs in row pieces of its own tokens, each followed by the next block's
+norm1 + modulation of those rows, published into the next block's all-gather while the next piece
+computes (``Exchange.all_gather_rows_produced``): the next block starts at step 3.  Only the GEMMs'
+row counts change (the exactness probe measures the pieces); the row-wise ops are exact in any
+pieces.
+
 With one rank (``IdentityExchange``, all heads) both collectives return their input and the loop is
 ComfyUI's unsplit block stack op for op; a split can only differ from it through what the weight
 provider and the exchange slice and move, never through how a block computes.  Where the weights
@@ -69,13 +75,18 @@ class LoopPaths:
     "ulysses" (dense steps; the weights then hold every head's qkv rows): each rank projects q, k,
     v of every head for its own tokens and ``Exchange.all_to_all_qkv`` gives it its heads' q, k,
     v for every token; ``sparse``: attention through comfy-kitchen's sparse kernel where its
-    settings say so (``workers.dit.sparse``)."""
+    settings say so (``workers.dit.sparse``); ``gather_ahead`` > 0 (the gather pattern): each
+    block but the last runs its tail in that many row pieces, each followed by the next block's
+    norm1 + modulation of those rows, published into the next block's gather while the next piece
+    computes (``Exchange.all_gather_rows_produced``); the next block then projects its qkv on the
+    gathered rows whole."""
 
     chunks: int = 0
     head_pieces: int = 0
     gather_overlap: bool = False
     pattern: Pattern = Pattern.GATHER
     sparse: SparseStep | None = None
+    gather_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,8 @@ def run_blocks(
     before_block, after_block, trace = hooks.before_block, hooks.after_block, hooks.trace
     clock = rank.clock or HostBlockClock(exchange.counters)
     clock.start()
+    ahead = paths.gather_ahead if pattern == Pattern.GATHER else 0
+    gathered: torch.Tensor | None = None  # this block's gathered input, when the last one made it
     for i in blocks:
         if before_block is not None:
             before_block(i)
@@ -118,14 +131,17 @@ def run_blocks(
         w = blk.weights
         op_trace = None if trace is None else (lambda op, t, i=i: trace(i, op, t))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.modulation(mod[i])
-        n1 = dit_ops.norm_modulate(x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps)
         attn: torch.Tensor | None = None
-        if pattern == "ulysses":
+        if gathered is None:
+            n1 = dit_ops.norm_modulate(
+                x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps
+            )
+        if gathered is None and pattern == "ulysses":
             qkv = _ulysses_projection(exchange, n1, blk, chunks)
-        elif paths.gather_overlap and sparse is None:
+        elif gathered is None and paths.gather_overlap and sparse is None:
             qkv = _gathered_projection(exchange, n1, blk)
         else:
-            n1_full = exchange.all_gather_rows(n1, chunks)
+            n1_full = exchange.all_gather_rows(n1, chunks) if gathered is None else gathered
             if sparse is not None:
                 attn = sparse.attention(
                     i, n1_full, blk, rope_freqs, heads_local, head_dim, eps, op_trace
@@ -154,19 +170,14 @@ def run_blocks(
         else:
             attn = dit_ops.attend_group(qkv, heads_local, head_dim, attend, op_trace)
             attn_rows = exchange.all_to_all_cols(attn, chunks)
-        dit_ops.out_mlp(
-            x_rows,
-            attn_rows,
-            w,
-            gate_msa,
-            shift_mlp,
-            scale_mlp,
-            gate_mlp,
-            segments,
-            eps,
-            blk.quant,
-            trace=op_trace,
-        )
+        tail = _Tail(x_rows, attn_rows, blk, (gate_msa, shift_mlp, scale_mlp, gate_mlp), eps)
+        if ahead and i + 1 < blocks.stop:
+            gathered = _tail_ahead(
+                exchange, tail, segments, weights.ahead(i + 1), mod[i + 1], ahead, op_trace
+            )
+        else:
+            gathered = None
+            tail.run(0, x_rows.shape[0], segments, op_trace)
         if op_trace is not None:
             op_trace("block", x_rows)
         weights.done(i)
@@ -174,6 +185,63 @@ def run_blocks(
         if after_block is not None:
             after_block(i)
     return clock.finish()
+
+
+@dataclass(frozen=True)
+class _Tail:
+    """A block's step 5 on this rank's rows ``x`` (updated in place), from the all-to-all's
+    ``attn_rows``; ``mods``: its gate_msa, shift_mlp, scale_mlp, gate_mlp."""
+
+    x: torch.Tensor
+    attn_rows: torch.Tensor
+    blk: BlockView
+    mods: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    eps: float
+
+    def run(
+        self, a: int, b: int, segments: Sequence[dit_ops.ModSegment], trace: dit_ops.Trace | None
+    ) -> torch.Tensor:
+        """Rows [a, b) (``segments`` in their coordinates); returns their new residual rows."""
+        whole = (a, b) == (0, self.x.shape[0])
+        x = self.x if whole else self.x[a:b]
+        # a piece's GEMM input as the probe measures it: a tensor of its own
+        rows = self.attn_rows if whole else self.attn_rows[a:b].clone()
+        gate_msa, shift_mlp, scale_mlp, gate_mlp = self.mods
+        w, quant = self.blk.weights, self.blk.quant
+        return dit_ops.out_mlp(
+            x, rows, w, gate_msa, shift_mlp, scale_mlp, gate_mlp, segments, self.eps, quant, trace
+        )
+
+
+def _tail_ahead(
+    exchange: Exchange,
+    tail: _Tail,
+    segments: Sequence[dit_ops.ModSegment],
+    following: BlockView,
+    following_mod: torch.Tensor,
+    pieces: int,
+    trace: dit_ops.Trace | None,
+) -> torch.Tensor:
+    """``tail`` in row pieces, each followed by the following block's norm1 + modulation of
+    those rows, published into that block's all-gather: its gathered input ``[S, H]``.  ``trace``
+    sees each linear's output of every piece put together, as the unsplit tail's."""
+    shift_msa, scale_msa = dit_ops.modulation(following_mod)[:2]
+    norm_w = following.weights["norm1.weight"]
+    parts: dict[str, list[torch.Tensor]] = {}
+
+    def keep(op: str, t: torch.Tensor) -> None:
+        parts.setdefault(op, []).append(t)
+
+    def produce(a: int, b: int) -> torch.Tensor:
+        local = dit_ops.clip_segments(segments, a, b)
+        x = tail.run(a, b, local, None if trace is None else keep)
+        return dit_ops.norm_modulate(x, norm_w, shift_msa, scale_msa, local, tail.eps)
+
+    gathered = exchange.all_gather_rows_produced(produce, pieces)
+    if trace is not None:
+        for op, ts in parts.items():
+            trace(op, torch.cat(ts))
+    return gathered
 
 
 def _ulysses_projection(

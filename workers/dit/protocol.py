@@ -47,6 +47,9 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 next computes (0/1: one call; ``workers.dit.loop``)
     gather_overlap  dense steps: the qkv projection runs on each rank's gathered rows as they
                 arrive (``workers.dit.loop``)
+    gather_ahead  the gather pattern: each block's tail in that many row pieces, each followed by
+                the next block's norm1 + modulation of those rows, published into the next block's
+                gather (0: off; at most :data:`MAX_GATHER_AHEAD`; ``workers.dit.loop``)
     pattern     "gather" or "ulysses" (:data:`Pattern`; Ulysses needs a layout planned with qkv
                 and weights loaded with every head's qkv rows)
     abort_gen   the pool's abort generation when the step was submitted
@@ -265,6 +268,8 @@ class DitStepped(Answer):
 
 #: Most head pieces a step's attention may run in (``DitStep.head_pieces``).
 MAX_HEAD_PIECES = 16
+#: Most row pieces a block's tail may run in for the cross-block overlap (``DitStep.gather_ahead``).
+MAX_GATHER_AHEAD = 16
 
 
 class Pattern(enum.StrEnum):
@@ -399,6 +404,7 @@ class DitStep(Request, tag="dit_step"):
     sparse: SparseStepSettings | None = None
     head_pieces: int = 0
     gather_overlap: bool = False
+    gather_ahead: int = 0
     pattern: Pattern = Pattern.GATHER
     peer_devices: tuple[int, ...] = ()
     PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
@@ -410,9 +416,10 @@ class DitSparseReset(Request, tag="dit_sparse_reset"):
 
 
 #: How an op's calls are cut: by token rows, by head groups, by head pieces within a group
-#: (``head_pieces``), a head group's rows by every rank's token range (``gather_overlap``) or by the
-#: sparse kernel's row chunks (compared with the whole weight's call on the same rows).
-Split = Literal["tokens", "heads", "pieces", "rows", "chunks"]
+#: (``head_pieces``), a head group's rows by every rank's token range (``gather_overlap``), by the
+#: sparse kernel's row chunks (compared with the whole weight's call on the same rows) or by the row
+#: pieces of a rank's block tail (``gather_ahead``).
+Split = Literal["tokens", "heads", "pieces", "rows", "chunks", "tail"]
 
 
 class LinearOp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -480,6 +487,7 @@ class DitProbe(Request, tag="dit_probe"):
     pieces: int = 0
     gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     sparse: SparseProbeSettings | None = None
+    tail_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     ANSWER: ClassVar[type[Answer]] = ProbeReport
 
 

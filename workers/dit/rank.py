@@ -289,6 +289,7 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
             eps=float(model.eps),
             sparse=msg.sparse or None,
+            tail_ranges=[(int(a), int(b)) for a, b in msg.tail_ranges],
         )
     )
     if ctx.device.startswith("cuda"):
@@ -513,6 +514,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
             bool(msg.gather_overlap),
             msg.pattern,
             sparse,
+            gather_ahead=_gather_ahead(msg),
         ),
         LoopHooks(before_block=check_abort, trace=trace if msg.trace else None),
     )
@@ -544,6 +546,16 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         trace=digests,
         sparse=sparse.counts if sparse is not None else None,
     )
+
+
+def _gather_ahead(msg: dit_protocol.DitStep) -> int:
+    """The step's row pieces of the cross-block overlap, checked (0: off)."""
+    n = int(msg.gather_ahead)
+    if not 0 <= n <= dit_protocol.MAX_GATHER_AHEAD:
+        raise ValueError(
+            f"dit_step gather_ahead={n}: use 0 (off) to {dit_protocol.MAX_GATHER_AHEAD} row pieces"
+        )
+    return n
 
 
 def _alloc_counters(device: torch.device) -> dict[str, int]:

@@ -55,6 +55,11 @@ class WeightProvider(Protocol):
     def block(self, i: int) -> BlockView:
         """Block ``i``, usable by work issued on the current stream after this call."""
 
+    def ahead(self, i: int) -> BlockView:
+        """Block ``i`` while block ``i - 1`` is still in use (the cross-block overlap runs block
+        i's norm1 inside block i-1's tail): usable like :meth:`block`'s, and it reuses no memory
+        of block ``i - 1``'s; :meth:`block` is still called for ``i`` before its own work."""
+
     def done(self, i: int) -> None:
         """The loop has issued all work that reads block ``i`` (its memory may be reused after that
         work)."""
@@ -150,6 +155,9 @@ class CpuWeights:
 
     def block(self, i: int) -> BlockView:
         return self._views[i] if self._views is not None else self._view(i)
+
+    def ahead(self, i: int) -> BlockView:
+        return self.block(i)
 
     def done(self, i: int) -> None:
         """Nothing to free."""

@@ -10,6 +10,11 @@ size), ``C`` all columns, ``S`` all tokens (``docs/architecture.md`` §3):
 * ``all_gather_rows_each``: the same gather in one chunk, handing each non-empty rank's rows to a
   callback: this rank's first (before it waits), then each peer's (as soon as they are here, where
   the transport can), so the rank computes on them (the qkv projection) while others' still arrive.
+* ``all_gather_rows_produced``: the same gather, rank r's rows produced row piece by row piece
+  while the op runs (``produce(a, b)``: its rows [a, b) in its own coordinates,
+  :meth:`ArenaLayout.chunk_rows`), each piece published as soon as it is produced, so the rows
+  travel while the next piece computes (the cross-block overlap: block i's tail in row pieces, each
+  followed by block i+1's norm1 + modulation of those rows).
 * ``all_to_all_cols``: rank r gives ``[S, c_r]``; every rank gets ``[n_r, C]`` = every rank's
   columns for its own tokens, in rank order (:func:`received_cols`).
 * ``all_to_all_heads``: the same result, rank r's columns produced head piece by head piece while
@@ -51,12 +56,15 @@ from workers.transports.arena import (
     KIND_QKV,
     MAX_CHUNKS,
     ArenaLayout,
+    piece,
 )
 
 _CPU = torch.device("cpu")
 
 #: ``produce(c_a, c_b)``: this rank's all-to-all columns [c_a, c_b) (whole heads) for all tokens.
 ProduceFn = Callable[[int, int], torch.Tensor]
+#: ``produce(a, b)``: this rank's gather rows [a, b) (its own row coordinates), ``[b - a, W]``.
+RowsProduceFn = Callable[[int, int], torch.Tensor]
 #: ``on_rows(a, b, rows)``: the gathered rows of tokens [a, b) (one rank's), once they are here.
 RowsFn = Callable[[int, int, torch.Tensor], None]
 
@@ -116,6 +124,11 @@ class Exchange(Protocol):
     def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
         """:meth:`all_gather_rows`, calling ``on_rows(a, b, rows)`` for this rank's rows first and
         then for each peer's."""
+
+    def all_gather_rows_produced(self, produce: RowsProduceFn, pieces: int) -> torch.Tensor:
+        """:meth:`all_gather_rows` of the rows ``produce(a, b)`` returns per row piece (every row
+        of this rank produced exactly once, pieces in order); a transport that can moves each
+        piece while the next is produced."""
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """Every rank's columns for this rank's tokens: ``[S, c_rank]`` in, ``[n_rank, C]`` out."""
@@ -193,6 +206,18 @@ class ExchangeBase(ABC):
         _, res = self._start(KIND_GATHER, 1, out, (lay.tokens, lay.row_width), local.device)
         return self._all_gather_rows_each(local, on_rows, res)
 
+    def all_gather_rows_produced(
+        self, produce: RowsProduceFn, pieces: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`all_gather_rows` of this rank's rows produced in ``pieces`` row pieces
+        (``produce(a, b)``, local coordinates, :meth:`ArenaLayout.chunk_rows`; 0 and 1: one piece;
+        empty pieces are not produced).  Its chunk j carries every rank's piece j, as
+        ``all_gather_rows`` in ``pieces`` chunks lays them out."""
+        lay = self.layout
+        shape = (lay.tokens, lay.row_width)
+        n, res = self._start(KIND_GATHER, pieces, out, shape, self.device, "row pieces")
+        return self._all_gather_rows_produced(produce, n, res)
+
     def all_to_all_cols(
         self, local: torch.Tensor, chunks: int = 0, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -222,7 +247,7 @@ class ExchangeBase(ABC):
         """:meth:`all_to_all_cols` of this rank's columns produced in ``pieces`` head pieces
         (``produce(c_a, c_b)``, :meth:`ArenaLayout.head_piece`; 0 and 1: one piece)."""
         shape = (self._n_rows, self.layout.columns)
-        n, res = self._start(KIND_ALL_TO_ALL_HEADS, pieces, out, shape, self.device)
+        n, res = self._start(KIND_ALL_TO_ALL_HEADS, pieces, out, shape, self.device, "head pieces")
         return self._all_to_all_heads(produce, n, res)
 
     # -- the transport's hooks ---------------------------------------------------------------------
@@ -248,6 +273,17 @@ class ExchangeBase(ABC):
             if p != self.rank:
                 self._hand_over(p, out, on_rows)
         return out
+
+    def _all_gather_rows_produced(
+        self, produce: RowsProduceFn, n: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Every piece produced first, then one gather of the whole rows."""
+        lay = self.layout
+        parts = [part for j in range(n) if (part := self._row_piece(produce, n, j)[2]) is not None]
+        local = (
+            torch.cat(parts) if parts else out.new_empty((0, lay.row_width))
+        )  # a rank without rows gives none
+        return self._all_gather_rows(local, 1, out)
 
     def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:
         """Every piece produced first, then one all-to-all of the whole columns."""
@@ -280,11 +316,11 @@ class ExchangeBase(ABC):
         out: torch.Tensor | None,
         shape: tuple[int, int],
         device: torch.device,
+        what: str = "exchange chunks",
     ) -> tuple[int, torch.Tensor]:
-        """Check ``chunks`` and ``out``, begin the op; its chunk count (at least 1) and the tensor
-        its ``shape`` result goes into."""
+        """Check ``chunks`` (``what`` names them) and ``out``, begin the op; its chunk count (at
+        least 1) and the tensor its ``shape`` result goes into."""
         if not isinstance(chunks, int) or not 0 <= chunks <= MAX_CHUNKS:
-            what = "head pieces" if kind == KIND_ALL_TO_ALL_HEADS else "exchange chunks"
             raise ValueError(
                 f"{what} must be an int in 0..{MAX_CHUNKS} (0/1 = single shot), got {chunks!r}"
             )
@@ -312,6 +348,19 @@ class ExchangeBase(ABC):
             return a, b, None
         part = produce(a, b)
         self._check_input("all_to_all_heads piece", part, (self.layout.tokens, b - a))
+        return a, b, part
+
+    def _row_piece(
+        self, produce: RowsProduceFn, n: int, j: int
+    ) -> tuple[int, int, torch.Tensor | None]:
+        """Row piece j of ``n`` of this rank's rows: its bounds (sequence coordinates) and
+        ``produce``'s ``[b - a, W]`` rows, checked (None for an empty piece)."""
+        a, b = self.layout.chunk_rows(self.rank, n, j)
+        if b == a:
+            return a, b, None
+        t0 = self.layout.rows(self.rank)[0]
+        part = produce(a - t0, b - t0)
+        self._check_input("all_gather_rows_produced piece", part, (b - a, self.layout.row_width))
         return a, b, part
 
     def _hand_over(self, p: int, gathered: torch.Tensor, on_rows: RowsFn) -> None:
@@ -468,9 +517,13 @@ class NoExchange(InProcess, ExchangeBase):
 
 class IdentityExchange(InProcess):
     """The exchange of the unsplit run: one rank holds every token and head, so each op's result is
-    its input itself (no layout, no copy)."""
+    its input itself (no layout, no copy).  ``tokens``: the run's token count, which only
+    :meth:`all_gather_rows_produced` needs (it cuts them into the pieces it produces)."""
 
     transport = "none"
+
+    def __init__(self, tokens: int | None = None) -> None:
+        self.tokens = tokens
 
     def all_gather_rows(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         return local
@@ -478,6 +531,17 @@ class IdentityExchange(InProcess):
     def all_gather_rows_each(self, local: torch.Tensor, on_rows: RowsFn) -> torch.Tensor:
         on_rows(0, local.shape[0], local)
         return local
+
+    def all_gather_rows_produced(self, produce: RowsProduceFn, pieces: int) -> torch.Tensor:
+        """The rows in ``pieces`` pieces of every token, as one rank of a split would produce
+        them (:func:`~workers.transports.arena.piece`), put together."""
+        if not isinstance(pieces, int) or not 0 <= pieces <= MAX_CHUNKS:
+            raise ValueError(f"row pieces must be an int in 0..{MAX_CHUNKS}, got {pieces!r}")
+        if self.tokens is None:
+            raise ValueError("row pieces need the token count: IdentityExchange(tokens=S)")
+        n = max(1, pieces)
+        parts = [produce(a, b) for a, b in (piece(self.tokens, n, j) for j in range(n)) if b > a]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def all_to_all_cols(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         return local

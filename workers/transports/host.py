@@ -7,6 +7,9 @@ arena and how the ranks signal each other.  ``all_gather_rows``, ``all_to_all_co
 ``all_to_all_qkv`` cut every rank's part into ``chunks`` pieces; chunk j of an op is published as
 one sequence-word step, so a rank writes chunk j while its peers read chunk j-1.
 ``all_gather_rows_each`` is one chunk whose rows are handed over as each rank's arrive.
+``all_gather_rows_produced``: chunk j carries row piece j of every rank, published as soon as it is
+produced (the gather's layout in that many chunks), so peers read piece j while its producer
+computes piece j+1.
 ``all_to_all_heads``: chunk j carries head piece j of every rank, published as soon as it is
 produced, so peers read piece j while its producer computes piece j+1; while this op runs, ``A_r``
 holds rank r's pieces one after another, each ``[S, w_j]``.
@@ -94,6 +97,7 @@ from workers.transports.exchange import (
     JobExchange,
     ProduceFn,
     RowsFn,
+    RowsProduceFn,
     packed_qkv,
 )
 
@@ -292,6 +296,46 @@ class HostExchange(JobExchange):
                 on_rows(a, b, out[a:b])
 
         self._consume(KIND_GATHER, 1, 0, take)
+        self._last_use[BUFFER[KIND_GATHER]] = self._op
+        return out
+
+    def _all_gather_rows_produced(
+        self, produce: RowsProduceFn, n: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Piece j is chunk j of the op, published once its copy out is done; piece j+1 is
+        produced (and its copy started) before this rank waits for it (as ``all_to_all_heads``)."""
+        lay, me = self.layout, self.rank
+
+        def stage(j: int) -> list[Callable[[], None]]:
+            a, b, part = self._row_piece(produce, n, j)
+            if part is None:
+                return []
+            self._timed_copy(out[a:b], part, _default_copy)
+            if not self._peers:
+                return []
+            t = time.perf_counter()
+            wait = self._to_host_async(self._g_rows(me, a, b), part)
+            self._stats["copy_s"] += time.perf_counter() - t
+            self._stats["bytes_written"] += part.numel() * part.element_size()
+            return [wait]
+
+        def take(p: int, j: int) -> None:
+            a, b = lay.chunk_rows(p, n, j)
+            if b > a:
+                self._timed_copy(out[a:b], self._g_rows(p, a, b), self._to_device, read=True)
+
+        started = stage(0)
+        for j in range(n):
+            following = stage(j + 1) if j + 1 < n else []
+            t = time.perf_counter()
+            for wait in started:
+                wait()
+            self._stats["copy_s"] += time.perf_counter() - t
+            self._publish(KIND_GATHER, n, j)
+            if j:
+                self._consume(KIND_GATHER, n, j - 1, take)
+            started = following
+        self._consume(KIND_GATHER, n, n - 1, take)
         self._last_use[BUFFER[KIND_GATHER]] = self._op
         return out
 

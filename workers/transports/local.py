@@ -24,7 +24,7 @@ from workers.transports.arena import (
     KIND_QKV,
     ArenaLayout,
 )
-from workers.transports.exchange import ExchangeBase, InProcess, packed_qkv
+from workers.transports.exchange import ExchangeBase, InProcess, RowsProduceFn, packed_qkv
 
 
 class LocalArena:
@@ -83,6 +83,16 @@ class LocalExchange(InProcess, ExchangeBase):
     def _all_gather_rows(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         t0, t1 = self.layout.rows(self.rank)
         self._arena.gathered[t0:t1].copy_(local)
+        return self._done(KIND_GATHER, out)
+
+    def _all_gather_rows_produced(
+        self, produce: RowsProduceFn, n: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Each piece written into the shared rows as it is produced."""
+        for j in range(n):
+            a, b, part = self._row_piece(produce, n, j)
+            if part is not None:
+                self._arena.gathered[a:b].copy_(part)
         return self._done(KIND_GATHER, out)
 
     def _all_to_all_cols(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,14 @@ GPU-direct exchange's header and handle slots, ``arena_ipc``), the chunk counts 
 blocks of
 (all_gather_rows, all_to_all_cols); a layout planned with ``qkv`` adds ``all_to_all_qkv`` (of a
 ``[S, 3·C]`` pattern); ``"overlap": true`` adds ``all_to_all_heads`` in as many head pieces as
-chunks (each piece produced on demand from the pattern) and ``all_gather_rows_each`` (each rank's
-rows handed over once, its own first).  Every rank generates every rank's inputs from the case seed,
-so it checks its own results against the spec's exact tensors.  Doorbell eventfds arrive through
-``pass_fds`` (``--doorbells``), the abort control word as a segment id (``--control``).  Output: one
-JSON line on stdout with per-case results, per-op timings and the exchange stats; exit status 0 when
-every check passed, 1 when a check failed, 3 when an exchange raised.
+chunks (each piece produced on demand from the pattern), ``all_gather_rows_each`` (each rank's
+rows handed over once, its own first) and ``all_gather_rows_produced`` in as many row pieces as
+chunks (every row produced once, pieces in order).  Every rank generates every rank's inputs
+from the case seed, so it checks its own results against the spec's exact tensors.  Doorbell
+eventfds arrive through ``pass_fds`` (``--doorbells``), the abort control word as a segment id
+(``--control``).  Output: one JSON line on stdout with per-case results, per-op timings and the
+exchange stats; exit status 0 when every check passed, 1 when a check failed, 3 when an exchange
+raised.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from workers.dit.protocol import Transport
 from workers.runtime import config
 from workers.runtime.shm import Segment
-from workers.transports.arena import ArenaLayout
+from workers.transports.arena import ArenaLayout, piece
 from workers.transports.cuda_ipc import CudaIpcExchange, IpcBuffers
 from workers.transports.exchange import (
     Exchange,
@@ -155,6 +157,18 @@ def _block(
             bad.append(f"rows handed over as {order}")
         if not all(torch.equal(part, x[a:b]) for a, b, part in handed):
             bad.append("handed-over rows differ")
+        asked: list[tuple[int, int]] = []
+
+        def produce(a: int, b: int) -> torch.Tensor:
+            asked.append((a, b))
+            return mine(rows[rank][a:b])
+
+        got = timed("produced_s", ex.all_gather_rows_produced, produce, chunks)
+        check(f"all_gather_rows_produced ({chunks} pieces)", got, gathered_rows(lay, rows))
+        n = max(1, chunks)
+        want = [(a, b) for a, b in (piece(r1 - r0, n, j) for j in range(n)) if b > a]
+        if asked != want:
+            bad.append(f"rows produced as {asked}, expected {want}")
     return bad
 
 
@@ -192,7 +206,8 @@ def run_case(
     for chunks in case.get("chunks", [0]):
         for tname, ex in exchanges:
             ex.reset_stats()
-            times = {k: [] for k in ("gather_s", "a2a_s", "qkv_s", "heads_s", "each_s")}
+            keys = ("gather_s", "a2a_s", "qkv_s", "heads_s", "each_s", "produced_s")
+            times = {k: [] for k in keys}
             for rnd in range(rounds):
                 ex.begin(gen)
                 for blk in range(blocks):

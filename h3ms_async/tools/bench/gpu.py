@@ -271,6 +271,7 @@ def run(
                                 exchange_chunks=chunks,
                                 head_pieces=asked.head_pieces,
                                 gather_overlap=asked.gather,
+                                gather_ahead=asked.ahead,
                             )
                             last = get_hub().recent_steps(1)[-1]
                             r.update(
@@ -282,7 +283,9 @@ def run(
                                 chunks=chunks,
                                 overlap=overlap,
                                 overlap_ran=Overlap(
-                                    last["head_pieces"], last["gather_overlap"]
+                                    last["head_pieces"],
+                                    last["gather_overlap"],
+                                    last["gather_ahead"],
                                 ).name,
                                 per_block_s=(r["rank_wall_s"] or r["step_wall_s"]) / layers,
                             )
@@ -388,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--overlap",
         default=",".join(OVERLAPS),
         help="comma-separated overlaps timed with 8 chunks beside the others: none, piecesN "
-        "(attention in N head pieces), gather (qkv on the rows as they arrive), gather+piecesN",
+        "(attention in N head pieces), gather (qkv on the rows as they arrive), aheadN (tails in "
+        "N row pieces feeding the next gather), joined by + (gather+pieces4+ahead4)",
     )
     add_pattern_argument(p)
     p.add_argument(

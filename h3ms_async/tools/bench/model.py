@@ -501,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = Overlap.from_name(a.schedule)
     except ValueError as exc:
         p.error(f"--schedule: {exc}")
+    if schedule.ahead:
+        p.error(f"--schedule {a.schedule}: the speed model has no gather-ahead schedule yet")
     if a.sparse_attention_ratio is not None and not 0 < a.sparse_attention_ratio <= 1:
         p.error("--sparse-attention-ratio must be in (0, 1] (sparse attention time / dense)")
     if any(n < 1 for n in a.ranks):

@@ -248,12 +248,13 @@ class VariantRun:
             exchange_chunks=self.chunks,
             head_pieces=self.overlap.head_pieces,
             gather_overlap=self.overlap.gather,
+            gather_ahead=self.overlap.ahead,
             sigma=SIGMA,
         )
         dt = time.perf_counter() - t
         rec = get_hub().recent_steps(1)[-1]
         self.transport = rec["exchange"]
-        self.overlap_ran = Overlap(rec["head_pieces"], rec["gather_overlap"])
+        self.overlap_ran = Overlap(rec["head_pieces"], rec["gather_overlap"], rec["gather_ahead"])
         # the baseline's ranks get nothing from their peers: its output is not the model's
         same = self.exchange == BASELINE_EXCHANGE or bool(torch.equal(out, ref))
         self.exact = self.exact and same
@@ -419,7 +420,7 @@ def run_bench_split(
         raise ValueError("overlaps: give at least one (none: no overlap)")
     asked = [Overlap.from_name(o) for o in overlaps]
     for o in asked:
-        SplitOptions(head_pieces=o.head_pieces)
+        SplitOptions(head_pieces=o.head_pieces, gather_ahead=o.ahead)
     cfg = bench_config(hidden, layers, heads, head_dim, ffn)
     # a bad plan fails before anything heavy starts
     plans.make_split_plan(ranks, None, tokens, cfg.heads)
@@ -591,7 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--overlap",
         default="none",
         help="overlaps to compare: none, piecesN (attention in N head pieces, each moved while the "
-        "next computes), gather (qkv on the gathered rows as they arrive), gather+piecesN",
+        "next computes), gather (qkv on the gathered rows as they arrive), aheadN (each block's "
+        "tail in N row pieces feeding the next gather), joined by + (gather+pieces4+ahead4)",
     )
     p.add_argument(
         "--exchange",
