@@ -3,9 +3,9 @@
 #   bash benchmarks/device_run.sh TARGET [extra bench args...]
 #   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu|
 #           paths|paths-more
-#   paths (~8 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
+#   paths (~9 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
 #   needed): the split paths at full width from fresh workers (tests/test_cuda.py: Ulysses, head pieces, the gather
-#   overlap; the GPU-direct exchange against the unsplit step; per-block timings from CUDA events), every CUDA
+#   overlap, the gather-ahead; the GPU-direct exchange against the unsplit step; per-block timings from CUDA events), every CUDA
 #   exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc
 #   included); a pass lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   paths-more (~7 min): the bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify
@@ -78,7 +78,7 @@ if [ "$what" = vae-exact ]; then
   echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
 fi
 # paths / paths-more: each file under its own deadline, two device calls of under 10 minutes each
-set_a=("tests/test_cuda.py|split_paths or untested or gpu_direct or block_timings|330"
+set_a=("tests/test_cuda.py|split_paths or untested or gpu_direct or block_timings or gather_ahead|380"
        "tests/test_exchange_conformance.py|cuda or nccl|120")
 set_b=("tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110")
 if [ "$what" = paths ] || [ "$what" = paths-more ]; then

@@ -144,8 +144,14 @@ def test_the_implemented_overlaps_hide_what_they_can():
     assert plain.block_s - pieces.block_s == pytest.approx(a2a * 3 / 4)  # attention outlasts each piece's move
     assert 0 < plain.block_s - gather.block_s <= gath
     assert both.block_s < min(pieces.block_s, gather.block_s) and both.block_s > both.compute_block_s
-    ulysses = sm.predict(parts, 2, link, pattern="ulysses", gather_overlap=True)
-    assert ulysses.schedule == "none"  # the gather overlap belongs to the all-gather pattern
+    ulysses = sm.predict(parts, 2, link, pattern="ulysses", gather_overlap=True, gather_ahead=4)
+    assert ulysses.schedule == "none"  # the gather overlap and the gather-ahead belong to the all-gather pattern
+    # the gather-ahead: the next block's gather moves behind this block's tail (all but attention and qkv), in pieces
+    ahead = sm.predict(parts, 2, link, head_pieces=4, gather_overlap=True, gather_ahead=4)
+    assert ahead.schedule == "pieces4+ahead4"  # the next block's rows are gathered already: no gather overlap
+    tail = parts.unsplit_block_s * (1 - parts.attention_fraction - sm.QKV_FRACTION) / 2
+    assert tail > gath  # the tail outlasts each piece's move: all but the last piece's is hidden
+    assert ahead.block_s == pytest.approx(pieces.block_s - gath * 3 / 4)
     run = _bench("--parts", str(PARTS), "--ranks", "2", "--schedule", "gather+pieces4")
     assert run.returncode == 0 and "schedule gather+pieces4" in run.stderr, run.stderr
     assert json.loads(run.stdout)["schedule"]["overlaps"] == "gather+pieces4"

@@ -163,6 +163,7 @@ export function stepSummary(rec) {
   const chunks = rec.chunks > 1 ? ` ×${rec.chunks}` : "";
   const pieces = (rec.head_pieces > 1 ? ` · attention in ${rec.head_pieces} head pieces` : "") +
     (rec.gather_overlap ? " · qkv as the rows arrive" : "") +
+    (rec.gather_ahead > 1 ? ` · next block's rows sent in ${rec.gather_ahead} pieces of the MLP` : "") +
     (rec.overlap_tuning ? ` · overlaps ${rec.overlap_tuning}` : "");
   return `step ${rec.seq} · ${sigma}${rec.tokens} tokens × ${rec.blocks} blocks on ${rec.devices.join("+")} · ` +
     `${fmtSec(rec.wall_s)} s · exchange ${rec.exchange}${chunks}${pieces} · ${fmtBytes(rec.moved_bytes)} moved · ` +

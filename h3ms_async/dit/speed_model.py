@@ -28,8 +28,11 @@ part (no overlap of the two levels).
 The schedule: by default every op waits for the compute before it and the next compute waits for its
 bytes, so the exposed exchange is the whole exchange time.  The overlaps the split implements
 (``SplitOptions.head_pieces``, ``gather_overlap``) are modelled as they run: attention in P head
-pieces is a two-stage pipeline with the all-to-all (piece j moves while piece j+1 computes), and the
-qkv projection of a rank's own rows runs while the other ranks' rows travel.  ``overlap`` (0..1)
+pieces is a two-stage pipeline with the all-to-all (piece j moves while piece j+1 computes), the
+qkv projection of a rank's own rows runs while the other ranks' rows travel, and the gather-ahead
+(``gather_ahead`` row pieces) is a two-stage pipeline of a block's tail (out_proj, MLP: the block's
+work besides attention and the qkv projection) with the next block's all-gather; with it, the
+gather overlap no longer applies (the next block finds its rows gathered).  ``overlap`` (0..1)
 hides a further fraction of what stays exposed, for schedules not built yet.
 """
 
@@ -383,6 +386,7 @@ def predict(
     overlap: float = 0.0,
     head_pieces: int = 0,
     gather_overlap: bool = False,
+    gather_ahead: int = 0,
     shares: Sequence[float] | None = None,
     compute_scale: float = 1.0,
     sparse_attention_ratio: float | None = None,
@@ -390,8 +394,8 @@ def predict(
     """Step time and speed-up of the split at ``world`` ranks on ``link`` against the unsplit step
     on one GPU of
     the same kind (``compute_scale`` multiplies every compute time, e.g. a slower GPU than the
-    parts').  ``head_pieces`` and ``gather_overlap``: the split's overlaps (module doc); the gather
-    overlap applies to the all-gather pattern only."""
+    parts').  ``head_pieces``, ``gather_overlap`` and ``gather_ahead``: the split's overlaps
+    (module doc); the gather overlap and the gather-ahead apply to the all-gather pattern only."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern {pattern!r} is not one of {PATTERNS}")
     if not 0.0 <= overlap <= 1.0:
@@ -419,14 +423,23 @@ def predict(
     own_qkv = [
         unit * QKV_FRACTION * plan.h(r) / s.heads * plan.n(r) / s.tokens for r in range(world)
     ]
+    # each rank's block tail: what the gather-ahead pieces compute while the next gather moves
+    tail = [unit * (1 - a - QKV_FRACTION) * plan.n(r) / s.tokens for r in range(world)]
     first, second = (ops[name] for name, _ in _OPS[pattern])
     if link.shared:  # logical ranks: one GPU computes every rank's work in turn
-        attn, own_qkv, compute = [sum(attn)], [sum(own_qkv)], [compute_block]
+        attn, own_qkv, tail = [sum(attn)], [sum(own_qkv)], [sum(tail)]
+        compute = [compute_block]
+    ahead = gather_ahead if gather_ahead > 1 and pattern == "gather" else 0
     block = 0.0
-    for c, att, qkv in zip(compute, attn, own_qkv):
-        hidden_first = min(first, qkv) if gather_overlap and pattern == "gather" else 0.0
+    for c, att, qkv, tl in zip(compute, attn, own_qkv, tail):
+        if ahead:
+            exposed_first = pipelined(tl, first, ahead) - tl
+        else:
+            exposed_first = first - (
+                min(first, qkv) if gather_overlap and pattern == "gather" else 0
+            )
         exposed_second = pipelined(att, second, head_pieces) - att if world > 1 else 0.0
-        block = max(block, c + (first - hidden_first + exposed_second) * (1.0 - overlap))
+        block = max(block, c + (exposed_first + exposed_second) * (1.0 - overlap))
     exposed = block - compute_block
     unsplit_block = parts.unsplit_block_s * (
         (1 - parts.attention_fraction) + parts.attention_fraction * ratio
@@ -453,7 +466,11 @@ def predict(
         unsplit_step / step,
         ops,
         per_rank,
-        Overlap(head_pieces if head_pieces > 1 else 0, gather_overlap and pattern == "gather").name,
+        Overlap(
+            head_pieces if head_pieces > 1 else 0,
+            gather_overlap and pattern == "gather" and not ahead,
+            ahead,
+        ).name,
     )
 
 
