@@ -324,19 +324,7 @@ class HostExchange(JobExchange):
             if b > a:
                 self._timed_copy(out[a:b], self._g_rows(p, a, b), self._to_device, read=True)
 
-        started = stage(0)
-        for j in range(n):
-            following = stage(j + 1) if j + 1 < n else []
-            t = time.perf_counter()
-            for wait in started:
-                wait()
-            self._stats["copy_s"] += time.perf_counter() - t
-            self._publish(KIND_GATHER, n, j)
-            if j:
-                self._consume(KIND_GATHER, n, j - 1, take)
-            started = following
-        self._consume(KIND_GATHER, n, n - 1, take)
-        self._last_use[BUFFER[KIND_GATHER]] = self._op
+        self._produced_pieces(KIND_GATHER, n, stage, take)
         return out
 
     def _all_to_all_cols(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
@@ -421,6 +409,20 @@ class HostExchange(JobExchange):
                 src = lay.a_piece_view(self._a_block(p), p, n, j)[t0:t1]
                 self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
 
+        self._produced_pieces(KIND_ALL_TO_ALL_HEADS, n, stage, take)
+        return out
+
+    def _produced_pieces(
+        self,
+        kind: int,
+        n: int,
+        stage: Callable[[int], list[Callable[[], None]]],
+        take: Callable[[int, int], None],
+    ) -> None:
+        """The pipeline of an op whose pieces this rank produces: piece j+1 is produced and its
+        copies out started (``stage``) before this rank waits for piece j's and publishes it as
+        chunk j of the op; then it takes (``take``) the peers' piece j-1, and the last one at
+        the end."""
         started = stage(0)
         for j in range(n):
             following = stage(j + 1) if j + 1 < n else []
@@ -428,13 +430,12 @@ class HostExchange(JobExchange):
             for wait in started:
                 wait()
             self._stats["copy_s"] += time.perf_counter() - t
-            self._publish(KIND_ALL_TO_ALL_HEADS, n, j)
+            self._publish(kind, n, j)
             if j:
-                self._consume(KIND_ALL_TO_ALL_HEADS, n, j - 1, take)
+                self._consume(kind, n, j - 1, take)
             started = following
-        self._consume(KIND_ALL_TO_ALL_HEADS, n, n - 1, take)
-        self._last_use[BUFFER[KIND_ALL_TO_ALL_HEADS]] = self._op
-        return out
+        self._consume(kind, n, n - 1, take)
+        self._last_use[BUFFER[kind]] = self._op
 
     # -- op machinery ------------------------------------------------------------------------------
     def _to_host_after(self, dst: torch.Tensor, src: torch.Tensor) -> None:
