@@ -60,7 +60,8 @@ def test_multistream_node_inputs():
     assert spec["optional"]["gpus"][0] == "H3MS_GPUS"
     assert spec["optional"]["sparse_attention"][0] == "H3MS_SPARSE_ATTENTION"
     overlaps = spec["optional"]["overlaps"]
-    assert overlaps[0] == ["auto", "off", "head pieces", "gather", "both"] and overlaps[1]["default"] == "auto"
+    assert overlaps[0] == ["auto", "off", "head pieces", "gather", "both", "gather ahead", "all"]
+    assert overlaps[1]["default"] == "auto"
     assert N.RETURN_TYPES == ("MODEL",)
     assert "dynamic_vram" in N.DESCRIPTION and "vram_block_cache" in N.DESCRIPTION
 

@@ -383,12 +383,15 @@ class SplitEngine(Engine):
         self._sparse_kernel = [d.sparse_kernel for d in devices]
 
     async def _start_and_load(self) -> tuple[float, float, list[dit_protocol.DitLoaded]]:
-        """Start the pool (a no-op when it runs) and load the ranks; returns the start's seconds,
-        the ``time.monotonic()`` when the workers were up, and the ranks' answers."""
+        """Start the pool (a no-op when it runs) and load the ranks; returns the seconds of the
+        start this load waited for (the whole start, also one begun earlier by
+        :meth:`start_workers`; 0 when the workers were up already), the ``time.monotonic()`` when
+        the workers were up, and the ranks' answers."""
         t = time.monotonic()
         await self.pool.start()
         up = time.monotonic()
-        return up - t, up, await self._load_ranks()
+        waited = self.pool.up_at >= t
+        return (self.pool.start_s if waited else 0.0), up, await self._load_ranks()
 
     async def _load_ranks(self) -> list[dit_protocol.DitLoaded]:
         ld = self.loaded

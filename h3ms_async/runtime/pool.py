@@ -106,6 +106,9 @@ class WorkerPool:
         self._life_lock = asyncio.Lock()
         self._jobs = 0
         self.starts = 0
+        #: the last start's seconds and ``time.monotonic()`` when its workers were all up
+        self.start_s = 0.0
+        self.up_at = 0.0
 
     # -- properties --------------------------------------------------------------------------------
     @property
@@ -198,6 +201,7 @@ class WorkerPool:
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        began = time.monotonic()  # (the loop's clock is uvloop's, cached per iteration)
         self._state = PoolState.STARTING
         changed = self._changed = asyncio.Event()
         run_dir = self._run_dir = rundir.create()
@@ -240,6 +244,8 @@ class WorkerPool:
             raise
         self._state = PoolState.RUNNING
         self.starts += 1
+        self.up_at = time.monotonic()
+        self.start_s = self.up_at - began
         get_coordinator().register_pool(self)
         log.info(
             "pool %r started: %d worker(s) on %s in %.2f s (run dir %s)",
