@@ -131,8 +131,8 @@ class H3MultiStreamAsync(ModelPatchNode):
                     "GPU holds every head's qkv weights; fewer bytes from about 7 GPUs on PCIe, 5 "
                     "with nccl). auto: the one that moves fewer bytes for this GPU count. A "
                     "pattern runs only on a device kind where its bit-exactness test has passed "
-                    "(ulysses: CPU so far; auto falls back to gather). Sparse attention uses "
-                    "gather.",
+                    "(ulysses: CPU and CUDA; elsewhere auto falls back to gather). Sparse "
+                    "attention uses gather.",
                 },
             ),
             "overlaps": (

@@ -57,6 +57,12 @@ def test_auto_takes_the_gpu_direct_exchange_once_tested_where_the_gpus_reach_eac
     assert resolve("auto", TWO_GPUS) is Transport.HOST
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: torch.device(b).index != 2)
+    # tested on one GPU only: between GPUs (peer-to-peer copies) it waits for its own test
+    assert resolve("auto", TWO_GPUS) is Transport.HOST
+    with pytest.raises(UntestedPath) as exc:
+        resolve(Transport.CUDA_IPC, TWO_GPUS)
+    assert _one_line(exc).startswith("the GPU-direct exchange across GPUs (cuda_ipc, peer to peer) has no passing")
+    monkeypatch.setitem(tested_paths.TESTED["cuda"], SplitPath.CUDA_IPC_P2P, "tests/test_cuda.py::y")
     assert resolve("auto", TWO_GPUS) is Transport.CUDA_IPC
     assert resolve("auto", ["cuda:0", "cuda:2"]) is Transport.HOST  # cuda:0 cannot reach cuda:2
 

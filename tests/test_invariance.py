@@ -322,11 +322,16 @@ def test_auto_overlaps_leave_out_what_the_probe_measured_inexact(engine, model):
 
 
 def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
-    """On CUDA no overlap has a passing test yet: "auto" asks for none there (an explicit choice is refused)."""
+    """On CUDA only head pieces have a passing test: "auto" asks for no other overlap there (an explicit choice of one
+    is refused)."""
     monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
     gpus = ["cuda:0", "cuda:1"]
-    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (0, False, 0)
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (4, False, 0)
     assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True, 4) == (4, True, 4)
+    with pytest.raises(tested_paths.UntestedPath, match="the gather overlap has no passing"):
+        tested_paths.check(gpus, "gather", 4, True)
+    monkeypatch.setitem(tested_paths.TESTED, "cuda", {})
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (0, False, 0)
     with pytest.raises(tested_paths.UntestedPath, match="attention in head pieces has no passing"):
         tested_paths.check(gpus, "gather", 4, False)
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")

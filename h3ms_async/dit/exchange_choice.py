@@ -4,8 +4,9 @@ the fix, and the CUDA devices every worker must see for it.
 
 ``auto`` takes the GPU-direct exchange (``cuda_ipc``, ``workers/transports/cuda_ipc.py``) where
 every rank is on a GPU, the ranks are on one GPU or every pair of their GPUs has peer access both
-ways, and ``h3ms_async/dit/tested_paths.py`` lists it as tested on CUDA; otherwise the host
-exchange.  ``nccl`` and ``host`` stay as they are (GPUs without peer access keep host staging).
+ways, and ``h3ms_async/dit/tested_paths.py`` lists it as tested on CUDA (on one GPU, and across
+GPUs when the ranks use several); otherwise the host exchange.  ``nccl`` and ``host`` stay as
+they are (GPUs without peer access keep host staging).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def check_cuda_ipc(devices: Sequence[str]) -> None:
             "ranks; set exchange to host (or auto)"
         )
     tested_paths.require(tested_paths.SplitPath.CUDA_IPC, devices)
+    if len(_gpus(devices)) > 1:
+        tested_paths.require(tested_paths.SplitPath.CUDA_IPC_P2P, devices)
     missing = no_peer_access(devices)
     if missing:
         a, b = missing[0]
