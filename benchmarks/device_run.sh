@@ -3,9 +3,10 @@
 #   bash benchmarks/device_run.sh TARGET [extra bench args...]
 #   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu|
 #           paths|paths-more
-#   paths (~9 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
-#   needed): the split paths at full width from fresh workers (tests/test_cuda.py: Ulysses, head pieces, the gather
-#   overlap, the gather-ahead; the GPU-direct exchange against the unsplit step; per-block timings from CUDA events), every CUDA
+#   paths (~10 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
+#   needed): the split paths at full width from fresh workers (tests/test_cuda.py, the tests PATHS_K selects, by
+#   default those with no pass yet: the gather overlap, both overlaps, the GPU-direct exchange x8; then
+#   PATHS_K=gather_ahead, PATHS_K=block_timings; the GPU-direct exchange against the unsplit step; per-block timings from CUDA events), every CUDA
 #   exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc
 #   included); a pass lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   paths-more (~7 min): the bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify
@@ -78,7 +79,8 @@ if [ "$what" = vae-exact ]; then
   echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
 fi
 # paths / paths-more: each file under its own deadline, two device calls of under 10 minutes each
-set_a=("tests/test_cuda.py|split_paths or untested or gpu_direct or block_timings or gather_ahead|380"
+# a full-width CUDA test from fresh workers takes 100-200 s on an H200: PATHS_K picks the ones one call runs
+set_a=("tests/test_cuda.py|${PATHS_K:-gather-overlap or both-overlaps or gpu_direct and 8}|450"
        "tests/test_exchange_conformance.py|cuda or nccl|120")
 set_b=("tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110")
 if [ "$what" = paths ] || [ "$what" = paths-more ]; then
@@ -86,7 +88,8 @@ if [ "$what" = paths ] || [ "$what" = paths-more ]; then
   for t in "${tests[@]}"; do
     IFS='|' read -r file kexpr limit <<< "$t"
     name=$(basename "$file" .py)
-    timeout "$limit" python3 -m pytest -q -p no:cacheprovider -s "$file" ${kexpr:+-k "$kexpr"} \
+    # -v: each test's name and outcome as it ends, so a run its deadline cuts still says which passed
+    timeout "$limit" python3 -m pytest -v -p no:cacheprovider -s "$file" ${kexpr:+-k "$kexpr"} \
       > "$out/pytest_paths_$name.log" 2>&1
     echo "$file ${kexpr:+-k '$kexpr'}: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
   done
