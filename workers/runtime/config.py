@@ -231,9 +231,9 @@ ENABLE_TRITON_BACKEND = _flag_var(
 )
 ALLOW_UNTESTED_PATHS = _flag_var(
     "H3MS_ALLOW_UNTESTED_PATHS",
-    "`1` = run split paths (Ulysses, head pieces, the gather overlap) on a device kind where no "
-    "test has passed for them yet (`h3ms_async/dit/tested_paths.py`); for the tests and "
-    "benchmarks that measure them there.",
+    "`1` = run split paths (Ulysses, head pieces, the gather overlap, gather ahead, the "
+    "GPU-direct exchange) on a device kind where no test has passed for them yet "
+    "(`h3ms_async/dit/tested_paths.py`); for the tests and benchmarks that measure them there.",
 )
 COMFY_HOST = _var(
     "H3MS_COMFY_HOST",
