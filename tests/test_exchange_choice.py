@@ -67,6 +67,22 @@ def test_auto_takes_the_gpu_direct_exchange_once_tested_where_the_gpus_reach_eac
     assert resolve("auto", ["cuda:0", "cuda:2"]) is Transport.HOST  # cuda:0 cannot reach cuda:2
 
 
+def test_workers_on_the_async_allocator_keep_host_staging(monkeypatch):
+    """ComfyUI's --cuda-malloc puts PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync in its environment, which the
+    workers inherit; that memory has no CUDA IPC handles: auto keeps host staging, cuda_ipc is refused in one line."""
+    monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
+    monkeypatch.setitem(tested_paths.TESTED, "cuda", {SplitPath.CUDA_IPC: "tests/test_cuda.py::x"})
+    assert resolve("auto", ONE_GPU) is Transport.CUDA_IPC
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert resolve("auto", ONE_GPU) is Transport.HOST
+    with pytest.raises(ExchangeRefused) as exc:
+        SplitEngine(ONE_GPU, SplitOptions(exchange="cuda_ipc"))
+    msg = _one_line(exc)
+    assert "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync" in msg and "--disable-cuda-malloc" in msg, msg
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert resolve("auto", ONE_GPU) is Transport.CUDA_IPC
+
+
 def test_cuda_ipc_on_cpu_ranks_is_refused_naming_the_input_and_the_fix(untested):
     with pytest.raises(ExchangeRefused) as exc:
         SplitEngine(["cpu", "cpu"], SplitOptions(exchange="cuda_ipc"))

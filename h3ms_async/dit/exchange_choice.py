@@ -4,13 +4,15 @@ the fix, and the CUDA devices every worker must see for it.
 
 ``auto`` takes the GPU-direct exchange (``cuda_ipc``, ``workers/transports/cuda_ipc.py``) where
 every rank is on a GPU, the ranks are on one GPU or every pair of their GPUs has peer access both
-ways, and ``h3ms_async/dit/tested_paths.py`` lists it as tested on CUDA (on one GPU, and across
-GPUs when the ranks use several); otherwise the host exchange.  ``nccl`` and ``host`` stay as
+ways, the workers are not on ``cudaMallocAsync`` (ComfyUI's ``--cuda-malloc``), and
+``h3ms_async/dit/tested_paths.py`` lists it as tested on CUDA (on one GPU, and across GPUs when the
+ranks use several); otherwise the host exchange.  ``nccl`` and ``host`` stay as
 they are (GPUs without peer access keep host staging).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -71,15 +73,37 @@ def no_peer_access(devices: Sequence[str]) -> list[tuple[str, str]]:
     ]
 
 
+#: The allocator settings a worker inherits from this process (torch reads either name).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def async_allocator() -> str | None:
+    """The inherited allocator setting that puts the workers on ``cudaMallocAsync`` (ComfyUI's
+    ``--cuda-malloc`` sets it at start-up), whose memory has no CUDA IPC handles; None without
+    one."""
+    for var in ALLOC_CONF_VARS:
+        value = os.environ.get(var, "")
+        if "cudaMallocAsync" in value:
+            return f"{var}={value}"
+    return None
+
+
 def check_cuda_ipc(devices: Sequence[str]) -> None:
     """Refuse the GPU-direct exchange in one line naming the input and the fix where it cannot run
-    on these rank devices: CPU ranks, no passing CUDA test (``tested_paths.UntestedPath``), GPUs
-    without peer access both ways."""
+    on these rank devices: CPU ranks, workers on ``cudaMallocAsync``, no passing CUDA test
+    (``tested_paths.UntestedPath``), GPUs without peer access both ways."""
     cpu = [d for d in devices if not d.startswith("cuda")]
     if cpu:
         raise ExchangeRefused(
             f"exchange cuda_ipc moves rows between GPUs and rank map {list(devices)} has CPU "
             "ranks; set exchange to host (or auto)"
+        )
+    conf = async_allocator()
+    if conf:
+        raise ExchangeRefused(
+            f"exchange cuda_ipc shares GPU buffers by CUDA IPC and the workers inherit {conf} "
+            "(ComfyUI's --cuda-malloc), whose memory cannot be shared; start ComfyUI with "
+            "--disable-cuda-malloc, or set exchange to host (or auto)"
         )
     tested_paths.require(tested_paths.SplitPath.CUDA_IPC, devices)
     if len(_gpus(devices)) > 1:
