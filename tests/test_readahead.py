@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from h3ms_async.runtime.readahead import BlockReadahead, block_ranges
 
@@ -18,6 +17,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _checkpoint(path: str, blocks: int = 3) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file  # ComfyUI's requirement, installed with the ComfyUI tests' packages
     g = torch.Generator().manual_seed(3)
     sd = {"diffusion_model.patch_embed.weight": torch.randn(64, 64, generator=g)}
     for i in range(blocks):
