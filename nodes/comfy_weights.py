@@ -268,9 +268,12 @@ def block_reader(
     reserve_gb: float,
     compute_dtype: torch.dtype,
     ram: Callable[[], int] = available_ram,
+    before: Callable[[int], object] | None = None,
 ) -> Callable[[int], dict[str, torch.Tensor]]:
     """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into
-    the RAM reserve."""
+    the RAM reserve.  ``before(i)`` runs ahead of reading block i: the step's adaLN row of block i
+    (``BlockModulation.row``), so a cold checkpoint is read once, block after block, and the
+    readahead then asks for whole blocks, adaLN weights included."""
     dm = patcher.get_model_object("diffusion_model")
     reserve = int(reserve_gb * GIB)
     path = checkpoint_path(patcher)
@@ -279,9 +282,12 @@ def block_reader(
     def read(i: int) -> dict[str, torch.Tensor]:
         if not ahead:
             safetensors = path is not None and path.lower().endswith((".safetensors", ".sft"))
-            ahead.append(BlockReadahead.of(path, held_by_ranks) if path and safetensors else None)
+            wanted = held_by_ranks if before is None else (lambda _: True)
+            ahead.append(BlockReadahead.of(path, wanted) if path and safetensors else None)
         if ahead[0] is not None:
             ahead[0].reading(i)
+        if before is not None:
+            before(i)
         need = block_nbytes(dm, i)
         avail = ram()
         if avail - need < reserve:

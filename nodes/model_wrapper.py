@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from .block_patches import (
 from .comfy_weights import block_reader, weight_key
 from .errors import MultiStreamError
 from .h3_detect import is_h3, read_config
-from .modulation import block_modulation
+from .modulation import BlockModulation
 
 log = get_logger("MultiStream")
 
@@ -186,15 +187,16 @@ class _RunStack:
         if warning:
             self.state.warn_once("key", warning)
         engine = get_engine(self.state.devices, self.state.options)
-        # a first prompt's modulation reads every block's adaLN weights (from disk when cold):
+        # a first prompt reads the checkpoint (from disk when cold) from block 0's adaLN row on:
         # the workers start beside that read instead of after it
         engine.start_workers()
+        rows = BlockModulation(self.dm, args["t_emb"])
         if self.state.take_new_prompt():
             engine.new_prompt()
         dtype = args["img"].dtype
         step = Step(
             args["img"],
-            block_modulation(self.dm, args["t_emb"]),
+            args["t_emb"].new_empty(0),  # the rows come with the load below
             args["mod_segments"],
             args["rope_freqs"],
             block_options=block_options,
@@ -203,15 +205,17 @@ class _RunStack:
             in_place=True,
             sparse_branch=branch_key(args["transformer_options"].get("uuids", ())),
         )
-        # a load probes this step's plan on the ranks while the store fills
+        # a load probes this step's plan on the ranks while the store fills, and a fill computes
+        # each block's row as it reads the block: one pass over a cold checkpoint feeds both
         engine.load_weights(
             key,
             read_config(self.dm),
-            block_reader(patcher, self.state.reserve_gb, dtype),
+            block_reader(patcher, self.state.reserve_gb, dtype, before=rows.row),
             n,
             compute_dtype=dtype,
             first_step=step,
         )
+        step = replace(step, modulation=rows.stacked())
         try:
             out = engine.run_step(step)
         except SplitInterrupted as exc:

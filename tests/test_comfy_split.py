@@ -227,10 +227,22 @@ def test_modulation_rows_are_comfyuis_own():
         while time.monotonic() - t < 10 and all(e.pool.state.value == "stopped" for e in S.engines()):
             time.sleep(0.01)
         pools_at_rows.extend(e.pool.state.value for e in S.engines())
-    hook = fp32.get_model_object("diffusion_model").blocks[0].adaln_proj.linear.register_forward_pre_hook(at_rows)
-    report("fp32 2 ranks", plain32, split_ksample(node(fp32, 2), 2),
-           store_keys=sorted({k for b in S.engines()[0].loaded.store.manifest for k in b}), pools_at_rows=pools_at_rows)
-    hook.remove()
+    fill_at_rows = []  # (block, blocks the store had filled) as a filling step computes each block's adaLN row
+
+    def fill_at(i):
+        def hook(module, args):
+            ld = S.engines()[0].loaded if S.engines() else None
+            if ld is not None and ld.store.filled_at is None:
+                fill_at_rows.append((i, ld.store.fill_progress().read()))
+        return hook
+    blocks = fp32.get_model_object("diffusion_model").blocks
+    hooks = [blocks[0].adaln_proj.linear.register_forward_pre_hook(at_rows)]
+    hooks += [b.adaln_proj.linear.register_forward_pre_hook(fill_at(i)) for i, b in enumerate(blocks)]
+    report("fp32 2 ranks", plain32, split_ksample(node(fp32, 2), 2), blocks=len(blocks),
+           store_keys=sorted({k for b in S.engines()[0].loaded.store.manifest for k in b}), pools_at_rows=pools_at_rows,
+           fill_at_rows=fill_at_rows)
+    for h in hooks:
+        h.remove()
     int8 = comfy_h3.load(write("int8", int8=True))
     plain8 = ksample(int8)
     report("int8 2 ranks", plain8, split_ksample(node(int8, 2), 2))
@@ -260,6 +272,9 @@ def test_modulation_rows_are_comfyuis_own():
     assert not any(k.startswith("adaln_proj.") for k in out["fp32 2 ranks"]["store_keys"])
     # fresh workers start beside ComfyUI's read of the adaLN weights, not after it
     assert out["fp32 2 ranks"]["pools_at_rows"] in (["starting"], ["running"]), out["fp32 2 ranks"]
+    # the fill computes block i's row as it reads block i (blocks 0..i-1 filled): one pass over the checkpoint
+    n = out["fp32 2 ranks"]["blocks"]
+    assert n > 1 and out["fp32 2 ranks"]["fill_at_rows"] == [[i, i] for i in range(1, n)], out["fp32 2 ranks"]
     assert out["adaLN LoRA 2 ranks"]["lora_changes_output"]
     faulty = out["block 1 rows one ulp off"]
     assert faulty["proof_failure"] is None, faulty  # it ran split

@@ -322,12 +322,14 @@ def test_auto_overlaps_leave_out_what_the_probe_measured_inexact(engine, model):
 
 
 def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
-    """On CUDA only head pieces have a passing test: "auto" asks for no other overlap there (an explicit choice of one
-    is refused)."""
+    """Where only head pieces have a passing test, "auto" asks for no other overlap (an explicit choice of one is
+    refused); with none tested, for none."""
     monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
     gpus = ["cuda:0", "cuda:1"]
-    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (4, False, 0)
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (4, True, 4)  # every overlap's CUDA test has passed
     assert tested_paths.tested_overlap(["cpu", "cpu"], 4, True, 4) == (4, True, 4)
+    monkeypatch.setitem(tested_paths.TESTED, "cuda", {tested_paths.SplitPath.HEAD_PIECES: "tests/test_cuda.py::x"})
+    assert tested_paths.tested_overlap(gpus, 4, True, 4) == (4, False, 0)
     with pytest.raises(tested_paths.UntestedPath, match="the gather overlap has no passing"):
         tested_paths.check(gpus, "gather", 4, True)
     monkeypatch.setitem(tested_paths.TESTED, "cuda", {})

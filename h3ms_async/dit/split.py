@@ -181,8 +181,9 @@ class SplitEngine(Engine):
         rank.
 
         Beside the fill (in this thread) the workers start, each rank takes every block in as soon
-        as it is complete, and with ``first_step`` (the step about to run) that step's plan is
-        probed on the ranks (:meth:`PlanProbe.probe_ahead`), so the step finds its verdict.
+        as it is complete, and with ``first_step`` (the step about to run: its shapes and controls,
+        not its modulation) that step's plan is probed on the ranks
+        (:meth:`PlanProbe.probe_ahead`), so the step finds its verdict.
         ``compute_dtype``: the residual stream's dtype (ranks warm their attention up in it before
         the first step); default: the stored norm weights' dtype. Returns whether anything was
         (re)loaded.  Raises ``WeightStoreRefused`` when the RAM reserve forbids it, and a failed

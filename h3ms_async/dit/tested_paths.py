@@ -56,16 +56,23 @@ TESTED: dict[str, dict[SplitPath, str]] = {
             "tests/test_gather_ahead.py::test_gather_ahead_runs_exact_and_is_recorded"
         ),
     },
-    # On one H200 at 131efbe (docs/device_runs/h200_s12_131efbe_*): the tests named passed; the
-    # gather overlap, both overlaps, the gather-ahead and the exchange across GPUs have no pass yet
-    # (the first three did not finish within the device call; no machine with several GPUs was
-    # lent).
+    # Ulysses, head pieces and the GPU-direct exchange passed on one H200 at 131efbe
+    # (docs/device_runs/h200_s12_131efbe_*); the gather overlap, both overlaps and every
+    # gather-ahead case (host, all overlaps, GPU-direct, streamed weights) on one H100 at f2383e5
+    # (docs/device_runs/h100_s13_f2383e5_*). The exchange across GPUs has no pass yet: no machine
+    # with several GPUs was lent.
     "cuda": {
         SplitPath.ULYSSES: (
             "tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact[ulysses]"
         ),
         SplitPath.HEAD_PIECES: (
             "tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact[pieces4]"
+        ),
+        SplitPath.GATHER_OVERLAP: (
+            "tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact[gather-overlap]"
+        ),
+        SplitPath.GATHER_AHEAD: (
+            "tests/test_cuda.py::test_gather_ahead_on_logical_ranks_is_exact[ahead4]"
         ),
         # (and the cuda-ipc line of tests/test_exchange_conformance.py)
         SplitPath.CUDA_IPC: (

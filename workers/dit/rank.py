@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +36,8 @@ from workers.transports.arena import ArenaLayout
 from workers.transports.cuda_ipc import CudaIpcExchange
 from workers.transports.exchange import Exchange, ExchangeAborted, NoExchange
 from workers.transports.host import HostExchange
+
+T = TypeVar("T")
 
 _STATE = "dit"
 #: The transports whose exchange runs over a step's shm arena (kept per arena).
@@ -248,7 +251,7 @@ async def _dit_refresh(
             )
         t = time.perf_counter()
         copied = await ctx.run_compute(
-            w.provider.refresh, [(int(i), tuple(names)) for i, names in msg.blocks]
+            _inference, w.provider.refresh, [(int(i), tuple(names)) for i, names in msg.blocks]
         )
         w.key = msg.key
         # what a fresh load of the new weights would start with
@@ -577,13 +580,14 @@ def _alloc_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
     }
 
 
-def _run_step_inference(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
-    # Like ComfyUI's sampling: no autograd (an int8 layer whose input requires grad takes another
-    # code path).
+def _inference(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in inference mode.  Steps run so, like ComfyUI's sampling (an int8 layer whose
+    input requires grad takes another code path), and the device copies of weights a step places
+    are then inference tensors, which only inference mode may write again (``dit_refresh``)."""
     with torch.inference_mode():
-        return run_step(ctx, msg)
+        return fn(*args)
 
 
 @handler(dit_protocol.DitStep)
 async def _dit_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
-    return await ctx.run_compute(_run_step_inference, ctx, msg)
+    return await ctx.run_compute(_inference, run_step, ctx, msg)
