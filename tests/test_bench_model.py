@@ -143,15 +143,20 @@ def test_the_implemented_overlaps_hide_what_they_can():
     assert plain.schedule == "none" and both.schedule == "gather+pieces4"
     assert plain.block_s == pytest.approx(plain.compute_block_s + plain.exchange_block_s)
     a2a, gath = plain.ops["all_to_all_attn"], plain.ops["all_gather_input"]
-    assert plain.block_s - pieces.block_s == pytest.approx(a2a * 3 / 4)  # attention outlasts each piece's move
-    assert 0 < plain.block_s - gather.block_s <= gath
+    # the pieces' smaller kernels cost the measured fraction of compute
+    assert parts.overlap_compute_frac > 0
+    cost = plain.compute_block_s * parts.overlap_compute_frac
+    assert pieces.compute_block_s == pytest.approx(plain.compute_block_s + cost)
+    assert plain.block_s - pieces.block_s == pytest.approx(a2a * 3 / 4 - cost)  # attention outlasts each move
+    assert 0 < plain.block_s + cost - gather.block_s <= gath
     assert both.block_s < min(pieces.block_s, gather.block_s) and both.block_s > both.compute_block_s
     ulysses = sm.predict(parts, 2, link, pattern="ulysses", gather_overlap=True, gather_ahead=4)
     assert ulysses.schedule == "none"  # the gather overlap and the gather-ahead belong to the all-gather pattern
     # the gather-ahead: the next block's gather moves behind this block's tail (all but attention and qkv), in pieces
     ahead = sm.predict(parts, 2, link, head_pieces=4, gather_overlap=True, gather_ahead=4)
     assert ahead.schedule == "pieces4+ahead4"  # the next block's rows are gathered already: no gather overlap
-    tail = parts.unsplit_block_s * (1 - parts.attention_fraction - sm.QKV_FRACTION) / 2
+    unit = parts.unsplit_block_s * (1 + parts.overlap_compute_frac)  # the overlaps' kernels cost compute
+    tail = unit * (1 - parts.attention_fraction - sm.QKV_FRACTION) / 2
     assert ahead.block_s == pytest.approx(pieces.block_s - gath + sm.pipelined(tail, gath, 4) - tail)
     assert ahead.block_s < pieces.block_s
     run = _bench("--parts", str(PARTS), "--ranks", "2", "--schedule", "gather+pieces4")

@@ -32,7 +32,9 @@ pieces is a two-stage pipeline with the all-to-all (piece j moves while piece j+
 qkv projection of a rank's own rows runs while the other ranks' rows travel, and the gather-ahead
 (``gather_ahead`` row pieces) is a two-stage pipeline of a block's tail (out_proj, MLP: the block's
 work besides attention and the qkv projection) with the next block's all-gather; with it, the
-gather overlap no longer applies (the next block finds its rows gathered).  ``overlap`` (0..1)
+gather overlap no longer applies (the next block finds its rows gathered).  With any overlap on, a
+rank's compute grows by the measured ``Parts.overlap_compute_frac`` (the pieces' smaller
+kernels).  ``overlap`` (0..1)
 hides a further fraction of what stays exposed, for schedules not built yet.
 """
 
@@ -123,7 +125,9 @@ class Parts:
     compute of the slowest rank's 1/N shard per block, by N; an N without one is modelled as the
     share of the unsplit block plus ``rank_overhead_s``.  ``step_overhead_s``: what a split step
     adds once (staging, rank set-up, tail).  ``sparse_step_ratio``: measured dense / sparse unsplit
-    step time (sets the sparse attention ratio).
+    step time (sets the sparse attention ratio).  ``overlap_compute_frac``: what a rank's compute
+    grows by with overlaps on (their smaller kernels: head pieces, row pieces), as a fraction of
+    it (``bench gpu``: compute per block with every overlap on against none, same ranks).
     """
 
     shape: Shape
@@ -134,6 +138,7 @@ class Parts:
     step_overhead_s: float = 0.0
     shard_block_s: dict[int, float] = field(default_factory=dict)
     sparse_step_ratio: float | None = None
+    overlap_compute_frac: float = 0.0
     pinned_h2d_gbps: float | None = None
     pinned_d2h_gbps: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
@@ -411,13 +416,17 @@ def predict(
                 "sparse steps need sparse_step_ratio in the parts or --sparse-attention-ratio"
             )
         ratio = given
-    compute = [c * compute_scale for c in shard_seconds(parts, plan, ratio)]
+    ahead = gather_ahead if gather_ahead > 1 and pattern == "gather" else 0
+    overlapped = world > 1 and (head_pieces > 1 or ahead > 0 or gather_overlap)
+    # the overlaps' smaller kernels cost compute of their own
+    scale = compute_scale * (1.0 + parts.overlap_compute_frac if overlapped else 1.0)
+    compute = [c * scale for c in shard_seconds(parts, plan, ratio)]
     compute_block = sum(compute) if link.shared else max(compute)
     ops = {
         name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]
     }
     exchange = sum(ops.values())
-    a, unit = parts.attention_fraction, parts.unsplit_block_s * compute_scale
+    a, unit = parts.attention_fraction, parts.unsplit_block_s * scale
     # each rank's attention (the pieces' compute) and the qkv projection of its own rows
     attn = [unit * a * ratio * plan.h(r) / s.heads for r in range(world)]
     own_qkv = [
@@ -429,7 +438,6 @@ def predict(
     if link.shared:  # logical ranks: one GPU computes every rank's work in turn
         attn, own_qkv, tail = [sum(attn)], [sum(own_qkv)], [sum(tail)]
         compute = [compute_block]
-    ahead = gather_ahead if gather_ahead > 1 and pattern == "gather" else 0
     block = 0.0
     for c, att, qkv, tl in zip(compute, attn, own_qkv, tail):
         if ahead:
@@ -517,6 +525,7 @@ def parts_from_dict(d: dict) -> Parts:
         "step_overhead_s",
         "shard_block_s",
         "sparse_step_ratio",
+        "overlap_compute_frac",
         "pinned_h2d_gbps",
         "pinned_d2h_gbps",
         "sources",
@@ -561,6 +570,7 @@ def parts_from_dict(d: dict) -> Parts:
         step_overhead_s=_num(d, "step_overhead_s", 0.0, optional=True) or 0.0,
         shard_block_s=shard,
         sparse_step_ratio=_num(d, "sparse_step_ratio", 1.0, optional=True),
+        overlap_compute_frac=_num(d, "overlap_compute_frac", 0.0, 1.0, optional=True) or 0.0,
         pinned_h2d_gbps=_num(d, "pinned_h2d_gbps", 1e-3, optional=True),
         pinned_d2h_gbps=_num(d, "pinned_d2h_gbps", 1e-3, optional=True),
         sources=dict(sources),
@@ -588,6 +598,7 @@ def parts_to_dict(p: Parts) -> dict:
         "host_mem_gbps": p.host_mem_gbps,
         "rank_overhead_s": p.rank_overhead_s,
         "step_overhead_s": p.step_overhead_s,
+        "overlap_compute_frac": p.overlap_compute_frac,
         "shard_block_s": {str(k): v for k, v in p.shard_block_s.items()},
         "sources": dict(p.sources),
     }

@@ -236,8 +236,8 @@ def table(res: dict) -> str:
         lines.append(f"{link:<16} {attn:<6} " + " ".join(f"{c:>30}" for c in cells))
     lines.append(
         (
-            f"Validated on this GPU: predicted within {res['validation_bound_pct']:g} % of measured "
-            "at 2 and 4 logical ranks (the JSON's validation)."
+            f"Validated on this GPU: predicted within {res['validation_bound_pct']:g} % of "
+            "measured at 2 and 4 logical ranks (the JSON's validation)."
             if res["validated_on_gpu"]
             else "Not validated on a GPU in this run (bench model --validate there)."
         )
