@@ -1,20 +1,28 @@
-"""The weight-store fill from a cold checkpoint, with and without the readahead, side by side in one run.
+"""The weight-store fill from a checkpoint, cold and cached, with and without the readahead, side by side in one run.
 
     python benchmarks/fill_readahead.py --layers 4 --out /tmp/fill.json          (CPU or GPU machine; no ComfyUI)
 
 Writes an H3 checkpoint in ComfyUI's int8 format at full width (``tests/comfy_h3.py``: int8 linears, bf16 adaLN and
 norms; ``--layers`` blocks) to ``--dir`` (default: beside this script's checkout, on the disk, not tmpfs), then, for
-each variant, alternating (``--repeats`` rounds): drops the file from the page cache (``posix_fadvise`` DONTNEED),
-maps it as ComfyUI does (``safetensors.safe_open``: each tensor a view of the file's mapping) and fills a real weight
-store (``size_store`` + ``StoreFill.run``, the split's own code) with every block's weights but the adaLN projection:
+each variant, alternating (``--repeats`` rounds): drops the file from the page cache (``posix_fadvise`` DONTNEED;
+not for ``cached``), maps it as ComfyUI does (``safetensors.safe_open``) and fills a real weight store
+(``size_store`` + ``StoreFill.run``, the split's own code) with every block's weights but the adaLN projection:
 
-* ``fault``: the copy faults the file's pages in as it reads them (the fill before the readahead);
-* ``ahead``: :class:`BlockReadahead` asks the kernel for the block being read and the next two
-  (what ``nodes/comfy_weights.py::block_reader`` does).
+* ``fault``: the copy faults the file's pages in as it reads them (no readahead);
+* ``ahead``: :class:`BlockReadahead` asks the kernel for the store's tensors of the block being read and the next
+  two;
+* ``separate``: a first prompt as the node ran it before c6e4dad: every block's adaLN weights read first (what
+  ComfyUI's modules read to compute the step's rows; here ``get_tensor``, one copy out of the mapping), then the
+  ``ahead`` fill;
+* ``interleaved``: as the node runs it now (``nodes/comfy_weights.py::block_reader`` with its ``before`` hook):
+  block i's adaLN weights read just before block i's store tensors, the readahead asking for whole blocks;
+* ``cached``: the ``ahead`` fill from a file already in the page cache.
 
-Beside them, the file's sequential read rate after a drop (``read()`` of 64 MiB pieces) and a host memcpy's rate.
-Prints one JSON document (also to ``--out``): per variant the fill's seconds and GB/s per round, and each best over
-the disk's rate.
+``separate`` and ``interleaved`` read the adaLN bytes too: their rate counts every byte they read
+(``read_bytes``), the others' the store's. Beside them, the file's sequential read rate after a drop (``read()`` of
+64 MiB pieces) and a host memcpy's rate, into memory already written and into fresh pages (what a new store's fill
+writes into). Prints one JSON document (also to ``--out``): per variant the seconds and GB/s per round; each cold
+variant's best over the disk's rate, ``cached``'s over both memcpy rates.
 """
 from __future__ import annotations
 
@@ -57,33 +65,56 @@ def disk_gbps(path: str) -> float:
     return n / (time.perf_counter() - t) / 1e9
 
 
-def memcpy_gbps(nbytes: int = 1 << 30) -> float:
-    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    b.copy_(a)
+def memcpy_gbps(nbytes: int = 1 << 30, *, fresh: bool = False) -> float:
+    """A host memcpy's rate into memory already written (``fresh``: into newly allocated pages, as
+    a new store's fill must write: each page allocated on its first write)."""
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    # allocated, never written: their pages come with the first write
+    dst = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(3 if fresh else 1)]
+    if not fresh:
+        dst[0].copy_(a)
     t = time.perf_counter()
-    for _ in range(3):
-        b.copy_(a)
+    for i in range(3):
+        dst[i % len(dst)].copy_(a)
     return 3 * nbytes / (time.perf_counter() - t) / 1e9
 
 
-def fill(path: str, layers: int, ahead: bool) -> tuple[float, int]:
-    """One fill of a store from the dropped file; (seconds, bytes)."""
-    drop(path)
+def is_adaln(name: str) -> bool:
+    return not held_by_ranks(name)
+
+
+def fill(path: str, layers: int, variant: str) -> tuple[float, int, int]:
+    """One fill of a store as ``variant`` reads the file; (seconds, store bytes, bytes read)."""
+    if variant != "cached":
+        drop(path)
     with safe_open(path, framework="pt") as f:
         names = [k for k in f.keys() if k.startswith(PREFIX)]
-        readahead = BlockReadahead.of(path, held_by_ranks) if ahead else None
+        wanted = (lambda _: True) if variant == "interleaved" else held_by_ranks
+        readahead = BlockReadahead.of(path, wanted) if variant != "fault" else None
+        adaln_bytes = [0]
+
+        def block(i: int, keep) -> dict[str, torch.Tensor]:
+            p = f"{PREFIX}{i}."
+            return {k[len(p):]: f.get_tensor(k) for k in names if k.startswith(p) and keep(k[len(p):])}
+
+        def rows(i: int) -> None:  # what computing block i's adaLN rows reads
+            adaln_bytes[0] += sum(t.numel() * t.element_size() for t in block(i, is_adaln).values())
 
         def read(i: int) -> dict[str, torch.Tensor]:
             if readahead is not None:
                 readahead.reading(i)
-            p = f"{PREFIX}{i}."
-            return {k[len(p):]: f.get_tensor(k) for k in names if k.startswith(p) and held_by_ranks(k[len(p):])}
+            if variant == "interleaved":
+                rows(i)
+            return block(i, held_by_ranks)
 
         t = time.perf_counter()
-        sized = size_store(("bench-fill", ahead), layers, read)
+        if variant == "separate":
+            for i in range(layers):
+                rows(i)
+        sized = size_store(("bench-fill", variant), layers, read)
         try:
             store = sized.run()
-            return time.perf_counter() - t, store.nbytes
+            return time.perf_counter() - t, store.nbytes, store.nbytes + adaln_bytes[0]
         finally:
             sized.store.release()
 
@@ -101,17 +132,23 @@ def main() -> int:
         save_file(comfy_h3.state_dict(layers=a.layers, int8=True, dtype=torch.bfloat16, dims=comfy_h3.FULL), path)
         write_s = time.perf_counter() - t
         disk = disk_gbps(path)
-        rows: dict[str, list[dict]] = {"fault": [], "ahead": []}
+        rows: dict[str, list[dict]] = {v: [] for v in ("fault", "ahead", "separate", "interleaved", "cached")}
         for _ in range(a.repeats):
             for variant in rows:
-                s, nbytes = fill(path, a.layers, variant == "ahead")
-                rows[variant].append({"fill_s": round(s, 3), "gbps": round(nbytes / s / 1e9, 3), "bytes": nbytes})
+                s, nbytes, read = fill(path, a.layers, variant)
+                rows[variant].append({"fill_s": round(s, 3), "gbps": round(read / s / 1e9, 3), "bytes": nbytes,
+                                      "read_bytes": read})
+        memcpy, fresh = memcpy_gbps(), memcpy_gbps(fresh=True)
+        best = {v: max(r["gbps"] for r in rs) for v, rs in rows.items()}
         res = {
             "machine": os.uname().nodename, "cpus": os.cpu_count(), "layers": a.layers,
             "checkpoint_bytes": os.path.getsize(path), "write_s": round(write_s, 2),
-            "disk_read_gbps": round(disk, 3), "host_memcpy_gbps": round(memcpy_gbps(), 2),
+            "disk_read_gbps": round(disk, 3), "host_memcpy_gbps": round(memcpy, 2),
+            "host_memcpy_fresh_gbps": round(fresh, 2),
             "variants": rows,
-            "best_over_disk": {v: round(max(r["gbps"] for r in rs) / disk, 3) for v, rs in rows.items()},
+            "best_over_disk": {v: round(g / disk, 3) for v, g in best.items() if v != "cached"},
+            "cached_best_over_memcpy": round(best["cached"] / memcpy, 3),
+            "cached_best_over_fresh_memcpy": round(best["cached"] / fresh, 3),
         }
     finally:
         if os.path.exists(path):
