@@ -235,9 +235,12 @@ def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
         eng.release()
 
 
-@pytest.mark.parametrize("kw", [dict(exchange_chunks=8), dict(exchange_chunks=8, head_pieces=4), dict(exchange="none")],
-                         ids=["host-x8", "pieces4", "no-exchange"])
-def test_block_timings_from_cuda_events(models, kw, monkeypatch):
+# Head pieces at 6000 tokens of this width leave the GPU waiting on the host's launches (each piece's attention
+# tens of microseconds: on an H100 at f2383e5 every copy ran before the next piece was queued, hidden 0); at 32768
+# tokens a piece's attention (milliseconds) outlasts its copies, as at H3's sizes.
+@pytest.mark.parametrize("kw,tokens", [(dict(exchange_chunks=8), 6000), (dict(exchange_chunks=8, head_pieces=4), 32768),
+                                       (dict(exchange="none"), 6000)], ids=["host-x8", "pieces4", "no-exchange"])
+def test_block_timings_from_cuda_events(models, kw, tokens, monkeypatch):
     """A CUDA rank's per-block timings come from CUDA events read once per step (workers/dit/block_clock.py): one
     per block, compute + exposed tiling the rank's block loop, hidden <= copy; head pieces hide part of their copies
     behind the next piece's attention; the no-exchange baseline copies nothing and never waits."""
@@ -248,7 +251,7 @@ def test_block_timings_from_cuda_events(models, kw, monkeypatch):
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions())
     try:
         eng.load_weights(("cuda-timing", "bf16"), CFG, models["bf16"].block_weights)
-        inp = make_step_inputs(CFG, layout_for_tokens(6000), 9, torch.bfloat16)
+        inp = make_step_inputs(CFG, layout_for_tokens(tokens), 9, torch.bfloat16)
         for _ in range(2):  # the second step is timed warm
             eng.run_blocks(inp.x, models["bf16"].modulation(inp.t_emb), inp.segments, inp.rope_freqs, **kw)
         typed = msgspec.convert(get_hub().recent_steps(1)[-1], StepRecord)
