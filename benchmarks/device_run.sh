@@ -5,8 +5,8 @@
 #           paths|paths-more
 #   paths (~10 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
 #   needed): the split paths at full width from fresh workers (tests/test_cuda.py, the tests PATHS_K selects, by
-#   default those with no pass yet: the gather overlap, both overlaps, the GPU-direct exchange x8; then
-#   PATHS_K=gather_ahead, PATHS_K=block_timings; the GPU-direct exchange against the unsplit step; per-block timings from CUDA events), every CUDA
+#   default every split path, the gather-ahead cases, the GPU-direct exchange against the unsplit step and the
+#   per-block timings from CUDA events), every CUDA
 #   exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc
 #   included); a pass lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   paths-more (~7 min): the bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify
@@ -79,8 +79,8 @@ if [ "$what" = vae-exact ]; then
   echo "vae-exact: ${SECONDS} s wall" | tee -a "$out/pytest_vae_exact.log"
 fi
 # paths / paths-more: each file under its own deadline, two device calls of under 10 minutes each
-# a full-width CUDA test from fresh workers takes 100-200 s on an H200: PATHS_K picks the ones one call runs
-set_a=("tests/test_cuda.py|${PATHS_K:-gather-overlap or both-overlaps or gpu_direct and 8}|450"
+# PATHS_K picks the tests of tests/test_cuda.py one call runs
+set_a=("tests/test_cuda.py|${PATHS_K:-split_paths or gather_ahead or gpu_direct or block_timings}|450"
        "tests/test_exchange_conformance.py|cuda or nccl|120")
 set_b=("tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110")
 if [ "$what" = paths ] || [ "$what" = paths-more ]; then

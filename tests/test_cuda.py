@@ -60,7 +60,8 @@ def test_cuda_worker_echo_through_registered_shm():
 
 @pytest.fixture(scope="module")
 def models():
-    return {kind: ReferenceDiT(CFG, weights=kind, seed=21, device="cuda") for kind in ("int8", "bf16")}
+    # materialized: every block drawn once onto the GPU, not again at each block_weights() call
+    return {kind: ReferenceDiT(CFG, weights=kind, seed=21, device="cuda").materialize() for kind in ("int8", "bf16")}
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -176,7 +177,9 @@ FULL = DiTConfig(layers=2)  # full H3 width
 
 @pytest.fixture(scope="module")
 def full_int8():
-    return ReferenceDiT(FULL, weights="int8", seed=33, device="cuda")
+    # materialized: a full-width block drawn on the host takes seconds, and each test reads every block five times
+    # (the load, the modulation, two reference passes per step)
+    return ReferenceDiT(FULL, weights="int8", seed=33, device="cuda").materialize()
 
 
 @pytest.mark.parametrize("path", [dict(pattern="ulysses"), dict(head_pieces=4), dict(gather_overlap=True),
