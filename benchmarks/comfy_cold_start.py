@@ -18,7 +18,8 @@ both sides read it from disk. Then:
    (first block stack - the steady one): the workers' start, the weight-store fill, the ranks' load, the exactness
    probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down; the start, the ranks'
    load and the probe run beside the fill: ``weights`` gives their offsets from the load's start, the fill's end
-   ``fill_end_s``, and ``probe.overlapped``).
+   ``fill_end_s``, and ``probe.overlapped``); ``rows_s``: the first call's seconds inside the blocks' adaLN linears
+   (the modulation rows, which the fill computes block by block as it reads each block).
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
    whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's
    (None when ``split_proof``, per prompt, says why it does not prove that every model call split on every rank:
@@ -119,6 +120,22 @@ del host
 gc.collect()
 
 timer = comfy_h3.BlockStackTimer()
+rows_s = []  # per model call: seconds inside the blocks' adaLN linears (ComfyUI's own, each synced)
+
+def synced():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+def time_rows(model):
+    dm = model.get_model_object("diffusion_model")
+    dm.time_embedder.register_forward_hook(lambda m, a, o: rows_s.append(0.0))
+    started = []
+    for b in dm.blocks:
+        b.adaln_proj.linear.register_forward_pre_hook(lambda m, a: started.append(synced()))
+        b.adaln_proj.linear.register_forward_hook(
+            lambda m, a, o: rows_s.__setitem__(-1, rows_s[-1] + synced() - started.pop()))
+
 lora = comfy_h3.lora_state_dict({layers}, rank=16, dims=dims) if {lora} else None
 
 def with_lora(model, strength):
@@ -159,6 +176,7 @@ mm.soft_empty_cache()
 
 os.environ["H3MS_RANK_MAP"] = {ranks!r}
 model, node_load_s, base = loaded()
+time_rows(model)
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", None)[0]
 from h3ms_async.dit import split as S
 proofs = [SplitProof({ranks!r}.split(","), strict=False) for _ in range(2)]  # every call split, per prompt
@@ -207,7 +225,8 @@ print("RESULT " + json.dumps(dict(
                                         probe=None if load.probe is None else dict(
                                             start_s=round(load.probe.start_s, 3), end_s=round(load.probe.end_s, 3),
                                             probed=load.probe.probed, overlapped=load.probe_overlapped)),
-                           probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0)),
+                           probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0),
+                           rows_s=round(rows_s[0], 3) if rows_s else None),
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_third_prompt=third,

@@ -35,6 +35,7 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     assert w["fill_bytes"] > 0 and w["workers_start_s"] > 0 and w["start_wait_s"] <= w["workers_start_s"]
     assert w["wall_s"] >= w["fill_s"] + w["ranks_load_s"]
     assert first["probe_ms"] > 0
+    assert 0 < first["rows_s"] < w["fill_s"]  # the adaLN rows are computed inside the fill, block by block
     # the load probed the first step's plan (at this size the fill ends before the workers are up, so not beside it)
     probe = w["probe"]
     assert probe["probed"] and 0 < probe["start_s"] < probe["end_s"] <= w["wall_s"]
