@@ -51,6 +51,7 @@ import safetensors.torch
 import comfy.model_management as mm
 import comfy.sd
 from h3ms_async.status.hub import get_hub  # the pack's own copy, loaded by start()
+from page_cache import drop
 from split_proof import SplitProof
 cuda = torch.cuda.is_available()
 dims = comfy_h3.FULL if {dims!r} == "full" else comfy_h3.Dims()
@@ -77,14 +78,7 @@ os.close(fd)
 write_s = time.perf_counter() - t
 file_bytes = os.path.getsize(path)
 
-def drop_cache():
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-drop_cache()
+drop(path)
 t = time.perf_counter()
 read = 0
 with open(path, "rb", buffering=0) as fh:  # the first 4 GiB at most: a rate, not a second load
@@ -145,7 +139,7 @@ def with_lora(model, strength):
 def loaded():
     """UNETLoader on the dropped file, hooks on the new model's own modules; (patcher, seconds, the unpatched
     patcher)."""
-    drop_cache()
+    drop(path)
     t = time.perf_counter()
     base = model = comfy_h3.load(name)
     if {lora}:

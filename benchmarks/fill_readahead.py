@@ -40,20 +40,12 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import comfy_h3  # noqa: E402
+from page_cache import drop  # noqa: E402
 from h3ms_async.runtime.readahead import BlockReadahead  # noqa: E402
 from h3ms_async.runtime.weight_store import size_store  # noqa: E402
 from workers.dit.ops import held_by_ranks  # noqa: E402
 
 PREFIX = "blocks."
-
-
-def drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def disk_gbps(path: str) -> float:

@@ -21,7 +21,8 @@ import psutil
 
 from h3ms_async.dit import exactness
 from h3ms_async.dit.options import SplitOptions
-from h3ms_async.dit.reference import ReferenceDiT, StepInputs
+from h3ms_async.dit.layout import build_layout
+from h3ms_async.dit.reference import ReferenceDiT, StepInputs, make_step_inputs
 from h3ms_async.dit.errors import SplitUnsafe
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.runtime.plans import SplitPlan
@@ -85,6 +86,19 @@ def engine_step(engine: SplitEngine, model: ReferenceDiT, inp: StepInputs, seen:
         seen.refused.append(f"{what}: {exc}")
         return
     seen.equal(out, ref, what)
+
+
+#: Tokens of :func:`fault_step`'s layout: two equal ranks hold 100 rows each.
+FAULT_TOKENS = 200
+
+
+def fault_step(eng: SplitEngine, model: ReferenceDiT, seed: int = 3, **step_kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(split, unsplit)``: one step of ``model`` on ``eng`` over a fixed 200-token layout (88 video tokens, 3 audio,
+    4 text, ...), and the model's own step on the same inputs."""
+    inp = make_step_inputs(model.config, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), seed, model.dtype)
+    assert inp.x.shape[0] == FAULT_TOKENS
+    ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
+    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, **step_kw), ref
 
 
 def fault_engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., SplitEngine]]:

@@ -182,6 +182,24 @@ def full_int8():
     return ReferenceDiT(FULL, weights="int8", seed=33, device="cuda").materialize()
 
 
+def _steps_equal_unsplit(eng: SplitEngine, model: ReferenceDiT, key: str, seed: int, what: str) -> list[dict]:
+    """Load ``model`` on ``eng``'s fresh workers and run two steps of 8192 tokens; each must equal the unsplit step
+    with torch.equal (ComfyUI's process is long warm: the unsplit side is its second pass). Returns each step's
+    record."""
+    from h3ms_async.status.hub import get_hub
+    eng.load_weights((key, "int8"), FULL, model.block_weights)
+    records = []
+    for s, tokens in enumerate((8192, 8192)):
+        inp = make_step_inputs(FULL, layout_for_tokens(tokens), seed + s, model.dtype)
+        ref = [model.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                    inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+        out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
+        diff = (out.float() - ref.float()).abs().max().item()
+        assert torch.equal(out, ref), f"{what} step {s}: max |diff| {diff:g}"
+        records.append(get_hub().recent_steps(1)[0])
+    return records
+
+
 @pytest.mark.parametrize("path", [dict(pattern="ulysses"), dict(head_pieces=4), dict(gather_overlap=True),
                                   dict(gather_overlap=True, head_pieces=4)],
                          ids=["ulysses", "pieces4", "gather-overlap", "both-overlaps"])
@@ -190,19 +208,10 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
     FIRST step equals the unsplit step with torch.equal (ComfyUI's process is long warm: the unsplit side is its
     second pass), then a second step; the step record shows the path ran and both ranks computed tokens and heads.
     A pass here is what lets the path into TESTED["cuda"]."""
-    from h3ms_async.status.hub import get_hub
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(**path))
     try:
-        eng.load_weights(("cuda-paths", "int8"), FULL, full_int8.block_weights)
-        for s, tokens in enumerate((8192, 8192)):
-            inp = make_step_inputs(FULL, layout_for_tokens(tokens), 60 + s, full_int8.dtype)
-            ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
-                                            inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
-            out = eng.run_blocks(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
-            diff = (out.float() - ref.float()).abs().max().item()
-            assert torch.equal(out, ref), f"{path} step {s}: max |diff| {diff:g}"
-            rec = get_hub().recent_steps(1)[0]
+        for rec in _steps_equal_unsplit(eng, full_int8, "cuda-paths", 60, str(path)):
             assert rec["pattern"] == path.get("pattern", "gather"), rec
             assert rec["head_pieces"] == path.get("head_pieces", 0), rec
             assert rec["gather_overlap"] is path.get("gather_overlap", False), rec
@@ -220,27 +229,18 @@ def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
     while the block before still computes: ``CudaWeights.ahead``): fresh workers, their FIRST step and a second one
     equal the unsplit step with torch.equal, the record shows it ran. A pass here is what lets gather ahead into
     TESTED["cuda"]."""
-    from h3ms_async.status.hub import get_hub
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(**path))
     try:
-        eng.load_weights(("cuda-ahead", "int8"), FULL, full_int8.block_weights)
-        for s, tokens in enumerate((8192, 8192)):
-            inp = make_step_inputs(FULL, layout_for_tokens(tokens), 70 + s, full_int8.dtype)
-            ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
-                                            inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
-            out = eng.run_blocks(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
-            diff = (out.float() - ref.float()).abs().max().item()
-            assert torch.equal(out, ref), f"{path} step {s}: max |diff| {diff:g}"
-            rec = get_hub().recent_steps(1)[0]
+        for rec in _steps_equal_unsplit(eng, full_int8, "cuda-ahead", 70, str(path)):
             assert rec["gather_ahead"] == 4 and rec["head_pieces"] == path.get("head_pieces", 0), rec
     finally:
         eng.release()
 
 
-# Head pieces at 6000 tokens of this width leave the GPU waiting on the host's launches (each piece's attention
-# tens of microseconds: on an H100 at f2383e5 every copy ran before the next piece was queued, hidden 0); at 32768
-# tokens a piece's attention (milliseconds) outlasts its copies, as at H3's sizes.
+# Head pieces at 6000 tokens of this width leave the GPU waiting on the host's launches (each piece's attention lasts
+# tens of microseconds, less than queuing the next piece: no copy can hide); at 32768 tokens a piece's attention
+# (milliseconds) outlasts its copies, as at H3's sizes.
 @pytest.mark.parametrize("kw,tokens", [(dict(exchange_chunks=8), 6000), (dict(exchange_chunks=8, head_pieces=4), 32768),
                                        (dict(exchange="none"), 6000)], ids=["host-x8", "pieces4", "no-exchange"])
 def test_block_timings_from_cuda_events(models, kw, tokens, monkeypatch):
@@ -281,19 +281,10 @@ def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, chunks, monkey
     by CUDA IPC) at full H3 width on 2 logical ranks of one GPU: fresh workers, their FIRST step equals the unsplit
     step with torch.equal, then a second step (the buffers reused); the step record names the transport and both
     ranks computed and moved bytes. A pass here is what lets SplitPath.CUDA_IPC into TESTED["cuda"]."""
-    from h3ms_async.status.hub import get_hub
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(exchange="cuda_ipc", exchange_chunks=chunks))
     try:
-        eng.load_weights(("cuda-ipc", "int8"), FULL, full_int8.block_weights)
-        for s, tokens in enumerate((8192, 8192)):
-            inp = make_step_inputs(FULL, layout_for_tokens(tokens), 70 + s, full_int8.dtype)
-            ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
-                                            inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
-            out = eng.run_blocks(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
-            diff = (out.float() - ref.float()).abs().max().item()
-            assert torch.equal(out, ref), f"cuda_ipc x{chunks} step {s}: max |diff| {diff:g}"
-            rec = get_hub().recent_steps(1)[0]
+        for rec in _steps_equal_unsplit(eng, full_int8, "cuda-ipc", 70, f"cuda_ipc x{chunks}"):
             assert rec["exchange"] == "cuda_ipc" and rec["chunks"] == max(chunks, 1), rec
             assert all(r["tokens"][1] > r["tokens"][0] and r["moved_bytes"] > 0 for r in rec["ranks"]), rec
     finally:

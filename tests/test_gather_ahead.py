@@ -10,15 +10,13 @@ import pytest
 import torch
 
 from h3ms_async.dit import exactness
-from h3ms_async.dit.layout import build_layout
-from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
-from h3ms_async.dit.split import SplitEngine
+from h3ms_async.dit.reference import DiTConfig, ReferenceDiT
 from h3ms_async.status.hub import get_hub
-from split_checks import Compared, fault_engines
+from split_checks import Compared, fault_engines, fault_step
 from test_split import CFG_UNEVEN, _check_exact, _layouts, engine_factory  # noqa: F401 - the fixture
 
 CFG = DiTConfig(hidden=128, layers=3, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
-TOKENS = 200  # two equal ranks: 100 rows each, cut into tail pieces of 25 rows by gather_ahead=4
+# fault_step: 200 tokens, two equal ranks of 100 rows each, cut into tail pieces of 25 rows by gather_ahead=4
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +30,6 @@ def engine(monkeypatch):
     yield from fault_engines(monkeypatch)
 
 
-def _step(eng: SplitEngine, model: ReferenceDiT, seed: int = 3, **step_kw) -> tuple[torch.Tensor, torch.Tensor]:
-    inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), seed, model.dtype)
-    assert inp.x.shape[0] == TOKENS
-    ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
-    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, **step_kw), ref
-
 
 def test_gather_ahead_runs_exact_and_is_recorded(engine, model):
     """Tails in 4 row pieces (25 rows each) with the head pieces and the gather overlap on: equal to the unsplit
@@ -46,7 +38,7 @@ def test_gather_ahead_runs_exact_and_is_recorded(engine, model):
     eng = engine(gather_ahead=4, head_pieces=2, gather_overlap=True)
     eng.load_weights(("ahead", 1), CFG, model.block_weights)
     for seed in (3, 4):
-        out, ref = _step(eng, model, seed)
+        out, ref = fault_step(eng, model, seed)
         assert torch.equal(out, ref)
         rec = get_hub().recent_steps(1)[0]
         assert (rec["gather_ahead"], rec["head_pieces"], rec["gather_overlap"]) == (4, 2, True)
@@ -56,7 +48,7 @@ def test_gather_ahead_runs_exact_and_is_recorded(engine, model):
     rows = {r["op"]: r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] in exactness.TAIL_OPS}
     assert sorted(rows) == sorted(exactness.TAIL_OPS) and {r["verdict"] for r in rows.values()} == {"exact"}
     assert rows["mlp.fc2.tail"]["shards"] == [25] * 8  # each rank's own 4 pieces
-    out, ref = _step(eng, model, 5, gather_ahead=0)
+    out, ref = fault_step(eng, model, 5, gather_ahead=0)
     assert torch.equal(out, ref) and get_hub().recent_steps(1)[0]["gather_ahead"] == 0
 
 
@@ -66,7 +58,7 @@ def test_a_differing_tail_piece_runs_the_tail_whole(engine, model, caplog):
     eng = engine(f"linear:25:{CFG.ffn}", gather_ahead=4)
     eng.load_weights(("ahead", 2), CFG, model.block_weights)
     for seed in (3, 4):  # the second step reuses the cached verdict
-        out, ref = _step(eng, model, seed)
+        out, ref = fault_step(eng, model, seed)
         assert torch.equal(out, ref)
         rec = get_hub().recent_steps(1)[0]
         assert rec["gather_ahead"] == 0 and [r["tokens"] for r in rec["ranks"]] == [[0, 100], [100, 200]]
@@ -99,6 +91,6 @@ def test_gather_ahead_on_two_ranks_over_gloo(engine_factory, model):  # noqa: F8
     eng = engine_factory(["cpu"] * 2, exchange="nccl", gather_ahead=4)
     eng.load_weights(("ahead", 3), CFG, model.block_weights)
     assert eng.transport == "gloo"
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     assert get_hub().recent_steps(1)[0]["gather_ahead"] == 4

@@ -23,10 +23,10 @@ from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
 from workers.testing.faults import ShapeFault
-from split_checks import fault_engines
+from split_checks import FAULT_TOKENS, fault_engines, fault_step
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
-TOKENS = 200  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
+TOKENS = FAULT_TOKENS  # two equal ranks: 100 rows each; fc2's input features (ffn) are 192, unique among the linears
 FC2_FAULT = f"linear:{TOKENS // 2}:{CFG.ffn}"
 #: The ops a plan's probe reports when no overlap and no sparse attention are asked for.
 PLAN_OPS = [op for op in invariance.OP_ORDER if op not in {**exactness.OVERLAP_OPS, **exactness.SPARSE_OPS}]
@@ -43,13 +43,6 @@ def model():
 @pytest.fixture
 def engine(monkeypatch):
     yield from fault_engines(monkeypatch)
-
-
-def _step(eng: SplitEngine, model: ReferenceDiT, seed: int = 3):
-    inp = make_step_inputs(CFG, build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7), seed, model.dtype)
-    assert inp.x.shape[0] == TOKENS
-    ref = model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs)
-    return eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs), ref
 
 
 def _ops() -> list:
@@ -99,7 +92,7 @@ def test_adjusted_bounds_keep_shares_close():
 def test_exact_plan_runs_split_and_is_recorded(engine, model):
     eng = engine()
     eng.load_weights(("inv", 1), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     rows = get_hub().status()["exactness"]["verdicts"][-len(PLAN_OPS):]
     assert [r["op"] for r in rows] == PLAN_OPS
@@ -113,7 +106,7 @@ def test_faulty_shard_is_adjusted_and_stays_exact(engine, model, caplog):
     eng = engine(FC2_FAULT)
     eng.load_weights(("inv", 2), CFG, model.block_weights)
     for seed in (3, 4):  # the second step reuses the cached verdict
-        out, ref = _step(eng, model, seed)
+        out, ref = fault_step(eng, model, seed)
         assert torch.equal(out, ref)
     assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]
     fc2 = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "mlp.fc2"][-1]
@@ -126,10 +119,10 @@ def test_unfixable_fault_runs_unsplit_with_one_warning(engine, model):
     eng = engine("attention:4")
     eng.load_weights(("inv", 3), CFG, model.block_weights)
     with pytest.raises(SplitUnsafe, match=r"attention .* heads \[0, 4\) .* on cpu ") as first:
-        _step(eng, model)
+        fault_step(eng, model)
     assert first.value.first
     with pytest.raises(SplitUnsafe) as again:
-        _step(eng, model, 4)
+        fault_step(eng, model, 4)
     assert not again.value.first
     att = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "attention"][-1]
     assert att["verdict"] == "unsplit"
@@ -140,7 +133,7 @@ def test_head_pieces_run_exact_and_are_recorded(engine, model):
     computes: equal to the unsplit output, the pieces' verdict recorded, one exchange chunk per piece."""
     eng = engine(head_pieces=3)
     eng.load_weights(("inv", 7), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     # to the one peer: the job's begin, then per block the all-gather's one chunk and the all-to-all's three
     assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 4] * 2
@@ -160,7 +153,7 @@ def test_a_differing_head_piece_runs_attention_in_one_call(engine, model, caplog
     eng = engine("attention:1", head_pieces=3)
     eng.load_weights(("inv", 8), CFG, model.block_weights)
     for seed in (3, 4):  # the second step reuses the cached verdict
-        out, ref = _step(eng, model, seed)
+        out, ref = fault_step(eng, model, seed)
         assert torch.equal(out, ref)
         assert [r.signals for r in eng.last_rank_results] == [1 + CFG.layers * 2] * 2
         assert get_hub().recent_steps(1)[0]["head_pieces"] == 0
@@ -176,7 +169,7 @@ def test_gather_overlap_runs_exact_and_is_recorded(engine, model):
     eng = engine(gather_overlap=True, head_pieces=2)
     eng.load_weights(("inv", 9), CFG, model.block_weights)
     for seed in (3, 4):
-        out, ref = _step(eng, model, seed)
+        out, ref = fault_step(eng, model, seed)
         assert torch.equal(out, ref)
         rec = get_hub().recent_steps(1)[0]
         assert rec["gather_overlap"] is True and rec["head_pieces"] == 2
@@ -190,7 +183,7 @@ def test_a_differing_row_range_projects_after_the_whole_gather(engine, model, ca
     the plan stays split and exact, the projection waits for the whole gather, one warning names the range."""
     eng = engine("linear:50:128:192", gather_overlap=True, shares=(1.0, 3.0))
     eng.load_weights(("inv", 10), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     rec = get_hub().recent_steps(1)[0]
     assert rec["gather_overlap"] is False and [r["tokens"] for r in rec["ranks"]] == [[0, 50], [50, 200]]
@@ -207,7 +200,7 @@ def test_ulysses_probes_every_heads_qkv_on_the_token_shards(engine, model):
     fault = f"linear:{TOKENS // 2}:{CFG.hidden}:{3 * CFG.heads * CFG.head_dim}"
     eng = engine(fault, pattern="ulysses")
     eng.load_weights(("inv", 11), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     rec = get_hub().recent_steps(1)[0]
     assert rec["pattern"] == "ulysses" and [r["tokens"] for r in rec["ranks"]] == [[0, 96], [96, 200]]
@@ -216,7 +209,7 @@ def test_ulysses_probes_every_heads_qkv_on_the_token_shards(engine, model):
     eng.release()
     eng = engine(fault)
     eng.load_weights(("inv", 12), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref) and [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 100],
                                                                                                       [100, 200]]
 
@@ -230,19 +223,19 @@ def test_verify_reports_bit_exact_then_names_the_faulty_block_and_op(engine, mod
     monkeypatch.setattr(hub, "record_verify", lambda rec: seen.append(record(rec)) or seen[-1])
     eng = engine(verify=True)
     eng.load_weights(("inv", 4), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     assert len(seen) == 1 and seen[0]["bit_exact"] and seen[0]["max_abs_diff"] == 0.0
     assert seen[0]["first_difference"] is None and seen[0]["devices"][0].startswith("cpu ")
-    _step(eng, model, 4)  # the same prompt: not verified again
+    fault_step(eng, model, 4)  # the same prompt: not verified again
     eng.new_prompt()
-    _step(eng, model, 5)
+    fault_step(eng, model, 5)
     assert len(seen) == 2 and seen[1]["bit_exact"]
     eng.release()
 
     eng = engine(FC2_FAULT + ":step", verify=True)
     eng.load_weights(("inv", 5), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert not torch.equal(out, ref)
     v = seen[-1]
     assert len(seen) == 3 and v == get_hub().status()["exactness"]["verify"][-1]
@@ -256,12 +249,12 @@ def test_verdicts_persist_in_the_cache_file(engine, model, monkeypatch, tmp_path
     monkeypatch.setenv("H3MS_INVARIANCE_CACHE", str(path))
     eng = engine(FC2_FAULT)
     eng.load_weights(("inv", 6), CFG, model.block_weights)
-    out, ref = _step(eng, model)
+    out, ref = fault_step(eng, model)
     assert torch.equal(out, ref)
     assert [v["verdict"] for v in json.loads(path.read_text()).values()] == ["adjusted"]
     exactness.VERDICTS.clear()
     monkeypatch.setattr(PlanProbe, "_probe_round", lambda *a: pytest.fail("a cached plan was probed again"))
-    out, ref = _step(eng, model, 4)
+    out, ref = fault_step(eng, model, 4)
     assert torch.equal(out, ref)
     assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]
 
@@ -286,7 +279,7 @@ def _overlaps_seen(eng: SplitEngine, model: ReferenceDiT, steps: int) -> list[tu
     """Run ``steps`` steps, each equal to the unsplit output; per step what its record says the overlaps were."""
     seen = []
     for seed in range(3, 3 + steps):
-        out, ref = _step(eng, model, seed)
+        out, ref = fault_step(eng, model, seed)
         assert torch.equal(out, ref)
         rec = get_hub().recent_steps(1)[0]
         seen.append((rec["overlap_tuning"], rec["head_pieces"], rec["gather_overlap"], rec["gather_ahead"]))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from h3ms_async.runtime.readahead import BlockReadahead, block_ranges
+from page_cache import drop
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -86,15 +87,6 @@ def _cached_within(path: str, pages: set[int], deadline_s: float = 10.0) -> set[
     return cached
 
 
-def _drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_reading_a_block_brings_the_next_blocks_into_the_page_cache(tmp_path):
     path = str(tmp_path / "h3.safetensors")
     _checkpoint(path, blocks=6)
@@ -104,7 +96,7 @@ def test_reading_a_block_brings_the_next_blocks_into_the_page_cache(tmp_path):
     # a block's own pages: those no other block's ranges touch (small tensors of neighbouring blocks share pages)
     own = {i: p - set().union(*(q for j, q in pages.items() if j != i)) for i, p in pages.items()}
     assert all(len(p) >= 64 for p in own.values())
-    _drop(path)
+    drop(path)
     if _resident(path) & own[0]:
         pytest.skip(f"this filesystem keeps {path}'s pages cached after POSIX_FADV_DONTNEED")
     ahead = BlockReadahead.of(path, wanted)
