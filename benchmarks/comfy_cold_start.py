@@ -199,7 +199,7 @@ if {lora}:  # the LoRA at another strength: only the patched tensors are rewritt
                      bytes=refill.fill_bytes, store_s=round(refill.fill_s, 4),
                      ranks_s=round(refill.ranks_load_s, 4), ranks_bytes=refill.refill.ranks_bytes,
                      wall_s=round(refill.wall_s, 4), line=refill.line()),
-                 full_fill=dict(bytes=load.fill_bytes, fill_s=round(load.fill_s, 3), wall_s=round(load.wall_s, 3)),
+                 full_fill=dict(bytes=load.fill_bytes, fill_s=round(load.fill_s, 6), wall_s=round(load.wall_s, 3)),
                  bit_exact=comfy_h3.same(plain_third, third_out)[0] if proofs[2].failure is None else None)
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
@@ -209,7 +209,7 @@ print("RESULT " + json.dumps(dict(
     disk_read_gbps=round(disk_gbps, 2), copies=copies,
     plain=dict(load_s=round(plain_load_s, 4), block_stack_s=plain, cold_s=comfy_cold),
     node_first_prompt=dict(load_s=round(node_load_s, 4), block_stack_s=first, cold_s=node_cold,
-                           weights=dict(workers_start_s=round(load.workers_start_s, 3), fill_s=round(load.fill_s, 3),
+                           weights=dict(workers_start_s=round(load.workers_start_s, 3), fill_s=round(load.fill_s, 6),
                                         fill_bytes=load.fill_bytes, fill_gbps=round(load.fill_gbps, 2),
                                         start_wait_s=round(load.start_wait_s, 3),
                                         ranks_load_s=round(load.ranks_load_s, 3), wall_s=round(load.wall_s, 3),
@@ -220,7 +220,7 @@ print("RESULT " + json.dumps(dict(
                                             start_s=round(load.probe.start_s, 3), end_s=round(load.probe.end_s, 3),
                                             probed=load.probe.probed, overlapped=load.probe_overlapped)),
                            probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0),
-                           rows_s=round(rows_s[0], 3) if rows_s else None),
+                           rows_s=round(rows_s[0], 6) if rows_s else None),
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_third_prompt=third,
