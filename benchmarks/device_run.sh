@@ -5,13 +5,13 @@
 #           paths|paths-more
 #   paths (~10 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
 #   needed): the split paths at full width from fresh workers (tests/test_cuda.py, the tests PATHS_K selects, by
-#   default every split path, the gather-ahead cases, the GPU-direct exchange against the unsplit step and the
-#   per-block timings from CUDA events), every CUDA
+#   default every split path, the gather-ahead cases, the GPU-direct exchange (host waits and CUDA IPC events)
+#   against the unsplit step and the per-block timings from CUDA events), every CUDA
 #   exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc
 #   included); a pass lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   paths-more (~7 min): the bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify
-#   (tests/test_sparse_cuda.py), `bench gpu` with host staging and the GPU-direct exchange side by side
-#   (--exchange host,cuda_ipc, one token count, 2 blocks)
+#   (tests/test_sparse_cuda.py), `bench gpu` with host staging and the GPU-direct exchange (host waits, CUDA IPC
+#   events) side by side (--exchange host,cuda_ipc,cuda_ipc_events, one token count, 2 blocks)
 #   demo-gpu: the demo on 2 logical ranks of cuda:0 at full H3 width (20000 tokens, 2 blocks, 3 steps), int8 then
 #   bf16: its per-step table and summary must compare like with like (unsplit and split times of one order)
 #   attention: H3 Attention Parallel's CUDA tests and `bench attention` over both transports (extra args go to the bench)
@@ -95,9 +95,9 @@ if [ "$what" = paths ] || [ "$what" = paths-more ]; then
   done
 fi
 if [ "$what" = paths-more ]; then
-  timeout 180 python3 -m h3ms_async bench gpu --exchange host,cuda_ipc --tokens 39975 --layers 2 --weights int8 \
-    --ranks 2 --residency resident --overlap none --out "$out" > "$out/bench_gpu_exchange.log" 2>&1
-  echo "bench gpu --exchange host,cuda_ipc: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
+  timeout 180 python3 -m h3ms_async bench gpu --exchange host,cuda_ipc,cuda_ipc_events --tokens 39975 --layers 2 \
+    --weights int8 --ranks 2 --residency resident --overlap none --out "$out" > "$out/bench_gpu_exchange.log" 2>&1
+  echo "bench gpu --exchange host,cuda_ipc,cuda_ipc_events: rc $? at ${SECONDS} s" | tee -a "$out/paths_summary.txt"
 fi
 if [ "$what" = paths ] || [ "$what" = paths-more ]; then
   grep -hE "passed|failed" "$out"/pytest_paths_*.log | tee -a "$out/paths_summary.txt"

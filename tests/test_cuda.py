@@ -275,17 +275,21 @@ def test_block_timings_from_cuda_events(models, kw, tokens, monkeypatch):
         eng.release()
 
 
-@pytest.mark.parametrize("chunks", [0, 8])
-def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, chunks, monkeypatch):
+@pytest.mark.parametrize("sync,chunks", [("host", 0), ("host", 8), ("events", 0), ("events", 8)],
+                         ids=["host-0", "host-8", "events-0", "events-8"])
+def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, sync, chunks, monkeypatch):
     """The GPU-direct exchange (workers/transports/cuda_ipc.py: each rank's send buffer in its GPU's memory, shared
-    by CUDA IPC) at full H3 width on 2 logical ranks of one GPU: fresh workers, their FIRST step equals the unsplit
-    step with torch.equal, then a second step (the buffers reused); the step record names the transport and both
-    ranks computed and moved bytes. A pass here is what lets SplitPath.CUDA_IPC into TESTED["cuda"]."""
+    by CUDA IPC) at full H3 width on 2 logical ranks of one GPU, its copies waited for on the host or ordered by
+    CUDA IPC events: fresh workers, their FIRST step equals the unsplit step with torch.equal, then a second step
+    (the buffers reused); the step record names the transport and the ordering, and both ranks computed and moved
+    bytes. A pass here is what lets SplitPath.CUDA_IPC (host) and SplitPath.CUDA_IPC_EVENTS (events) into
+    TESTED["cuda"]."""
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
-    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(exchange="cuda_ipc", exchange_chunks=chunks))
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(exchange="cuda_ipc", ipc_sync=sync, exchange_chunks=chunks))
     try:
-        for rec in _steps_equal_unsplit(eng, full_int8, "cuda-ipc", 70, f"cuda_ipc x{chunks}"):
-            assert rec["exchange"] == "cuda_ipc" and rec["chunks"] == max(chunks, 1), rec
+        for rec in _steps_equal_unsplit(eng, full_int8, f"cuda-ipc-{sync}", 70, f"cuda_ipc {sync} x{chunks}"):
+            assert rec["exchange"] == "cuda_ipc" and rec["ipc_sync"] == sync, rec
+            assert rec["chunks"] == max(chunks, 1), rec
             assert all(r["tokens"][1] > r["tokens"][0] and r["moved_bytes"] > 0 for r in rec["ranks"]), rec
     finally:
         eng.release()

@@ -133,3 +133,24 @@ def test_the_setting_has_one_vocabulary():
     assert SplitOptions(exchange="auto").exchange == "auto"
     with pytest.raises(ValueError, match="exchange='p2p' is not one of"):
         SplitOptions(exchange="p2p")
+
+
+def test_ipc_sync_takes_events_only_once_tested(untested):
+    """How the GPU-direct exchange orders its copies: ``auto`` waits on the host until the event ordering has a
+    passing CUDA test, then takes CUDA IPC events; an explicit ``events`` before that is refused in one line naming
+    the setting and the fix; other transports ignore it."""
+    from h3ms_async.dit.exchange_choice import resolve_sync
+    from workers.dit.protocol import IpcSync
+
+    assert resolve_sync("auto", Transport.CUDA_IPC, ONE_GPU) is IpcSync.HOST
+    assert resolve_sync(IpcSync.HOST, Transport.CUDA_IPC, ONE_GPU) is IpcSync.HOST
+    with pytest.raises(UntestedPath) as exc:
+        resolve_sync(IpcSync.EVENTS, Transport.CUDA_IPC, ONE_GPU)
+    assert _one_line(exc).endswith("set ipc_sync to host (or auto)")
+    assert "ordered by CUDA IPC events" in str(exc.value)
+    assert resolve_sync(IpcSync.EVENTS, Transport.HOST, ONE_GPU) is IpcSync.HOST
+    tested_paths.TESTED["cuda"][SplitPath.CUDA_IPC_EVENTS] = "tests/test_cuda.py::x"  # the fixture restores it
+    assert resolve_sync("auto", Transport.CUDA_IPC, ONE_GPU) is IpcSync.EVENTS
+    assert SplitOptions(ipc_sync="events").ipc_sync is IpcSync.EVENTS
+    with pytest.raises(ValueError, match="ipc_sync='gpu' is not one of"):
+        SplitOptions(ipc_sync="gpu")

@@ -60,6 +60,8 @@ HEADS = {
 DEADLINE_S = 30.0
 #: The probe ranks' environment for the GPU-direct exchange on CPU ranks (``workers/testing/ipc_cpu.py``).
 IPC_CPU = (("H3MS_TEST_HOOKS", "1"), ("H3MS_CUDA_IPC_CPU", "1"))
+#: A probe case's GPU-direct exchange ordered by CUDA IPC events.
+EVENTS = (("ipc_sync", "events"),)
 
 
 def _cases(world: int, full: bool) -> list[dict]:
@@ -142,6 +144,7 @@ class Impl:
     full: bool = True  # False: no layout, so no q/k/v all-to-all and no head pieces
     shares_gpus: bool = False  # ranks may share a GPU (logical ranks)
     env: tuple[tuple[str, str], ...] = ()  # the probe ranks' extra environment
+    case: tuple[tuple[str, str], ...] = ()  # what every case of the probe adds (its ordering)
 
 
 IMPLEMENTATIONS = [
@@ -154,6 +157,8 @@ IMPLEMENTATIONS = [
     Impl("nccl", probe="nccl", cuda=True),
     Impl("cuda-ipc", probe="cuda_ipc", cuda=True, shares_gpus=True),
     Impl("cuda-ipc-cpu", probe="cuda_ipc", env=IPC_CPU),
+    Impl("cuda-ipc-events", probe="cuda_ipc", cuda=True, shares_gpus=True, case=EVENTS),
+    Impl("cuda-ipc-events-cpu", probe="cuda_ipc", env=IPC_CPU, case=EVENTS),
 ]
 
 
@@ -212,7 +217,7 @@ def _in_processes(impl: Impl, world: int, cases: list[dict], devices: list[str])
     """Every case on ``world`` probe rank processes; each rank's result records."""
     with (
         pytest.MonkeyPatch.context() as mp,
-        ProbeGroup(world, [dict(c, transport=impl.probe) for c in cases], devices=devices) as grp,
+        ProbeGroup(world, [dict(c, transport=impl.probe, **dict(impl.case)) for c in cases], devices=devices) as grp,
     ):
         for name, value in impl.env:
             mp.setenv(name, value)
@@ -370,3 +375,20 @@ def test_gpu_direct_parts_larger_than_a_page(monkeypatch):
             "deadline_s": DEADLINE_S, "overlap": True}
     results = _in_processes(Impl("cuda-ipc-cpu", probe="cuda_ipc", env=IPC_CPU), 3, [case], ["cpu"] * 3)
     assert [f for res in results for f in res["failures"]] == []
+
+
+def test_gpu_direct_events_catch_a_rank_that_never_records(monkeypatch):
+    """Ordered by events, a rank that publishes its chunks without recording their send events (or its reads
+    without its read events) is caught by its peers' first wait: on a GPU that copy would have read bytes not yet
+    written."""
+    _ipc_cpu_env(monkeypatch, H3MS_TEST_IPC_UNRECORDED_RANK="1")
+    lay = ArenaLayout.plan(3, [0, 4, 7, 9], [0, 2, 4, 6], 6, "float32", HEAD_DIM)
+    case = {"transport": "cuda_ipc", "layout": lay, "chunks": [2], "rounds": 1, "blocks": 1, "deadline_s": 5.0,
+            "ipc_sync": "events"}
+    with ProbeGroup(3, [case]) as grp:
+        grp.start()
+        recs = grp.results(timeout_s=120)
+    for r in (0, 2):
+        err = recs[r]["error"]
+        assert err and err["type"] == "EventOrderError", recs[r]
+        assert "found the event's latest record at none" in err["message"], err

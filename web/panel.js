@@ -160,7 +160,7 @@ export function stepChart(steps, width = 600, height = 150) {
 
 export function stepSummary(rec) {
   const sigma = rec.sigma === null ? "" : `sigma ${Number(rec.sigma).toFixed(4)} · `;
-  const chunks = rec.chunks > 1 ? ` ×${rec.chunks}` : "";
+  const chunks = (rec.chunks > 1 ? ` ×${rec.chunks}` : "") + (rec.ipc_sync ? ` (${rec.ipc_sync}-ordered)` : "");
   const pieces = (rec.head_pieces > 1 ? ` · attention in ${rec.head_pieces} head pieces` : "") +
     (rec.gather_overlap ? " · qkv as the rows arrive" : "") +
     (rec.gather_ahead > 1 ? ` · next block's rows sent in ${rec.gather_ahead} pieces of the MLP` : "") +

@@ -7,7 +7,8 @@ every rank is on a GPU, the ranks are on one GPU or every pair of their GPUs has
 ways, the workers are not on ``cudaMallocAsync`` (ComfyUI's ``--cuda-malloc``), and
 ``h3ms_async/dit/tested_paths.py`` lists it as tested on CUDA (on one GPU, and across GPUs when the
 ranks use several); otherwise the host exchange.  ``nccl`` and ``host`` stay as
-they are (GPUs without peer access keep host staging).
+they are (GPUs without peer access keep host staging).  The ``ipc_sync`` setting says how the
+GPU-direct exchange orders its copies (:func:`resolve_sync`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Literal
 import torch
 
 from h3ms_async.dit import tested_paths
-from workers.dit.protocol import Transport
+from workers.dit.protocol import IpcSync, Transport
 
 #: The setting that picks the transport for the devices.
 AUTO: Literal["auto"] = "auto"
@@ -33,6 +34,10 @@ EXCHANGES = (
 
 #: An ``exchange`` setting as the options hold it.
 Setting = Transport | Literal["auto"]
+#: An ``ipc_sync`` setting as the options hold it.
+SyncSetting = IpcSync | Literal["auto"]
+#: What the ``ipc_sync`` setting takes.
+IPC_SYNCS = (*(s.value for s in IpcSync), AUTO)
 
 
 class ExchangeRefused(ValueError):
@@ -141,3 +146,27 @@ def also_visible(transport: Transport, devices: Sequence[str]) -> tuple[str, ...
     GPU-direct exchange across GPUs (it opens their buffers), none otherwise."""
     gpus = _gpus(devices)
     return tuple(gpus) if transport is Transport.CUDA_IPC and len(gpus) > 1 else ()
+
+
+def parse_sync(raw: str) -> SyncSetting:
+    """An ``ipc_sync`` setting as a user writes it."""
+    if raw == AUTO:
+        return AUTO
+    try:
+        return IpcSync(raw)
+    except ValueError:
+        raise ValueError(f"ipc_sync={raw!r} is not one of {IPC_SYNCS}") from None
+
+
+def resolve_sync(setting: SyncSetting, transport: Transport, devices: Sequence[str]) -> IpcSync:
+    """How the GPU-direct exchange orders its copies on ``devices``: ``auto`` takes CUDA IPC events
+    where ``tested_paths`` lists them as tested, else host waits; an explicit ``events`` without a
+    passing test there is refused in one line.  Other transports: host (the field is unused)."""
+    if transport is not Transport.CUDA_IPC:
+        return IpcSync.HOST
+    events = tested_paths.SplitPath.CUDA_IPC_EVENTS
+    if setting == AUTO:
+        return IpcSync.EVENTS if tested_paths.is_tested(events, devices) else IpcSync.HOST
+    if setting is IpcSync.EVENTS:
+        tested_paths.require(events, devices)
+    return IpcSync(setting)

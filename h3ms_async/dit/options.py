@@ -56,6 +56,8 @@ class SplitOptions:
     ``gather_ahead`` > 0 (the gather pattern): each block's tail runs in that many row pieces, each
     followed by the next block's norm1 + modulation of those rows, published into the next
     block's gather while the next piece computes, where the probe measures the pieces exact.
+    ``ipc_sync``: how the GPU-direct exchange orders its copies, "host", "events" or "auto" (events
+    where tested, ``exchange_choice.resolve_sync``).
     ``overlap_tuning``: ``head_pieces``, ``gather_overlap`` and ``gather_ahead`` name what the
     engine may use, not
     what it must: per plan it runs the exact ones that measured fastest, leaving out any without a
@@ -67,6 +69,7 @@ class SplitOptions:
     """
 
     exchange: exchange_choice.Setting = Transport.HOST
+    ipc_sync: exchange_choice.SyncSetting = "auto"
     exchange_chunks: int = 0
     vram_residency: Residency = Residency.AUTO
     cache_ram_reserve_gb: float = 0.0
@@ -94,6 +97,7 @@ class SplitOptions:
             if self.exchange == BASELINE_EXCHANGE
             else exchange_choice.parse(self.exchange),
         )
+        object.__setattr__(self, "ipc_sync", exchange_choice.parse_sync(self.ipc_sync))
         if not 0 <= self.exchange_chunks <= 32:
             raise ValueError(
                 f"exchange_chunks={self.exchange_chunks} must be between 0 and 32 (0/1: single "

@@ -525,6 +525,7 @@ class SplitEngine(Engine):
             transport,
             sparse_step,
             overlap_phase=phase,
+            ipc_sync=exchange_choice.resolve_sync(opts.ipc_sync, transport, self.devices),
         )
         with self.job():
             if opts.verify and self._verify_due:
@@ -627,6 +628,7 @@ class SplitEngine(Engine):
                 gather_ahead=opts.gather_ahead,
                 pattern=planned.pattern,
                 peer_devices=self._peer_devices(r, planned.transport),
+                ipc_sync=planned.ipc_sync,
             )
             for r in range(self.ranks)
         ]

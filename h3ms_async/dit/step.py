@@ -15,7 +15,7 @@ from h3ms_async.runtime import plans
 from h3ms_async.status.hub import get_hub
 from h3ms_async.status.records import RankRecord, StepRecord, now_iso
 from workers.dit import protocol as dit_protocol
-from workers.dit.protocol import SparseStepSettings, Transport
+from workers.dit.protocol import IpcSync, SparseStepSettings, Transport
 
 #: ``progress(blocks_done, blocks_total)``: called from the caller's thread while a step runs
 #: (progress bars).
@@ -35,9 +35,10 @@ class Step:
     decides sparse attention's window; ``sparse_branch``: the conditioning branch
     (``h3ms_async.dit.sparse.branch_key``) whose pooled statistics a sparse step reuses.
     ``progress``: see :data:`StepProgress`.  ``in_place``: write the result into ``x`` (H3's
-    blocks update the stream in place too).  ``exchange``, ``exchange_chunks``, ``head_pieces``,
-    ``gather_overlap``, ``gather_ahead`` (None: the engine's options) override the engine's
-    options for this step (benchmarks compare them side by side on the same workers)."""
+    blocks update the stream in place too).  ``exchange``, ``ipc_sync``, ``exchange_chunks``,
+    ``head_pieces``, ``gather_overlap``, ``gather_ahead`` (None: the engine's options) override
+    the engine's options for this step (benchmarks compare them side by side on the same
+    workers)."""
 
     x: torch.Tensor
     modulation: torch.Tensor
@@ -50,6 +51,7 @@ class Step:
     in_place: bool = False
     sparse_branch: str = ""
     exchange: Transport | None = None
+    ipc_sync: IpcSync | None = None
     exchange_chunks: int | None = None
     head_pieces: int | None = None
     gather_overlap: bool | None = None
@@ -60,6 +62,8 @@ class Step:
         opts = base
         if self.exchange is not None:
             opts = replace(opts, exchange=self.exchange)
+        if self.ipc_sync is not None:
+            opts = replace(opts, ipc_sync=self.ipc_sync)
         if self.exchange_chunks is not None:
             opts = replace(opts, exchange_chunks=self.exchange_chunks)
         if self.head_pieces is not None:
@@ -78,7 +82,7 @@ class PlannedStep:
     attention as the ranks get it (``dit_step``'s field; {}: dense: not asked for, the kernel
     cannot run, or measured inexact on this plan); ``trace``: the ranks also digest each op's output
     (``verify``); ``overlap_phase``: where the engine's own choice of overlaps stands on this plan
-    (None: the options fixed them)."""
+    (None: the options fixed them); ``ipc_sync``: how the GPU-direct exchange orders its copies."""
 
     step: Step
     plan: plans.SplitPlan
@@ -88,6 +92,7 @@ class PlannedStep:
     sparse: SparseStepSettings | None = None
     trace: bool = False
     overlap_phase: TuningPhase | None = None
+    ipc_sync: IpcSync = IpcSync.HOST
 
 
 def record_step(
@@ -133,6 +138,7 @@ def record_step(
         gather_ahead=opts.gather_ahead if planned.pattern == "gather" else 0,
         overlap_tuning=planned.overlap_phase.value if planned.overlap_phase else "",
         pattern=planned.pattern,
+        ipc_sync=planned.ipc_sync if planned.transport is Transport.CUDA_IPC else None,
         wall_s=wall_s,
         moved_bytes=sum(r.moved_bytes for r in ranks),
         weight_store=weight_store,

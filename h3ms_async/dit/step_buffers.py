@@ -80,7 +80,8 @@ class StepBufferSlot:
 
     def for_step(self, planned: PlannedStep, loaded: LoadedWeights) -> StepBuffers:
         """The buffers for this step: the held ones when the shapes match, else new ones (the step
-        segment and arena for a new token plan, dtype, rope or exchange; the side segment alone for
+        segment and arena for a new token plan, dtype, rope, exchange or its ordering (its peers'
+        handles and words belong to one ordering); the side segment alone for
         new adaLN rows or per-token row shapes).  Under the Ulysses pattern the arena also holds the
         q/k/v blocks."""
         step, plan = planned.step, planned.plan
@@ -92,6 +93,7 @@ class StepBufferSlot:
             tuple(rope.shape),
             rope.dtype,
             planned.transport,
+            planned.ipc_sync,
             str(x.device),
             planned.pattern == "ulysses",
         )

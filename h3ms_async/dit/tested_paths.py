@@ -26,6 +26,8 @@ class SplitPath(StrEnum):
     CUDA_IPC = "the GPU-direct exchange (cuda_ipc)"
     #: the same exchange between distinct GPUs: peer-to-peer copies, not one GPU's own memory
     CUDA_IPC_P2P = "the GPU-direct exchange across GPUs (cuda_ipc, peer to peer)"
+    #: the GPU-direct exchange's copies ordered by CUDA IPC events instead of host waits
+    CUDA_IPC_EVENTS = "the GPU-direct exchange ordered by CUDA IPC events (ipc_sync events)"
 
 
 _NO_PATTERN_PATHS = (
@@ -39,6 +41,7 @@ _FIX = {
     SplitPath.GATHER_AHEAD: _NO_PATTERN_PATHS,
     SplitPath.CUDA_IPC: "set exchange to host (or auto)",
     SplitPath.CUDA_IPC_P2P: "set exchange to host (or auto)",
+    SplitPath.CUDA_IPC_EVENTS: "set ipc_sync to host (or auto)",
 }
 
 
@@ -60,7 +63,7 @@ TESTED: dict[str, dict[SplitPath, str]] = {
     # (docs/device_runs/h200_s12_131efbe_*); the gather overlap, both overlaps and every
     # gather-ahead case (host, all overlaps, GPU-direct, streamed weights) on one H100 at f2383e5
     # (docs/device_runs/h100_s13_f2383e5_*). The exchange across GPUs has no pass yet: no machine
-    # with several GPUs was lent.
+    # with several GPUs was lent; nor has the event ordering: no GPU since it was written.
     "cuda": {
         SplitPath.ULYSSES: (
             "tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact[ulysses]"
@@ -76,7 +79,7 @@ TESTED: dict[str, dict[SplitPath, str]] = {
         ),
         # (and the cuda-ipc line of tests/test_exchange_conformance.py)
         SplitPath.CUDA_IPC: (
-            "tests/test_cuda.py::test_gpu_direct_exchange_on_logical_ranks_is_exact[0]"
+            "tests/test_cuda.py::test_gpu_direct_exchange_on_logical_ranks_is_exact[host-0]"
         ),
     },
 }

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from h3ms_async.runtime.host_memory import fmt_bytes
-from workers.dit.protocol import BlockTiming, Pattern, Transport
+from workers.dit.protocol import BlockTiming, IpcSync, Pattern, Transport
 
 #: A step record's ``exchange``: the transport as it ran.
 Exchange = Transport
@@ -72,6 +72,8 @@ class StepRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     overlap_tuning: Literal["", "warming", "measuring", "fastest"] = ""
     #: how attention got its inputs: the all-gather of the block input, or Ulysses' q/k/v all-to-all
     pattern: Pattern = Pattern.GATHER
+    #: how the GPU-direct exchange ordered its copies (``exchange`` "cuda_ipc"; None otherwise)
+    ipc_sync: IpcSync | None = None
     wall_s: float
     moved_bytes: int
     weight_store: str
@@ -165,6 +167,9 @@ def format_step_line(rec: Mapping) -> str:
         chunks += f" (overlaps {rec['overlap_tuning']})"
     if rec.get("pattern") == "ulysses":
         chunks += ", Ulysses"
+    if rec.get("ipc_sync"):
+        events = rec["ipc_sync"] == "events"
+        chunks += f", ordered by {'CUDA IPC events' if events else 'host waits'}"
     line = (
         f"{sigma}step {rec['seq']}: {rec['tokens']} tokens x {rec['blocks']} blocks on "
         f"{'+'.join(r['device'] for r in ranks)}, {rec['wall_s']:.3f}s (exchange "

@@ -149,6 +149,9 @@ class CudaBlockClock:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        #: called by :meth:`finish` before its synchronize: a wait for the step's queued work that
+        #: can end without it (``CudaExchange.drain``; None: the synchronize alone)
+        self.before_read: Callable[[], None] | None = None
         self._bounds: list[torch.cuda.Event] = []
         self._windows: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._busy: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -192,6 +195,8 @@ class CudaBlockClock:
         self._bounds.append(self.event())
 
     def finish(self) -> list[BlockTiming]:
+        if self.before_read is not None:
+            self.before_read()
         torch.cuda.synchronize(self.device)
         ref = self._bounds[0]
 

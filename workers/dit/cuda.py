@@ -38,7 +38,13 @@ from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView, check_names
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext
-from workers.transports.exchange import ExchangeBase, ProduceFn, RowsFn, RowsProduceFn
+from workers.transports.exchange import (
+    ExchangeBase,
+    ExchangeTimeout,
+    ProduceFn,
+    RowsFn,
+    RowsProduceFn,
+)
 from workers.transports.host import HostExchange
 
 if TYPE_CHECKING:
@@ -46,6 +52,10 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 _T = TypeVar("_T")
+
+
+def _queued() -> None:
+    """The wait for a copy whose peers wait for it on the GPU (CUDA IPC events): none here."""
 
 
 class StreamTimer:
@@ -332,10 +342,13 @@ class CudaExchange(ExchangeBase):
     every copy's events (a collective's time outside that compute is its copy), for the per-block
     timings."""
 
-    def __init__(self, device: torch.device, host: bool) -> None:
+    def __init__(self, device: torch.device, host: bool, synced: bool = True) -> None:
         self.inner: HostExchange | DistExchange | None = None
         self.device = device
         self.host = host
+        #: False: the wrapped exchange orders its copies by CUDA IPC events (``CudaIpcExchange``'s
+        #: ``event_streams``), so nothing here waits for the GPU on the host
+        self.synced = synced
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self.timer = StreamTimer()
@@ -350,12 +363,16 @@ class CudaExchange(ExchangeBase):
         device: torch.device,
         *args: Any,
         exchange: type[HostExchange] = HostExchange,
+        events: bool = False,
         **kwargs: Any,
     ) -> CudaExchange:
         """A host exchange (``exchange(*args, **kwargs)``: ``HostExchange`` or the GPU-direct
         ``workers.transports.cuda_ipc.CudaIpcExchange``, whose "arena" copies move device memory)
-        moving this device's tensors through the copy streams."""
-        wrap = cls(device, host=True)
+        moving this device's tensors through the copy streams; ``events``: the GPU-direct
+        exchange ordered by CUDA IPC events on these streams (``IpcSync.EVENTS``)."""
+        wrap = cls(device, host=True, synced=not events)
+        if events:
+            kwargs["event_streams"] = (wrap.d2h, wrap.h2d)
         inner = exchange(
             *args,
             **kwargs,
@@ -391,15 +408,20 @@ class CudaExchange(ExchangeBase):
         return tok[2]
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._copy("d2h", self.d2h, dst, src).synchronize()
+        done = self._copy("d2h", self.d2h, dst, src)
+        if self.synced:
+            done.synchronize()
+        else:
+            src.record_stream(self.d2h)  # its memory is not reused before the queued copy ran
 
     def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
         """Start a D2H copy of ``src`` (computed on the current stream) on the D2H stream; returns
-        the wait for it, so the compute stream goes on with the next head piece meanwhile."""
+        the wait for it, so the compute stream goes on with the next head piece meanwhile (no wait
+        when the exchange orders its copies by events)."""
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         done = self._copy("d2h", self.d2h, dst, src)
         src.record_stream(self.d2h)
-        return done.synchronize
+        return done.synchronize if self.synced else _queued
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copy("h2d", self.h2d, dst, src)
@@ -410,16 +432,18 @@ class CudaExchange(ExchangeBase):
         cur = torch.cuda.current_stream(self.device)
         t = time.perf_counter()
         ev = self.clock.event(cur)
-        ev.synchronize()  # the op's input is computed: from here on the rank only moves data
-        if self._reads is not None:
-            self._reads.synchronize()  # the previous op's H2D reads of the arena are complete
+        if self.synced:
+            ev.synchronize()  # the op's input is computed: from here on the rank only moves data
+            if self._reads is not None:
+                self._reads.synchronize()  # the previous op's H2D reads of the arena are complete
         self.compute_wait_s += time.perf_counter() - t
         self.d2h.wait_stream(cur)
         self.h2d.wait_stream(cur)
         out = op(cur)
         if self.host:
-            self._reads = torch.cuda.Event()
-            self._reads.record(self.h2d)
+            if self.synced:
+                self._reads = torch.cuda.Event()
+                self._reads.record(self.h2d)
             cur.wait_stream(self.h2d)
             self.clock.window(ev, self.clock.event(cur))
         else:
@@ -481,6 +505,29 @@ class CudaExchange(ExchangeBase):
             return self._busy(lambda: produce(a, b))
 
         return self._moved(lambda cur: self._inner.all_gather_rows_produced(timed, n, out=out))
+
+    def drain(self, deadline_s: float, check_abort: Callable[[], None], what: str) -> None:
+        """Wait for the work queued on the compute and copy streams by polling events: where the
+        copies are ordered by CUDA IPC events, the queues wait on peers' events, which a peer that
+        died never records, so this wait ends on the pool's abort (``check_abort`` raises) or
+        after ``deadline_s`` (an ``ExchangeTimeout`` naming ``what``)."""
+        done = []
+        for stream in (torch.cuda.current_stream(self.device), self.d2h, self.h2d):
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            done.append(ev)
+        end = time.monotonic() + deadline_s
+        pause = 1e-4
+        while not all(ev.query() for ev in done):
+            check_abort()
+            if time.monotonic() > end:
+                raise ExchangeTimeout(
+                    f"rank {self.rank}: {what}: its GPU work did not finish within "
+                    f"{deadline_s:g}s, waiting on a peer's CUDA IPC event; a rank died or "
+                    "stalled - see its worker log"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
 
     def counters(self) -> tuple[float, float]:
         """The wrapped exchange's host-clock counters (the GPU copy times come with

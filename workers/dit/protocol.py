@@ -43,6 +43,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 chunks: pipelined chunks per exchange (0/1 = single shot).
     peer_devices  ("cuda_ipc") per rank, the CUDA device index under which this rank's worker
                 sees that rank's GPU (its own is 0; the others through the pool's also_visible)
+    ipc_sync    ("cuda_ipc") an :class:`IpcSync` value: "host" (copies waited for on the host) or
+                "events" (ordered by CUDA IPC events between the ranks' streams)
     head_pieces dense attention in that many head pieces, each moved by the all-to-all while the
                 next computes (0/1: one call; ``workers.dit.loop``)
     gather_overlap  dense steps: the qkv projection runs on each rank's gathered rows as they
@@ -158,6 +160,17 @@ class Residency(enum.StrEnum):
 
 
 RESIDENCIES: tuple[str, ...] = tuple(r.value for r in Residency)
+
+
+class IpcSync(enum.StrEnum):
+    """How the GPU-direct exchange orders its copies (``workers.transports.cuda_ipc``): the one
+    vocabulary of the options (which add "auto"), the wire, the step records and the status
+    JSON."""
+
+    #: each chunk's copy and each op's reads waited for on the host
+    HOST = "host"
+    #: CUDA IPC events between the ranks' copy streams; the host never waits for the GPU in a step
+    EVENTS = "events"
 
 
 class DitDevice(Answer):
@@ -407,6 +420,7 @@ class DitStep(Request, tag="dit_step"):
     gather_ahead: int = 0
     pattern: Pattern = Pattern.GATHER
     peer_devices: tuple[int, ...] = ()
+    ipc_sync: IpcSync = IpcSync.HOST
     PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
     ANSWER: ClassVar[type[Answer]] = DitStepped
 

@@ -26,7 +26,7 @@ from workers.dit import sparse as dit_sparse
 from workers.dit.block_clock import BlockClock, CudaBlockClock
 from workers.dit.cuda import CudaExchange, CudaWeights
 from workers.dit.loop import BlockInputs, LoopHooks, LoopPaths, RankBlocks, run_blocks
-from workers.dit.protocol import Transport
+from workers.dit.protocol import IpcSync, Transport
 from workers.dit.weights import CpuWeights, WeightProvider
 from workers.runtime import comfy_host, config
 from workers.runtime.fill_progress import FillProgress
@@ -385,6 +385,7 @@ def _exchange(ctx: WorkerContext, st: RankState, msg: dit_protocol.DitStep) -> E
                     msg.deadline_s,
                     exchange=CudaIpcExchange,
                     devices=msg.peer_devices,
+                    events=msg.ipc_sync is IpcSync.EVENTS,
                 )
             elif cuda:
                 ex = CudaExchange.over_host(torch.device(ctx.device), *args, msg.deadline_s)
@@ -488,6 +489,19 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     def check_abort(i: int) -> None:
         if ctx.abort_generation() != gen:
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg.job} aborted before block {i}")
+
+    if isinstance(ex, CudaExchange):
+        # with events the host is blocks ahead of its GPU, so the step's end is where it waits
+        ex.clock.before_read = (
+            None
+            if ex.synced
+            else functools.partial(
+                ex.drain,
+                msg.deadline_s * max(1, b1 - b0),
+                functools.partial(check_abort, b1),
+                f"step {msg.job}",
+            )
+        )
 
     digests: dict[str, str] = {}
 

@@ -34,6 +34,16 @@ TEST_IPC_WITHHOLD_RANK = _var(
     "give a rank (0 or more) or unset it",
     _number(int, "an integer rank", lambda v: v >= 0, "must be >= 0"),
 )
+TEST_IPC_UNRECORDED_RANK = _var(
+    "H3MS_TEST_IPC_UNRECORDED_RANK",
+    "integer",
+    -1,
+    "unset",
+    "With `H3MS_CUDA_IPC_CPU=1` and the exchange ordered by events: this exchange rank (0 = the "
+    "first) never records its events, so tests show that its peers' waits catch it. Tests only.",
+    "give a rank (0 or more) or unset it",
+    _number(int, "an integer rank", lambda v: v >= 0, "must be >= 0"),
+)
 TEST_SHAPE_FAULT = _var(
     "H3MS_TEST_SHAPE_FAULT",
     "text",

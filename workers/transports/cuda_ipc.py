@@ -12,26 +12,47 @@ PyTorch's cross-device copy); the ops, the chunking, the sequence words, the doo
 guard, the abort generation and every deadline are :class:`~workers.transports.host.HostExchange`'s,
 over a small shm arena that is the host arena's header page followed by the handle slots
 (:func:`arena_bytes`).  Wrapped by ``workers.dit.cuda.CudaExchange`` (``over_host(...,
-exchange=CudaIpcExchange)``) as the host exchange is on a CUDA rank, its copies get the same
-ordering: a rank publishes a chunk only after its copy into its send buffer finished (an event
-synchronised on the host), and publishes anything of the next op only after its reads of the
-previous op finished, which is all the host exchange's reuse argument needs.
+exchange=CudaIpcExchange)``) as the host exchange is on a CUDA rank.  The host exchange's reuse
+argument needs two facts: a chunk's bytes are in the writer's buffer before a reader copies them,
+and a reader's copies of an op are done before anything it publishes later.
+
+Two orderings (:class:`~workers.dit.protocol.IpcSync`) give them.  *Host*: every chunk's copy is
+synchronised on the host before it is published, and every op's reads before the next op starts,
+so the host waits for the GPU inside each op and the GPU's queue runs dry at every exchange.
+*Events* (``event_streams`` given: the write and read streams of ``workers.dit.cuda.CudaExchange``):
+the host never waits for the GPU; CUDA IPC events carry the two facts from stream to stream.  Rank
+p records a *send event* on its write stream once a chunk's copies are queued, before it publishes
+the chunk (a produced piece's right after its copies, before the next piece's, which wait for more
+compute).  The events form a ring of :data:`RING` per rank: the k-th chunk p publishes in a job is
+slot ``k mod RING``, and every rank publishes the same chunks in the same order, so a reader knows
+the slot of the chunk it takes; its read stream waits on that event before the copy out of p's
+buffer.  A reader records a *read event* per buffer (G, A, Q) on its read stream after the reads
+of each op (and at ``begin()``), before anything of its next op is published; a writer's write
+stream waits on every peer's read event of a buffer before its first write into it in an op, which
+the host exchange's reuse guard already holds back until the peer has published something later.
+So every wait is enqueued after the record it needs (a CUDA stream waits on an event's latest
+record, which may be a later one: later work of the same stream, never earlier), and every wait
+names work already queued, so the streams cannot wait on each other in a cycle.
 
 Handles.  Each rank allocates its send buffer once per exchange object (one per step arena, i.e. per
 step shape) and writes one handle per peer (:meth:`IpcBuffers.share`:
 ``workers.runtime.cuda_ipc.share`` as msgpack) into slot (owner, peer) of the arena: the payload,
 then its length as the slot's first word (the x86-64 store order argument of
 ``workers.transports.host``).  A rank opens its peers' buffers at its first op, waiting for their
-slots under the op's deadline and the abort generation.  ``devices[p]`` is the index under which
-this process sees rank p's GPU (a worker sees its own as 0 and its peers' through the pool's
-``also_visible``).  Only :class:`IpcBuffers` touches CUDA: ``workers/testing/ipc_cpu.py`` replaces
-it to run everything else on CPU ranks (``tests/test_exchange_conformance.py``).
+slots under the op's deadline and the abort generation.  With events, a rank first writes one
+payload with the handles of all its events (:data:`EVENTS`) into its event slot, which a peer opens
+together with its buffer.  ``devices[p]`` is the index under which this process sees rank p's GPU
+(a worker sees its own as 0 and its peers' through the pool's ``also_visible``).  Only
+:class:`IpcBuffers` touches CUDA: ``workers/testing/ipc_cpu.py`` replaces it to run everything else
+on CPU ranks (``tests/test_exchange_conformance.py``; with events, its stand-in events check every
+wait's order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -39,12 +60,23 @@ import torch
 
 from workers.runtime import cuda_ipc
 from workers.runtime.shm import align
-from workers.transports.arena import ArenaLayout
+from workers.transports.arena import BUFFER, ArenaLayout
 from workers.transports.exchange import ExchangeError
 from workers.transports.host import AsyncCopyFn, CopyFn, HostExchange
 
 #: Bytes of one handle slot: an int64 payload length, then the msgpack handle (about 200 bytes).
 SLOT_BYTES = 1024
+#: Send events per rank (the chunks a writer may publish before a reader waits on the first of
+#: them is at most two ops' worth; more only makes a wait cover later copies too).
+RING = 128
+#: The buffers with a read event, in the order of a rank's read events after its send ring.
+READ_BUFFERS = ("G", "A", "Q")
+#: Events per rank: the send ring, then one read event per buffer.
+EVENTS = RING + len(READ_BUFFERS)
+#: Bytes of a CUDA IPC event handle (``cudaIpcEventHandle_t``).
+EVENT_HANDLE_BYTES = 64
+#: Bytes of one rank's event slot: an int64 payload length, then every event's handle.
+EVENT_SLOT_BYTES = align(8 + EVENTS * EVENT_HANDLE_BYTES)
 
 
 class CudaIpcUnavailable(ExchangeError):
@@ -53,13 +85,29 @@ class CudaIpcUnavailable(ExchangeError):
 
 def arena_bytes(layout: ArenaLayout) -> int:
     """Bytes of the shm arena the GPU-direct exchange of ``layout`` runs over: the host arena's
-    header page, then one handle slot per (owner, peer)."""
-    return layout.header_bytes + layout.world * layout.world * SLOT_BYTES
+    header page, one handle slot per (owner, peer), then one event slot per rank."""
+    return _event_base(layout) + layout.world * EVENT_SLOT_BYTES
 
 
 def _slot(layout: ArenaLayout, owner: int, peer: int) -> slice:
     start = layout.header_bytes + (owner * layout.world + peer) * SLOT_BYTES
     return slice(start, start + SLOT_BYTES)
+
+
+def _event_base(layout: ArenaLayout) -> int:
+    return layout.header_bytes + layout.world * layout.world * SLOT_BYTES
+
+
+def _event_slot(layout: ArenaLayout, owner: int) -> slice:
+    start = _event_base(layout) + owner * EVENT_SLOT_BYTES
+    return slice(start, start + EVENT_SLOT_BYTES)
+
+
+def stamp(job: int, op: int, chunks: int = 0) -> int:
+    """What an event's record stands for, ordered within a job: op ``op`` of job ``job`` with
+    ``chunks`` of it published (a read event: 0, its reads done).  CUDA ignores it; the CPU
+    stand-in (``workers/testing/ipc_cpu.py``) checks every wait against it."""
+    return (job << 24) | (op << 9) | chunks
 
 
 @dataclass(frozen=True)
@@ -144,6 +192,33 @@ class IpcBuffers:
         """Why this process cannot share memory of ``device`` ('' when it can)."""
         return cuda_ipc.unavailable(str(device))
 
+    def events(self, device: torch.device, count: int) -> list[Any]:
+        """``count`` new events on ``device`` that other processes can wait on."""
+        with torch.cuda.device(device):
+            return [torch.cuda.Event(interprocess=True) for _ in range(count)]
+
+    def share_events(self, events: Sequence[Any]) -> bytes:
+        """One payload with the handles of ``events`` (for every opener)."""
+        return b"".join(ev.ipc_handle() for ev in events)
+
+    def open_events(self, payload: bytes, index: int) -> list[Any]:
+        """A peer's events from its payload, on this process's device ``index``."""
+        n = EVENT_HANDLE_BYTES
+        device = torch.device("cuda", index)
+        return [
+            torch.cuda.Event.from_ipc_handle(device, payload[i : i + n])
+            for i in range(0, len(payload), n)
+        ]
+
+    def record(self, event: Any, stream: Any, stamp: int) -> None:
+        """Record ``event`` on ``stream`` (``stamp``: :func:`stamp`)."""
+        event.record(stream)
+
+    def wait(self, event: Any, stream: Any, stamp: int) -> None:
+        """Make ``stream`` wait for ``event``'s latest record, which must stand for ``stamp`` or
+        later."""
+        stream.wait_event(event)
+
     def close(self) -> None:
         """Let go of what the buffers hold besides their tensors (here nothing: an opened storage
         gives its reference back when its last tensor is freed)."""
@@ -153,8 +228,10 @@ class CudaIpcExchange(HostExchange):
     """One CUDA rank's side of the GPU-direct exchange (the module docstring).  ``arena`` is the
     shm arena of :func:`arena_bytes` (header initialised by its creator with
     ``layout.init_header``), ``devices[p]`` this process's index of rank p's GPU, ``buffers``
-    where the send buffers live (default: :class:`IpcBuffers`, CUDA memory); the other arguments
-    are :class:`HostExchange`'s, whose copy hooks here move device memory."""
+    where the send buffers live (default: :class:`IpcBuffers`, CUDA memory); ``event_streams``
+    (write stream, read stream) orders the copies by CUDA IPC events instead of host waits (the
+    copy hooks then only queue their copies); the other arguments are :class:`HostExchange`'s, whose
+    copy hooks here move device memory."""
 
     transport = "cuda_ipc"
     _slots: np.ndarray
@@ -171,6 +248,7 @@ class CudaIpcExchange(HostExchange):
         *,
         devices: Sequence[int],
         buffers: IpcBuffers | None = None,
+        event_streams: tuple[Any, Any] | None = None,
         spin_us: float = 0.0,
         to_host: CopyFn | None = None,
         to_device: CopyFn | None = None,
@@ -182,6 +260,11 @@ class CudaIpcExchange(HostExchange):
         self.buffers = buffers or IpcBuffers()
         self.device = self.buffers.device(self.devices[rank])
         self._bufs: list[_SendBuffer | None] = [None] * world
+        self._streams = event_streams
+        self._events: list[list[Any] | None] = [None] * world  # per rank: send ring, read events
+        self._sent = 0  # chunks this rank published in this job
+        self._op_base = 0  # ... before the current op (the ring slot of its chunk 0)
+        self._recorded = 0  # chunks of the current op whose send event is recorded
         super().__init__(
             rank,
             world,
@@ -211,6 +294,10 @@ class CudaIpcExchange(HostExchange):
             flat = self.buffers.allocate(self.device, send_plan(lay, me).nbytes)
         self._bufs[me] = _SendBuffer(lay, me, flat)
         try:
+            if self._streams is not None:
+                mine = self.buffers.events(self.device, EVENTS)
+                self._events[me] = mine
+                self._write_payload(_event_slot(lay, me), self.buffers.share_events(mine))
             for p in range(self.world):
                 if p != me:
                     self._write_slot(p, self.buffers.share(flat))
@@ -221,14 +308,20 @@ class CudaIpcExchange(HostExchange):
             ) from exc
 
     def _write_slot(self, peer: int, payload: bytes) -> None:
-        if len(payload) > SLOT_BYTES - 8:
-            raise ValueError(f"a CUDA IPC handle of {len(payload)} bytes does not fit its slot")
-        slot = self._slots[_slot(self.layout, self.rank, peer)]
+        self._write_payload(_slot(self.layout, self.rank, peer), payload)
+
+    def _write_payload(self, where: slice, payload: bytes) -> None:
+        slot = self._slots[where]
+        if len(payload) > len(slot) - 8:
+            raise ValueError(f"a CUDA IPC payload of {len(payload)} bytes does not fit its slot")
         slot[8 : 8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
         slot[:8].view(np.int64)[0] = len(payload)  # last: a reader that sees it sees the payload
 
     def _read_slot(self, owner: int) -> bytes | None:
-        slot = self._slots[_slot(self.layout, owner, self.rank)]
+        return self._read_payload(_slot(self.layout, owner, self.rank))
+
+    def _read_payload(self, where: slice) -> bytes | None:
+        slot = self._slots[where]
         n = int(slot[:8].view(np.int64)[0])
         return bytes(slot[8 : 8 + n]) if n else None
 
@@ -244,6 +337,15 @@ class CudaIpcExchange(HostExchange):
                 "every rank's GPU, or use exchange host"
             ) from exc
         self._bufs[p] = _SendBuffer(self.layout, p, flat)
+        if self._streams is not None:
+            # written before the buffer's slot, so there by now
+            payload = self._read_payload(_event_slot(self.layout, p))
+            if payload is None:
+                raise CudaIpcUnavailable(
+                    f"rank {self.rank}: rank {p} shared its buffer without its events: the ranks "
+                    "run the GPU-direct exchange with different orderings"
+                )
+            self._events[p] = self.buffers.open_events(payload, self.devices[p])
 
     def _open_peers(self) -> None:
         """Open every peer's send buffer once its handle is there (the op's deadline, abort)."""
@@ -257,8 +359,65 @@ class CudaIpcExchange(HostExchange):
             )
 
     def _begin_op(self, kind: int, n: int) -> None:
+        self._op_base, self._recorded = self._sent, 0
         super()._begin_op(kind, n)
         self._open_peers()
+        if self._streams is not None:
+            # the guard above saw every peer publish past the buffer's last use, so each has
+            # recorded its read event for that use
+            need = stamp(self._job, max(self._last_use[BUFFER[kind]], 0))
+            ev = EVENTS - len(READ_BUFFERS) + READ_BUFFERS.index(BUFFER[kind])
+            for p in self._peers:
+                self.buffers.wait(self._peer_events(p)[ev], self._streams[0], need)
+
+    def begin(self, abort_generation: int) -> None:
+        super().begin(abort_generation)
+        self._sent = 0
+
+    # -- event ordering ------------------------------------------------------------------------
+    def _peer_events(self, p: int) -> list[Any]:
+        events = self._events[p]
+        if events is None:
+            raise RuntimeError(f"rank {self.rank}: rank {p}'s events are not open yet")
+        return events
+
+    def _staged(self, j: int) -> None:
+        self._record_sent(j)
+
+    def _publish(self, kind: int, n_chunks: int, j: int) -> None:
+        self._record_sent(j)
+        self._sent += 1
+        super()._publish(kind, n_chunks, j)
+
+    def _record_sent(self, j: int) -> None:
+        """Record chunk j's send event after its copies, once (a produced piece's right after its
+        copies start: the next piece's copies, queued before j is published, wait for its
+        compute)."""
+        if self._streams is not None and j >= self._recorded:
+            ring = self._peer_events(self.rank)
+            slot = ring[(self._op_base + j) % RING]
+            self.buffers.record(slot, self._streams[0], stamp(self._job, self._op, j + 1))
+            self._recorded = j + 1
+
+    def _consume(self, kind: int, n_chunks: int, j: int, take: Callable[[int, int], None]) -> None:
+        if self._streams is None:
+            super()._consume(kind, n_chunks, j, take)
+            return
+        slot, read = (self._op_base + j) % RING, self._streams[1]
+        need = stamp(self._job, self._op, j + 1)
+
+        def ordered(p: int, jj: int) -> None:
+            self.buffers.wait(self._peer_events(p)[slot], read, need)
+            take(p, jj)
+
+        super()._consume(kind, n_chunks, j, ordered)
+
+    def _reads_done(self, buffers: Sequence[str]) -> None:
+        if self._streams is not None:
+            mine = self._peer_events(self.rank)
+            for name in buffers:
+                ev = mine[RING + READ_BUFFERS.index(name)]
+                self.buffers.record(ev, self._streams[1], stamp(self._job, max(self._op, 0)))
 
     def _buf(self, p: int) -> _SendBuffer:
         buf = self._bufs[p]

@@ -227,6 +227,7 @@ class HostExchange(JobExchange):
         self._op = 0
         self._last_use = {"G": -1, "A": -1, "Q": -1}
         super().begin(abort_generation)
+        self._reads_done(tuple(self._last_use))
         self._words[fault_index(self.rank)] = 0
         self._words[seq_index(self.rank)] = encode_seq(self._job_gen, self._job, 0, 0, 0, 0)
         self._ring()
@@ -296,7 +297,7 @@ class HostExchange(JobExchange):
                 on_rows(a, b, out[a:b])
 
         self._consume(KIND_GATHER, 1, 0, take)
-        self._last_use[BUFFER[KIND_GATHER]] = self._op
+        self._op_done(KIND_GATHER)
         return out
 
     def _all_gather_rows_produced(
@@ -423,9 +424,15 @@ class HostExchange(JobExchange):
         copies out started (``stage``) before this rank waits for piece j's and publishes it as
         chunk j of the op; then it takes (``take``) the peers' piece j-1, and the last one at
         the end."""
-        started = stage(0)
+
+        def staged(j: int) -> list[Callable[[], None]]:
+            waits = stage(j)
+            self._staged(j)
+            return waits
+
+        started = staged(0)
         for j in range(n):
-            following = stage(j + 1) if j + 1 < n else []
+            following = staged(j + 1) if j + 1 < n else []
             t = time.perf_counter()
             for wait in started:
                 wait()
@@ -435,9 +442,23 @@ class HostExchange(JobExchange):
                 self._consume(kind, n, j - 1, take)
             started = following
         self._consume(kind, n, n - 1, take)
-        self._last_use[BUFFER[kind]] = self._op
+        self._op_done(kind)
 
     # -- op machinery ------------------------------------------------------------------------------
+    def _op_done(self, kind: int) -> None:
+        """Every chunk of the current op is consumed: its buffer's last use in this job."""
+        self._last_use[BUFFER[kind]] = self._op
+        self._reads_done((BUFFER[kind],))
+
+    def _staged(self, j: int) -> None:
+        """Every copy out of chunk j of the current op is started (a transport whose peers wait
+        for those copies on the GPU marks it here, before the next chunk's copies start)."""
+
+    def _reads_done(self, buffers: tuple[str, ...]) -> None:
+        """This rank has started every read out of ``buffers`` so far and publishes nothing later
+        yet: a transport that orders its peers' next writes after those reads on the GPU
+        (``workers.transports.cuda_ipc``'s events) marks it here."""
+
     def _to_host_after(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``to_host_async`` and its wait: a copy out of a tensor computed after the op began."""
         self._to_host_async(dst, src)()
@@ -475,7 +496,7 @@ class HostExchange(JobExchange):
             if j:
                 self._consume(kind, n_chunks, j - 1, take)
         self._consume(kind, n_chunks, n_chunks - 1, take)
-        self._last_use[BUFFER[kind]] = self._op
+        self._op_done(kind)
 
     def _publish(self, kind: int, n_chunks: int, j: int) -> None:
         word = encode_seq(self._job_gen, self._job, self._op, kind, n_chunks, j + 1)

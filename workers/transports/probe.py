@@ -12,7 +12,8 @@ list of them; the spec's ``devices``, one per rank, put the ranks on CUDA device
 is then wrapped as a CUDA rank wraps it, ``nccl`` needs them, ``cuda_ipc`` too unless the test
 stand-in runs it on CPU ranks: ``workers/testing/ipc_cpu.py``), an arena segment
 (``workers/runtime/shm.py``, attached by id) with its layout (host; for ``cuda_ipc`` the
-GPU-direct exchange's header and handle slots, ``arena_ipc``), the chunk counts to run, and rounds x
+GPU-direct exchange's header and handle slots, ``arena_ipc``; ``ipc_sync``: its ordering, an
+``IpcSync`` value, host by default), the chunk counts to run, and rounds x
 blocks of
 (all_gather_rows, all_to_all_cols); a layout planned with ``qkv`` adds ``all_to_all_qkv`` (of a
 ``[S, 3·C]`` pattern); ``"overlap": true`` adds ``all_to_all_heads`` in as many head pieces as
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from workers.dit.protocol import Transport
+from workers.dit.protocol import IpcSync, Transport
 from workers.runtime import config
 from workers.runtime.shm import Segment
 from workers.transports.arena import ArenaLayout, piece
@@ -257,12 +258,17 @@ def build_exchange(
         args = (rank, world, arena, layout, doorbells, control, float(case.get("deadline_s", 30)))
         spin_us = float(case.get("spin_us", 0))
         if ipc:
+            events = IpcSync(case.get("ipc_sync", IpcSync.HOST.value)) is IpcSync.EVENTS
             if not cuda:
                 stand_in = _ipc_stand_in(rank)
                 if stand_in is None:
                     raise ValueError(f"probe transport cuda_ipc on {device}: it runs CUDA ranks")
                 return CudaIpcExchange(
-                    *args, spin_us=spin_us, devices=[0] * world, buffers=stand_in
+                    *args,
+                    spin_us=spin_us,
+                    devices=[0] * world,
+                    buffers=stand_in,
+                    event_streams=(None, None) if events else None,  # CPU copies: no streams
                 )
             from workers.dit.cuda import CudaExchange
 
@@ -271,6 +277,7 @@ def build_exchange(
                 *args,
                 spin_us=spin_us,
                 exchange=CudaIpcExchange,
+                events=events,
                 devices=[torch.device(d).index or 0 for d in devices],
             )
         if cuda:

@@ -18,9 +18,10 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
   compute, the exposed wait, the exposed wait as % of the block; per rank in ``block_ms_by_rank``),
   and per case each split's block over the no-exchange baseline's (``*_block_vs_baseline``) and its
   exposed exchange as % of the block (``*_exposed_pct``);
-* with ``--exchange host,cuda_ipc``, host staging and the GPU-direct exchange side by side: every
-  variant above in each, on the same workers and weights (``split2_cuda_ipc_x8...`` in the
-  summary);
+* with ``--exchange host,cuda_ipc,cuda_ipc_events``, host staging and the GPU-direct exchange
+  (its copies waited for on the host, and ordered by CUDA IPC events) side by side: every variant
+  above in each, on the same workers and weights (``split2_cuda_ipc_x8...``,
+  ``split2_cuda_ipc_events_x8...`` in the summary);
 * streamed vs resident step time.
 
 This process (the stand-in for ComfyUI's, which is long warm when a split starts) runs one unsplit
@@ -52,7 +53,7 @@ from h3ms_async.status.hub import get_hub
 from h3ms_async.status.records import block_means
 from h3ms_async.tools.cli import ArgParser, add_pattern_argument, int_list, positive_int
 from workers.dit.loop import BlockInputs, block_forward_unsplit
-from workers.dit.protocol import Residency, Transport
+from workers.dit.protocol import IpcSync, Residency, Transport
 from workers.runtime.shm import Segment, register_cuda
 
 FULL = {
@@ -65,8 +66,14 @@ FULL = {
 }
 
 
-#: The exchanges ``bench gpu --exchange`` can time side by side (host staging first: the default).
-STAGED = (Transport.HOST.value, Transport.CUDA_IPC.value)
+#: The exchanges ``bench gpu --exchange`` can time side by side (host staging first: the default),
+#: each as (``exchange``, ``ipc_sync``): the GPU-direct exchange with its copies waited for on the
+#: host, and ordered by CUDA IPC events.
+STAGED: dict[str, tuple[Transport, IpcSync | None]] = {
+    Transport.HOST.value: (Transport.HOST, None),
+    Transport.CUDA_IPC.value: (Transport.CUDA_IPC, IpcSync.HOST),
+    f"{Transport.CUDA_IPC.value}_events": (Transport.CUDA_IPC, IpcSync.EVENTS),
+}
 
 #: The overlaps ``bench gpu`` times by default (``exactness.Overlap.from_name``).
 OVERLAPS = ("none", "pieces4", "gather", "gather+pieces4")
@@ -198,7 +205,7 @@ def run(
     residencies: Sequence[str] = ("resident", "stream"),
     overlaps: Sequence[str] = OVERLAPS,
     pattern: str = "gather",
-    exchanges: Sequence[str] = (STAGED[0],),
+    exchanges: Sequence[str] = (Transport.HOST.value,),
 ) -> dict:
     cfg = DiTConfig(layers=layers, **FULL)
     res: dict = {
@@ -261,13 +268,15 @@ def run(
                             variants.append(("none", 0, "none"))
                         for exch, chunks, overlap in variants:
                             asked = Overlap.from_name(overlap)
+                            transport, sync = STAGED.get(exch, (Transport(exch), None))
                             r = _split(
                                 eng,
                                 models[kind],
                                 inp,
                                 steps,
                                 None if exch == "none" else ref,
-                                exchange=exch,
+                                exchange=transport,
+                                ipc_sync=sync,
                                 exchange_chunks=chunks,
                                 head_pieces=asked.head_pieces,
                                 gather_overlap=asked.gather,
@@ -329,7 +338,7 @@ def summarize(res: dict) -> dict:
                 "resident",
             ) or s.get("exchange") not in STAGED:
                 continue
-            via = "" if s["exchange"] == STAGED[0] else f"_{s['exchange']}"
+            via = "" if s["exchange"] == Transport.HOST.value else f"_{s['exchange']}"
             name = f"split2{via}_x{s['chunks']}" + (
                 f"_{s['overlap']}" if s["overlap"] != "none" else ""
             )
@@ -397,9 +406,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_pattern_argument(p)
     p.add_argument(
         "--exchange",
-        default=STAGED[0],
+        default=Transport.HOST.value,
         help="comma-separated exchanges timed side by side on the same workers: host (staging "
-        "through pinned shared memory), cuda_ipc (GPU-direct)",
+        "through pinned shared memory), cuda_ipc (GPU-direct, copies waited for on the host), "
+        "cuda_ipc_events (GPU-direct, ordered by CUDA IPC events)",
     )
     p.add_argument("--out", default=None, help="directory for bench_gpu.json")
     a = p.parse_args(argv)
