@@ -6,7 +6,8 @@
 #   paths (~10 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
 #   needed): the split paths at full width from fresh workers (tests/test_cuda.py, the tests PATHS_K selects, by
 #   default every split path, the gather-ahead cases, the GPU-direct exchange (host waits and CUDA IPC events)
-#   against the unsplit step and the per-block timings from CUDA events), every CUDA
+#   against the unsplit step, the per-block timings from CUDA events and the resident blocks placed at the load),
+#   every CUDA
 #   exchange against the spec (tests/test_exchange_conformance.py -k "cuda or nccl", the GPU-direct cuda-ipc
 #   included); a pass lets its paths into h3ms_async/dit/tested_paths.py's TESTED["cuda"]
 #   paths-more (~7 min): the bf16 VAE split under DynamicVRAM (vae-exact), the sparse probe and verify
@@ -80,7 +81,7 @@ if [ "$what" = vae-exact ]; then
 fi
 # paths / paths-more: each file under its own deadline, two device calls of under 10 minutes each
 # PATHS_K picks the tests of tests/test_cuda.py one call runs
-set_a=("tests/test_cuda.py|${PATHS_K:-split_paths or gather_ahead or gpu_direct or block_timings}|450"
+set_a=("tests/test_cuda.py|${PATHS_K:-split_paths or gather_ahead or gpu_direct or block_timings or placed_at_the_load}|450"
        "tests/test_exchange_conformance.py|cuda or nccl|120")
 set_b=("tests/test_vae_split_cuda.py|bf16_checkpoint|150" "tests/test_sparse_cuda.py||110")
 if [ "$what" = paths ] || [ "$what" = paths-more ]; then

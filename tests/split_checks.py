@@ -28,6 +28,7 @@ from h3ms_async.dit.split import SplitEngine
 from h3ms_async.runtime.plans import SplitPlan
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
+from workers.dit.protocol import ProbeShard
 from workers.runtime.shm import dtype_name
 
 
@@ -44,17 +45,14 @@ def probe_refusals(model: ReferenceDiT, plan: SplitPlan, dtype: torch.dtype,
     manifest = [{k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in b.items()} for b in blocks]
     ops = invariance.block_ops(manifest, lambda i: dit_ops.block_quant(blocks[i]))
     shards = list(zip(plan.token_bounds, plan.token_bounds[1:]))
-    out = []
-    for r in range(ranks):
-        report = invariance.run_probe(
-            ops if r == 0 else [op for op in ops if op.split == "heads"], tokens=plan.token_bounds[-1],
-            candidates=shards if r == 0 else [], heads=(plan.head_bounds[r], plan.head_bounds[r + 1]),
-            total_heads=c.heads, head_dim=c.head_dim, dtype=dtype, attend=dit_ops.builtin_attend(attention),
-            device=torch.device("cpu"))
-        for v in report.ops:
-            out += [f"{v.op} ({v.dtype}, {v.shape}, {v.split} {shard}) max |diff| {d:g}"
-                    for ok, shard, d in zip(v.exact, v.shards, v.max_abs_diff) if not ok]
-    return out
+    # every rank's head group, the token shards once (rank 0's candidates): each unsplit call made once
+    asked = [ProbeShard(shards if r == 0 else [], (plan.head_bounds[r], plan.head_bounds[r + 1])) for r in range(ranks)]
+    reports = invariance.run_probe(
+        ops, tokens=plan.token_bounds[-1], shards=asked, total_heads=c.heads, head_dim=c.head_dim, dtype=dtype,
+        attend=dit_ops.builtin_attend(attention), device=torch.device("cpu"))
+    return [f"{v.op} ({v.dtype}, {v.shape}, {v.split} {shard}) max |diff| {d:g}"
+            for report in reports for v in report.ops
+            for ok, shard, d in zip(v.exact, v.shards, v.max_abs_diff) if not ok]
 
 
 class Compared:

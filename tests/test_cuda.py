@@ -293,3 +293,25 @@ def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, sync, chunks, 
             assert all(r["tokens"][1] > r["tokens"][0] and r["moved_bytes"] > 0 for r in rec["ranks"]), rec
     finally:
         eng.release()
+
+
+def test_resident_blocks_are_placed_at_the_load(full_int8):
+    """With the step about to run named at the load (as the node and the demo name it), each CUDA rank decides its
+    residency then and uploads every resident block as soon as the store has it, beside the fill: the first step
+    uploads nothing and equals the unsplit step with torch.equal. Without it the first step uploads them."""
+    from h3ms_async.dit.step import Step
+    inp = make_step_inputs(FULL, layout_for_tokens(8192), 80, full_int8.dtype)
+    ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                    inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+    for named in (True, False):
+        eng = SplitEngine(["cuda:0"] * 2, SplitOptions(vram_residency="resident"))
+        try:
+            step = Step(inp.x, full_int8.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
+            eng.load_weights(("placed", str(named)), FULL, full_int8.block_weights, first_step=step if named else None)
+            out = eng.run_step(step)
+            assert torch.equal(out, ref), f"named={named}: max |diff| {(out.float() - ref.float()).abs().max():g}"
+            weights = [r.weights for r in eng.last_rank_results]
+            assert [w["resident_blocks"] for w in weights] == [FULL.layers] * 2, weights
+            assert [w["uploaded_blocks"] for w in weights] == ([0, 0] if named else [FULL.layers] * 2), weights
+        finally:
+            eng.release()

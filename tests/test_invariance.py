@@ -22,6 +22,7 @@ from h3ms_async.dit.split import SplitEngine
 from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
+from workers.dit.protocol import ProbeShard
 from workers.testing.faults import ShapeFault
 from split_checks import FAULT_TOKENS, fault_engines, fault_step
 
@@ -53,12 +54,12 @@ def _ops() -> list:
 def test_probe_sees_a_shape_fault_and_only_at_its_shape(monkeypatch):
     """In process: the faulty row count on fc2 differs, every other shard and op stays exact; a ``:step`` fault is
     invisible to the probe (verify's job)."""
-    kw = dict(tokens=TOKENS, candidates=[(0, 100), (0, 96), (96, 200)], heads=(0, 4), total_heads=CFG.heads,
+    kw = dict(tokens=TOKENS, shards=[ProbeShard([(0, 100), (0, 96), (96, 200)], (0, 4))], total_heads=CFG.heads,
               head_dim=CFG.head_dim, dtype=torch.bfloat16, attend=dit_ops.builtin_attend("sdpa"),
               device=torch.device("cpu"))
-    clean = invariance.run_probe(_ops(), **kw)
+    [clean] = invariance.run_probe(_ops(), **kw)
     monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse(FC2_FAULT))
-    faulty = invariance.run_probe(_ops(), **kw)
+    [faulty] = invariance.run_probe(_ops(), **kw)
     by_op = {v.op: v for v in faulty.ops}
     assert by_op["mlp.fc2"].exact == [False] + clean.ops[-1].exact[1:] and by_op["mlp.fc2"].max_abs_diff[0] > 0
     assert [v.op for v in faulty.ops] == PLAN_OPS
@@ -66,9 +67,9 @@ def test_probe_sees_a_shape_fault_and_only_at_its_shape(monkeypatch):
         if v.op != "mlp.fc2":
             assert v.exact == c.exact and v.digest == c.digest
     monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse(FC2_FAULT + ":step"))
-    assert [v.exact for v in invariance.run_probe(_ops(), **kw).ops] == [v.exact for v in clean.ops]
+    assert [v.exact for v in invariance.run_probe(_ops(), **kw)[0].ops] == [v.exact for v in clean.ops]
     monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse("attention:4"))
-    assert {v.op: v.exact for v in invariance.run_probe(_ops(), **kw).ops}["attention"] == [False]
+    assert {v.op: v.exact for v in invariance.run_probe(_ops(), **kw)[0].ops}["attention"] == [False]
 
 
 def test_digest_and_fault_text():
@@ -111,6 +112,21 @@ def test_faulty_shard_is_adjusted_and_stays_exact(engine, model, caplog):
     assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]
     fc2 = [r for r in get_hub().status()["exactness"]["verdicts"] if r["op"] == "mlp.fc2"][-1]
     assert fc2["verdict"] == "adjusted" and "100-row shard" in fc2["detail"] and "[96, 104]" in fc2["detail"]
+
+
+def test_ranks_of_one_device_share_one_probe(engine, model, monkeypatch):
+    """Grouped as the logical ranks of one GPU are (``plan_probe.probe_groups``; CPU ranks each probe alone, having
+    cores of their own, so here the grouping is forced): rank 0 probes both ranks' shards and rank 1 gets no probe
+    request, and the fault is still found on both shards, adjusted and exact as when each rank probes its own."""
+    from h3ms_async.dit import plan_probe
+    monkeypatch.setattr(plan_probe, "probe_groups", lambda devices, sparse: [list(range(len(devices)))])
+    eng = engine(FC2_FAULT)
+    eng.load_weights(("inv", 21), CFG, model.block_weights)
+    out, ref = fault_step(eng, model)
+    assert torch.equal(out, ref)
+    assert [r["tokens"] for r in get_hub().recent_steps(1)[0]["ranks"]] == [[0, 96], [96, 200]]
+    jobs = [w["jobs_done"] for w in eng.pool.snapshot()]
+    assert eng.probe.rounds > 0 and jobs[0] == jobs[1] + eng.probe.rounds, jobs
 
 
 def test_unfixable_fault_runs_unsplit_with_one_warning(engine, model):
@@ -346,3 +362,24 @@ def test_overlap_choices_map_onto_the_options():
                                       "overlap_tuning": False}
     with pytest.raises(ValueError, match="overlaps='fast' is not one of 'auto', 'off'"):
         overlap_options("fast")
+
+
+def test_one_probe_for_several_shards_equals_a_probe_per_shard(monkeypatch):
+    """The probe that logical ranks of one GPU share (each unsplit call made once for every rank's shard) gives each
+    shard the verdicts its own probe gives, a fault included; h3ms_async/dit/plan_probe.py groups the ranks."""
+    from h3ms_async.dit.plan_probe import probe_groups
+    asked = [ProbeShard([(0, 96), (0, 100)], (0, 4), [(0, 48), (48, 96)]), ProbeShard([(96, 200), (100, 200)], (4, 8))]
+    kw = dict(tokens=TOKENS, total_heads=CFG.heads, head_dim=CFG.head_dim, dtype=torch.bfloat16, pieces=2,
+              gather_ranges=[(0, 96), (96, 200)], attend=dit_ops.builtin_attend("sdpa"), device=torch.device("cpu"))
+    monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse(FC2_FAULT))
+    together = invariance.run_probe(_ops(), shards=asked, **kw)
+    alone = [invariance.run_probe(_ops(), shards=[sh], **kw)[0] for sh in asked]
+
+    def verdicts(rep) -> list[tuple]:
+        return [(v.op, v.split, v.shards, v.exact, v.max_abs_diff, v.digest) for v in rep.ops]
+
+    assert [verdicts(r) for r in together] == [verdicts(r) for r in alone]
+    assert {v.op: v.exact for v in together[0].ops}["mlp.fc2"] == [True, False]  # the fault's 100-row shard
+    assert {v.op for v in together[0].ops} >= {"attention.pieces", "attn.qkv_proj.rows", "mlp.fc2.tail"}
+    assert probe_groups(["cuda:0", "cuda:1", "cuda:0", "cpu", "cpu", "cuda"], sparse=False) == [[0, 2, 5], [1], [3], [4]]
+    assert probe_groups(["cuda:0", "cuda:0"], sparse=True) == [[0], [1]]

@@ -75,6 +75,22 @@ def test_crash_hook_exit_code_is_reported(pool3):
     assert run(pool3.request(2, protocol.Ping(), timeout=10), 120).pong
 
 
+def test_an_unusable_worker_answers_then_ends_and_the_next_job_gets_a_fresh_one(pool3):
+    """A handler that fails with WorkerUnusable (a GPU queue stuck on a dead peer's CUDA IPC event,
+    workers/dit/cuda.py's drain) is answered with its error, then the worker closes its channel and exits: the
+    pool marks it dead, no process stays behind, and the next request starts a fresh worker."""
+    run(pool3.start(), 120)
+    old = pool3.worker_pids()[1]
+    with pytest.raises(WorkerError, match=r"WorkerUnusable: test hook: this worker's GPU queue waits on a dead peer"):
+        run(pool3.request(1, test_protocol.Crash(how="unusable"), timeout=10))
+    end = time.monotonic() + 10
+    while not (gone(old) and pool3.snapshot()[1]["state"] == "dead") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert gone(old) and pool3.snapshot()[1]["state"] == "dead"
+    assert run(pool3.request(1, protocol.Ping(), timeout=10), 120).pong
+    assert pool3.worker_pids()[1] != old
+
+
 def test_hung_worker_hits_the_deadline(pool3):
     run(pool3.start(), 120)
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ from h3ms_async.dit import exactness, verify
 from h3ms_async.dit.layout import build_layout
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.dit.sparse import UnsplitSparse
-from workers.dit.protocol import SparseStepSettings
+from workers.dit.protocol import ProbeShard, SparseStepSettings
 from h3ms_async.dit.split import SplitEngine
 from h3ms_async.status.hub import get_hub
 from workers.dit import invariance
@@ -181,14 +181,14 @@ def test_the_probe_compares_the_qkv_projection_chunk_by_chunk(kernel, model, mon
     man = [{k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in b.items()} for b in blocks]
     ops = invariance.block_ops(man, lambda i: dit_ops.block_quant(blocks[i]))
     inp = _inputs(1)
-    kw = dict(tokens=200, candidates=[(0, 100)], heads=(0, 2), total_heads=CFG.heads, head_dim=CFG.head_dim,
+    kw = dict(tokens=200, shards=[ProbeShard([(0, 100)], (0, 2))], total_heads=CFG.heads, head_dim=CFG.head_dim,
               dtype=torch.bfloat16, attend=dit_ops.builtin_attend("sdpa"), device=torch.device("cpu"),
               sparse=dit_sparse.probe_wire(SPARSE, inp.segments, inp.rope_freqs))
-    clean = {v.op: v for v in invariance.run_probe(ops, **kw).ops}
+    clean = {v.op: v for v in invariance.run_probe(ops, **kw)[0].ops}
     assert clean["attn.qkv_proj.chunks"].shards == [[0, 128], [128, 200]]
     assert clean["attn.qkv_proj.chunks"].exact == [True, True] and clean["attention.sparse"].exact == [True, True]
     monkeypatch.setattr(dit_ops, "SHAPE_FAULT", ShapeFault.parse(f"linear:72:{CFG.hidden}:{3 * 2 * CFG.head_dim}"))
-    faulty = {v.op: v for v in invariance.run_probe(ops, **kw).ops}
+    faulty = {v.op: v for v in invariance.run_probe(ops, **kw)[0].ops}
     assert faulty["attn.qkv_proj.chunks"].exact == [True, False] and faulty["attn.qkv_proj.chunks"].max_abs_diff[1] > 0
     assert faulty["attention.sparse"].exact == [False, False]
     assert faulty["attn.qkv_proj"].exact == [True] and faulty["attention"].exact == [True]

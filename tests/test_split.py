@@ -517,3 +517,24 @@ def test_a_step_with_a_known_plan_is_one_round_trip(engine_factory, int8_model, 
     out = eng.run_blocks(inp.x, int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
     assert submitted == ["SplitEngine._dispatch"], submitted
     assert torch.equal(out, _reference(int8_model, inp))
+
+
+def test_the_load_names_the_first_step_to_the_ranks():
+    """load_weights(first_step=...) tells each rank the step's residency and [tokens, its tokens in the nominal
+    plan], so a CUDA rank places its resident blocks in VRAM while the store fills (tests/test_cuda.py runs that on
+    a GPU); without a step, or with fewer tokens than ranks, the first step decides."""
+    from h3ms_async.dit.loaded import Placing
+    from h3ms_async.dit.step import Step
+    from workers.dit.protocol import DitLoad, Residency
+    from workers.runtime.protocol import ProtocolError, TensorDesc
+    eng = SplitEngine(["cpu"] * 3, SplitOptions(shares=(2.0, 1.0, 1.0), vram_residency="stream"))
+    x = torch.zeros(10, CFG.hidden)
+    step = Step(x, torch.zeros(CFG.layers, 1, 18 * CFG.hidden), [(0, 10, 0)], torch.zeros(1, 10, 1, 4, 2, 2))
+    # the nominal plan: 10 tokens by shares 2:1:1, a tie going to the higher rank (plans.partition)
+    assert eng._placing(step) == Placing(Residency.STREAM, [(10, 5), (10, 2), (10, 3)])
+    assert eng._placing(replace(step, x=torch.zeros(2, CFG.hidden))) is None
+    assert eng._placing(None) is None
+    with pytest.raises(ProtocolError, match=r"dit_load tokens must be \[tokens, this rank's tokens <= tokens\]"):
+        seg = "h3ms-1-0000abcd-store"
+        DitLoad(store=seg, manifest=[], config={}, heads=(0, 1), key="k", deadline_s=1.0, residency=Residency.AUTO,
+                progress=TensorDesc(seg=seg, off=0, dtype="int64", shape=[1]), tokens=(4, 5))

@@ -122,7 +122,7 @@ def _make_context(args: argparse.Namespace, welcome: protocol.Welcome):
 async def _serve(
     ctx, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hb_interval: float
 ) -> str:
-    from workers.runtime.handlers import HANDLERS, Handler
+    from workers.runtime.handlers import HANDLERS, Handler, WorkerUnusable
 
     ctx.state["_writer"] = writer
     tasks: set[asyncio.Task] = set()
@@ -144,6 +144,7 @@ async def _serve(
 
     async def run_one(fn: Handler, msg: protocol.Request) -> None:
         ctx.inflight += 1
+        unusable = False
         try:
             try:
                 result = await fn(ctx, msg)
@@ -157,7 +158,12 @@ async def _serve(
                 answer = protocol.Err(
                     id=msg.id, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc()
                 )
+                unusable = isinstance(exc, WorkerUnusable)
             send(answer)
+            if unusable:
+                log.error("this worker cannot serve again; closing its channel")
+                await writer.drain()
+                writer.close()  # the read loop ends on EOF, and the process with it
         finally:
             ctx.inflight -= 1
 

@@ -26,6 +26,16 @@ class ProbeAhead:
 
 
 @dataclass(frozen=True)
+class Placing:
+    """What a load tells the ranks of the step about to run, so a CUDA rank places its resident
+    blocks in VRAM as the store fills (``DitLoad``'s residency and tokens): the step's residency
+    and, per rank, [tokens, the rank's tokens]."""
+
+    residency: dit_protocol.Residency
+    tokens: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
 class PatchRefill:
     """A weight-patch change (a LoRA's strength, a LoRA added or removed) taken in place: the
     store's rewrite of the patched tensors, then the ranks taking them in again (``ranks_s``, the

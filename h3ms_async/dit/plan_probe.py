@@ -44,6 +44,22 @@ def tail_pieces(token_bounds: Sequence[int], rank: int, pieces: int) -> list[tup
     return [(t0 + a, t0 + b) for a, b in cuts if b > a]
 
 
+def probe_groups(devices: Sequence[str], sparse: bool) -> list[list[int]]:
+    """The ranks that share one probe request, each group's first rank running it: the logical
+    ranks of one GPU (each unsplit call is made once for all of them, where each rank would make it
+    on the same time-sliced GPU); every other rank alone (CPU ranks have cores of their own, each
+    GPU its own probe), and every rank alone with ``sparse`` attention (its probe is per head
+    group)."""
+    groups: dict[str, list[int]] = {}
+    alone: list[list[int]] = []
+    for r, d in enumerate(devices):
+        if d.startswith("cuda") and not sparse:
+            groups.setdefault("cuda:0" if d == "cuda" else d, []).append(r)
+        else:
+            alone.append([r])
+    return sorted([*groups.values(), *alone])
+
+
 class PlanProbe:
     """The probe of one engine's plans (its ranks, its loaded weights, its options)."""
 
@@ -289,23 +305,35 @@ class PlanProbe:
             [(int(a), int(b)) for a, b in itertools.pairwise(tb0)] if overlap.gather else []
         )
         model = self._model()
-        msgs = [
-            dit_protocol.DitProbe(
-                ops=ops,
-                model=model,
-                tokens=plan.token_bounds[-1],
+        shards = [
+            dit_protocol.ProbeShard(
                 candidates=[(int(tb[r]), int(tb[r + 1])) for tb in candidates],
                 heads=(hb[r], hb[r + 1]),
-                pieces=overlap.head_pieces,
-                gather_ranges=every_rank,
-                sparse=sparse,
                 tail_ranges=tail_pieces(tb0, r, overlap.ahead),
             )
             for r in range(self.engine.ranks)
         ]
+        groups = probe_groups(self.engine.devices, sparse is not None)
+        msgs: list[dit_protocol.DitProbe | None] = [None] * self.engine.ranks
+        for group in groups:
+            msgs[group[0]] = dit_protocol.DitProbe(
+                ops=ops,
+                model=model,
+                tokens=plan.token_bounds[-1],
+                shards=[shards[r] for r in group],
+                pieces=overlap.head_pieces,
+                gather_ranges=every_rank,
+                sparse=sparse,
+            )
         # the probe needs no weights: fresh workers (a restarted pool) answer it as they are
-        return self.engine.run(
+        answers = self.engine.run(
             self.engine.pool.all(msgs, self.engine.options.step_timeout_s),
             self.engine.options.step_timeout_s,
             "measuring the plan's invariance",
         )
+        by_rank = {
+            r: rep
+            for group in groups
+            for r, rep in zip(group, answers[group[0]].reports, strict=True)
+        }
+        return [by_rank[r] for r in range(self.engine.ranks)]

@@ -20,6 +20,7 @@ every rank's waits.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ import torch
 from h3ms_async.dit import exchange_choice, tested_paths
 from h3ms_async.dit.errors import SplitError, SplitInterrupted
 from h3ms_async.dit.exactness import Overlap
-from h3ms_async.dit.loaded import LoadedWeights, LoadTimes, PatchRefill, ProbeAhead
+from h3ms_async.dit.loaded import LoadedWeights, LoadTimes, PatchRefill, Placing, ProbeAhead
 from h3ms_async.dit.options import (
     DEFAULT_OPTIONS,
     SplitOptions,
@@ -237,7 +238,7 @@ class SplitEngine(Engine):
                 self.loaded = LoadedWeights(store, config, head_bounds, dtype_name(dtype), pattern)
                 # Once the store passed its RAM and /dev/shm checks, before the blocks are copied:
                 # a CUDA worker's start takes seconds, a whole H3's fill tens.
-                loading = get_coordinator().submit(self._start_and_load())
+                loading = get_coordinator().submit(self._start_and_load(self._placing(first_step)))
                 started.append(loading)
                 ahead = None
                 if first_step is not None and self.ranks > 1:
@@ -383,7 +384,23 @@ class SplitEngine(Engine):
         self.fingerprints = [d.fingerprint for d in devices]
         self._sparse_kernel = [d.sparse_kernel for d in devices]
 
-    async def _start_and_load(self) -> tuple[float, float, list[dit_protocol.DitLoaded]]:
+    def _placing(self, step: Step | None) -> Placing | None:
+        """What the ranks place in VRAM for ``step`` as the store fills: its residency and, per
+        rank, [tokens, the rank's tokens in the nominal plan] (the estimate of its working set);
+        None without a step (the first step decides)."""
+        if step is None:
+            return None
+        opts = step.options(self.options)
+        tokens = int(step.x.shape[0])
+        if tokens < self.ranks:
+            return None
+        bounds = plans.partition(tokens, opts.shares or [1.0] * self.ranks)
+        shares = [(tokens, b - a) for a, b in itertools.pairwise(bounds)]
+        return Placing(opts.vram_residency, shares)
+
+    async def _start_and_load(
+        self, placing: Placing | None = None
+    ) -> tuple[float, float, list[dit_protocol.DitLoaded]]:
         """Start the pool (a no-op when it runs) and load the ranks; returns the seconds of the
         start this load waited for (the whole start, also one begun earlier by
         :meth:`start_workers`; 0 when the workers were up already), the ``time.monotonic()`` when
@@ -392,9 +409,9 @@ class SplitEngine(Engine):
         await self.pool.start()
         up = time.monotonic()
         waited = self.pool.up_at >= t
-        return (self.pool.start_s if waited else 0.0), up, await self._load_ranks()
+        return (self.pool.start_s if waited else 0.0), up, await self._load_ranks(placing)
 
-    async def _load_ranks(self) -> list[dit_protocol.DitLoaded]:
+    async def _load_ranks(self, placing: Placing | None = None) -> list[dit_protocol.DitLoaded]:
         ld = self.loaded
         assert ld is not None
         cfg = {
@@ -418,6 +435,8 @@ class SplitEngine(Engine):
                 progress=ld.store.progress,
                 deadline_s=wait_s,
                 qkv_heads=(0, ld.config.heads) if ld.pattern == "ulysses" else None,
+                residency=placing.residency if placing else None,
+                tokens=placing.tokens[r] if placing else None,
             )
             for r in range(self.ranks)
         ]

@@ -359,16 +359,16 @@ class WorkerPool:
         finally:
             self._jobs -= 1
 
-    async def all(self, per_rank: Sequence[protocol.Request], timeout: float) -> list[Any]:
-        """Send ``per_rank[r]`` to rank r, for every rank; return their answers (``ANSWER``
-        structs) in rank order.
+    async def all(self, per_rank: Sequence[protocol.Request | None], timeout: float) -> list[Any]:
+        """Send ``per_rank[r]`` to rank r, for every rank (None: nothing to that rank, whose
+        answer is None); return their answers (``ANSWER`` structs) in rank order.
 
         Fail fast: the first error or death aborts the other ranks (:meth:`abort`) and raises its
         :class:`~h3ms_async.runtime.worker_handle.WorkerError` at once; cancellation aborts them
         too.
         """
         if len(per_rank) != self.world_size:
-            kinds = sorted({m.kind for m in per_rank})
+            kinds = sorted({m.kind for m in per_rank if m is not None})
             raise ValueError(
                 f"{'/'.join(kinds)}: got {len(per_rank)} requests for {self.world_size} ranks"
             )

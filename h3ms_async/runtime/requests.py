@@ -56,18 +56,20 @@ async def request_one(
 
 async def request_all(
     workers: Sequence[WorkerHandle],
-    per_rank: Sequence[protocol.Request],
+    per_rank: Sequence[protocol.Request | None],
     timeout: float,
     program: str | None,
     abort: Callable[[], None],
 ) -> list[Any]:
-    """Send ``per_rank[r]`` to ``workers[r]``; return the answers in rank order.  The first error
-    or death calls ``abort`` (the other ranks stop their exchange) and is raised; cancellation
-    aborts too."""
+    """Send ``per_rank[r]`` to ``workers[r]`` (None: nothing to that rank, whose answer is None);
+    return the answers in rank order.  The first error or death calls ``abort`` (the other ranks
+    stop their exchange) and is raised; cancellation aborts too."""
     first_failure = True
 
-    async def one_rank(w: WorkerHandle, msg: protocol.Request) -> Any:
+    async def one_rank(w: WorkerHandle, msg: protocol.Request | None) -> Any:
         nonlocal first_failure
+        if msg is None:
+            return None
         try:
             return await request_one(w, msg, timeout, program)
         except Exception:

@@ -37,9 +37,10 @@ from workers.dit.block_clock import CudaBlockClock
 from workers.dit.protocol import DitLoad
 from workers.dit.weights import BlockView, check_names
 from workers.runtime import config
-from workers.runtime.handlers import WorkerContext
+from workers.runtime.handlers import WorkerContext, WorkerUnusable
 from workers.transports.exchange import (
     ExchangeBase,
+    ExchangeError,
     ExchangeTimeout,
     ProduceFn,
     RowsFn,
@@ -99,7 +100,9 @@ def auto_resident_blocks(
 class CudaWeights:
     """Block weights of one CUDA rank (a ``workers.dit.weights.WeightProvider``): the leading blocks
     resident in VRAM, the rest streamed from the pinned store through two slots prefetched on a side
-    stream."""
+    stream.  Which blocks stay is decided at the load when it names the first step (``DitLoad``'s
+    residency and tokens: each resident block is uploaded as soon as it is placed, beside the
+    store's fill), else at the first step."""
 
     def __init__(self, ctx: WorkerContext, msg: DitLoad) -> None:
         self.device = torch.device(ctx.device)
@@ -126,6 +129,9 @@ class CudaWeights:
         self.freed: list[torch.cuda.Event | None] = [None, None]
         self.fetch_s = 0.0
         self.timer_events = StreamTimer()
+        self.step_uploads = 0  # blocks the running step uploaded to VRAM before its first block
+        if msg.residency is not None and msg.tokens is not None:
+            self._decide(*msg.tokens, msg.residency)
 
     def place(self, i: int) -> None:
         if i != len(self.quant):
@@ -133,6 +139,10 @@ class CudaWeights:
                 f"block {i} placed after {len(self.quant)} blocks; place them in order"
             )
         self.quant.append(dit_ops.block_quant(self.host[i]))
+        if self.n_resident is not None and i < self.n_resident:
+            self.resident.append(self._to_device(i))
+            if i + 1 == self.n_resident:
+                torch.cuda.synchronize(self.device)  # the load ends with its uploads done
 
     # -- sizes -------------------------------------------------------------------------------------
     def _device_bytes(self, name: str, t: torch.Tensor) -> int:
@@ -159,10 +169,19 @@ class CudaWeights:
     # -- residency ---------------------------------------------------------------------------------
     def prepare(self, tokens: int, local_tokens: int, residency: str) -> None:
         """Decide how many blocks stay resident and upload them, and allocate the two streaming
-        slots: at the first step and whenever the step asks for another residency (the store and the
-        process stay)."""
+        slots: at the first step unless the load did, and whenever the step asks for another
+        residency (the store and the process stay)."""
         if self.n_resident is not None and residency == self.residency:
             return
+        self._decide(tokens, local_tokens, residency)
+        for i in range(self.n_resident or 0):
+            self.resident.append(self._to_device(i))
+        self.step_uploads = self.n_resident or 0
+        torch.cuda.synchronize(self.device)
+
+    def _decide(self, tokens: int, local_tokens: int, residency: str) -> None:
+        """How many blocks stay resident for this residency (none uploaded yet), the streaming
+        slots allocated; logged."""
         self.resident.clear()
         self.slots.clear()
         self.slot_block = [-1, -1]
@@ -192,11 +211,8 @@ class CudaWeights:
                 f"{self.block_bytes / GIB:.2f} GiB per block, {reserve / GIB:.1f} GiB reserve "
                 "(H3MS_VRAM_RESERVE_GB)"
             )
-        for i in range(k):
-            self.resident.append(self._to_device(i))
         if k < n:
             self.slots = [self._empty_like_block(), self._empty_like_block()]
-        torch.cuda.synchronize(self.device)
         self.n_resident = k
         self.residency = residency
         self.log.info(
@@ -319,10 +335,13 @@ class CudaWeights:
             self.freed[(i - self._n_resident) % 2] = ev
 
     def timer(self) -> dict:
-        """Residency summary and prefetch timings of the step just run."""
+        """Residency summary and prefetch timings of the step just run (``uploaded_blocks``: the
+        resident blocks it uploaded first, 0 when the load had placed them)."""
         copies = self.timer_events.collect()
+        uploads, self.step_uploads = self.step_uploads, 0
         return {
             "resident_blocks": self.n_resident or 0,
+            "uploaded_blocks": uploads,
             "streamed_blocks": len(self.host) - (self.n_resident or 0),
             "block_bytes": self.block_bytes,
             "prefetch_copy_s": copies.get("prefetch", 0.0),
@@ -510,7 +529,8 @@ class CudaExchange(ExchangeBase):
         """Wait for the work queued on the compute and copy streams by polling events: where the
         copies are ordered by CUDA IPC events, the queues wait on peers' events, which a peer that
         died never records, so this wait ends on the pool's abort (``check_abort`` raises) or
-        after ``deadline_s`` (an ``ExchangeTimeout`` naming ``what``)."""
+        after ``deadline_s``; either way as ``WorkerUnusable`` (naming ``what``), since the queue
+        stays stuck."""
         done = []
         for stream in (torch.cuda.current_stream(self.device), self.d2h, self.h2d):
             ev = torch.cuda.Event()
@@ -519,13 +539,20 @@ class CudaExchange(ExchangeBase):
         end = time.monotonic() + deadline_s
         pause = 1e-4
         while not all(ev.query() for ev in done):
-            check_abort()
-            if time.monotonic() > end:
-                raise ExchangeTimeout(
-                    f"rank {self.rank}: {what}: its GPU work did not finish within "
-                    f"{deadline_s:g}s, waiting on a peer's CUDA IPC event; a rank died or "
-                    "stalled - see its worker log"
-                )
+            try:
+                check_abort()
+                if time.monotonic() > end:
+                    raise ExchangeTimeout(
+                        f"rank {self.rank}: {what}: its GPU work did not finish within "
+                        f"{deadline_s:g}s, waiting on a peer's CUDA IPC event; a rank died or "
+                        "stalled - see its worker log"
+                    )
+            except ExchangeError as exc:
+                # the queue still waits on that event: no later step could run on this process
+                raise WorkerUnusable(
+                    f"{exc}; this worker's GPU queue still waits on a peer's CUDA IPC event, so "
+                    "it stops and the pool starts a fresh one"
+                ) from exc
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
 

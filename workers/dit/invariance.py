@@ -28,7 +28,14 @@ import torch
 
 from workers.dit import ops as dit_ops
 from workers.dit import sparse as dit_sparse
-from workers.dit.protocol import LinearOp, OpVerdict, ProbeReport, SparseProbeSettings, Split
+from workers.dit.protocol import (
+    LinearOp,
+    OpVerdict,
+    ProbeReport,
+    ProbeShard,
+    SparseProbeSettings,
+    Split,
+)
 from workers.dit.weights import BlockView
 from workers.transports.arena import piece
 
@@ -213,129 +220,172 @@ class Variant(NamedTuple):
     ranges: Sequence[tuple[int, int]]
 
 
+class _Unsplit(NamedTuple):
+    """A linear's unsplit call, made once for every shard's verdicts: its input, weights and
+    output, the output's digest and the dtype a verdict names."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    quant: dit_ops.QuantInfo
+    full: torch.Tensor
+    digest: str
+    dtype: str
+
+
 def probe_linear(
     pool: RandomPool,
     op: LinearOp,
     rows: int,
-    variants: Sequence[Variant],
+    shards: Sequence[tuple[tuple[int, int], Sequence[Variant]]],
     act: torch.dtype,
-    heads: tuple[int, int],
     total_heads: int,
     head_dim: int,
     clock: Clock,
-) -> list[OpVerdict]:
-    """One linear's unsplit call over ``rows`` rows, made once, against each variant: per token
-    range (``split="tokens"``, or ``"tail"``: a rank's tail pieces), the head group's rows of the
-    fused qkv weight over every row (``"heads"``) or on each token range (``"rows"``: every rank's
+) -> list[list[OpVerdict]]:
+    """One linear's unsplit call over ``rows`` rows, made once, against each shard's variants
+    (``shards``: per rank, its head group and its variants): per token range
+    (``split="tokens"``, or ``"tail"``: a rank's tail pieces), the head group's rows of the fused
+    qkv weight over every row (``"heads"``) or on each token range (``"rows"``: every rank's
     range).  The first verdict's time includes the unsplit call."""
     t0 = clock.start()
     w, scale, bias, quant = _weights(pool, op, act)
     x = pool.view(act, rows, _in_features(op))
     full = dit_ops.linear(x, w, scale, bias, quant=quant, input_act=op.input_act)
-    dig = digest(full)
-    dtype = _linear_dtype(op, act)
-    group: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
-    out: list[OpVerdict] = []
-    for v in variants:
-        exact: list[bool] = []
-        diffs: list[float] = []
-        shards: list[list[int]] = []
-        if v.split in ("tokens", "tail"):
-            for a, b in v.ranges:
-                part = dit_ops.linear(
-                    x[a:b].clone(), w, scale, bias, quant=quant, input_act=op.input_act
-                )
-                ok, d = _compare(full[a:b], part)
-                exact.append(ok)
-                diffs.append(d)
-                shards.append([a, b])
-        elif v.split in ("heads", "rows"):
-            g0, g1 = heads
-            if group is None:  # the group's weight rows and unsplit columns, once for both splits
-                named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever its name
-                if scale is not None:
-                    named["attn.qkv_proj.weight_scale"] = scale
-                w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
-                rows_of = dit_ops.head_rows(g0, g1, total_heads, head_dim)
-                cols = torch.cat([full[:, r.start : r.stop] for r in rows_of], dim=1)
-                group = (w_g, s_g, cols)
-            w_g, s_g, cols = group
-            ranges = [(0, rows)] if v.split == "heads" else list(v.ranges)
-            for a, b in ranges:
-                xs = x if v.split == "heads" else x[a:b].clone()
-                part = dit_ops.linear(xs, w_g, s_g, None, quant=quant)
-                ok, d = _compare(cols[a:b], part)
-                exact.append(ok)
-                diffs.append(d)
-                shards.append([g0, g1] if v.split == "heads" else [a, b])
-        out.append(
-            OpVerdict(
-                v.name,
-                dtype,
-                f"{rows}x{op.out_features}x{op.in_features}",
-                v.split,
-                shards,
-                exact,
-                diffs,
-                dig,
-                clock.ms(t0),
-            )
-        )
-        t0 = clock.start()
+    call = _Unsplit(x, w, scale, bias, quant, full, digest(full), _linear_dtype(op, act))
+    out = []
+    for heads, variants in shards:
+        verdicts = []
+        for v in variants:
+            verdicts.append(_linear_verdict(call, op, heads, v, total_heads, head_dim, clock, t0))
+            t0 = clock.start()
+        out.append(verdicts)
     return out
+
+
+def _linear_verdict(
+    call: _Unsplit,
+    op: LinearOp,
+    heads: tuple[int, int],
+    v: Variant,
+    total_heads: int,
+    head_dim: int,
+    clock: Clock,
+    t0: float,
+) -> OpVerdict:
+    """One variant's verdict from the unsplit ``call`` (its time counted from ``t0``)."""
+    x, w, scale, quant, full = call.x, call.w, call.scale, call.quant, call.full
+    rows = x.shape[0]
+    exact: list[bool] = []
+    diffs: list[float] = []
+    shards: list[list[int]] = []
+    if v.split in ("tokens", "tail"):
+        for a, b in v.ranges:
+            part = dit_ops.linear(
+                x[a:b].clone(), w, scale, call.bias, quant=quant, input_act=op.input_act
+            )
+            ok, d = _compare(full[a:b], part)
+            exact.append(ok)
+            diffs.append(d)
+            shards.append([a, b])
+    elif v.split in ("heads", "rows"):
+        g0, g1 = heads
+        named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever its name
+        if scale is not None:
+            named["attn.qkv_proj.weight_scale"] = scale
+        w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
+        rows_of = dit_ops.head_rows(g0, g1, total_heads, head_dim)
+        cols = torch.cat([full[:, r.start : r.stop] for r in rows_of], dim=1)
+        ranges = [(0, rows)] if v.split == "heads" else list(v.ranges)
+        for a, b in ranges:
+            xs = x if v.split == "heads" else x[a:b].clone()
+            part = dit_ops.linear(xs, w_g, s_g, None, quant=quant)
+            ok, d = _compare(cols[a:b], part)
+            exact.append(ok)
+            diffs.append(d)
+            shards.append([g0, g1] if v.split == "heads" else [a, b])
+    return OpVerdict(
+        v.name,
+        call.dtype,
+        f"{rows}x{op.out_features}x{op.in_features}",
+        v.split,
+        shards,
+        exact,
+        diffs,
+        call.digest,
+        clock.ms(t0),
+    )
 
 
 def probe_attention(
     pool: RandomPool,
     seq: int,
-    variants: Sequence[Variant],
+    shards: Sequence[Sequence[Variant]],
     total_heads: int,
     head_dim: int,
     act: torch.dtype,
     attend: dit_ops.Attend,
     clock: Clock,
-) -> list[OpVerdict]:
+) -> list[list[OpVerdict]]:
     """Attention over all ``seq`` tokens: every head in one call, made once, against each head
-    group of each variant called alone, as a rank lays its q, k, v out (a packed projection of
-    the group's heads only; ``dit_ops.attend_head_piece`` lays a head piece out the same way).
-    The first verdict's time includes the whole call."""
+    group of each shard's variants called alone, as a rank lays its q, k, v out (a packed
+    projection of the group's heads only; ``dit_ops.attend_head_piece`` lays a head piece out the
+    same way).  The first verdict's time includes the whole call."""
     t0 = clock.start()
     qkv = pool.view(act, seq, 3 * total_heads * head_dim)
     full = dit_ops.attend_views(*dit_ops.qkv_views(qkv, total_heads, head_dim), attend)
     dig = digest(full)
-    out: list[OpVerdict] = []
-    for v in variants:
-        exact: list[bool] = []
-        diffs: list[float] = []
-        for g0, g1 in v.ranges:
-            if (g0, g1) == (0, total_heads):
-                continue  # the whole model's heads: the unsplit call itself
-            grp = torch.cat(
-                [
-                    qkv[:, r.start : r.stop]
-                    for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)
-                ],
-                dim=1,
+    per_shard: list[list[OpVerdict]] = []
+    for variants in shards:
+        out: list[OpVerdict] = []
+        for v in variants:
+            out.append(
+                _attention_verdict(qkv, full, dig, v, total_heads, head_dim, act, attend, clock, t0)
             )
-            part = dit_ops.attend_views(*dit_ops.qkv_views(grp, g1 - g0, head_dim), attend)
-            ok, d = _compare(full[:, g0 * head_dim : g1 * head_dim], part)
-            exact.append(ok)
-            diffs.append(d)
-        out.append(
-            OpVerdict(
-                v.name,
-                str(act).split(".")[-1],
-                f"{seq}x{total_heads}x{head_dim}",
-                v.split,
-                [[g0, g1] for g0, g1 in v.ranges],
-                exact,
-                diffs,
-                dig,
-                clock.ms(t0),
-            )
+            t0 = clock.start()
+        per_shard.append(out)
+    return per_shard
+
+
+def _attention_verdict(
+    qkv: torch.Tensor,
+    full: torch.Tensor,
+    dig: str,
+    v: Variant,
+    total_heads: int,
+    head_dim: int,
+    act: torch.dtype,
+    attend: dit_ops.Attend,
+    clock: Clock,
+    t0: float,
+) -> OpVerdict:
+    """One variant's verdict from the all-heads call ``full`` of ``qkv`` (its time counted from
+    ``t0``)."""
+    exact: list[bool] = []
+    diffs: list[float] = []
+    for g0, g1 in v.ranges:
+        if (g0, g1) == (0, total_heads):
+            continue  # the whole model's heads: the unsplit call itself
+        grp = torch.cat(
+            [qkv[:, r.start : r.stop] for r in dit_ops.head_rows(g0, g1, total_heads, head_dim)],
+            dim=1,
         )
-        t0 = clock.start()
-    return out
+        part = dit_ops.attend_views(*dit_ops.qkv_views(grp, g1 - g0, head_dim), attend)
+        ok, d = _compare(full[:, g0 * head_dim : g1 * head_dim], part)
+        exact.append(ok)
+        diffs.append(d)
+    return OpVerdict(
+        v.name,
+        str(act).split(".")[-1],
+        f"{qkv.shape[0]}x{total_heads}x{head_dim}",
+        v.split,
+        [[g0, g1] for g0, g1 in v.ranges],
+        exact,
+        diffs,
+        dig,
+        clock.ms(t0),
+    )
 
 
 def probe_sparse(
@@ -438,8 +488,7 @@ def run_probe(
     ops: Sequence[LinearOp],
     *,
     tokens: int,
-    candidates: Sequence[tuple[int, int]],
-    heads: tuple[int, int],
+    shards: Sequence[ProbeShard],
     total_heads: int,
     head_dim: int,
     dtype: torch.dtype,
@@ -449,52 +498,62 @@ def run_probe(
     gather_ranges: Sequence[tuple[int, int]] = (),
     eps: float = 1e-5,
     sparse: SparseProbeSettings | None = None,
-    tail_ranges: Sequence[tuple[int, int]] = (),
-) -> ProbeReport:
-    """Probe every op of ``ops`` and attention on ``device`` (see the module docstring).
+) -> list[ProbeReport]:
+    """Probe every op of ``ops`` and attention on ``device`` for each shard (see the module
+    docstring); one report per shard, in order.
 
-    ``candidates``: this rank's token range in each candidate plan; ``heads``: its head group of
-    ``total_heads``; ``pieces`` > 1:
-    also the group's head pieces against the whole call (op ``attention.pieces``);
-    ``gather_ranges``: also the group's qkv rows on each of these token ranges (every rank's)
-    against the unsplit call (op ``attn.qkv_proj.rows``); ``sparse`` (``dit_probe``'s settings):
-    also sparse attention as the rank runs it, with the blocks' epsilon ``eps``
-    (:func:`probe_sparse`); ``tail_ranges``: also the tail's linears on each of these token ranges
-    (this rank's row pieces of ``gather_ahead``, ops ``<linear>.tail``).  Each op's unsplit call
-    is made once for all the verdicts taken from it.  Runs under inference mode and
-    :func:`workers.dit.ops.probing`; the random buffers go when it returns.
+    A shard's ``candidates``: its rank's token range in each candidate plan; ``heads``: its head
+    group of ``total_heads``; ``tail_ranges``: also the tail's linears on each of these token
+    ranges (the rank's row pieces of ``gather_ahead``, ops ``<linear>.tail``).  ``pieces`` > 1:
+    also each group's head pieces against the whole call (op ``attention.pieces``);
+    ``gather_ranges``: also each group's qkv rows on each of these token ranges (every rank's)
+    against the unsplit call (op ``attn.qkv_proj.rows``); ``sparse`` (``dit_probe``'s settings,
+    one shard only): also sparse attention as the rank runs it, with the blocks' epsilon ``eps``
+    (:func:`probe_sparse`).  Each op's unsplit call is made once for all the verdicts of every
+    shard taken from it.  Runs under inference mode and :func:`workers.dit.ops.probing`; the
+    random buffers go when it returns.  Every report's ``ms`` is the whole probe's.
     """
+    if sparse is not None and len(shards) != 1:
+        raise ValueError(f"a sparse probe takes one shard, got {len(shards)}")
     clock = Clock(device)
-    report = ProbeReport(fingerprint=fingerprint(device))
+    reports = [ProbeReport(fingerprint=fingerprint(device)) for _ in shards]
     pool = RandomPool(device)
     t0 = clock.start()
     with torch.inference_mode(), dit_ops.probing():
         for op in ops:
-            variants = [Variant(op.name, op.split, candidates)]
-            if gather_ranges and op.name == "attn.qkv_proj":
-                variants.append(Variant("attn.qkv_proj.rows", "rows", gather_ranges))
-            if tail_ranges and op.name in TAIL_LINEARS:
-                variants.append(Variant(f"{op.name}.tail", "tail", tail_ranges))
-            report.ops += probe_linear(
-                pool, op, tokens, variants, dtype, heads, total_heads, head_dim, clock
-            )
-        groups = [Variant("attention", "heads", [heads])]
-        if pieces > 1:
-            g0, g1 = heads
-            bounds = (piece(g1 - g0, pieces, j) for j in range(pieces))
-            parts = [(g0 + a, g0 + b) for a, b in bounds if b > a]
-            groups.append(Variant("attention.pieces", "pieces", parts))
-        report.ops += probe_attention(
-            pool, tokens, groups, total_heads, head_dim, dtype, attend, clock
-        )
+            asked = []
+            for sh in shards:
+                variants = [Variant(op.name, op.split, sh.candidates)]
+                if gather_ranges and op.name == "attn.qkv_proj":
+                    variants.append(Variant("attn.qkv_proj.rows", "rows", gather_ranges))
+                if sh.tail_ranges and op.name in TAIL_LINEARS:
+                    variants.append(Variant(f"{op.name}.tail", "tail", sh.tail_ranges))
+                asked.append((sh.heads, variants))
+            got = probe_linear(pool, op, tokens, asked, dtype, total_heads, head_dim, clock)
+            for rep, verdicts in zip(reports, got):
+                rep.ops += verdicts
+        groups = []
+        for sh in shards:
+            g0, g1 = sh.heads
+            mine = [Variant("attention", "heads", [(g0, g1)])]
+            if pieces > 1:
+                bounds = (piece(g1 - g0, pieces, j) for j in range(pieces))
+                parts = [(g0 + a, g0 + b) for a, b in bounds if b > a]
+                mine.append(Variant("attention.pieces", "pieces", parts))
+            groups.append(mine)
+        got = probe_attention(pool, tokens, groups, total_heads, head_dim, dtype, attend, clock)
+        for rep, verdicts in zip(reports, got):
+            rep.ops += verdicts
         if sparse:
             qkv = next(op for op in ops if op.name == "attn.qkv_proj")
-            report.ops += probe_sparse(
-                pool, qkv, tokens, heads, total_heads, head_dim, dtype, eps, sparse, clock
+            reports[0].ops += probe_sparse(
+                pool, qkv, tokens, shards[0].heads, total_heads, head_dim, dtype, eps, sparse, clock
             )
-    report.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
-    report.ms = clock.ms(t0)
-    return report
+    ms = clock.ms(t0)
+    for rep in reports:
+        rep.ops.sort(key=lambda v: OP_ORDER.index(v.op) if v.op in OP_ORDER else len(OP_ORDER))
+        rep.ms = ms
+    return reports
 
 
 def block_ops(

@@ -18,6 +18,10 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
                 the load is sent while the store fills and takes block i in once the word passed
                 i; it fails when the word says the fill failed, or when no new block is complete
                 within deadline_s
+    residency, tokens  (optional) the first step's residency and [tokens, this rank's tokens]: a
+                CUDA rank decides with them which blocks stay in VRAM (as ``dit_step`` would) and
+                uploads each of those as soon as the store has it, so the first step starts with
+                them in place
     -> DitLoaded: the rank's device (as ``dit_describe``), when it took its first and last block in
 
 ``dit_describe`` the rank's device as the plan probe keys its verdicts: fingerprint, SM count, why
@@ -69,17 +73,19 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
 ``dit_sparse_reset`` drop the pooled sparse-attention statistics (sampling ended).
     -> Dropped {dropped}: how many pooled entries went
 
-``dit_probe``   measure on this rank's device whether its shards give the unsplit call's bits
+``dit_probe``   measure on this rank's device whether shards give the unsplit call's bits
                 (``workers.dit.invariance``): each linear of ``ops`` over ``tokens`` rows against
-                each of ``candidates`` (this rank's token range in each candidate plan), the qkv
+                each shard's ``candidates`` (a rank's token range in each candidate plan), the qkv
                 projection and attention for its head group ``heads``; random data of the real
                 shapes, in ``model``'s compute dtype, with its attention function (warmed up as
-                ``dit_load`` does): no weights, so it runs while the store fills
+                ``dit_load`` does): no weights, so it runs while the store fills.  ``shards``: this
+                rank's first, then the other ranks on the same GPU (each unsplit call is made once
+                for all of them; logical ranks of one GPU would otherwise each make it)
     sparse      None (no sparse attention), or :class:`SparseProbeSettings`
                 (``workers.dit.sparse.probe_wire``): also the group's qkv projection in the
                 kernel's row chunks and the sparse kernel over the group, from fresh and from
-                pooled statistics, against the same calls over every head
-    -> ProbeReport: the rank's fingerprint and one verdict per op
+                pooled statistics, against the same calls over every head (one shard only)
+    -> ProbeReports: per shard, the device's fingerprint and one verdict per op
 
 ``dit_refresh`` the weight store this rank loaded was rewritten in place (a weight-patch change,
                 ``h3ms_async.runtime.weight_store.WeightStore.rewrite``; no step runs meanwhile):
@@ -212,6 +218,10 @@ class DitLoad(Request, tag="dit_load"):
     deadline_s: float
     #: the heads whose qkv rows the rank holds: its own group (None) or every head (Ulysses)
     qkv_heads: tuple[int, int] | None = None
+    #: the step about to run, when the caller knows it: its residency and [tokens, this rank's
+    #: tokens]; a CUDA rank then places its resident blocks in VRAM as the store fills
+    residency: Residency | None = None
+    tokens: tuple[int, int] | None = None
     PLAIN: ClassVar[tuple[str, ...]] = ("config",)
     ANSWER: ClassVar[type[Answer]] = DitLoaded
 
@@ -220,6 +230,11 @@ class DitLoad(Request, tag="dit_load"):
         fill_progress.check_desc(self.progress, self.store)
         if not self.deadline_s > 0:
             raise ProtocolError(f"dit_load deadline_s must be > 0, got {self.deadline_s}")
+        if self.tokens is not None and not 0 <= self.tokens[1] <= self.tokens[0]:
+            raise ProtocolError(
+                f"dit_load tokens must be [tokens, this rank's tokens <= tokens], got "
+                f"{list(self.tokens)}"
+            )
 
 
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -492,17 +507,39 @@ class ProbeModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention: str
 
 
+class ProbeShard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One rank's part of a probe: its token range in each candidate plan, its head group and its
+    tail's row pieces (``gather_ahead``)."""
+
+    candidates: list[tuple[int, int]]
+    heads: tuple[int, int]
+    tail_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
+
+
+class ProbeReports(Answer):
+    """What ``dit_probe`` answers: one report per shard asked for, in order."""
+
+    reports: list[ProbeReport]
+
+
 class DitProbe(Request, tag="dit_probe"):
     ops: list[LinearOp]
     model: ProbeModel
     tokens: int
-    candidates: list[tuple[int, int]]
-    heads: tuple[int, int]
+    shards: list[ProbeShard]
     pieces: int = 0
     gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     sparse: SparseProbeSettings | None = None
-    tail_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
-    ANSWER: ClassVar[type[Answer]] = ProbeReport
+    ANSWER: ClassVar[type[Answer]] = ProbeReports
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.shards:
+            raise ProtocolError("dit_probe needs at least one shard (this rank's)")
+        if self.sparse is not None and len(self.shards) > 1:
+            raise ProtocolError(
+                "dit_probe with sparse settings probes one shard: each rank probes its own"
+            )
 
 
 class DitRelease(Request, tag="dit_release"):

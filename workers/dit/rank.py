@@ -269,20 +269,20 @@ async def _dit_refresh(
 
 
 @handler(dit_protocol.DitProbe)
-async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReport:
-    """Measure this rank's shards against the unsplit calls on its own device
-    (``workers.dit.invariance``), in the model's compute dtype and with its attention function
-    (and the sparse kernel with the settings ``msg.sparse`` names); no weights needed."""
+async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_protocol.ProbeReports:
+    """Measure the shards (this rank's, and those of the ranks on its GPU) against the unsplit
+    calls on this rank's device (``workers.dit.invariance``), in the model's compute dtype and
+    with its attention function (and the sparse kernel with the settings ``msg.sparse`` names); no
+    weights needed."""
     model = msg.model
     dtype = getattr(torch, model.compute_dtype)
     attend = await _warm(ctx, model.attention, dtype)
-    report = await ctx.run_compute(
+    reports = await ctx.run_compute(
         functools.partial(
             invariance.run_probe,
             msg.ops,
             tokens=int(msg.tokens),
-            candidates=[(int(a), int(b)) for a, b in msg.candidates],
-            heads=(int(msg.heads[0]), int(msg.heads[1])),
+            shards=msg.shards,
             total_heads=int(model.heads),
             head_dim=int(model.head_dim),
             dtype=dtype,
@@ -292,13 +292,12 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
             gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
             eps=float(model.eps),
             sparse=msg.sparse or None,
-            tail_ranges=[(int(a), int(b)) for a, b in msg.tail_ranges],
         )
     )
     if ctx.device.startswith("cuda"):
         # the probe's random buffers and products are not the steps' working set
         torch.cuda.empty_cache()
-    return report
+    return dit_protocol.ProbeReports(reports=reports)
 
 
 def _sm_count(ctx: WorkerContext) -> int | None:

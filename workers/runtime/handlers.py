@@ -4,8 +4,8 @@ A handler is ``async def fn(ctx: WorkerContext, msg: Kind) -> Kind.ANSWER`` regi
 ``@handler(Kind)`` for a request struct ``Kind`` (a :class:`workers.runtime.protocol.Request`
 subclass); it receives the decoded, validated message, the returned answer struct (of the kind's
 ``ANSWER``) is the ``r`` of the ``ok`` answer, an exception becomes an ``err`` answer carrying its
-traceback. Blocking work goes through ``ctx.run_compute`` so the worker's loop keeps answering
-(heartbeats, aborts) while it runs.
+traceback (a :class:`WorkerUnusable` also ends the worker). Blocking work goes through
+``ctx.run_compute`` so the worker's loop keeps answering (heartbeats, aborts) while it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ from typing import Any, TypeVar
 
 from workers.runtime import protocol
 from workers.runtime.shm import ABORT_WORD, Segment, owner_holds, register_cuda
+
+
+class WorkerUnusable(RuntimeError):
+    """A handler's failure after which this process must not serve again (its GPU queue still
+    waits on an event of a peer that died): the worker answers the error, then closes its channel,
+    so the pool sees it gone and starts a fresh one for the next job."""
+
 
 Handler = Callable[["WorkerContext", Any], Awaitable[protocol.Answer]]
 #: request struct -> handler coroutine function.

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from workers.runtime.handlers import WorkerContext, handler
+from workers.runtime.handlers import WorkerContext, WorkerUnusable, handler
 from workers.runtime.protocol import Done
 from workers.testing import protocol as test_protocol
 
@@ -54,6 +54,8 @@ async def _crash(ctx: WorkerContext, msg: test_protocol.Crash) -> Done:
         h.flush()
     if how == "exit":
         os._exit(int(msg.code))
+    if how == "unusable":
+        raise WorkerUnusable("test hook: this worker's GPU queue waits on a dead peer")
     os.kill(os.getpid(), signal.SIGKILL)
     return Done()
 

@@ -21,9 +21,10 @@ class Sleep(Request, tag="sleep"):
 
 
 class Crash(Request, tag="crash"):
-    """Die at once: SIGKILL (``kill``) or ``os._exit(code)`` (``exit``)."""
+    """Die at once: SIGKILL (``kill``) or ``os._exit(code)`` (``exit``); or fail as a worker that
+    must not serve again (``unusable``: ``WorkerUnusable``, answered, then the worker ends)."""
 
-    how: Literal["kill", "exit"] = "kill"
+    how: Literal["kill", "exit", "unusable"] = "kill"
     code: int = 3
 
 

@@ -195,7 +195,12 @@ class IpcBuffers:
     def events(self, device: torch.device, count: int) -> list[Any]:
         """``count`` new events on ``device`` that other processes can wait on."""
         with torch.cuda.device(device):
-            return [torch.cuda.Event(interprocess=True) for _ in range(count)]
+            events = [torch.cuda.Event(interprocess=True) for _ in range(count)]
+            for ev in events:
+                # PyTorch creates an event at its first record (or handle) on the current device:
+                # here, so each lives on ``device`` before its handle is taken
+                ev.record()
+        return events
 
     def share_events(self, events: Sequence[Any]) -> bytes:
         """One payload with the handles of ``events`` (for every opener)."""

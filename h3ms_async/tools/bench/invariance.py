@@ -14,8 +14,10 @@ Prints one JSON object (also to ``--out``):
 * ``engine``: what the split engine now does with a 2-rank plan whose first rank gets ``n`` rows
   (exact, adjusted to which shard sizes, or unsplit), from the same measurements and the engine's
   own candidate order;
-* ``probe_cost``: the probe's one-time cost for a 2-rank plan at full width (what each rank runs
-  before a new plan) against one unsplit block, times the layers = one step.
+* ``probe_cost``: the probe's one-time cost for a 2-rank plan at full width against one unsplit
+  block, times the layers = one step: one rank's own shard (``probe_ms``: what each of two ranks
+  on their own GPUs runs, at once) and both ranks' shards in one probe (``two_ranks_one_gpu_ms``:
+  what two logical ranks of one GPU run, each unsplit call made once).
 
 The calls are the rank's (``workers.dit.invariance`` over ``workers.dit.ops``). ``--tiny`` is the
 CPU smoke variant.
@@ -36,7 +38,7 @@ from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs
 from h3ms_async.tools.cli import ArgParser, UsageError
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
-from workers.dit.protocol import LinearOp
+from workers.dit.protocol import LinearOp, ProbeReport, ProbeShard
 
 H3 = DiTConfig(layers=50)
 PRODUCTS = (9355, 78491)
@@ -161,13 +163,12 @@ def _measure(
     with torch.inference_mode():
         for op in h3_ops(cfg, kind):
             # qkv is head-split in the engine; its rows are measured too, for the table only
-            [v] = invariance.probe_linear(
+            [[v]] = invariance.probe_linear(
                 pool,
                 op,
                 m,
-                [invariance.Variant(op.name, "tokens", shards)],
+                [((0, cfg.heads), [invariance.Variant(op.name, "tokens", shards)])],
                 torch.bfloat16,
-                (0, cfg.heads),
                 cfg.heads,
                 cfg.head_dim,
                 clock,
@@ -203,10 +204,10 @@ def attention_table(
     attend = dit_ops.builtin_attend(kernel)
     clock = invariance.Clock(device)
     with torch.inference_mode():
-        [v] = invariance.probe_attention(
+        [[v]] = invariance.probe_attention(
             pool,
             seq,
-            [invariance.Variant("attention", "heads", [(0, g) for g in range(1, cfg.heads)])],
+            [[invariance.Variant("attention", "heads", [(0, g) for g in range(1, cfg.heads)])]],
             cfg.heads,
             cfg.head_dim,
             torch.bfloat16,
@@ -227,8 +228,8 @@ def attention_table(
 
 
 def probe_cost(cfg: DiTConfig, kind: str, m: int, device: torch.device) -> dict:
-    """The probe a rank runs before a new 2-rank plan, against one unsplit block of the reference
-    model."""
+    """The probe before a new 2-rank plan (one rank's shard, and both ranks' in one probe), against
+    one unsplit block of the reference model."""
     model = ReferenceDiT(
         dataclasses.replace(cfg, layers=1),
         weights="int8" if kind != "bf16" else "bf16",
@@ -248,28 +249,35 @@ def probe_cost(cfg: DiTConfig, kind: str, m: int, device: torch.device) -> dict:
         model.forward_blocks(args[0].clone(), *args[1:])
         block_ms.append(clock.ms(t))
     seq = args[0].shape[0]
-    half = seq // 2
-    rep = invariance.run_probe(
-        h3_ops(cfg, kind),
-        tokens=seq,
-        candidates=[(0, half)],
-        heads=(0, cfg.heads // 2),
-        total_heads=cfg.heads,
-        head_dim=cfg.head_dim,
-        dtype=model.dtype,
-        attend=dit_ops.builtin_attend("sdpa"),
-        device=device,
-    )
+    half, h = seq // 2, cfg.heads // 2
+    shards = [ProbeShard([(0, half)], (0, h)), ProbeShard([(half, seq)], (h, cfg.heads))]
+
+    def probe(asked: list[ProbeShard]) -> list[ProbeReport]:
+        return invariance.run_probe(
+            h3_ops(cfg, kind),
+            tokens=seq,
+            shards=asked,
+            total_heads=cfg.heads,
+            head_dim=cfg.head_dim,
+            dtype=model.dtype,
+            attend=dit_ops.builtin_attend("sdpa"),
+            device=device,
+        )
+
+    rep = probe(shards[:1])[0]
+    both = probe(shards)[0]
     step_ms = block_ms[-1] * cfg.layers
     return {
         "weights": kind,
         "tokens": seq,
         "probe_ms": rep.ms,
         "per_op_ms": {v.op: v.ms for v in rep.ops},
+        "two_ranks_one_gpu_ms": both.ms,
         "block_ms": block_ms[-1],
         "layers": cfg.layers,
         "step_ms_est": step_ms,
         "fraction_of_step": rep.ms / step_ms,
+        "two_ranks_one_gpu_fraction_of_step": both.ms / step_ms,
     }
 
 
