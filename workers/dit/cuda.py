@@ -26,6 +26,7 @@ so a rank never signals progress while one of its reads of an arena region is st
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -40,7 +41,6 @@ from workers.runtime import config
 from workers.runtime.handlers import WorkerContext, WorkerUnusable
 from workers.transports.exchange import (
     ExchangeBase,
-    ExchangeError,
     ExchangeTimeout,
     ProduceFn,
     RowsFn,
@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 _T = TypeVar("_T")
+#: Ops a rank's host may run ahead of its GPU where the copies are ordered by CUDA IPC events:
+#: enough to keep the GPU's queue full across an exchange, few enough that an abort stops a step
+#: within about a block and that a failed step's queued work drains as fast.
+AHEAD_OPS = 2
 
 
 def _queued() -> None:
@@ -373,6 +377,7 @@ class CudaExchange(ExchangeBase):
         self.timer = StreamTimer()
         self.clock = CudaBlockClock(device)
         self._reads: torch.cuda.Event | None = None
+        self._started: collections.deque[torch.cuda.Event] = collections.deque()
         self.compute_wait_s = 0.0
         self.sync_s = 0.0
 
@@ -455,6 +460,15 @@ class CudaExchange(ExchangeBase):
             ev.synchronize()  # the op's input is computed: from here on the rank only moves data
             if self._reads is not None:
                 self._reads.synchronize()  # the previous op's H2D reads of the arena are complete
+        else:
+            self._started.append(ev)
+            if len(self._started) > AHEAD_OPS:
+                inner = self._inner
+                assert isinstance(inner, HostExchange)  # events: the GPU-direct exchange
+                oldest = self._started.popleft()
+                self._await(
+                    [oldest], inner.deadline_s, f"{AHEAD_OPS} ops ahead of its GPU", aborts=True
+                )
         self.compute_wait_s += time.perf_counter() - t
         self.d2h.wait_stream(cur)
         self.h2d.wait_stream(cur)
@@ -488,6 +502,7 @@ class CudaExchange(ExchangeBase):
         return out
 
     def begin(self, abort_generation: int) -> None:
+        self._started.clear()
         self._inner.begin(abort_generation)
 
     def _all_gather_rows(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
@@ -525,34 +540,40 @@ class CudaExchange(ExchangeBase):
 
         return self._moved(lambda cur: self._inner.all_gather_rows_produced(timed, n, out=out))
 
-    def drain(self, deadline_s: float, check_abort: Callable[[], None], what: str) -> None:
-        """Wait for the work queued on the compute and copy streams by polling events: where the
-        copies are ordered by CUDA IPC events, the queues wait on peers' events, which a peer that
-        died never records, so this wait ends on the pool's abort (``check_abort`` raises) or
-        after ``deadline_s``; either way as ``WorkerUnusable`` (naming ``what``), since the queue
-        stays stuck."""
+    def drain(self, deadline_s: float, what: str) -> None:
+        """Wait for the work queued on the compute and copy streams, polling events: where the
+        copies are ordered by CUDA IPC events the queues may wait on an event of a peer that died,
+        which never comes, so past ``deadline_s`` the worker must not serve again
+        (``WorkerUnusable``, naming ``what``).  An abort does not end it: queued work runs on."""
         done = []
         for stream in (torch.cuda.current_stream(self.device), self.d2h, self.h2d):
             ev = torch.cuda.Event()
             ev.record(stream)
             done.append(ev)
+        try:
+            self._await(done, deadline_s, what, aborts=False)
+        except ExchangeTimeout as exc:
+            raise WorkerUnusable(
+                f"{exc}; its GPU queue still waits on a peer's CUDA IPC event, so this worker "
+                "stops and the pool starts a fresh one"
+            ) from exc
+
+    def _await(
+        self, events: Sequence[torch.cuda.Event], deadline_s: float, what: str, aborts: bool
+    ) -> None:
+        """Poll ``events`` until done: ``ExchangeTimeout`` after ``deadline_s``, and with
+        ``aborts`` ``ExchangeAborted`` once the pool aborted the job."""
         end = time.monotonic() + deadline_s
         pause = 1e-4
-        while not all(ev.query() for ev in done):
-            try:
-                check_abort()
-                if time.monotonic() > end:
-                    raise ExchangeTimeout(
-                        f"rank {self.rank}: {what}: its GPU work did not finish within "
-                        f"{deadline_s:g}s, waiting on a peer's CUDA IPC event; a rank died or "
-                        "stalled - see its worker log"
-                    )
-            except ExchangeError as exc:
-                # the queue still waits on that event: no later step could run on this process
-                raise WorkerUnusable(
-                    f"{exc}; this worker's GPU queue still waits on a peer's CUDA IPC event, so "
-                    "it stops and the pool starts a fresh one"
-                ) from exc
+        while not all(ev.query() for ev in events):
+            if aborts:
+                self._inner.check_abort(what)
+            if time.monotonic() > end:
+                raise ExchangeTimeout(
+                    f"rank {self.rank}: {what}: the GPU did not get there within "
+                    f"{deadline_s:g}s, waiting on a peer's CUDA IPC event; a rank died or stalled "
+                    "- see its worker log"
+                )
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
 

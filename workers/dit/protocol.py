@@ -175,7 +175,8 @@ class IpcSync(enum.StrEnum):
 
     #: each chunk's copy and each op's reads waited for on the host
     HOST = "host"
-    #: CUDA IPC events between the ranks' copy streams; the host never waits for the GPU in a step
+    #: CUDA IPC events between the ranks' copy streams; the host only keeps within a few ops of
+    #: the GPU
     EVENTS = "events"
 
 

@@ -489,17 +489,11 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         if ctx.abort_generation() != gen:
             raise ExchangeAborted(f"rank {ctx.rank}: step {msg.job} aborted before block {i}")
 
+    # with events the host runs ahead of its GPU: the step's end (and a failed step) waits for it
+    drain = ex.drain if isinstance(ex, CudaExchange) and not ex.synced else None
     if isinstance(ex, CudaExchange):
-        # with events the host is blocks ahead of its GPU, so the step's end is where it waits
         ex.clock.before_read = (
-            None
-            if ex.synced
-            else functools.partial(
-                ex.drain,
-                msg.deadline_s * max(1, b1 - b0),
-                functools.partial(check_abort, b1),
-                f"step {msg.job}",
-            )
+            None if drain is None else functools.partial(drain, msg.deadline_s, f"step {msg.job}")
         )
 
     digests: dict[str, str] = {}
@@ -511,29 +505,34 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         dit_sparse.sparse_step(msg.sparse, st.pooled, w.heads, msg.segments) if msg.sparse else None
     )
     setup_s = time.perf_counter() - t_start
-    per_block = run_blocks(
-        x_rows,
-        BlockInputs(mod, segs, rope),
-        RankBlocks(
-            w.provider,
-            ex,
-            g1 - g0,
-            int(cfg["head_dim"]),
-            float(cfg["eps"]),
-            _attend(cfg["attention"]),
-            _clock(ex, device),
-        ),
-        range(b0, b1),
-        LoopPaths(
-            int(msg.chunks),
-            int(msg.head_pieces),
-            bool(msg.gather_overlap),
-            msg.pattern,
-            sparse,
-            gather_ahead=_gather_ahead(msg),
-        ),
-        LoopHooks(before_block=check_abort, trace=trace if msg.trace else None),
-    )
+    try:
+        per_block = run_blocks(
+            x_rows,
+            BlockInputs(mod, segs, rope),
+            RankBlocks(
+                w.provider,
+                ex,
+                g1 - g0,
+                int(cfg["head_dim"]),
+                float(cfg["eps"]),
+                _attend(cfg["attention"]),
+                _clock(ex, device),
+            ),
+            range(b0, b1),
+            LoopPaths(
+                int(msg.chunks),
+                int(msg.head_pieces),
+                bool(msg.gather_overlap),
+                msg.pattern,
+                sparse,
+                gather_ahead=_gather_ahead(msg),
+            ),
+            LoopHooks(before_block=check_abort, trace=trace if msg.trace else None),
+        )
+    except Exception:
+        if drain is not None:
+            drain(msg.deadline_s, f"step {msg.job} after it failed")
+        raise
     t_tail = time.perf_counter()
     if cuda:
         x_full[t0:t1].copy_(x_rows)

@@ -20,7 +20,8 @@ Two orderings (:class:`~workers.dit.protocol.IpcSync`) give them.  *Host*: every
 synchronised on the host before it is published, and every op's reads before the next op starts,
 so the host waits for the GPU inside each op and the GPU's queue runs dry at every exchange.
 *Events* (``event_streams`` given: the write and read streams of ``workers.dit.cuda.CudaExchange``):
-the host never waits for the GPU; CUDA IPC events carry the two facts from stream to stream.  Rank
+the host waits for the GPU only to bound how far it runs ahead (``workers.dit.cuda.AHEAD_OPS``);
+CUDA IPC events carry the two facts from stream to stream.  Rank
 p records a *send event* on its write stream once a chunk's copies are queued, before it publishes
 the chunk (a produced piece's right after its copies, before the next piece's, which wait for more
 compute).  The events form a ring of :data:`RING` per rank: the k-th chunk p publishes in a job is

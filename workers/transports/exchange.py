@@ -415,7 +415,7 @@ class JobExchange(ExchangeBase):
         """Start a job under ``abort_generation`` (the control word's value when the job was
         submitted)."""
         self._gen = int(abort_generation)
-        self._check_abort("begin")
+        self.check_abort("begin")
 
     def _begin_op(self, kind: int, n: int) -> None:
         if self._gen is None:
@@ -423,9 +423,10 @@ class JobExchange(ExchangeBase):
                 f"rank {self.rank}: call begin(abort_generation) before the first exchange of a job"
             )
         self._stats["ops"] += 1
-        self._check_abort("start")
+        self.check_abort("start")
 
-    def _check_abort(self, where: str) -> None:
+    def check_abort(self, where: str) -> None:
+        """Raise :class:`ExchangeAborted` (naming ``where``) once the pool aborted the job."""
         if self._ctl is not None and int(self._ctl[0]) != self._gen:
             raise ExchangeAborted(
                 f"rank {self.rank}: exchange aborted during {where} (abort generation "

@@ -587,7 +587,7 @@ class HostExchange(JobExchange):
             if progressed:
                 continue
             t = time.perf_counter()
-            self._check_abort(what.format(pending))
+            self.check_abort(what.format(pending))
             self._check_faults()
             if self.spin_s and self._spin(pending, ready):
                 self._stats["spin_hits"] += 1
