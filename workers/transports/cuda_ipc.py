@@ -372,16 +372,17 @@ class CudaIpcExchange(HostExchange):
             # the guard above saw every peer publish past the buffer's last use, so each has
             # recorded its read event for that use
             need = stamp(self._job, max(self._last_use[BUFFER[kind]], 0))
-            ev = EVENTS - len(READ_BUFFERS) + READ_BUFFERS.index(BUFFER[kind])
+            ev = RING + READ_BUFFERS.index(BUFFER[kind])
             for p in self._peers:
-                self.buffers.wait(self._peer_events(p)[ev], self._streams[0], need)
+                self.buffers.wait(self._events_of(p)[ev], self._streams[0], need)
 
     def begin(self, abort_generation: int) -> None:
         super().begin(abort_generation)
         self._sent = 0
 
     # -- event ordering ------------------------------------------------------------------------
-    def _peer_events(self, p: int) -> list[Any]:
+    def _events_of(self, p: int) -> list[Any]:
+        """Rank p's events (this rank's own, or a peer's as opened): send ring, then read events."""
         events = self._events[p]
         if events is None:
             raise RuntimeError(f"rank {self.rank}: rank {p}'s events are not open yet")
@@ -400,7 +401,7 @@ class CudaIpcExchange(HostExchange):
         copies start: the next piece's copies, queued before j is published, wait for its
         compute)."""
         if self._streams is not None and j >= self._recorded:
-            ring = self._peer_events(self.rank)
+            ring = self._events_of(self.rank)
             slot = ring[(self._op_base + j) % RING]
             self.buffers.record(slot, self._streams[0], stamp(self._job, self._op, j + 1))
             self._recorded = j + 1
@@ -413,14 +414,14 @@ class CudaIpcExchange(HostExchange):
         need = stamp(self._job, self._op, j + 1)
 
         def ordered(p: int, jj: int) -> None:
-            self.buffers.wait(self._peer_events(p)[slot], read, need)
+            self.buffers.wait(self._events_of(p)[slot], read, need)
             take(p, jj)
 
         super()._consume(kind, n_chunks, j, ordered)
 
     def _reads_done(self, buffers: Sequence[str]) -> None:
         if self._streams is not None:
-            mine = self._peer_events(self.rank)
+            mine = self._events_of(self.rank)
             for name in buffers:
                 ev = mine[RING + READ_BUFFERS.index(name)]
                 self.buffers.record(ev, self._streams[1], stamp(self._job, max(self._op, 0)))
@@ -443,7 +444,9 @@ class CudaIpcExchange(HostExchange):
         return buf.q[r][a - buf.t0 : b - buf.t0]
 
     def close(self) -> None:
-        """Drop the peers' buffers (each gives its reference back) and this rank's own."""
+        """Drop the peers' buffers and events (each gives its reference back) and this rank's
+        own."""
         super().close()
         self._bufs = [None] * self.world
+        self._events = [None] * self.world
         self.buffers.close()
