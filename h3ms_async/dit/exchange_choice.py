@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -44,14 +44,22 @@ class ExchangeRefused(ValueError):
     """The ``exchange`` setting cannot run on these rank devices (the message names the fix)."""
 
 
-def parse(raw: str) -> Setting:
-    """An exchange setting as a user writes it."""
+_E = TypeVar("_E", Transport, IpcSync)
+
+
+def _parse(raw: str, kind: type[_E], name: str, choices: tuple[str, ...]) -> _E | Literal["auto"]:
+    """Setting ``name`` as a user writes it: ``auto`` or a value of ``kind``."""
     if raw == AUTO:
         return AUTO
     try:
-        return Transport(raw)
+        return kind(raw)
     except ValueError:
-        raise ValueError(f"exchange={raw!r} is not one of {EXCHANGES}") from None
+        raise ValueError(f"{name}={raw!r} is not one of {choices}") from None
+
+
+def parse(raw: str) -> Setting:
+    """An exchange setting as a user writes it."""
+    return _parse(raw, Transport, "exchange", EXCHANGES)
 
 
 def _gpus(devices: Sequence[str]) -> list[str]:
@@ -150,12 +158,7 @@ def also_visible(transport: Transport, devices: Sequence[str]) -> tuple[str, ...
 
 def parse_sync(raw: str) -> SyncSetting:
     """An ``ipc_sync`` setting as a user writes it."""
-    if raw == AUTO:
-        return AUTO
-    try:
-        return IpcSync(raw)
-    except ValueError:
-        raise ValueError(f"ipc_sync={raw!r} is not one of {IPC_SYNCS}") from None
+    return _parse(raw, IpcSync, "ipc_sync", IPC_SYNCS)
 
 
 def resolve_sync(setting: SyncSetting, transport: Transport, devices: Sequence[str]) -> IpcSync:
