@@ -30,7 +30,7 @@ from workers.dit.protocol import IpcSync, Transport
 from workers.dit.weights import CpuWeights, WeightProvider
 from workers.runtime import comfy_host, config
 from workers.runtime.fill_progress import FillProgress
-from workers.runtime.handlers import WorkerContext, handler, on_release
+from workers.runtime.handlers import WorkerContext, WorkerUnusable, handler, on_release
 from workers.runtime.protocol import Dropped, Released, TensorDesc
 from workers.transports.arena import ArenaLayout
 from workers.transports.cuda_ipc import CudaIpcExchange
@@ -529,8 +529,8 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
             ),
             LoopHooks(before_block=check_abort, trace=trace if msg.trace else None),
         )
-    except Exception:
-        if drain is not None:
+    except Exception as exc:
+        if drain is not None and not isinstance(exc, WorkerUnusable):
             drain(msg.deadline_s, f"step {msg.job} after it failed")
         raise
     t_tail = time.perf_counter()
