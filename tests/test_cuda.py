@@ -315,3 +315,47 @@ def test_resident_blocks_are_placed_at_the_load(full_int8):
             assert [w["uploaded_blocks"] for w in weights] == ([0, 0] if named else [FULL.layers] * 2), weights
         finally:
             eng.release()
+
+
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+def test_gpu_direct_events_stop_on_an_interrupt_and_on_a_killed_rank(full_int8, how, monkeypatch):
+    """Ordered by CUDA IPC events the ranks' hosts run ahead of their GPU (at most workers/dit/cuda.py's AHEAD_OPS
+    ops): an interrupt a third into a step still ends it on every rank, leaving every worker alive (the queued work
+    drained, nothing retired); a rank killed a third into a step fails it on every rank, within the exchange
+    deadline, not hanging on the dead rank's events. The next step after either equals the unsplit step."""
+    import os
+    import signal
+    import threading
+    import time
+    from h3ms_async.dit.errors import SplitError, SplitInterrupted
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(exchange="cuda_ipc", ipc_sync="events", exchange_chunks=8,
+                                                   exchange_deadline_s=20.0))
+    try:
+        eng.load_weights(("cuda-ipc-stop", how), FULL, full_int8.block_weights)
+        inp = make_step_inputs(FULL, layout_for_tokens(65536), 90, full_int8.dtype)
+        mod = full_int8.modulation(inp.t_emb)
+        t = time.monotonic()
+        eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs)
+        third = (time.monotonic() - t) / 3
+        fire = time.monotonic() + third
+        if how == "interrupt":
+            with pytest.raises(SplitInterrupted):
+                eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, interrupt=lambda: time.monotonic() > fire)
+            states = [w["state"] for w in eng.pool.snapshot()]
+            assert all(s in ("ready", "busy") for s in states), states  # nobody retired for an interrupt
+        else:
+            victim = eng.pool.snapshot()[1]["pid"]
+            killer = threading.Timer(third, os.kill, (victim, signal.SIGKILL))
+            killer.start()
+            with pytest.raises(SplitError, match="rank 1"):
+                eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs)
+            killer.join()
+        print(f"{how}: the step ended {time.monotonic() - fire:.2f} s after it ({3 * third:.2f} s a step)")
+        assert time.monotonic() - fire < 20.0
+        ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                        inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+        out = eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs)
+        assert torch.equal(out, ref), f"after {how}: max |diff| {(out.float() - ref.float()).abs().max():g}"
+    finally:
+        eng.release()
