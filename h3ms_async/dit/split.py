@@ -395,8 +395,8 @@ class SplitEngine(Engine):
         if tokens < self.ranks:
             return None
         bounds = plans.partition(tokens, opts.shares or [1.0] * self.ranks)
-        shares = [(tokens, b - a) for a, b in itertools.pairwise(bounds)]
-        return Placing(opts.vram_residency, shares)
+        per_rank = [(tokens, b - a) for a, b in itertools.pairwise(bounds)]
+        return Placing(opts.vram_residency, per_rank)
 
     async def _start_and_load(
         self, placing: Placing | None = None
