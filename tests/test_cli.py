@@ -65,6 +65,8 @@ CASES = [
     ("bench-caches-int", ["bench", "caches", "--te-layers", "x"], {}, ["--te-layers", "'x'"]),
     ("bench-sparse-steps", ["bench", "sparse", "--steps", "1"], {}, ["--steps 1", "at least 2"]),
     ("bench-sparse-tau", ["bench", "sparse", "--tau", "9"], {}, ["tau=9", "between 0 and 4"]),
+    ("bench-gpu-exchange", ["bench", "gpu", "--exchange", "host,cuda_ipc_event"], {},
+     ["--exchange cuda_ipc_event", "host, cuda_ipc, cuda_ipc_events"]),
     ("bench-unknown", ["bench", "nope"], {}, ["'nope'", "bench {ipc|split|exchange|gpu|"]),
     ("command-unknown", ["nope"], {}, ["'nope'", "bench, demo, serve"]),
 ]
