@@ -18,6 +18,7 @@ different GPU models.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -256,12 +257,28 @@ def probe_linear(
     call = _Unsplit(x, w, scale, bias, quant, full, digest(full), _linear_dtype(op, act))
     out = []
     for heads, variants in shards:
+        # the group's weight rows and unsplit columns, made once for its "heads" and "rows" verdicts
+        group = functools.cache(functools.partial(_head_group, call, heads, total_heads, head_dim))
         verdicts = []
         for v in variants:
-            verdicts.append(_linear_verdict(call, op, heads, v, total_heads, head_dim, clock, t0))
+            verdicts.append(_linear_verdict(call, op, heads, v, group, clock, t0))
             t0 = clock.start()
         out.append(verdicts)
     return out
+
+
+def _head_group(
+    call: _Unsplit, heads: tuple[int, int], total_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The fused qkv weight's rows of head group ``heads`` (and their scale), and the unsplit
+    call's columns of those rows."""
+    g0, g1 = heads
+    named = {"attn.qkv_proj.weight": call.w}  # the fused qkv's layout, whatever its name
+    if call.scale is not None:
+        named["attn.qkv_proj.weight_scale"] = call.scale
+    w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
+    rows_of = dit_ops.head_rows(g0, g1, total_heads, head_dim)
+    return w_g, s_g, torch.cat([call.full[:, r.start : r.stop] for r in rows_of], dim=1)
 
 
 def _linear_verdict(
@@ -269,12 +286,12 @@ def _linear_verdict(
     op: LinearOp,
     heads: tuple[int, int],
     v: Variant,
-    total_heads: int,
-    head_dim: int,
+    group: Callable[[], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
     clock: Clock,
     t0: float,
 ) -> OpVerdict:
-    """One variant's verdict from the unsplit ``call`` (its time counted from ``t0``)."""
+    """One variant's verdict from the unsplit ``call`` (``group``: :func:`_head_group` of
+    ``heads``; its time counted from ``t0``)."""
     x, w, scale, quant, full = call.x, call.w, call.scale, call.quant, call.full
     rows = x.shape[0]
     exact: list[bool] = []
@@ -291,12 +308,7 @@ def _linear_verdict(
             shards.append([a, b])
     elif v.split in ("heads", "rows"):
         g0, g1 = heads
-        named = {"attn.qkv_proj.weight": w}  # the fused qkv's layout, whatever its name
-        if scale is not None:
-            named["attn.qkv_proj.weight_scale"] = scale
-        w_g, s_g = dit_ops.slice_qkv_weights(named, g0, g1, total_heads, head_dim)
-        rows_of = dit_ops.head_rows(g0, g1, total_heads, head_dim)
-        cols = torch.cat([full[:, r.start : r.stop] for r in rows_of], dim=1)
+        w_g, s_g, cols = group()
         ranges = [(0, rows)] if v.split == "heads" else list(v.ranges)
         for a, b in ranges:
             xs = x if v.split == "heads" else x[a:b].clone()
