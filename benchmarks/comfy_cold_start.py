@@ -19,7 +19,10 @@ both sides read it from disk. Then:
    probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down; the start, the ranks'
    load and the probe run beside the fill: ``weights`` gives their offsets from the load's start, the fill's end
    ``fill_end_s``, and ``probe.overlapped``); ``rows_s``: the first call's seconds inside the blocks' adaLN linears
-   (the modulation rows, which the fill computes block by block as it reads each block).
+   (the modulation rows, which the fill computes block by block as it reads each block); ``cast_s`` and
+   ``cast_calls``: the first prompt's seconds (each call synced) and calls inside ComfyUI's cast for the modules
+   whose patches ComfyUI applies in its cast (``nodes/comfy_weights.py``: with ``--lora``, every block's qkv and
+   fc1), the part of the fill a LoRA adds.
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
    whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's
    (None when ``split_proof``, per prompt, says why it does not prove that every model call split on every rank:
@@ -130,6 +133,22 @@ def time_rows(model):
         b.adaln_proj.linear.register_forward_hook(
             lambda m, a, o: rows_s.__setitem__(-1, rows_s[-1] + synced() - started.pop()))
 
+cast = [0.0, 0]  # seconds, calls: the fill's reads through ComfyUI's cast (LoRA-patched modules)
+
+def time_casts():
+    mod = next(m for k, m in list(sys.modules.items())
+               if k.endswith("nodes.comfy_weights") and hasattr(m, "_cast_path_tensors"))
+    inner = mod._cast_path_tensors
+
+    def timed(*a, **kw):
+        t0 = synced()
+        try:
+            return inner(*a, **kw)
+        finally:
+            cast[0] += synced() - t0
+            cast[1] += 1
+    mod._cast_path_tensors = timed
+
 lora = comfy_h3.lora_state_dict({layers}, rank=16, dims=dims) if {lora} else None
 
 def with_lora(model, strength):
@@ -172,10 +191,12 @@ os.environ["H3MS_RANK_MAP"] = {ranks!r}
 model, node_load_s, base = loaded()
 time_rows(model)
 split = N["H3MultiStreamAsync"]().patch(model, True, -1, "host", 8, True, 0.0, "auto", None)[0]
+time_casts()
 from h3ms_async.dit import split as S
 proofs = [SplitProof({ranks!r}.split(","), strict=False) for _ in range(2)]  # every call split, per prompt
 with proofs[0]:
     first, first_out = sample(split)
+first_cast = list(cast)
 eng = S.engines()[0]
 load = eng.last_load
 segment = eng.loaded.store.segment.name
@@ -220,7 +241,8 @@ print("RESULT " + json.dumps(dict(
                                             start_s=round(load.probe.start_s, 3), end_s=round(load.probe.end_s, 3),
                                             probed=load.probe.probed, overlapped=load.probe_overlapped)),
                            probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0),
-                           rows_s=round(rows_s[0], 6) if rows_s else None),
+                           rows_s=round(rows_s[0], 6) if rows_s else None,
+                           cast_s=round(first_cast[0], 6), cast_calls=first_cast[1]),
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_third_prompt=third,

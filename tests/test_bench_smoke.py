@@ -125,3 +125,14 @@ def test_bench_invariance_tiny_and_a_faulty_shape(monkeypatch):
     assert set(rep["attention"][0]["heads"]) == {"1", "2", "3"}
     cost = rep["probe_cost"][0]
     assert cost["probe_ms"] > 0 and cost["step_ms_est"] == pytest.approx(cost["block_ms"] * TINY.layers)
+
+
+def test_bench_gpu_names_every_exchange_it_times():
+    """Each exchange ``bench gpu --exchange`` takes, and the no-exchange baseline it adds, resolves to the transport
+    and ordering the split then runs (``cuda_ipc_events`` is no transport's own name: the GPU-direct exchange ordered
+    by CUDA IPC events)."""
+    from h3ms_async.tools.bench.gpu import STAGED, staged
+    from workers.dit.protocol import IpcSync, Transport
+    assert {name: staged(name) for name in [*STAGED, "none"]} == {
+        "host": (Transport.HOST, None), "cuda_ipc": (Transport.CUDA_IPC, IpcSync.HOST),
+        "cuda_ipc_events": (Transport.CUDA_IPC, IpcSync.EVENTS), "none": (Transport.NONE, None)}

@@ -75,6 +75,13 @@ STAGED: dict[str, tuple[Transport, IpcSync | None]] = {
     f"{Transport.CUDA_IPC.value}_events": (Transport.CUDA_IPC, IpcSync.EVENTS),
 }
 
+
+def staged(name: str) -> tuple[Transport, IpcSync | None]:
+    """(transport, ipc_sync) of a timed variant's exchange: a :data:`STAGED` name, or ``none`` (the
+    no-exchange baseline)."""
+    return STAGED.get(name) or (Transport(name), None)
+
+
 #: The overlaps ``bench gpu`` times by default (``exactness.Overlap.from_name``).
 OVERLAPS = ("none", "pieces4", "gather", "gather+pieces4")
 
@@ -268,7 +275,7 @@ def run(
                             variants.append(("none", 0, "none"))
                         for exch, chunks, overlap in variants:
                             asked = Overlap.from_name(overlap)
-                            transport, sync = STAGED.get(exch, (Transport(exch), None))
+                            transport, sync = staged(exch)
                             r = _split(
                                 eng,
                                 models[kind],

@@ -230,12 +230,13 @@ def attention_table(
 def probe_cost(cfg: DiTConfig, kind: str, m: int, device: torch.device) -> dict:
     """The probe before a new 2-rank plan (one rank's shard, and both ranks' in one probe), against
     one unsplit block of the reference model."""
+    # materialized: the timed block is the block's compute, not its weights' seeded draw
     model = ReferenceDiT(
         dataclasses.replace(cfg, layers=1),
         weights="int8" if kind != "bf16" else "bf16",
         seed=1,
         device=device,
-    )
+    ).materialize()
     layout = (
         layout_for_tokens(m) if m >= 4000 else build_layout(88, 3, 4, 6, 8, keyframes=1, sigma=0.7)
     )
