@@ -56,8 +56,8 @@ class SplitOptions:
     ``gather_ahead`` > 0 (the gather pattern): each block's tail runs in that many row pieces, each
     followed by the next block's norm1 + modulation of those rows, published into the next
     block's gather while the next piece computes, where the probe measures the pieces exact.
-    ``ipc_sync``: how the GPU-direct exchange orders its copies, "host", "events" or "auto" (events
-    where tested, ``exchange_choice.resolve_sync``).
+    ``ipc_sync``: how the GPU-direct exchange orders its copies, "host", "events" or "auto" (host
+    waits: ``exchange_choice.resolve_sync``).
     ``overlap_tuning``: ``head_pieces``, ``gather_overlap`` and ``gather_ahead`` name what the
     engine may use, not
     what it must: per plan it runs the exact ones that measured fastest, leaving out any without a

@@ -62,8 +62,10 @@ TESTED: dict[str, dict[SplitPath, str]] = {
     # Ulysses, head pieces and the GPU-direct exchange passed on one H200 at 131efbe
     # (docs/device_runs/h200_s12_131efbe_*); the gather overlap, both overlaps and every
     # gather-ahead case (host, all overlaps, GPU-direct, streamed weights) on one H100 at f2383e5
-    # (docs/device_runs/h100_s13_f2383e5_*). The exchange across GPUs has no pass yet: no machine
-    # with several GPUs was lent; nor has the event ordering: no GPU since it was written.
+    # (docs/device_runs/h100_s13_f2383e5_*); the GPU-direct exchange ordered by CUDA IPC events
+    # (chunked and not, an interrupt and a killed rank, every collective) on one H100 at c24a884
+    # (docs/device_runs/h100_s16_c24a884_*). The exchange across GPUs has no pass yet: no machine
+    # with several GPUs was lent.
     "cuda": {
         SplitPath.ULYSSES: (
             "tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact[ulysses]"
@@ -80,6 +82,9 @@ TESTED: dict[str, dict[SplitPath, str]] = {
         # (and the cuda-ipc line of tests/test_exchange_conformance.py)
         SplitPath.CUDA_IPC: (
             "tests/test_cuda.py::test_gpu_direct_exchange_on_logical_ranks_is_exact[host-0]"
+        ),
+        SplitPath.CUDA_IPC_EVENTS: (
+            "tests/test_cuda.py::test_gpu_direct_exchange_on_logical_ranks_is_exact[events-0]"
         ),
     },
 }
