@@ -94,8 +94,10 @@ class H3MultiStreamAsync(ModelPatchNode):
                     "tooltip": "Where each GPU keeps its block weights. auto: as many blocks "
                     "resident as fit in the GPU's free VRAM after the step's working set and a "
                     "reserve (H3MS_VRAM_RESERVE_GB, default 2), the rest streamed from the pinned "
-                    "host store with prefetch. resident: all blocks must fit. stream: stream every "
-                    "block each step. The panel's weights column shows each rank's result.",
+                    "host store with prefetch; decided when the weights load, from the first "
+                    "step's size, and the resident blocks are uploaded while the store fills. "
+                    "resident: all blocks must fit. stream: stream every block each step. The "
+                    "panel's weights column shows each rank's result.",
                 },
             ),
         },
