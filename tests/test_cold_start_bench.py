@@ -25,6 +25,7 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     rep = json.loads((tmp_path / "comfy_cold_start.json").read_text())
     assert rep["patcher"] == "ModelPatcher" and rep["devices"] == ["cpu", "cpu"] and rep["layers"] == 3
     assert rep["checkpoint_bytes"] > 0 and rep["copies"]["host_memcpy_gbps"] > 0
+    assert rep["disk_read_gbps"] > 0 and rep["disk_read_whole_gbps"] > 0
     for side in ("plain", "node_first_prompt"):  # at this size plain ComfyUI's cold cost is noise around 0
         load, (stack, steady) = rep[side]["load_s"], rep[side]["block_stack_s"]
         assert rep[side]["cold_s"] == pytest.approx(load + stack - steady, abs=2e-4), side
@@ -44,4 +45,6 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     assert 0 < w["ranks_first_block_s"] <= w["ranks_last_block_s"] <= w["wall_s"]
     assert rep["split_proof"] == [None, None]  # every model call of both prompts split on both ranks
     assert rep["node_second_prompt"]["refilled"] is False and rep["bit_exact"] is True
-    assert rep["node_cold_over_comfy_cold"] == pytest.approx(first["cold_s"] / rep["plain"]["cold_s"], rel=0.01)
+    plain_cold = rep["plain"]["cold_s"]  # noise around 0 here, so at times not above it: no ratio then
+    expected = pytest.approx(first["cold_s"] / plain_cold, rel=0.01) if plain_cold > 0 else None
+    assert rep["node_cold_over_comfy_cold"] == expected
