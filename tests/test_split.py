@@ -165,6 +165,30 @@ def test_gloo_exchange_matches_host(engine_factory, int8_model):
     seen.done()
 
 
+def test_the_no_exchange_baseline_starts_every_rank_together(engine_factory, int8_model, monkeypatch):
+    """The no-exchange baseline (``exchange="none"``, what ``bench gpu`` and ``bench model --validate`` divide by)
+    gives its ranks one start instant past their setups: each waits for it, outside its wall, so the ranks share
+    their device for the whole step as a split's ranks do instead of drifting apart. A step that exchanges (its
+    ranks meet at every exchange) gets none."""
+    from h3ms_async.dit import split as split_mod
+    from h3ms_async.dit.errors import SplitUnsafe
+    monkeypatch.setattr(split_mod, "BASELINE_START_LEAD_S", 1.0)  # far past a tiny step's setup, even on a busy box
+    eng = engine_factory(["cpu"] * 2)
+    eng.load_weights(("t", "int8", 5), CFG, int8_model.block_weights)
+    inp = make_step_inputs(CFG, _layouts()[0], 7, int8_model.dtype)
+    try:
+        eng.run_blocks(inp.x.clone(), int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
+    except SplitUnsafe:
+        pytest.skip("this machine refuses the tiny plan (measured), so no split step runs here")
+    assert [r.start_wait_s for r in eng.last_rank_results] == [0.0, 0.0]
+    t = time.monotonic()
+    eng.run_blocks(inp.x.clone(), int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, exchange="none")
+    took = time.monotonic() - t
+    waits = [r.start_wait_s for r in eng.last_rank_results]
+    assert all(0 < w <= 1.0 for w in waits), waits
+    assert all(r.wall_s + w <= took for r, w in zip(eng.last_rank_results, waits))  # the wall leaves the wait out
+
+
 def test_bad_plans_fail_before_workers_start(int8_model):
     with pytest.raises(GPUSelectionError, match="attention heads"):
         SplitEngine(["cpu"] * 9).load_weights(("t",), CFG, int8_model.block_weights)

@@ -77,6 +77,10 @@ log = get_logger("MultiStream")
 #: How long a failed load waits for the ranks' loads and the plan probe to stop before it drops the
 #: store (a failed fill stops every rank's wait at once).
 SETTLE_S = 60.0
+#: How far ahead the no-exchange baseline's common start lies (``DitStep.start_at``): past every
+#: rank's setup, so its ranks begin their blocks together and share their GPU for the whole step,
+#: as a split's ranks (meeting at every exchange) do, rather than drifting apart.
+BASELINE_START_LEAD_S = 0.25
 #: Host-exchange ops per block (all-gather, all-to-all): a rank's op index / 2 = the blocks it has
 #: reached.
 EXCHANGE_OPS_PER_BLOCK = 2
@@ -623,6 +627,8 @@ class SplitEngine(Engine):
         layout = buf.layout.to_dict()
         if planned.sparse:
             self._sparse_ran = True
+        baseline = planned.transport is Transport.NONE and self.ranks > 1
+        start_at = time.monotonic() + BASELINE_START_LEAD_S if baseline else 0.0
         steps = [
             dit_protocol.DitStep(
                 job=self._steps,
@@ -648,6 +654,7 @@ class SplitEngine(Engine):
                 pattern=planned.pattern,
                 peer_devices=self._peer_devices(r, planned.transport),
                 ipc_sync=planned.ipc_sync,
+                start_at=start_at,
             )
             for r in range(self.ranks)
         ]

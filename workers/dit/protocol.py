@@ -59,6 +59,10 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
     pattern     "gather" or "ulysses" (:data:`Pattern`; Ulysses needs a layout planned with qkv
                 and weights loaded with every head's qkv rows)
     abort_gen   the pool's abort generation when the step was submitted
+    start_at    (the "none" baseline of several ranks) the ``time.monotonic()`` instant, on the
+                machine's one monotonic clock, at which every rank begins its blocks after its setup
+                (it waits at most :data:`MAX_START_WAIT_S`), so the ranks share their GPU for the
+                whole step as a split's ranks do; 0: begin at once
     deadline_s  per-exchange deadline
     blocks      [b0, b1): the blocks to run (normally all)
     residency   "auto" | "resident" | "stream": where block weights live on a CUDA rank (CPU ranks
@@ -68,7 +72,8 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
     trace       digest every op's output rows per block (``workers.dit.invariance.digest``) and
                 answer them (the ``verify`` setting's localisation of a difference); off for normal
                 steps
-    -> DitStepped: the rank's timings, bytes moved, and what ``trace`` and ``sparse`` asked for
+    -> DitStepped: the rank's timings (``start_wait_s`` apart: the wall excludes it), bytes moved,
+                and what ``trace`` and ``sparse`` asked for
 
 ``dit_sparse_reset`` drop the pooled sparse-attention statistics (sampling ended).
     -> Dropped {dropped}: how many pooled entries went
@@ -271,7 +276,8 @@ class DitStepped(Answer):
     for compute; the weights' residency timings (None where weights do not move); per block its
     :class:`BlockTiming`; the seconds outside the blocks before (``setup_s``: mapping
     segments, input copies, weight placement, exchange setup) and after (``tail_s``: the copy
-    back); the CUDA caching allocator's growth (``new_segments``, ``retries``,
+    back); the wait for ``DitStep.start_at`` after the setup (``start_wait_s``, outside
+    ``wall_s``); the CUDA caching allocator's growth (``new_segments``, ``retries``,
     ``reserved_bytes``; None on a CPU); with ``trace`` "block:op" -> digest of this rank's
     output of that op; with sparse attention the blocks run sparse / dense and how many reused
     the pooled statistics (None without)."""
@@ -292,9 +298,13 @@ class DitStepped(Answer):
     cuda_alloc: dict[str, int] | None
     trace: dict[str, str]
     sparse: dict[str, int] | None
+    start_wait_s: float = 0.0
     PLAIN: ClassVar[tuple[str, ...]] = ("weights",)
 
 
+#: Longest a rank waits for ``DitStep.start_at`` after its setup (a later instant is a
+#: coordinator's mistake, not a reason to hang).
+MAX_START_WAIT_S = 2.0
 #: Most head pieces a step's attention may run in (``DitStep.head_pieces``).
 MAX_HEAD_PIECES = 16
 #: Most row pieces a block's tail may run in for the cross-block overlap (``DitStep.gather_ahead``).
@@ -437,6 +447,7 @@ class DitStep(Request, tag="dit_step"):
     pattern: Pattern = Pattern.GATHER
     peer_devices: tuple[int, ...] = ()
     ipc_sync: IpcSync = IpcSync.HOST
+    start_at: float = 0.0
     PLAIN: ClassVar[tuple[str, ...]] = ("layout",)
     ANSWER: ClassVar[type[Answer]] = DitStepped
 

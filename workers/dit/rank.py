@@ -454,6 +454,18 @@ def _modulation(
     return mod
 
 
+def _wait_for_start(start_at: float) -> float:
+    """Sleep until ``start_at`` on the machine's monotonic clock (``DitStep.start_at``; 0: no
+    wait), at most ``MAX_START_WAIT_S``; returns the seconds waited."""
+    if not start_at:
+        return 0.0
+    wait = min(start_at - time.monotonic(), dit_protocol.MAX_START_WAIT_S)
+    if wait <= 0:
+        return 0.0
+    time.sleep(wait)
+    return wait
+
+
 def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitStepped:
     """Every requested block on this rank's shard (runs on the compute thread).  Returns per-rank
     timings."""
@@ -505,6 +517,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         dit_sparse.sparse_step(msg.sparse, st.pooled, w.heads, msg.segments) if msg.sparse else None
     )
     setup_s = time.perf_counter() - t_start
+    start_wait_s = _wait_for_start(msg.start_at)
     try:
         per_block = run_blocks(
             x_rows,
@@ -537,7 +550,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     if cuda:
         x_full[t0:t1].copy_(x_rows)
         torch.cuda.current_stream(device).synchronize()
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start - start_wait_s
     xs = ex.stats()
     exchange_s = float(xs.get("copy_s", 0.0)) + float(xs.get("wait_s", 0.0))
     return dit_protocol.DitStepped(
@@ -559,6 +572,7 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
         tail_s=time.perf_counter() - t_tail,
         cuda_alloc=_alloc_delta(alloc0, _alloc_counters(device)) if alloc0 is not None else None,
         trace=digests,
+        start_wait_s=start_wait_s,
         sparse=sparse.counts if sparse is not None else None,
     )
 

@@ -10,8 +10,9 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
   pieces moved while the next computes, the qkv projection on the gathered rows as they arrive,
   both), weights resident and streamed, every output compared with ``torch.equal``;
 * overhead at each token count: unsplit per-block time, split per-block time, and the "none"
-  baseline (the same ranks computing their shards with no exchange: two CUDA contexts time-slicing
-  one GPU), so the split's own overhead is split / baseline;
+  baseline (the same ranks computing their shards with no exchange, begun together:
+  ``split.BASELINE_START_LEAD_S``; two CUDA contexts time-slicing one GPU for the whole step, as
+  the split's do), so the split's own overhead is split / baseline;
 * where the time goes per rank (compute / copy / wait) and the host exchange's achieved bandwidth;
 * where a block's time goes, from the step records' per-block timings (CUDA events, read once per
   step) of each run's best step (``block_ms``: compute, exchange copy, the copy hidden behind
