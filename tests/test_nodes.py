@@ -51,8 +51,8 @@ def test_multistream_node_inputs():
                          "cache_ram_reserve_gb", "vram_residency"]
     assert req["enabled"] == ("BOOLEAN", req["enabled"][1]) and req["enabled"][1]["default"] is True
     assert (req["second_gpu"][1]["default"], req["second_gpu"][1]["min"], req["second_gpu"][1]["max"]) == (-1, -1, 15)
-    assert req["exchange"][0] == ["host", "nccl", "cuda_ipc", "auto"] and req["exchange"][1]["default"] == "host"
-    assert (req["exchange_chunks"][1]["default"], req["exchange_chunks"][1]["max"]) == (0, 32)
+    assert req["exchange"][0] == ["host", "nccl", "cuda_ipc", "auto"] and req["exchange"][1]["default"] == "auto"
+    assert (req["exchange_chunks"][1]["default"], req["exchange_chunks"][1]["max"]) == (8, 32)
     assert "8" in req["exchange_chunks"][1]["tooltip"]
     reserve = req["cache_ram_reserve_gb"][1]
     assert (reserve["default"], reserve["min"], reserve["max"], reserve["step"]) == (0.0, 0.0, 512.0, 0.5)
