@@ -22,7 +22,9 @@ both sides read it from disk. Then:
    (the modulation rows, which the fill computes block by block as it reads each block); ``cast_s`` and
    ``cast_calls``: the first prompt's seconds (each call synced) and calls inside ComfyUI's cast for the modules
    whose patches ComfyUI applies in its cast (``nodes/comfy_weights.py``: with ``--lora``, every block's qkv and
-   fc1), the part of the fill a LoRA adds.
+   fc1), the part of the fill a LoRA adds; of it ``cast_pin_s`` in ComfyUI pinning the module's host copy
+   (``comfy.pinned_memory.pin_memory``) and ``cast_read_s`` in its file reads
+   (``comfy.memory_management.read_tensor_file_slice_into``).
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says
    whether the store was filled again (it must not be). ``bit_exact``: both prompts' samples equal plain ComfyUI's
    (None when ``split_proof``, per prompt, says why it does not prove that every model call split on every rank:
@@ -141,21 +143,38 @@ def time_rows(model):
         b.adaln_proj.linear.register_forward_hook(
             lambda m, a, o: rows_s.__setitem__(-1, rows_s[-1] + synced() - started.pop()))
 
-cast = [0.0, 0]  # seconds, calls: the fill's reads through ComfyUI's cast (LoRA-patched modules)
+# the fill's reads through ComfyUI's cast (LoRA-patched modules): seconds, calls, and inside those calls the seconds
+# in ComfyUI's pinning of the module's host copy and in its file reads (comfy-aimdo's reader)
+cast = dict(s=0.0, calls=0, pin_s=0.0, read_s=0.0)
+inside_cast = [False]
 
 def time_casts():
+    import comfy.memory_management, comfy.pinned_memory
     mod = next(m for k, m in list(sys.modules.items())
                if k.endswith("nodes.comfy_weights") and hasattr(m, "_cast_path_tensors"))
     inner = mod._cast_path_tensors
 
     def timed(*a, **kw):
         t0 = synced()
+        inside_cast[0] = True
         try:
             return inner(*a, **kw)
         finally:
-            cast[0] += synced() - t0
-            cast[1] += 1
+            inside_cast[0] = False
+            cast["s"] += synced() - t0
+            cast["calls"] += 1
     mod._cast_path_tensors = timed
+    for owner, name, key in ((comfy.pinned_memory, "pin_memory", "pin_s"),
+                             (comfy.memory_management, "read_tensor_file_slice_into", "read_s")):
+        def part(*a, _fn=getattr(owner, name), _key=key, **kw):
+            if not inside_cast[0]:
+                return _fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                cast[_key] += time.perf_counter() - t0
+        setattr(owner, name, part)
 
 lora = comfy_h3.lora_state_dict({layers}, rank=16, dims=dims) if {lora} else None
 
@@ -204,7 +223,7 @@ from h3ms_async.dit import split as S
 proofs = [SplitProof({ranks!r}.split(","), strict=False) for _ in range(2)]  # every call split, per prompt
 with proofs[0]:
     first, first_out = sample(split)
-first_cast = list(cast)
+first_cast = dict(cast)
 eng = S.engines()[0]
 load = eng.last_load
 segment = eng.loaded.store.segment.name
@@ -250,7 +269,8 @@ print("RESULT " + json.dumps(dict(
                                             probed=load.probe.probed, overlapped=load.probe_overlapped)),
                            probe_ms=max((v["probe_ms"] for v in verdicts), default=0.0),
                            rows_s=round(rows_s[0], 6) if rows_s else None,
-                           cast_s=round(first_cast[0], 6), cast_calls=first_cast[1]),
+                           cast_s=round(first_cast["s"], 6), cast_calls=first_cast["calls"],
+                           cast_pin_s=round(first_cast["pin_s"], 6), cast_read_s=round(first_cast["read_s"], 6)),
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_third_prompt=third,

@@ -37,7 +37,8 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     assert w["wall_s"] >= w["fill_s"] + w["ranks_load_s"]
     assert first["probe_ms"] > 0
     assert 0 < first["rows_s"] < w["fill_s"]  # the adaLN rows are computed inside the fill, block by block
-    assert first["cast_calls"] == 0 and first["cast_s"] == 0  # no patches: no weight is read through ComfyUI's cast
+    # no patches: no weight is read through ComfyUI's cast
+    assert first["cast_calls"] == 0 and first["cast_s"] == first["cast_pin_s"] == first["cast_read_s"] == 0
     # the load probed the first step's plan (at this size the fill ends before the workers are up, so not beside it)
     probe = w["probe"]
     assert probe["probed"] and 0 < probe["start_s"] < probe["end_s"] <= w["wall_s"]
