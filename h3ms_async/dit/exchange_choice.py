@@ -20,6 +20,7 @@ from typing import Literal, TypeVar
 import torch
 
 from h3ms_async.dit import tested_paths
+from h3ms_async.runtime.visibility import canonical_device
 from workers.dit.protocol import IpcSync, Transport
 
 #: The setting that picks the transport for the devices.
@@ -66,7 +67,7 @@ def _gpus(devices: Sequence[str]) -> list[str]:
     """The distinct GPUs of the rank map, in rank order (``cuda`` is ``cuda:0``)."""
     out: list[str] = []
     for d in devices:
-        name = "cuda:0" if d == "cuda" else d
+        name = canonical_device(d)
         if name not in out:
             out.append(name)
     return out

@@ -24,6 +24,7 @@ from h3ms_async.dit.errors import SplitUnsafe
 from h3ms_async.dit.exactness import MIN_SHARD_TOKENS, PlanVerdict
 from h3ms_async.log import get_logger
 from h3ms_async.runtime import plans
+from h3ms_async.runtime.visibility import canonical_device
 from h3ms_async.status.hub import record_verdict
 from workers.dit import invariance
 from workers.dit import ops as dit_ops
@@ -54,7 +55,7 @@ def probe_groups(devices: Sequence[str], sparse: bool) -> list[list[int]]:
     alone: list[list[int]] = []
     for r, d in enumerate(devices):
         if d.startswith("cuda") and not sparse:
-            groups.setdefault("cuda:0" if d == "cuda" else d, []).append(r)
+            groups.setdefault(canonical_device(d), []).append(r)
         else:
             alone.append([r])
     return sorted([*groups.values(), *alone])

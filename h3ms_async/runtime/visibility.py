@@ -21,20 +21,21 @@ def rank_devices(devices: Sequence[str]) -> list[str]:
     bad = [d for d in devices if not isinstance(d, str) or not DEVICE_RE.match(d)]
     if bad:
         raise ValueError(f"devices {bad!r} are not 'cpu', 'cuda' or 'cuda:N'")
-    return [_canonical(d) for d in devices]
+    return [canonical_device(d) for d in devices]
 
 
 def extra_devices(also_visible: Sequence[str]) -> list[str]:
     """A pool's ``also_visible`` checked (CUDA devices only), with ``cuda`` written as
     ``cuda:0``."""
-    extra = [_canonical(d) for d in also_visible]
+    extra = [canonical_device(d) for d in also_visible]
     bad = [d for d in extra if not d.startswith("cuda") or not DEVICE_RE.match(d)]
     if bad:
         raise ValueError(f"also_visible {bad!r} are not CUDA devices 'cuda' or 'cuda:N'")
     return extra
 
 
-def _canonical(device: str) -> str:
+def canonical_device(device: str) -> str:
+    """``device`` as one GPU is named everywhere: ``cuda`` is ``cuda:0``."""
     return "cuda:0" if device == "cuda" else device
 
 

@@ -28,7 +28,7 @@ import torch
 
 from workers.runtime.shm import Segment
 from workers.testing import settings
-from workers.transports.cuda_ipc import EVENTS, IpcBuffers
+from workers.transports.cuda_ipc import EVENTS, IpcBuffers, stamp_text
 from workers.transports.exchange import ExchangeError
 
 _CPU = torch.device("cpu")
@@ -36,11 +36,6 @@ _CPU = torch.device("cpu")
 
 class EventOrderError(ExchangeError):
     """A wait on an event whose latest record is older than the one the wait needs."""
-
-
-def _what(stamp: int) -> str:
-    job, op, chunks = stamp >> 24, (stamp >> 9) & 0x7FFF, stamp & 0x1FF
-    return f"job {job} op {op}" + (f" chunk {chunks}" if chunks else " (reads done)")
 
 
 class _Event:
@@ -106,8 +101,8 @@ class ShmBuffers(IpcBuffers):
         latest = int(event.words[event.index])
         if latest < stamp:
             raise EventOrderError(
-                f"a wait for {_what(stamp)} found the event's latest record at "
-                f"{_what(latest) if latest else 'none'}: on a GPU the copy would not wait for "
+                f"a wait for {stamp_text(stamp)} found the event's latest record at "
+                f"{stamp_text(latest) if latest else 'none'}: on a GPU the copy would not wait for "
                 "the bytes (or reads) it depends on"
             )
 

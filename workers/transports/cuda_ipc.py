@@ -111,6 +111,12 @@ def stamp(job: int, op: int, chunks: int = 0) -> int:
     return (job << 24) | (op << 9) | chunks
 
 
+def stamp_text(value: int) -> str:
+    """What a :func:`stamp` stands for, in words (the stand-in's errors)."""
+    job, op, chunks = value >> 24, (value >> 9) & 0x7FFF, value & 0x1FF
+    return f"job {job} op {op}" + (f" chunk {chunks}" if chunks else " (reads done)")
+
+
 @dataclass(frozen=True)
 class SendPlan:
     """Byte offsets of rank p's parts in its send buffer (every rank computes every rank's)."""
