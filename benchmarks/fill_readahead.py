@@ -9,8 +9,8 @@ not for ``cached``), maps it as ComfyUI does (``safetensors.safe_open``) and fil
 (``size_store`` + ``StoreFill.run``, the split's own code) with every block's weights but the adaLN projection:
 
 * ``fault``: the copy faults the file's pages in as it reads them (no readahead);
-* ``ahead``: :class:`BlockReadahead` asks the kernel for the store's tensors of the block being read and the next
-  two;
+* ``ahead``: :class:`BlockReadahead` reads the store's tensors of the block being read and the next two into the
+  page cache, in the background, several requests at once;
 * ``separate``: a first prompt as the node ran it before c6e4dad: every block's adaLN weights read first (what
   ComfyUI's modules read to compute the step's rows; here ``get_tensor``, one copy out of the mapping), then the
   ``ahead`` fill;

@@ -17,13 +17,13 @@ from page_cache import drop
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _checkpoint(path: str, blocks: int = 3) -> dict[str, torch.Tensor]:
+def _checkpoint(path: str, blocks: int = 3, qkv_rows: int = 2048) -> dict[str, torch.Tensor]:
     from safetensors.torch import save_file  # ComfyUI's requirement, installed with the ComfyUI tests' packages
     g = torch.Generator().manual_seed(3)
     sd = {"diffusion_model.patch_embed.weight": torch.randn(64, 64, generator=g)}
     for i in range(blocks):
         p = f"diffusion_model.blocks.{i}."
-        sd[p + "attn.qkv_proj.weight"] = torch.randint(-127, 127, (2048, 2048), dtype=torch.int8, generator=g)
+        sd[p + "attn.qkv_proj.weight"] = torch.randint(-127, 127, (qkv_rows, 2048), dtype=torch.int8, generator=g)
         sd[p + "attn.qkv_proj.weight_scale"] = torch.rand(512, 1, generator=g)
         sd[p + "norm1.weight"] = torch.randn(512, generator=g).to(torch.bfloat16)
         sd[p + "adaln_proj.linear.weight"] = torch.randn(256, 512, generator=g).to(torch.bfloat16)
@@ -111,3 +111,41 @@ def test_reading_a_block_brings_the_next_blocks_into_the_page_cache(tmp_path):
     ahead.wait()
     cached = _cached_within(path, own[4])
     assert own[4] <= cached and not own[5] <= cached
+
+
+def test_a_tensor_larger_than_the_kernels_readahead_window_is_read_whole(tmp_path):
+    """``posix_fadvise(WILLNEED)`` reads only the device's readahead window of a range (a few MB); the readahead
+    reads the block itself, so every page of a 64 MiB tensor is cached once its block was asked for."""
+    path = str(tmp_path / "h3.safetensors")
+    _checkpoint(path, blocks=2, qkv_rows=32768)
+    ranges = block_ranges(path)
+    own0 = _pages(ranges[0]) - _pages(ranges[1])
+    assert len(own0) * PAGE > 64 << 20
+    drop(path)
+    if _resident(path) & own0:
+        pytest.skip(f"this filesystem keeps {path}'s pages cached after POSIX_FADV_DONTNEED")
+    ahead = BlockReadahead(path, {0: ranges[0]})
+    ahead.reading(0)
+    ahead.wait()
+    assert own0 <= _resident(path)
+    assert ahead.read_bytes == sum(n for _, n in ranges[0]) and ahead.cached_bytes == 0
+    ahead.close()
+    assert ahead._thread is not None and not ahead._thread.is_alive()
+
+
+def test_pieces_already_cached_are_not_read_again_and_close_ends_the_reader(tmp_path):
+    path = str(tmp_path / "h3.safetensors")
+    _checkpoint(path, blocks=6)
+    with open(path, "rb") as f:
+        while f.read(16 << 20):  # every page cached
+            pass
+    ranges = block_ranges(path)
+    ahead = BlockReadahead(path, ranges)
+    ahead.reading(0)
+    ahead.wait()
+    if ahead.read_bytes:
+        pytest.skip("this filesystem cannot say whether a page is cached (RWF_NOWAIT)")
+    assert ahead.cached_bytes == sum(n for i in (0, 1, 2) for _, n in ranges[i])
+    ahead.close()  # the fill stopped at block 0: the reader ends without reading blocks 3 to 5
+    assert ahead._thread is not None and not ahead._thread.is_alive()
+    assert ahead.cached_bytes == sum(n for i in (0, 1, 2) for _, n in ranges[i])

@@ -1,12 +1,15 @@
 """Page-cache readahead of a safetensors checkpoint, block by block, for the weight-store fill.
 
 The fill copies one block at a time from tensors that map the checkpoint file (ComfyUI loads
-safetensors by ``mmap``).  Faulting those pages in one by one reads a cold file in small
-synchronous pieces, well under the disk's sequential rate; asking the kernel for the next blocks'
-byte ranges (``posix_fadvise(POSIX_FADV_WILLNEED)``) while the current block copies keeps the disk
-streaming, and the copy then finds its pages cached.  A block's tensors are not contiguous in the
-file (safetensors groups tensors by dtype alignment, then by name), so each block is a list of
-ranges, adjacent ones merged.
+safetensors by ``mmap``) or that ComfyUI's own reader (comfy-aimdo: buffered ``pread``s) takes
+from it.  Faulting those pages in one by one reads a cold file in small synchronous pieces, well
+under the disk's sequential rate.  So a background reader reads the next blocks' byte ranges
+into the page cache while the current block copies, with several requests in flight, and the
+copy then finds its pages cached.  It reads them itself: ``posix_fadvise(POSIX_FADV_WILLNEED)``
+would be free of copies, but Linux reads at most the device's readahead window of each range it
+is given (``force_page_cache_ra`` caps the request; a few MB of a 100 MB tensor).  A block's
+tensors are not contiguous in the file (safetensors groups tensors by dtype alignment, then by
+name), so each block is a list of ranges, adjacent ones merged.
 
 File format (the safetensors spec): an 8-byte little-endian header length, the JSON header
 (``name -> {"dtype", "shape", "data_offsets": [begin, end]}``, offsets relative to the data
@@ -15,6 +18,7 @@ section, plus an optional ``__metadata__``), then the data section.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import re
@@ -28,8 +32,14 @@ log = get_logger("Weights")
 
 #: a header larger than this is not a checkpoint we read ahead (the spec allows 100 MB)
 MAX_HEADER_BYTES = 100 << 20
-#: how many blocks past the one being read are asked for
+#: how many blocks past the one being read are read ahead
 BLOCKS_AHEAD = 2
+#: one read request: large enough to stream, small enough to spread a block over the readers
+PIECE_BYTES = 8 << 20
+#: read requests in flight: a virtual or NVMe disk streams only with several outstanding
+READERS = 4
+#: the reader stops when the fill has not moved on for this long (a fill that failed)
+IDLE_S = 60.0
 
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.(.+)$")
 
@@ -74,15 +84,25 @@ def _merged(ranges: Ranges) -> Ranges:
 
 
 class BlockReadahead:
-    """Asks the kernel for blocks ahead of the fill.  :meth:`reading` (block ``i`` is being read)
-    asks, in a background thread, for ``i`` and the :data:`BLOCKS_AHEAD` blocks after it, each
-    once; :meth:`wait` joins the requests made so far (tests)."""
+    """Reads blocks into the page cache ahead of the fill.  :meth:`reading` (block ``i`` is being
+    read) lets a background thread read, in block order from the first block asked for, every
+    block up to ``i`` + :data:`BLOCKS_AHEAD` (none the fill is past), each block's ranges in :data:`PIECE_BYTES` pieces
+    over :data:`READERS` threads; a piece already cached is skipped.  The thread ends after the
+    last block, at :meth:`close`, or when the fill stalls for :data:`IDLE_S`.  :meth:`wait` joins
+    the reads asked for so far (tests); ``read_bytes`` and ``cached_bytes`` count the pieces read
+    and skipped."""
 
     def __init__(self, path: str, ranges: dict[int, Ranges]) -> None:
         self.path = path
         self.ranges = ranges
-        self._asked: set[int] = set()
-        self._threads: list[threading.Thread] = []
+        self.read_bytes = 0
+        self.cached_bytes = 0
+        self._cond = threading.Condition()
+        self._at = -1  # the block the fill is reading
+        self._done = -1  # the last block read ahead
+        self._ended = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def of(cls, path: str, wanted: Callable[[str], bool]) -> BlockReadahead | None:
@@ -94,32 +114,94 @@ class BlockReadahead:
             return None
 
     def reading(self, i: int) -> None:
-        todo = [
-            j for j in range(i, i + BLOCKS_AHEAD + 1) if j in self.ranges and j not in self._asked
-        ]
-        if not todo:
-            return
-        self._asked.update(todo)
-        self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=self._advise, args=(todo,), name="h3ms-readahead", daemon=True)
-        self._threads.append(t)
-        t.start()
+        with self._cond:
+            self._at = max(self._at, i)
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(i,), name="h3ms-readahead", daemon=True
+                )
+                self._thread.start()
 
-    def _advise(self, blocks: list[int]) -> None:
+    def _run(self, first: int) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
             log.info("readahead of %s stopped: %s", self.path, exc)
+            self._end()
             return
+        local = threading.local()
         try:
-            for j in blocks:
-                for off, length in self.ranges[j]:
-                    os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
+            with cf.ThreadPoolExecutor(READERS, thread_name_prefix="h3ms-readahead") as pool:
+                for j in sorted(b for b in self.ranges if b >= first):
+                    with self._cond:
+                        while not self._stop and j > self._at + BLOCKS_AHEAD:
+                            if not self._cond.wait(IDLE_S):
+                                log.info("readahead of %s stopped: the fill stalled", self.path)
+                                return
+                        if self._stop:
+                            return
+                        if j < self._at:
+                            continue  # the fill is past it
+                    pieces = [
+                        (off + k, min(PIECE_BYTES, length - k))
+                        for off, length in self.ranges[j]
+                        for k in range(0, length, PIECE_BYTES)
+                    ]
+                    for _ in pool.map(lambda p: self._piece(fd, local, *p), pieces):
+                        pass
+                    with self._cond:
+                        self._done = j
+                        self._cond.notify_all()
         except OSError as exc:
             log.info("readahead of %s stopped: %s", self.path, exc)
         finally:
             os.close(fd)
+            self._end()
+
+    def _piece(self, fd: int, local: threading.local, off: int, n: int) -> None:
+        if _cached(fd, off, n):
+            with self._cond:
+                self.cached_bytes += n
+            return
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(PIECE_BYTES))
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [buf[: n - done]], off + done)
+            if got <= 0:
+                break
+            done += got
+        with self._cond:
+            self.read_bytes += done
+
+    def _end(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
 
     def wait(self, timeout: float = 30.0) -> None:
-        for t in self._threads:
-            t.join(timeout)
+        """Until every block asked for so far is read (or the reader ended)."""
+        with self._cond:
+            last = max((b for b in self.ranges if b <= self._at + BLOCKS_AHEAD), default=-1)
+            self._cond.wait_for(lambda: self._ended or self._done >= last, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(IDLE_S)
+
+
+def _cached(fd: int, off: int, n: int) -> bool:
+    """Whether a piece's first, middle and last pages are in the page cache: a read that may not
+    wait for the disk (``RWF_NOWAIT``) of one byte at each."""
+    one = bytearray(1)
+    try:
+        return all(
+            os.preadv(fd, [one], at, os.RWF_NOWAIT) == 1 for at in (off, off + n // 2, off + n - 1)
+        )
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: this filesystem cannot say
+        return False
