@@ -86,11 +86,11 @@ def _merged(ranges: Ranges) -> Ranges:
 class BlockReadahead:
     """Reads blocks into the page cache ahead of the fill.  :meth:`reading` (block ``i`` is being
     read) lets a background thread read, in block order from the first block asked for, every
-    block up to ``i`` + :data:`BLOCKS_AHEAD` (none the fill is past), each block's ranges in :data:`PIECE_BYTES` pieces
-    over :data:`READERS` threads; a piece already cached is skipped.  The thread ends after the
-    last block, at :meth:`close`, or when the fill stalls for :data:`IDLE_S`.  :meth:`wait` joins
-    the reads asked for so far (tests); ``read_bytes`` and ``cached_bytes`` count the pieces read
-    and skipped."""
+    block up to ``i`` + :data:`BLOCKS_AHEAD` (none the fill is past), each block's ranges in
+    :data:`PIECE_BYTES` pieces over :data:`READERS` threads; a piece already cached is skipped.
+    The thread ends after the last block, at :meth:`close`, or when the fill stalls for
+    :data:`IDLE_S`.  :meth:`wait` joins the reads asked for so far (tests); ``read_bytes`` and
+    ``cached_bytes`` count the pieces read and skipped."""
 
     def __init__(self, path: str, ranges: dict[int, Ranges]) -> None:
         self.path = path

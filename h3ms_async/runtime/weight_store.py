@@ -17,6 +17,8 @@ or the new patch set touches are read and copied again, as long as the blocks ke
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -226,27 +228,55 @@ class StoreFill:
         self._started = started
 
     def run(self) -> WeightStore:
-        """Copy every block, publishing each as complete in the progress word.  A failure marks the
-        fill failed there (every waiting rank stops) and raises; the caller releases the store once
-        the ranks that mapped it have stopped."""
+        """Copy every block, publishing each as complete in the progress word.  Blocks are read
+        in this thread (the reader may run the host's own code: ComfyUI's casts) and copied into
+        the store in another, one block behind, so a block's copy (page faults on a mapped file,
+        device-to-host copies) overlaps the next block's read.  A failure marks the fill failed
+        there (every waiting rank stops) and raises; the caller releases the store once the ranks
+        that mapped it have stopped."""
         store, seg = self.store, self.store.segment
         progress = store.fill_progress()
         layout = _block_layout(self.first)
+        # one block waits while one copies: two blocks' source tensors alive at most
+        handoff: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue(maxsize=1)
+        copy_failed: list[Exception] = []
+
+        def copy_blocks() -> None:
+            while (item := handoff.get()) is not None:
+                if copy_failed:
+                    continue  # drained until the reader's end mark
+                i, tensors = item
+                try:
+                    for name, desc in store.manifest[i].items():
+                        # any device: no host tensor between
+                        seg.tensor(desc).copy_(tensors[name].detach())
+                    progress.publish(i + 1)
+                except Exception as exc:  # noqa: BLE001 - raised in the reading thread
+                    copy_failed.append(exc)
+
+        copier = threading.Thread(target=copy_blocks, name="h3ms-store-copy", daemon=True)
+        copier.start()
         try:
-            for i, entry in enumerate(store.manifest):
-                tensors = self.first if i == 0 else self._read(i)
-                got = _block_layout(tensors)
-                if got != layout:
-                    raise ValueError(
-                        f"block {i} has another structure than block 0 "
-                        f"({sorted(set(got) ^ set(layout)) or 'shapes/dtypes differ'}); "
-                        "the weight store needs identical blocks"
-                    )
-                for name, desc in entry.items():
-                    # any device: no host tensor between
-                    seg.tensor(desc).copy_(tensors[name].detach())
-                progress.publish(i + 1)
-                self.first = {}  # let block 0's source tensors go
+            try:
+                for i in range(len(store.manifest)):
+                    if copy_failed:
+                        break
+                    tensors = self.first if i == 0 else self._read(i)
+                    got = _block_layout(tensors)
+                    if got != layout:
+                        raise ValueError(
+                            f"block {i} has another structure than block 0 "
+                            f"({sorted(set(got) ^ set(layout)) or 'shapes/dtypes differ'}); "
+                            "the weight store needs identical blocks"
+                        )
+                    _settled(tensors)
+                    handoff.put((i, tensors))
+                    self.first = {}  # let block 0's source tensors go
+            finally:
+                handoff.put(None)
+                copier.join()  # a memory copy of at most two blocks: it ends
+            if copy_failed:
+                raise copy_failed[0]
         except BaseException:
             progress.fail()
             raise
@@ -259,6 +289,13 @@ class StoreFill:
             store.fill_seconds,
         )
         return store
+
+
+def _settled(tensors: dict[str, torch.Tensor]) -> None:
+    """Wait for the device work that produced a block's CUDA tensors (ComfyUI's cast and patch),
+    so the copy thread, on its own stream, reads finished values."""
+    for device in {t.device for t in tensors.values() if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def size_store(

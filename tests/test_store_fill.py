@@ -1,0 +1,92 @@
+"""The weight store's fill (``h3ms_async/runtime/weight_store.py``) on real shared memory: a block's copy into the
+store overlaps the next block's read, the store holds exactly the blocks read, and a copy that fails fails the fill
+for every waiting rank with its own error."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from h3ms_async.runtime.weight_store import size_store
+from workers.runtime.fill_progress import FAILED
+
+BLOCKS = 5
+
+
+def _block(i: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return {"qkv.weight": torch.randint(-127, 127, (256, 128), dtype=torch.int8, generator=g),
+            "qkv.weight_scale": torch.rand(1, generator=g),
+            "norm1.weight": torch.randn(128, generator=g).to(torch.bfloat16)}
+
+
+def _no_segments_left() -> bool:
+    return not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
+
+
+def test_a_blocks_copy_overlaps_the_next_blocks_read():
+    """Block 0's copy into the store waits until block 1's read has begun: a fill that read and copied in turn would
+    never read block 1 while block 0 copies, and the wait would time out."""
+    reading_1 = threading.Event()
+    overlapped = []
+
+    def read(i: int) -> dict[str, torch.Tensor]:
+        if i == 1:
+            reading_1.set()
+        return _block(i)
+
+    fill = size_store(("t", "overlap"), BLOCKS, read)
+    store = fill.store
+    first_desc = next(iter(store.manifest[0].values()))
+    plain = store.segment.tensor
+
+    def tensor(desc):
+        if desc == first_desc and not overlapped:
+            overlapped.append(reading_1.wait(10.0))
+        return plain(desc)
+
+    store.segment.tensor = tensor
+    try:
+        fill.run()
+        assert overlapped == [True]
+        assert store.fill_progress().read() == BLOCKS
+        for i in range(BLOCKS):
+            got = store.block(i)
+            assert got.keys() == _block(i).keys()
+            assert all(torch.equal(got[k], v) for k, v in _block(i).items())
+            del got
+    finally:
+        store.release()
+    assert _no_segments_left()
+
+
+def test_a_copy_that_fails_fails_the_fill_and_stops_the_reads():
+    reads = []
+
+    def read(i: int) -> dict[str, torch.Tensor]:
+        reads.append(i)
+        return _block(i)
+
+    fill = size_store(("t", "copy fails"), BLOCKS, read)
+    store = fill.store
+    bad = next(iter(store.manifest[1].values()))
+    plain = store.segment.tensor
+
+    def tensor(desc):
+        if desc == bad:
+            raise OSError("no space left on /dev/shm while copying block 1")
+        return plain(desc)
+
+    store.segment.tensor = tensor
+    try:
+        with pytest.raises(OSError, match="while copying block 1"):
+            fill.run()
+        assert store.fill_progress().read() == FAILED
+        assert store.filled_at is None
+        # the reader stops at the next block once the copy failed: at most two blocks past the failed one are read
+        assert reads and max(reads) <= 3, reads
+    finally:
+        store.release()
+    assert _no_segments_left()
