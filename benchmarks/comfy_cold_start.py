@@ -166,13 +166,17 @@ def time_casts():
     mod._cast_path_tensors = timed
     for owner, name, key in ((comfy.pinned_memory, "pin_memory", "pin_s"),
                              (comfy.memory_management, "read_tensor_file_slice_into", "read_s")):
-        def part(*a, _fn=getattr(owner, name), _key=key, **kw):
-            if not inside_cast[0]:
+        depth = [0]  # ComfyUI's read of an int8 tensor calls itself for the tensor's data: time the outer call
+
+        def part(*a, _fn=getattr(owner, name), _key=key, _depth=depth, **kw):
+            if not inside_cast[0] or _depth[0]:
                 return _fn(*a, **kw)
             t0 = time.perf_counter()
+            _depth[0] += 1
             try:
                 return _fn(*a, **kw)
             finally:
+                _depth[0] -= 1
                 cast[_key] += time.perf_counter() - t0
         setattr(owner, name, part)
 

@@ -272,9 +272,11 @@ def test_modulation_rows_are_comfyuis_own():
     assert not any(k.startswith("adaln_proj.") for k in out["fp32 2 ranks"]["store_keys"])
     # fresh workers start beside ComfyUI's read of the adaLN weights, not after it
     assert out["fp32 2 ranks"]["pools_at_rows"] in (["starting"], ["running"]), out["fp32 2 ranks"]
-    # the fill computes block i's row as it reads block i (blocks 0..i-1 filled): one pass over the checkpoint
-    n = out["fp32 2 ranks"]["blocks"]
-    assert n > 1 and out["fp32 2 ranks"]["fill_at_rows"] == [[i, i] for i in range(1, n)], out["fp32 2 ranks"]
+    # the fill computes block i's row as it reads block i, in order, while the store fills: one pass over the
+    # checkpoint (blocks 0..i-2 in the store, block i-1 in it or being copied beside this read)
+    n, rows = out["fp32 2 ranks"]["blocks"], out["fp32 2 ranks"]["fill_at_rows"]
+    assert n > 1 and [i for i, _ in rows] == list(range(1, n)), out["fp32 2 ranks"]
+    assert all(i - 1 <= filled <= i for i, filled in rows), out["fp32 2 ranks"]
     assert out["adaLN LoRA 2 ranks"]["lora_changes_output"]
     faulty = out["block 1 rows one ulp off"]
     assert faulty["proof_failure"] is None, faulty  # it ran split
