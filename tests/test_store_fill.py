@@ -26,6 +26,21 @@ def _no_segments_left() -> bool:
     return not [n for n in os.listdir("/dev/shm") if n.startswith(f"h3ms-{os.getpid()}-")]
 
 
+def _watched_fill(tag: str, read, block: int, on_copy):
+    """A store sized over ``read`` whose copy calls ``on_copy()`` as it starts block ``block`` (its first tensor)."""
+    fill = size_store(("t", tag), BLOCKS, read)
+    watched = next(iter(fill.store.manifest[block].values()))
+    plain = fill.store.segment.tensor
+
+    def tensor(desc):
+        if desc == watched:
+            on_copy()
+        return plain(desc)
+
+    fill.store.segment.tensor = tensor
+    return fill
+
+
 def test_a_blocks_copy_overlaps_the_next_blocks_read():
     """Block 0's copy into the store waits until block 1's read has begun: a fill that read and copied in turn would
     never read block 1 while block 0 copies, and the wait would time out."""
@@ -37,17 +52,12 @@ def test_a_blocks_copy_overlaps_the_next_blocks_read():
             reading_1.set()
         return _block(i)
 
-    fill = size_store(("t", "overlap"), BLOCKS, read)
-    store = fill.store
-    first_desc = next(iter(store.manifest[0].values()))
-    plain = store.segment.tensor
-
-    def tensor(desc):
-        if desc == first_desc and not overlapped:
+    def copying_0():
+        if not overlapped:
             overlapped.append(reading_1.wait(10.0))
-        return plain(desc)
 
-    store.segment.tensor = tensor
+    fill = _watched_fill("overlap", read, 0, copying_0)
+    store = fill.store
     try:
         fill.run()
         assert overlapped == [True]
@@ -69,17 +79,11 @@ def test_a_copy_that_fails_fails_the_fill_and_stops_the_reads():
         reads.append(i)
         return _block(i)
 
-    fill = size_store(("t", "copy fails"), BLOCKS, read)
+    def copying_1():
+        raise OSError("no space left on /dev/shm while copying block 1")
+
+    fill = _watched_fill("copy fails", read, 1, copying_1)
     store = fill.store
-    bad = next(iter(store.manifest[1].values()))
-    plain = store.segment.tensor
-
-    def tensor(desc):
-        if desc == bad:
-            raise OSError("no space left on /dev/shm while copying block 1")
-        return plain(desc)
-
-    store.segment.tensor = tensor
     try:
         with pytest.raises(OSError, match="while copying block 1"):
             fill.run()
