@@ -62,6 +62,8 @@ def test_a_blocks_copy_overlaps_the_next_blocks_read():
         fill.run()
         assert overlapped == [True]
         assert store.fill_progress().read() == BLOCKS
+        # the reads and the copies each took part of the fill, the copies beside the reads
+        assert 0 < store.read_seconds < store.fill_seconds and 0 < store.copy_seconds < store.fill_seconds
         for i in range(BLOCKS):
             got = store.block(i)
             assert got.keys() == _block(i).keys()

@@ -72,6 +72,11 @@ class LoadTimes:
     wall_s: float
     #: when the fill's last block was complete
     fill_end_s: float = 0.0
+    #: of ``fill_s``, the reading thread's seconds in the block reader and the copy thread's in its
+    #: copies, beside the reads (``WeightStore.read_seconds`` / ``copy_seconds``): a fill near the
+    #: first waits on the reader, near the second on the copy, under both on neither
+    fill_read_s: float = 0.0
+    fill_copy_s: float = 0.0
     #: when the last rank to do so took its first block in, and its last (None: the ranks held
     #: these weights already)
     ranks_first_block_s: float | None = None
@@ -99,7 +104,8 @@ class LoadTimes:
         out = "" if self.full_because is None else f"weights: LoRA change, {self.full_because}; "
         out += (
             f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
-            f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s), workers started in "
+            f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s; reading {self.fill_read_s:.2f}s, "
+            f"copying {self.fill_copy_s:.2f}s beside it), workers started in "
             f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "
             f"fill), ranks loaded in {self.ranks_load_s:.2f}s after it"
         )

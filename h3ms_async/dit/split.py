@@ -282,6 +282,8 @@ class SplitEngine(Engine):
                 ranks_load_s=t_end - max(started_at, store.filled_at),
                 wall_s=t_end - t0,
                 fill_end_s=store.filled_at - t0,
+                fill_read_s=store.read_seconds,
+                fill_copy_s=store.copy_seconds,
                 ranks_first_block_s=max(firsts) - t0 if firsts else None,
                 ranks_last_block_s=max(lasts) - t0 if lasts else None,
                 probe=probed,
