@@ -149,3 +149,21 @@ def test_pieces_already_cached_are_not_read_again_and_close_ends_the_reader(tmp_
     ahead.close()  # the fill stopped at block 0: the reader ends without reading blocks 3 to 5
     assert ahead._thread is not None and not ahead._thread.is_alive()
     assert ahead.cached_bytes == sum(n for i in (0, 1, 2) for _, n in ranges[i])
+
+
+def test_a_stalled_fill_ends_the_reader_and_closes_its_file(tmp_path, monkeypatch):
+    """A fill that stops asking (it failed, or the store was refused after block 0) leaves no reader behind: the
+    thread ends once the fill made no progress for ``IDLE_S`` and its file descriptor is closed."""
+    import h3ms_async.runtime.readahead as ra
+    monkeypatch.setattr(ra, "IDLE_S", 0.3)
+    path = str(tmp_path / "h3.safetensors")
+    _checkpoint(path, blocks=6)
+    ahead = BlockReadahead(path, block_ranges(path))
+    fds = set(os.listdir("/proc/self/fd"))
+    ahead.reading(0)
+    ahead.wait()
+    assert ahead._thread is not None
+    ahead._thread.join(10.0)
+    assert not ahead._thread.is_alive()
+    assert ahead.read_bytes + ahead.cached_bytes == sum(n for i in (0, 1, 2) for _, n in block_ranges(path)[i])
+    assert set(os.listdir("/proc/self/fd")) <= fds
