@@ -24,6 +24,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from h3ms_async.log import get_logger
@@ -131,6 +132,7 @@ class BlockReadahead:
             self._end()
             return
         local = threading.local()
+        started = time.monotonic()
         try:
             with cf.ThreadPoolExecutor(READERS, thread_name_prefix="h3ms-readahead") as pool:
                 for j in sorted(b for b in self.ranges if b >= first):
@@ -158,6 +160,13 @@ class BlockReadahead:
         finally:
             os.close(fd)
             self._end()
+            log.info(
+                "readahead of %s: %.2f GB read, %.2f GB found cached, in %.2fs",
+                os.path.basename(self.path),
+                self.read_bytes / 1e9,
+                self.cached_bytes / 1e9,
+                time.monotonic() - started,
+            )
 
     def _piece(self, fd: int, local: threading.local, off: int, n: int) -> None:
         if _cached(fd, off, n):
