@@ -21,10 +21,9 @@ both sides read it from disk. Then:
    ``fill_end_s``, and ``probe.overlapped``; of the fill, ``fill_read_s`` in the reading thread, ComfyUI's rows and
    casts included, and ``fill_copy_s`` in the copy thread beside it); ``rows_s``: the first call's seconds inside the
    blocks' adaLN linears (the modulation rows, which the fill computes block by block as it reads each block);
-   ``cast_s`` and
-   ``cast_calls``: the first prompt's seconds (each call synced) and calls inside ComfyUI's cast for the modules
-   whose patches ComfyUI applies in its cast (``nodes/comfy_weights.py``: with ``--lora``, every block's qkv and
-   fc1), the part of the fill a LoRA adds; of it ``cast_pin_s`` in ComfyUI pinning the module's host copy
+   ``cast_s`` and ``cast_calls``: the first prompt's seconds (each call synced) and calls inside ComfyUI's cast for
+   the modules whose patches ComfyUI applies in its cast (``nodes/comfy_weights.py``: with ``--lora``, every
+   block's qkv and fc1), the part of the fill a LoRA adds; of it ``cast_pin_s`` in ComfyUI pinning the module's host copy
    (``comfy.pinned_memory.pin_memory``) and ``cast_read_s`` in its file reads
    (``comfy.memory_management.read_tensor_file_slice_into``).
 3. the second prompt on the same patched model: its first block stack against its steady one; ``refilled`` says

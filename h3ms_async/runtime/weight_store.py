@@ -268,7 +268,7 @@ class StoreFill:
                     if copy_failed:
                         break
                     if i == 0:
-                        tensors = self.first
+                        tensors, self.first = self.first, {}  # block 0's go with its copy
                     else:
                         t = time.perf_counter()
                         tensors = self._read(i)
@@ -282,7 +282,6 @@ class StoreFill:
                         )
                     _settled(tensors)
                     handoff.put((i, tensors))
-                    self.first = {}  # let block 0's source tensors go
             finally:
                 handoff.put(None)
                 copier.join()  # a memory copy of at most two blocks: it ends
