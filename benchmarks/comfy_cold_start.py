@@ -19,7 +19,8 @@ both sides read it from disk. Then:
    probe, the first step's buffers (``SplitEngine.last_load`` and the verdicts break it down; the start, the ranks'
    load and the probe run beside the fill: ``weights`` gives their offsets from the load's start, the fill's end
    ``fill_end_s``, and ``probe.overlapped``; of the fill, ``fill_read_s`` in the reading thread, ComfyUI's rows and
-   casts included, and ``fill_copy_s`` in the copy thread beside it); ``rows_s``: the first call's seconds inside the
+   casts included, and ``fill_copy_s`` in the copy thread beside it, ``fill_file_bytes`` of the stored bytes read
+   from the checkpoint by ``pread``, the tensors ComfyUI maps unchanged); ``rows_s``: the first call's seconds inside the
    blocks' adaLN linears (the modulation rows, which the fill computes block by block as it reads each block);
    ``cast_s`` and ``cast_calls``: the first prompt's seconds (each call synced) and calls inside ComfyUI's cast for
    the modules whose patches ComfyUI applies in its cast (``nodes/comfy_weights.py``: with ``--lora``, every
@@ -269,6 +270,7 @@ print("RESULT " + json.dumps(dict(
                                         fill_end_s=round(load.fill_end_s, 3),
                                         fill_read_s=round(load.fill_read_s, 3),
                                         fill_copy_s=round(load.fill_copy_s, 3),
+                                        fill_file_bytes=load.fill_file_bytes,
                                         ranks_first_block_s=rnd(load.ranks_first_block_s),
                                         ranks_last_block_s=rnd(load.ranks_last_block_s),
                                         probe=None if load.probe is None else dict(

@@ -1,51 +1,61 @@
-"""The weight-store fill from a checkpoint, cold and cached, with and without the readahead, side by side in one run.
+"""The weight-store fill from a checkpoint, cold and cached, each way the store can take its bytes, side by side.
 
     python benchmarks/fill_readahead.py --layers 4 --out /tmp/fill.json          (CPU or GPU machine; no ComfyUI)
 
 Writes an H3 checkpoint in ComfyUI's int8 format at full width (``tests/comfy_h3.py``: int8 linears, bf16 adaLN and
 norms; ``--layers`` blocks) to ``--dir`` (default: beside this script's checkout, on the disk, not tmpfs), then, for
 each variant, alternating (``--repeats`` rounds): drops the file from the page cache (``posix_fadvise`` DONTNEED;
-not for ``cached``), maps it as ComfyUI does (``safetensors.safe_open``) and fills a real weight store
-(``size_store`` + ``StoreFill.run``, the split's own code) with every block's weights but the adaLN projection:
+not for ``cached``), maps it as ComfyUI's safetensors load does under DynamicVRAM (one read-only mapping, each
+tensor a view of it, its file range known) and fills a real weight store (``size_store`` + ``StoreFill.run``, the
+split's own code) with every block's weights but the adaLN projection:
 
 * ``fault``: the copy faults the file's pages in as it reads them (no readahead);
 * ``ahead``: :class:`BlockReadahead` reads the store's tensors of the block being read and the next two into the
   page cache, in the background, several requests at once;
 * ``separate``: a first prompt as the node ran it before c6e4dad: every block's adaLN weights read first (what
-  ComfyUI's modules read to compute the step's rows; here ``get_tensor``, one copy out of the mapping), then the
-  ``ahead`` fill;
-* ``interleaved``: as the node runs it now (``nodes/comfy_weights.py::block_reader`` with its ``before`` hook):
-  block i's adaLN weights read just before block i's store tensors, the readahead asking for whole blocks;
-* ``cached``: the ``ahead`` fill from a file already in the page cache.
+  ComfyUI's modules read to compute the step's rows: one copy out of the mapping), then the ``ahead`` fill;
+* ``interleaved``: block i's adaLN weights read just before block i's store tensors, the readahead asking for whole
+  blocks;
+* ``cached``: the fill from a file already in the page cache.
 
-``separate`` and ``interleaved`` read the adaLN bytes too: their rate counts every byte they read
-(``read_bytes``), the others' the store's. Beside them, the file's sequential read rate after a drop (``read()`` of
-64 MiB pieces) and a host memcpy's rate, into memory already written and into fresh pages (what a new store's fill
-writes into). Prints one JSON document (also to ``--out``): per variant the seconds and GB/s per round; each cold
-variant's best over the disk's rate, ``cached``'s over both memcpy rates.
+Each ends in ``_view`` (the store copies from the mapping's views, faulting its pages in) or ``_pread`` (the store
+reads the views' file ranges by ``pread``, several pieces at once: ``FileBytes``, what the node hands it for every
+tensor ComfyUI maps unchanged since the pread fill); ``interleaved_pread`` is the node's first prompt now.
+``separate`` and ``interleaved`` read the adaLN bytes too: their rate counts every byte they read (``read_bytes``),
+the others' the store's. Beside them, the file's sequential read rate after a drop (``read()`` of 64 MiB pieces) and
+a host memcpy's rate, into memory already written and into fresh pages (what a new store's fill writes into). Prints
+one JSON document (also to ``--out``): per variant the seconds and GB/s per round; each cold variant's best over the
+disk's rate, each ``cached`` one's over both memcpy rates.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import mmap
 import os
+import struct
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import comfy_h3  # noqa: E402
 from page_cache import drop  # noqa: E402
+from h3ms_async.runtime.file_bytes import FileBytes  # noqa: E402
 from h3ms_async.runtime.readahead import BlockReadahead  # noqa: E402
 from h3ms_async.runtime.weight_store import size_store  # noqa: E402
 from workers.dit.ops import held_by_ranks  # noqa: E402
 
 PREFIX = "blocks."
+DTYPES = {"I8": torch.int8, "U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+VARIANTS = [f"{kind}_{how}" for kind in ("fault", "ahead", "separate", "interleaved", "cached")
+            for how in ("view", "pread")]
 
 
 def disk_gbps(path: str) -> float:
@@ -75,40 +85,80 @@ def is_adaln(name: str) -> bool:
     return not held_by_ranks(name)
 
 
-def fill(path: str, layers: int, variant: str) -> tuple[float, int, int]:
-    """One fill of a store as ``variant`` reads the file; (seconds, store bytes, bytes read)."""
-    if variant != "cached":
+class Checkpoint:
+    """The file mapped as ComfyUI's safetensors load maps it under DynamicVRAM (``comfy.utils.load_safetensors``):
+    each tensor a view of one read-only mapping, its file range known."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.map = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
+        (n,) = struct.unpack("<Q", self.map[:8])
+        header = json.loads(self.map[8:8 + n])
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.info = {k: v for k, v in header.items() if k.startswith(PREFIX)}
+
+    def view(self, name: str) -> torch.Tensor:
+        info = self.info[name]
+        a, b = info["data_offsets"]
+        with warnings.catch_warnings():  # a read-only mapping, by design
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            dtype = DTYPES[info["dtype"]]
+            flat = torch.frombuffer(self.map, dtype=dtype, count=(b - a) // dtype.itemsize, offset=self.base + a)
+        return flat.view(info["shape"])
+
+    def source(self, name: str, pread: bool):
+        t = self.view(name)
+        return FileBytes(t, self.fd, self.base + self.info[name]["data_offsets"][0]) if pread else t
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def fill(path: str, layers: int, variant: str) -> tuple[float, int, int, int]:
+    """One fill of a store as ``variant`` reads the file; (seconds, store bytes, bytes read, bytes the store read
+    by ``pread``)."""
+    kind, _, how = variant.partition("_")
+    pread = how == "pread"
+    if kind != "cached":
         drop(path)
-    with safe_open(path, framework="pt") as f:
-        names = [k for k in f.keys() if k.startswith(PREFIX)]
-        wanted = (lambda _: True) if variant == "interleaved" else held_by_ranks
-        readahead = BlockReadahead.of(path, wanted) if variant != "fault" else None
+    ck = Checkpoint(path)
+    try:
+        wanted = (lambda _: True) if kind == "interleaved" else held_by_ranks
+        readahead = BlockReadahead.of(path, wanted) if kind not in ("fault", "cached") else None
         adaln_bytes = [0]
 
-        def block(i: int, keep) -> dict[str, torch.Tensor]:
+        def names(i: int, keep) -> list[str]:
             p = f"{PREFIX}{i}."
-            return {k[len(p):]: f.get_tensor(k) for k in names if k.startswith(p) and keep(k[len(p):])}
+            return [k for k in ck.info if k.startswith(p) and keep(k[len(p):])]
 
-        def rows(i: int) -> None:  # what computing block i's adaLN rows reads
-            adaln_bytes[0] += sum(t.numel() * t.element_size() for t in block(i, is_adaln).values())
+        def rows(i: int) -> None:  # what computing block i's adaLN rows reads: one copy out of the mapping
+            adaln_bytes[0] += sum(ck.view(k).clone().nbytes for k in names(i, is_adaln))
 
-        def read(i: int) -> dict[str, torch.Tensor]:
+        def read(i: int):
             if readahead is not None:
                 readahead.reading(i)
-            if variant == "interleaved":
+            if kind == "interleaved":
                 rows(i)
-            return block(i, held_by_ranks)
+            p = len(f"{PREFIX}{i}.")
+            return {k[p:]: ck.source(k, pread) for k in names(i, held_by_ranks)}
 
         t = time.perf_counter()
-        if variant == "separate":
+        if kind == "separate":
             for i in range(layers):
                 rows(i)
         sized = size_store(("bench-fill", variant), layers, read)
         try:
             store = sized.run()
-            return time.perf_counter() - t, store.nbytes, store.nbytes + adaln_bytes[0]
+            return time.perf_counter() - t, store.nbytes, store.nbytes + adaln_bytes[0], store.file_bytes
         finally:
+            if readahead is not None:
+                readahead.close()
             sized.store.release()
+    finally:
+        gc.collect()  # the fill's views of the mapping, before it closes
+        ck.close()
 
 
 def main() -> int:
@@ -124,12 +174,12 @@ def main() -> int:
         save_file(comfy_h3.state_dict(layers=a.layers, int8=True, dtype=torch.bfloat16, dims=comfy_h3.FULL), path)
         write_s = time.perf_counter() - t
         disk = disk_gbps(path)
-        rows: dict[str, list[dict]] = {v: [] for v in ("fault", "ahead", "separate", "interleaved", "cached")}
+        rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         for _ in range(a.repeats):
             for variant in rows:
-                s, nbytes, read = fill(path, a.layers, variant)
+                s, nbytes, read, by_pread = fill(path, a.layers, variant)
                 rows[variant].append({"fill_s": round(s, 3), "gbps": round(read / s / 1e9, 3), "bytes": nbytes,
-                                      "read_bytes": read})
+                                      "read_bytes": read, "pread_bytes": by_pread})
         memcpy, fresh = memcpy_gbps(), memcpy_gbps(fresh=True)
         best = {v: max(r["gbps"] for r in rs) for v, rs in rows.items()}
         res = {
@@ -138,9 +188,10 @@ def main() -> int:
             "disk_read_gbps": round(disk, 3), "host_memcpy_gbps": round(memcpy, 2),
             "host_memcpy_fresh_gbps": round(fresh, 2),
             "variants": rows,
-            "best_over_disk": {v: round(g / disk, 3) for v, g in best.items() if v != "cached"},
-            "cached_best_over_memcpy": round(best["cached"] / memcpy, 3),
-            "cached_best_over_fresh_memcpy": round(best["cached"] / fresh, 3),
+            "best_over_disk": {v: round(g / disk, 3) for v, g in best.items() if not v.startswith("cached")},
+            "cached_best_over_memcpy": {v: round(g / memcpy, 3) for v, g in best.items() if v.startswith("cached")},
+            "cached_best_over_fresh_memcpy": {v: round(g / fresh, 3) for v, g in best.items()
+                                              if v.startswith("cached")},
         }
     finally:
         if os.path.exists(path):

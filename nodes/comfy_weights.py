@@ -11,6 +11,7 @@ tensors plain ComfyUI would.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -19,9 +20,10 @@ from typing import Any
 
 import torch
 
+from h3ms_async.runtime.file_bytes import FileBytes
 from h3ms_async.runtime.host_memory import GIB, ram_info
 from h3ms_async.runtime.readahead import BlockReadahead
-from h3ms_async.runtime.weight_store import PatchedKey
+from h3ms_async.runtime.weight_store import PatchedKey, Source
 from workers.dit.ops import held_by_ranks
 
 from .errors import MultiStreamError
@@ -246,6 +248,30 @@ def block_tensors(
     return out
 
 
+def file_source(t: torch.Tensor) -> Source:
+    """``t`` as the store reads it: its bytes' place in the checkpoint when ``t`` is ComfyUI's
+    view of them, unchanged (``comfy.utils.load_safetensors`` under DynamicVRAM maps the file and
+    notes each tensor's range on its storage as ``_comfy_tensor_file_slice``), else ``t``.  The
+    file descriptor is the mapping's own, open while the tensor lives; one opened for direct I/O
+    (whose reads need aligned offsets) is not used."""
+    info = getattr(t.untyped_storage(), "_comfy_tensor_file_slice", None)
+    fd = getattr(info, "file_ref", None)
+    if (
+        not isinstance(fd, int)
+        or t.device.type != "cpu"
+        or not t.is_contiguous()
+        or t.storage_offset() != 0
+        or t.numel() * t.element_size() != info.size
+    ):
+        return t
+    try:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            return t
+    except OSError:
+        return t
+    return FileBytes(t.detach(), fd, int(info.offset))
+
+
 def block_nbytes(dm: Any, block_index: int) -> int:
     """Bytes of the block's weights the store takes, as stored (int8 data counts one byte per
     element; the adaLN projection stays in ComfyUI)."""
@@ -269,17 +295,19 @@ def block_reader(
     compute_dtype: torch.dtype,
     ram: Callable[[], int] = available_ram,
     before: Callable[[int], object] | None = None,
-) -> Callable[[int], dict[str, torch.Tensor]]:
+) -> Callable[[int], dict[str, Source]]:
     """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into
     the RAM reserve.  ``before(i)`` runs ahead of reading block i: the step's adaLN row of block i
     (``BlockModulation.row``), so a cold checkpoint is read once, block after block, and the
-    readahead then asks for whole blocks, adaLN weights included."""
+    readahead then asks for whole blocks, adaLN weights included.  A tensor ComfyUI maps unchanged
+    from the checkpoint comes back as its file range (:func:`file_source`), which the store reads
+    by ``pread``."""
     dm = patcher.get_model_object("diffusion_model")
     reserve = int(reserve_gb * GIB)
     path = checkpoint_path(patcher)
     ahead: list[BlockReadahead | None] = []  # made at the first read: only a fill reads
 
-    def read(i: int) -> dict[str, torch.Tensor]:
+    def read(i: int) -> dict[str, Source]:
         if not ahead:
             safetensors = path is not None and path.lower().endswith((".safetensors", ".sft"))
             wanted = held_by_ranks if before is None else (lambda _: True)
@@ -297,6 +325,7 @@ def block_reader(
                 "lower cache_ram_reserve_gb, free RAM, or run the model unsplit"
             )
         with torch.inference_mode():
-            return block_tensors(patcher, i, compute_dtype)
+            tensors = block_tensors(patcher, i, compute_dtype)
+        return {name: file_source(t) for name, t in tensors.items()}
 
     return read

@@ -77,6 +77,8 @@ class LoadTimes:
     #: first waits on the reader, near the second on the copy, under both on neither
     fill_read_s: float = 0.0
     fill_copy_s: float = 0.0
+    #: of ``fill_bytes``, those read from the checkpoint by ``pread`` (``WeightStore.file_bytes``)
+    fill_file_bytes: int = 0
     #: when the last rank to do so took its first block in, and its last (None: the ranks held
     #: these weights already)
     ranks_first_block_s: float | None = None
@@ -105,7 +107,8 @@ class LoadTimes:
         out += (
             f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
             f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s; reading {self.fill_read_s:.2f}s, "
-            f"copying {self.fill_copy_s:.2f}s beside it), workers started in "
+            f"copying {self.fill_copy_s:.2f}s beside it, {self.fill_file_bytes / 1e9:.2f} GB of it "
+            f"from the file by pread), workers started in "
             f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "
             f"fill), ranks loaded in {self.ranks_load_s:.2f}s after it"
         )

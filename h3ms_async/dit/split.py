@@ -53,6 +53,7 @@ from h3ms_async.log import get_logger
 from h3ms_async.runtime import plans
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.engines import Engine, EngineRegistry
+from h3ms_async.runtime.file_bytes import tensor_of
 from h3ms_async.runtime.pool import WorkerPool
 from h3ms_async.runtime.spawn import cpu_thread_env
 from h3ms_async.runtime.weight_store import (
@@ -246,7 +247,8 @@ class SplitEngine(Engine):
                 started.append(loading)
                 ahead = None
                 if first_step is not None and self.ranks > 1:
-                    ahead = self._probe_ahead(first_step, self.probe.block0_ops(sized.first), t0)
+                    first = {n: tensor_of(t) for n, t in sized.first.items()}
+                    ahead = self._probe_ahead(first_step, self.probe.block0_ops(first), t0)
                     started.append(ahead)
                 sized.run()
             except BaseException:
@@ -284,6 +286,7 @@ class SplitEngine(Engine):
                 fill_end_s=store.filled_at - t0,
                 fill_read_s=store.read_seconds,
                 fill_copy_s=store.copy_seconds,
+                fill_file_bytes=store.file_bytes,
                 ranks_first_block_s=max(firsts) - t0 if firsts else None,
                 ranks_last_block_s=max(lasts) - t0 if lasts else None,
                 probe=probed,

@@ -20,12 +20,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from h3ms_async.log import get_logger
+from h3ms_async.runtime.file_bytes import FileBytes, FileReader, Source
 from h3ms_async.runtime.host_memory import ram_info
 from workers.runtime import fill_progress as progress_layout
 from workers.runtime.fill_progress import FillProgress
@@ -35,7 +36,7 @@ from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
 log = get_logger("Weights")
 GIB = 1 << 30
 
-BlockReader = Callable[[int], dict[str, torch.Tensor]]
+BlockReader = Callable[[int], Mapping[str, Source]]
 
 
 class WeightStoreRefused(RuntimeError):
@@ -95,8 +96,19 @@ def touched_tensors(names: Iterable[str], patched_params: Iterable[str]) -> list
     return sorted(n for n in names if _module(n) in modules)
 
 
-def _block_layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _block_layout(tensors: Mapping[str, Source]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
+
+
+def _copy_in(dest: torch.Tensor, src: Source, files: FileReader | None) -> None:
+    """One stored tensor's copy: file bytes by ``pread`` (``files``), a tensor from any device
+    straight into shared memory (no host tensor between)."""
+    if isinstance(src, FileBytes):
+        if files is not None:
+            files.read_into(dest, src)
+            return
+        src = src.tensor
+    dest.copy_(src.detach())
 
 
 def _desc_layout(entry: dict[str, TensorDesc]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -135,6 +147,8 @@ class WeightStore:
     #: casts, the file) and those its copy thread spent copying them in, beside the reads
     read_seconds: float = 0.0
     copy_seconds: float = 0.0
+    #: of the stored bytes, those the copy thread read from their file (:class:`FileBytes`)
+    file_bytes: int = 0
     created_at: float = field(default_factory=time.time)
 
     @property
@@ -196,7 +210,7 @@ class WeightStore:
                 )
             for name in names:
                 d = entry[name]
-                self.segment.tensor(d).copy_(tensors[name].detach())
+                _copy_in(self.segment.tensor(d), tensors[name], None)
                 nbytes += tensor_nbytes(d.dtype, d.shape)
             blocks.append((i, tuple(names)))
         self.key = key
@@ -222,7 +236,7 @@ class StoreFill:
         self,
         store: WeightStore,
         read_block: BlockReader,
-        first: dict[str, torch.Tensor],
+        first: Mapping[str, Source],
         started: float,
     ) -> None:
         self.store = store
@@ -234,16 +248,18 @@ class StoreFill:
     def run(self) -> WeightStore:
         """Copy every block, publishing each as complete in the progress word.  Blocks are read
         in this thread (the reader may run the host's own code: ComfyUI's casts) and copied into
-        the store in another, one block behind, so a block's copy (page faults on a mapped file,
-        device-to-host copies) overlaps the next block's read.  A failure marks the fill failed
-        there (every waiting rank stops) and raises; the caller releases the store once the ranks
-        that mapped it have stopped."""
+        the store in another, one block behind, so a block's copy (file reads, device-to-host
+        copies) overlaps the next block's read; a source that lies unchanged in a file
+        (:class:`FileBytes`) is read from it by ``pread``, several pieces at once.  A failure
+        marks the fill failed there (every waiting rank stops) and raises; the caller releases
+        the store once the ranks that mapped it have stopped."""
         store, seg = self.store, self.store.segment
         progress = store.fill_progress()
         layout = _block_layout(self.first)
         # one block waits while one copies: two blocks' source tensors alive at most
-        handoff: queue.Queue[tuple[int, dict[str, torch.Tensor]] | None] = queue.Queue(maxsize=1)
+        handoff: queue.Queue[tuple[int, Mapping[str, Source]] | None] = queue.Queue(maxsize=1)
         copy_failed: list[Exception] = []
+        files = FileReader()
 
         def copy_blocks() -> None:
             while (item := handoff.get()) is not None:
@@ -253,8 +269,7 @@ class StoreFill:
                 t = time.perf_counter()
                 try:
                     for name, desc in store.manifest[i].items():
-                        # any device: no host tensor between
-                        seg.tensor(desc).copy_(tensors[name].detach())
+                        _copy_in(seg.tensor(desc), tensors[name], files)
                     progress.publish(i + 1)
                     store.copy_seconds += time.perf_counter() - t
                 except Exception as exc:  # noqa: BLE001 - raised in the reading thread
@@ -284,7 +299,9 @@ class StoreFill:
                     handoff.put((i, tensors))
             finally:
                 handoff.put(None)
-                copier.join()  # a memory copy of at most two blocks: it ends
+                copier.join()  # a copy of at most two blocks: it ends
+                files.close()
+                store.file_bytes = files.bytes
             if copy_failed:
                 raise copy_failed[0]
         except BaseException:
@@ -293,20 +310,22 @@ class StoreFill:
         store.filled_at = time.monotonic()
         store.fill_seconds = time.perf_counter() - self._started
         log.info(
-            "filled %d blocks, %.2f GiB in %.2fs (reading %.2fs, copying %.2fs beside it)",
+            "filled %d blocks, %.2f GiB in %.2fs (reading %.2fs, copying %.2fs beside it; "
+            "%.2f GiB of it read from the file by pread)",
             len(store.manifest),
             store.nbytes / GIB,
             store.fill_seconds,
             store.read_seconds,
             store.copy_seconds,
+            store.file_bytes / GIB,
         )
         return store
 
 
-def _settled(tensors: dict[str, torch.Tensor]) -> None:
+def _settled(tensors: Mapping[str, Source]) -> None:
     """Wait for the device work that produced a block's CUDA tensors (ComfyUI's cast and patch),
     so the copy thread, on its own stream, reads finished values."""
-    for device in {t.device for t in tensors.values() if t.is_cuda}:
+    for device in {t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 
 

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import comfy_kitchen as ck
 import torch
 import torch.nn.functional as F
 
 from workers.runtime import config
+
+#: whatever a block's weights are held as (tensors; the store's sources)
+_W = TypeVar("_W")
 
 Row = int | torch.Tensor
 """A mod-segment row: an int, or a LongTensor of per-token rows (masked segments)."""
@@ -266,7 +269,7 @@ def held_by_ranks(name: str) -> bool:
     return not name.startswith(ADALN_PREFIX)
 
 
-def rank_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rank_weights(weights: Mapping[str, _W]) -> dict[str, _W]:
     """The part of a block's weights the ranks hold (:func:`held_by_ranks`): what the weight store
     keeps of a block."""
     return {name: t for name, t in weights.items() if held_by_ranks(name)}
