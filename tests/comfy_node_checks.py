@@ -282,6 +282,50 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
         v.numel() * v.element_size() for k, v in got.items() if not k.endswith(("_scale", "comfy_quant")))
 
 
+def test_a_tensor_comfyui_maps_from_its_checkpoint_is_read_from_the_file():
+    """``file_source`` on the file-range record ComfyUI's DynamicVRAM load puts on a mapped tensor's storage
+    (``comfy.memory_management.TensorFileSlice``, as ``comfy.utils.load_safetensors`` sets it; DynamicVRAM itself needs
+    CUDA, so the GPU cold-start bench shows the whole path: ``fill_file_bytes``): a whole tensor becomes its file range,
+    read back equal; a part of one, a tensor without the record and one on a direct-I/O descriptor stay tensors."""
+    import gc
+    import mmap
+    import warnings
+
+    import comfy.memory_management as mm_
+    from h3ms_async.runtime.file_bytes import FileBytes, FileReader
+
+    data = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
+    with tempfile.NamedTemporaryFile(suffix=".bin", dir=comfy_h3.checkpoint_dir()) as f:  # a disk: direct I/O
+        f.write(b"\0" * 100 + data.numpy().tobytes())
+        f.flush()
+        fd = os.open(f.name, os.O_RDONLY)
+        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                t = torch.frombuffer(mapping, dtype=torch.int8, count=data.numel(), offset=100).view(64, 96)
+            t.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(fd, threading.Lock(), 100, data.numel())
+            src = CW.file_source(torch.nn.Parameter(t, requires_grad=False))
+            assert isinstance(src, FileBytes) and (src.fd, src.offset) == (fd, 100)
+            got, reader = torch.empty_like(data), FileReader(threads=2)
+            reader.read_into(got, src)
+            reader.close()
+            assert torch.equal(got, data)
+            assert CW.file_source(t[1:]) is not None and not isinstance(CW.file_source(t[1:]), FileBytes)
+            assert not isinstance(CW.file_source(data), FileBytes)
+            direct = os.open(f.name, os.O_RDONLY | os.O_DIRECT)
+            try:
+                t.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(direct, None, 100, data.numel())
+                assert not isinstance(CW.file_source(t), FileBytes)
+            finally:
+                os.close(direct)
+            del t, src
+            gc.collect()  # the mapping's views, before it closes
+        finally:
+            mapping.close()
+            os.close(fd)
+
+
 def test_ram_reserve_refuses_to_fill():
     patcher = comfy_h3.model(layers=1)
     need = CW.block_nbytes(patcher.model.diffusion_model, 0)
