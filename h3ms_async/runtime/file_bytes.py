@@ -2,9 +2,9 @@
 
 A host that maps its checkpoint (ComfyUI's safetensors load under DynamicVRAM maps the file and
 notes each tensor's file range) hands the fill tensors that are views of that mapping.  Copying
-from such a view faults the mapping's pages in one at a time: from a file already in the page
-cache that ran at 16 % of a host memcpy on an H100 host.  ``pread`` copies the same bytes inside
-the kernel, with no fault per page, and several of them at once spread the copy over the cores.
+from such a view faults the mapping's pages in one at a time, in the copying thread.  ``pread``
+copies the same bytes inside the kernel, with no fault per source page, and several of them at
+once spread the copy over the cores.
 The bytes are the file's, so the store's copy is the same as the view's copy, bit for bit.
 """
 
