@@ -110,3 +110,50 @@ def test_a_store_filled_from_the_file_holds_the_checkpoints_tensors(tmp_path):
         store.release()
         for fd, _mm in maps:
             os.close(fd)
+
+
+def test_a_patch_change_restores_unpatched_tensors_from_the_file(tmp_path):
+    """A store filled with a patched qkv (a tensor) beside file ranges takes the unpatched patch set in place: the qkv
+    comes back from the file, byte for byte, and only it is rewritten."""
+    from safetensors.torch import load_file, save_file
+
+    from h3ms_async.runtime.readahead import block_ranges
+    from h3ms_async.runtime.weight_store import PatchedKey
+
+    g = torch.Generator().manual_seed(6)
+    sd = {}
+    for i in range(2):
+        sd[f"blocks.{i}.attn.qkv.weight"] = torch.randint(-60, 60, (96, 64), dtype=torch.int8, generator=g)
+        sd[f"blocks.{i}.norm1.weight"] = torch.randn(64, generator=g).to(torch.bfloat16)
+    path = str(tmp_path / "ck.safetensors")
+    save_file(sd, path)
+    loaded = load_file(path)
+    fds = []
+
+    def reader(patched: bool):
+        def read(i: int):
+            out = {}
+            for name in ("attn.qkv.weight", "norm1.weight"):
+                ((offset, _),) = block_ranges(path, lambda n, name=name: n == name)[i]
+                t = loaded[f"blocks.{i}.{name}"]
+                src, _mm = _mapped(path, offset, t.dtype, tuple(t.shape))
+                fds.append(src.fd)
+                out[name] = src
+            if patched:
+                out["attn.qkv.weight"] = loaded[f"blocks.{i}.attn.qkv.weight"] * 2
+            return out
+        return read
+
+    touched = frozenset((i, "attn.qkv.weight") for i in range(2))
+    store = fill(PatchedKey(("f",), "lora", touched), 2, reader(True))
+    try:
+        assert torch.equal(store.block(1)["attn.qkv.weight"], loaded["blocks.1.attn.qkv.weight"] * 2)
+        done = store.rewrite(PatchedKey(("f",), "", frozenset()), reader(False))
+        assert done.blocks == ((0, ("attn.qkv.weight",)), (1, ("attn.qkv.weight",)))
+        for i in range(2):
+            for name, t in store.block(i).items():
+                assert torch.equal(t, loaded[f"blocks.{i}.{name}"]), (i, name)
+    finally:
+        store.release()
+        for fd in fds:
+            os.close(fd)

@@ -100,15 +100,13 @@ def _block_layout(tensors: Mapping[str, Source]) -> dict[str, tuple[str, tuple[i
     return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
 
 
-def _copy_in(dest: torch.Tensor, src: Source, files: FileReader | None) -> None:
+def _copy_in(dest: torch.Tensor, src: Source, files: FileReader) -> None:
     """One stored tensor's copy: file bytes by ``pread`` (``files``), a tensor from any device
     straight into shared memory (no host tensor between)."""
     if isinstance(src, FileBytes):
-        if files is not None:
-            files.read_into(dest, src)
-            return
-        src = src.tensor
-    dest.copy_(src.detach())
+        files.read_into(dest, src)
+    else:
+        dest.copy_(src.detach())
 
 
 def _desc_layout(entry: dict[str, TensorDesc]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -195,24 +193,28 @@ class WeightStore:
                 params.setdefault(i, set()).add(name)
         blocks: list[tuple[int, tuple[str, ...]]] = []
         nbytes = 0
-        for i in sorted(params):
-            entry = self.manifest[i]
-            names = touched_tensors(entry, params[i])
-            if not names:
-                continue
-            tensors = read_block(i)
-            got, want = _block_layout(tensors), _desc_layout(entry)
-            if got != want:
-                diff = sorted(set(got.items()) ^ set(want.items()))
-                raise LayoutChanged(
-                    f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
-                    f"{', ...' if len(diff) > 4 else ''})"
-                )
-            for name in names:
-                d = entry[name]
-                _copy_in(self.segment.tensor(d), tensors[name], None)
-                nbytes += tensor_nbytes(d.dtype, d.shape)
-            blocks.append((i, tuple(names)))
+        files = FileReader()
+        try:
+            for i in sorted(params):
+                entry = self.manifest[i]
+                names = touched_tensors(entry, params[i])
+                if not names:
+                    continue
+                tensors = read_block(i)
+                got, want = _block_layout(tensors), _desc_layout(entry)
+                if got != want:
+                    diff = sorted(set(got.items()) ^ set(want.items()))
+                    raise LayoutChanged(
+                        f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
+                        f"{', ...' if len(diff) > 4 else ''})"
+                    )
+                for name in names:
+                    d = entry[name]
+                    _copy_in(self.segment.tensor(d), tensors[name], files)
+                    nbytes += tensor_nbytes(d.dtype, d.shape)
+                blocks.append((i, tuple(names)))
+        finally:
+            files.close()
         self.key = key
         return Rewrite(
             tuple(blocks),
