@@ -70,90 +70,78 @@ def test_a_file_that_ends_early_and_a_wrong_destination_are_refused(tmp_path):
         os.close(fd)
 
 
+class _Checkpoint:
+    """A real safetensors file of ``blocks`` blocks (an int8 qkv with its scale, a bf16 norm) and each tensor's file
+    source: a view of a read-only mapping with its own range (``block_ranges`` of a one-tensor filter gives exactly its
+    bytes)."""
+
+    NAMES = ("attn.qkv.weight", "attn.qkv.weight_scale", "norm1.weight")
+
+    def __init__(self, tmp_path, blocks: int, seed: int) -> None:
+        from safetensors.torch import load_file, save_file
+
+        g = torch.Generator().manual_seed(seed)
+        sd = {}
+        for i in range(blocks):
+            sd[f"blocks.{i}.attn.qkv.weight"] = torch.randint(-60, 60, (384, 256), dtype=torch.int8, generator=g)
+            sd[f"blocks.{i}.attn.qkv.weight_scale"] = torch.rand(1, generator=g)
+            sd[f"blocks.{i}.norm1.weight"] = torch.randn(256, generator=g).to(torch.bfloat16)
+        self.path = str(tmp_path / "ck.safetensors")
+        save_file(sd, self.path)
+        self.loaded = load_file(self.path)
+        self.fds: list[int] = []
+
+    def sources(self, i: int) -> dict[str, FileBytes]:
+        from h3ms_async.runtime.readahead import block_ranges
+
+        out = {}
+        for name in self.NAMES:
+            ((offset, length),) = block_ranges(self.path, lambda n, name=name: n == name)[i]
+            t = self.loaded[f"blocks.{i}.{name}"]
+            assert length == t.numel() * t.element_size()
+            out[name], _mm = _mapped(self.path, offset, t.dtype, tuple(t.shape))
+            self.fds.append(out[name].fd)
+        return out
+
+    def equals(self, store, i: int) -> bool:
+        return all(torch.equal(t, self.loaded[f"blocks.{i}.{name}"]) for name, t in store.block(i).items())
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
 def test_a_store_filled_from_the_file_holds_the_checkpoints_tensors(tmp_path):
     """Three blocks of a real safetensors file, handed to the fill as file ranges of a mapping: the store equals what
     safetensors loads, and every byte came by pread."""
-    from safetensors.torch import load_file, save_file
-
-    from h3ms_async.runtime.readahead import block_ranges
-
-    g = torch.Generator().manual_seed(5)
-    sd = {}
-    for i in range(3):
-        sd[f"blocks.{i}.attn.qkv.weight"] = torch.randint(-127, 127, (384, 256), dtype=torch.int8, generator=g)
-        sd[f"blocks.{i}.attn.qkv.weight_scale"] = torch.rand(1, generator=g)
-        sd[f"blocks.{i}.norm1.weight"] = torch.randn(256, generator=g).to(torch.bfloat16)
-    path = str(tmp_path / "ck.safetensors")
-    save_file(sd, path)
-    loaded = load_file(path)
-    # each tensor's own range: ``block_ranges`` of a one-tensor filter gives exactly its bytes
-    maps = []
-
-    def read(i: int):
-        out = {}
-        for name in ("attn.qkv.weight", "attn.qkv.weight_scale", "norm1.weight"):
-            ((offset, length),) = block_ranges(path, lambda n, name=name: n == name)[i]
-            t = loaded[f"blocks.{i}.{name}"]
-            assert length == t.numel() * t.element_size()
-            src, mm = _mapped(path, offset, t.dtype, tuple(t.shape))
-            maps.append((src.fd, mm))
-            out[name] = src
-        return out
-
-    store = fill(("file-bytes", path), 3, read)
+    ck = _Checkpoint(tmp_path, 3, seed=5)
+    store = fill(("file-bytes", ck.path), 3, ck.sources)
     try:
-        for i in range(3):
-            for name, t in store.block(i).items():
-                assert torch.equal(t, loaded[f"blocks.{i}.{name}"]), (i, name)
-        assert store.file_bytes == sum(t.numel() * t.element_size() for t in loaded.values())
+        assert all(ck.equals(store, i) for i in range(3))
+        assert store.file_bytes == sum(t.numel() * t.element_size() for t in ck.loaded.values())
     finally:
         store.release()
-        for fd, _mm in maps:
-            os.close(fd)
+        ck.close()
 
 
 def test_a_patch_change_restores_unpatched_tensors_from_the_file(tmp_path):
     """A store filled with a patched qkv (a tensor) beside file ranges takes the unpatched patch set in place: the qkv
-    comes back from the file, byte for byte, and only it is rewritten."""
-    from safetensors.torch import load_file, save_file
-
-    from h3ms_async.runtime.readahead import block_ranges
+    comes back from the file, byte for byte, and only its module's tensors are rewritten."""
     from h3ms_async.runtime.weight_store import PatchedKey
 
-    g = torch.Generator().manual_seed(6)
-    sd = {}
-    for i in range(2):
-        sd[f"blocks.{i}.attn.qkv.weight"] = torch.randint(-60, 60, (96, 64), dtype=torch.int8, generator=g)
-        sd[f"blocks.{i}.norm1.weight"] = torch.randn(64, generator=g).to(torch.bfloat16)
-    path = str(tmp_path / "ck.safetensors")
-    save_file(sd, path)
-    loaded = load_file(path)
-    fds = []
+    ck = _Checkpoint(tmp_path, 2, seed=6)
 
-    def reader(patched: bool):
-        def read(i: int):
-            out = {}
-            for name in ("attn.qkv.weight", "norm1.weight"):
-                ((offset, _),) = block_ranges(path, lambda n, name=name: n == name)[i]
-                t = loaded[f"blocks.{i}.{name}"]
-                src, _mm = _mapped(path, offset, t.dtype, tuple(t.shape))
-                fds.append(src.fd)
-                out[name] = src
-            if patched:
-                out["attn.qkv.weight"] = loaded[f"blocks.{i}.attn.qkv.weight"] * 2
-            return out
-        return read
+    def patched(i: int):
+        return {**ck.sources(i), "attn.qkv.weight": ck.loaded[f"blocks.{i}.attn.qkv.weight"] * 2}
 
     touched = frozenset((i, "attn.qkv.weight") for i in range(2))
-    store = fill(PatchedKey(("f",), "lora", touched), 2, reader(True))
+    store = fill(PatchedKey(("f",), "lora", touched), 2, patched)
     try:
-        assert torch.equal(store.block(1)["attn.qkv.weight"], loaded["blocks.1.attn.qkv.weight"] * 2)
-        done = store.rewrite(PatchedKey(("f",), "", frozenset()), reader(False))
-        assert done.blocks == ((0, ("attn.qkv.weight",)), (1, ("attn.qkv.weight",)))
-        for i in range(2):
-            for name, t in store.block(i).items():
-                assert torch.equal(t, loaded[f"blocks.{i}.{name}"]), (i, name)
+        assert torch.equal(store.block(1)["attn.qkv.weight"], ck.loaded["blocks.1.attn.qkv.weight"] * 2)
+        done = store.rewrite(PatchedKey(("f",), "", frozenset()), ck.sources)
+        qkv = ("attn.qkv.weight", "attn.qkv.weight_scale")
+        assert done.blocks == ((0, qkv), (1, qkv))
+        assert all(ck.equals(store, i) for i in range(2))
     finally:
         store.release()
-        for fd in fds:
-            os.close(fd)
+        ck.close()
