@@ -326,6 +326,11 @@ def block_reader(
             )
         with torch.inference_mode():
             tensors = block_tensors(patcher, i, compute_dtype)
+        # a weight ComfyUI patched in place (its original kept in ``backup``) no longer equals its
+        # file's bytes: such a block is copied from its tensors
+        block = f"diffusion_model.blocks.{i}."
+        if any(k.startswith(block) for k in getattr(patcher, "backup", {})):
+            return tensors
         return {name: file_source(t) for name, t in tensors.items()}
 
     return read

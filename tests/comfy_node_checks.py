@@ -326,6 +326,52 @@ def test_a_tensor_comfyui_maps_from_its_checkpoint_is_read_from_the_file():
             os.close(fd)
 
 
+def test_a_block_comfyui_patched_in_place_is_not_read_from_the_file():
+    """A block weight that maps its checkpoint (a private, writable mapping, with ComfyUI's file-range record) is read
+    from the file; once ComfyUI's own patch load has written a LoRA into it in place (``weight_inplace_update``; the
+    original in ``backup``), its bytes are no longer the file's, and the block is copied from its tensors."""
+    import gc
+    import mmap
+    import warnings
+
+    import comfy.memory_management as mm_
+    from h3ms_async.runtime.file_bytes import FileBytes
+
+    patcher = comfy_h3.model(layers=1, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
+    fc1 = patcher.model.diffusion_model.blocks[0].mlp.fc1
+    with tempfile.NamedTemporaryFile(suffix=".bin", dir=comfy_h3.checkpoint_dir()) as f:
+        f.write(fc1.weight.detach().view(torch.uint8).numpy().tobytes())
+        f.flush()
+        fd = os.open(f.name, os.O_RDONLY)
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                view = torch.frombuffer(mapping, dtype=torch.bfloat16).view(fc1.weight.shape)
+            view.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(fd, threading.Lock(), 0,
+                                                                                 view.nbytes)
+            fc1.weight = torch.nn.Parameter(view, requires_grad=False)
+            assert isinstance(CW.block_reader(patcher, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"], FileBytes)
+            lora = patcher.clone()
+            lora.add_patches({"diffusion_model.blocks.0.mlp.fc1.weight": (torch.full(tuple(view.shape), 0.25),)})
+            lora.weight_inplace_update = True
+            with torch.inference_mode():
+                lora.patch_model()
+            try:
+                assert fc1.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()  # in place
+                got = CW.block_reader(lora, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"]
+                assert not isinstance(got, FileBytes) and torch.equal(got, fc1.weight)
+                assert not torch.equal(got, lora.backup["diffusion_model.blocks.0.mlp.fc1.weight"].weight)
+            finally:
+                lora.unpatch_model()
+            del view, got, lora
+            fc1.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+            gc.collect()  # the mapping's views, before it closes
+        finally:
+            mapping.close()
+            os.close(fd)
+
+
 def test_ram_reserve_refuses_to_fill():
     patcher = comfy_h3.model(layers=1)
     need = CW.block_nbytes(patcher.model.diffusion_model, 0)
