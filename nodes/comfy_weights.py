@@ -327,10 +327,13 @@ def block_reader(
         with torch.inference_mode():
             tensors = block_tensors(patcher, i, compute_dtype)
         # a weight ComfyUI patched in place (its original kept in ``backup``) no longer equals its
-        # file's bytes: such a block is copied from its tensors
-        block = f"diffusion_model.blocks.{i}."
-        if any(k.startswith(block) for k in getattr(patcher, "backup", {})):
-            return tensors
-        return {name: file_source(t) for name, t in tensors.items()}
+        # file's bytes: that module's tensors are copied as they are
+        backed = {k.rsplit(".", 1)[0] for k in getattr(patcher, "backup", {})}
+        block = f"diffusion_model.blocks.{i}"
+
+        def owner(name: str) -> str:  # the module holding in-block tensor ``name``
+            return f"{block}.{name.rsplit('.', 1)[0]}" if "." in name else block
+
+        return {n: t if owner(n) in backed else file_source(t) for n, t in tensors.items()}
 
     return read

@@ -326,10 +326,10 @@ def test_a_tensor_comfyui_maps_from_its_checkpoint_is_read_from_the_file():
             os.close(fd)
 
 
-def test_a_block_comfyui_patched_in_place_is_not_read_from_the_file():
+def test_a_weight_comfyui_patched_in_place_is_not_read_from_the_file():
     """A block weight that maps its checkpoint (a private, writable mapping, with ComfyUI's file-range record) is read
     from the file; once ComfyUI's own patch load has written a LoRA into it in place (``weight_inplace_update``; the
-    original in ``backup``), its bytes are no longer the file's, and the block is copied from its tensors."""
+    original in ``backup``), its bytes are no longer the file's, and its module's tensors are copied as they are."""
     import gc
     import mmap
     import warnings
