@@ -10,6 +10,7 @@ workers (``H3MS_RANK_MAP``); nothing may be left behind: no worker process, shm 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -282,94 +283,92 @@ def test_int8_weights_come_out_as_qdata_scale_and_convrot_tag():
         v.numel() * v.element_size() for k, v in got.items() if not k.endswith(("_scale", "comfy_quant")))
 
 
-def test_a_tensor_comfyui_maps_from_its_checkpoint_is_read_from_the_file():
-    """``file_source`` on the file-range record ComfyUI's DynamicVRAM load puts on a mapped tensor's storage
-    (``comfy.memory_management.TensorFileSlice``, as ``comfy.utils.load_safetensors`` sets it; DynamicVRAM itself needs
-    CUDA, so the GPU cold-start bench shows the whole path: ``fill_file_bytes``): a whole tensor becomes its file range,
-    read back equal; a part of one, a tensor without the record and one on a direct-I/O descriptor stay tensors."""
+@contextlib.contextmanager
+def _comfy_mapped(raw: bytes, offset: int, dtype: torch.dtype, shape: tuple[int, ...], *, writable: bool = False):
+    """``raw`` written to a file on disk (where direct I/O works) and mapped as ComfyUI's DynamicVRAM load maps a
+    checkpoint: yields ``(path, fd, view)``, ``view`` the tensor at ``offset``, whose storage carries ComfyUI's own
+    file-range record (``comfy.memory_management.TensorFileSlice``, as ``comfy.utils.load_safetensors`` sets it).
+    ``writable``: a private writable mapping (in-place writes stay in memory). The caller drops its views before the
+    block ends, so the mapping can close."""
     import gc
     import mmap
     import warnings
 
     import comfy.memory_management as mm_
-    from h3ms_async.runtime.file_bytes import FileBytes, FileReader
-
-    data = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
-    with tempfile.NamedTemporaryFile(suffix=".bin", dir=comfy_h3.checkpoint_dir()) as f:  # a disk: direct I/O
-        f.write(b"\0" * 100 + data.numpy().tobytes())
+    with tempfile.NamedTemporaryFile(suffix=".bin", dir=comfy_h3.checkpoint_dir()) as f:
+        f.write(raw)
         f.flush()
         fd = os.open(f.name, os.O_RDONLY)
-        mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if writable else mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        view = None
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                t = torch.frombuffer(mapping, dtype=torch.int8, count=data.numel(), offset=100).view(64, 96)
-            t.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(fd, threading.Lock(), 100, data.numel())
-            src = CW.file_source(torch.nn.Parameter(t, requires_grad=False))
-            assert isinstance(src, FileBytes) and (src.fd, src.offset) == (fd, 100)
-            got, reader = torch.empty_like(data), FileReader(threads=2)
-            reader.read_into(got, src)
-            reader.close()
-            assert torch.equal(got, data)
-            assert CW.file_source(t[1:]) is not None and not isinstance(CW.file_source(t[1:]), FileBytes)
-            assert not isinstance(CW.file_source(data), FileBytes)
-            direct = os.open(f.name, os.O_RDONLY | os.O_DIRECT)
-            try:
-                t.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(direct, None, 100, data.numel())
-                assert not isinstance(CW.file_source(t), FileBytes)
-            finally:
-                os.close(direct)
-            del t, src
-            gc.collect()  # the mapping's views, before it closes
+                view = torch.frombuffer(mapping, dtype=dtype, count=torch.Size(shape).numel(), offset=offset)
+            view = view.view(shape)
+            view.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(fd, threading.Lock(), offset,
+                                                                                 view.nbytes)
+            yield f.name, fd, view
         finally:
+            view = None
+            gc.collect()
             mapping.close()
             os.close(fd)
+
+
+def test_a_tensor_comfyui_maps_from_its_checkpoint_is_read_from_the_file():
+    """``file_source`` on the file-range record ComfyUI's DynamicVRAM load puts on a mapped tensor's storage
+    (DynamicVRAM itself needs CUDA, so the GPU cold-start bench shows the whole path: ``fill_file_bytes``): a whole
+    tensor becomes its file range, read back equal; a part of one, a tensor without the record and one on a
+    direct-I/O descriptor stay tensors."""
+    import comfy.memory_management as mm_
+    from h3ms_async.runtime.file_bytes import FileBytes, FileReader
+
+    data = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
+    with _comfy_mapped(b"\0" * 100 + data.numpy().tobytes(), 100, torch.int8, (64, 96)) as (path, fd, t):
+        src = CW.file_source(torch.nn.Parameter(t, requires_grad=False))
+        assert isinstance(src, FileBytes) and (src.fd, src.offset) == (fd, 100)
+        got, reader = torch.empty_like(data), FileReader(threads=2)
+        reader.read_into(got, src)
+        reader.close()
+        assert torch.equal(got, data)
+        assert not isinstance(CW.file_source(t[1:]), FileBytes)
+        assert not isinstance(CW.file_source(data), FileBytes)
+        direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            t.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(direct, None, 100, data.numel())
+            assert not isinstance(CW.file_source(t), FileBytes)
+        finally:
+            os.close(direct)
+        del t, src
 
 
 def test_a_weight_comfyui_patched_in_place_is_not_read_from_the_file():
     """A block weight that maps its checkpoint (a private, writable mapping, with ComfyUI's file-range record) is read
     from the file; once ComfyUI's own patch load has written a LoRA into it in place (``weight_inplace_update``; the
     original in ``backup``), its bytes are no longer the file's, and its module's tensors are copied as they are."""
-    import gc
-    import mmap
-    import warnings
-
-    import comfy.memory_management as mm_
     from h3ms_async.runtime.file_bytes import FileBytes
 
     patcher = comfy_h3.model(layers=1, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
     fc1 = patcher.model.diffusion_model.blocks[0].mlp.fc1
-    with tempfile.NamedTemporaryFile(suffix=".bin", dir=comfy_h3.checkpoint_dir()) as f:
-        f.write(fc1.weight.detach().view(torch.uint8).numpy().tobytes())
-        f.flush()
-        fd = os.open(f.name, os.O_RDONLY)
-        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    raw = fc1.weight.detach().view(torch.uint8).numpy().tobytes()
+    with _comfy_mapped(raw, 0, torch.bfloat16, tuple(fc1.weight.shape), writable=True) as (_path, _fd, view):
+        fc1.weight = torch.nn.Parameter(view, requires_grad=False)
+        assert isinstance(CW.block_reader(patcher, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"], FileBytes)
+        lora = patcher.clone()
+        lora.add_patches({"diffusion_model.blocks.0.mlp.fc1.weight": (torch.full(tuple(view.shape), 0.25),)})
+        lora.weight_inplace_update = True
+        with torch.inference_mode():
+            lora.patch_model()
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                view = torch.frombuffer(mapping, dtype=torch.bfloat16).view(fc1.weight.shape)
-            view.untyped_storage()._comfy_tensor_file_slice = mm_.TensorFileSlice(fd, threading.Lock(), 0,
-                                                                                 view.nbytes)
-            fc1.weight = torch.nn.Parameter(view, requires_grad=False)
-            assert isinstance(CW.block_reader(patcher, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"], FileBytes)
-            lora = patcher.clone()
-            lora.add_patches({"diffusion_model.blocks.0.mlp.fc1.weight": (torch.full(tuple(view.shape), 0.25),)})
-            lora.weight_inplace_update = True
-            with torch.inference_mode():
-                lora.patch_model()
-            try:
-                assert fc1.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()  # in place
-                got = CW.block_reader(lora, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"]
-                assert not isinstance(got, FileBytes) and torch.equal(got, fc1.weight)
-                assert not torch.equal(got, lora.backup["diffusion_model.blocks.0.mlp.fc1.weight"].weight)
-            finally:
-                lora.unpatch_model()
-            del view, got, lora
-            fc1.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-            gc.collect()  # the mapping's views, before it closes
+            assert fc1.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()  # in place
+            got = CW.block_reader(lora, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"]
+            assert not isinstance(got, FileBytes) and torch.equal(got, fc1.weight)
+            assert not torch.equal(got, lora.backup["diffusion_model.blocks.0.mlp.fc1.weight"].weight)
         finally:
-            mapping.close()
-            os.close(fd)
+            lora.unpatch_model()
+        del view, got, lora
+        fc1.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
 
 
 def test_ram_reserve_refuses_to_fill():
