@@ -34,7 +34,6 @@ import gc
 import json
 import mmap
 import os
-import struct
 import sys
 import time
 import warnings
@@ -48,7 +47,7 @@ from safetensors.torch import save_file  # noqa: E402
 import comfy_h3  # noqa: E402
 from page_cache import drop  # noqa: E402
 from h3ms_async.runtime.file_bytes import FileBytes  # noqa: E402
-from h3ms_async.runtime.readahead import BlockReadahead  # noqa: E402
+from h3ms_async.runtime.readahead import BlockReadahead, read_header  # noqa: E402
 from h3ms_async.runtime.weight_store import size_store  # noqa: E402
 from workers.dit.ops import held_by_ranks  # noqa: E402
 
@@ -90,13 +89,10 @@ class Checkpoint:
     each tensor a view of one read-only mapping, its file range known."""
 
     def __init__(self, path: str) -> None:
+        self.base, header = read_header(path)
+        self.info = {k: v for k, v in header.items() if k.startswith(PREFIX)}
         self.fd = os.open(path, os.O_RDONLY)
         self.map = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
-        (n,) = struct.unpack("<Q", self.map[:8])
-        header = json.loads(self.map[8:8 + n])
-        header.pop("__metadata__", None)
-        self.base = 8 + n
-        self.info = {k: v for k, v in header.items() if k.startswith(PREFIX)}
 
     def view(self, name: str) -> torch.Tensor:
         info = self.info[name]

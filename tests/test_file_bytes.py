@@ -12,6 +12,7 @@ import torch
 
 from h3ms_async.runtime import file_bytes
 from h3ms_async.runtime.file_bytes import FileBytes, FileReader
+from h3ms_async.runtime.readahead import read_header
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime.shm import Arena, Segment
 
@@ -72,8 +73,7 @@ def test_a_file_that_ends_early_and_a_wrong_destination_are_refused(tmp_path):
 
 class _Checkpoint:
     """A real safetensors file of ``blocks`` blocks (an int8 qkv with its scale, a bf16 norm) and each tensor's file
-    source: a view of a read-only mapping with its own range (``block_ranges`` of a one-tensor filter gives exactly its
-    bytes)."""
+    source: a view of a read-only mapping with its own range, from the file's header."""
 
     NAMES = ("attn.qkv.weight", "attn.qkv.weight_scale", "norm1.weight")
 
@@ -92,14 +92,13 @@ class _Checkpoint:
         self.fds: list[int] = []
 
     def sources(self, i: int) -> dict[str, FileBytes]:
-        from h3ms_async.runtime.readahead import block_ranges
-
+        base, header = read_header(self.path)
         out = {}
         for name in self.NAMES:
-            ((offset, length),) = block_ranges(self.path, lambda n, name=name: n == name)[i]
+            a, b = header[f"blocks.{i}.{name}"]["data_offsets"]
             t = self.loaded[f"blocks.{i}.{name}"]
-            assert length == t.numel() * t.element_size()
-            out[name], _mm = _mapped(self.path, offset, t.dtype, tuple(t.shape))
+            assert b - a == t.numel() * t.element_size()
+            out[name], _mm = _mapped(self.path, base + a, t.dtype, tuple(t.shape))
             self.fds.append(out[name].fd)
         return out
 

@@ -47,10 +47,10 @@ _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.(.+)$")
 Ranges = list[tuple[int, int]]
 
 
-def block_ranges(path: str, wanted: Callable[[str], bool] = lambda _: True) -> dict[int, Ranges]:
-    """Block index -> the file's ``(offset, length)`` ranges holding that block's tensors whose
-    in-block name (after ``blocks.<i>.``) ``wanted`` accepts; adjacent ranges merged, in file
-    order.  Raises ``ValueError`` for a file that is not safetensors."""
+def read_header(path: str) -> tuple[int, dict[str, dict]]:
+    """A safetensors file's data-section offset and its tensor entries (``name -> {"dtype",
+    "shape", "data_offsets"}``, offsets relative to the data section; ``__metadata__`` left out).
+    Raises ``ValueError`` for a file that is not safetensors."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -62,11 +62,19 @@ def block_ranges(path: str, wanted: Callable[[str], bool] = lambda _: True) -> d
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: the safetensors header is not JSON ({exc})") from None
-    base = 8 + n
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def block_ranges(path: str, wanted: Callable[[str], bool] = lambda _: True) -> dict[int, Ranges]:
+    """Block index -> the file's ``(offset, length)`` ranges holding that block's tensors whose
+    in-block name (after ``blocks.<i>.``) ``wanted`` accepts; adjacent ranges merged, in file
+    order.  Raises ``ValueError`` for a file that is not safetensors."""
+    base, header = read_header(path)
     spans: dict[int, Ranges] = {}
     for name, info in header.items():
         m = _BLOCK.search(name)
-        if name == "__metadata__" or m is None or not wanted(m.group(2)):
+        if m is None or not wanted(m.group(2)):
             continue
         a, b = info["data_offsets"]
         if b > a:
