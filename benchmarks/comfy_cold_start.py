@@ -260,7 +260,7 @@ comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(
     patcher=patcher, devices=eng.devices, layers={layers}, dims={dims!r}, lora={lora}, tokens=proofs[0].calls[0][0],
     width=W, height=H, length=length, checkpoint_bytes=file_bytes, checkpoint_write_s=round(write_s, 2),
-    disk_read_gbps=round(disk_start_gbps, 2), disk_read_whole_gbps=round(disk_whole_gbps, 2), copies=copies,
+    disk_read_gbps=round(disk_start_gbps, 4), disk_read_whole_gbps=round(disk_whole_gbps, 4), copies=copies,
     plain=dict(load_s=round(plain_load_s, 4), block_stack_s=plain, cold_s=comfy_cold),
     node_first_prompt=dict(load_s=round(node_load_s, 4), block_stack_s=first, cold_s=node_cold,
                            weights=dict(workers_start_s=round(load.workers_start_s, 3), fill_s=round(load.fill_s, 6),

@@ -167,3 +167,46 @@ def test_a_stalled_fill_ends_the_reader_and_closes_its_file(tmp_path, monkeypatc
     assert not ahead._thread.is_alive()
     assert ahead.read_bytes + ahead.cached_bytes == sum(n for i in (0, 1, 2) for _, n in block_ranges(path)[i])
     assert set(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_reading_returns_once_the_block_is_in_the_page_cache(tmp_path, monkeypatch):
+    """The fill touches a block only after the reader has read it, so the disk serves one stream: with a reader
+    slowed down, ``reading(1)`` still returns with every page of block 1 cached."""
+    path = str(tmp_path / "h3.safetensors")
+    _checkpoint(path, blocks=4)
+    ranges = block_ranges(path)
+    own1 = _pages(ranges[1]) - set().union(*(_pages(r) for i, r in ranges.items() if i != 1))
+    drop(path)
+    if _resident(path) & own1:
+        pytest.skip(f"this filesystem keeps {path}'s pages cached after POSIX_FADV_DONTNEED")
+    slow = BlockReadahead._piece
+
+    def slowed(self, *args):
+        time.sleep(0.05)
+        slow(self, *args)
+
+    monkeypatch.setattr(BlockReadahead, "_piece", slowed)
+    ahead = BlockReadahead(path, ranges)
+    ahead.reading(1)
+    assert own1 <= _resident(path)
+    ahead.close()
+
+
+def test_a_reader_that_reads_nothing_does_not_hold_the_fill(tmp_path, monkeypatch):
+    """A reader stuck on its disk lets the fill go on after ``IDLE_S`` without progress (the fill then reads the
+    block itself), and ends once it is let go."""
+    import threading
+
+    import h3ms_async.runtime.readahead as ra
+    monkeypatch.setattr(ra, "IDLE_S", 0.3)
+    path = str(tmp_path / "h3.safetensors")
+    _checkpoint(path, blocks=2)
+    stuck = threading.Event()
+    monkeypatch.setattr(BlockReadahead, "_piece", lambda self, *args: stuck.wait(10.0))
+    ahead = BlockReadahead(path, block_ranges(path))
+    t = time.monotonic()
+    ahead.reading(0)
+    assert 0.25 < time.monotonic() - t < 5.0
+    stuck.set()
+    ahead.close()
+    assert ahead._thread is not None and not ahead._thread.is_alive()

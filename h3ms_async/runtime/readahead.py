@@ -3,13 +3,16 @@
 The fill copies one block at a time from tensors that map the checkpoint file (ComfyUI loads
 safetensors by ``mmap``) or that ComfyUI's own reader (comfy-aimdo: buffered ``pread``s) takes
 from it.  Faulting those pages in one by one reads a cold file in small synchronous pieces, well
-under the disk's sequential rate.  So a background reader reads the next blocks' byte ranges
-into the page cache while the current block copies, with several requests in flight, and the
-copy then finds its pages cached.  It reads them itself: ``posix_fadvise(POSIX_FADV_WILLNEED)``
-would be free of copies, but Linux reads at most the device's readahead window of each range it
-is given (``force_page_cache_ra`` caps the request; a few MB of a 100 MB tensor).  A block's
-tensors are not contiguous in the file (safetensors groups tensors by dtype alignment, then by
-name), so each block is a list of ranges, adjacent ones merged.
+under the disk's sequential rate, and several readers at once (the fill's own, ComfyUI's rows and
+casts, a readahead) pull the disk between places.  So one background reader streams the blocks'
+byte ranges into the page cache in file order, in large sequential reads (what reads a file at
+the disk's rate), up to :data:`BLOCKS_AHEAD` blocks past the fill, and the fill waits for a
+block's pages before it touches them: the disk then serves one stream while the fill copies
+the block before.  It reads them itself: ``posix_fadvise(POSIX_FADV_WILLNEED)`` would be free of
+copies, but Linux reads at most the device's readahead window of each range it is given
+(``force_page_cache_ra`` caps the request; a few MB of a 100 MB tensor).  A block's tensors are
+not contiguous in the file (safetensors groups tensors by dtype alignment, then by name), so
+each block is a list of ranges, adjacent ones merged.
 
 File format (the safetensors spec): an 8-byte little-endian header length, the JSON header
 (``name -> {"dtype", "shape", "data_offsets": [begin, end]}``, offsets relative to the data
@@ -18,7 +21,6 @@ section, plus an optional ``__metadata__``), then the data section.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import os
 import re
@@ -35,11 +37,11 @@ log = get_logger("Weights")
 MAX_HEADER_BYTES = 100 << 20
 #: how many blocks past the one being read are read ahead
 BLOCKS_AHEAD = 2
-#: one read request: large enough to stream, small enough to spread a block over the readers
-PIECE_BYTES = 8 << 20
-#: read requests in flight: a virtual or NVMe disk streams only with several outstanding
-READERS = 4
-#: the reader stops when the fill has not moved on for this long (a fill that failed)
+#: one read: as large as a sequential read that streams at the disk's rate (the kernel splits it
+#: into many device requests in flight at once)
+PIECE_BYTES = 64 << 20
+#: the reader stops when the fill has not moved on for this long (a fill that failed), and the
+#: fill stops waiting for a reader that has read nothing for this long
 IDLE_S = 60.0
 
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.(.+)$")
@@ -93,13 +95,14 @@ def _merged(ranges: Ranges) -> Ranges:
 
 
 class BlockReadahead:
-    """Reads blocks into the page cache ahead of the fill.  :meth:`reading` (block ``i`` is being
-    read) lets a background thread read, in block order from the first block asked for, every
-    block up to ``i`` + :data:`BLOCKS_AHEAD` (none the fill is past), each block's ranges in
-    :data:`PIECE_BYTES` pieces over :data:`READERS` threads; a piece already cached is skipped.
-    The thread ends after the last block, at :meth:`close`, or when the fill stalls for
-    :data:`IDLE_S`.  :meth:`wait` joins the reads asked for so far (tests); ``read_bytes`` and
-    ``cached_bytes`` count the pieces read and skipped."""
+    """Reads blocks into the page cache ahead of the fill.  :meth:`reading` (block ``i`` is about
+    to be read) lets a background thread read, in block order from the first block asked for,
+    every block up to ``i`` + :data:`BLOCKS_AHEAD` (none the fill is past), each block's ranges in
+    order in :data:`PIECE_BYTES` reads; a piece already cached is skipped.  It returns once block
+    ``i`` is in, so the fill's reads of it find their pages cached (or when the reader ended, or
+    read nothing for :data:`IDLE_S`).  The thread ends after the last block, at :meth:`close`, or
+    when the fill stalls for :data:`IDLE_S`.  :meth:`wait` joins the reads asked for so far
+    (tests); ``read_bytes`` and ``cached_bytes`` count the pieces read and skipped."""
 
     def __init__(self, path: str, ranges: dict[int, Ranges]) -> None:
         self.path = path
@@ -131,42 +134,51 @@ class BlockReadahead:
                     target=self._run, args=(i,), name="h3ms-readahead", daemon=True
                 )
                 self._thread.start()
+            if i not in self.ranges:
+                return
+            seen, since = -1, 0.0
+            while not self._ended and self._done < i:
+                now = time.monotonic()
+                if (moved := self.read_bytes + self.cached_bytes) != seen:
+                    seen, since = moved, now
+                elif now - since >= IDLE_S:
+                    log.info("readahead of %s: no progress, block %d read directly", self.path, i)
+                    return
+                self._cond.wait(IDLE_S - (now - since))
 
     def _run(self, first: int) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY)
+            probe = os.open(self.path, os.O_RDONLY)  # its 1-byte reads leave ``fd``'s stream alone
         except OSError as exc:
             log.info("readahead of %s stopped: %s", self.path, exc)
             self._end()
             return
-        local = threading.local()
         started = time.monotonic()
         try:
-            with cf.ThreadPoolExecutor(READERS, thread_name_prefix="h3ms-readahead") as pool:
-                for j in sorted(b for b in self.ranges if b >= first):
-                    with self._cond:
-                        while not self._stop and j > self._at + BLOCKS_AHEAD:
-                            if not self._cond.wait(IDLE_S):
-                                log.info("readahead of %s stopped: the fill stalled", self.path)
-                                return
-                        if self._stop:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            buf = memoryview(bytearray(PIECE_BYTES))
+            for j in sorted(b for b in self.ranges if b >= first):
+                with self._cond:
+                    while not self._stop and j > self._at + BLOCKS_AHEAD:
+                        if not self._cond.wait(IDLE_S):
+                            log.info("readahead of %s stopped: the fill stalled", self.path)
                             return
-                        if j < self._at:
-                            continue  # the fill is past it
-                    pieces = [
-                        (off + k, min(PIECE_BYTES, length - k))
-                        for off, length in self.ranges[j]
-                        for k in range(0, length, PIECE_BYTES)
-                    ]
-                    for _ in pool.map(lambda p: self._piece(fd, local, *p), pieces):
-                        pass
-                    with self._cond:
-                        self._done = j
-                        self._cond.notify_all()
+                    if self._stop:
+                        return
+                    if j < self._at:
+                        continue  # the fill is past it
+                for off, length in self.ranges[j]:
+                    for k in range(0, length, PIECE_BYTES):
+                        self._piece(fd, probe, buf, off + k, min(PIECE_BYTES, length - k))
+                with self._cond:
+                    self._done = j
+                    self._cond.notify_all()
         except OSError as exc:
             log.info("readahead of %s stopped: %s", self.path, exc)
         finally:
             os.close(fd)
+            os.close(probe)
             self._end()
             log.info(
                 "readahead of %s: %.2f GB read, %.2f GB found cached, in %.2fs",
@@ -176,14 +188,12 @@ class BlockReadahead:
                 time.monotonic() - started,
             )
 
-    def _piece(self, fd: int, local: threading.local, off: int, n: int) -> None:
-        if _cached(fd, off, n):
+    def _piece(self, fd: int, probe: int, buf: memoryview, off: int, n: int) -> None:
+        if _cached(probe, off, n):
             with self._cond:
                 self.cached_bytes += n
+                self._cond.notify_all()
             return
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = memoryview(bytearray(PIECE_BYTES))
         done = 0
         while done < n:
             got = os.preadv(fd, [buf[: n - done]], off + done)
@@ -192,6 +202,7 @@ class BlockReadahead:
             done += got
         with self._cond:
             self.read_bytes += done
+            self._cond.notify_all()
 
     def _end(self) -> None:
         with self._cond:
