@@ -121,7 +121,7 @@ def fill(path: str, layers: int, variant: str) -> tuple[float, int, int, int]:
         drop(path)
     ck = Checkpoint(path)
     try:
-        wanted = (lambda _: True) if kind == "interleaved" else held_by_ranks
+        wanted = (lambda _i, _n: True) if kind == "interleaved" else (lambda _i, name: held_by_ranks(name))
         readahead = BlockReadahead.of(path, wanted) if kind not in ("fault", "cached") else None
         adaln_bytes = [0]
 

@@ -289,6 +289,24 @@ def available_ram() -> int:
     return int(ram_info().available_bytes)
 
 
+def _read_ahead(dm: Any, adaln: bool) -> Callable[[int, str], bool]:
+    """Which of block ``i``'s tensors the readahead brings into the page cache: those the fill
+    reads (``adaln``: the adaLN projection too, which the step's rows read just before), less the
+    modules ComfyUI patches in its cast.  The cast reads those itself (comfy-aimdo reads an
+    aligned file range with ``O_DIRECT``, past the page cache): read ahead, they were read twice."""
+
+    def wanted(i: int, name: str) -> bool:
+        if not (adaln or held_by_ranks(name)):
+            return False
+        try:
+            module = dm.blocks[i].get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+        except (AttributeError, IndexError):
+            return True
+        return module is None or not _patched_in_cast(module)
+
+    return wanted
+
+
 def block_reader(
     patcher: Any,
     reserve_gb: float,
@@ -310,8 +328,11 @@ def block_reader(
     def read(i: int) -> dict[str, Source]:
         if not ahead:
             safetensors = path is not None and path.lower().endswith((".safetensors", ".sft"))
-            wanted = held_by_ranks if before is None else (lambda _: True)
-            ahead.append(BlockReadahead.of(path, wanted) if path and safetensors else None)
+            ahead.append(
+                BlockReadahead.of(path, _read_ahead(dm, adaln=before is not None))
+                if path and safetensors
+                else None
+            )
         if ahead[0] is not None:
             ahead[0].reading(i)
         if before is not None:

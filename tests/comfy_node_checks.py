@@ -225,6 +225,40 @@ def test_block_tensors_are_what_comfyui_patches_in_without_double_applying():
     assert torch.equal(CW.block_tensors(patcher, 1, torch.bfloat16)["mlp.fc1.weight"], plain["mlp.fc1.weight"])
 
 
+def test_the_readahead_leaves_out_what_comfyuis_cast_reads_itself(tmp_path):
+    """A module ComfyUI patches in its cast is read by that cast (comfy-aimdo reads an aligned range past the page
+    cache), so the fill's readahead leaves its bytes out of the blocks it streams; the rest of each block, the adaLN
+    projection included when the fill computes the rows, stays in."""
+    import comfy.sd
+    from safetensors.torch import save_file
+    from h3ms_async.runtime.readahead import block_ranges, read_header
+
+    sd = comfy_h3.state_dict(layers=2, dtype=torch.bfloat16, int8=True, scale_2d=True)
+    path = str(tmp_path / "h3.safetensors")
+    save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    with torch.inference_mode():
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.bfloat16})
+        lora = comfy.sd.load_lora_for_models(patcher, None, comfy_h3.lora_state_dict(2), 0.8, 0)[0]
+        lora.load(torch.device("cpu"), lowvram_model_memory=1)  # every layer casts and patches on the fly
+    try:
+        dm = lora.get_model_object("diffusion_model")
+        assert CW._patched_in_cast(dm.blocks[1].mlp.fc1) and not CW._patched_in_cast(dm.blocks[1].mlp.fc2)
+        base, header = read_header(path)
+
+        def covered(i: int, name: str, ranges) -> bool:
+            a, b = header[f"blocks.{i}.{name}"]["data_offsets"]
+            return any(off <= base + a and base + b <= off + n for off, n in ranges[i])
+
+        for adaln in (True, False):
+            ranges = block_ranges(path, CW._read_ahead(dm, adaln=adaln))
+            for i in (0, 1):
+                assert not covered(i, "mlp.fc1.weight", ranges) and not covered(i, "attn.qkv_proj.weight", ranges)
+                assert covered(i, "mlp.fc2.weight", ranges) and covered(i, "attn.out_proj.weight", ranges)
+                assert covered(i, "adaln_proj.linear.weight", ranges) == adaln
+    finally:
+        lora.unpatch_model(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 def test_modules_that_patch_in_the_cast_ship_what_the_cast_gives(int8):
     """A module ComfyUI leaves offloaded (``--lowvram``, a partial load) applies its LoRA inside ``comfy.ops``' cast

@@ -20,7 +20,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 def _checkpoint(path: str, blocks: int = 3, qkv_rows: int = 2048) -> dict[str, torch.Tensor]:
     from safetensors.torch import save_file  # ComfyUI's requirement, installed with the ComfyUI tests' packages
     g = torch.Generator().manual_seed(3)
-    sd = {"diffusion_model.patch_embed.weight": torch.randn(64, 64, generator=g)}
+    sd = {"diffusion_model.patch_embed.weight": torch.randn(64, 64, generator=g),
+          "diffusion_model.token_refiner.blocks.0.mlp.fc1.weight": torch.randn(64, 64, generator=g)}  # not a block
     for i in range(blocks):
         p = f"diffusion_model.blocks.{i}."
         sd[p + "attn.qkv_proj.weight"] = torch.randint(-127, 127, (qkv_rows, 2048), dtype=torch.int8, generator=g)
@@ -34,7 +35,7 @@ def _checkpoint(path: str, blocks: int = 3, qkv_rows: int = 2048) -> dict[str, t
 def test_block_ranges_hold_exactly_the_blocks_tensors(tmp_path):
     path = str(tmp_path / "h3.safetensors")
     sd = _checkpoint(path)
-    held = block_ranges(path, lambda name: not name.startswith("adaln_proj."))
+    held = block_ranges(path, lambda _i, name: not name.startswith("adaln_proj."))
     assert sorted(held) == [0, 1, 2]
     data = open(path, "rb").read()
     for i, ranges in held.items():
@@ -90,7 +91,7 @@ def _cached_within(path: str, pages: set[int], deadline_s: float = 10.0) -> set[
 def test_reading_a_block_brings_the_next_blocks_into_the_page_cache(tmp_path):
     path = str(tmp_path / "h3.safetensors")
     _checkpoint(path, blocks=6)
-    wanted = lambda name: not name.startswith("adaln_proj.")  # noqa: E731
+    wanted = lambda _i, name: not name.startswith("adaln_proj.")  # noqa: E731
     ranges = block_ranges(path, wanted)
     pages = {i: _pages(r) for i, r in ranges.items()}
     # a block's own pages: those no other block's ranges touch (small tensors of neighbouring blocks share pages)

@@ -44,7 +44,8 @@ PIECE_BYTES = 64 << 20
 #: fill stops waiting for a reader that has read nothing for this long
 IDLE_S = 60.0
 
-_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.(.+)$")
+#: a transformer block's tensor (not the token refiner's ``token_refiner.blocks.<j>``)
+_BLOCK = re.compile(r"(?:^|diffusion_model\.)blocks\.(\d+)\.(.+)$")
 
 Ranges = list[tuple[int, int]]
 
@@ -68,15 +69,18 @@ def read_header(path: str) -> tuple[int, dict[str, dict]]:
     return 8 + n, header
 
 
-def block_ranges(path: str, wanted: Callable[[str], bool] = lambda _: True) -> dict[int, Ranges]:
-    """Block index -> the file's ``(offset, length)`` ranges holding that block's tensors whose
-    in-block name (after ``blocks.<i>.``) ``wanted`` accepts; adjacent ranges merged, in file
-    order.  Raises ``ValueError`` for a file that is not safetensors."""
+Wanted = Callable[[int, str], bool]
+
+
+def block_ranges(path: str, wanted: Wanted = lambda _i, _n: True) -> dict[int, Ranges]:
+    """Block index -> the file's ``(offset, length)`` ranges holding that block's tensors that
+    ``wanted(block index, in-block name after blocks.<i>.)`` accepts; adjacent ranges merged, in
+    file order.  Raises ``ValueError`` for a file that is not safetensors."""
     base, header = read_header(path)
     spans: dict[int, Ranges] = {}
     for name, info in header.items():
         m = _BLOCK.search(name)
-        if m is None or not wanted(m.group(2)):
+        if m is None or not wanted(int(m.group(1)), m.group(2)):
             continue
         a, b = info["data_offsets"]
         if b > a:
@@ -117,7 +121,7 @@ class BlockReadahead:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def of(cls, path: str, wanted: Callable[[str], bool]) -> BlockReadahead | None:
+    def of(cls, path: str, wanted: Wanted) -> BlockReadahead | None:
         """The readahead of a safetensors ``path`` (None, logged, for a file it cannot read)."""
         try:
             return cls(path, block_ranges(path, wanted))
