@@ -151,13 +151,17 @@ class BlockReadahead:
                 self._cond.wait(IDLE_S - (now - since))
 
     def _run(self, first: int) -> None:
+        fds: list[int] = []  # the reader's, and one whose 1-byte probes leave its stream alone
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-            probe = os.open(self.path, os.O_RDONLY)  # its 1-byte reads leave ``fd``'s stream alone
+            while len(fds) < 2:
+                fds.append(os.open(self.path, os.O_RDONLY))
         except OSError as exc:
+            for f in fds:
+                os.close(f)
             log.info("readahead of %s stopped: %s", self.path, exc)
             self._end()
             return
+        fd, probe = fds
         started = time.monotonic()
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -181,8 +185,8 @@ class BlockReadahead:
         except OSError as exc:
             log.info("readahead of %s stopped: %s", self.path, exc)
         finally:
-            os.close(fd)
-            os.close(probe)
+            for f in fds:
+                os.close(f)
             self._end()
             log.info(
                 "readahead of %s: %.2f GB read, %.2f GB found cached, in %.2fs",
