@@ -289,17 +289,29 @@ def available_ram() -> int:
     return int(ram_info().available_bytes)
 
 
-def _read_ahead(dm: Any, adaln: bool) -> Callable[[int, str], bool]:
+def _in_place(patcher: Any) -> set[str]:
+    """The modules (``diffusion_model.blocks.<i>.<path>``) whose weights ComfyUI patched in place
+    (the originals kept in ``backup``): their live tensors no longer equal the file's bytes."""
+    return {k.rsplit(".", 1)[0] for k in getattr(patcher, "backup", {})}
+
+
+def _read_ahead(patcher: Any, adaln: bool) -> Callable[[int, str], bool]:
     """Which of block ``i``'s tensors the readahead brings into the page cache: those the fill
     reads (``adaln``: the adaLN projection too, which the step's rows read just before), less the
-    modules ComfyUI patches in its cast.  The cast reads those itself (comfy-aimdo reads an
+    modules nothing reads from the file: those ComfyUI patched in place (their tensors are taken
+    as they are) and those it patches in its cast, which reads them itself (comfy-aimdo reads an
     aligned file range with ``O_DIRECT``, past the page cache): read ahead, they were read twice."""
+    dm = patcher.get_model_object("diffusion_model")
+    in_place = _in_place(patcher)
 
     def wanted(i: int, name: str) -> bool:
         if not (adaln or held_by_ranks(name)):
             return False
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        if f"diffusion_model.blocks.{i}" + (f".{path}" if path else "") in in_place:
+            return False
         try:
-            module = dm.blocks[i].get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+            module = dm.blocks[i].get_submodule(path) if path else None
         except (AttributeError, IndexError):
             return True
         return module is None or not _patched_in_cast(module)
@@ -329,7 +341,7 @@ def block_reader(
         if not ahead:
             safetensors = path is not None and path.lower().endswith((".safetensors", ".sft"))
             ahead.append(
-                BlockReadahead.of(path, _read_ahead(dm, adaln=before is not None))
+                BlockReadahead.of(path, _read_ahead(patcher, adaln=before is not None))
                 if path and safetensors
                 else None
             )
@@ -349,7 +361,7 @@ def block_reader(
             tensors = block_tensors(patcher, i, compute_dtype)
         # a weight ComfyUI patched in place (its original kept in ``backup``) no longer equals its
         # file's bytes: that module's tensors are copied as they are
-        backed = {k.rsplit(".", 1)[0] for k in getattr(patcher, "backup", {})}
+        backed = _in_place(patcher)
         block = f"diffusion_model.blocks.{i}"
 
         def owner(name: str) -> str:  # the module holding in-block tensor ``name``

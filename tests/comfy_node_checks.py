@@ -250,7 +250,7 @@ def test_the_readahead_leaves_out_what_comfyuis_cast_reads_itself(tmp_path):
             return any(off <= base + a and base + b <= off + n for off, n in ranges[i])
 
         for adaln in (True, False):
-            ranges = block_ranges(path, CW._read_ahead(dm, adaln=adaln))
+            ranges = block_ranges(path, CW._read_ahead(lora, adaln=adaln))
             for i in (0, 1):
                 assert not covered(i, "mlp.fc1.weight", ranges) and not covered(i, "attn.qkv_proj.weight", ranges)
                 assert covered(i, "mlp.fc2.weight", ranges) and covered(i, "attn.out_proj.weight", ranges)
@@ -380,7 +380,8 @@ def test_a_tensor_comfyui_maps_from_its_checkpoint_is_read_from_the_file():
 def test_a_weight_comfyui_patched_in_place_is_not_read_from_the_file():
     """A block weight that maps its checkpoint (a private, writable mapping, with ComfyUI's file-range record) is read
     from the file; once ComfyUI's own patch load has written a LoRA into it in place (``weight_inplace_update``; the
-    original in ``backup``), its bytes are no longer the file's, and its module's tensors are copied as they are."""
+    original in ``backup``), its bytes are no longer the file's: its module's tensors are copied as they are, and the
+    readahead leaves it out."""
     from h3ms_async.runtime.file_bytes import FileBytes
 
     patcher = comfy_h3.model(layers=1, dtype=torch.bfloat16, weight_dtype=torch.bfloat16)
@@ -389,6 +390,7 @@ def test_a_weight_comfyui_patched_in_place_is_not_read_from_the_file():
     with _comfy_mapped(raw, 0, torch.bfloat16, tuple(fc1.weight.shape), writable=True) as (_path, _fd, view):
         fc1.weight = torch.nn.Parameter(view, requires_grad=False)
         assert isinstance(CW.block_reader(patcher, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"], FileBytes)
+        assert CW._read_ahead(patcher, adaln=True)(0, "mlp.fc1.weight")
         lora = patcher.clone()
         lora.add_patches({"diffusion_model.blocks.0.mlp.fc1.weight": (torch.full(tuple(view.shape), 0.25),)})
         lora.weight_inplace_update = True
@@ -397,6 +399,8 @@ def test_a_weight_comfyui_patched_in_place_is_not_read_from_the_file():
         try:
             assert fc1.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()  # in place
             got = CW.block_reader(lora, 0.0, torch.bfloat16)(0)["mlp.fc1.weight"]
+            ahead = CW._read_ahead(lora, adaln=True)  # nothing reads that module from the file: not read ahead
+            assert not ahead(0, "mlp.fc1.weight") and ahead(0, "mlp.fc2.weight")
             assert not isinstance(got, FileBytes) and torch.equal(got, fc1.weight)
             assert not torch.equal(got, lora.backup["diffusion_model.blocks.0.mlp.fc1.weight"].weight)
         finally:
