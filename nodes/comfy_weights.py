@@ -300,7 +300,8 @@ def _read_ahead(patcher: Any, adaln: bool) -> Callable[[int, str], bool]:
     reads (``adaln``: the adaLN projection too, which the step's rows read just before), less the
     modules nothing reads from the file: those ComfyUI patched in place (their tensors are taken
     as they are) and those it patches in its cast, which reads them itself (comfy-aimdo reads an
-    aligned file range with ``O_DIRECT``, past the page cache): read ahead, they were read twice."""
+    aligned file range with ``O_DIRECT``, past the page cache: read ahead, they would be read
+    twice)."""
     dm = patcher.get_model_object("diffusion_model")
     in_place = _in_place(patcher)
 
