@@ -289,6 +289,13 @@ def available_ram() -> int:
     return int(ram_info().available_bytes)
 
 
+def _owner(i: int, name: str) -> str:
+    """The module (``diffusion_model.blocks.<i>[.<path>]``) holding block ``i``'s tensor ``name``,
+    as ComfyUI's ``backup`` names it."""
+    block = f"diffusion_model.blocks.{i}"
+    return f"{block}.{name.rsplit('.', 1)[0]}" if "." in name else block
+
+
 def _in_place(patcher: Any) -> set[str]:
     """The modules (``diffusion_model.blocks.<i>.<path>``) whose weights ComfyUI patched in place
     (the originals kept in ``backup``): their live tensors no longer equal the file's bytes."""
@@ -308,11 +315,10 @@ def _read_ahead(patcher: Any, adaln: bool) -> Callable[[int, str], bool]:
     def wanted(i: int, name: str) -> bool:
         if not (adaln or held_by_ranks(name)):
             return False
-        path = name.rsplit(".", 1)[0] if "." in name else ""
-        if f"diffusion_model.blocks.{i}" + (f".{path}" if path else "") in in_place:
+        if _owner(i, name) in in_place:
             return False
         try:
-            module = dm.blocks[i].get_submodule(path) if path else None
+            module = dm.blocks[i].get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
         except (AttributeError, IndexError):
             return True
         return module is None or not _patched_in_cast(module)
@@ -363,11 +369,6 @@ def block_reader(
         # a weight ComfyUI patched in place (its original kept in ``backup``) no longer equals its
         # file's bytes: that module's tensors are copied as they are
         backed = _in_place(patcher)
-        block = f"diffusion_model.blocks.{i}"
-
-        def owner(name: str) -> str:  # the module holding in-block tensor ``name``
-            return f"{block}.{name.rsplit('.', 1)[0]}" if "." in name else block
-
-        return {n: t if owner(n) in backed else file_source(t) for n, t in tensors.items()}
+        return {n: t if _owner(i, n) in backed else file_source(t) for n, t in tensors.items()}
 
     return read

@@ -57,6 +57,13 @@ def _pages(ranges: list[tuple[int, int]]) -> set[int]:
     return {p for off, n in ranges for p in range(off // PAGE, (off + n - 1) // PAGE + 1)}
 
 
+def _own_pages(ranges: dict[int, list[tuple[int, int]]]) -> dict[int, set[int]]:
+    """Each block's own pages: those no other block's ranges touch (small tensors of neighbouring blocks share
+    pages)."""
+    pages = {i: _pages(r) for i, r in ranges.items()}
+    return {i: p - set().union(*(q for j, q in pages.items() if j != i)) for i, p in pages.items()}
+
+
 def _resident(path: str) -> set[int]:
     """The file's pages in the page cache (``mincore`` over a shared read-only mapping)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -93,9 +100,7 @@ def test_reading_a_block_brings_the_next_blocks_into_the_page_cache(tmp_path):
     _checkpoint(path, blocks=6)
     wanted = lambda _i, name: not name.startswith("adaln_proj.")  # noqa: E731
     ranges = block_ranges(path, wanted)
-    pages = {i: _pages(r) for i, r in ranges.items()}
-    # a block's own pages: those no other block's ranges touch (small tensors of neighbouring blocks share pages)
-    own = {i: p - set().union(*(q for j, q in pages.items() if j != i)) for i, p in pages.items()}
+    own = _own_pages(ranges)
     assert all(len(p) >= 64 for p in own.values())
     drop(path)
     if _resident(path) & own[0]:
@@ -176,7 +181,7 @@ def test_reading_returns_once_the_block_is_in_the_page_cache(tmp_path, monkeypat
     path = str(tmp_path / "h3.safetensors")
     _checkpoint(path, blocks=4)
     ranges = block_ranges(path)
-    own1 = _pages(ranges[1]) - set().union(*(_pages(r) for i, r in ranges.items() if i != 1))
+    own1 = _own_pages(ranges)[1]
     drop(path)
     if _resident(path) & own1:
         pytest.skip(f"this filesystem keeps {path}'s pages cached after POSIX_FADV_DONTNEED")
