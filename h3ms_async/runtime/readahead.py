@@ -35,8 +35,10 @@ log = get_logger("Weights")
 
 #: a header larger than this is not a checkpoint we read ahead (the spec allows 100 MB)
 MAX_HEADER_BYTES = 100 << 20
-#: how many blocks past the one being read are read ahead
-BLOCKS_AHEAD = 2
+#: how many blocks past the one being read are read ahead: enough that the disk keeps streaming
+#: through the fill's pauses (the store's creation, a block's rows and casts), each block being
+#: read at most this far ahead of its use (H3: ~0.9 GB a block)
+BLOCKS_AHEAD = 4
 #: one read: as large as a sequential read that streams at the disk's rate (the kernel splits it
 #: into many device requests in flight at once)
 PIECE_BYTES = 64 << 20
