@@ -1,0 +1,184 @@
+"""What a new weight store's pages cost, and how a cached file's bytes get into them fastest, side by side.
+
+    python benchmarks/store_pages.py --gib 4 --out /tmp/pages.json          (any Linux machine; no GPU, no ComfyUI)
+
+A store is a tmpfs file (``workers/runtime/shm.py``); filling it from a checkpoint in the page cache costs the
+allocation (and zeroing) of every page, a page-table entry per 4 KiB page in the filling process, and the copy. Each
+row fills ``--gib`` GiB from a cached file by ``pread`` (``--threads`` readers, 8 MiB pieces, as
+``FileReader`` reads) and times its phases:
+
+* ``fallocate``: the pages reserved by ``posix_fallocate`` (how ``Segment.create`` makes a segment), then the reads
+  map each page on its first write (one write fault per 4 KiB page);
+* ``fallocate_populate``: reserved, then mapped by ``MADV_POPULATE_WRITE`` over each reader's share, then read;
+* ``populate``: sized only (``ftruncate``), each reader allocating and mapping its share by ``MADV_POPULATE_WRITE``;
+* ``fault``: sized only, the reads allocating the pages as they write them;
+* ``reused``: a segment whose pages were written before (a store of the same size filled again).
+
+Beside them: a private anonymous copy's rate (torch's ``copy_``, all cores) into fresh pages and into pages already
+written, the reference the fill is held to, and the kernel's huge-page settings for shmem.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+
+import torch
+
+MADV_POPULATE_WRITE = 23
+PIECE = 8 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _addr(mm: mmap.mmap) -> tuple[int, object]:
+    buf = (ctypes.c_char * len(mm)).from_buffer(mm)
+    return ctypes.addressof(buf), buf
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    step = -(-n // parts // PIECE) * PIECE
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _parallel(fn, ranges) -> None:
+    errors: list[BaseException] = []
+
+    def run(a: int, b: int) -> None:
+        try:
+            fn(a, b)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=r) for r in ranges]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def one(src_fd: int, n: int, threads: int, how: str, reused: mmap.mmap | None = None) -> dict:
+    t0 = time.perf_counter()
+    fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        if how in ("fallocate", "fallocate_populate"):
+            os.posix_fallocate(fd, 0, n)
+        else:
+            os.ftruncate(fd, n)
+        mm = reused if reused is not None else mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    t1 = time.perf_counter()
+    ranges = _split(n, threads)
+    base, keep = _addr(mm)
+    if how in ("populate", "fallocate_populate"):
+        def populate(a: int, b: int) -> None:
+            if _libc.madvise(base + a, b - a, MADV_POPULATE_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+        _parallel(populate, ranges)
+    t2 = time.perf_counter()
+    view = memoryview(mm)
+
+    def read(a: int, b: int) -> None:
+        for p in range(a, b, PIECE):
+            q = min(b, p + PIECE)
+            done = 0
+            while done < q - p:
+                done += os.preadv(src_fd, [view[p + done:q]], p + done)
+
+    _parallel(read, ranges)
+    t3 = time.perf_counter()
+    view.release()
+    del keep
+    if reused is None:
+        mm.close()
+    total = t3 - t0
+    return {"how": how, "threads": threads, "create_s": round(t1 - t0, 3), "populate_s": round(t2 - t1, 3),
+            "read_s": round(t3 - t2, 3), "total_s": round(total, 3), "gbps": round(n / total / 1e9, 2)}
+
+
+def copy_gbps(n: int, fresh: bool) -> float:
+    a = torch.ones(n, dtype=torch.uint8)
+    best = 0.0
+    for _ in range(3):
+        d = torch.empty(n, dtype=torch.uint8)
+        if not fresh:
+            d.fill_(0)
+        t = time.perf_counter()
+        d.copy_(a)
+        best = max(best, n / (time.perf_counter() - t) / 1e9)
+        del d
+    return best
+
+
+def _setting(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return "n/a"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=4)
+    p.add_argument("--threads", default="1,4,8,16")
+    p.add_argument("--dir", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    n = int(a.gib * (1 << 30)) // PIECE * PIECE
+    path = os.path.join(a.dir, f".store_pages_{os.getpid()}.bin")
+    rows: list[dict] = []
+    try:
+        with open(path, "wb") as f:
+            block = os.urandom(PIECE)
+            for _ in range(n // PIECE):
+                f.write(block)
+        src = os.open(path, os.O_RDONLY)
+        try:
+            os.pread(src, 1, 0)
+            with open(path, "rb") as f:  # into the page cache: every row reads a cached file
+                while f.read(64 << 20):
+                    pass
+            for threads in [int(x) for x in a.threads.split(",")]:
+                for how in ("fallocate", "fallocate_populate", "populate", "fault"):
+                    rows.append(one(src, n, threads, how))
+                fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+                os.posix_fallocate(fd, 0, n)
+                mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                os.close(fd)
+                one(src, n, threads, "reused", mm)
+                rows.append(one(src, n, threads, "reused", mm))
+                mm.close()
+        finally:
+            os.close(src)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    fresh, written = copy_gbps(n, True), copy_gbps(n, False)
+    res = {
+        "machine": os.uname().nodename, "kernel": os.uname().release, "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "bytes": n,
+        "shmem_enabled": _setting("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        "thp_enabled": _setting("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "copy_fresh_gbps": round(fresh, 2), "copy_written_gbps": round(written, 2), "rows": rows,
+        "best": {how: max((r for r in rows if r["how"] == how), key=lambda r: r["gbps"])
+                 for how in ("fallocate", "fallocate_populate", "populate", "fault", "reused")},
+    }
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
