@@ -191,7 +191,7 @@ def main() -> int:
             "cached_best_over_memcpy": {v: round(g / memcpy, 3) for v, g in best.items() if v.startswith("cached")},
             "cached_best_over_fresh_memcpy": {v: round(g / fresh, 3) for v, g in best.items()
                                               if v.startswith("cached")},
-            # the copies alone, past the store's sizing (block 0 read) and creation (its pages reserved)
+            # the copies alone, past the store's sizing (block 0 read, the segment made, block 0's pages reserved)
             "cached_copy_best_gbps": {v: round(max(r["bytes"] / (r["fill_s"] - r["create_s"]) for r in rs) / 1e9, 3)
                                       for v, rs in rows.items() if v.startswith("cached")},
         }

@@ -140,6 +140,24 @@ def test_close_with_live_views_and_double_unlink():
 def test_too_large_names_shm_size():
     with pytest.raises(ShmError, match=r"/dev/shm is too small: .* MiB free of .* --shm-size"):
         Segment.create(1 << 50, "huge")
+    with pytest.raises(ShmError, match=r"/dev/shm is too small: .* MiB free of .* --shm-size"):
+        Segment.create(1 << 50, "huge", reserve=False)
+
+
+def test_a_segment_sized_only_is_reserved_range_by_range_by_its_owner():
+    page = os.sysconf("SC_PAGE_SIZE")
+    with Segment.create(16 * page, "sized", reserve=False) as seg:
+        assert os.fstat(seg._fd).st_blocks == 0
+        seg.reserve(4 * page, 2 * page)
+        assert os.fstat(seg._fd).st_blocks * 512 == 2 * page
+        with pytest.raises(ShmError, match="outside segment"):
+            seg.reserve(15 * page, 2 * page)
+        other = Segment.attach(seg.name)
+        try:
+            with pytest.raises(ShmError, match="only the owner"):
+                other.reserve(0, page)
+        finally:
+            other.close()
 
 
 def test_register_cuda_is_a_noop_on_cpu():

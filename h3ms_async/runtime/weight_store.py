@@ -153,6 +153,9 @@ class WeightStore:
     #: casts, the file) and those its copy thread spent copying them in, beside the reads
     read_seconds: float = 0.0
     copy_seconds: float = 0.0
+    #: of the fill's seconds, those its reserving thread spent reserving the blocks' pages (all but
+    #: block 0's: :func:`size_store`), ahead of the copies
+    reserve_seconds: float = 0.0
     #: of the stored bytes, those the copy thread read from their file (:class:`FileBytes`)
     file_bytes: int = 0
     created_at: float = field(default_factory=time.time)
@@ -262,7 +265,8 @@ class StoreFill:
         copies) overlaps the next block's read; a source that lies unchanged in a file
         (:class:`FileBytes`) is read from it by ``pread``, several pieces at once.  A failure
         marks the fill failed there (every waiting rank stops) and raises; the caller releases
-        the store once the ranks that mapped it have stopped."""
+        the store once the ranks that mapped it have stopped.  A third thread reserves the
+        blocks' pages in block order, ahead of the copies (a copy waits for its block's)."""
         store, seg = self.store, self.store.segment
         progress = store.fill_progress()
         layout = _block_layout(self.first)
@@ -270,6 +274,7 @@ class StoreFill:
         handoff: queue.Queue[tuple[int, Mapping[str, Source]] | None] = queue.Queue(maxsize=1)
         copy_failed: list[Exception] = []
         files = FileReader()
+        pages = _Reserver(store)
 
         def copy_blocks() -> None:
             while (item := handoff.get()) is not None:
@@ -278,6 +283,7 @@ class StoreFill:
                 i, tensors = item
                 t = time.perf_counter()
                 try:
+                    pages.wait(i)
                     for name, desc in store.manifest[i].items():
                         _copy_in(seg.tensor(desc), tensors[name], files)
                     progress.publish(i + 1)
@@ -310,6 +316,7 @@ class StoreFill:
             finally:
                 handoff.put(None)
                 copier.join()  # a copy of at most two blocks: it ends
+                pages.close()
                 files.close()
                 store.file_bytes = files.bytes
             if copy_failed:
@@ -320,16 +327,76 @@ class StoreFill:
         store.filled_at = time.monotonic()
         store.fill_seconds = time.perf_counter() - self._started
         log.info(
-            "filled %d blocks, %.2f GiB in %.2fs (reading %.2fs, copying %.2fs beside it; "
-            "%.2f GiB of it read from the file by pread)",
+            "filled %d blocks, %.2f GiB in %.2fs (reading %.2fs, copying %.2fs and reserving "
+            "pages %.2fs beside it; %.2f GiB of it read from the file by pread)",
             len(store.manifest),
             store.nbytes / GIB,
             store.fill_seconds,
             store.read_seconds,
             store.copy_seconds,
+            store.reserve_seconds,
             store.file_bytes / GIB,
         )
         return store
+
+
+class _Reserver:
+    """Reserves the pages of blocks 1.. of a store made by :func:`size_store` (block 0's are), one
+    block at a time in block order, on its own thread: ``posix_fallocate`` is single-threaded in
+    the kernel, so the whole store's before the first copy would wait seconds that the copies can
+    run beside.  :meth:`wait` returns once block ``i``'s are (raising what stopped it);
+    :meth:`close` stops it between blocks and joins it."""
+
+    #: a block's reservation takes well under a second; this long without one is a fault
+    WAIT_S = 120.0
+
+    def __init__(self, store: WeightStore) -> None:
+        self._store = store
+        self._cond = threading.Condition()
+        self._reserved = 1
+        self._failed: Exception | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="h3ms-store-pages", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        store = self._store
+        try:
+            for i in range(1, len(store.manifest)):
+                with self._cond:
+                    if self._stop:
+                        return
+                t = time.perf_counter()
+                descs = store.manifest[i].values()
+                if descs:
+                    lo = min(d.off for d in descs)
+                    hi = max(d.off + slot_bytes(d.dtype, d.shape) for d in descs)
+                    store.segment.reserve(lo, hi - lo)
+                store.reserve_seconds += time.perf_counter() - t
+                with self._cond:
+                    self._reserved = i + 1
+                    self._cond.notify_all()
+        except Exception as exc:  # noqa: BLE001 - raised in the copy that waits for it
+            with self._cond:
+                self._failed = exc
+                self._cond.notify_all()
+
+    def wait(self, i: int) -> None:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._reserved > i or self._failed is not None, self.WAIT_S
+            ):
+                raise ShmError(
+                    f"reserving the weight store's pages for block {i} took over {self.WAIT_S:g}s"
+                )
+            if self._reserved <= i:
+                assert self._failed is not None
+                raise self._failed
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+        self._thread.join(self.WAIT_S)
 
 
 def _settled(tensors: Mapping[str, Source]) -> None:
@@ -345,14 +412,15 @@ def size_store(
     read_block: BlockReader,
     *,
     reserve_gb: float = 0.0,
-    create: Callable[[int, str], Segment] = Segment.create,
 ) -> StoreFill:
     """Make the store for ``n_blocks`` blocks read by ``read_block(i)`` (block 0 sizes it), with
-    every block's place laid out; :meth:`StoreFill.run` copies them.
+    every block's place laid out; :meth:`StoreFill.run` copies them.  Only the progress word's and
+    block 0's pages are reserved here; :meth:`StoreFill.run` reserves the others beside its copies
+    (one block's reservation is a tenth of a second; the whole store's, before any copy, seconds).
 
     ``reserve_gb``: RAM that must stay available after the store is filled (the node's
-    ``cache_ram_reserve_gb``); refusing raises :class:`WeightStoreRefused` with the numbers.
-    ``create`` makes the segment (a pool's ``create_segment`` so the pool unlinks it at release).
+    ``cache_ram_reserve_gb``); refusing raises :class:`WeightStoreRefused` with the numbers, as
+    does a /dev/shm without room for the store.
     """
     if n_blocks < 1:
         raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
@@ -369,11 +437,13 @@ def size_store(
             f"GiB RAM is available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower "
             "the reserve, free RAM, or disable the split for this model"
         )
+    word_bytes = slot_bytes(progress_layout.DTYPE, progress_layout.SHAPE)
     try:
-        seg = create(slot_bytes(progress_layout.DTYPE, progress_layout.SHAPE) + total, "wstore")
+        seg = Segment.create(word_bytes + total, "wstore", reserve=False)
     except ShmError as exc:
         raise WeightStoreRefused(str(exc)) from None
     try:
+        seg.reserve(0, word_bytes + per_block)
         arena = Arena(seg)
         word = arena.alloc(progress_layout.DTYPE, progress_layout.SHAPE)
         manifest = [
@@ -382,6 +452,9 @@ def size_store(
         ]
         store = WeightStore(key, seg, manifest, total, word)
         store.fill_progress().publish(0)
+    except ShmError as exc:
+        seg.close()
+        raise WeightStoreRefused(str(exc)) from None
     except BaseException:
         seg.close()
         raise
@@ -396,11 +469,10 @@ def fill(
     read_block: BlockReader,
     *,
     reserve_gb: float = 0.0,
-    create: Callable[[int, str], Segment] = Segment.create,
 ) -> WeightStore:
     """:func:`size_store`, then copy every block: a filled store (released again when the copy
     fails)."""
-    sized = size_store(key, n_blocks, read_block, reserve_gb=reserve_gb, create=create)
+    sized = size_store(key, n_blocks, read_block, reserve_gb=reserve_gb)
     try:
         return sized.run()
     except BaseException:

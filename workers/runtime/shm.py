@@ -1,7 +1,8 @@
 """POSIX shared-memory segments, used by the coordinator (owner) and the workers (attach) alike.
 
 A segment is an *unnamed* tmpfs file: ``open("/dev/shm", O_TMPFILE)``, mode 0600, its pages reserved
-at creation (``posix_fallocate``), mapped with mmap.  It never has a name in /dev/shm, so nothing
+at creation (``posix_fallocate``; or range by range by its owner, :meth:`Segment.reserve`), mapped
+with mmap.  It never has a name in /dev/shm, so nothing
 can be left there when any process dies, however it dies: the memory goes back when the last
 descriptor and mapping of it are gone.  Another process maps it through the owner's descriptor,
 ``/proc/<owner pid>/fd/<fd>`` (same user only), which works for a worker that starts late too (a
@@ -99,31 +100,48 @@ def _shm_size_hint(nbytes: int) -> str:
     )
 
 
-def _reserve(fd: int, nbytes: int) -> None:
-    """Allocate every page of the file now, so that a full tmpfs fails here and not as a SIGBUS on
-    first touch.
+def _too_small(nbytes: int) -> ShmError:
+    st = os.statvfs(SHM_DIR)
+    return ShmError(
+        f"{SHM_DIR} is too small: {nbytes / 2**20:.1f} MiB are needed but it has "
+        f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of "
+        f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB; " + _shm_size_hint(nbytes)
+    )
+
+
+def _check_room(nbytes: int) -> None:
+    """Refuse a segment /dev/shm has no room for now (files written since can still take it: the
+    reservation then fails)."""
+    st = os.statvfs(SHM_DIR)
+    if st.f_bavail * st.f_frsize < nbytes:
+        raise _too_small(nbytes)
+
+
+def _reserve(fd: int, off: int, nbytes: int) -> None:
+    """Allocate every page of the file's ``[off, off + nbytes)`` now, so that a full tmpfs fails
+    here and not as a SIGBUS on first touch.
 
     tmpfs gives a too-large file without complaint and only runs out when a page is written; statvfs
     cannot see files that exist but are not written yet, so a free-space check before creating is
     not enough.
     """
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, off, nbytes)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc}") from None
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if exc.errno == errno.EFBIG and limit != resource.RLIM_INFINITY and limit < nbytes:
-            raise ShmError(
-                f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: this process's file-size "
-                f"limit (ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)"
-            ) from None
-        st = os.statvfs(SHM_DIR)
-        raise ShmError(
-            f"{SHM_DIR} is too small: {nbytes / 2**20:.1f} MiB are needed but it has "
-            f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of "
-            f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB; " + _shm_size_hint(nbytes)
-        ) from None
+        raise _failed(exc, off + nbytes, nbytes) from None
+
+
+def _failed(exc: OSError, end: int, nbytes: int) -> ShmError:
+    """The error for sizing or reserving ``nbytes`` of a segment file up to byte ``end``."""
+    if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        return ShmError(f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: {exc}")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if exc.errno == errno.EFBIG and limit != resource.RLIM_INFINITY and limit < end:
+        return ShmError(
+            f"cannot reserve {nbytes / 2**20:.1f} MiB in {SHM_DIR}: this process's file-size "
+            f"limit (ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)"
+        )
+    return _too_small(nbytes)
 
 
 #: ``madvise`` advice (linux/mman.h, Linux >= 5.14): fault a range's pages in writable, in one call
@@ -211,12 +229,15 @@ class Segment:
         return self._cuda_ptr is not None
 
     @classmethod
-    def create(cls, size: int, tag: str) -> Segment:
+    def create(cls, size: int, tag: str, *, reserve: bool = True) -> Segment:
         """Create a new segment of at least ``size`` bytes (rounded up to 4096) owned by this
         process.
 
         Every page is reserved now: a /dev/shm too small for it raises :class:`ShmError` naming its
-        size and ``--shm-size``.
+        size and ``--shm-size``.  With ``reserve=False`` the segment is only sized (after checking
+        that /dev/shm has the room free now) and its owner reserves each range with
+        :meth:`reserve` before writing it: a large segment's reservation can then run beside the
+        writes of the ranges reserved before (it is single-threaded in the kernel).
         """
         if size <= 0:
             raise ShmError(f"segment size must be > 0, got {size}")
@@ -231,13 +252,32 @@ class Segment:
                 "the current user can write; in Docker it always is)"
             ) from None
         try:
-            _reserve(fd, size)
+            if reserve:
+                _reserve(fd, 0, size)
+            else:
+                _check_room(size)
+                try:
+                    os.ftruncate(fd, size)
+                except OSError as exc:
+                    raise _failed(exc, size, size) from None
             name = f"h3ms-{os.getpid()}-{fd:08x}{os.fstat(fd).st_ino:016x}-{tag}"
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         return cls(name, size, mm, owner=True, fd=fd)
+
+    def reserve(self, off: int, nbytes: int) -> None:
+        """Reserve the pages of ``[off, off + nbytes)`` of a segment created with
+        ``reserve=False`` (owner only); :class:`ShmError` as :meth:`create` when /dev/shm ran
+        out."""
+        if self._fd is None:
+            raise ShmError(f"only the owner reserves pages of segment {self.name}")
+        if off < 0 or nbytes < 0 or off + nbytes > self.size:
+            raise ShmError(
+                f"range [{off}, {off + nbytes}) is outside segment {self.name} of {self.size} bytes"
+            )
+        _reserve(self._fd, off, nbytes)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
