@@ -144,33 +144,3 @@ def test_a_patch_change_restores_unpatched_tensors_from_the_file(tmp_path):
     finally:
         store.release()
         ck.close()
-
-
-
-def test_each_piece_is_mapped_for_writing_before_its_read(tmp_path, monkeypatch):
-    """The pieces' destination pages are mapped in one call each (``map_for_writing``, tested in test_shm.py)
-    before their reads, so the reads take no write fault per 4 KiB page: the calls cover the destination."""
-    monkeypatch.setattr(file_bytes, "PIECE_BYTES", 1 << 20)
-    calls: list[tuple[int, int]] = []
-    real = file_bytes.map_for_writing
-
-    def spy(address: int, nbytes: int) -> None:
-        calls.append((address, nbytes))
-        real(address, nbytes)
-
-    monkeypatch.setattr(file_bytes, "map_for_writing", spy)
-    n = 5 << 20
-    path = tmp_path / "blob.bin"
-    path.write_bytes(os.urandom(n))
-    fd = os.open(path, os.O_RDONLY)
-    seg = Segment.create(n, "fbmap")
-    reader = FileReader(threads=2)
-    try:
-        dest = seg.tensor(Arena(seg).alloc("uint8", (n,)))
-        reader.read_into(dest, FileBytes(torch.empty(n, dtype=torch.uint8), fd, 0))
-        assert sorted(calls) == [(dest.data_ptr() + a, 1 << 20) for a in range(0, n, 1 << 20)]
-        assert dest.numpy().tobytes() == path.read_bytes()
-    finally:
-        reader.close()
-        seg.close()
-        os.close(fd)

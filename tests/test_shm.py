@@ -164,27 +164,3 @@ def test_register_cuda_is_a_noop_on_cpu():
     with Segment.create(4096, "cpu") as seg:
         assert shm.register_cuda(seg, "cpu") is False
         shm.unregister_cuda(seg)
-
-
-def _present(address: int, pages: int) -> list[bool]:
-    """Whether each page from ``address`` is mapped in this process (``/proc/self/pagemap``'s present bit, which an
-    unprivileged process may read)."""
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(address // os.sysconf("SC_PAGE_SIZE") * 8)
-        raw = f.read(pages * 8)
-    return [bool(int.from_bytes(raw[i:i + 8], "little") >> 63) for i in range(0, len(raw), 8)]
-
-
-def test_map_for_writing_maps_a_ranges_pages_in_this_process():
-    """A new segment's pages are reserved but not mapped: each first write would fault. ``map_for_writing`` maps
-    exactly the range asked for (from an unaligned start: the whole first page), in one call, and keeps the bytes."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    seg = Segment.create(64 * page, "maptest")
-    try:
-        base = seg.base_tensor().data_ptr()
-        assert not any(_present(base, 64))
-        shm.map_for_writing(base + 8 * page + 100, 16 * page - 100)
-        assert _present(base, 64) == [8 <= p < 24 for p in range(64)]
-        assert not seg.base_tensor().any()
-    finally:
-        seg.close()

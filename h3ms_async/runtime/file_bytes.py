@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.runtime.shm import map_for_writing
-
 #: one read request: large enough to amortize the call, small enough to spread a tensor over
 #: the readers
 PIECE_BYTES = 8 << 20
@@ -61,8 +59,7 @@ def tensor_of(src: Source) -> torch.Tensor:
     return src.tensor if isinstance(src, FileBytes) else src
 
 
-def _pread_full(fd: int, view: memoryview, offset: int, address: int) -> None:
-    map_for_writing(address, len(view))
+def _pread_full(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -72,9 +69,8 @@ def _pread_full(fd: int, view: memoryview, offset: int, address: int) -> None:
 
 
 class FileReader:
-    """Reads :class:`FileBytes` into host tensors (a shared-memory segment's), ``threads`` pieces
-    at a time, each piece's pages mapped for writing in one call before its read
-    (:func:`map_for_writing`).  ``close`` ends the threads."""
+    """Reads :class:`FileBytes` into host tensors, ``threads`` pieces at a time.  ``close`` ends
+    the threads."""
 
     def __init__(self, threads: int | None = None) -> None:
         n = threads if threads is not None else min(8, os.cpu_count() or 1)
@@ -93,11 +89,8 @@ class FileReader:
             )
         # numpy exports a writable buffer of any tensor's bytes (torch's own dtypes included)
         view = memoryview(dest.view(torch.uint8).reshape(-1).numpy().data) if n else memoryview(b"")
-        base = dest.data_ptr()
         jobs = [
-            self._pool.submit(
-                _pread_full, src.fd, view[a : a + PIECE_BYTES], src.offset + a, base + a
-            )
+            self._pool.submit(_pread_full, src.fd, view[a : a + PIECE_BYTES], src.offset + a)
             for a in range(0, n, PIECE_BYTES)
         ]
         cf.wait(jobs)  # all ended before an error is raised: none writes into ``dest`` after

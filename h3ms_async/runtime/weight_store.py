@@ -31,14 +31,7 @@ from h3ms_async.runtime.host_memory import ram_info
 from workers.runtime import fill_progress as progress_layout
 from workers.runtime.fill_progress import FillProgress
 from workers.runtime.protocol import TensorDesc, tensor_nbytes
-from workers.runtime.shm import (
-    Arena,
-    Segment,
-    ShmError,
-    dtype_name,
-    map_for_writing,
-    slot_bytes,
-)
+from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
 
 log = get_logger("Weights")
 GIB = 1 << 30
@@ -109,11 +102,10 @@ def _block_layout(tensors: Mapping[str, Source]) -> dict[str, tuple[str, tuple[i
 
 def _copy_in(dest: torch.Tensor, src: Source, files: FileReader) -> None:
     """One stored tensor's copy: file bytes by ``pread`` (``files``), a tensor from any device
-    straight into shared memory (no host tensor between), its pages mapped for writing first."""
+    straight into shared memory (no host tensor between)."""
     if isinstance(src, FileBytes):
         files.read_into(dest, src)
     else:
-        map_for_writing(dest.data_ptr(), dest.numel() * dest.element_size())
         dest.copy_(src.detach())
 
 

@@ -25,7 +25,6 @@ descriptor behind ``/proc/<pid>/fd/<fd>`` is still the same tmpfs inode.  Offset
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -142,46 +141,6 @@ def _failed(exc: OSError, end: int, nbytes: int) -> ShmError:
             f"limit (ulimit -f) is {limit / 2**20:.1f} MiB; raise it (ulimit -f unlimited)"
         )
     return _too_small(nbytes)
-
-
-#: ``madvise`` advice (linux/mman.h, Linux >= 5.14): fault a range's pages in writable, in one call
-_MADV_POPULATE_WRITE = 23
-#: whether this kernel has it (cleared at the first EINVAL)
-_populate = {"supported": True}
-
-
-@functools.cache
-def _madvise() -> Any:
-    import ctypes
-
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
-def map_for_writing(address: int, nbytes: int) -> None:
-    """Map the pages of ``[address, address + nbytes)`` (a writable shared mapping of this process:
-    a segment's) writable now, in one kernel call, ahead of a copy into them.
-
-    A copy into a fresh mapping of a tmpfs file takes one write fault per 4 KiB page (the kernel's
-    fault-around maps neighbours for reads only); ``MADV_POPULATE_WRITE`` walks the same pages
-    without a trap per page, several times faster, and callers on several threads spread it over
-    the cores.  On a kernel without it (EINVAL) the copy faults its pages as before.
-    """
-    if not _populate["supported"] or nbytes <= 0:
-        return
-    import ctypes
-
-    start = address // mmap.PAGESIZE * mmap.PAGESIZE
-    if _madvise()(start, address + nbytes - start, _MADV_POPULATE_WRITE):
-        err = ctypes.get_errno()
-        if err == errno.EINVAL:
-            _populate["supported"] = False
-            return
-        raise ShmError(
-            f"cannot map {nbytes / 2**20:.1f} MiB of shared memory for writing: "
-            f"{os.strerror(err)} (errno {err}); " + _shm_size_hint(nbytes)
-        )
 
 
 def _split_id(name: Any) -> tuple[int, int, int]:
