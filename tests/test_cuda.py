@@ -317,6 +317,35 @@ def test_resident_blocks_are_placed_at_the_load(full_int8):
             eng.release()
 
 
+def test_auto_residency_streams_the_blocks_another_process_took_the_room_for(full_int8):
+    """``vram_residency auto`` keeps every block resident when the GPU has room at the first step; once another
+    process takes all but 2 GiB (this one here, standing in for ComfyUI, whose weights and casts grow while the store
+    fills: an H100 ran out of memory so at the node's first step with a LoRA), the next step streams its last blocks
+    instead of running out of memory, and still equals the unsplit step with torch.equal."""
+    inp = make_step_inputs(FULL, layout_for_tokens(8192), 81, full_int8.dtype)
+    ref = [full_int8.forward_blocks(inp.x.cuda(), inp.t_emb.cuda(), inp.segments,
+                                    inp.rope_freqs.cuda()).cpu() for _ in range(2)][1]
+    mod = full_int8.modulation(inp.t_emb)
+    eng = SplitEngine(["cuda:0"] * 2, SplitOptions(vram_residency="auto"))
+    hog = None
+    try:
+        eng.load_weights(("shed", "int8"), FULL, full_int8.block_weights)
+        assert torch.equal(eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs), ref)
+        weights = [r.weights for r in eng.last_rank_results]
+        assert [w["resident_blocks"] for w in weights] == [FULL.layers] * 2, weights
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        hog = torch.empty(free - (2 << 30), dtype=torch.uint8, device="cuda")
+        out = eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs)
+        assert torch.equal(out, ref), f"max |diff| {(out.float() - ref.float()).abs().max():g}"
+        weights = [r.weights for r in eng.last_rank_results]
+        assert all(w["resident_blocks"] < FULL.layers and w["streamed_blocks"] > 0 for w in weights), weights
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+        eng.release()
+
+
 @pytest.mark.parametrize("how", ["interrupt", "kill"])
 def test_gpu_direct_events_stop_on_an_interrupt_and_on_a_killed_rank(full_int8, how, monkeypatch):
     """Ordered by CUDA IPC events the ranks' hosts run ahead of their GPU (at most workers/dit/cuda.py's AHEAD_OPS

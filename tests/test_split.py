@@ -504,6 +504,22 @@ def test_auto_residency_keeps_what_fits_in_the_ranks_share_of_the_gpu():
     assert auto_resident_blocks(4, gib, gib, 8 * gib, 2 * gib) == 0
 
 
+def test_auto_residency_streams_the_last_blocks_when_others_took_the_room_since_the_load():
+    """Before each ``auto`` step (workers.dit.cuda ``CudaWeights._shed``): the blocks chosen at the load stay while
+    the rank's share of the free memory plus its own unused cache covers the step's working set and the reserve;
+    else the last ones are streamed, making room for the two streaming slots when all were resident."""
+    from workers.dit.cuda import resident_blocks_that_still_fit as fit
+    gib = 1 << 30
+    assert fit(4, 4, gib, 10 * gib, 0, 8 * gib, 2 * gib) == 4  # still exactly fits
+    assert fit(4, 4, gib, 4 * gib, 6 * gib, 8 * gib, 2 * gib) == 4  # the rank's own cache counts
+    assert fit(4, 4, gib, 9 * gib, 0, 8 * gib, 2 * gib) == 1  # 1 GiB short, + 2 slots: 3 go
+    assert fit(3, 4, gib, 9 * gib, 0, 8 * gib, 2 * gib) == 2  # slots already there: only the 1 GiB
+    assert fit(3, 4, gib, 8 * gib + 1, 0, 8 * gib, 2 * gib) == 1  # short by a byte under 2 GiB: 2 go
+    assert fit(4, 4, gib, 16 * gib, 0, 8 * gib, 2 * gib, sharing=2) == 0  # 8 GiB each: 2 short, + slots
+    assert fit(4, 4, gib, 0, 0, 8 * gib, 2 * gib) == 0
+    assert fit(0, 4, gib, 0, 0, 8 * gib, 2 * gib) == 0
+
+
 def test_a_new_t_emb_shape_replaces_only_the_side_segment(engine_factory, int8_model):
     """H3's first step has one modulation row and the next ones two: a t_emb (or per-token row) shape change between
     steps replaces the side segment (the adaLN rows) only; the step segment and the arena, which every rank has

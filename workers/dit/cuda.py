@@ -7,7 +7,10 @@ speed.  At the first step (when the sequence length, and so the working set, is 
 decides how many leading blocks stay resident in VRAM: ``resident`` = all, ``stream`` = none,
 ``auto`` = as many as fit in the rank's share of free VRAM (ranks on the same GPU split it) minus
 the step's working set minus a reserve (``H3MS_VRAM_RESERVE_GB``, default 2)
-(:func:`auto_resident_blocks`).  The rest stream through two device slots: while block i computes,
+(:func:`auto_resident_blocks`); before each later ``auto`` step it checks that the room is still
+there (other processes on the GPU, ComfyUI's above all, take VRAM after the choice) and streams its
+last resident blocks where it is not (:func:`resident_blocks_that_still_fit`).  The rest stream
+through two device slots: while block i computes,
 block i+1 is copied into the other slot on a side stream; the compute stream waits on the slot's
 "loaded" event, the side stream on the "freed" event the compute stream recorded after the slot's
 previous block.
@@ -101,6 +104,31 @@ def auto_resident_blocks(
     return max(0, min(n, (budget - 2 * block_bytes) // max(1, block_bytes)))
 
 
+def resident_blocks_that_still_fit(
+    k: int,
+    n: int,
+    block_bytes: int,
+    free: int,
+    cached: int,
+    working_set: int,
+    reserve: int,
+    sharing: int = 1,
+) -> int:
+    """Of the ``k`` (of ``n``) blocks ``vram_residency auto`` keeps in VRAM, how many stay for the
+    step about to run, once other processes on the GPU took memory after the choice (ComfyUI's own
+    weights and casts grow while the store fills).  All ``k`` while this rank's share of the free
+    memory (``free`` split among the ``sharing`` ranks on the GPU) plus what its own allocator holds
+    unused (``cached``) still covers the step's working set and the reserve; otherwise the last ones
+    go until it does, with room for the two streaming slots when all ``n`` were resident (they
+    have none yet)."""
+    room = free // max(1, sharing) + cached - working_set - reserve
+    if room >= 0:
+        return k
+    slots = 2 * block_bytes if k == n else 0
+    drop = -(-(slots - room) // max(1, block_bytes))
+    return max(0, k - drop)
+
+
 class CudaWeights:
     """Block weights of one CUDA rank (a ``workers.dit.weights.WeightProvider``): the leading blocks
     resident in VRAM, the rest streamed from the pinned store through two slots prefetched on a side
@@ -176,6 +204,8 @@ class CudaWeights:
         slots: at the first step unless the load did, and whenever the step asks for another
         residency (the store and the process stay)."""
         if self.n_resident is not None and residency == self.residency:
+            if residency == "auto":
+                self._shed(tokens, local_tokens)
             return
         self._decide(tokens, local_tokens, residency)
         for i in range(self.n_resident or 0):
@@ -198,10 +228,7 @@ class CudaWeights:
             k = 0
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
-            reserve = int(config.VRAM_RESERVE_GB.get() * GIB)
-            sharing = max(
-                1, [str(d) for d in self.config.get("devices") or []].count(str(self.device))
-            )
+            reserve, sharing = self._reserve_and_sharing()
             k = auto_resident_blocks(
                 n,
                 self.block_bytes,
@@ -228,6 +255,55 @@ class CudaWeights:
             n - k,
             list(self.heads),
             why,
+        )
+
+    def _reserve_and_sharing(self) -> tuple[int, int]:
+        """The VRAM reserve (``H3MS_VRAM_RESERVE_GB``) and how many ranks share this GPU."""
+        sharing = [str(d) for d in self.config.get("devices") or []].count(str(self.device))
+        return int(config.VRAM_RESERVE_GB.get() * GIB), max(1, sharing)
+
+    def _shed(self, tokens: int, local_tokens: int) -> None:
+        """Before an ``auto`` step: stream the last resident blocks where the GPU no longer has
+        room for the step beside them (:func:`resident_blocks_that_still_fit`), rather than run
+        out of memory in the middle of it.  The same bytes, so the same results."""
+        k = self._n_resident
+        if k == 0:
+            return
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        reserve, sharing = self._reserve_and_sharing()
+        n = len(self.host)
+        keep = resident_blocks_that_still_fit(
+            k,
+            n,
+            self.block_bytes,
+            free,
+            cached,
+            self.working_set_bytes(tokens, local_tokens),
+            reserve,
+            sharing,
+        )
+        if keep == k:
+            return
+        del self.resident[keep:]
+        self.n_resident = keep
+        if not self.slots:
+            self.slots = [self._empty_like_block(), self._empty_like_block()]
+        self.slot_block = [-1, -1]
+        self.freed = [None, None]
+        self.log.warning(
+            "[dit] rank %d: %d of %d blocks now resident in VRAM, %d streamed: the GPU has "
+            "%.1f GiB free (shared by %d rank(s)) and this rank %.1f GiB cached, less than this "
+            "step needs beside %d resident blocks (another process took VRAM since the load; "
+            "H3MS_VRAM_RESERVE_GB keeps more free at the load)",
+            self.rank,
+            keep,
+            n,
+            n - keep,
+            free / GIB,
+            sharing,
+            cached / GIB,
+            k,
         )
 
     def _empty_like_block(self) -> dict[str, torch.Tensor]:
