@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import comfy_tree  # noqa: E402
 
 _BODY = comfy_tree.BENCH_PRELUDE + r'''
+import atexit
 import safetensors.torch
 import comfy.model_management as mm
 import comfy.sd
@@ -71,8 +72,10 @@ def sync():
     if cuda:
         torch.cuda.synchronize()
 
-name = "h3ms_cold_start.safetensors"
+name = {name!r}
 path = os.path.join(comfy_h3.checkpoint_dir(), name)
+# a failed run must not leave tens of GB on the disk (the next run could not write its checkpoint)
+atexit.register(lambda: os.path.exists(path) and os.remove(path))
 t = time.perf_counter()
 # a LoRA'd int8 layer is dequantized in ComfyUI's cast, whose kernels take [N, 1] row scales
 sd = comfy_h3.state_dict(layers={layers}, int8=True, dtype=torch.bfloat16, dims=dims,
@@ -289,8 +292,8 @@ print("RESULT " + json.dumps(dict(
     if not any(p.failure for p in proofs[:2]) else None,
 )), flush=True)
 N["H3MSReleaseResourcesAsync"]().run(True, True, True)
-os.remove(path)
 '''
+CHECKPOINT = "h3ms_cold_start.safetensors"
 
 
 def main() -> int:
@@ -310,10 +313,15 @@ def main() -> int:
     if a.steps < 2:
         p.error("--steps must be >= 2: a prompt's cold cost is its first block stack over a steady one")
     os.makedirs(a.out, exist_ok=True)
-    body = _BODY.format(tests=os.path.join(ROOT, "tests"), dims=a.dims, layers=a.layers, tokens=a.tokens,
+    body = _BODY.format(name=CHECKPOINT, tests=os.path.join(ROOT, "tests"), dims=a.dims, layers=a.layers, tokens=a.tokens,
                         width=a.width, height=a.height, steps=a.steps, ranks=a.ranks, lora=a.lora)
     args = ["--disable-api-nodes"] + ([] if a.ranks.startswith("cuda") else ["--cpu"])
-    res = comfy_tree.run_comfy_result(body, args, os.path.join(a.out, "comfy_cold_start_comfyui.log"), a.timeout)
+    try:
+        res = comfy_tree.run_comfy_result(body, args, os.path.join(a.out, "comfy_cold_start_comfyui.log"), a.timeout)
+    finally:  # a run killed at its timeout leaves the checkpoint behind (ComfyUI's default diffusion_models folder)
+        leftover = comfy_tree.COMFY_ROOT / "models" / "diffusion_models" / CHECKPOINT
+        if leftover.exists():
+            leftover.unlink()
     if res is None:
         return 1
     with open(os.path.join(a.out, "comfy_cold_start.json"), "w") as fh:

@@ -49,3 +49,17 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     plain_cold = rep["plain"]["cold_s"]  # noise around 0 here, so at times not above it: no ratio then
     expected = pytest.approx(first["cold_s"] / plain_cold, rel=0.01) if plain_cold > 0 else None
     assert rep["node_cold_over_comfy_cold"] == expected
+    assert not (comfy_tree.COMFY_ROOT / "models" / "diffusion_models" / "h3ms_cold_start.safetensors").exists()
+
+
+@pytest.mark.skipif(comfy_tree.skip_reason() is not None, reason=comfy_tree.skip_reason() or "")
+def test_a_failed_cold_start_run_leaves_no_checkpoint_behind(tmp_path) -> None:
+    """The checkpoint (tens of GB at full size) goes when the run fails after writing it, here at the node's rank map:
+    on the GPU machine a failed run's file once filled the disk for the next one."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "comfy_cold_start.py"), "--dims", "tiny",
+                        "--layers", "3", "--ranks", "cpu,nope", "--width", "64", "--height", "64", "--tokens", "1",
+                        "--timeout", "240", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "H3MS_RANK_MAP='cpu,nope'" in (tmp_path / "comfy_cold_start_comfyui.log").read_text()
+    assert "checkpoint_write_s" not in r.stdout
+    assert not (comfy_tree.COMFY_ROOT / "models" / "diffusion_models" / "h3ms_cold_start.safetensors").exists()
