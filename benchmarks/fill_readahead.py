@@ -10,8 +10,8 @@ tensor a view of it, its file range known) and fills a real weight store (``size
 split's own code) with every block's weights but the adaLN projection:
 
 * ``fault``: the copy faults the file's pages in as it reads them (no readahead);
-* ``ahead``: :class:`BlockReadahead` reads the store's tensors of the block being read and the next two into the
-  page cache, in the background, several requests at once;
+* ``ahead``: :class:`BlockReadahead` reads the store's tensors of the block being read and the next ``BLOCKS_AHEAD``
+  into the page cache, in the background, in large sequential reads;
 * ``separate``: a first prompt as the node ran it before c6e4dad: every block's adaLN weights read first (what
   ComfyUI's modules read to compute the step's rows: one copy out of the mapping), then the ``ahead`` fill;
 * ``interleaved``: block i's adaLN weights read just before block i's store tensors, the readahead asking for whole
