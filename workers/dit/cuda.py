@@ -289,8 +289,9 @@ class CudaWeights:
         self.n_resident = keep
         if not self.slots:
             self.slots = [self._empty_like_block(), self._empty_like_block()]
+            self.freed = [None, None]
+        # a block's slot follows from the resident count: what a slot holds must be fetched again
         self.slot_block = [-1, -1]
-        self.freed = [None, None]
         self.log.warning(
             "[dit] rank %d: %d of %d blocks now resident in VRAM, %d streamed: the GPU has "
             "%.1f GiB free (shared by %d rank(s)) and this rank %.1f GiB cached, less than this "
