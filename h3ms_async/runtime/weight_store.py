@@ -408,7 +408,7 @@ def size_store(
     """Make the store for ``n_blocks`` blocks read by ``read_block(i)`` (block 0 sizes it), with
     every block's place laid out; :meth:`StoreFill.run` copies them.  Only the progress word's and
     block 0's pages are reserved here; :meth:`StoreFill.run` reserves the others beside its copies
-    (one block's reservation is a tenth of a second; the whole store's, before any copy, seconds).
+    (an H3 block's reservation takes hundredths of a second, the whole store's seconds).
 
     ``reserve_gb``: RAM that must stay available after the store is filled (the node's
     ``cache_ram_reserve_gb``); refusing raises :class:`WeightStoreRefused` with the numbers, as

@@ -2,11 +2,11 @@
 
 A segment is an *unnamed* tmpfs file: ``open("/dev/shm", O_TMPFILE)``, mode 0600, its pages reserved
 at creation (``posix_fallocate``; or range by range by its owner, :meth:`Segment.reserve`), mapped
-with mmap.  It never has a name in /dev/shm, so nothing
-can be left there when any process dies, however it dies: the memory goes back when the last
-descriptor and mapping of it are gone.  Another process maps it through the owner's descriptor,
-``/proc/<owner pid>/fd/<fd>`` (same user only), which works for a worker that starts late too (a
-restarted rank); once the owner closes the segment nobody new can attach.
+with mmap.  It never has a name in /dev/shm, so nothing can be left there when any process dies,
+however it dies: the memory goes back when the last descriptor and mapping of it are gone.
+Another process maps it through the owner's descriptor, ``/proc/<owner pid>/fd/<fd>`` (same user
+only), which works for a worker that starts late too (a restarted rank); once the owner closes the
+segment nobody new can attach.
 
 Why this and not a name unlinked after every user has mapped it, with the descriptor passed over the
 channel (SCM_RIGHTS) to late starters: the descriptor is already reachable through /proc, so no fd
