@@ -12,6 +12,11 @@ row fills ``--gib`` GiB from a cached file by ``pread`` (``--threads`` readers, 
 * ``fallocate_populate``: reserved, then mapped by ``MADV_POPULATE_WRITE`` over each reader's share, then read;
 * ``populate``: sized only (``ftruncate``), each reader allocating and mapping its share by ``MADV_POPULATE_WRITE``;
 * ``fault``: sized only, the reads allocating the pages as they write them;
+* ``write``: sized only, each reader writing its share through the segment's descriptor (``pwrite`` from a view of
+  the file's read-only mapping, as ComfyUI maps its checkpoint): the kernel allocates each page as it writes it,
+  without zeroing it first, without a page fault in the filler, and a full /dev/shm is an error, not a SIGBUS;
+* ``splice``: sized only, each reader moving its share from the file to the segment through a pipe: no copy through
+  user memory at all;
 * ``reused``: a segment whose pages were written before (a store of the same size filled again).
 
 Beside them: a private anonymous copy's rate (torch's ``copy_``, all cores) into fresh pages and into pages already
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import mmap
 import os
@@ -31,7 +37,10 @@ import time
 import torch
 
 MADV_POPULATE_WRITE = 23
+F_SETPIPE_SZ = 1031  # fcntl.h
 PIECE = 8 << 20
+PIPE_BYTES = 1 << 20
+HOWS = ("fallocate", "fallocate_populate", "populate", "fault", "write", "splice")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -64,6 +73,41 @@ def _parallel(fn, ranges) -> None:
         raise errors[0]
 
 
+def _writes(src_fd: int, dst_fd: int, how: str):
+    """A reader that fills ``[a, b)`` of the segment through its descriptor: ``write`` by ``pwrite`` from a view of
+    the source's read-only mapping (as ComfyUI maps its checkpoint), ``splice`` from the file through a pipe."""
+    if how == "write":
+        src = mmap.mmap(src_fd, 0, prot=mmap.PROT_READ)
+
+        def write(a: int, b: int) -> None:
+            view = memoryview(src)
+            try:
+                for p in range(a, b, PIECE):
+                    q = min(b, p + PIECE)
+                    done = 0
+                    while done < q - p:
+                        done += os.pwritev(dst_fd, [view[p + done:q]], p + done)
+            finally:
+                view.release()
+        return write, src.close
+
+    def splice(a: int, b: int) -> None:
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
+            p = a
+            while p < b:
+                got = os.splice(src_fd, w, min(PIPE_BYTES, b - p), offset_src=p)
+                done = 0
+                while done < got:
+                    done += os.splice(r, dst_fd, got - done, offset_dst=p + done)
+                p += got
+        finally:
+            os.close(r)
+            os.close(w)
+    return splice, lambda: None
+
+
 def one(src_fd: int, n: int, threads: int, how: str, reused: mmap.mmap | None = None) -> dict:
     t0 = time.perf_counter()
     fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
@@ -73,32 +117,40 @@ def one(src_fd: int, n: int, threads: int, how: str, reused: mmap.mmap | None = 
         else:
             os.ftruncate(fd, n)
         mm = reused if reused is not None else mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        t1 = time.perf_counter()
+        ranges = _split(n, threads)
+        base, keep = _addr(mm)
+        if how in ("populate", "fallocate_populate"):
+            def populate(a: int, b: int) -> None:
+                if _libc.madvise(base + a, b - a, MADV_POPULATE_WRITE) != 0:
+                    raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+            _parallel(populate, ranges)
+        t2 = time.perf_counter()
+        view = memoryview(mm)
+        if how in ("write", "splice"):
+            fill, done_with = _writes(src_fd, fd, how)
+            try:
+                _parallel(fill, ranges)
+            finally:
+                done_with()
+        else:
+            def read(a: int, b: int) -> None:
+                for p in range(a, b, PIECE):
+                    q = min(b, p + PIECE)
+                    done = 0
+                    while done < q - p:
+                        done += os.preadv(src_fd, [view[p + done:q]], p + done)
+            _parallel(read, ranges)
+        t3 = time.perf_counter()
+        # the segment's bytes, as a rank maps them, are the file's
+        for at in (0, n // 2, n - 4096):
+            assert view[at:at + 4096] == os.pread(src_fd, 4096, at), (how, at)
+        view.release()
+        del keep
+        if reused is None:
+            mm.close()
     finally:
         os.close(fd)
-    t1 = time.perf_counter()
-    ranges = _split(n, threads)
-    base, keep = _addr(mm)
-    if how in ("populate", "fallocate_populate"):
-        def populate(a: int, b: int) -> None:
-            if _libc.madvise(base + a, b - a, MADV_POPULATE_WRITE) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
-        _parallel(populate, ranges)
-    t2 = time.perf_counter()
-    view = memoryview(mm)
-
-    def read(a: int, b: int) -> None:
-        for p in range(a, b, PIECE):
-            q = min(b, p + PIECE)
-            done = 0
-            while done < q - p:
-                done += os.preadv(src_fd, [view[p + done:q]], p + done)
-
-    _parallel(read, ranges)
-    t3 = time.perf_counter()
-    view.release()
-    del keep
-    if reused is None:
-        mm.close()
     total = t3 - t0
     return {"how": how, "threads": threads, "create_s": round(t1 - t0, 3), "populate_s": round(t2 - t1, 3),
             "read_s": round(t3 - t2, 3), "total_s": round(total, 3), "gbps": round(n / total / 1e9, 2)}
@@ -148,7 +200,7 @@ def main() -> int:
                 while f.read(64 << 20):
                     pass
             for threads in [int(x) for x in a.threads.split(",")]:
-                for how in ("fallocate", "fallocate_populate", "populate", "fault"):
+                for how in HOWS:
                     rows.append(one(src, n, threads, how))
                 fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
                 os.posix_fallocate(fd, 0, n)
@@ -170,7 +222,7 @@ def main() -> int:
         "thp_enabled": _setting("/sys/kernel/mm/transparent_hugepage/enabled"),
         "copy_fresh_gbps": round(fresh, 2), "copy_written_gbps": round(written, 2), "rows": rows,
         "best": {how: max((r for r in rows if r["how"] == how), key=lambda r: r["gbps"])
-                 for how in ("fallocate", "fallocate_populate", "populate", "fault", "reused")},
+                 for how in (*HOWS, "reused")},
     }
     text = json.dumps(res, indent=1)
     print(text)
