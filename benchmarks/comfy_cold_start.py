@@ -55,7 +55,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import comfy_tree  # noqa: E402
 
 _BODY = comfy_tree.BENCH_PRELUDE + r'''
-import atexit
 import safetensors.torch
 import comfy.model_management as mm
 import comfy.sd
@@ -73,9 +72,7 @@ def sync():
         torch.cuda.synchronize()
 
 name = {name!r}
-path = os.path.join(comfy_h3.checkpoint_dir(), name)
-# a failed run must not leave tens of GB on the disk (the next run could not write its checkpoint)
-atexit.register(lambda: os.path.exists(path) and os.remove(path))
+path = os.path.join(comfy_h3.checkpoint_dir(), name)  # removed by main() whatever the run's end
 t = time.perf_counter()
 # a LoRA'd int8 layer is dequantized in ComfyUI's cast, whose kernels take [N, 1] row scales
 sd = comfy_h3.state_dict(layers={layers}, int8=True, dtype=torch.bfloat16, dims=dims,
@@ -318,7 +315,7 @@ def main() -> int:
     args = ["--disable-api-nodes"] + ([] if a.ranks.startswith("cuda") else ["--cpu"])
     try:
         res = comfy_tree.run_comfy_result(body, args, os.path.join(a.out, "comfy_cold_start_comfyui.log"), a.timeout)
-    finally:  # a run killed at its timeout leaves the checkpoint behind (ComfyUI's default diffusion_models folder)
+    finally:  # ended, failed or killed: tens of GB must not stay on the disk (the next run could not write its own)
         leftover = comfy_tree.COMFY_ROOT / "models" / "diffusion_models" / CHECKPOINT
         if leftover.exists():
             leftover.unlink()
