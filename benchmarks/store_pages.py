@@ -17,7 +17,10 @@ row fills ``--gib`` GiB from a cached file by ``pread`` (``--threads`` readers, 
   without zeroing it first, without a page fault in the filler, and a full /dev/shm is an error, not a SIGBUS;
 * ``splice``: sized only, each reader moving its share from the file to the segment through a pipe: no copy through
   user memory at all;
-* ``reused``: a segment whose pages were written before (a store of the same size filled again).
+* ``reused``: a segment whose pages were written before (a store of the same size filled again);
+* ``fallocate_files`` / ``write_files``: the store as one tmpfs file per reader instead of one file, each reader
+  reserving (``posix_fallocate``) and reading, or writing, its own file: tmpfs allocates a file's pages under that
+  file's locks, so separate files may allocate in parallel where one file does not.
 
 Beside them: a private anonymous copy's rate (torch's ``copy_``, all cores) into fresh pages and into pages already
 written, the reference the fill is held to, and the kernel's huge-page settings for shmem.
@@ -41,6 +44,7 @@ F_SETPIPE_SZ = 1031  # fcntl.h
 PIECE = 8 << 20
 PIPE_BYTES = 1 << 20
 HOWS = ("fallocate", "fallocate_populate", "populate", "fault", "write", "splice")
+FILES_HOWS = ("fallocate_files", "write_files")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -156,6 +160,53 @@ def one(src_fd: int, n: int, threads: int, how: str, reused: mmap.mmap | None = 
             "read_s": round(t3 - t2, 3), "total_s": round(total, 3), "gbps": round(n / total / 1e9, 2)}
 
 
+def one_per_file(src_fd: int, n: int, threads: int, how: str) -> dict:
+    """``how`` with one tmpfs file per reader: each reader creates its file, reserves it (``fallocate_files``) and
+    reads its share into its mapping, or writes its share through the file's descriptor (``write_files``)."""
+    src = mmap.mmap(src_fd, 0, prot=mmap.PROT_READ)
+    created: list[float] = []
+
+    def fill(a: int, b: int) -> None:
+        t = time.perf_counter()
+        fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            if how == "fallocate_files":
+                os.posix_fallocate(fd, 0, b - a)
+            else:
+                os.ftruncate(fd, b - a)
+            created.append(time.perf_counter() - t)
+            mm = mmap.mmap(fd, b - a, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            view = memoryview(mm)
+            sview = memoryview(src)
+            try:
+                for p in range(a, b, PIECE):
+                    q = min(b, p + PIECE)
+                    done = 0
+                    while done < q - p:
+                        if how == "fallocate_files":
+                            done += os.preadv(src_fd, [view[p - a + done:q - a]], p + done)
+                        else:
+                            done += os.pwritev(fd, [sview[p + done:q]], p - a + done)
+                for at in (0, b - a - 4096):  # the file's bytes, as a rank maps them, are the source's
+                    assert view[at:at + 4096] == sview[a + at:a + at + 4096], (how, a, at)
+            finally:
+                view.release()
+                sview.release()
+                mm.close()
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    try:
+        _parallel(fill, _split(n, threads))
+    finally:
+        src.close()
+    total = time.perf_counter() - t0
+    return {"how": how, "threads": threads, "create_s": round(max(created, default=0.0), 3), "populate_s": 0.0,
+            "read_s": round(total - max(created, default=0.0), 3), "total_s": round(total, 3),
+            "gbps": round(n / total / 1e9, 2)}
+
+
 def copy_gbps(n: int, fresh: bool) -> float:
     a = torch.ones(n, dtype=torch.uint8)
     best = 0.0
@@ -202,6 +253,8 @@ def main() -> int:
             for threads in [int(x) for x in a.threads.split(",")]:
                 for how in HOWS:
                     rows.append(one(src, n, threads, how))
+                for how in FILES_HOWS:
+                    rows.append(one_per_file(src, n, threads, how))
                 fd = os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)
                 os.posix_fallocate(fd, 0, n)
                 mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -222,7 +275,7 @@ def main() -> int:
         "thp_enabled": _setting("/sys/kernel/mm/transparent_hugepage/enabled"),
         "copy_fresh_gbps": round(fresh, 2), "copy_written_gbps": round(written, 2), "rows": rows,
         "best": {how: max((r for r in rows if r["how"] == how), key=lambda r: r["gbps"])
-                 for how in (*HOWS, "reused")},
+                 for how in (*HOWS, *FILES_HOWS, "reused")},
     }
     text = json.dumps(res, indent=1)
     print(text)
