@@ -78,6 +78,7 @@ t = time.perf_counter()
 sd = comfy_h3.state_dict(layers={layers}, int8=True, dtype=torch.bfloat16, dims=dims,
                          device="cuda" if cuda else "cpu", scale_2d={lora})
 safetensors.torch.save_file(sd, path)
+print("checkpoint written: " + path, flush=True)
 del sd
 gc.collect()
 fd = os.open(path, os.O_RDONLY)
@@ -316,8 +317,8 @@ def main() -> int:
     try:
         res = comfy_tree.run_comfy_result(body, args, os.path.join(a.out, "comfy_cold_start_comfyui.log"), a.timeout)
     finally:  # ended, failed or killed: tens of GB must not stay on the disk (the next run could not write its own)
-        leftover = comfy_tree.COMFY_ROOT / "models" / "diffusion_models" / CHECKPOINT
-        if leftover.exists():
+        # ComfyUI writes diffusion_models/ to the first folder it lists for them (models/unet/ in this tree)
+        for leftover in (comfy_tree.COMFY_ROOT / "models").glob(f"*/{CHECKPOINT}"):
             leftover.unlink()
     if res is None:
         return 1

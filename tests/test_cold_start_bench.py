@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,9 @@ def test_a_failed_cold_start_run_leaves_no_checkpoint_behind(tmp_path) -> None:
                         "--layers", "3", "--ranks", "cpu,nope", "--width", "64", "--height", "64", "--tokens", "1",
                         "--timeout", "240", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "H3MS_RANK_MAP='cpu,nope'" in (tmp_path / "comfy_cold_start_comfyui.log").read_text()
+    log = (tmp_path / "comfy_cold_start_comfyui.log").read_text()
+    assert r.returncode == 1 and "H3MS_RANK_MAP='cpu,nope'" in log
     assert "checkpoint_write_s" not in r.stdout
-    assert not (comfy_tree.COMFY_ROOT / "models" / "diffusion_models" / "h3ms_cold_start.safetensors").exists()
+    written = re.findall(r"^checkpoint written: (.+)$", log, re.M)
+    assert len(written) == 1 and written[0].endswith("h3ms_cold_start.safetensors"), log[-2000:]
+    assert not os.path.exists(written[0])
