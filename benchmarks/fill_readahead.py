@@ -18,9 +18,10 @@ split's own code) with every block's weights but the adaLN projection:
   blocks;
 * ``cached``: the fill from a file already in the page cache.
 
-Each ends in ``_view`` (the store copies from the mapping's views, faulting its pages in) or ``_pread`` (the store
-reads the views' file ranges by ``pread``, several pieces at once: ``FileBytes``, what the node hands it for every
-tensor ComfyUI maps unchanged since the pread fill); ``interleaved_pread`` is the node's first prompt now.
+Each ends in ``_view`` (the views handed over as tensors: the store writes one block at a time, as it does for
+tensors a host made) or ``_file`` (the views marked as the file's bytes, ``FileBytes``, what the node hands it for
+every tensor ComfyUI maps unchanged: up to ``WRITERS`` blocks written at once, each into its own segment);
+``interleaved_file`` is the node's first prompt now.
 ``separate`` and ``interleaved`` read the adaLN bytes too: their rate counts every byte they read (``read_bytes``),
 the others' the store's. Beside them, the file's sequential read rate after a drop (``read()`` of 64 MiB pieces) and
 a host memcpy's rate, into memory already written and into fresh pages (what a new store's fill writes into). Prints
@@ -55,7 +56,7 @@ from workers.dit.ops import held_by_ranks  # noqa: E402
 PREFIX = "blocks."
 DTYPES = {"I8": torch.int8, "U8": torch.uint8, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 VARIANTS = [f"{kind}_{how}" for kind in ("fault", "ahead", "separate", "interleaved", "cached")
-            for how in ("view", "pread")]
+            for how in ("view", "file")]
 
 
 def disk_gbps(path: str) -> float:
@@ -104,9 +105,9 @@ class Checkpoint:
             flat = torch.frombuffer(self.map, dtype=dtype, count=(b - a) // dtype.itemsize, offset=self.base + a)
         return flat.view(info["shape"])
 
-    def source(self, name: str, pread: bool):
+    def source(self, name: str, marked: bool):
         t = self.view(name)
-        return FileBytes(t, self.fd, self.base + self.info[name]["data_offsets"][0]) if pread else t
+        return FileBytes(t) if marked else t
 
     def close(self) -> None:
         self.map.close()
@@ -115,9 +116,9 @@ class Checkpoint:
 
 def fill(path: str, layers: int, variant: str) -> tuple[float, float, int, int, int]:
     """One fill of a store as ``variant`` reads the file; (seconds, of them the store's sizing and creation, store
-    bytes, bytes read, bytes the store read by ``pread``)."""
+    bytes, bytes read, bytes the store took as the file's)."""
     kind, _, how = variant.partition("_")
-    pread = how == "pread"
+    marked = how == "file"
     if kind != "cached":
         drop(path)
     ck = Checkpoint(path)
@@ -139,7 +140,7 @@ def fill(path: str, layers: int, variant: str) -> tuple[float, float, int, int, 
             if kind == "interleaved":
                 rows(i)
             p = len(f"{PREFIX}{i}.")
-            return {k[p:]: ck.source(k, pread) for k in names(i, held_by_ranks)}
+            return {k[p:]: ck.source(k, marked) for k in names(i, held_by_ranks)}
 
         t = time.perf_counter()
         if kind == "separate":
@@ -164,21 +165,25 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dir", default=ROOT, help="where the checkpoint is written (a disk, not tmpfs)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    variants = a.variants.split(",")
+    if not variants or set(variants) - set(VARIANTS):
+        p.error(f"--variants: each one of {', '.join(VARIANTS)}")
     path = os.path.join(a.dir, f".fill_readahead_{os.getpid()}.safetensors")
     try:
         t = time.perf_counter()
         save_file(comfy_h3.state_dict(layers=a.layers, int8=True, dtype=torch.bfloat16, dims=comfy_h3.FULL), path)
         write_s = time.perf_counter() - t
         disk = disk_gbps(path)
-        rows: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        rows: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(a.repeats):
             for variant in rows:
-                s, created, nbytes, read, by_pread = fill(path, a.layers, variant)
+                s, created, nbytes, read, from_file = fill(path, a.layers, variant)
                 rows[variant].append({"fill_s": round(s, 3), "create_s": round(created, 3),
                                       "gbps": round(read / s / 1e9, 3), "bytes": nbytes, "read_bytes": read,
-                                      "pread_bytes": by_pread})
+                                      "file_bytes": from_file})
         memcpy, fresh = memcpy_gbps(), memcpy_gbps(fresh=True)
         best = {v: max(r["gbps"] for r in rs) for v, rs in rows.items()}
         res = {
@@ -191,7 +196,7 @@ def main() -> int:
             "cached_best_over_memcpy": {v: round(g / memcpy, 3) for v, g in best.items() if v.startswith("cached")},
             "cached_best_over_fresh_memcpy": {v: round(g / fresh, 3) for v, g in best.items()
                                               if v.startswith("cached")},
-            # the copies alone, past the store's sizing (block 0 read, the segment made, block 0's pages reserved)
+            # the writes alone, past the store's sizing (block 0 read, the segments made)
             "cached_copy_best_gbps": {v: round(max(r["bytes"] / (r["fill_s"] - r["create_s"]) for r in rs) / 1e9, 3)
                                       for v, rs in rows.items() if v.startswith("cached")},
         }

@@ -33,6 +33,7 @@ import fcntl
 import json
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -238,6 +239,7 @@ def main() -> int:
     a = p.parse_args()
     n = int(a.gib * (1 << 30)) // PIECE * PIECE
     path = os.path.join(a.dir, f".store_pages_{os.getpid()}.bin")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's kill still removes the source file
     rows: list[dict] = []
     try:
         with open(path, "wb") as f:

@@ -237,14 +237,15 @@ def test_demo_weight_formats_are_the_reference_models() -> None:
 @pytest.mark.timeout(300)
 def test_demo_without_room_for_its_shared_memory_ends_with_one_line_exit_2(tmp_path: Path) -> None:
     """A shared-memory segment that cannot be reserved ends the demo with one error line naming the limit and the fix,
-    exit 2, nothing left.  The limit is the process's file-size limit (RLIMIT_FSIZE, 256 KiB: below the weight
-    store's 0.6 MiB): the segment's page reservation then fails as on a full /dev/shm (EFBIG instead of ENOSPC),
+    exit 2, nothing left.  The limit is the process's file-size limit (RLIMIT_FSIZE, 128 KiB: below the demo's
+    larger segments, a weight-store block's 0.2 MiB among them): the segment's page reservation or write then fails
+    as on a full /dev/shm (EFBIG instead of ENOSPC),
     without root or a private mount; the /dev/shm message itself is tested on a private tmpfs
     (tests/test_faults_shm.py)."""
     import resource
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "H3MS_RUN_DIR": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"}
-    limit = 256 << 10
+    limit = 128 << 10
     proc = subprocess.Popen([sys.executable, "-m", "h3ms_async", "demo", *TINY, "--weights", "fp32"], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))

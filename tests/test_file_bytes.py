@@ -1,6 +1,7 @@
-"""Tensors read straight from their file into the weight store (``h3ms_async/runtime/file_bytes.py``), on a real
-file and real shared memory: the bytes come by ``pread`` in pieces, several at once, equal to the file's, and a
-store filled from such sources holds exactly the checkpoint's tensors and counts what it read from the file."""
+"""Tensors whose bytes lie unchanged in their file (``h3ms_async/runtime/file_bytes.py``), written into the weight
+store, on a real file and real shared memory: a mapped tensor is written through the segment's descriptor, equal to
+the file's bytes, and a store filled from such sources holds exactly the checkpoint's tensors and counts what came
+from the file."""
 from __future__ import annotations
 
 import mmap
@@ -10,65 +11,57 @@ import warnings
 import pytest
 import torch
 
-from h3ms_async.runtime import file_bytes
-from h3ms_async.runtime.file_bytes import FileBytes, FileReader
+from h3ms_async.runtime.file_bytes import FileBytes
 from h3ms_async.runtime.readahead import read_header
 from h3ms_async.runtime.weight_store import fill
-from workers.runtime.shm import Arena, Segment
+from workers.runtime.shm import Arena, Segment, ShmError
 
 
-def _mapped(path: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[FileBytes, mmap.mmap]:
-    """``path``'s bytes at ``offset`` as a view of a read-only mapping (as ComfyUI maps its checkpoint), with its file
-    range."""
+def _mapped(path: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[FileBytes, mmap.mmap, int]:
+    """``path``'s bytes at ``offset`` as a view of a read-only mapping (as ComfyUI maps its checkpoint), the mapping
+    and its descriptor."""
     fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     n = torch.Size(shape).numel()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         view = torch.frombuffer(mm, dtype=dtype, count=n, offset=offset).view(shape)
-    return FileBytes(view, fd, offset), mm
+    return FileBytes(view), mm, fd
 
 
-def test_a_tensor_comes_whole_in_pieces_at_once(tmp_path, monkeypatch):
-    """A 5 MiB bf16 tensor at an odd file offset, read in 1 MiB pieces by three threads into shared memory, equals
-    the file's bytes."""
-    monkeypatch.setattr(file_bytes, "PIECE_BYTES", 1 << 20)
+def test_a_mapped_tensor_is_written_whole_into_its_blocks_segment(tmp_path):
+    """A 5 MiB bf16 view of a read-only file mapping at an odd offset, written through the segment's descriptor (as
+    the fill writes it), equals the file's bytes, and the segment's pages were allocated by that write."""
+    from h3ms_async.runtime.weight_store import _write
+
     raw = torch.randint(0, 256, (6 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     path = tmp_path / "blob.bin"
     path.write_bytes(raw.numpy().tobytes())
     shape = (1280, 2048)  # 5 MiB of bf16
-    src, mm = _mapped(str(path), 12345, torch.bfloat16, shape)
-    seg = Segment.create(8 << 20, "fbtest")
-    reader = FileReader(threads=3)
+    src, mm, fd = _mapped(str(path), 12345, torch.bfloat16, shape)
+    seg = Segment.create(8 << 20, "fbtest", reserve=False)
     try:
-        dest = seg.tensor(Arena(seg).alloc("bfloat16", shape))
-        reader.read_into(dest, src)
-        assert reader.bytes == 5 << 20
+        desc = Arena(seg).alloc("bfloat16", shape)
+        assert os.fstat(seg._fd).st_blocks == 0
+        assert _write(seg, desc, src) is True
+        assert os.fstat(seg._fd).st_blocks * 512 >= 5 << 20
+        dest = seg.tensor(desc)
         assert torch.equal(dest.view(torch.uint8).reshape(-1), raw[12345:12345 + (5 << 20)])
-        assert torch.equal(dest.view(torch.uint8), src.tensor.view(torch.uint8))
+        del dest
     finally:
-        reader.close()
         seg.close()
-        os.close(src.fd)
-
-
-def test_a_file_that_ends_early_and_a_wrong_destination_are_refused(tmp_path):
-    path = tmp_path / "short.bin"
-    path.write_bytes(bytes(4096))
-    fd = os.open(path, os.O_RDONLY)
-    reader = FileReader(threads=2)
-    try:
-        past_end = FileBytes(torch.zeros(4096, dtype=torch.uint8), fd, 2048)
-        with pytest.raises(OSError, match="file ended 2048 bytes early at offset 4096"):
-            reader.read_into(torch.empty(4096, dtype=torch.uint8), past_end)
-        with pytest.raises(ValueError, match="destination holds 100 bytes, the file range 4096"):
-            reader.read_into(torch.empty(100, dtype=torch.uint8), FileBytes(torch.zeros(4096, dtype=torch.uint8),
-                                                                            fd, 0))
-        with pytest.raises(ValueError, match="contiguous CPU tensor"):
-            FileBytes(torch.zeros(8, 8).t(), fd, 0)
-    finally:
-        reader.close()
         os.close(fd)
+
+
+def test_a_write_past_the_segment_and_a_strided_file_tensor_are_refused():
+    seg = Segment.create(4096, "fbtest", reserve=False)
+    try:
+        with pytest.raises(ShmError, match=r"range \[2048, 6144\) is outside segment"):
+            seg.write(2048, memoryview(bytes(4096)))
+    finally:
+        seg.close()
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        FileBytes(torch.zeros(8, 8).t())
 
 
 class _Checkpoint:
@@ -98,8 +91,8 @@ class _Checkpoint:
             a, b = header[f"blocks.{i}.{name}"]["data_offsets"]
             t = self.loaded[f"blocks.{i}.{name}"]
             assert b - a == t.numel() * t.element_size()
-            out[name], _mm = _mapped(self.path, base + a, t.dtype, tuple(t.shape))
-            self.fds.append(out[name].fd)
+            out[name], _mm, fd = _mapped(self.path, base + a, t.dtype, tuple(t.shape))
+            self.fds.append(fd)
         return out
 
     def equals(self, store, i: int) -> bool:
@@ -112,7 +105,7 @@ class _Checkpoint:
 
 def test_a_store_filled_from_the_file_holds_the_checkpoints_tensors(tmp_path):
     """Three blocks of a real safetensors file, handed to the fill as file ranges of a mapping: the store equals what
-    safetensors loads, and every byte came by pread."""
+    safetensors loads, and every byte is counted as the file's."""
     ck = _Checkpoint(tmp_path, 3, seed=5)
     store = fill(("file-bytes", ck.path), 3, ck.sources)
     try:

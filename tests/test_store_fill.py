@@ -1,7 +1,7 @@
-"""The weight store's fill (``h3ms_async/runtime/weight_store.py``) on real shared memory: a block's copy into the
-store overlaps the next block's read, the store holds exactly the blocks read, and a copy that fails fails the fill
-for every waiting rank with its own error, and the blocks' pages are reserved beside the copies, each block's before
-its copy."""
+"""The weight store's fill (``h3ms_async/runtime/weight_store.py``) on real shared memory: a block's write into the
+store overlaps the next block's read, several blocks are written at once each into its own segment, the progress word
+counts only the leading complete blocks, the store holds exactly the blocks read, and a write that fails fails the
+fill for every waiting rank with its own error."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from h3ms_async.runtime import weight_store
 from h3ms_async.runtime.weight_store import size_store
 from workers.runtime.fill_progress import FAILED
 from workers.runtime.shm import ShmError
@@ -30,23 +31,23 @@ def _no_segments_left() -> bool:
 
 
 def _watched_fill(tag: str, read, block: int, on_copy):
-    """A store sized over ``read`` whose copy calls ``on_copy()`` as it starts block ``block`` (its first tensor)."""
+    """A store sized over ``read`` whose writer calls ``on_copy()`` as it starts block ``block``."""
     fill = size_store(("t", tag), BLOCKS, read)
-    watched = next(iter(fill.store.manifest[block].values()))
-    plain = fill.store.segment.tensor
+    seg = fill.store.blocks[block]
+    plain = seg.write
 
-    def tensor(desc):
-        if desc == watched:
+    def write(off, data):
+        if off == 0:
             on_copy()
-        return plain(desc)
+        return plain(off, data)
 
-    fill.store.segment.tensor = tensor
+    seg.write = write
     return fill
 
 
 def test_a_blocks_copy_overlaps_the_next_blocks_read():
-    """Block 0's copy into the store waits until block 1's read has begun: a fill that read and copied in turn would
-    never read block 1 while block 0 copies, and the wait would time out."""
+    """Block 0's write into the store waits until block 1's read has begun: a fill that read and wrote in turn would
+    never read block 1 while block 0 is written, and the wait would time out."""
     reading_1 = threading.Event()
     overlapped = []
 
@@ -65,8 +66,9 @@ def test_a_blocks_copy_overlaps_the_next_blocks_read():
         fill.run()
         assert overlapped == [True]
         assert store.fill_progress().read() == BLOCKS
-        # the reads and the copies each took part of the fill, the copies beside the reads
+        # the reads and the writes each took part of the fill, the writes beside the reads
         assert 0 < store.read_seconds < store.fill_seconds and 0 < store.copy_seconds < store.fill_seconds
+        assert len({d.seg for i in range(BLOCKS) for d in store.manifest[i].values()}) == BLOCKS
         for i in range(BLOCKS):
             got = store.block(i)
             assert got.keys() == _block(i).keys()
@@ -85,87 +87,73 @@ def test_a_copy_that_fails_fails_the_fill_and_stops_the_reads():
         return _block(i)
 
     def copying_1():
-        raise OSError("no space left on /dev/shm while copying block 1")
+        raise ShmError("/dev/shm is too small while writing block 1")
 
     fill = _watched_fill("copy fails", read, 1, copying_1)
     store = fill.store
     try:
-        with pytest.raises(OSError, match="while copying block 1"):
+        with pytest.raises(ShmError, match="while writing block 1"):
             fill.run()
         assert store.fill_progress().read() == FAILED
         assert store.filled_at is None
-        # the reader stops at the next block once the copy failed: at most two blocks past the failed one are read
-        assert reads and max(reads) <= 3, reads
+        # the reader stops once a write failed: at most the writers' blocks past the failed one are read
+        assert reads and max(reads) <= 1 + min(weight_store.WRITERS, os.cpu_count() or 1), reads
     finally:
         store.release()
     assert _no_segments_left()
 
 
-def _allocated(store) -> int:
-    """Bytes of the store's segment file that have pages (reserved or written)."""
-    return os.fstat(store.segment._fd).st_blocks * 512
+def test_blocks_are_written_at_once_and_published_only_when_every_block_before_is_complete(monkeypatch):
+    """With two writers, block 2 is written while block 1's write is held back: the progress word stays at 1 until
+    block 1 is complete, then jumps past every complete block. Each block's pages are allocated by its own write
+    into its own segment (none before). The blocks are file bytes (a view of a mapping holds no memory of its own):
+    blocks of tensors are written one at a time, as the next one is read."""
+    from h3ms_async.runtime.file_bytes import FileBytes
 
-
-def test_the_blocks_pages_are_reserved_beside_the_copies_each_before_its_copy():
-    """``size_store`` reserves only the progress word's and block 0's pages; the fill reserves the others on its own
-    thread, and block 2's copy starts only after block 2's pages are reserved (its reservation made slow here)."""
-    fill = size_store(("t", "reserve"), BLOCKS, _block)
+    monkeypatch.setattr(weight_store, "WRITERS", 2)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two writers")
+    fill = size_store(("t", "parallel"), BLOCKS, lambda i: {k: FileBytes(v) for k, v in _block(i).items()})
     store = fill.store
-    seg = store.segment
-    per_block = store.nbytes // BLOCKS
-    assert _allocated(store) <= seg.size - (BLOCKS - 2) * per_block
-    block2 = min(d.off for d in store.manifest[2].values())
-    reserved_2: list[float] = []
-    plain_reserve = seg.reserve
+    assert all(os.fstat(seg._fd).st_blocks == 0 for seg in store.blocks)
+    release_1 = threading.Event()
+    seen: list[int] = []
+    plain1, plain2 = store.blocks[1].write, store.blocks[2].write
 
-    def reserve(off: int, nbytes: int) -> None:
-        if off == block2:
-            threading.Event().wait(0.3)
-            plain_reserve(off, nbytes)
-            reserved_2.append(time.monotonic())
-        else:
-            plain_reserve(off, nbytes)
+    def write1(off, data):
+        assert release_1.wait(10.0), "block 2 was never written while block 1 waited"
+        return plain1(off, data)
 
-    seg.reserve = reserve
-    copying_2: list[float] = []
-    watched = next(iter(store.manifest[2].values()))
-    plain_tensor = seg.tensor
+    def write2(off, data):
+        out = plain2(off, data)
+        if not release_1.is_set():
+            seen.append(store.fill_progress().read())
+            release_1.set()
+        return out
 
-    def tensor(desc):
-        if desc == watched and not copying_2:
-            copying_2.append(time.monotonic())
-        return plain_tensor(desc)
-
-    seg.tensor = tensor
+    store.blocks[1].write, store.blocks[2].write = write1, write2
     try:
         fill.run()
+        assert seen and all(p <= 1 for p in seen), seen
         assert store.fill_progress().read() == BLOCKS
-        assert len(reserved_2) == 1 and len(copying_2) == 1 and copying_2[0] >= reserved_2[0]
-        assert _allocated(store) >= seg.size
-        assert store.reserve_seconds >= 0.3
+        assert all(os.fstat(seg._fd).st_blocks * 512 >= seg.size for seg in store.blocks)
         assert all(torch.equal(store.block(i)[k], v) for i in range(BLOCKS) for k, v in _block(i).items())
     finally:
         store.release()
     assert _no_segments_left()
 
 
-def test_a_reservation_that_fails_fails_the_fill_with_its_error():
-    fill = size_store(("t", "reserve fails"), BLOCKS, _block)
-    store = fill.store
-    block3 = min(d.off for d in store.manifest[3].values())
-    plain_reserve = store.segment.reserve
+def test_a_store_without_room_in_dev_shm_is_refused_before_any_segment_is_made(monkeypatch):
+    from h3ms_async.runtime.weight_store import WeightStoreRefused
+    from workers.runtime import shm
 
-    def reserve(off: int, nbytes: int) -> None:
-        if off == block3:
-            raise ShmError("/dev/shm is too small: (block 3)")
-        plain_reserve(off, nbytes)
+    class Full:
+        f_bavail, f_frsize, f_blocks = 1, 4096, 16
 
-    store.segment.reserve = reserve
-    try:
-        with pytest.raises(ShmError, match=r"too small: \(block 3\)"):
-            fill.run()
-        assert store.fill_progress().read() == FAILED
-        assert store.filled_at is None
-    finally:
-        store.release()
-    assert _no_segments_left()
+    made = []
+    create = shm.Segment.create
+    monkeypatch.setattr(shm.os, "statvfs", lambda _p: Full)
+    monkeypatch.setattr(shm.Segment, "create", classmethod(lambda cls, *a, **k: made.append(a) or create(*a, **k)))
+    with pytest.raises(WeightStoreRefused, match=r"/dev/shm is too small: .* --shm-size"):
+        size_store(("t", "full"), BLOCKS, _block)
+    assert made == []

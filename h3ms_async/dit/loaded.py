@@ -72,12 +72,14 @@ class LoadTimes:
     wall_s: float
     #: when the fill's last block was complete
     fill_end_s: float = 0.0
-    #: of ``fill_s``, the reading thread's seconds in the block reader and the copy thread's in its
-    #: copies, beside the reads (``WeightStore.read_seconds`` / ``copy_seconds``): a fill near the
-    #: first waits on the reader, near the second on the copy, under both on neither
+    #: of ``fill_s``, the reading thread's seconds in the block reader, and the writers' span from
+    #: the first block's write to the last one's end, beside the reads
+    #: (``WeightStore.read_seconds`` / ``copy_seconds``): a fill near the first waits on the
+    #: reader
     fill_read_s: float = 0.0
     fill_copy_s: float = 0.0
-    #: of ``fill_bytes``, those read from the checkpoint by ``pread`` (``WeightStore.file_bytes``)
+    #: of ``fill_bytes``, those taken from the checkpoint file unchanged
+    #: (``WeightStore.file_bytes``)
     fill_file_bytes: int = 0
     #: when the last rank to do so took its first block in, and its last (None: the ranks held
     #: these weights already)
@@ -107,8 +109,8 @@ class LoadTimes:
         out += (
             f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
             f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s; reading {self.fill_read_s:.2f}s, "
-            f"copying {self.fill_copy_s:.2f}s beside it, {self.fill_file_bytes / 1e9:.2f} GB of it "
-            f"from the file by pread), workers started in "
+            f"writing {self.fill_copy_s:.2f}s beside it, {self.fill_file_bytes / 1e9:.2f} GB of it "
+            f"from the file), workers started in "
             f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "
             f"fill), ranks loaded in {self.ranks_load_s:.2f}s after it"
         )

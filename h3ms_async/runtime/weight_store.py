@@ -1,14 +1,18 @@
 """The shared-memory weight store: every block's effective weights once, for all ranks.
 
 Filled once per model key in the coordinator's process (from the reference model standalone, or from
-ComfyUI's cast path in the ComfyUI layer), then mapped read-only by every rank.  Layout: one
-segment, a fill-progress word (``workers/runtime/fill_progress.py``), then the blocks back to back,
-each tensor at a 4 KiB-aligned offset, described by a manifest (one ``{name: tensor descriptor}``
-map per block) that ``dit_load`` carries to the workers.  All blocks of an H3 model share one
-structure, so block 0 sizes the segment, the whole manifest is laid out before any copy, and every
-later block is checked against it.  The fill runs in two steps (:func:`size_store`, then
-:meth:`StoreFill.run`) so that what runs beside the copy (the workers' start, the ranks' loads, the
-plan probe) starts between them; each block is published in the progress word once it is complete.
+ComfyUI's cast path in the ComfyUI layer), then mapped read-only by every rank.  Layout: a small
+segment with the fill-progress word (``workers/runtime/fill_progress.py``), and one segment per
+block, each tensor at a 4 KiB-aligned offset, described by a manifest (one ``{name: tensor
+descriptor}`` map per block, each descriptor naming its block's segment) that ``dit_load`` carries
+to the workers.  A segment per block because tmpfs allocates a file's pages under that file's
+locks: the blocks' writers allocate their pages in parallel, each in its own file, and ``pwrite``
+allocates them without zeroing them first (one file taking every writer ran at a third of the
+rate; ``benchmarks/store_pages.py``).  All blocks of an H3 model share one structure, so block 0
+sizes the store, the whole manifest is laid out before any copy, and every later block is checked
+against it.  The fill runs in two steps (:func:`size_store`, then :meth:`StoreFill.run`) so that
+what runs beside the copy (the workers' start, the ranks' loads, the plan probe) starts between
+them; the progress word counts the leading blocks that are complete.
 
 A store keyed by a :class:`PatchedKey` (weights = a base plus weight patches, e.g. a LoRA) can take
 another patch set of the same base in place (:meth:`WeightStore.rewrite`): only the tensors the old
@@ -17,7 +21,8 @@ or the new patch set touches are read and copied again, as long as the blocks ke
 
 from __future__ import annotations
 
-import queue
+import concurrent.futures as cf
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -26,15 +31,21 @@ from dataclasses import dataclass, field
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.runtime.file_bytes import FileBytes, FileReader, Source
+from h3ms_async.runtime.file_bytes import FileBytes, Source
 from h3ms_async.runtime.host_memory import ram_info
 from workers.runtime import fill_progress as progress_layout
 from workers.runtime.fill_progress import FillProgress
 from workers.runtime.protocol import TensorDesc, tensor_nbytes
-from workers.runtime.shm import Arena, Segment, ShmError, dtype_name, slot_bytes
+from workers.runtime.shm import Arena, Segment, ShmError, check_room, dtype_name, slot_bytes
 
 log = get_logger("Weights")
 GIB = 1 << 30
+#: blocks written at once (each by one thread, into its own segment): enough to spread the page
+#: allocation over a GPU host's cores (16 writers of 16 files filled tmpfs at 98 % of a fresh
+#: memcpy's rate on an H100 host, 4 at 36 %)
+WRITERS = 16
+#: a writer's block takes well under a second; this long without one finishing is a fault
+WAIT_S = 120.0
 
 BlockReader = Callable[[int], Mapping[str, Source]]
 
@@ -100,13 +111,20 @@ def _block_layout(tensors: Mapping[str, Source]) -> dict[str, tuple[str, tuple[i
     return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
 
 
-def _copy_in(dest: torch.Tensor, src: Source, files: FileReader) -> None:
-    """One stored tensor's copy: file bytes by ``pread`` (``files``), a tensor from any device
-    straight into shared memory (no host tensor between)."""
-    if isinstance(src, FileBytes):
-        files.read_into(dest, src)
+def _write(seg: Segment, desc: TensorDesc, src: Source) -> bool:
+    """One stored tensor's copy into its block's segment; returns whether its bytes came from
+    their file.  A host tensor (a :class:`FileBytes`' view of its file's mapping included) is
+    written through the segment's descriptor, which allocates the pages as it writes them; a
+    device tensor is copied straight into the mapping (no host tensor between), its range
+    reserved first so that a full /dev/shm is an error and not a SIGBUS."""
+    t = (src.tensor if isinstance(src, FileBytes) else src).detach()
+    if t.device.type == "cpu":
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        seg.write(desc.off, memoryview(flat.numpy().data) if flat.numel() else memoryview(b""))
     else:
-        dest.copy_(src.detach())
+        seg.reserve(desc.off, tensor_nbytes(desc.dtype, desc.shape))
+        seg.tensor(desc).copy_(t)
+    return isinstance(src, FileBytes)
 
 
 def _desc_layout(entry: dict[str, TensorDesc]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -127,13 +145,15 @@ class Rewrite:
 
 @dataclass
 class WeightStore:
-    """One store.  ``manifest[i]`` maps block i's parameter names to descriptors in ``segment``;
-    ``progress`` is the fill-progress word ahead of the blocks
+    """One store.  ``manifest[i]`` maps block i's parameter names to descriptors in
+    ``blocks[i]``; ``progress`` is the fill-progress word in ``segment``
     (``workers/runtime/fill_progress.py``), through which the ranks take blocks in while the store
-    still fills."""
+    still fills, and ``segment``'s name is the store's (what the ranks and the status route
+    name)."""
 
     key: StoreKey
     segment: Segment
+    blocks: list[Segment]
     manifest: list[dict[str, TensorDesc]]
     nbytes: int
     progress: TensorDesc
@@ -142,13 +162,11 @@ class WeightStore:
     fill_seconds: float = 0.0
     filled_at: float | None = None
     #: of the fill's seconds, those its reading thread spent reading blocks (the reader: ComfyUI's
-    #: casts, the file) and those its copy thread spent copying them in, beside the reads
+    #: casts, the file), and the seconds from the first block's write to the last one's end, beside
+    #: the reads
     read_seconds: float = 0.0
     copy_seconds: float = 0.0
-    #: of the fill's seconds, those its reserving thread spent reserving the blocks' pages (all but
-    #: block 0's: :func:`size_store`), ahead of the copies
-    reserve_seconds: float = 0.0
-    #: of the stored bytes, those the copy thread read from their file (:class:`FileBytes`)
+    #: of the stored bytes, those the writers took from their file (:class:`FileBytes`)
     file_bytes: int = 0
     created_at: float = field(default_factory=time.time)
 
@@ -161,7 +179,7 @@ class WeightStore:
 
     def block(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's tensors as zero-copy views (tests and diagnostics)."""
-        return {name: self.segment.tensor(d) for name, d in self.manifest[i].items()}
+        return {name: self.blocks[i].tensor(d) for name, d in self.manifest[i].items()}
 
     def describe(self) -> str:
         n = len(self.manifest)
@@ -196,28 +214,25 @@ class WeightStore:
                 params.setdefault(i, set()).add(name)
         blocks: list[tuple[int, tuple[str, ...]]] = []
         nbytes = 0
-        files = FileReader()
-        try:
-            for i in sorted(params):
-                entry = self.manifest[i]
-                names = touched_tensors(entry, params[i])
-                if not names:
-                    continue
-                tensors = read_block(i)
-                got, want = _block_layout(tensors), _desc_layout(entry)
-                if got != want:
-                    diff = sorted(set(got.items()) ^ set(want.items()))
-                    raise LayoutChanged(
-                        f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
-                        f"{', ...' if len(diff) > 4 else ''})"
-                    )
-                for name in names:
-                    d = entry[name]
-                    _copy_in(self.segment.tensor(d), tensors[name], files)
-                    nbytes += tensor_nbytes(d.dtype, d.shape)
-                blocks.append((i, tuple(names)))
-        finally:
-            files.close()
+        for i in sorted(params):
+            entry = self.manifest[i]
+            names = touched_tensors(entry, params[i])
+            if not names:
+                continue
+            tensors = read_block(i)
+            got, want = _block_layout(tensors), _desc_layout(entry)
+            if got != want:
+                diff = sorted(set(got.items()) ^ set(want.items()))
+                raise LayoutChanged(
+                    f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
+                    f"{', ...' if len(diff) > 4 else ''})"
+                )
+            _settled(tensors)
+            for name in names:
+                d = entry[name]
+                _write(self.blocks[i], d, tensors[name])
+                nbytes += tensor_nbytes(d.dtype, d.shape)
+            blocks.append((i, tuple(names)))
         self.key = key
         return Rewrite(
             tuple(blocks),
@@ -229,6 +244,8 @@ class WeightStore:
 
     def release(self) -> None:
         """Unmap and unlink (workers must have dropped their views first: ``dit_release``)."""
+        for seg in self.blocks:
+            seg.close()
         self.segment.close()
 
 
@@ -251,144 +268,105 @@ class StoreFill:
         self._started = started
 
     def run(self) -> WeightStore:
-        """Copy every block, publishing each as complete in the progress word.  Blocks are read
-        in this thread (the reader may run the host's own code: ComfyUI's casts) and copied into
-        the store in another, one block behind, so a block's copy (file reads, device-to-host
-        copies) overlaps the next block's read; a source that lies unchanged in a file
-        (:class:`FileBytes`) is read from it by ``pread``, several pieces at once.  A failure
-        marks the fill failed there (every waiting rank stops) and raises; the caller releases
-        the store once the ranks that mapped it have stopped.  A third thread reserves the
-        blocks' pages in block order, ahead of the copies (a copy waits for its block's)."""
-        store, seg = self.store, self.store.segment
+        """Copy every block, publishing the leading complete blocks in the progress word.  Blocks
+        are read in this thread, in order (the reader may run the host's own code: ComfyUI's casts,
+        and it waits for the readahead of a cold file), and written each by one of up to
+        :data:`WRITERS` threads into its own segment, beside the next blocks' reads.  A block
+        holding tensors (not only file ranges) keeps them until it is written, so at most one such
+        block waits while another is written.  A failure marks the fill failed there (every
+        waiting rank stops) and raises; the caller releases the store once the ranks that mapped
+        it have stopped."""
+        store = self.store
+        n = len(store.manifest)
         progress = store.fill_progress()
         layout = _block_layout(self.first)
-        # one block waits while one copies: two blocks' source tensors alive at most
-        handoff: queue.Queue[tuple[int, Mapping[str, Source]] | None] = queue.Queue(maxsize=1)
-        copy_failed: list[Exception] = []
-        files = FileReader()
-        pages = _Reserver(store)
+        writers = max(1, min(WRITERS, os.cpu_count() or 1, n))
+        slots = threading.BoundedSemaphore(writers)  # blocks handed over and not yet written
+        holding = threading.BoundedSemaphore(1)  # of those, blocks that hold tensors, less one
+        lock = threading.Lock()
+        complete = [False] * n
+        failed: list[Exception] = []
+        span = [float("inf"), 0.0]  # the first write's start, the last one's end
+        published = 0
 
-        def copy_blocks() -> None:
-            while (item := handoff.get()) is not None:
-                if copy_failed:
-                    continue  # drained until the reader's end mark
-                i, tensors = item
-                t = time.perf_counter()
-                try:
-                    pages.wait(i)
-                    for name, desc in store.manifest[i].items():
-                        _copy_in(seg.tensor(desc), tensors[name], files)
-                    progress.publish(i + 1)
-                    store.copy_seconds += time.perf_counter() - t
-                except Exception as exc:  # noqa: BLE001 - raised in the reading thread
-                    copy_failed.append(exc)
+        def write(i: int, tensors: Mapping[str, Source], held: bool) -> None:
+            nonlocal published
+            t = time.perf_counter()
+            try:
+                if not failed:
+                    from_file = sum(
+                        tensor_nbytes(d.dtype, d.shape)
+                        for name, d in store.manifest[i].items()
+                        if _write(store.blocks[i], d, tensors[name])
+                    )
+                    with lock:
+                        store.file_bytes += from_file
+                        span[0], span[1] = min(span[0], t), max(span[1], time.perf_counter())
+                        complete[i] = True
+                        while published < n and complete[published]:
+                            published += 1
+                        progress.publish(published)
+            except Exception as exc:  # noqa: BLE001 - raised in the reading thread
+                failed.append(exc)
+            finally:
+                if held:
+                    holding.release()
+                slots.release()
 
-        copier = threading.Thread(target=copy_blocks, name="h3ms-store-copy", daemon=True)
-        copier.start()
+        def acquire(sem: threading.BoundedSemaphore, i: int) -> None:
+            if not sem.acquire(timeout=WAIT_S):
+                raise ShmError(f"no block was written in {WAIT_S:g}s while block {i} waited")
+
+        pool = cf.ThreadPoolExecutor(writers, thread_name_prefix="h3ms-store-write")
         try:
             try:
-                for i in range(len(store.manifest)):
-                    if copy_failed:
+                for i in range(n):
+                    acquire(slots, i)
+                    if failed:
+                        slots.release()
                         break
                     if i == 0:
-                        tensors, self.first = self.first, {}  # block 0's go with its copy
+                        tensors, self.first = self.first, {}  # block 0's go with its write
                     else:
                         t = time.perf_counter()
                         tensors = self._read(i)
                         store.read_seconds += time.perf_counter() - t
                     got = _block_layout(tensors)
                     if got != layout:
+                        slots.release()
                         raise ValueError(
                             f"block {i} has another structure than block 0 "
                             f"({sorted(set(got) ^ set(layout)) or 'shapes/dtypes differ'}); "
                             "the weight store needs identical blocks"
                         )
+                    held = any(not isinstance(v, FileBytes) for v in tensors.values())
+                    if held:
+                        acquire(holding, i)
                     _settled(tensors)
-                    handoff.put((i, tensors))
+                    pool.submit(write, i, tensors, held)
+                    del tensors
             finally:
-                handoff.put(None)
-                copier.join()  # a copy of at most two blocks: it ends
-                pages.close()
-                files.close()
-                store.file_bytes = files.bytes
-            if copy_failed:
-                raise copy_failed[0]
+                pool.shutdown(wait=True)  # every write ends: each is at most one block's copy
+            if failed:
+                raise failed[0]
         except BaseException:
             progress.fail()
             raise
         store.filled_at = time.monotonic()
         store.fill_seconds = time.perf_counter() - self._started
+        store.copy_seconds = max(0.0, span[1] - span[0])
         log.info(
-            "filled %d blocks, %.2f GiB in %.2fs (reading %.2fs, copying %.2fs and reserving "
-            "pages %.2fs beside it; %.2f GiB of it read from the file by pread)",
-            len(store.manifest),
+            "filled %d blocks, %.2f GiB in %.2fs (reading %.2fs, writing %.2fs beside it, %d "
+            "blocks at once; %.2f GiB of it from the file)",
+            n,
             store.nbytes / GIB,
             store.fill_seconds,
             store.read_seconds,
             store.copy_seconds,
-            store.reserve_seconds,
+            writers,
             store.file_bytes / GIB,
         )
         return store
-
-
-class _Reserver:
-    """Reserves the pages of blocks 1.. of a store made by :func:`size_store` (block 0's are), one
-    block at a time in block order, on its own thread: ``posix_fallocate`` is single-threaded in
-    the kernel, so the whole store's before the first copy would wait seconds that the copies can
-    run beside.  :meth:`wait` returns once block ``i``'s are (raising what stopped it);
-    :meth:`close` stops it between blocks and joins it."""
-
-    #: a block's reservation takes well under a second; this long without one is a fault
-    WAIT_S = 120.0
-
-    def __init__(self, store: WeightStore) -> None:
-        self._store = store
-        self._cond = threading.Condition()
-        self._reserved = 1
-        self._failed: Exception | None = None
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="h3ms-store-pages", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        store = self._store
-        try:
-            for i in range(1, len(store.manifest)):
-                with self._cond:
-                    if self._stop:
-                        return
-                t = time.perf_counter()
-                descs = store.manifest[i].values()
-                if descs:
-                    lo = min(d.off for d in descs)
-                    hi = max(d.off + slot_bytes(d.dtype, d.shape) for d in descs)
-                    store.segment.reserve(lo, hi - lo)
-                store.reserve_seconds += time.perf_counter() - t
-                with self._cond:
-                    self._reserved = i + 1
-                    self._cond.notify_all()
-        except Exception as exc:  # noqa: BLE001 - raised in the copy that waits for it
-            with self._cond:
-                self._failed = exc
-                self._cond.notify_all()
-
-    def wait(self, i: int) -> None:
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._reserved > i or self._failed is not None, self.WAIT_S
-            ):
-                raise ShmError(
-                    f"reserving the weight store's pages for block {i} took over {self.WAIT_S:g}s"
-                )
-            if self._reserved <= i:
-                assert self._failed is not None
-                raise self._failed
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-        self._thread.join(self.WAIT_S)
 
 
 def _settled(tensors: Mapping[str, Source]) -> None:
@@ -406,9 +384,9 @@ def size_store(
     reserve_gb: float = 0.0,
 ) -> StoreFill:
     """Make the store for ``n_blocks`` blocks read by ``read_block(i)`` (block 0 sizes it), with
-    every block's place laid out; :meth:`StoreFill.run` copies them.  Only the progress word's and
-    block 0's pages are reserved here; :meth:`StoreFill.run` reserves the others beside its copies
-    (an H3 block's reservation takes hundredths of a second, the whole store's seconds).
+    every block's segment made and laid out; :meth:`StoreFill.run` writes them.  The block
+    segments are only sized here (their writes allocate their pages), after /dev/shm was checked
+    for room for all of them.
 
     ``reserve_gb``: RAM that must stay available after the store is filled (the node's
     ``cache_ram_reserve_gb``); refusing raises :class:`WeightStoreRefused` with the numbers, as
@@ -429,26 +407,26 @@ def size_store(
             f"GiB RAM is available and cache_ram_reserve_gb={reserve_gb:g} must stay free; lower "
             "the reserve, free RAM, or disable the split for this model"
         )
-    word_bytes = slot_bytes(progress_layout.DTYPE, progress_layout.SHAPE)
+    made: list[Segment] = []
     try:
-        seg = Segment.create(word_bytes + total, "wstore", reserve=False)
-    except ShmError as exc:
-        raise WeightStoreRefused(str(exc)) from None
-    try:
-        seg.reserve(0, word_bytes + per_block)
-        arena = Arena(seg)
-        word = arena.alloc(progress_layout.DTYPE, progress_layout.SHAPE)
-        manifest = [
-            {name: arena.alloc(dt, shape) for name, (dt, shape) in layout.items()}
-            for _ in range(n_blocks)
-        ]
-        store = WeightStore(key, seg, manifest, total, word)
+        word_bytes = slot_bytes(progress_layout.DTYPE, progress_layout.SHAPE)
+        check_room(word_bytes + total)
+        made.append(Segment.create(word_bytes, "wstore"))
+        word = Arena(made[0]).alloc(progress_layout.DTYPE, progress_layout.SHAPE)
+        manifest = []
+        for i in range(n_blocks):
+            made.append(Segment.create(per_block, f"wstore.b{i}", reserve=False))
+            arena = Arena(made[-1])
+            manifest.append({name: arena.alloc(dt, shape) for name, (dt, shape) in layout.items()})
+        store = WeightStore(key, made[0], made[1:], manifest, total, word)
         store.fill_progress().publish(0)
     except ShmError as exc:
-        seg.close()
+        for seg in made:
+            seg.close()
         raise WeightStoreRefused(str(exc)) from None
     except BaseException:
-        seg.close()
+        for seg in made:
+            seg.close()
         raise
     log.info("weight store: %d blocks, %.2f GiB to fill (%s)", n_blocks, total / GIB, ram.text)
     store.read_seconds = first_read_s

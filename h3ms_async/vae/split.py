@@ -614,7 +614,6 @@ class VaeSplitEngine(Engine):
         )
         try:
             load = vae_protocol.VaeLoad(
-                store=store.segment.name,
                 manifest=store.manifest[0],
                 key=repr(spec.key),
                 arch=spec.arch,

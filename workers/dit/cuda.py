@@ -143,8 +143,14 @@ class CudaWeights:
         self.residency: str | None = None  # chosen per step (dit_step's "residency")
         self.log = ctx.log
         self.rank = ctx.rank
-        seg = ctx.segment(msg.store)
-        self.host = [{name: seg.tensor(d) for name, d in entry.items()} for entry in msg.manifest]
+        # each block's segment is pinned once it is complete (place): pinned before, the pages
+        # the store's writers have not written yet would be allocated, and zeroed, in this rank
+        self._ctx = ctx
+        self.host = [
+            {name: ctx.segment(d.seg, register=False).tensor(d) for name, d in entry.items()}
+            for entry in msg.manifest
+        ]
+        self._segments = [sorted({d.seg for d in entry.values()}) for entry in msg.manifest]
         # each block's int8 settings, read from the store once the block is complete (place)
         self.quant: list[dict[str, dit_ops.QuantInfo]] = []
         g0, g1 = (int(v) for v in msg.qkv_heads or msg.heads)
@@ -170,6 +176,8 @@ class CudaWeights:
             raise ValueError(
                 f"block {i} placed after {len(self.quant)} blocks; place them in order"
             )
+        for name in self._segments[i]:
+            self._ctx.segment(name)
         self.quant.append(dit_ops.block_quant(self.host[i]))
         if self.n_resident is not None and i < self.n_resident:
             self.resident.append(self._to_device(i))

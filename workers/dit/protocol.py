@@ -5,9 +5,9 @@ Both sides import this module: the coordinator (``h3ms_async.dit.split``) to sen
 (``workers.dit.rank``) to serve.  Field meanings:
 
 ``dit_load``    map the shared-memory weight store and prepare this rank's weights.
-    store       name of the weight-store segment
+    store       name of the weight store's segment (its fill-progress word)
     manifest    list, one map per block: parameter name (as inside a ComfyUI block) -> tensor
-                descriptor
+                descriptor (each block's tensors in that block's own segment)
     config      {hidden, heads, head_dim, eps, layers, devices, attention, compute_dtype}; attention
                 is "sdpa", "ck_int8" or "comfy" (the parent ComfyUI's selected function,
                 ``workers.runtime.comfy_host``); the rank warms that attention up in compute_dtype

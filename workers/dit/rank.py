@@ -89,6 +89,12 @@ class RankWeights:
     heads: tuple[int, int]
     provider: WeightProvider
     qkv_heads: tuple[int, int] | None = None
+    #: the store's segments this rank maps (its progress word's and its blocks')
+    segments: frozenset[str] = frozenset()
+
+
+def _store_segments(msg: dit_protocol.DitLoad) -> frozenset[str]:
+    return frozenset({msg.store, *(d.seg for entry in msg.manifest for d in entry.values())})
 
 
 @dataclass
@@ -121,10 +127,9 @@ def _provider(ctx: WorkerContext, msg: dit_protocol.DitLoad) -> WeightProvider:
     heads = msg.qkv_heads or msg.heads
     if ctx.device.startswith("cuda"):
         return CudaWeights(ctx, msg)
-    seg = ctx.segment(msg.store)
     manifest = msg.manifest
     return CpuWeights(
-        lambda i: {name: seg.tensor(desc) for name, desc in manifest[i].items()},
+        lambda i: {name: ctx.segment(desc.seg).tensor(desc) for name, desc in manifest[i].items()},
         0,
         (int(heads[0]), int(heads[1])),
         cfg["heads"],
@@ -209,11 +214,14 @@ async def _load(
         # a fill that failed or a load given up: nothing of the store stays mapped here
         if provider is not None:
             provider.close()
-        ctx.forget_segment(msg.store)
+        for name in _store_segments(msg):
+            ctx.forget_segment(name)
         raise
     heads = (int(msg.heads[0]), int(msg.heads[1]))
     qkv_heads = (int(msg.qkv_heads[0]), int(msg.qkv_heads[1])) if msg.qkv_heads else None
-    st.weights = RankWeights(msg.key, msg.store, msg.config, heads, provider, qkv_heads)
+    st.weights = RankWeights(
+        msg.key, msg.store, msg.config, heads, provider, qkv_heads, _store_segments(msg)
+    )
     seconds = time.perf_counter() - t
     ctx.log.info(
         "[dit] rank %d: weights %s mapped (%d blocks from the store, heads %s, attention %s) in "
@@ -325,7 +333,7 @@ async def _dit_release(ctx: WorkerContext, msg: dit_protocol.DitRelease) -> Rele
 
 
 async def _release(ctx: WorkerContext, st: RankState) -> Released:
-    store = st.weights.store if st.weights is not None else None
+    segments = st.weights.segments if st.weights is not None else frozenset()
     _drop_weights(ctx, st)
     for ex in st.exchanges.values():
         ex.close()
@@ -335,8 +343,8 @@ async def _release(ctx: WorkerContext, st: RankState) -> Released:
 
         await ctx.run_compute(destroy_group)
         st.dist_backend = None
-    if store is not None:
-        ctx.forget_segment(store)
+    for name in segments:
+        ctx.forget_segment(name)
     return Released(released=True)
 
 

@@ -98,20 +98,26 @@ class WorkerContext:
     #: whether a ping answer has listed the kinds served yet
     announced: bool = False
 
-    def segment(self, name: str) -> Segment:
-        """Attach a segment once (and register it with CUDA once when this worker's device is
-        CUDA)."""
+    def segment(self, name: str, *, register: bool = True) -> Segment:
+        """Attach a segment once, and register it with CUDA once when this worker's device is CUDA
+        (``register=False``: not yet, :meth:`register` does it later: registering pins every page,
+        so a page the owner has not written yet would be allocated, and zeroed, here)."""
         seg = self._segments.get(name)
         if seg is None:
             self.forget_released()
             seg = Segment.attach(name)
-            try:
-                register_cuda(seg, self.device)
-            except BaseException:
-                seg.close()
-                raise
             self._segments[name] = seg
+        if register:
+            self.register(seg)
         return seg
+
+    def register(self, seg: Segment) -> None:
+        """Register an attached segment with CUDA as pinned host memory (once; no-op off CUDA)."""
+        try:
+            register_cuda(seg, self.device)
+        except BaseException:
+            self.forget_segment(seg.name)
+            raise
 
     def forget_released(self) -> int:
         """Close the cached segments whose owner has let go of them; returns how many.  Done before

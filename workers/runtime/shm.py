@@ -108,9 +108,9 @@ def _too_small(nbytes: int) -> ShmError:
     )
 
 
-def _check_room(nbytes: int) -> None:
-    """Refuse a segment /dev/shm has no room for now (files written since can still take it: the
-    reservation then fails)."""
+def check_room(nbytes: int) -> None:
+    """Refuse ``nbytes`` of segments /dev/shm has no room for now (files written since can still
+    take it: the reservation or the write then fails)."""
     st = os.statvfs(SHM_DIR)
     if st.f_bavail * st.f_frsize < nbytes:
         raise _too_small(nbytes)
@@ -214,7 +214,7 @@ class Segment:
             if reserve:
                 _reserve(fd, 0, size)
             else:
-                _check_room(size)
+                check_room(size)
                 try:
                     os.ftruncate(fd, size)
                 except OSError as exc:
@@ -237,6 +237,24 @@ class Segment:
                 f"range [{off}, {off + nbytes}) is outside segment {self.name} of {self.size} bytes"
             )
         _reserve(self._fd, off, nbytes)
+
+    def write(self, off: int, data: memoryview) -> None:
+        """Write ``data`` at ``off`` through the owner's descriptor (owner only): tmpfs allocates
+        the pages it writes without zeroing them first and without a page fault in the writer,
+        and a full /dev/shm raises :class:`ShmError` as :meth:`create` does."""
+        if self._fd is None:
+            raise ShmError(f"only the owner writes segment {self.name} through its descriptor")
+        n = len(data)
+        if off < 0 or off + n > self.size:
+            raise ShmError(
+                f"range [{off}, {off + n}) is outside segment {self.name} of {self.size} bytes"
+            )
+        done = 0
+        try:
+            while done < n:
+                done += os.pwritev(self._fd, [data[done:]], off + done)
+        except OSError as exc:
+            raise _failed(exc, off + n, n) from None
 
     @classmethod
     def attach(cls, name: str) -> Segment:

@@ -6,7 +6,6 @@ Both sides import this module: the coordinator (``h3ms_async.vae.split``) to sen
 
 ``vae_load``    build the video VAE's decoder in this worker and copy its weights in (once per
                 weight key).
-    store       name of the weight-store segment holding the decoder's tensors
     manifest    name -> tensor descriptor: the decode path's state dict as a checkpoint holds it (a
                 quantized linear as its stored parts: int8 weight, scale, ``comfy_quant``) plus its
                 non-persistent buffers, named as in ``MiniMaxH3VideoVAE``
@@ -67,7 +66,6 @@ class VaeLoaded(Answer):
 
 
 class VaeLoad(Request, tag="vae_load"):
-    store: str
     manifest: dict[str, TensorDesc]
     key: str
     arch: Plain

@@ -234,13 +234,14 @@ def _load(ctx: WorkerContext, msg: vae_protocol.VaeLoad) -> dict:
     dtype = torch_dtype(msg.dtype)
     stored = {name: d.dtype for name, d in msg.manifest.items()}
     model = build_decoder(vae_mod, msg.arch, dtype, stored).to_empty(device=ctx.device)
-    seg = ctx.segment(msg.store)
+    names = {d.seg for d in msg.manifest.values()}
     try:
-        nbytes = load_tensors(
-            model, {name: seg.tensor(d) for name, d in msg.manifest.items()}, ctx.device
-        )
+        tensors = {name: ctx.segment(d.seg).tensor(d) for name, d in msg.manifest.items()}
+        nbytes = load_tensors(model, tensors, ctx.device)
+        del tensors
     finally:
-        ctx.forget_segment(msg.store)
+        for name in names:
+            ctx.forget_segment(name)
     # No attention warm-up here (the DiT ranks have one): measured on the H200
     # (benchmarks/vae_probe_diag.py), a worker that ran dit_ops.warm_up first took another SDPA
     # kernel for the decoder's attention than ComfyUI's process and differed from its first decode
