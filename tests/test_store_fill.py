@@ -31,17 +31,18 @@ def _no_segments_left() -> bool:
 
 
 def _watched_fill(tag: str, read, block: int, on_copy):
-    """A store sized over ``read`` whose writer calls ``on_copy()`` as it starts block ``block``."""
+    """A store sized over ``read`` (tensors: each reserved, then copied) whose writer calls ``on_copy()`` as it
+    starts block ``block``."""
     fill = size_store(("t", tag), BLOCKS, read)
     seg = fill.store.blocks[block]
-    plain = seg.write
+    plain = seg.reserve
 
-    def write(off, data):
+    def reserve(off, nbytes):
         if off == 0:
             on_copy()
-        return plain(off, data)
+        return plain(off, nbytes)
 
-    seg.write = write
+    seg.reserve = reserve
     return fill
 
 

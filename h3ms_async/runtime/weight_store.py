@@ -7,12 +7,15 @@ block, each tensor at a 4 KiB-aligned offset, described by a manifest (one ``{na
 descriptor}`` map per block, each descriptor naming its block's segment) that ``dit_load`` carries
 to the workers.  A segment per block because tmpfs allocates a file's pages under that file's
 locks: the blocks' writers allocate their pages in parallel, each in its own file, and ``pwrite``
-allocates them without zeroing them first (one file taking every writer ran at a third of the
-rate; ``benchmarks/store_pages.py``).  All blocks of an H3 model share one structure, so block 0
-sizes the store, the whole manifest is laid out before any copy, and every later block is checked
-against it.  The fill runs in two steps (:func:`size_store`, then :meth:`StoreFill.run`) so that
-what runs beside the copy (the workers' start, the ranks' loads, the plan probe) starts between
-them; the progress word counts the leading blocks that are complete.
+allocates them without zeroing them first (16 writers into one file ran at a ninth of the rate of
+16 files on an H100 host; ``benchmarks/store_pages.py``).  The checkpoint's own bytes are written
+so, several blocks at once; tensors the host made (casts, GPU tensors) are copied in by torch, one
+block at a time, as they hold memory until written.  All blocks of an H3 model share one
+structure, so block 0 sizes the store, the whole manifest is laid out before any copy, and every
+later block is checked against it.  The fill runs in two steps (:func:`size_store`, then
+:meth:`StoreFill.run`) so that what runs beside the copy (the workers' start, the ranks' loads,
+the plan probe) starts between them; the progress word counts the leading blocks that are
+complete.
 
 A store keyed by a :class:`PatchedKey` (weights = a base plus weight patches, e.g. a LoRA) can take
 another patch set of the same base in place (:meth:`WeightStore.rewrite`): only the tensors the old
@@ -44,7 +47,7 @@ GIB = 1 << 30
 #: allocation over a GPU host's cores (16 writers of 16 files filled tmpfs at 98 % of a fresh
 #: memcpy's rate on an H100 host, 4 at 36 %)
 WRITERS = 16
-#: a writer's block takes well under a second; this long without one finishing is a fault
+#: a block's write takes well under a second; this long without one finishing is a fault
 WAIT_S = 120.0
 
 BlockReader = Callable[[int], Mapping[str, Source]]
@@ -113,18 +116,18 @@ def _block_layout(tensors: Mapping[str, Source]) -> dict[str, tuple[str, tuple[i
 
 def _write(seg: Segment, desc: TensorDesc, src: Source) -> bool:
     """One stored tensor's copy into its block's segment; returns whether its bytes came from
-    their file.  A host tensor (a :class:`FileBytes`' view of its file's mapping included) is
-    written through the segment's descriptor, which allocates the pages as it writes them; a
-    device tensor is copied straight into the mapping (no host tensor between), its range
-    reserved first so that a full /dev/shm is an error and not a SIGBUS."""
-    t = (src.tensor if isinstance(src, FileBytes) else src).detach()
-    if t.device.type == "cpu":
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
+    their file.  A file's bytes (a view of its mapping) are written through the segment's
+    descriptor, which allocates the pages as it writes them (one thread, several blocks at once);
+    a tensor the host made is copied into the mapping by torch (every core, one block at a time),
+    its range reserved first, as a device tensor is (no host tensor between): a full /dev/shm is
+    then an error and not a SIGBUS."""
+    if isinstance(src, FileBytes):
+        flat = src.tensor.detach().reshape(-1).view(torch.uint8)
         seg.write(desc.off, memoryview(flat.numpy().data) if flat.numel() else memoryview(b""))
-    else:
-        seg.reserve(desc.off, tensor_nbytes(desc.dtype, desc.shape))
-        seg.tensor(desc).copy_(t)
-    return isinstance(src, FileBytes)
+        return True
+    seg.reserve(desc.off, tensor_nbytes(desc.dtype, desc.shape))
+    seg.tensor(desc).copy_(src.detach())
+    return False
 
 
 def _desc_layout(entry: dict[str, TensorDesc]) -> dict[str, tuple[str, tuple[int, ...]]]:
