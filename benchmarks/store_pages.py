@@ -78,6 +78,16 @@ def _parallel(fn, ranges) -> None:
         raise errors[0]
 
 
+def _in_pieces(a: int, b: int, move) -> None:
+    """``[a, b)`` in ``PIECE`` pieces, each moved whole by ``move(at, end)`` (which returns how many bytes it moved
+    from ``at`` on, as ``preadv``/``pwritev`` do)."""
+    for p in range(a, b, PIECE):
+        q = min(b, p + PIECE)
+        at = p
+        while at < q:
+            at += move(at, q)
+
+
 def _writes(src_fd: int, dst_fd: int, how: str):
     """A reader that fills ``[a, b)`` of the segment through its descriptor: ``write`` by ``pwrite`` from a view of
     the source's read-only mapping (as ComfyUI maps its checkpoint), ``splice`` from the file through a pipe."""
@@ -87,11 +97,7 @@ def _writes(src_fd: int, dst_fd: int, how: str):
         def write(a: int, b: int) -> None:
             view = memoryview(src)
             try:
-                for p in range(a, b, PIECE):
-                    q = min(b, p + PIECE)
-                    done = 0
-                    while done < q - p:
-                        done += os.pwritev(dst_fd, [view[p + done:q]], p + done)
+                _in_pieces(a, b, lambda at, q: os.pwritev(dst_fd, [view[at:q]], at))
             finally:
                 view.release()
         return write, src.close
@@ -140,11 +146,7 @@ def one(src_fd: int, n: int, threads: int, how: str, reused: mmap.mmap | None = 
                 done_with()
         else:
             def read(a: int, b: int) -> None:
-                for p in range(a, b, PIECE):
-                    q = min(b, p + PIECE)
-                    done = 0
-                    while done < q - p:
-                        done += os.preadv(src_fd, [view[p + done:q]], p + done)
+                _in_pieces(a, b, lambda at, q: os.preadv(src_fd, [view[at:q]], at))
             _parallel(read, ranges)
         t3 = time.perf_counter()
         # the segment's bytes, as a rank maps them, are the file's
@@ -180,14 +182,10 @@ def one_per_file(src_fd: int, n: int, threads: int, how: str) -> dict:
             view = memoryview(mm)
             sview = memoryview(src)
             try:
-                for p in range(a, b, PIECE):
-                    q = min(b, p + PIECE)
-                    done = 0
-                    while done < q - p:
-                        if how == "fallocate_files":
-                            done += os.preadv(src_fd, [view[p - a + done:q - a]], p + done)
-                        else:
-                            done += os.pwritev(fd, [sview[p + done:q]], p - a + done)
+                if how == "fallocate_files":
+                    _in_pieces(a, b, lambda at, q: os.preadv(src_fd, [view[at - a:q - a]], at))
+                else:
+                    _in_pieces(a, b, lambda at, q: os.pwritev(fd, [sview[at:q]], at - a))
                 for at in (0, b - a - 4096):  # the file's bytes, as a rank maps them, are the source's
                     assert view[at:at + 4096] == sview[a + at:a + at + 4096], (how, a, at)
             finally:
