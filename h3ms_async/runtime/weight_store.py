@@ -230,7 +230,6 @@ class WeightStore:
                     f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
                     f"{', ...' if len(diff) > 4 else ''})"
                 )
-            _settled(tensors)
             for name in names:
                 d = entry[name]
                 _write(self.blocks[i], d, tensors[name])
