@@ -19,8 +19,9 @@ split's own code) with every block's weights but the adaLN projection:
 * ``cached``: the fill from a file already in the page cache.
 
 Each ends in ``_view`` (the views handed over as tensors: the store writes one block at a time, as it does for
-tensors a host made) or ``_file`` (the views marked as the file's bytes, ``FileBytes``, what the node hands it for
-every tensor ComfyUI maps unchanged: up to ``WRITERS`` blocks written at once, each into its own segment);
+tensors a host made) or ``_file`` (the views' file ranges, ``FileBytes``, what the node hands it for every tensor ComfyUI
+maps unchanged: up to ``WRITERS`` blocks written at once, each into its own segment, from the fill's own
+mapping of the file);
 ``interleaved_file`` is the node's first prompt now.
 ``separate`` and ``interleaved`` read the adaLN bytes too: their rate counts every byte they read (``read_bytes``),
 the others' the store's. Beside them, the file's sequential read rate after a drop (``read()`` of 64 MiB pieces) and
@@ -107,7 +108,7 @@ class Checkpoint:
 
     def source(self, name: str, marked: bool):
         t = self.view(name)
-        return FileBytes(t) if marked else t
+        return FileBytes(t, self.fd, self.base + self.info[name]["data_offsets"][0]) if marked else t
 
     def close(self) -> None:
         self.map.close()

@@ -248,20 +248,22 @@ def block_tensors(
 
 
 def file_source(t: torch.Tensor) -> Source:
-    """``t`` as the store takes it: marked as its checkpoint's bytes (:class:`FileBytes`) when
+    """``t`` as the store takes it: its bytes' place in the checkpoint (:class:`FileBytes`) when
     ``t`` is ComfyUI's view of a whole tensor's file range, unchanged
     (``comfy.utils.load_safetensors`` under DynamicVRAM maps the file and notes each tensor's
-    range on its storage as ``_comfy_tensor_file_slice``), else ``t``."""
+    range on its storage as ``_comfy_tensor_file_slice``), else ``t``.  The file descriptor is
+    the mapping's own, open while the tensor lives."""
     info = getattr(t.untyped_storage(), "_comfy_tensor_file_slice", None)
+    fd = getattr(info, "file_ref", None)
     if (
-        not isinstance(getattr(info, "file_ref", None), int)
+        not isinstance(fd, int)
         or t.device.type != "cpu"
         or not t.is_contiguous()
         or t.storage_offset() != 0
         or t.numel() * t.element_size() != info.size
     ):
         return t
-    return FileBytes(t.detach())
+    return FileBytes(t.detach(), fd, int(info.offset))
 
 
 def block_nbytes(dm: Any, block_index: int) -> int:
@@ -329,7 +331,7 @@ def block_reader(
     the RAM reserve.  ``before(i)`` runs ahead of reading block i: the step's adaLN row of block i
     (``BlockModulation.row``), so a cold checkpoint is read once, block after block, and the
     readahead then asks for whole blocks, adaLN weights included.  A tensor ComfyUI maps unchanged
-    from the checkpoint comes back marked as the file's bytes (:func:`file_source`)."""
+    from the checkpoint comes back as its file range (:func:`file_source`)."""
     dm = patcher.get_model_object("diffusion_model")
     reserve = int(reserve_gb * GIB)
     path = checkpoint_path(patcher)

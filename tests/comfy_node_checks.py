@@ -353,14 +353,14 @@ def _comfy_mapped(raw: bytes, offset: int, dtype: torch.dtype, shape: tuple[int,
 def test_a_tensor_comfyui_maps_from_its_checkpoint_is_marked_as_the_files_bytes():
     """``file_source`` on the file-range record ComfyUI's DynamicVRAM load puts on a mapped tensor's storage
     (DynamicVRAM itself needs CUDA, so the GPU cold-start bench shows the whole path: ``fill_file_bytes``): a whole
-    tensor is marked as its file's bytes, the same view; a part of one and a tensor without the record stay
-    tensors."""
+    tensor becomes its file range, the same view; a part of one and a tensor without the record stay tensors."""
     from h3ms_async.runtime.file_bytes import FileBytes
 
     data = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
-    with _comfy_mapped(b"\0" * 100 + data.numpy().tobytes(), 100, torch.int8, (64, 96)) as (_path, _fd, t):
+    with _comfy_mapped(b"\0" * 100 + data.numpy().tobytes(), 100, torch.int8, (64, 96)) as (_path, fd, t):
         src = CW.file_source(torch.nn.Parameter(t, requires_grad=False))
-        assert isinstance(src, FileBytes) and src.tensor.data_ptr() == t.data_ptr()
+        assert isinstance(src, FileBytes) and (src.fd, src.offset) == (fd, 100)
+        assert src.tensor.data_ptr() == t.data_ptr()
         assert torch.equal(src.tensor, data)
         assert not isinstance(CW.file_source(t[1:]), FileBytes)
         assert not isinstance(CW.file_source(data), FileBytes)

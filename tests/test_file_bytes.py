@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from h3ms_async.runtime.file_bytes import FileBytes
+from h3ms_async.runtime.file_bytes import FileBytes, FileMaps
 from h3ms_async.runtime.readahead import read_header
 from h3ms_async.runtime.weight_store import fill
 from workers.runtime.shm import Arena, Segment, ShmError
@@ -26,12 +26,13 @@ def _mapped(path: str, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         view = torch.frombuffer(mm, dtype=dtype, count=n, offset=offset).view(shape)
-    return FileBytes(view), mm, fd
+    return FileBytes(view, fd, offset), mm, fd
 
 
 def test_a_mapped_tensor_is_written_whole_into_its_blocks_segment(tmp_path):
-    """A 5 MiB bf16 view of a read-only file mapping at an odd offset, written through the segment's descriptor (as
-    the fill writes it), equals the file's bytes, and the segment's pages were allocated by that write."""
+    """A 5 MiB bf16 tensor at an odd offset of a file, written through the segment's descriptor from the fill's own
+    mapping of the file (as the fill writes it), equals the file's bytes, and the segment's pages were allocated by
+    that write."""
     from h3ms_async.runtime.weight_store import _write
 
     raw = torch.randint(0, 256, (6 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
@@ -43,7 +44,11 @@ def test_a_mapped_tensor_is_written_whole_into_its_blocks_segment(tmp_path):
     try:
         desc = Arena(seg).alloc("bfloat16", shape)
         assert os.fstat(seg._fd).st_blocks == 0
-        assert _write(seg, desc, src) is True
+        files = FileMaps()
+        try:
+            assert _write(seg, desc, src, files) is True
+        finally:
+            files.close()
         assert os.fstat(seg._fd).st_blocks * 512 >= 5 << 20
         dest = seg.tensor(desc)
         assert torch.equal(dest.view(torch.uint8).reshape(-1), raw[12345:12345 + (5 << 20)])
@@ -61,7 +66,22 @@ def test_a_write_past_the_segment_and_a_strided_file_tensor_are_refused():
     finally:
         seg.close()
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        FileBytes(torch.zeros(8, 8).t())
+        FileBytes(torch.zeros(8, 8).t(), 0, 0)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        FileBytes(torch.zeros(8), 0, -1)
+
+
+def test_a_file_range_past_the_files_end_is_refused(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)
+    files = FileMaps()
+    try:
+        with pytest.raises(ValueError, match=r"file range \[2048, 6144\) is past the file's end \(4096 bytes\)"):
+            files.view(FileBytes(torch.zeros(4096, dtype=torch.uint8), fd, 2048))
+    finally:
+        files.close()
+        os.close(fd)
 
 
 class _Checkpoint:

@@ -104,17 +104,33 @@ def test_a_copy_that_fails_fails_the_fill_and_stops_the_reads():
     assert _no_segments_left()
 
 
-def test_blocks_are_written_at_once_and_published_only_when_every_block_before_is_complete(monkeypatch):
-    """With two writers, block 2 is written while block 1's write is held back: the progress word stays at 1 until
-    block 1 is complete, then jumps past every complete block. Each block's pages are allocated by its own write
-    into its own segment (none before). The blocks are file bytes (a view of a mapping holds no memory of its own):
-    blocks of tensors are written one at a time, as the next one is read."""
+def _file_blocks(path) -> tuple[int, list[dict]]:
+    """Every block's tensors written one after another into the file at ``path``: its open descriptor and each block's
+    tensors as their file ranges (``FileBytes``, what the node hands over for a checkpoint's own bytes)."""
     from h3ms_async.runtime.file_bytes import FileBytes
 
+    blocks, raw = [], bytearray()
+    for i in range(BLOCKS):
+        entry = {}
+        for k, v in _block(i).items():
+            entry[k] = (v, len(raw))
+            raw += v.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        blocks.append(entry)
+    path.write_bytes(bytes(raw))
+    fd = os.open(path, os.O_RDONLY)
+    return fd, [{k: FileBytes(v, fd, off) for k, (v, off) in entry.items()} for entry in blocks]
+
+
+def test_blocks_are_written_at_once_and_published_only_when_every_block_before_is_complete(monkeypatch, tmp_path):
+    """With two writers, block 2 is written while block 1's write is held back: the progress word stays at 1 until
+    block 1 is complete, then jumps past every complete block. Each block's pages are allocated by its own write
+    into its own segment (none before). The blocks are a file's bytes (they hold no memory of their own): blocks of
+    tensors are written one at a time, as the next one is read."""
     monkeypatch.setattr(weight_store, "WRITERS", 2)
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two writers")
-    fill = size_store(("t", "parallel"), BLOCKS, lambda i: {k: FileBytes(v) for k, v in _block(i).items()})
+    fd, sources = _file_blocks(tmp_path / "blocks.bin")
+    fill = size_store(("t", "parallel"), BLOCKS, lambda i: sources[i])
     store = fill.store
     assert all(os.fstat(seg._fd).st_blocks == 0 for seg in store.blocks)
     release_1 = threading.Event()
@@ -139,8 +155,11 @@ def test_blocks_are_written_at_once_and_published_only_when_every_block_before_i
         assert store.fill_progress().read() == BLOCKS
         assert all(os.fstat(seg._fd).st_blocks * 512 >= seg.size for seg in store.blocks)
         assert all(torch.equal(store.block(i)[k], v) for i in range(BLOCKS) for k, v in _block(i).items())
+        assert store.file_bytes == store.nbytes - sum(
+            seg.size - sum(d.nbytes for d in store.manifest[i].values()) for i, seg in enumerate(store.blocks))
     finally:
         store.release()
+        os.close(fd)
     assert _no_segments_left()
 
 

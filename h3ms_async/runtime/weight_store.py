@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3ms_async.log import get_logger
-from h3ms_async.runtime.file_bytes import FileBytes, Source
+from h3ms_async.runtime.file_bytes import FileBytes, FileMaps, Source
 from h3ms_async.runtime.host_memory import ram_info
 from workers.runtime import fill_progress as progress_layout
 from workers.runtime.fill_progress import FillProgress
@@ -114,16 +114,19 @@ def _block_layout(tensors: Mapping[str, Source]) -> dict[str, tuple[str, tuple[i
     return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in sorted(tensors.items())}
 
 
-def _write(seg: Segment, desc: TensorDesc, src: Source) -> bool:
+def _write(seg: Segment, desc: TensorDesc, src: Source, files: FileMaps) -> bool:
     """One stored tensor's copy into its block's segment; returns whether its bytes came from
-    their file.  A file's bytes (a view of its mapping) are written through the segment's
-    descriptor, which allocates the pages as it writes them (one thread, several blocks at once);
-    a tensor the host made is copied into the mapping by torch (every core, one block at a time),
-    its range reserved first, as a device tensor is (no host tensor between): a full /dev/shm is
-    then an error and not a SIGBUS."""
+    their file.  A file's bytes are written from the fill's own mapping of the file (``files``)
+    through the segment's descriptor, which allocates the pages as it writes them (one thread,
+    several blocks at once); a tensor the host made is copied into the mapping by torch (every
+    core, one block at a time), its range reserved first, as a device tensor is (no host tensor
+    between): a full /dev/shm is then an error and not a SIGBUS."""
     if isinstance(src, FileBytes):
-        flat = src.tensor.detach().reshape(-1).view(torch.uint8)
-        seg.write(desc.off, memoryview(flat.numpy().data) if flat.numel() else memoryview(b""))
+        view = files.view(src)
+        try:
+            seg.write(desc.off, view)
+        finally:
+            view.release()
         return True
     seg.reserve(desc.off, tensor_nbytes(desc.dtype, desc.shape))
     seg.tensor(desc).copy_(src.detach())
@@ -217,24 +220,28 @@ class WeightStore:
                 params.setdefault(i, set()).add(name)
         blocks: list[tuple[int, tuple[str, ...]]] = []
         nbytes = 0
-        for i in sorted(params):
-            entry = self.manifest[i]
-            names = touched_tensors(entry, params[i])
-            if not names:
-                continue
-            tensors = read_block(i)
-            got, want = _block_layout(tensors), _desc_layout(entry)
-            if got != want:
-                diff = sorted(set(got.items()) ^ set(want.items()))
-                raise LayoutChanged(
-                    f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
-                    f"{', ...' if len(diff) > 4 else ''})"
-                )
-            for name in names:
-                d = entry[name]
-                _write(self.blocks[i], d, tensors[name])
-                nbytes += tensor_nbytes(d.dtype, d.shape)
-            blocks.append((i, tuple(names)))
+        files = FileMaps()
+        try:
+            for i in sorted(params):
+                entry = self.manifest[i]
+                names = touched_tensors(entry, params[i])
+                if not names:
+                    continue
+                tensors = read_block(i)
+                got, want = _block_layout(tensors), _desc_layout(entry)
+                if got != want:
+                    diff = sorted(set(got.items()) ^ set(want.items()))
+                    raise LayoutChanged(
+                        f"block {i} would change its layout ({', '.join(n for n, _ in diff[:4])}"
+                        f"{', ...' if len(diff) > 4 else ''})"
+                    )
+                for name in names:
+                    d = entry[name]
+                    _write(self.blocks[i], d, tensors[name], files)
+                    nbytes += tensor_nbytes(d.dtype, d.shape)
+                blocks.append((i, tuple(names)))
+        finally:
+            files.close()
         self.key = key
         return Rewrite(
             tuple(blocks),
@@ -299,7 +306,7 @@ class StoreFill:
                     from_file = sum(
                         tensor_nbytes(d.dtype, d.shape)
                         for name, d in store.manifest[i].items()
-                        if _write(store.blocks[i], d, tensors[name])
+                        if _write(store.blocks[i], d, tensors[name], files)
                     )
                     with lock:
                         store.file_bytes += from_file
@@ -319,6 +326,7 @@ class StoreFill:
             if not sem.acquire(timeout=WAIT_S):
                 raise ShmError(f"no block was written in {WAIT_S:g}s while block {i} waited")
 
+        files = FileMaps()
         pool = cf.ThreadPoolExecutor(writers, thread_name_prefix="h3ms-store-write")
         try:
             try:
@@ -349,6 +357,7 @@ class StoreFill:
                     del tensors
             finally:
                 pool.shutdown(wait=True)  # every write ends: each is at most one block's copy
+                files.close()
             if failed:
                 raise failed[0]
         except BaseException:
