@@ -226,33 +226,33 @@ class Segment:
             raise
         return cls(name, size, mm, owner=True, fd=fd)
 
-    def reserve(self, off: int, nbytes: int) -> None:
-        """Reserve the pages of ``[off, off + nbytes)`` of a segment created with
-        ``reserve=False`` (owner only); :class:`ShmError` as :meth:`create` when /dev/shm ran
-        out."""
+    def _owned_range(self, off: int, nbytes: int, what: str) -> int:
+        """The owner's descriptor, for an operation on ``[off, off + nbytes)`` that only the owner
+        ``what`` (ShmError for another process or a range outside the segment)."""
         if self._fd is None:
-            raise ShmError(f"only the owner reserves pages of segment {self.name}")
+            raise ShmError(f"only the owner {what} segment {self.name}")
         if off < 0 or nbytes < 0 or off + nbytes > self.size:
             raise ShmError(
                 f"range [{off}, {off + nbytes}) is outside segment {self.name} of {self.size} bytes"
             )
-        _reserve(self._fd, off, nbytes)
+        return self._fd
+
+    def reserve(self, off: int, nbytes: int) -> None:
+        """Reserve the pages of ``[off, off + nbytes)`` of a segment created with
+        ``reserve=False`` (owner only); :class:`ShmError` as :meth:`create` when /dev/shm ran
+        out."""
+        _reserve(self._owned_range(off, nbytes, "reserves pages of"), off, nbytes)
 
     def write(self, off: int, data: memoryview) -> None:
         """Write ``data`` at ``off`` through the owner's descriptor (owner only): tmpfs allocates
         the pages it writes without zeroing them first and without a page fault in the writer,
         and a full /dev/shm raises :class:`ShmError` as :meth:`create` does."""
-        if self._fd is None:
-            raise ShmError(f"only the owner writes segment {self.name} through its descriptor")
         n = len(data)
-        if off < 0 or off + n > self.size:
-            raise ShmError(
-                f"range [{off}, {off + n}) is outside segment {self.name} of {self.size} bytes"
-            )
+        fd = self._owned_range(off, n, "writes")
         done = 0
         try:
             while done < n:
-                done += os.pwritev(self._fd, [data[done:]], off + done)
+                done += os.pwritev(fd, [data[done:]], off + done)
         except OSError as exc:
             raise _failed(exc, off + n, n) from None
 
