@@ -2,7 +2,7 @@
 # One call on the GPU device machine: CUDA tests, then the GPU benchmark; everything it measures lands in $OUT.
 #   bash benchmarks/device_run.sh TARGET [extra bench args...]
 #   TARGET: tests|bench|all|attention|vae|vae-tests|vae-bench|vae-exact|invariance|invariance-demo|caches|sparse|demo-gpu|
-#           paths|paths-more
+#           paths|paths-more|gpus
 #   paths (~10 min): what the landing's CPU-only changes need on a GPU, each file under its own deadline (ComfyUI tree
 #   needed): the split paths at full width from fresh workers (tests/test_cuda.py, the tests PATHS_K selects, by
 #   default every split path, the gather-ahead cases, the GPU-direct exchange (host waits and CUDA IPC events)
@@ -35,6 +35,14 @@
 #   summary in $OUT/sparse.json (pytest counts + the bench summary), logs and JSON beside it. Deadlines: 220 s for the
 #   tests, the rest of ~6 min (>= 130 s) for the bench; the bench rewrites bench_sparse.json after every variant, so
 #   a cut run keeps its numbers.
+#   gpus (~8 min, a machine with 2 or more GPUs): one rank per GPU with uneven shares (tests/test_cuda.py -k
+#   across_gpus: host staging, the GPU-direct exchange peer to peer, NCCL, the Ulysses pattern and every overlap at
+#   once, each torch.equal to the unsplit step from fresh workers; a pass of the cuda_ipc case is what lets
+#   SplitPath.CUDA_IPC_P2P into TESTED["cuda"]), every CUDA exchange against the spec
+#   (tests/test_exchange_conformance.py -k "nccl or cuda-ipc"), then the measured speed-up: `bench split` at full H3
+#   width (75794 tokens, 4 int8 blocks) on 2 GPUs and on every GPU (8 at most) beside the unsplit step on cuda:0,
+#   host staging x8, GPU-direct (where the GPUs reach each other), NCCL and the no-exchange baseline, without and
+#   with every overlap (bench_split_gpus<N>.json).
 # comfy-kitchen travels in .ck/: make it with benchmarks/fetch_kitchen.sh (the cp312 wheel without its ROCm library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -164,5 +172,28 @@ print(json.dumps({"tests_rc": int(os.environ["TRC"]), "tests": counts, "bench_rc
                   "wall_s": int(os.environ["WALL"])}, indent=1))
 PY
   cat "$out/sparse.json"
+fi
+if [ "$what" = gpus ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py -k across_gpus 2>&1 \
+    | tee "$out/pytest_gpus.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_exchange_conformance.py -k "nccl or cuda-ipc" \
+    2>&1 | tee "$out/pytest_conformance_gpus.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  count=$(python3 -c "import torch; print(min(torch.cuda.device_count(), 8))")
+  for n in $(printf '%s\n' 2 "$count" | sort -nu); do
+    [ "$n" -ge 2 ] || continue
+    # the GPU-direct exchange only where every pair of these GPUs reaches the other's memory
+    read -r ranks exchanges < <(python3 -c "
+import torch
+idx = range($n)
+peers = all(torch.cuda.can_device_access_peer(a, b) for a in idx for b in idx if a != b)
+print(','.join(f'cuda:{i}' for i in idx), 'host,cuda_ipc,nccl,none' if peers else 'host,nccl,none')")
+    timeout 240 python3 -m h3ms_async bench split --ranks "$ranks" --device cuda:0 --tokens 75794 --layers 4 \
+      --hidden 5376 --heads 56 --head-dim 128 --weights int8 --exchange "$exchanges" --chunks 8 \
+      --overlap none,gather+pieces4+ahead4 --steps 2 --warmup 1 --probe-rounds 0 \
+      > "$out/bench_split_gpus$n.json" 2> "$out/bench_split_gpus$n.log" || rc=1
+  done
+  echo "gpus: ${SECONDS} s wall" | tee -a "$out/pytest_gpus.log"
 fi
 exit $rc

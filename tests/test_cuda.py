@@ -3,8 +3,9 @@
 Covers: pinned (cudaHostRegister'ed) shm moving through a CUDA worker bit-exactly; the split on logical ranks of one
 GPU bit-exact against the unsplit run in this process, for int8 and bf16 weights, chunked and single-shot host
 exchange, weights resident and streamed; the NCCL refusal for two ranks on one GPU; each split path (Ulysses, head
-pieces, the gather overlap, gather ahead) and the GPU-direct exchange at full H3 width from fresh workers; per-block
-timings from CUDA events.
+pieces, the gather overlap, gather ahead) and the GPU-direct exchange at full H3 width from fresh workers; with
+several GPUs, one rank per GPU with uneven shares over host staging, the GPU-direct exchange (peer to peer) and NCCL,
+each path included; per-block timings from CUDA events.
 
 Warm-up: measured on the H200 (benchmarks/diag_parity.py), the FIRST block-stack pass of a process differs in the
 last bits from every later pass, in this process and in a worker alike (first == first, later == later, split or
@@ -26,6 +27,7 @@ from h3ms_async.runtime.coordinator import get_coordinator  # noqa: E402
 from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
 from h3ms_async.runtime.pool import WorkerPool  # noqa: E402
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
+from h3ms_async.dit.exchange_choice import ExchangeRefused  # noqa: E402
 from h3ms_async.dit.options import SplitOptions  # noqa: E402
 from h3ms_async.dit.split import SplitEngine  # noqa: E402
 from workers.runtime.protocol import Echo  # noqa: E402
@@ -291,6 +293,70 @@ def test_gpu_direct_exchange_on_logical_ranks_is_exact(full_int8, sync, chunks, 
             assert rec["exchange"] == "cuda_ipc" and rec["ipc_sync"] == sync, rec
             assert rec["chunks"] == max(chunks, 1), rec
             assert all(r["tokens"][1] > r["tokens"][0] and r["moved_bytes"] > 0 for r in rec["ranks"]), rec
+    finally:
+        eng.release()
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+across_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 or more CUDA GPUs ({GPUS} here): run on a machine with "
+                                                  "several, e.g. benchmarks/device_run.sh gpus")
+
+
+def _rank_per_gpu() -> tuple[list[str], tuple[float, ...]]:
+    """One rank per GPU (8 at most) with uneven shares 1, 2, 1, 2, ...: head groups and token shards of two sizes."""
+    n = min(GPUS, 8)
+    return [f"cuda:{i}" for i in range(n)], tuple(1.0 + i % 2 for i in range(n))
+
+
+def _peers(devices: list[str]) -> bool:
+    idx = [torch.device(d).index for d in devices]
+    return all(torch.cuda.can_device_access_peer(a, b) for a in idx for b in idx if a != b)
+
+
+@across_gpus
+@pytest.mark.parametrize("exchange", ["host", "cuda_ipc", "nccl"])
+def test_split_across_gpus_is_exact(full_int8, exchange, monkeypatch):
+    """One rank per GPU, uneven shares, at full H3 width: host staging, the GPU-direct exchange (peer-to-peer copies;
+    where the GPUs cannot reach each other it must be refused in one line instead) and NCCL. Fresh workers, their
+    FIRST step and a second equal the unsplit step on cuda:0 with torch.equal; the record shows the exchange ran on
+    every GPU and every rank computed and moved rows. The cuda_ipc pass is what lets SplitPath.CUDA_IPC_P2P into
+    TESTED["cuda"]."""
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
+    devices, shares = _rank_per_gpu()
+    options = SplitOptions(exchange=exchange, shares=shares)
+    if exchange == "cuda_ipc" and not _peers(devices):
+        with pytest.raises(ExchangeRefused, match="cannot reach") as exc:
+            SplitEngine(devices, options)
+        assert "\n" not in str(exc.value) and "set exchange to host" in str(exc.value), exc.value
+        return
+    eng = SplitEngine(devices, options)
+    try:
+        for rec in _steps_equal_unsplit(eng, full_int8, f"gpus-{exchange}", 100, f"{exchange} on {devices}"):
+            assert rec["exchange"] == exchange and rec["devices"] == devices, rec
+            assert all(r["tokens"][1] > r["tokens"][0] and r["moved_bytes"] > 0 for r in rec["ranks"]), rec
+    finally:
+        eng.release()
+
+
+@across_gpus
+@pytest.mark.parametrize("exchange", ["host", "cuda_ipc"])
+@pytest.mark.parametrize("path", [dict(pattern="ulysses"), dict(gather_ahead=4, gather_overlap=True, head_pieces=4)],
+                         ids=["ulysses", "all-overlaps"])
+def test_split_paths_across_gpus_are_exact(full_int8, exchange, path, monkeypatch):
+    """The Ulysses pattern and every overlap at once (head pieces, the gather overlap, gather ahead) with one rank per
+    GPU and uneven shares, host-staged and GPU-direct: fresh workers, first and second step torch.equal to the
+    unsplit step, the record shows the path ran."""
+    monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")
+    devices, shares = _rank_per_gpu()
+    if exchange == "cuda_ipc" and not _peers(devices):
+        pytest.skip(f"{devices}: the GPUs cannot reach each other's memory (test_split_across_gpus_is_exact checks "
+                    "the refusal)")
+    eng = SplitEngine(devices, SplitOptions(exchange=exchange, shares=shares, **path))
+    try:
+        for rec in _steps_equal_unsplit(eng, full_int8, f"gpus-paths-{exchange}", 110, f"{path} {exchange}"):
+            assert rec["exchange"] == exchange and rec["pattern"] == path.get("pattern", "gather"), rec
+            assert rec["head_pieces"] == path.get("head_pieces", 0), rec
+            assert rec["gather_ahead"] == path.get("gather_ahead", 0), rec
     finally:
         eng.release()
 

@@ -6,8 +6,9 @@ side in one run.
 * the unsplit wall time per step and per block (``--device``; CUDA clocks are read after
   ``torch.cuda.synchronize``);
 * for every transport x chunking x overlap variant (``--exchange host,nccl`` x ``--chunks 0,8`` x
-  ``--overlap none,pieces4,gather``; nccl runs as gloo on CPU ranks and is never chunked; ``none``
-  is the no-exchange baseline, its output not compared), on the same workers and weights: split
+  ``--overlap none,pieces4,gather``; nccl runs as gloo on CPU ranks and is never chunked; cuda_ipc,
+  the GPU-direct exchange, needs CUDA ranks; ``none`` is the no-exchange baseline, its output not
+  compared), on the same workers and weights: split
   wall time per step and per block, per-rank compute / copy / wait seconds, bytes moved, doorbell
   signals per block and the estimated signalling cost per block;
 * where a block's time goes, from the step records' per-block timings averaged over the timed
@@ -458,10 +459,13 @@ def run_bench_split(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     probe = signal_probe(len(ranks), probe_rounds)
+    # Workers built for the GPU-direct exchange see every rank's GPU and serve the other exchanges
+    # too; workers built for another cannot open their peers' buffers across GPUs.
+    gpu_direct = any(ex == Transport.CUDA_IPC for ex, _, _ in variants)
     engine = SplitEngine(
         ranks,
         SplitOptions(
-            exchange=Transport(variants[0][0]),
+            exchange=Transport.CUDA_IPC if gpu_direct else Transport(variants[0][0]),
             exchange_chunks=variants[0][1],
             pattern=parse_pattern(pattern),
         ),
@@ -598,8 +602,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--exchange",
         default="host,nccl",
-        help="transports to compare: host, nccl (gloo on CPU ranks), none (the no-exchange "
-        "baseline: each rank computes its shard alone)",
+        help="transports to compare: host, nccl (gloo on CPU ranks), cuda_ipc (GPU-direct, CUDA "
+        "ranks), none (the no-exchange baseline: each rank computes its shard alone)",
     )
     p.add_argument(
         "--probe-rounds", type=int, default=50, help="tiny-payload signal probe rounds (0: skip)"
