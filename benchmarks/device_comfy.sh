@@ -5,8 +5,9 @@
 #   lora: only the LoRA groups of tests/test_cuda_comfy.py (SDPA + DynamicVRAM, SDPA + --novram).
 #   cold: benchmarks/comfy_cold_start.py, all 50 full-width int8 blocks (a ~46 GB checkpoint written to disk first):
 #   plain ComfyUI's load + first step against the node's (workers' start, weight-store fill, ranks' load, probe), then
-#   the node's second prompt (nothing refilled); ~5-8 min, a call of its own (fewer blocks: COLD_LAYERS=25; with a
-#   LoRA on every block, the fill's slower path: COLD_ARGS=--lora).
+#   the node's second prompt (nothing refilled); a call of its own (fewer blocks: COLD_LAYERS=25; with a LoRA on
+#   every block, the fill's slower path: COLD_ARGS=--lora). On an H100 host it took 310 s (352 s with the LoRA) on a
+#   machine already used once; the first call on a fresh machine unpacks ComfyUI first and needed more than 290 s.
 # 1. tests/test_cuda_comfy.py: ComfyUI started as main.py starts (DynamicVRAM on; once --disable-dynamic-vram),
 #    ranks cuda:0,cuda:0 and cuda:0,cuda:0,cuda:0 (shares 1,2,1), bf16 and int8, SDPA and --use-ck-attention, a LoRA,
 #    every output torch.equal to plain ComfyUI including each first call after the workers start.
