@@ -185,10 +185,9 @@ if [ "$what" = gpus ]; then
     [ "$n" -ge 2 ] || continue
     # the GPU-direct exchange only where every pair of these GPUs reaches the other's memory
     read -r ranks exchanges < <(python3 -c "
-import torch
-idx = range($n)
-peers = all(torch.cuda.can_device_access_peer(a, b) for a in idx for b in idx if a != b)
-print(','.join(f'cuda:{i}' for i in idx), 'host,cuda_ipc,nccl,none' if peers else 'host,nccl,none')")
+from h3ms_async.dit.exchange_choice import no_peer_access
+ranks = [f'cuda:{i}' for i in range($n)]
+print(','.join(ranks), 'host,nccl,none' if no_peer_access(ranks) else 'host,cuda_ipc,nccl,none')")
     timeout 240 python3 -m h3ms_async bench split --ranks "$ranks" --device cuda:0 --tokens 75794 --layers 4 \
       --hidden 5376 --heads 56 --head-dim 128 --weights int8 --exchange "$exchanges" --chunks 8 \
       --overlap none,gather+pieces4+ahead4 --steps 2 --warmup 1 --probe-rounds 0 \

@@ -27,7 +27,7 @@ from h3ms_async.runtime.coordinator import get_coordinator  # noqa: E402
 from h3ms_async.dit.layout import layout_for_tokens  # noqa: E402
 from h3ms_async.runtime.pool import WorkerPool  # noqa: E402
 from h3ms_async.dit.reference import DiTConfig, ReferenceDiT, make_step_inputs  # noqa: E402
-from h3ms_async.dit.exchange_choice import ExchangeRefused  # noqa: E402
+from h3ms_async.dit.exchange_choice import ExchangeRefused, no_peer_access  # noqa: E402
 from h3ms_async.dit.options import SplitOptions  # noqa: E402
 from h3ms_async.dit.split import SplitEngine  # noqa: E402
 from workers.runtime.protocol import Echo  # noqa: E402
@@ -308,11 +308,6 @@ def _rank_per_gpu() -> tuple[list[str], tuple[float, ...]]:
     return [f"cuda:{i}" for i in range(n)], tuple(1.0 + i % 2 for i in range(n))
 
 
-def _peers(devices: list[str]) -> bool:
-    idx = [torch.device(d).index for d in devices]
-    return all(torch.cuda.can_device_access_peer(a, b) for a in idx for b in idx if a != b)
-
-
 @across_gpus
 @pytest.mark.parametrize("exchange", ["host", "cuda_ipc", "nccl"])
 def test_split_across_gpus_is_exact(full_int8, exchange, monkeypatch):
@@ -324,7 +319,7 @@ def test_split_across_gpus_is_exact(full_int8, exchange, monkeypatch):
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")  # measuring the path is what this test is for
     devices, shares = _rank_per_gpu()
     options = SplitOptions(exchange=exchange, shares=shares)
-    if exchange == "cuda_ipc" and not _peers(devices):
+    if exchange == "cuda_ipc" and no_peer_access(devices):
         with pytest.raises(ExchangeRefused, match="cannot reach") as exc:
             SplitEngine(devices, options)
         assert "\n" not in str(exc.value) and "set exchange to host" in str(exc.value), exc.value
@@ -348,7 +343,7 @@ def test_split_paths_across_gpus_are_exact(full_int8, exchange, path, monkeypatc
     unsplit step, the record shows the path ran."""
     monkeypatch.setenv("H3MS_ALLOW_UNTESTED_PATHS", "1")
     devices, shares = _rank_per_gpu()
-    if exchange == "cuda_ipc" and not _peers(devices):
+    if exchange == "cuda_ipc" and no_peer_access(devices):
         pytest.skip(f"{devices}: the GPUs cannot reach each other's memory (test_split_across_gpus_is_exact checks "
                     "the refusal)")
     eng = SplitEngine(devices, SplitOptions(exchange=exchange, shares=shares, **path))
