@@ -65,7 +65,8 @@ TESTED: dict[str, dict[SplitPath, str]] = {
     # (docs/device_runs/h100_s13_f2383e5_*); the GPU-direct exchange ordered by CUDA IPC events
     # (chunked and not, an interrupt and a killed rank, every collective) on one H100 at c24a884
     # (docs/device_runs/h100_s16_c24a884_*). The exchange across GPUs has no pass yet: no machine
-    # with several GPUs was lent.
+    # with several GPUs was lent (its test: tests/test_cuda.py::test_split_across_gpus_is_exact
+    # [cuda_ipc], run by benchmarks/device_run.sh gpus).
     "cuda": {
         SplitPath.ULYSSES: (
             "tests/test_cuda.py::test_split_paths_on_logical_ranks_are_exact[ulysses]"
