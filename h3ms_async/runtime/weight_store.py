@@ -291,7 +291,9 @@ class StoreFill:
         layout = _block_layout(self.first)
         writers = max(1, min(WRITERS, os.cpu_count() or 1, n))
         slots = threading.BoundedSemaphore(writers)  # blocks handed over and not yet written
-        holding = threading.BoundedSemaphore(1)  # of those, blocks that hold tensors, less one
+        # of those, the blocks holding tensors (not only file ranges): one at a time, while the
+        # reader may hold the next
+        holding = threading.BoundedSemaphore(1)
         lock = threading.Lock()
         complete = [False] * n
         failed: list[Exception] = []
@@ -303,11 +305,10 @@ class StoreFill:
             t = time.perf_counter()
             try:
                 if not failed:
-                    from_file = sum(
-                        tensor_nbytes(d.dtype, d.shape)
-                        for name, d in store.manifest[i].items()
-                        if _write(store.blocks[i], d, tensors[name], files)
-                    )
+                    from_file = 0
+                    for name, d in store.manifest[i].items():
+                        if _write(store.blocks[i], d, tensors[name], files):
+                            from_file += tensor_nbytes(d.dtype, d.shape)
                     with lock:
                         store.file_bytes += from_file
                         span[0], span[1] = min(span[0], t), max(span[1], time.perf_counter())
