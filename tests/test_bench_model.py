@@ -188,3 +188,52 @@ def test_validated_on_gpu_only_within_the_bound(report):
     assert within_bound([ok, {**ok, "world": 4, "error_pct": -VALIDATION_BOUND_PCT}])
     assert not within_bound([ok, {**ok, "world": 4, "error_pct": -12.3}])  # the round-3 H200 figure at 2 ranks
     assert not within_bound([])
+
+
+def test_the_overlaps_compute_is_timed_on_the_shard_alone(monkeypatch):
+    """``ShardClock`` runs the largest rank's shard with each overlap's own kernels (head pieces, the qkv projection
+    per gathered part, the tail in row pieces feeding the next block) and without, with nothing exchanged: its cost
+    is what ``measure_parts`` puts in ``overlap_compute_frac`` when ``--validate`` names a schedule.  On CPU at a small
+    width, each schedule runs the loop through its own exchange op and gives a finite, non-negative fraction."""
+    from h3ms_async.dit.exactness import Overlap
+    from h3ms_async.dit.reference import DiTConfig, ReferenceDiT
+    from h3ms_async.tools.bench.model import ShardClock
+    from workers.transports.exchange import NoExchange
+
+    cfg = DiTConfig(hidden=128, layers=3, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
+    clock = ShardClock(ReferenceDiT(cfg, "bf16", 3).materialize(), cfg, 300, torch.device("cpu"))
+    called: list[str] = []
+    ops = {"pieces4": "all_to_all_heads", "gather": "all_gather_rows_each", "ahead4": "all_gather_rows_produced"}
+    for op in ops.values():
+        def spy(self, *a, _real=getattr(NoExchange, op), _op=op, **k):
+            called.append(_op)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(NoExchange, op, spy)
+    assert clock.seconds(2, blocks=3) > 0 and not called  # no overlap: none of their ops
+    for name, op in ops.items():
+        called.clear()
+        frac = clock.overlap_cost(Overlap.from_name(name), 3)
+        assert op in called and 0.0 <= frac < 10, (name, called, frac)
+    called.clear()
+    assert 0.0 <= clock.overlap_cost(Overlap.from_name("gather+pieces4+ahead4"), 3) < 10
+    assert {"all_to_all_heads", "all_gather_rows_produced"} <= set(called)
+
+
+def test_validation_takes_the_time_slicing_over_the_overlapped_compute():
+    """The no-exchange baseline of logical ranks runs the step's overlaps too, so the time-slicing term is that
+    baseline over the model's compute *with* the overlaps' cost, and the checked prediction is the overlapped block
+    plus it; the error is against the measured block."""
+    from h3ms_async.dit.exactness import Overlap
+    from h3ms_async.tools.bench.model import validation_row
+
+    parts = sm.parts_from_dict(json.loads(PARTS.read_text()))
+    link = sm.Link("one-gpu", "host", 55.0, 40e-6, "test", False, d2h_gbps=55.0, shared=True)
+    every = Overlap.from_name("gather+pieces4+ahead4")
+    row = validation_row(parts, 2, link, every, 0.61, 0.65, [1.0, 0.7])
+    pred = sm.predict(parts, 2, link, head_pieces=4, gather_overlap=True, gather_ahead=4)
+    assert pred.compute_block_s > sm.predict(parts, 2, link).compute_block_s  # the overlaps cost compute
+    assert row["sharing_s"] == pytest.approx(0.61 - pred.compute_block_s)
+    assert row["predicted_shared_block_s"] == pytest.approx(pred.block_s + row["sharing_s"])
+    assert row["error_pct"] == pytest.approx((row["predicted_shared_block_s"] - 0.65) / 0.65 * 100)
+    assert validation_row(parts, 2, link, every, 0.0, 0.65, [])["sharing_s"] == 0.0  # never negative

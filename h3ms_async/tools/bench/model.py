@@ -248,48 +248,59 @@ def table(res: dict) -> str:
 
 # -- measuring the parts on a CUDA GPU
 # ------------------------------------------------------------------------------
-def _timed(fn, reps: int = 3) -> float:
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn, dev: torch.device, reps: int = 3) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync(dev)
     best = float("inf")
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync(dev)
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(dev)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure_parts(
-    tokens: int, weights: str, ranks: Sequence[int], layers: int, host_mem_gbps: float
-) -> sm.Parts:
-    """The parts of this GPU at full H3 width: unsplit block, block without attention, the slowest
-    rank's shard for
-    each N (timed alone, no exchange: ``NoExchange`` gives the real shapes), pinned copy rates."""
-    from h3ms_async.dit.layout import layout_for_tokens
-    from h3ms_async.dit.reference import DiTConfig, make_step_inputs
-    from h3ms_async.tools.bench.gpu import FULL, CachedModel, copy_bandwidth
-    from workers.dit import ops as dit_ops
-    from workers.dit.loop import BlockInputs, RankBlocks, run_blocks
-    from workers.dit.weights import CpuWeights
-    from workers.transports.arena import ArenaLayout
-    from workers.transports.exchange import IdentityExchange, NoExchange
+class ShardClock:
+    """Times one rank's shard of the first blocks of ``model`` (``block_weights(i)`` and
+    ``modulation(t_emb)`` on ``dev``, the blocks of ``cfg``) alone in this process: ``NoExchange``
+    gives every op the shapes the split's ops have and moves nothing, so the time is that rank's
+    compute with no second CUDA context beside it."""
 
-    bw = copy_bandwidth()
-    cfg = DiTConfig(layers=1, **FULL)
-    model = CachedModel(cfg, weights, 1234)
-    inp = make_step_inputs(cfg, layout_for_tokens(tokens), 7, torch.bfloat16)
-    dev = torch.device("cuda")
-    x, mod, rope = inp.x.to(dev), model.modulation(inp.t_emb), inp.rope_freqs.to(dev)
-    segs = [(a, b, r.to(dev) if isinstance(r, torch.Tensor) else r) for a, b, r in inp.segments]
+    def __init__(self, model, cfg, tokens: int, dev: torch.device) -> None:
+        from h3ms_async.dit.layout import layout_for_tokens
+        from h3ms_async.dit.reference import make_step_inputs
+        from workers.dit import ops as dit_ops
 
-    def no_attention(q, k, v, heads):
-        return q.new_zeros(q.shape[2], heads * q.shape[3])
+        self.model, self.cfg, self.dev = model, cfg, dev
+        inp = make_step_inputs(self.cfg, layout_for_tokens(tokens), 7, torch.bfloat16)
+        self.x = inp.x.to(dev)
+        self.mod = model.modulation(inp.t_emb.to(dev))
+        self.rope = inp.rope_freqs.to(dev)
+        self.segs = [
+            (a, b, r.to(dev) if isinstance(r, torch.Tensor) else r) for a, b, r in inp.segments
+        ]
+        self.tokens, self._clip = tokens, dit_ops.clip_segments
 
-    def shard(world: int, attend=None) -> float:
+    def seconds(
+        self, world: int, *, attend=None, schedule: Overlap = NO_OVERLAP, blocks: int = 1
+    ) -> float:
+        """Best of three runs of the largest rank's shard of ``blocks`` blocks at ``world`` ranks,
+        with the compute of ``schedule``'s overlaps (head pieces, the qkv projection per gathered
+        part, the tail in row pieces feeding the next block)."""
+        from workers.dit.loop import BlockInputs, LoopPaths, RankBlocks, run_blocks
+        from workers.dit.weights import CpuWeights
+        from workers.transports.arena import ArenaLayout
+        from workers.transports.exchange import IdentityExchange, NoExchange
+
+        cfg = self.cfg
         plan = sm.make_plan(
-            sm.Shape(tokens, cfg.hidden, cfg.heads, cfg.head_dim, 1, "bfloat16"), world
+            sm.Shape(self.tokens, cfg.hidden, cfg.heads, cfg.head_dim, 1, "bfloat16"), world
         )
         # largest remainder gives ties to the higher rank: the last rank is the largest
         r = world - 1
@@ -301,26 +312,80 @@ def measure_parts(
             cfg.hidden,
             torch.bfloat16,
         )
-        w = CpuWeights(model.block_weights, 1, (g0, g1), cfg.heads, cfg.head_dim, eager=True)
-        ex = NoExchange(r, lay, dev) if world > 1 else IdentityExchange()
-        rows = dit_ops.clip_segments(segs, t0, t1)
+        w = CpuWeights(
+            self.model.block_weights, blocks, (g0, g1), cfg.heads, cfg.head_dim, eager=True
+        )
+        ex = NoExchange(r, lay, self.dev) if world > 1 else IdentityExchange()
+        rows = self._clip(self.segs, t0, t1)
+        paths = LoopPaths(
+            head_pieces=schedule.head_pieces,
+            gather_overlap=schedule.gather,
+            gather_ahead=schedule.ahead,
+        )
 
         def once():
             with torch.inference_mode():
                 run_blocks(
-                    x[t0:t1].clone(),
-                    BlockInputs(mod, rows, rope),
+                    self.x[t0:t1].clone(),
+                    BlockInputs(self.mod, rows, self.rope),
                     RankBlocks(w, ex, g1 - g0, cfg.head_dim, cfg.eps, attend),
-                    range(1),
+                    range(blocks),
+                    paths,
                 )
 
-        return _timed(once)
+        return _timed(once, self.dev)
 
-    unsplit = shard(1)
-    without = shard(1, no_attention)
-    shards = {n: shard(n) for n in ranks if n > 1}
+    def overlap_cost(self, schedule: Overlap, blocks: int) -> float:
+        """What ``schedule``'s overlaps add to the largest 2-rank shard's compute, as a fraction
+        (``Parts.overlap_compute_frac``), over ``blocks`` blocks (the last block has no next one to
+        feed, as in a step)."""
+        plain = self.seconds(2, blocks=blocks)
+        return max(0.0, self.seconds(2, schedule=schedule, blocks=blocks) / plain - 1.0)
+
+
+def measure_parts(
+    tokens: int,
+    weights: str,
+    ranks: Sequence[int],
+    layers: int,
+    host_mem_gbps: float,
+    schedule: Overlap = NO_OVERLAP,
+    blocks: int = 4,
+) -> sm.Parts:
+    """The parts of this GPU at full H3 width: unsplit block, block without attention, the slowest
+    rank's shard for each N (timed alone, no exchange), pinned copy rates, and with an overlapped
+    ``schedule`` the compute its overlaps add (over ``blocks`` blocks)."""
+    from h3ms_async.dit.reference import DiTConfig
+    from h3ms_async.tools.bench.gpu import FULL, CachedModel, copy_bandwidth
+
+    bw = copy_bandwidth()
+    overlapped = schedule != NO_OVERLAP
+    cfg = DiTConfig(layers=max(2, blocks) if overlapped else 1, **FULL)
+    clock = ShardClock(CachedModel(cfg, weights, 1234), cfg, tokens, torch.device("cuda"))
+
+    def no_attention(q, k, v, heads):
+        return q.new_zeros(q.shape[2], heads * q.shape[3])
+
+    unsplit = clock.seconds(1)
+    without = clock.seconds(1, attend=no_attention)
+    shards = {n: clock.seconds(n) for n in ranks if n > 1}
     over = max(0.0, shards[min(shards)] - unsplit / min(shards)) if shards else 0.0
     gpu = torch.cuda.get_device_name()
+    sources = {
+        "unsplit_block_s": f"MEASURED here on {gpu}: one {weights} block at full H3 width, "
+        f"{tokens} tokens",
+        "shard_block_s": "MEASURED here: the largest rank's shard, timed alone (no exchange)",
+        "attention_fraction": "MEASURED here: 1 - (block with attention replaced by zeros) / block",
+        "pinned_h2d_gbps": f"MEASURED here on {gpu}",
+        "host_mem_gbps": "--host-mem-gbps",
+    }
+    frac = 0.0
+    if overlapped:
+        frac = clock.overlap_cost(schedule, cfg.layers)
+        sources["overlap_compute_frac"] = (
+            f"MEASURED here: the largest 2-rank shard over {cfg.layers} blocks with "
+            f"{schedule.name} against without, timed alone"
+        )
     return sm.Parts(
         shape=sm.Shape(tokens, cfg.hidden, cfg.heads, cfg.head_dim, layers, "bfloat16"),
         unsplit_block_s=unsplit,
@@ -330,15 +395,8 @@ def measure_parts(
         shard_block_s=shards,
         pinned_h2d_gbps=bw["h2d_registered_GBps"],
         pinned_d2h_gbps=bw["d2h_registered_GBps"],
-        sources={
-            "unsplit_block_s": f"MEASURED here on {gpu}: one {weights} block at full H3 width, "
-            f"{tokens} tokens",
-            "shard_block_s": "MEASURED here: the largest rank's shard, timed alone (no exchange)",
-            "attention_fraction": "MEASURED here: 1 - (block with attention replaced by zeros) / "
-            "block",
-            "pinned_h2d_gbps": f"MEASURED here on {gpu}",
-            "host_mem_gbps": "--host-mem-gbps",
-        },
+        overlap_compute_frac=frac,
+        sources=sources,
     )
 
 
@@ -349,6 +407,43 @@ VALIDATION_BOUND_PCT = 5.0
 def within_bound(rows: Sequence[dict]) -> bool:
     """True when every validated world size was predicted within :data:`VALIDATION_BOUND_PCT`."""
     return bool(rows) and all(abs(r["error_pct"]) <= VALIDATION_BOUND_PCT for r in rows)
+
+
+def validation_row(
+    parts: sm.Parts,
+    world: int,
+    link: sm.Link,
+    schedule: Overlap,
+    baseline: float,
+    measured: float,
+    walls: Sequence[float],
+) -> dict:
+    """One world size's check: the prediction for ``schedule`` plus the time-slicing of logical
+    ranks (``sharing_s``) against the ``measured`` block.  The no-exchange ``baseline`` runs the
+    same overlaps' compute as the split (its ranks take the step's options), so the time-slicing
+    is that baseline over the model's compute with the overlaps' cost
+    (``Parts.overlap_compute_frac``)."""
+    pred = sm.predict(
+        parts,
+        world,
+        link,
+        head_pieces=schedule.head_pieces,
+        gather_overlap=schedule.gather,
+        gather_ahead=schedule.ahead,
+    )
+    sharing = max(0.0, baseline - pred.compute_block_s)
+    shared = pred.block_s + sharing
+    return {
+        "world": world,
+        "predicted_block_s": pred.block_s,
+        "baseline_no_exchange_block_s": baseline,
+        "sharing_s": sharing,
+        "predicted_shared_block_s": shared,
+        "measured_block_s": measured,
+        "error_pct": (shared - measured) / measured * 100,
+        "error_pct_without_sharing": (pred.block_s - measured) / measured * 100,
+        "step_walls_s": list(walls),
+    }
 
 
 def validate(
@@ -413,35 +508,14 @@ def validate(
             baseline = max(r.wall_s for r in eng.last_rank_results) / layers
         finally:
             eng.release()
-        pred = sm.predict(
-            parts,
-            n,
-            link,
-            head_pieces=schedule.head_pieces,
-            gather_overlap=schedule.gather,
-            gather_ahead=schedule.ahead,
-        )
-        sharing = max(0.0, baseline - pred.compute_block_s)
-        shared = pred.block_s + sharing
-        rows.append(
-            {
-                "world": n,
-                "predicted_block_s": pred.block_s,
-                "baseline_no_exchange_block_s": baseline,
-                "sharing_s": sharing,
-                "predicted_shared_block_s": shared,
-                "measured_block_s": measured,
-                "error_pct": (shared - measured) / measured * 100,
-                "error_pct_without_sharing": (pred.block_s - measured) / measured * 100,
-                "step_walls_s": walls,
-            }
-        )
+        rows.append(validation_row(parts, n, link, schedule, baseline, measured, walls))
+        row = rows[-1]
         print(
-            f"N={n} logical ranks on one GPU: predicted {pred.block_s * 1e3:.1f} ms/block + "
-            f"{sharing * 1e3:.1f} ms of time-slicing (no-exchange baseline {baseline * 1e3:.1f}) "
-            f"= {shared * 1e3:.1f}, measured {measured * 1e3:.1f} ms/block, error "
-            f"{rows[-1]['error_pct']:+.1f} % ({rows[-1]['error_pct_without_sharing']:+.1f} % "
-            "without the time-slicing)",
+            f"N={n} logical ranks on one GPU: predicted {row['predicted_block_s'] * 1e3:.1f} "
+            f"ms/block + {row['sharing_s'] * 1e3:.1f} ms of time-slicing (no-exchange baseline "
+            f"{baseline * 1e3:.1f}) = {row['predicted_shared_block_s'] * 1e3:.1f}, measured "
+            f"{measured * 1e3:.1f} ms/block, error {row['error_pct']:+.1f} % "
+            f"({row['error_pct_without_sharing']:+.1f} % without the time-slicing)",
             file=sys.stderr,
         )
     return rows
@@ -522,7 +596,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "predicted vs measured block time",
     )
     p.add_argument(
-        "--validate-layers", type=positive_int, default=4, help="blocks per validation step"
+        "--validate-layers",
+        type=positive_int,
+        default=4,
+        help="blocks per validation step; with an overlapped --schedule also the blocks its "
+        "compute cost is timed over when the parts are measured",
     )
     p.add_argument("--out", default=None, help="write the JSON here too")
     a = p.parse_args(argv)
@@ -554,7 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts = (
             load_parts(a.parts)
             if a.parts
-            else measure_parts(a.tokens, a.weights, a.ranks, 50, a.host_mem_gbps)
+            else measure_parts(
+                a.tokens, a.weights, a.ranks, 50, a.host_mem_gbps, schedule, a.validate_layers
+            )
         )
         res = run(
             parts,
@@ -577,7 +657,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         vparts = (
             parts
             if not a.parts
-            else measure_parts(a.tokens, a.weights, [2, 4], 50, a.host_mem_gbps)
+            else measure_parts(
+                a.tokens, a.weights, [2, 4], 50, a.host_mem_gbps, schedule, a.validate_layers
+            )
         )
         res["validation"] = validate(
             vparts, a.tokens, a.weights, a.validate_layers, [2, 4], schedule
