@@ -203,7 +203,8 @@ def test_the_overlaps_compute_is_timed_on_the_shard_alone(monkeypatch):
     cfg = DiTConfig(hidden=128, layers=3, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
     clock = ShardClock(ReferenceDiT(cfg, "bf16", 3).materialize(), cfg, 300, torch.device("cpu"))
     called: list[str] = []
-    ops = {"pieces4": "all_to_all_heads", "gather": "all_gather_rows_each", "ahead4": "all_gather_rows_produced"}
+    # 3 pieces of a rank's 4 heads: pieces of whole heads, not of equal columns
+    ops = {"pieces3": "all_to_all_heads", "gather": "all_gather_rows_each", "ahead4": "all_gather_rows_produced"}
     for op in ops.values():
         def spy(self, *a, _real=getattr(NoExchange, op), _op=op, **k):
             called.append(_op)

@@ -311,6 +311,7 @@ class ShardClock:
             [g * cfg.head_dim for g in plan.heads],
             cfg.hidden,
             torch.bfloat16,
+            col_unit=cfg.head_dim,  # head pieces are whole heads
         )
         w = CpuWeights(
             self.model.block_weights, blocks, (g0, g1), cfg.heads, cfg.head_dim, eager=True
