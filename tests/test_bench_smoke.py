@@ -136,3 +136,26 @@ def test_bench_gpu_names_every_exchange_it_times():
     assert {name: staged(name) for name in [*STAGED, "none"]} == {
         "host": (Transport.HOST, None), "cuda_ipc": (Transport.CUDA_IPC, IpcSync.HOST),
         "cuda_ipc_events": (Transport.CUDA_IPC, IpcSync.EVENTS), "none": (Transport.NONE, None)}
+
+
+def test_bench_gpu_summarizes_every_rank_count_against_its_own_baseline():
+    """``bench gpu --ranks 2,4`` divides each split by the no-exchange baseline of the same ranks: its runs at 4
+    logical ranks are summarized with the 4-rank baseline, not the 2-rank one, under ``split4_`` keys."""
+    from h3ms_async.tools.bench.gpu import summarize
+
+    def run(mode, exchange, per_block, overlap="none", chunks=8, residency="resident"):
+        return {"kind": "int8", "tokens": 75794, "mode": mode, "residency": residency, "exchange": exchange,
+                "chunks": chunks, "overlap": overlap, "overlap_ran": overlap, "per_block_s": per_block,
+                "bit_exact": exchange == "none" or None, "block_ms": {"block_ms": per_block * 1e3, "exposed_pct": 1.0}}
+
+    runs = [{"kind": "int8", "tokens": 75794, "mode": "unsplit", "per_block_s": 0.5},
+            run("split2", "host", 0.64), run("split2", "cuda_ipc", 0.62), run("split2", "none", 0.60),
+            run("split4", "host", 0.68), run("split4", "cuda_ipc", 0.63, "gather+pieces4+ahead4"),
+            run("split4", "none", 0.62), run("split4", "host", 0.70, residency="stream")]
+    case = summarize({"runs": runs, "copy_bandwidth": {}})["by_case"][0]
+    assert case["split2_best_vs_baseline"] == pytest.approx(0.62 / 0.60)
+    assert case["split4_best_vs_baseline"] == pytest.approx(0.63 / 0.62)
+    assert case["split4_baseline_vs_unsplit"] == pytest.approx(0.62 / 0.5)
+    assert case["split4_cuda_ipc_x8_gather+pieces4+ahead4_block_vs_baseline"] == pytest.approx(0.63 / 0.62)
+    assert case["split4_x8_block_vs_baseline"] == pytest.approx(0.68 / 0.62)
+    assert case["split4_stream_vs_resident"] == pytest.approx(0.70 / 0.68) and "split2_stream_vs_resident" not in case

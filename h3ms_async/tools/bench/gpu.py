@@ -17,8 +17,9 @@ Measures, side by side in one process tree (JSON to stdout and ``--out``/bench_g
 * where a block's time goes, from the step records' per-block timings (CUDA events, read once per
   step) of each run's best step (``block_ms``: compute, exchange copy, the copy hidden behind
   compute, the exposed wait, the exposed wait as % of the block; per rank in ``block_ms_by_rank``),
-  and per case each split's block over the no-exchange baseline's (``*_block_vs_baseline``) and its
-  exposed exchange as % of the block (``*_exposed_pct``);
+  and per case and rank count each split's block over the no-exchange baseline's of the same ranks
+  (``split2_*_block_vs_baseline``, ``split4_...``) and its exposed exchange as % of the block
+  (``*_exposed_pct``);
 * with ``--exchange host,cuda_ipc,cuda_ipc_events``, host staging and the GPU-direct exchange
   (its copies waited for on the host, and ordered by CUDA IPC events) side by side: every variant
   above in each, on the same workers and weights (``split2_cuda_ipc_x8...``,
@@ -272,7 +273,7 @@ def run(
                             for exch in exchanges
                             for v in [(exch, 0, "none")] + [(exch, 8, o) for o in overlaps]
                         ]
-                        if residency == "resident" and nr == 2:
+                        if residency == "resident":
                             variants.append(("none", 0, "none"))
                         for exch, chunks, overlap in variants:
                             asked = Overlap.from_name(overlap)
@@ -319,65 +320,77 @@ def run(
     return res
 
 
-def summarize(res: dict) -> dict:
-    """Ratios the GPU issue asks for, from the runs above."""
-    runs = res["runs"]
+def _summarize_mode(case: dict, mode: str, runs: list[dict], unsplit: dict) -> None:
+    """``case``'s ratios for the runs of ``mode`` (``split2``, ``split4``...), keys prefixed
+    with it."""
+    kind, n = unsplit["kind"], unsplit["tokens"]
 
     def find(**kw):
         return next((r for r in runs if all(r.get(k) == v for k, v in kw.items())), None)
 
+    split_ms: list[float] = []
+    split_blocks: dict[str, float] = {}
+    for s in runs:
+        if (s["kind"], s["tokens"], s["mode"], s.get("residency")) != (
+            kind,
+            n,
+            mode,
+            "resident",
+        ) or s.get("exchange") not in STAGED:
+            continue
+        via = "" if s["exchange"] == Transport.HOST.value else f"_{s['exchange']}"
+        name = f"{mode}{via}_x{s['chunks']}" + (
+            f"_{s['overlap']}" if s["overlap"] != "none" else ""
+        )
+        case[f"{name}_ms_per_block"] = s["per_block_s"] * 1e3
+        case[f"{name}_vs_unsplit"] = s["per_block_s"] / unsplit["per_block_s"]
+        case[f"{name}_exposed_pct"] = s["block_ms"]["exposed_pct"]
+        split_blocks[name] = s["block_ms"]["block_ms"]
+        if s["overlap"] != "none":
+            case[f"{name}_ran"] = s["overlap_ran"]
+        split_ms.append(s["per_block_s"] * 1e3)
+    base = find(kind=kind, tokens=n, mode=mode, residency="resident", exchange="none")
+    if base:
+        base_ms = base["per_block_s"] * 1e3
+        case[f"{mode}_baseline_no_exchange_ms_per_block"] = base_ms
+        case[f"{mode}_baseline_vs_unsplit"] = base["per_block_s"] / unsplit["per_block_s"]
+        if split_ms:
+            case[f"{mode}_best_vs_baseline"] = min(split_ms) / base_ms
+        base_block = base["block_ms"]["block_ms"]
+        for name, block in split_blocks.items() if base_block > 0 else ():
+            case[f"{name}_block_vs_baseline"] = block / base_block
+    plain = {"kind": kind, "tokens": n, "mode": mode, "exchange": "host", "chunks": 8}
+    st = find(**plain, residency="stream", overlap="none")
+    rs = find(**plain, residency="resident", overlap="none")
+    if st and rs:
+        case[f"{mode}_stream_vs_resident"] = st["per_block_s"] / rs["per_block_s"]
+    if rs and rs.get("raw"):
+        moved = sum(x["moved_bytes"] for x in rs["raw"])
+        copy = max(x.get("copy_gpu_s", 0.0) for x in rs["raw"]) or None
+        case[f"{mode}_host_exchange_GBps_per_rank"] = (
+            (moved / len(rs["raw"]) / copy / 1e9) if copy else None
+        )
+
+
+def summarize(res: dict) -> dict:
+    """Ratios the GPU issue asks for, from the runs above."""
+    runs = res["runs"]
     by_case: list[dict] = []
     out = {
         "all_split_outputs_bit_exact": all(r.get("bit_exact", True) for r in runs),
         "by_case": by_case,
     }
+    modes = sorted({r["mode"] for r in runs if r["mode"] != "unsplit"}, key=lambda m: int(m[5:]))
     for r in runs:
         if r["mode"] != "unsplit":
             continue
-        kind, n = r["kind"], r["tokens"]
-        case = {"kind": kind, "tokens": n, "unsplit_ms_per_block": r["per_block_s"] * 1e3}
-        split_ms: list[float] = []
-        split_blocks: dict[str, float] = {}
-        for s in runs:
-            if (s["kind"], s["tokens"], s["mode"], s.get("residency")) != (
-                kind,
-                n,
-                "split2",
-                "resident",
-            ) or s.get("exchange") not in STAGED:
-                continue
-            via = "" if s["exchange"] == Transport.HOST.value else f"_{s['exchange']}"
-            name = f"split2{via}_x{s['chunks']}" + (
-                f"_{s['overlap']}" if s["overlap"] != "none" else ""
-            )
-            case[f"{name}_ms_per_block"] = s["per_block_s"] * 1e3
-            case[f"{name}_vs_unsplit"] = s["per_block_s"] / r["per_block_s"]
-            case[f"{name}_exposed_pct"] = s["block_ms"]["exposed_pct"]
-            split_blocks[name] = s["block_ms"]["block_ms"]
-            if s["overlap"] != "none":
-                case[f"{name}_ran"] = s["overlap_ran"]
-            split_ms.append(s["per_block_s"] * 1e3)
-        base = find(kind=kind, tokens=n, mode="split2", residency="resident", exchange="none")
-        if base:
-            case["baseline_no_exchange_ms_per_block"] = base["per_block_s"] * 1e3
-            case["baseline_vs_unsplit"] = base["per_block_s"] / r["per_block_s"]
-            if split_ms:
-                best = min(split_ms)
-                case["split2_best_vs_baseline"] = best / case["baseline_no_exchange_ms_per_block"]
-            base_block = base["block_ms"]["block_ms"]
-            for name, block in split_blocks.items() if base_block > 0 else ():
-                case[f"{name}_block_vs_baseline"] = block / base_block
-        plain = {"kind": kind, "tokens": n, "mode": "split2", "exchange": "host", "chunks": 8}
-        st = find(**plain, residency="stream", overlap="none")
-        rs = find(**plain, residency="resident", overlap="none")
-        if st and rs:
-            case["stream_vs_resident"] = st["per_block_s"] / rs["per_block_s"]
-        if rs and rs.get("raw"):
-            moved = sum(x["moved_bytes"] for x in rs["raw"])
-            copy = max(x.get("copy_gpu_s", 0.0) for x in rs["raw"]) or None
-            case["host_exchange_GBps_per_rank"] = (
-                (moved / len(rs["raw"]) / copy / 1e9) if copy else None
-            )
+        case = {
+            "kind": r["kind"],
+            "tokens": r["tokens"],
+            "unsplit_ms_per_block": r["per_block_s"] * 1e3,
+        }
+        for mode in modes:
+            _summarize_mode(case, mode, runs, r)
         by_case.append(case)
     bw = res["copy_bandwidth"]
     out["pinned_copy_GBps"] = min(
