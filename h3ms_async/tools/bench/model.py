@@ -1,21 +1,17 @@
 """``python -m h3ms_async bench model``: predicted step time and speed-up of the DiT split at N
 ranks per link.
 
-The model is ``h3ms_async.dit.speed_model``.  Its measured parts come from ``--parts FILE`` (schema
+The model is ``h3ms_async.dit.speed_model``. Its measured parts come from ``--parts FILE`` (schema
 ``h3ms_async.speed_parts/1``; ``benchmarks/speed_parts_h200.json`` holds the one-H200 figures of
-docs/performance.md) or, on a CUDA GPU without ``--parts``, are measured here: the unsplit block
-and the slowest
-rank's 1/N shard of the reference block at full H3 width, timed alone in this process, the block
-without its
-attention (the attention fraction) and the pinned host<->device copy rates.  Links: PCIe Gen4 and
-Gen5 with host
-staging and NVLink with NCCL at stated rates (``--pcie4-gbps``...), plus the measured host link
-when the parts carry
-pinned copy rates, plus a multi-host network with ``--net-gbit``.  Every prediction is made for the
-block-input
-all-gather (what the split runs) and for Ulysses, dense and sparse.  ``--validate`` (CUDA only)
-runs the real split
-on 2 and 4 logical ranks of one GPU and prints predicted vs measured step time.
+docs/performance.md) or, on a CUDA GPU without ``--parts``, are measured here: the unsplit block and
+the slowest rank's 1/N shard of the reference block at full H3 width, timed alone in this process,
+the block without its attention (the attention fraction), the pinned host<->device copy rates and,
+with an overlapped ``--schedule``, what its overlaps' kernels add to the largest 2-rank shard.
+Links: PCIe Gen4 and Gen5 with host staging and NVLink with NCCL at stated rates
+(``--pcie4-gbps``...), plus the measured host link when the parts carry pinned copy rates, plus a
+multi-host network with ``--net-gbit``. Every prediction is made for the block-input all-gather
+(what the split runs) and for Ulysses, dense and sparse. ``--validate`` (CUDA only) runs the real
+split on 2 and 4 logical ranks of one GPU and prints predicted vs measured step time.
 """
 
 from __future__ import annotations
