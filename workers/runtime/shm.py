@@ -227,8 +227,8 @@ class Segment:
         return cls(name, size, mm, owner=True, fd=fd)
 
     def _owned_range(self, off: int, nbytes: int, what: str) -> int:
-        """The owner's descriptor, for an operation on ``[off, off + nbytes)`` that only the owner
-        ``what`` (ShmError for another process or a range outside the segment)."""
+        """The owner's descriptor for ``what`` (an operation only the owner may do) on ``[off, off +
+        nbytes)``; ShmError for another process or a range outside the segment."""
         if self._fd is None:
             raise ShmError(f"only the owner {what} segment {self.name}")
         if off < 0 or nbytes < 0 or off + nbytes > self.size:

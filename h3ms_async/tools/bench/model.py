@@ -271,7 +271,6 @@ class ShardClock:
     def __init__(self, model, cfg, tokens: int, dev: torch.device) -> None:
         from h3ms_async.dit.layout import layout_for_tokens
         from h3ms_async.dit.reference import make_step_inputs
-        from workers.dit import ops as dit_ops
 
         self.model, self.cfg, self.dev = model, cfg, dev
         inp = make_step_inputs(self.cfg, layout_for_tokens(tokens), 7, torch.bfloat16)
@@ -281,7 +280,7 @@ class ShardClock:
         self.segs = [
             (a, b, r.to(dev) if isinstance(r, torch.Tensor) else r) for a, b, r in inp.segments
         ]
-        self.tokens, self._clip = tokens, dit_ops.clip_segments
+        self.tokens = tokens
 
     def seconds(
         self, world: int, *, attend=None, schedule: Overlap = NO_OVERLAP, blocks: int = 1
@@ -289,6 +288,7 @@ class ShardClock:
         """Best of three runs of the largest rank's shard of ``blocks`` blocks at ``world`` ranks,
         with the compute of ``schedule``'s overlaps (head pieces, the qkv projection per gathered
         part, the tail in row pieces feeding the next block)."""
+        from workers.dit import ops as dit_ops
         from workers.dit.loop import BlockInputs, LoopPaths, RankBlocks, run_blocks
         from workers.dit.weights import CpuWeights
         from workers.transports.arena import ArenaLayout
@@ -313,7 +313,7 @@ class ShardClock:
             self.model.block_weights, blocks, (g0, g1), cfg.heads, cfg.head_dim, eager=True
         )
         ex = NoExchange(r, lay, self.dev) if world > 1 else IdentityExchange()
-        rows = self._clip(self.segs, t0, t1)
+        rows = dit_ops.clip_segments(self.segs, t0, t1)
         paths = LoopPaths(
             head_pieces=schedule.head_pieces,
             gather_overlap=schedule.gather,
