@@ -223,6 +223,9 @@ def run(
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "cpus": os.cpu_count(),
+            # set where the ranks run as MPS clients, each on this share of the multiprocessors
+            # (logical ranks that no longer time-slice the GPU)
+            "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         },
         "config": {
             "layers": layers,
