@@ -315,6 +315,31 @@ def test_the_unsplit_gather_of_produced_rows(pieces: int) -> None:
         IdentityExchange().all_gather_rows_produced(produce, pieces)
 
 
+def test_the_no_exchange_baseline_gives_its_kernels_data_like_a_splits() -> None:
+    """The "none" baseline's results hold the rank's own part and, in the other ranks' parts,
+    random values of unit scale (the same for every run of that rank), never zeros: a GPU runs
+    the same kernels faster on zeros, which would make the baseline faster than the split for a
+    reason that has nothing to do with the exchange.  Each op rewrites the rank's part alone."""
+    lay = _cases(2, True)[0]["layout"]
+    t0, t1 = lay.rows(1)
+    c0, c1 = lay.cols(1)
+    ex, again = NoExchange(1, lay), NoExchange(1, lay)
+    mine = torch.full((t1 - t0, lay.row_width), 3.0, dtype=torch.bfloat16)
+    got = ex.all_gather_rows(mine)
+    assert torch.equal(got[t0:t1], mine)
+    peers = torch.cat([got[:t0], got[t1:]]).float()
+    assert peers.numel() > 0 and torch.isfinite(peers).all()
+    assert (peers != 0).float().mean() > 0.9 and 0.3 < peers.std() < 3.0
+    assert torch.equal(again.all_gather_rows(mine), got)
+    before = got.clone()
+    ex.all_gather_rows(mine * 2)
+    assert torch.equal(got[:t0], before[:t0]) and torch.equal(got[t1:], before[t1:])
+    cols = ex.all_to_all_cols(torch.ones(lay.tokens, c1 - c0, dtype=torch.bfloat16))
+    assert torch.equal(cols[:, c0:c1], torch.ones(t1 - t0, c1 - c0, dtype=torch.bfloat16))
+    others = torch.cat([cols[:, :c0], cols[:, c1:]], dim=1).float()
+    assert (others != 0).float().mean() > 0.9 and torch.isfinite(others).all()
+
+
 def _withheld(deadline_s: float) -> ProbeGroup:
     """Three probe ranks of the GPU-direct exchange on CPU ranks whose rank 1 never shares its buffer."""
     lay = ArenaLayout.plan(3, [0, 4, 7, 9], [0, 2, 4, 6], 6, "float32", HEAD_DIM)

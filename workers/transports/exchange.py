@@ -60,6 +60,8 @@ from workers.transports.arena import (
 )
 
 _CPU = torch.device("cpu")
+#: :class:`NoExchange`'s peer parts are drawn from a generator seeded with this plus the rank
+PEER_DATA_SEED = 20261206
 
 #: ``produce(c_a, c_b)``: this rank's all-to-all columns [c_a, c_b) (whole heads) for all tokens.
 ProduceFn = Callable[[int, int], torch.Tensor]
@@ -479,24 +481,34 @@ class InProcess:
 
 class NoExchange(InProcess, ExchangeBase):
     """The exchange of a rank that gets nothing from its peers, the "none" benchmark baseline
-    (``workers.dit.protocol``): its results have the real shapes and hold only its own part, the
-    other ranks' parts stay zeros.  With one rank that is the whole result.  Results without ``out``
-    are buffers of its own (``device``), rewritten by the next op of their kind."""
+    (``workers.dit.protocol``): its results have the real shapes and hold only its own part; the
+    other ranks' parts hold random values of unit scale (drawn once, seeded by the rank), as a
+    split's activations are.  Not zeros: a GPU runs the same kernels measurably faster on zeros
+    (less switching, higher clocks), which would make the baseline, and every shard timed with
+    it, faster than the split's ranks for a reason the exchange has nothing to do with.  With
+    one rank the result is its own part alone.  Results without ``out`` are buffers of its own
+    (``device``), rewritten by the next op of their kind."""
 
     transport = "none"
 
     def __init__(self, rank: int, layout: ArenaLayout, device: torch.device = _CPU) -> None:
         self.rank, self.layout, self.device = rank, layout, device
-        dt = layout.torch_dtype
+        self._gens: dict[torch.device, torch.Generator] = {}
         self._buffers = {
-            "G": torch.zeros((layout.tokens, layout.row_width), dtype=dt, device=device),
-            "A": torch.zeros((self._n_rows, layout.columns), dtype=dt, device=device),
+            "G": self._peer_data((layout.tokens, layout.row_width), device),
+            "A": self._peer_data((self._n_rows, layout.columns), device),
         }
+
+    def _peer_data(self, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        t = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+        if t.device not in self._gens:
+            self._gens[t.device] = torch.Generator(t.device).manual_seed(PEER_DATA_SEED + self.rank)
+        return t.normal_(generator=self._gens[t.device])
 
     def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         buf = BUFFER[kind]
         if buf not in self._buffers:
-            self._buffers[buf] = torch.zeros(shape, dtype=self.layout.torch_dtype, device=device)
+            self._buffers[buf] = self._peer_data(shape, device)
         return self._buffers[buf]
 
     def _all_gather_rows(self, local: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
