@@ -223,11 +223,13 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", [dict(gather_ahead=4), dict(gather_ahead=4, gather_overlap=True, head_pieces=4),
+                                  dict(gather_ahead=8, gather_overlap=True, head_pieces=8),
                                   dict(gather_ahead=4, exchange="cuda_ipc"), dict(gather_ahead=4, vram_residency="stream")],
-                         ids=["ahead4", "all-overlaps", "ahead4-gpu-direct", "ahead4-streamed"])
+                         ids=["ahead4", "all-overlaps", "all-overlaps-8", "ahead4-gpu-direct", "ahead4-streamed"])
 def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
-    """The cross-block overlap (each block's tail in 4 row pieces feeding the next block's gather) at full H3 width
-    on 2 logical ranks, host-staged, GPU-direct and with streamed weights (the next block's norm1 weight is read
+    """The cross-block overlap (each block's tail in 4 or 8 row pieces feeding the next block's gather) at full H3
+    width on 2 logical ranks, alone and with every overlap (8 pieces: what the node's auto offers), host-staged,
+    GPU-direct and with streamed weights (the next block's norm1 weight is read
     while the block before still computes: ``CudaWeights.ahead``): fresh workers, their FIRST step and a second one
     equal the unsplit step with torch.equal, the record shows it ran. A pass here is what lets gather ahead into
     TESTED["cuda"]."""
@@ -235,7 +237,8 @@ def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
     eng = SplitEngine(["cuda:0"] * 2, SplitOptions(**path))
     try:
         for rec in _steps_equal_unsplit(eng, full_int8, "cuda-ahead", 70, str(path)):
-            assert rec["gather_ahead"] == 4 and rec["head_pieces"] == path.get("head_pieces", 0), rec
+            assert rec["gather_ahead"] == path["gather_ahead"], rec
+            assert rec["head_pieces"] == path.get("head_pieces", 0), rec
     finally:
         eng.release()
 

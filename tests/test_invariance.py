@@ -308,14 +308,14 @@ def test_auto_overlaps_time_each_exact_combination_then_run_the_fastest(engine, 
     eng = engine(**overlap_options("auto"))
     eng.load_weights(("inv", 11), CFG, model.block_weights)
     seen = _overlaps_seen(eng, model, 11)
-    assert seen[:9] == [("warming", 0, False, 0)] + [("measuring", p, g, a) for a in (0, 4) for g in (False, True)
-                                                     for p in (0, 4)]
+    assert seen[:9] == [("warming", 0, False, 0)] + [("measuring", p, g, a) for a in (0, 8) for g in (False, True)
+                                                     for p in (0, 8)]
     (tuned,) = eng.overlaps.snapshot()
     fastest = min(tuned["ms_per_block"], key=tuned["ms_per_block"].get)
     assert tuned["phase"] == "fastest" and tuned["choice"] == fastest
     assert tuned["plan"] == "tokens 0-100-200, heads 0-4-8, gather over host, dense"
-    assert sorted(tuned["ms_per_block"]) == ["ahead4", "gather", "gather+ahead4", "gather+pieces4",
-                                             "gather+pieces4+ahead4", "none", "pieces4", "pieces4+ahead4"]
+    assert sorted(tuned["ms_per_block"]) == ["ahead8", "gather", "gather+ahead8", "gather+pieces8",
+                                             "gather+pieces8+ahead8", "none", "pieces8", "pieces8+ahead8"]
     expect = exactness.Overlap.from_name(fastest)
     assert seen[9:] == [("fastest", expect.head_pieces, expect.gather, expect.ahead)] * 2
 
@@ -326,8 +326,8 @@ def test_auto_overlaps_leave_out_what_the_probe_measured_inexact(engine, model):
     eng.load_weights(("inv", 12), CFG, model.block_weights)
     seen = _overlaps_seen(eng, model, 6)
     assert [s[0] for s in seen] == ["warming"] + ["measuring"] * 4 + ["fastest"]
-    assert {s[1] for s in seen} == {0} and [s[2:] for s in seen[1:5]] == [(False, 0), (True, 0), (False, 4), (True, 4)]
-    assert sorted(eng.overlaps.snapshot()[0]["ms_per_block"]) == ["ahead4", "gather", "gather+ahead4", "none"]
+    assert {s[1] for s in seen} == {0} and [s[2:] for s in seen[1:5]] == [(False, 0), (True, 0), (False, 8), (True, 8)]
+    assert sorted(eng.overlaps.snapshot()[0]["ms_per_block"]) == ["ahead8", "gather", "gather+ahead8", "none"]
 
 
 def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
@@ -350,15 +350,15 @@ def test_auto_overlaps_leave_out_paths_untested_on_the_device_kind(monkeypatch):
 
 
 def test_overlap_choices_map_onto_the_options():
-    assert overlap_options("auto") == {"head_pieces": 4, "gather_overlap": True, "gather_ahead": 4,
+    assert overlap_options("auto") == {"head_pieces": 8, "gather_overlap": True, "gather_ahead": 8,
                                        "overlap_tuning": True}
     assert overlap_options("off") == {"head_pieces": 0, "gather_overlap": False, "gather_ahead": 0,
                                       "overlap_tuning": False}
-    assert overlap_options("both") == {"head_pieces": 4, "gather_overlap": True, "gather_ahead": 0,
+    assert overlap_options("both") == {"head_pieces": 8, "gather_overlap": True, "gather_ahead": 0,
                                        "overlap_tuning": False}
-    assert overlap_options("gather ahead") == {"head_pieces": 0, "gather_overlap": False, "gather_ahead": 4,
+    assert overlap_options("gather ahead") == {"head_pieces": 0, "gather_overlap": False, "gather_ahead": 8,
                                                "overlap_tuning": False}
-    assert overlap_options("all") == {"head_pieces": 4, "gather_overlap": True, "gather_ahead": 4,
+    assert overlap_options("all") == {"head_pieces": 8, "gather_overlap": True, "gather_ahead": 8,
                                       "overlap_tuning": False}
     with pytest.raises(ValueError, match="overlaps='fast' is not one of 'auto', 'off'"):
         overlap_options("fast")

@@ -16,10 +16,12 @@ from enum import StrEnum
 
 from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 
-#: The overlaps the node's ``overlaps`` input "auto" offers the engine: attention in 4 head pieces
-#: (what the H200 runs measured best among 2-8 pieces), the gather overlap and the cross-block
-#: overlap in 4 row pieces.
-AUTO_OVERLAP = Overlap(head_pieces=4, gather=True, ahead=4)
+#: The overlaps the node's ``overlaps`` input "auto" offers the engine: attention in 8 head pieces,
+#: the gather overlap and the cross-block overlap in 8 row pieces.  The speed model, validated
+#: within 1 % on an H100 with 8 and with 4 pieces, predicts 8 ahead of 4 where the link is slow
+#: (PCIe Gen4 at 2 GPUs: +2 % host-staged, +1 % GPU-direct) and level on NVLink, where the tuner
+#: keeps none; 8 pieces cost 0.4 % more of a shard's compute than 4 (docs/performance.md).
+AUTO_OVERLAP = Overlap(head_pieces=8, gather=True, ahead=8)
 
 
 class TuningPhase(StrEnum):
