@@ -482,12 +482,12 @@ class InProcess:
 class NoExchange(InProcess, ExchangeBase):
     """The exchange of a rank that gets nothing from its peers, the "none" benchmark baseline
     (``workers.dit.protocol``): its results have the real shapes and hold only its own part; the
-    other ranks' parts hold random values of unit scale (drawn once, seeded by the rank), as a
-    split's activations are.  Not zeros: a GPU runs the same kernels measurably faster on zeros
-    (less switching, higher clocks), which would make the baseline, and every shard timed with
-    it, faster than the split's ranks for a reason the exchange has nothing to do with.  With
-    one rank the result is its own part alone.  Results without ``out`` are buffers of its own
-    (``device``), rewritten by the next op of their kind."""
+    other ranks' parts hold random values of unit scale, drawn once (seeded by the rank), like the
+    activations a split's peers send.  Not zeros: a GPU runs the same kernels measurably faster
+    on zeros (less switching, higher clocks), which would make the baseline, and every shard
+    timed with it, faster than the split's ranks for a reason the exchange has nothing to do
+    with.  With one rank the result is its own part alone.  Results without ``out`` are buffers
+    of its own (``device``), rewritten by the next op of their kind."""
 
     transport = "none"
 
