@@ -79,7 +79,7 @@ def print_steps(res: dict) -> None:
                                                res["node_steps"])):
         e = st["engine"]
         ranks = "; ".join(
-            f"r{j} {r['wall_s']:.3f} {r['setup_s']:.3f} {'/'.join(f'{v:.3f}' for v in r['blocks_s'])} "
+            f"r{j} {r['wall_s']:.3f} {r['setup_s']:.3f} {r['compute_s']:.3f}/{r['exchange_s']:.3f}/{r['wait_s']:.3f} "
             f"{r['tail_s']:.3f} {(r['cuda_alloc'] or {}).get('new_segments')}/{(r['cuda_alloc'] or {}).get('retries')}"
             for j, r in enumerate(st["ranks"]))
         print(f"{i + 1:>4}  {node_s:6.3f}  {wall:6.3f} {str(e.get('new_buffers')):>5} {e.get('buffers_s', 0):.3f} "
