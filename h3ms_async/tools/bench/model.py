@@ -16,6 +16,7 @@ split on 2 and 4 logical ranks of one GPU and prints predicted vs measured step 
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -340,6 +341,17 @@ class ShardClock:
         return max(0.0, self.seconds(2, schedule=schedule, blocks=blocks) / plain - 1.0)
 
 
+@functools.lru_cache(maxsize=1)
+def _reference(layers: int, weights: str):
+    """The full-width reference model of ``layers`` blocks on the GPU (``CachedModel``, seed
+    1234), kept for the next caller: with an overlapped schedule the parts and the validation
+    time the same blocks, which take seconds to generate."""
+    from h3ms_async.dit.reference import DiTConfig
+    from h3ms_async.tools.bench.gpu import FULL, CachedModel
+
+    return CachedModel(DiTConfig(layers=layers, **FULL), weights, 1234)
+
+
 def measure_parts(
     tokens: int,
     weights: str,
@@ -352,13 +364,13 @@ def measure_parts(
     """The parts of this GPU at full H3 width: unsplit block, block without attention, the slowest
     rank's shard for each N (timed alone, no exchange), pinned copy rates, and with an overlapped
     ``schedule`` the compute its overlaps add (over ``blocks`` blocks)."""
-    from h3ms_async.dit.reference import DiTConfig
-    from h3ms_async.tools.bench.gpu import FULL, CachedModel, copy_bandwidth
+    from h3ms_async.tools.bench.gpu import copy_bandwidth
 
     bw = copy_bandwidth()
     overlapped = schedule != NO_OVERLAP
-    cfg = DiTConfig(layers=max(2, blocks) if overlapped else 1, **FULL)
-    clock = ShardClock(CachedModel(cfg, weights, 1234), cfg, tokens, torch.device("cuda"))
+    model = _reference(max(2, blocks) if overlapped else 1, weights)
+    cfg = model.cfg
+    clock = ShardClock(model, cfg, tokens, torch.device("cuda"))
 
     def no_attention(q, k, v, heads):
         # random, not zeros: the projection after it must not run faster on zeros
@@ -463,13 +475,12 @@ def validate(
     overlaps; ``error_pct_without_sharing`` is the bare model's miss."""
     from h3ms_async.dit.layout import layout_for_tokens
     from h3ms_async.dit.options import SplitOptions
-    from h3ms_async.dit.reference import DiTConfig, make_step_inputs
+    from h3ms_async.dit.reference import make_step_inputs
     from h3ms_async.dit.split import SplitEngine
-    from h3ms_async.tools.bench.gpu import FULL, CachedModel
     from workers.dit.protocol import Transport
 
-    cfg = DiTConfig(layers=layers, **FULL)
-    model = CachedModel(cfg, weights, 1234)
+    model = _reference(layers, weights)
+    cfg = model.cfg
     inp = make_step_inputs(cfg, layout_for_tokens(tokens), 11, torch.bfloat16)
     link = sm.Link(
         "logical-one-gpu",
