@@ -119,6 +119,20 @@ def host_memcpy_gbps(nbytes: int = 256 << 20, reps: int = 3) -> float:
     return nbytes / best / 1e9
 
 
+def _predict(parts: sm.Parts, world: int, link: sm.Link, schedule: Overlap, **kw) -> sm.Prediction:
+    """``speed_model.predict`` with ``schedule``'s overlaps (head pieces, gather overlap, gather
+    ahead)."""
+    return sm.predict(
+        parts,
+        world,
+        link,
+        head_pieces=schedule.head_pieces,
+        gather_overlap=schedule.gather,
+        gather_ahead=schedule.ahead,
+        **kw,
+    )
+
+
 def run(
     parts: sm.Parts,
     ranks: Sequence[int],
@@ -145,16 +159,14 @@ def run(
                 continue
             for sparse in modes:
                 pair = {
-                    p: sm.predict(
+                    p: _predict(
                         parts,
                         n,
                         link,
+                        schedule,
                         pattern=p,
                         sparse=sparse,
                         overlap=overlap,
-                        head_pieces=schedule.head_pieces,
-                        gather_overlap=schedule.gather,
-                        gather_ahead=schedule.ahead,
                         sparse_attention_ratio=rho,
                         compute_scale=compute_scale,
                         shares=shares,
@@ -434,14 +446,7 @@ def validation_row(
     same overlaps' compute as the split (its ranks take the step's options), so the time-slicing
     is that baseline over the model's compute with the overlaps' cost
     (``Parts.overlap_compute_frac``)."""
-    pred = sm.predict(
-        parts,
-        world,
-        link,
-        head_pieces=schedule.head_pieces,
-        gather_overlap=schedule.gather,
-        gather_ahead=schedule.ahead,
-    )
+    pred = _predict(parts, world, link, schedule)
     sharing = max(0.0, baseline - pred.compute_block_s)
     shared = pred.block_s + sharing
     return {
