@@ -239,6 +239,7 @@ def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
         for rec in _steps_equal_unsplit(eng, full_int8, "cuda-ahead", 70, str(path)):
             assert rec["gather_ahead"] == path["gather_ahead"], rec
             assert rec["head_pieces"] == path.get("head_pieces", 0), rec
+            assert all(r["tokens"][1] > r["tokens"][0] and r["heads"][1] > r["heads"][0] for r in rec["ranks"]), rec
     finally:
         eng.release()
 
