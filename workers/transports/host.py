@@ -421,9 +421,13 @@ class HostExchange(JobExchange):
         take: Callable[[int, int], None],
     ) -> None:
         """The pipeline of an op whose pieces this rank produces: piece j+1 is produced and its
-        copies out started (``stage``) before this rank waits for piece j's and publishes it as
-        chunk j of the op; then it takes (``take``) the peers' piece j-1, and the last one at
-        the end."""
+        copies out started (``stage``), then this rank takes (``take``) the peers' piece j-1,
+        then waits for its own piece j's copies out and publishes it as chunk j of the op; the
+        peers' last piece is taken at the end.
+
+        Taking piece j-1 before waiting for piece j's copies out queues its copies in while
+        piece j's copies out still run (the two directions of a link run at once): after the
+        last piece only its own two hops are left, not also the hop in of the piece before it."""
 
         def staged(j: int) -> list[Callable[[], None]]:
             waits = stage(j)
@@ -433,13 +437,13 @@ class HostExchange(JobExchange):
         started = staged(0)
         for j in range(n):
             following = staged(j + 1) if j + 1 < n else []
+            if j:
+                self._consume(kind, n, j - 1, take)
             t = time.perf_counter()
             for wait in started:
                 wait()
             self._stats["copy_s"] += time.perf_counter() - t
             self._publish(kind, n, j)
-            if j:
-                self._consume(kind, n, j - 1, take)
             started = following
         self._consume(kind, n, n - 1, take)
         self._op_done(kind)
