@@ -198,3 +198,60 @@ def test_abort_generation_checked_at_begin_and_inputs_validated():
             HostExchange(0, 2, loc.arena, loc.layout, loc.fds[:1], loc.control, 1.0)
     finally:
         loc.close()
+
+
+@pytest.mark.parametrize("op", ["all_gather_rows_produced", "all_to_all_heads"])
+def test_a_produced_pieces_op_takes_the_peers_pieces_before_it_waits_for_its_own_last(op):
+    """After a rank's last piece only that piece's two hops are left: by the time it waits for its own last copy out,
+    it has already taken (queued the copies in of) every earlier piece of its peer."""
+    pieces = 4
+    lay = _layout(2, 32, 8, 4, "float32")
+    loc = _Local(lay)
+    logs: list[list[str]] = [[], []]
+    results: dict[int, torch.Tensor] = {}
+    errors: dict[int, BaseException] = {}
+    full_rows = torch.arange(32 * lay.row_width, dtype=torch.float32).view(32, lay.row_width)
+    attn = torch.arange(32 * lay.columns, dtype=torch.float32).view(32, lay.columns).neg()
+
+    def run(rank: int) -> None:
+        log = logs[rank]
+
+        def to_host_async(dst: torch.Tensor, src: torch.Tensor):
+            dst.copy_(src)
+            return lambda: log.append("wait")
+
+        def to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+            dst.copy_(src)
+            log.append("in")
+
+        ex = HostExchange(rank, 2, loc.arena, lay, loc.fds, loc.control, 10.0, to_host_async=to_host_async,
+                          to_device=to_device)
+        try:
+            ex.begin(0)
+            t0, t1 = lay.rows(rank)
+            c0 = lay.cols(rank)[0]
+            if op == "all_gather_rows_produced":
+                results[rank] = ex.all_gather_rows_produced(lambda a, b: full_rows[t0 + a : t0 + b], pieces)
+            else:
+                results[rank] = ex.all_to_all_heads(lambda ca, cb: attn[:, c0 + ca : c0 + cb], pieces)
+        except BaseException as e:  # noqa: BLE001 - collected for the assertions
+            errors[rank] = e
+        finally:
+            ex.close()
+
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        loc.close()
+    assert not errors, errors
+    for rank, log in enumerate(logs):
+        t0, t1 = lay.rows(rank)
+        want = full_rows if op == "all_gather_rows_produced" else attn[t0:t1]
+        assert torch.equal(results[rank], want)
+        assert log.count("wait") == pieces and log.count("in") == pieces, log
+        last_wait = len(log) - 1 - log[::-1].index("wait")
+        assert log[:last_wait].count("in") == pieces - 1, log
