@@ -18,20 +18,23 @@ and head plan exactly as the transports move them:
 
 Times: a host-staged op takes each rank's device->host then host->device copies in sequence (the
 default, ``exchange_chunks`` 0) at its link rate, bounded below by all ranks' bytes through host
-memory; an NCCL op takes the larger of a rank's send and receive bytes at the collective's bus
-bandwidth (for an all-gather that is the nccl-tests "busbw" convention); a GPU-direct op the
-larger of a rank's out and in bytes at the peer-to-peer copy rate (on logical ranks of one GPU,
-every rank's in bytes through that GPU's memory, one after another).  Ranks on several hosts
+memory; in pieces (the overlaps below) the two copies are two stages of the pipeline, a piece's
+copy in running beside the next piece's copy out (``workers/dit/cuda.py`` queues them on two
+copy streams); an NCCL op takes the larger of a rank's send and receive bytes at the
+collective's bus bandwidth (for an all-gather that is the nccl-tests "busbw" convention); a
+GPU-direct op the larger of a rank's out and in bytes at the peer-to-peer copy rate (on logical
+ranks of one GPU, every rank's in bytes through that GPU's memory, one after another).  Ranks
+on several hosts
 add the bytes each host must receive from the others over its network link, after the intra-host
 part (no overlap of the two levels).
 
 The schedule: by default every op waits for the compute before it and the next compute waits for its
 bytes, so the exposed exchange is the whole exchange time.  The overlaps the split implements
 (``SplitOptions.head_pieces``, ``gather_overlap``) are modelled as they run: attention in P head
-pieces is a two-stage pipeline with the all-to-all (piece j moves while piece j+1 computes), the
+pieces is a pipeline with the all-to-all's hops (piece j moves while piece j+1 computes), the
 qkv projection of a rank's own rows runs while the other ranks' rows travel, and the gather-ahead
-(``gather_ahead`` row pieces) is a two-stage pipeline of a block's tail (out_proj, MLP: the block's
-work besides attention and the qkv projection) with the next block's all-gather; with it, the
+(``gather_ahead`` row pieces) is a pipeline of a block's tail (out_proj, MLP: the block's work
+besides attention and the qkv projection) with the next block's all-gather; with it, the
 gather overlap no longer applies (the next block finds its rows gathered).  With any overlap on, a
 rank's compute grows by the measured ``Parts.overlap_compute_frac`` (the pieces' smaller
 kernels).  ``overlap`` (0..1)
@@ -302,19 +305,29 @@ def choose_pattern(
 
 # -- times
 # --------------------------------------------------------------------------------------------------
-def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:
-    """One op's wall time on ``link`` (the slowest rank's), latency included."""
+def op_hops(
+    shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float
+) -> tuple[float, ...]:
+    """One op's wall time on ``link`` (the slowest rank's), latency included, as the hops its
+    bytes take one after the other: host staging's device->host copy, then the peers'
+    host->device copy (separate copy engines and link directions, so pieces run the two at once:
+    :func:`pipelined`); one hop on the other transports."""
     if plan.world == 1:
-        return 0.0
+        return (0.0,)
     if link.transport == "host":
         moved = host_bytes(shape, plan, kind)
         d2h = (link.d2h_gbps or link.gbps) * 1e9
         h2d = link.gbps * 1e9
-        per_rank = [w / d2h + r / h2d for w, r in moved]
-        copies = sum(per_rank) if link.shared else max(per_rank)
+        per_rank = [(w / d2h, r / h2d) for w, r in moved]
+        if link.shared:
+            out, into = sum(o for o, _ in per_rank), sum(i for _, i in per_rank)
+        else:
+            out, into = max(per_rank, key=sum)
         memory = sum(w + r for w, r in moved) / (host_mem_gbps * 1e9)
-        t = max(copies, memory)
-    elif link.transport == "cuda_ipc":
+        # host memory, when it is the bound, slows both hops alike
+        slow = max(1.0, memory / (out + into)) if out + into > 0 else 1.0
+        return (out * slow, into * slow + link.op_latency_s)
+    if link.transport == "cuda_ipc":
         moved = p2p_bytes(shape, plan, kind)
         if link.shared:
             t = sum(r for _, r in moved) / (link.gbps * 1e9)
@@ -326,7 +339,12 @@ def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: f
         ) + net_bytes(shape, plan, kind, link.gpus_per_host) / (link.net_gbps * 1e9)
     else:
         t = max(max(s, r) for s, r in nccl_bytes(shape, plan, kind)) / (link.gbps * 1e9)
-    return t + link.op_latency_s
+    return (t + link.op_latency_s,)
+
+
+def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:
+    """One op's wall time on ``link`` (the slowest rank's), latency included."""
+    return sum(op_hops(shape, plan, kind, link, host_mem_gbps))
 
 
 def shard_seconds(parts: Parts, plan: Plan, attention_ratio: float = 1.0) -> list[float]:
@@ -374,11 +392,12 @@ class Prediction:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def pipelined(compute: float, transfer: float, pieces: int) -> float:
-    """Wall time of ``pieces`` equal pieces of work, each computed then moved, piece j moving while
-    piece j+1 computes (one piece: compute then transfer)."""
+def pipelined(compute: float, hops: Sequence[float], pieces: int) -> float:
+    """Wall time of ``pieces`` equal pieces of work, each computed then moved through ``hops``
+    in order, every stage on its own engine: piece j+1 computes while piece j moves (one piece:
+    compute, then each hop)."""
     p = max(1, pieces)
-    return (compute + transfer + (p - 1) * max(compute, transfer)) / p
+    return (compute + sum(hops) + (p - 1) * max(compute, *hops)) / p
 
 
 def predict(
@@ -422,9 +441,8 @@ def predict(
     scale = compute_scale * (1.0 + parts.overlap_compute_frac if overlapped else 1.0)
     compute = [c * scale for c in shard_seconds(parts, plan, ratio)]
     compute_block = sum(compute) if link.shared else max(compute)
-    ops = {
-        name: op_seconds(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]
-    }
+    hops = {name: op_hops(s, plan, kind, link, parts.host_mem_gbps) for name, kind in _OPS[pattern]}
+    ops = {name: sum(h) for name, h in hops.items()}
     exchange = sum(ops.values())
     a, unit = parts.attention_fraction, parts.unsplit_block_s * scale
     # each rank's attention (the pieces' compute) and the qkv projection of its own rows
@@ -434,19 +452,20 @@ def predict(
     ]
     # each rank's block tail: what the gather-ahead pieces compute while the next gather moves
     tail = [unit * (1 - a - QKV_FRACTION) * plan.n(r) / s.tokens for r in range(world)]
-    first, second = (ops[name] for name, _ in _OPS[pattern])
+    (first_name, _), (second_name, _) = _OPS[pattern]
+    first = ops[first_name]
     if link.shared:  # logical ranks: one GPU computes every rank's work in turn
         attn, own_qkv, tail = [sum(attn)], [sum(own_qkv)], [sum(tail)]
         compute = [compute_block]
     block = 0.0
     for c, att, qkv, tl in zip(compute, attn, own_qkv, tail):
         if ahead:
-            exposed_first = pipelined(tl, first, ahead) - tl
+            exposed_first = pipelined(tl, hops[first_name], ahead) - tl
         else:
             exposed_first = first - (
                 min(first, qkv) if gather_overlap and pattern == "gather" else 0
             )
-        exposed_second = pipelined(att, second, head_pieces) - att if world > 1 else 0.0
+        exposed_second = pipelined(att, hops[second_name], head_pieces) - att if world > 1 else 0.0
         block = max(block, c + (exposed_first + exposed_second) * (1.0 - overlap))
     exposed = block - compute_block
     unsplit_block = parts.unsplit_block_s * (

@@ -607,8 +607,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--validate",
         action="store_true",
-        help="CUDA only: run the real split on 2 and 4 logical ranks of one GPU and print "
-        "predicted vs measured block time",
+        help="CUDA only: run the real split on logical ranks of one GPU (--validate-ranks) and "
+        "print predicted vs measured block time",
+    )
+    p.add_argument(
+        "--validate-ranks",
+        type=int_list,
+        default=[2, 4],
+        help="the logical rank counts --validate runs (default 2,4); validated_on_gpu needs every "
+        "one within the bound",
     )
     p.add_argument(
         "--validate-layers",
@@ -629,6 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--sparse-attention-ratio must be in (0, 1] (sparse attention time / dense)")
     if any(n < 1 for n in a.ranks):
         p.error("--ranks must be >= 1")
+    if not a.validate_ranks or any(n < 2 for n in a.validate_ranks):
+        p.error("--validate-ranks must list rank counts >= 2 (the split needs two ranks)")
     shares = [float(s) for s in a.shares.split(",")] if a.shares else None
     if shares and any(n != len(shares) for n in a.ranks):
         p.error(f"--shares gives {len(shares)} share(s); use it with --ranks {len(shares)}")
@@ -671,13 +680,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.validate:
         vparts = (
             parts
-            if not a.parts
+            if not a.parts and set(a.validate_ranks) <= set(a.ranks)
             else measure_parts(
-                a.tokens, a.weights, [2, 4], 50, a.host_mem_gbps, schedule, a.validate_layers
+                a.tokens,
+                a.weights,
+                a.validate_ranks,
+                50,
+                a.host_mem_gbps,
+                schedule,
+                a.validate_layers,
             )
         )
         res["validation"] = validate(
-            vparts, a.tokens, a.weights, a.validate_layers, [2, 4], schedule
+            vparts, a.tokens, a.weights, a.validate_layers, a.validate_ranks, schedule
         )
         res["validation_bound_pct"] = VALIDATION_BOUND_PCT
         res["validated_on_gpu"] = within_bound(res["validation"])
