@@ -194,6 +194,17 @@ def test_validated_on_gpu_only_within_the_bound(report):
     assert within_bound([ok, {**ok, "world": 4, "error_pct": -VALIDATION_BOUND_PCT}])
     assert not within_bound([ok, {**ok, "world": 4, "error_pct": -12.3}])  # the round-3 H200 figure at 2 ranks
     assert not within_bound([])
+    # the table's verdict names the rank counts it checked, and says so when the bound was missed
+    from h3ms_async.tools.bench.model import table
+
+    rows = [ok, {**ok, "world": 4}, {**ok, "world": 8}]
+    report = {**report, "validation_bound_pct": VALIDATION_BOUND_PCT}
+    held = table({**report, "validation": rows, "validated_on_gpu": within_bound(rows)})
+    assert "Validated on this GPU" in held and "at 2, 4, 8 logical ranks" in held
+    rows[2] = {**ok, "world": 8, "error_pct": 7.0}
+    missed = table({**report, "validation": rows, "validated_on_gpu": within_bound(rows)})
+    assert "NOT validated" in missed and "at 2, 4, 8 logical ranks" in missed
+    assert "Not validated on a GPU in this run" in table(report)
 
 
 def test_the_overlaps_compute_is_timed_on_the_shard_alone(monkeypatch):

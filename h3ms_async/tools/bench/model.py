@@ -243,15 +243,21 @@ def table(res: dict) -> str:
             star = "*U" if pref[(n, link, attn)] == "ulysses" else "*G"
             cells.append(f"{g['speedup']:5.2f}x [{u['speedup']:5.2f}x] {g['step_s']:6.2f}s {star}")
         lines.append(f"{link:<16} {attn:<6} " + " ".join(f"{c:>30}" for c in cells))
-    lines.append(
-        (
+    checked = ", ".join(str(r["world"]) for r in res.get("validation", []))
+    if res["validated_on_gpu"]:
+        verdict = (
             f"Validated on this GPU: predicted within {res['validation_bound_pct']:g} % of "
-            "measured at 2 and 4 logical ranks (the JSON's validation)."
-            if res["validated_on_gpu"]
-            else "Not validated on a GPU in this run (bench model --validate there)."
+            f"measured at {checked} logical ranks (the JSON's validation)."
         )
-        + " Links marked ASSUMED in the JSON use stated rates, not measurements."
-    )
+    elif checked:
+        verdict = (
+            f"NOT validated: at {checked} logical ranks on this GPU the prediction missed the "
+            f"measurement by more than {res['validation_bound_pct']:g} % somewhere (the JSON's "
+            "validation)."
+        )
+    else:
+        verdict = "Not validated on a GPU in this run (bench model --validate there)."
+    lines.append(verdict + " Links marked ASSUMED in the JSON use stated rates, not measurements.")
     return "\n".join(lines)
 
 
