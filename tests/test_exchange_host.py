@@ -52,6 +52,18 @@ class _Local:
         self.shm.close()
 
 
+def _in_threads(loc: _Local, target, world: int, timeout_s: float) -> None:
+    """``target(rank)`` for every rank, each in a thread of its own; then the arena is closed."""
+    try:
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout_s)
+    finally:
+        loc.close()
+
+
 def test_layout_plan_is_aligned_and_round_trips():
     lay = _layout(3, 29, 7, 4, "bfloat16")
     assert lay.tokens_bounds == (0, 11, 22, 29) and lay.col_bounds[-1] == 28
@@ -92,14 +104,7 @@ def test_counters_count_chunks_signals_and_bytes(world):
         finally:
             ex.close()
 
-    try:
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-    finally:
-        loc.close()
+    _in_threads(loc, rank, world, 60)
     for res in results:
         assert res["ok"], res.get("failures")
         st = res["runs"][0]["stats"]
@@ -239,14 +244,7 @@ def test_a_produced_pieces_op_takes_the_peers_pieces_before_it_waits_for_its_own
         finally:
             ex.close()
 
-    try:
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-    finally:
-        loc.close()
+    _in_threads(loc, run, 2, 30)
     assert not errors, errors
     for rank, log in enumerate(logs):
         t0, t1 = lay.rows(rank)
