@@ -24,9 +24,8 @@ copy streams); an NCCL op takes the larger of a rank's send and receive bytes at
 collective's bus bandwidth (for an all-gather that is the nccl-tests "busbw" convention); a
 GPU-direct op the larger of a rank's out and in bytes at the peer-to-peer copy rate (on logical
 ranks of one GPU, every rank's in bytes through that GPU's memory, one after another).  Ranks
-on several hosts
-add the bytes each host must receive from the others over its network link, after the intra-host
-part (no overlap of the two levels).
+on several hosts add the bytes each host must receive from the others over its network link,
+after the intra-host part (no overlap of the two levels).
 
 The schedule: by default every op waits for the compute before it and the next compute waits for its
 bytes, so the exposed exchange is the whole exchange time.  The overlaps the split implements
