@@ -224,11 +224,14 @@ def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
 
 @pytest.mark.parametrize("path", [dict(gather_ahead=4), dict(gather_ahead=4, gather_overlap=True, head_pieces=4),
                                   dict(gather_ahead=8, gather_overlap=True, head_pieces=8),
+                                  dict(gather_ahead=16, gather_overlap=True, head_pieces=8),
                                   dict(gather_ahead=4, exchange="cuda_ipc"), dict(gather_ahead=4, vram_residency="stream")],
-                         ids=["ahead4", "all-overlaps", "all-overlaps-8", "ahead4-gpu-direct", "ahead4-streamed"])
+                         ids=["ahead4", "all-overlaps", "all-overlaps-8", "all-overlaps-8-16", "ahead4-gpu-direct",
+                              "ahead4-streamed"])
 def test_gather_ahead_on_logical_ranks_is_exact(full_int8, path, monkeypatch):
-    """The cross-block overlap (each block's tail in 4 or 8 row pieces feeding the next block's gather) at full H3
-    width on 2 logical ranks, alone and with every overlap (8 pieces: what the node's auto offers), host-staged,
+    """The cross-block overlap (each block's tail in 4, 8 or 16 row pieces feeding the next block's gather) at full H3
+    width on 2 logical ranks, alone and with every overlap (8 pieces: what the node's auto offers; 16 row pieces: what
+    the speed model puts ahead of 8 with host staging on PCIe), host-staged,
     GPU-direct and with streamed weights (the next block's norm1 weight is read
     while the block before still computes: ``CudaWeights.ahead``): fresh workers, their FIRST step and a second one
     equal the unsplit step with torch.equal, the record shows it ran. A pass here is what lets gather ahead into
