@@ -11,7 +11,8 @@ Links: PCIe Gen4 and Gen5 with host staging and NVLink with NCCL at stated rates
 (``--pcie4-gbps``...), plus the measured host link when the parts carry pinned copy rates, plus a
 multi-host network with ``--net-gbit``. Every prediction is made for the block-input all-gather
 (what the split runs) and for Ulysses, dense and sparse. ``--validate`` (CUDA only) runs the real
-split on 2 and 4 logical ranks of one GPU and prints predicted vs measured step time.
+split on logical ranks of one GPU (``--validate-ranks``, 2 and 4 by default) and prints predicted
+vs measured step time.
 """
 
 from __future__ import annotations
