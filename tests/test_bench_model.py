@@ -135,8 +135,8 @@ def test_the_implemented_overlaps_hide_what_they_can():
     """A pipeline hides every stage but the slowest behind it, but for the first and last piece; host staging's two
     hops are two stages (its copy streams run them at once), so pieces hide an op longer than the compute beside it
     as long as each hop is shorter; the split's overlaps as modelled: pieces hide the all-to-all behind attention,
-    the gather overlap the own rows' qkv, each at most its own op, never below the compute; a wrong schedule name
-    fails naming the forms."""
+    the gather overlap the own rows' qkv, each at most its own op, never below the compute, and in the Ulysses pattern
+    the q/k/v all-to-all behind attention; a wrong schedule name fails naming the forms."""
     assert sm.pipelined(10.0, (2.0,), 1) == 12.0 and sm.pipelined(10.0, (2.0,), 4) == pytest.approx(10.5)
     assert sm.pipelined(2.0, (10.0,), 4) == pytest.approx(10.5)
     assert sm.pipelined(10.0, (6.0, 6.0), 1) == 22.0 and sm.pipelined(10.0, (6.0, 6.0), 4) == pytest.approx(13.0)
@@ -157,6 +157,14 @@ def test_the_implemented_overlaps_hide_what_they_can():
     assert both.block_s < min(pieces.block_s, gather.block_s) and both.block_s > both.compute_block_s
     ulysses = sm.predict(parts, 2, link, pattern="ulysses", gather_overlap=True, gather_ahead=4)
     assert ulysses.schedule == "none"  # the gather overlap and the gather-ahead belong to the all-gather pattern
+    # the Ulysses pattern's pieces: its q/k/v all-to-all moves piece by piece beside attention, the output follows whole
+    u_pieces = sm.predict(parts, 8, link, pattern="ulysses", head_pieces=8)
+    u_plain = sm.predict(parts, 8, link, pattern="ulysses")
+    att = parts.unsplit_block_s * (1 + parts.overlap_compute_frac) * parts.attention_fraction / 8
+    q_hops = sm.op_hops(parts.shape, sm.make_plan(parts.shape, 8), "a2a_qkv", link, parts.host_mem_gbps)
+    want = u_pieces.compute_block_s + sm.pipelined(att, q_hops, 8) - att + u_pieces.ops["all_to_all_attn"]
+    assert u_pieces.block_s == pytest.approx(want)
+    assert u_pieces.block_s < u_plain.block_s and u_pieces.schedule == "pieces8"
     # the gather-ahead: the next block's gather moves behind this block's tail (all but attention and qkv), in pieces
     ahead = sm.predict(parts, 2, link, head_pieces=4, gather_overlap=True, gather_ahead=4)
     assert ahead.schedule == "pieces4+ahead4"  # the next block's rows are gathered already: no gather overlap

@@ -203,8 +203,10 @@ def _steps_equal_unsplit(eng: SplitEngine, model: ReferenceDiT, key: str, seed: 
 
 
 @pytest.mark.parametrize("path", [dict(pattern="ulysses"), dict(head_pieces=4), dict(gather_overlap=True),
-                                  dict(gather_overlap=True, head_pieces=4)],
-                         ids=["ulysses", "pieces4", "gather-overlap", "both-overlaps"])
+                                  dict(gather_overlap=True, head_pieces=4), dict(pattern="ulysses", head_pieces=8),
+                                  dict(pattern="ulysses", head_pieces=8, exchange="cuda_ipc")],
+                         ids=["ulysses", "pieces4", "gather-overlap", "both-overlaps", "ulysses-pieces8",
+                              "ulysses-pieces8-gpu-direct"])
 def test_split_paths_on_logical_ranks_are_exact(full_int8, path, monkeypatch):
     """Each path of h3ms_async/dit/tested_paths.py at full H3 width on 2 logical ranks: fresh workers, and their
     FIRST step equals the unsplit step with torch.equal (ComfyUI's process is long warm: the unsplit side is its

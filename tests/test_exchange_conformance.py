@@ -240,12 +240,13 @@ def test_every_collective_equals_the_spec(impl: Impl, world: int) -> None:
     assert len(results) == world * len(cases)
     failures = [f for res in results for f in res["failures"]]
     assert not failures, failures[:20]
-    # every op ran: gather and all-to-all, the q/k/v all-to-all on a qkv plan, head pieces, the
-    # gather handing rows over and the gather of produced row pieces with "overlap"
+    # every op ran: gather and all-to-all, the q/k/v all-to-all on a qkv plan, head pieces (of the
+    # q/k/v too on a qkv plan), the gather handing rows over and the gather of produced row pieces
+    # with "overlap"
     ops = sum(
         len(v) for res in results for r in res["runs"] for k, v in r.items() if k.endswith("_s")
     )
-    per_block = [2 + bool(c["layout"].q_offsets) + 3 * c["overlap"] for c in cases]
+    per_block = [2 + (1 + c["overlap"]) * bool(c["layout"].q_offsets) + 3 * c["overlap"] for c in cases]
     runs = [len(c["chunks"]) * c["rounds"] * c["blocks"] for c in cases]
     assert ops == world * sum(n * k for n, k in zip(runs, per_block))
 
@@ -263,6 +264,7 @@ def test_transports_move_bytes_only():
         "all_gather_rows_produced",
         "all_to_all_cols",
         "all_to_all_qkv",
+        "all_to_all_qkv_heads",
         "all_to_all_heads",
     )
     for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange, CudaIpcExchange):
@@ -286,6 +288,8 @@ def test_transports_move_bytes_only():
                 ex.all_to_all_qkv(torch.zeros(1, 18, dtype=torch.bfloat16), out=torch.zeros(1))
             with pytest.raises(ValueError, match=r"head pieces must be an int"):
                 ex.all_to_all_heads(lambda a, b: torch.zeros(12, b - a), -1)
+            with pytest.raises(ValueError, match=r"head pieces must be an int"):
+                ex.all_to_all_qkv_heads(torch.zeros(1, 18, dtype=torch.bfloat16), 256, print)
             with pytest.raises(ValueError, match=r"row pieces must be an int in 0..255"):
                 ex.all_gather_rows_produced(lambda a, b: torch.zeros(b - a, 6), 256)
             if not isinstance(ex, HostExchange):  # its op would first wait for rank 1 to begin

@@ -12,7 +12,7 @@ from conftest import run_probe_cases
 from h3ms_async.runtime.plans import partition
 from h3ms_async.tools.bench.exchange import ProbeGroup
 from workers.runtime.shm import Segment
-from workers.transports.arena import ArenaLayout, decode_seq, encode_seq
+from workers.transports.arena import KIND_NAMES, MAX_OPS_PER_JOB, ArenaLayout, decode_seq, encode_seq
 from workers.transports.exchange import ExchangeAborted, ExchangeChunkMismatch, ExchangeTimeout
 from workers.transports.host import HostExchange
 from workers.transports.probe import run_case
@@ -83,9 +83,9 @@ def test_layout_plan_is_aligned_and_round_trips():
 
 
 def test_sequence_word_round_trips():
-    for kind in (0, 1, 2):
-        w = encode_seq(0xABCD, 16383, 32767, kind, 255, 255)
-        assert w > 0 and decode_seq(w) == (0xABCD, 16383, 32767, kind, 255, 255)
+    for kind in KIND_NAMES:
+        w = encode_seq(0xABCD, 16383, MAX_OPS_PER_JOB, kind, 255, 255)
+        assert w > 0 and decode_seq(w) == (0xABCD, 16383, MAX_OPS_PER_JOB, kind, 255, 255)
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -108,10 +108,10 @@ def test_counters_count_chunks_signals_and_bytes(world):
     for res in results:
         assert res["ok"], res.get("failures")
         st = res["runs"][0]["stats"]
-        # 2 rounds x 2 blocks x (5 ops of 8 chunks (gather, all-to-all, q/k/v all-to-all, all-to-all in 8 head
-        # pieces, gather of 8 produced pieces) + the one-chunk gather each)
-        assert st["chunks_published"] == 164 and st["ops"] == 24
-        assert st["signals_sent"] >= 164 * (world - 1)
+        # 2 rounds x 2 blocks x (6 ops of 8 chunks (gather, all-to-all, q/k/v all-to-all, all-to-all in 8 head
+        # pieces, q/k/v all-to-all in 8 head pieces, gather of 8 produced pieces) + the one-chunk gather each)
+        assert st["chunks_published"] == 196 and st["ops"] == 28
+        assert st["signals_sent"] >= 196 * (world - 1)
         assert (st["bytes_read"] > 0) == (world > 1) and (st["signals_sent"] > 0) == (world > 1)
 
 

@@ -134,15 +134,15 @@ def test_overlaps_uneven_groups_host_and_gloo(engine_factory):
 
 def test_ulysses_pattern_host_and_gloo(engine_factory):
     """The Ulysses pattern (every rank projects every head for its tokens, then an all-to-all of q, k, v) over
-    uneven shares, host exchange chunked and with head pieces, and gloo: the unsplit output; "auto" picks it only
-    where it moves fewer bytes."""
+    uneven shares, host exchange chunked, and gloo: the unsplit output; "auto" picks it only where it moves fewer
+    bytes."""
     from h3ms_async.dit.speed_model import choose_pattern
     from h3ms_async.status.hub import get_hub
     assert [choose_pattern(5376, 56, 128, n, "host") for n in (2, 4, 6, 7, 8)] == ["gather"] * 3 + ["ulysses"] * 2
     assert [choose_pattern(5376, 56, 128, n, "nccl") for n in (4, 5)] == ["gather", "ulysses"]
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
-    for exchange, kw in (("host", {"exchange_chunks": 3}), ("host", {"head_pieces": 2}), ("nccl", {})):
+    for exchange, kw in (("host", {"exchange_chunks": 3}), ("nccl", {})):
         eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, pattern="ulysses", **kw)
         eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
         _check_exact(eng, model, _layouts(), seen)
@@ -151,6 +151,28 @@ def test_ulysses_pattern_host_and_gloo(engine_factory):
     with pytest.raises(ValueError, match="sparse attention runs with the all-gather pattern"):
         SplitOptions(pattern="ulysses", sparse=object())
     assert pick_pattern(SplitOptions(pattern="auto"), ["cpu"] * 2, Transport.HOST, CFG_UNEVEN) == "gather"
+
+
+def test_ulysses_pattern_in_head_pieces_host_and_gloo(engine_factory):
+    """The Ulysses pattern with attention in head pieces: q, k and v move in each rank's head pieces and each piece
+    is normed, roped and attended as soon as it is here (3 ranks of uneven shares, 4 + 4 + 2 heads, in 3 and in 5
+    pieces: the 2-head rank's extra pieces are empty; host exchange, its output all-to-all chunked or not; gloo):
+    the unsplit output, recorded as the Ulysses pattern in that many pieces, and over the host exchange one chunk
+    (a doorbell to each peer) per piece and per output chunk."""
+    from h3ms_async.status.hub import get_hub
+    seen = Compared()
+    model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
+    runs = (("host", {"head_pieces": 3, "exchange_chunks": 2}), ("host", {"head_pieces": 5}), ("nccl", {"head_pieces": 2}))
+    for exchange, kw in runs:
+        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, pattern="ulysses", **kw)
+        eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
+        _check_exact(eng, model, _layouts(), seen)
+        rec = get_hub().recent_steps(1)[0]
+        assert (rec["pattern"], rec["head_pieces"]) == ("ulysses", kw["head_pieces"]), rec
+        if exchange == "host":
+            per_block = kw["head_pieces"] + max(1, kw.get("exchange_chunks", 0))
+            assert [r.signals for r in eng.last_rank_results] == [2 * (1 + CFG_UNEVEN.layers * per_block)] * 3
+    seen.done()
 
 
 def test_gloo_exchange_matches_host(engine_factory, int8_model):

@@ -142,13 +142,16 @@ class SplitOptions:
                 f"sparse={self.sparse!r} must be a SparseConfig (SparseSettings.resolve) or None"
             )
 
-    def overlaps_on(self, devices: Sequence[str]) -> tuple[int, bool, int]:
-        """``(head_pieces, gather_overlap, gather_ahead)`` these options ask for on ``devices``: as
-        set, or with ``overlap_tuning`` only those with a passing test on the devices' kind (the
-        engine leaves an untested one out instead of refusing the step)."""
+    def overlaps_on(
+        self, devices: Sequence[str], pattern: str | None = None
+    ) -> tuple[int, bool, int]:
+        """``(head_pieces, gather_overlap, gather_ahead)`` these options ask for on ``devices``
+        under ``pattern`` (the one the engine resolved; default: as set): as set, or with
+        ``overlap_tuning`` only those with a passing test on the devices' kind (the engine leaves
+        an untested one out instead of refusing the step)."""
         asked = (self.head_pieces, self.gather_overlap, self.gather_ahead)
         if self.overlap_tuning:
-            return tested_paths.tested_overlap(devices, *asked)
+            return tested_paths.tested_overlap(devices, *asked, pattern=pattern or self.pattern)
         return asked
 
 

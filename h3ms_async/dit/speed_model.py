@@ -30,7 +30,9 @@ after the intra-host part (no overlap of the two levels).
 The schedule: by default every op waits for the compute before it and the next compute waits for its
 bytes, so the exposed exchange is the whole exchange time.  The overlaps the split implements
 (``SplitOptions.head_pieces``, ``gather_overlap``) are modelled as they run: attention in P head
-pieces is a pipeline with the all-to-all's hops (piece j moves while piece j+1 computes), the
+pieces is a pipeline with the all-to-all's hops (piece j moves while piece j+1 computes; in the
+Ulysses pattern with the q/k/v all-to-all's instead, piece j+1 moving in while piece j computes,
+and the attention output's all-to-all follows whole), the
 qkv projection of a rank's own rows runs while the other ranks' rows travel, and the gather-ahead
 (``gather_ahead`` row pieces) is a pipeline of a block's tail (out_proj, MLP: the block's work
 besides attention and the qkv projection) with the next block's all-gather; with it, the
@@ -458,13 +460,19 @@ def predict(
         compute = [compute_block]
     block = 0.0
     for c, att, qkv, tl in zip(compute, attn, own_qkv, tail):
+        # the pieces' pipeline: the output's all-to-all in the gather pattern, the q/k/v one in
+        # the Ulysses pattern (workers/dit/loop.py)
+        qkv_pieces = head_pieces if pattern == "ulysses" else 0
+        out_pieces = head_pieces if pattern == "gather" else 0
         if ahead:
             exposed_first = pipelined(tl, hops[first_name], ahead) - tl
+        elif qkv_pieces > 1 and world > 1:
+            exposed_first = pipelined(att, hops[first_name], qkv_pieces) - att
         else:
             exposed_first = first - (
                 min(first, qkv) if gather_overlap and pattern == "gather" else 0
             )
-        exposed_second = pipelined(att, hops[second_name], head_pieces) - att if world > 1 else 0.0
+        exposed_second = pipelined(att, hops[second_name], out_pieces) - att if world > 1 else 0.0
         block = max(block, c + (exposed_first + exposed_second) * (1.0 - overlap))
     exposed = block - compute_block
     unsplit_block = parts.unsplit_block_s * (

@@ -503,7 +503,7 @@ class SplitEngine(Engine):
         ld = self.loaded
         if ld is None:
             raise SplitError("run_blocks before load_weights: fill the weight store first")
-        tested_paths.check(self.devices, ld.pattern, *opts.overlaps_on(self.devices))
+        tested_paths.check(self.devices, ld.pattern, *opts.overlaps_on(self.devices, ld.pattern))
         check_block_options(step.block_options)
         x = step.x
         if x.dim() != 2 or x.shape[1] != ld.config.hidden:
@@ -579,7 +579,7 @@ class SplitEngine(Engine):
         assert ld is not None
         x = step.x
         plan = plans.make_split_plan(self.devices, self.options.shares, x.shape[0], ld.config.heads)
-        pieces, gather, ahead = opts.overlaps_on(self.devices)
+        pieces, gather, ahead = opts.overlaps_on(self.devices, ld.pattern)
         on_gather = ld.pattern == "gather"
         asked = Overlap(
             pieces if pieces > 1 else 0, gather and on_gather, ahead if on_gather else 0

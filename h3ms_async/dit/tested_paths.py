@@ -20,6 +20,8 @@ from workers.runtime import config
 
 class SplitPath(StrEnum):
     ULYSSES = "the Ulysses pattern"
+    #: the Ulysses pattern's q/k/v all-to-all in head pieces, each attended as it arrives
+    ULYSSES_PIECES = "the Ulysses pattern with attention in head pieces"
     HEAD_PIECES = "attention in head pieces"
     GATHER_OVERLAP = "the gather overlap"
     GATHER_AHEAD = "the cross-block overlap (gather ahead)"
@@ -36,6 +38,9 @@ _NO_PATTERN_PATHS = (
 #: How to leave each path out, for the refusal.
 _FIX = {
     SplitPath.ULYSSES: _NO_PATTERN_PATHS,
+    SplitPath.ULYSSES_PIECES: (
+        "use pattern 'gather' (or 'auto'), or the Ulysses pattern without head pieces"
+    ),
     SplitPath.HEAD_PIECES: _NO_PATTERN_PATHS,
     SplitPath.GATHER_OVERLAP: _NO_PATTERN_PATHS,
     SplitPath.GATHER_AHEAD: _NO_PATTERN_PATHS,
@@ -49,6 +54,9 @@ _FIX = {
 TESTED: dict[str, dict[SplitPath, str]] = {
     "cpu": {
         SplitPath.ULYSSES: "tests/test_split.py::test_ulysses_pattern_host_and_gloo",
+        SplitPath.ULYSSES_PIECES: (
+            "tests/test_split.py::test_ulysses_pattern_in_head_pieces_host_and_gloo"
+        ),
         SplitPath.HEAD_PIECES: (
             "tests/test_invariance.py::test_head_pieces_run_exact_and_are_recorded"
         ),
@@ -113,6 +121,7 @@ def asked_paths(
         for p, on in (
             (SplitPath.ULYSSES, pattern == "ulysses"),
             (SplitPath.HEAD_PIECES, head_pieces > 1),
+            (SplitPath.ULYSSES_PIECES, pattern == "ulysses" and head_pieces > 1),
             (SplitPath.GATHER_OVERLAP, gather_overlap),
             (SplitPath.GATHER_AHEAD, gather_ahead > 0),
         )
@@ -121,13 +130,16 @@ def asked_paths(
 
 
 def tested_overlap(
-    devices: Sequence[str], head_pieces: int, gather: bool, ahead: int = 0
+    devices: Sequence[str], head_pieces: int, gather: bool, ahead: int = 0, pattern: str = "gather"
 ) -> tuple[int, bool, int]:
     """``(head_pieces, gather, ahead)`` less the overlaps with no passing test on these devices
-    (what the engine may pick among when it picks the overlaps itself: it leaves an untested one
-    out rather than refuse the step)."""
+    under ``pattern`` (what the engine may pick among when it picks the overlaps itself: it leaves
+    an untested one out rather than refuse the step)."""
+    pieces_tested = is_tested(SplitPath.HEAD_PIECES, devices) and (
+        pattern != "ulysses" or is_tested(SplitPath.ULYSSES_PIECES, devices)
+    )
     return (
-        head_pieces if head_pieces > 1 and is_tested(SplitPath.HEAD_PIECES, devices) else 0,
+        head_pieces if head_pieces > 1 and pieces_tested else 0,
         gather and is_tested(SplitPath.GATHER_OVERLAP, devices),
         ahead if ahead > 0 and is_tested(SplitPath.GATHER_AHEAD, devices) else 0,
     )

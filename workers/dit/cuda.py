@@ -46,6 +46,7 @@ from workers.transports.exchange import (
     ExchangeBase,
     ExchangeTimeout,
     ProduceFn,
+    QkvPieceFn,
     RowsFn,
     RowsProduceFn,
 )
@@ -608,6 +609,18 @@ class CudaExchange(ExchangeBase):
                 self._busy(lambda: on_rows(a, b, rows))
 
             return self._inner.all_gather_rows_each(local, each, out=out)
+
+        return self._moved(run)
+
+    def _all_to_all_qkv_heads(
+        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    ) -> torch.Tensor:
+        def run(cur: torch.cuda.Stream) -> torch.Tensor:
+            def each(a: int, b: int, qkv: torch.Tensor) -> None:
+                cur.wait_stream(self.h2d)  # this piece's copies in were queued before this call
+                self._busy(lambda: on_piece(a, b, qkv))
+
+            return self._inner.all_to_all_qkv_heads(local, n, each, out=out)
 
         return self._moved(run)
 

@@ -132,11 +132,16 @@ def run_blocks(
         op_trace = None if trace is None else (lambda op, t, i=i: trace(i, op, t))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = dit_ops.modulation(mod[i])
         attn: torch.Tensor | None = None
+        attn_rows: torch.Tensor | None = None
         if gathered is None:
             n1 = dit_ops.norm_modulate(
                 x_rows, w["norm1.weight"], shift_msa, scale_msa, segments, eps
             )
-        if gathered is None and pattern == "ulysses":
+        if gathered is None and pattern == "ulysses" and head_pieces > 1:
+            attn_rows = _ulysses_in_pieces(
+                exchange, n1, blk, rope_freqs, rank, head_pieces, chunks, op_trace
+            )
+        elif gathered is None and pattern == "ulysses":
             qkv = _ulysses_projection(exchange, n1, blk, chunks)
         elif gathered is None and paths.gather_overlap and sparse is None:
             qkv = _gathered_projection(exchange, n1, blk)
@@ -150,7 +155,7 @@ def run_blocks(
                 qkv = dit_ops.linear(
                     n1_full, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"]
                 )
-        if attn is None:
+        if attn is None and attn_rows is None:
             dit_ops.norm_rope_(
                 qkv,
                 w["attn.q_norm.weight"],
@@ -161,7 +166,9 @@ def run_blocks(
                 eps,
                 op_trace,
             )
-        if attn is not None:  # sparse attention ran
+        if attn_rows is not None:  # the Ulysses pieces attended as they arrived
+            pass
+        elif attn is not None:  # sparse attention ran
             attn_rows = exchange.all_to_all_cols(attn, chunks)
         elif head_pieces > 1:
             attn_rows = _attend_in_pieces(
@@ -252,6 +259,52 @@ def _ulysses_projection(
     the group's packed ``[S, 3·h·D]`` projection (``dit_ops.norm_rope_`` still to run)."""
     own = dit_ops.linear(n1, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"])
     return exchange.all_to_all_qkv(own, chunks)
+
+
+def _ulysses_in_pieces(
+    exchange: Exchange,
+    n1: torch.Tensor,
+    blk: BlockView,
+    rope_freqs: torch.Tensor,
+    rank: RankBlocks,
+    pieces: int,
+    chunks: int,
+    trace: dit_ops.Trace | None,
+) -> torch.Tensor:
+    """The Ulysses pattern with attention in head pieces: q, k, v of every head for this rank's
+    tokens move in this rank's head pieces (``Exchange.all_to_all_qkv_heads``), each piece's heads
+    are normed, roped and attended as soon as they are here (while the next piece still moves), and
+    the attention output goes back by the all-to-all of columns: this rank's rows of every head.
+    ``trace`` sees the group's projection and attention as the one-piece path lays them out."""
+    w, head_dim = blk.weights, rank.head_dim
+    own = dit_ops.linear(n1, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"])
+    outs: list[torch.Tensor] = []
+    raw: list[torch.Tensor] = []
+
+    def on_piece(a: int, b: int, qkv: torch.Tensor) -> None:
+        heads = (b - a) // head_dim
+        if trace is not None:
+            raw.append(qkv.clone())  # the projection, before norm and rope change it in place
+        dit_ops.norm_rope_(
+            qkv,
+            w["attn.q_norm.weight"],
+            w["attn.k_norm.weight"],
+            rope_freqs,
+            heads,
+            head_dim,
+            rank.eps,
+        )
+        outs.append(dit_ops.attend_group(qkv, heads, head_dim, rank.attend))
+
+    exchange.all_to_all_qkv_heads(own, pieces, on_piece)
+    if not outs:  # a rank without heads
+        outs.append(own.new_empty((rope_freqs.shape[1], 0)))
+    attn = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if trace is not None:
+        thirds = [p.chunk(3, dim=1) for p in raw]
+        trace("attn.qkv_proj", torch.cat([t[k] for k in range(3) for t in thirds], dim=1))
+        trace("attention", attn)
+    return exchange.all_to_all_cols(attn, chunks)
 
 
 def _gathered_projection(exchange: Exchange, n1: torch.Tensor, blk: BlockView) -> torch.Tensor:

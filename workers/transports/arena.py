@@ -10,14 +10,15 @@ Arena (one shm segment for all ranks; see :class:`ArenaLayout`)::
     A_r [S, c_r]  one all-to-all block per rank: rank r writes its columns for every other rank's
     tokens
     Q_r [S, 3c_r] (``qkv`` layouts only) rank r's q, k, v columns: every rank writes its tokens'
-    rows
+    rows (``all_to_all_qkv_heads``: rank r's head pieces one after another, each ``[S, 3w_j]``)
 
 Sequence word (one int64, monotonic within a job)::
 
     bits 47..62  abort generation (low 16 bits)
     bits 33..46  job number in that generation (1..16383, cycling)
-    bits 18..32  op index in the job (1..32767)
-    bits 16..17  op kind (0 gather, 1 all-to-all, 2 all-to-all by head pieces, 3 q/k/v all-to-all)
+    bits 19..32  op index in the job (1..16383)
+    bits 16..18  op kind (0 gather, 1 all-to-all, 2 all-to-all by head pieces, 3 q/k/v all-to-all,
+                 4 q/k/v all-to-all by head pieces)
     bits 8..15   chunk count of the op
     bits 0..7    chunks of the op published so far
 
@@ -40,24 +41,32 @@ from workers.runtime.shm import align, dtype_name, torch_dtype
 CACHE_LINE = 64
 WORDS_PER_LINE = CACHE_LINE // 8
 MAGIC = 0x4833_4D53_5843_4831  # "H3MSXCH1"
-VERSION = 1
+VERSION = 2
 MAX_WORLD = 64
 MAX_CHUNKS = 255
-MAX_OPS_PER_JOB = (1 << 15) - 1
+MAX_OPS_PER_JOB = (1 << 14) - 1
 JOB_CYCLE = (1 << 14) - 1
 
 KIND_GATHER = 0
 KIND_ALL_TO_ALL = 1
 KIND_ALL_TO_ALL_HEADS = 2
 KIND_QKV = 3
+KIND_QKV_HEADS = 4
 KIND_NAMES = {
     KIND_GATHER: "all_gather_rows",
     KIND_ALL_TO_ALL: "all_to_all_cols",
     KIND_ALL_TO_ALL_HEADS: "all_to_all_heads",
     KIND_QKV: "all_to_all_qkv",
+    KIND_QKV_HEADS: "all_to_all_qkv_heads",
 }
 #: The arena buffer each op kind writes (the reuse guard is per buffer).
-BUFFER = {KIND_GATHER: "G", KIND_ALL_TO_ALL: "A", KIND_ALL_TO_ALL_HEADS: "A", KIND_QKV: "Q"}
+BUFFER = {
+    KIND_GATHER: "G",
+    KIND_ALL_TO_ALL: "A",
+    KIND_ALL_TO_ALL_HEADS: "A",
+    KIND_QKV: "Q",
+    KIND_QKV_HEADS: "Q",
+}
 
 
 def _check_bounds(what: str, bounds: list[int], world: int) -> tuple[int, ...]:
@@ -291,6 +300,15 @@ class ArenaLayout:
         flat = a_rank.reshape(-1)
         return flat[self.tokens * a : self.tokens * b].view(self.tokens, b - a)
 
+    def q_piece_view(self, q_block: torch.Tensor, rank: int, pieces: int, j: int) -> torch.Tensor:
+        """Head piece j of ``rank``'s q, k, v block ``q_block`` (its :meth:`q_view`, or any
+        ``[n, 3·c_r]`` block of it) as ``all_to_all_qkv_heads`` lays it out: the piece's heads' q,
+        k and v packed alone, ``[n, 3·(b - a)]``, after the pieces before it."""
+        a, b = self.head_piece(rank, pieces, j)
+        n = q_block.shape[0]
+        flat = q_block.reshape(-1)
+        return flat[n * 3 * a : n * 3 * b].view(n, 3 * (b - a))
+
     def init_header(self, arena: torch.Tensor) -> None:
         """Called once by the arena's creator: magic, version, world, size; every rank's words
         zeroed."""
@@ -331,7 +349,7 @@ def _epoch_bits(gen: int, job: int) -> int:
 
 def encode_seq(gen: int, job: int, op: int, kind: int, chunks: int, count: int) -> int:
     """Pack one sequence word (layout in the module docstring)."""
-    return _epoch_bits(gen, job) | (op << 18) | (kind << 16) | (chunks << 8) | count
+    return _epoch_bits(gen, job) | (op << 19) | (kind << 16) | (chunks << 8) | count
 
 
 def encode_fault(gen: int, job: int, op: int) -> int:
@@ -351,8 +369,8 @@ def decode_seq(word: int) -> tuple[int, int, int, int, int, int]:
     return (
         (word >> 47) & 0xFFFF,
         (word >> 33) & 0x3FFF,
-        (word >> 18) & 0x7FFF,
-        (word >> 16) & 3,
+        (word >> 19) & 0x3FFF,
+        (word >> 16) & 7,
         (word >> 8) & 0xFF,
         word & 0xFF,
     )

@@ -449,6 +449,10 @@ class CudaIpcExchange(HostExchange):
         buf = self._buf(p)
         return buf.q[r][a - buf.t0 : b - buf.t0]
 
+    def _q_piece_rows(self, r: int, p: int, n: int, j: int, a: int, b: int) -> torch.Tensor:
+        buf = self._buf(p)
+        return self.layout.q_piece_view(buf.q[r], r, n, j)[a - buf.t0 : b - buf.t0]
+
     def close(self) -> None:
         """Drop the peers' buffers and events (each gives its reference back) and this rank's
         own."""

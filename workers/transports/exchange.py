@@ -23,6 +23,11 @@ size), ``C`` all columns, ``S`` all tokens (``docs/architecture.md`` §3):
   for its tokens, as the fused projection lays them out); every rank gets ``[S, 3·c_r]`` = q, k
   and v of its own heads for every token, packed ``[q | k | v]`` as a projection of its head group
   alone (:func:`received_qkv`).
+* ``all_to_all_qkv_heads`` (the Ulysses pattern with attention in head pieces): the same exchange
+  in this rank's head pieces (:meth:`ArenaLayout.head_piece`); the result holds the pieces one
+  after another, each its heads' q, k and v packed alone ``[S, 3·w_j]``
+  (:meth:`ArenaLayout.q_piece_view`, :func:`received_qkv_heads`), and each piece is handed to a
+  callback as soon as it is here, so the rank attends piece j while piece j+1 still travels.
 
 ``chunks`` (0..255; 0 and 1: one shot) pipelines an op in that many pieces where the transport can;
 every rank must give the same.
@@ -54,6 +59,7 @@ from workers.transports.arena import (
     KIND_GATHER,
     KIND_NAMES,
     KIND_QKV,
+    KIND_QKV_HEADS,
     MAX_CHUNKS,
     ArenaLayout,
     piece,
@@ -69,6 +75,9 @@ ProduceFn = Callable[[int, int], torch.Tensor]
 RowsProduceFn = Callable[[int, int], torch.Tensor]
 #: ``on_rows(a, b, rows)``: the gathered rows of tokens [a, b) (one rank's), once they are here.
 RowsFn = Callable[[int, int, torch.Tensor], None]
+#: ``on_piece(c_a, c_b, qkv)``: q, k and v of this rank's columns [c_a, c_b) (whole heads, its own
+#: coordinates) for every token, packed ``[S, 3·(c_b - c_a)]``, once they are here.
+QkvPieceFn = Callable[[int, int, torch.Tensor], None]
 
 
 class ExchangeError(RuntimeError):
@@ -113,6 +122,21 @@ def received_qkv(layout: ArenaLayout, rank: int, inputs: Sequence[torch.Tensor])
     return torch.cat([packed_qkv(inputs[p], cols) for p in range(layout.world)])
 
 
+def received_qkv_heads(
+    layout: ArenaLayout, rank: int, pieces: int, inputs: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``all_to_all_qkv_heads``' result on ``rank``: :func:`received_qkv` laid out in its head
+    pieces, each piece's q, k and v packed alone, one piece after another."""
+    whole = received_qkv(layout, rank, inputs)
+    c = whole.shape[1] // 3
+    n = max(1, pieces)
+    parts = []
+    for j in range(n):
+        a, b = layout.head_piece(rank, n, j)
+        parts.append(torch.cat([whole[:, base + a : base + b] for base in (0, c, 2 * c)], dim=1))
+    return torch.cat([p.reshape(-1) for p in parts]).view(whole.shape)
+
+
 class Exchange(Protocol):
     """One rank's side of the per-block collectives (what each returns: the module docstring)."""
 
@@ -138,6 +162,13 @@ class Exchange(Protocol):
     def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         """q, k and v of every head for this rank's tokens ``[n_rank, 3·C]`` in, q, k and v of this
         rank's heads for every token ``[S, 3·c_rank]`` out (:func:`packed_qkv` layout)."""
+
+    def all_to_all_qkv_heads(
+        self, local: torch.Tensor, pieces: int, on_piece: QkvPieceFn
+    ) -> torch.Tensor:
+        """:meth:`all_to_all_qkv` in this rank's head pieces, calling ``on_piece(c_a, c_b, qkv)``
+        for each non-empty piece in order as soon as it is here (:func:`received_qkv_heads`
+        layout)."""
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         """:meth:`all_to_all_cols` of the columns ``produce(c_a, c_b)`` returns per head piece; a
@@ -176,9 +207,10 @@ class ExchangeBase(ABC):
     The public ops check their input against the rank plan, validate ``chunks`` (and ``pieces``),
     take the tensor the result goes into (``out`` when given, checked, else :meth:`_result`) and
     hand over to the transport's hooks, which only move bytes: ``_all_gather_rows``,
-    ``_all_to_all_cols`` and ``_all_to_all_qkv`` (required); ``_all_gather_rows_each`` and
-    ``_all_to_all_heads`` (by default built on the first two, for transports that move a whole op
-    in one collective).  ``_begin_op`` is called once per op, after the checks.
+    ``_all_to_all_cols`` and ``_all_to_all_qkv`` (required); ``_all_gather_rows_each``,
+    ``_all_gather_rows_produced``, ``_all_to_all_heads`` and ``_all_to_all_qkv_heads`` (by
+    default built on the first three, for transports that move a whole op in one collective).
+    ``_begin_op`` is called once per op, after the checks.
     """
 
     rank: int
@@ -243,6 +275,26 @@ class ExchangeBase(ABC):
         n, res = self._start(KIND_QKV, chunks, out, (lay.tokens, 3 * (c1 - c0)), local.device)
         return self._all_to_all_qkv(local, n, res)
 
+    def all_to_all_qkv_heads(
+        self,
+        local: torch.Tensor,
+        pieces: int,
+        on_piece: QkvPieceFn,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`all_to_all_qkv` in ``pieces`` head pieces of this rank's group (0 and 1: one
+        piece): the result ``[S, 3·c_rank]`` holds the pieces one after another, each packed alone
+        (:meth:`ArenaLayout.q_piece_view`), and ``on_piece(c_a, c_b, qkv)`` gets each non-empty
+        piece in order as soon as it is here.  ``out`` must be contiguous."""
+        lay = self.layout
+        c0, c1 = lay.cols(self.rank)
+        self._check_input(KIND_NAMES[KIND_QKV_HEADS], local, (self._n_rows, 3 * lay.columns))
+        if out is not None and not out.is_contiguous():
+            raise ValueError(f"rank {self.rank}: all_to_all_qkv_heads out must be contiguous")
+        shape = (lay.tokens, 3 * (c1 - c0))
+        n, res = self._start(KIND_QKV_HEADS, pieces, out, shape, local.device, "head pieces")
+        return self._all_to_all_qkv_heads(local, n, on_piece, res)
+
     def all_to_all_heads(
         self, produce: ProduceFn, pieces: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -295,6 +347,29 @@ class ExchangeBase(ABC):
         return self._all_to_all_cols(
             torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], 1, out
         )
+
+    def _all_to_all_qkv_heads(
+        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    ) -> torch.Tensor:
+        """One q/k/v all-to-all of the whole columns, then each piece laid out and handed over."""
+        whole = self._all_to_all_qkv(local, 1, torch.empty_like(out))
+        self._hand_over_pieces(whole, 0, n, on_piece, out)
+        return out
+
+    def _hand_over_pieces(
+        self, whole: torch.Tensor, t0: int, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    ) -> None:
+        """Lay ``whole`` (rows from token ``t0`` on, the :func:`packed_qkv` layout) out in
+        ``out`` piece by piece, handing each non-empty piece over once it is there."""
+        c, t1 = whole.shape[1] // 3, t0 + whole.shape[0]
+        for j in range(n):
+            a, b = self.layout.head_piece(self.rank, n, j)
+            if b > a:
+                view = self.layout.q_piece_view(out, self.rank, n, j)
+                for k, base in enumerate((0, c, 2 * c)):
+                    dst = view[t0:t1, k * (b - a) : (k + 1) * (b - a)]
+                    dst.copy_(whole[:, base + a : base + b])
+                on_piece(a, b, view)
 
     def _begin_op(self, kind: int, n: int) -> None:  # noqa: B027 - a hook most transports skip
         """Called once per op after its argument checks, before its result is allocated (``n``:
@@ -527,6 +602,15 @@ class NoExchange(InProcess, ExchangeBase):
         out[t0:t1].copy_(packed_qkv(local, self.layout.qkv_cols(self.rank)))
         return out
 
+    def _all_to_all_qkv_heads(
+        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Its own rows of each piece; the peers' rows keep their random values."""
+        t0 = self.layout.rows(self.rank)[0]
+        own = packed_qkv(local, self.layout.qkv_cols(self.rank))
+        self._hand_over_pieces(own, t0, n, on_piece, out)
+        return out
+
 
 class IdentityExchange(InProcess):
     """The exchange of the unsplit run: one rank holds every token and head, so each op's result is
@@ -560,6 +644,11 @@ class IdentityExchange(InProcess):
         return local
 
     def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
+        raise ValueError("the unsplit run projects q, k and v for every token itself")
+
+    def all_to_all_qkv_heads(
+        self, local: torch.Tensor, pieces: int, on_piece: QkvPieceFn
+    ) -> torch.Tensor:
         raise ValueError("the unsplit run projects q, k and v for every token itself")
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:

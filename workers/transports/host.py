@@ -13,6 +13,9 @@ computes piece j+1.
 ``all_to_all_heads``: chunk j carries head piece j of every rank, published as soon as it is
 produced, so peers read piece j while its producer computes piece j+1; while this op runs, ``A_r``
 holds rank r's pieces one after another, each ``[S, w_j]``.
+``all_to_all_qkv_heads``: chunk j carries head piece j of every receiver (``Q_r`` holds rank r's
+pieces one after another, each ``[S, 3·w_j]``); every piece's copies out start at once and each
+piece is handed to the receiver's callback as soon as every peer's part of it is in.
 
 Signalling.  After a chunk's bytes are in the arena the writer stores its *sequence word*
 (``workers.transports.arena``: generation, job, op, op kind, chunk count, chunks published) and
@@ -81,6 +84,7 @@ from workers.transports.arena import (
     KIND_GATHER,
     KIND_NAMES,
     KIND_QKV,
+    KIND_QKV_HEADS,
     MAX_OPS_PER_JOB,
     ArenaLayout,
     decode_seq,
@@ -96,6 +100,7 @@ from workers.transports.exchange import (
     ExchangeTimeout,
     JobExchange,
     ProduceFn,
+    QkvPieceFn,
     RowsFn,
     RowsProduceFn,
     packed_qkv,
@@ -220,6 +225,11 @@ class HostExchange(JobExchange):
         """Rows [a, b) of Q_r, inside rank p's tokens (which rank p writes)."""
         return self._q[r][a:b]
 
+    def _q_piece_rows(self, r: int, p: int, n: int, j: int, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of head piece j of ``n`` of Q_r laid out in pieces
+        (:meth:`ArenaLayout.q_piece_view`), inside rank p's tokens (which rank p writes)."""
+        return self.layout.q_piece_view(self._q[r], r, n, j)[a:b]
+
     def begin(self, abort_generation: int) -> None:
         if abort_generation != self._gen:
             self._job = 0
@@ -247,7 +257,7 @@ class HostExchange(JobExchange):
 
     # -- the ops -----------------------------------------------------------------------------------
     def _begin_op(self, kind: int, n: int) -> None:
-        if kind == KIND_QKV:
+        if kind in (KIND_QKV, KIND_QKV_HEADS):
             self.layout.check_qkv()
         if self._op >= MAX_OPS_PER_JOB:
             raise RuntimeError(
@@ -377,6 +387,62 @@ class HostExchange(JobExchange):
                 self._timed_copy(out[a:b], self._q_rows(me, p, a, b), self._to_device, read=True)
 
         self._pipeline(KIND_QKV, n, publish, take)
+        return out
+
+    def _all_to_all_qkv_heads(
+        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Chunk j carries head piece j of every receiver.  The projection is whole when the op
+        begins, so every piece's copies out start at once; then piece by piece this rank waits for
+        its own copies out, publishes, takes the peers' piece and hands it over, so the receiver
+        attends piece j while piece j+1 still moves."""
+        lay, me = self.layout, self.rank
+        t0, t1 = lay.rows(me)
+        columns = lay.columns
+
+        def piece_cols(r: int, j: int) -> list[tuple[int, int]]:
+            a, b = lay.head_piece(r, n, j)
+            r0 = lay.cols(r)[0]
+            return [(base + r0 + a, base + r0 + b) for base in (0, columns, 2 * columns)]
+
+        def stage(j: int) -> list[Callable[[], None]]:
+            a, b = lay.head_piece(me, n, j)
+            if b > a and t1 > t0:
+                own = lay.q_piece_view(out, me, n, j)[t0:t1]
+                self._timed_copy(own, packed_qkv(local, piece_cols(me, j)), _default_copy)
+            waits = []
+            for r in self._peers if t1 > t0 else ():
+                ra, rb = lay.head_piece(r, n, j)
+                if rb > ra:
+                    part = packed_qkv(local, piece_cols(r, j))
+                    t = time.perf_counter()
+                    waits.append(self._to_host_async(self._q_piece_rows(r, me, n, j, t0, t1), part))
+                    self._stats["copy_s"] += time.perf_counter() - t
+                    self._stats["bytes_written"] += part.numel() * part.element_size()
+            self._staged(j)
+            return waits
+
+        def take(p: int, j: int) -> None:
+            a, b = lay.rows(p)
+            ha, hb = lay.head_piece(me, n, j)
+            if b > a and hb > ha:
+                dst = lay.q_piece_view(out, me, n, j)[a:b]
+                self._timed_copy(
+                    dst, self._q_piece_rows(me, p, n, j, a, b), self._to_device, read=True
+                )
+
+        started = [stage(j) for j in range(n)]
+        for j in range(n):
+            t = time.perf_counter()
+            for wait in started[j]:
+                wait()
+            self._stats["copy_s"] += time.perf_counter() - t
+            self._publish(KIND_QKV_HEADS, n, j)
+            self._consume(KIND_QKV_HEADS, n, j, take)
+            a, b = lay.head_piece(me, n, j)
+            if b > a:
+                on_piece(a, b, lay.q_piece_view(out, me, n, j))
+        self._op_done(KIND_QKV_HEADS)
         return out
 
     def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from workers.transports.arena import (
     KIND_ALL_TO_ALL_HEADS,
     KIND_GATHER,
     KIND_QKV,
+    KIND_QKV_HEADS,
     ArenaLayout,
 )
 from workers.transports.exchange import ExchangeBase, InProcess, RowsProduceFn, packed_qkv
@@ -58,13 +59,15 @@ class LocalExchange(InProcess, ExchangeBase):
         self._last = ""  # the buffer of the previous op
 
     def _begin_op(self, kind: int, n: int) -> None:
-        if kind == KIND_QKV:
+        if kind in (KIND_QKV, KIND_QKV_HEADS):
             self.layout.check_qkv()
         if BUFFER[kind] == self._last:
             self._arena.meet()  # every rank is done with the previous op's result
         self._last = BUFFER[kind]
 
     def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        if kind == KIND_QKV_HEADS:  # laid out in head pieces: not the shared buffer's layout
+            return super()._result(kind, shape, device)
         return self._shared(kind)
 
     def _shared(self, kind: int) -> torch.Tensor:

@@ -17,7 +17,9 @@ GPU-direct exchange's header and handle slots, ``arena_ipc``; ``ipc_sync``: its 
 blocks of
 (all_gather_rows, all_to_all_cols); a layout planned with ``qkv`` adds ``all_to_all_qkv`` (of a
 ``[S, 3·C]`` pattern); ``"overlap": true`` adds ``all_to_all_heads`` in as many head pieces as
-chunks (each piece produced on demand from the pattern), ``all_gather_rows_each`` (each rank's
+chunks (each piece produced on demand from the pattern), on a ``qkv`` layout
+``all_to_all_qkv_heads`` in as many head pieces (each piece handed over once, in order),
+``all_gather_rows_each`` (each rank's
 rows handed over once, its own first) and ``all_gather_rows_produced`` in as many row pieces as
 chunks (every row produced once, pieces in order).  Every rank generates every rank's inputs
 from the case seed, so it checks its own results against the spec's exact tensors.  Doorbell
@@ -52,6 +54,7 @@ from workers.transports.exchange import (
     gathered_rows,
     received_cols,
     received_qkv,
+    received_qkv_heads,
 )
 from workers.transports.host import HostExchange
 
@@ -97,7 +100,8 @@ def case_inputs(layout: ArenaLayout, seed: int, index: int) -> tuple[torch.Tenso
 
 
 def _keep(into: list[tuple[int, int, torch.Tensor]], a: int, b: int, rows: torch.Tensor) -> None:
-    """``all_gather_rows_each``'s callback in the probe: keep a copy of each handed-over range."""
+    """The probe's callback of the ops that hand over parts: keep a copy of each, with its
+    bounds."""
     into.append((a, b, rows.cpu().clone()))
 
 
@@ -145,6 +149,8 @@ def _block(
             "heads_s", ex.all_to_all_heads, lambda ca, cb: mine(y[:, c0 + ca : c0 + cb]), chunks
         )
         check(f"all_to_all_heads ({chunks} pieces)", got, received_cols(lay, rank, cols))
+        if lay.q_offsets:
+            bad += _qkv_heads(ex, lay, rank, qkv[rank], qkv, chunks, timed, mine)
         handed: list[tuple[int, int, torch.Tensor]] = []
         got = timed(
             "each_s", ex.all_gather_rows_each, mine(rows[rank]), functools.partial(_keep, handed)
@@ -170,6 +176,43 @@ def _block(
         want = [(a, b) for a, b in (piece(r1 - r0, n, j) for j in range(n)) if b > a]
         if asked != want:
             bad.append(f"rows produced as {asked}, expected {want}")
+    return bad
+
+
+def _qkv_heads(
+    ex: Exchange,
+    lay: ArenaLayout,
+    rank: int,
+    local: torch.Tensor,
+    qkv: list[torch.Tensor],
+    pieces: int,
+    timed: Timed,
+    mine: Callable[[torch.Tensor], torch.Tensor],
+) -> list[str]:
+    """``all_to_all_qkv_heads`` in ``pieces`` head pieces: its result, and every non-empty piece
+    handed over once, in order, equal to its part of the result; returns what differed."""
+    handed: list[tuple[int, int, torch.Tensor]] = []
+    got = timed(
+        "qkv_heads_s",
+        ex.all_to_all_qkv_heads,
+        mine(local),
+        pieces,
+        functools.partial(_keep, handed),
+    )
+    want = received_qkv_heads(lay, rank, pieces, qkv)
+    bad = (
+        [] if torch.equal(got.cpu(), want) else [f"all_to_all_qkv_heads ({pieces} pieces) differs"]
+    )
+    n = max(1, pieces)
+    bounds = [lay.head_piece(rank, n, j) for j in range(n)]
+    expected = [(a, b) for a, b in bounds if b > a]
+    if [(a, b) for a, b, _ in handed] != expected:
+        bad.append(
+            f"q/k/v pieces handed over as {[(a, b) for a, b, _ in handed]}, expected {expected}"
+        )
+    views = {bounds[j]: lay.q_piece_view(want, rank, n, j) for j in range(n)}
+    if not all(torch.equal(part, views[(a, b)]) for a, b, part in handed):
+        bad.append("handed-over q/k/v pieces differ")
     return bad
 
 
@@ -207,7 +250,7 @@ def run_case(
     for chunks in case.get("chunks", [0]):
         for tname, ex in exchanges:
             ex.reset_stats()
-            keys = ("gather_s", "a2a_s", "qkv_s", "heads_s", "each_s", "produced_s")
+            keys = ("gather_s", "a2a_s", "qkv_s", "heads_s", "qkv_heads_s", "each_s", "produced_s")
             times = {k: [] for k in keys}
             for rnd in range(rounds):
                 ex.begin(gen)
