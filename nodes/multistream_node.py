@@ -146,8 +146,10 @@ class H3MultiStreamAsync(ModelPatchNode):
                     "default": OverlapChoice.AUTO.value,
                     "advanced": True,
                     "tooltip": "What each GPU computes while its exchanges move. auto: attention "
-                    "in 8 head pieces (each moved while the next computes), the qkv projection "
-                    "on each GPU's rows as they arrive and gather ahead (each block's tail in 8 "
+                    "in 8 head pieces (each moved while the next computes; with the ulysses "
+                    "pattern each piece's q, k, v arrive while the one before computes), the "
+                    "qkv projection on each GPU's rows as they arrive and gather ahead (each "
+                    "block's tail in 8 "
                     "row pieces, each sending the next block's rows while the next computes), "
                     "each only where the probe measured it bit-exact and its test has passed on "
                     "this device kind; the first steps of a plan time each combination once and "
