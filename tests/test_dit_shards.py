@@ -205,3 +205,45 @@ def test_a_shape_dependent_gemm_is_refused_not_compared(monkeypatch) -> None:
     out = SimulatedSplit(model, plan.head_bounds).forward_blocks(inp.x, inp.t_emb, inp.segments, inp.rope_freqs,
                                                                  plan.token_bounds)
     assert not torch.equal(out, model.forward_blocks(inp.x.clone(), inp.t_emb, inp.segments, inp.rope_freqs))
+
+
+@pytest.mark.parametrize("pieces", [3, 12])
+def test_the_ulysses_pieces_trace_what_the_one_piece_path_traces(pieces):
+    """One rank of the Ulysses pattern in this process (its head pieces still cut: 10 heads in 3, and in 12 with two
+    empty): every traced op output (the q, k, v projection put together from the pieces, attention, the tail's
+    linears, the block) equals, tensor for tensor, what the pattern traces without pieces, which is what verify
+    compares with the unsplit run."""
+    from workers.dit.loop import LoopHooks, LoopPaths, RankBlocks, run_blocks
+    from workers.dit.weights import CpuWeights
+    from workers.transports.arena import ArenaLayout
+    from workers.transports.local import LocalArena, LocalExchange
+
+    model = ReferenceDiT(CFG, weights="bf16", seed=3)
+    inp = make_step_inputs(CFG, _layouts()[0], 4, model.dtype)
+    mod = model.modulation(inp.t_emb)
+    seq = inp.x.shape[0]
+    layout = ArenaLayout.plan(1, [0, seq], [0, CFG.heads * CFG.head_dim], CFG.hidden, inp.x.dtype, CFG.head_dim, True)
+    blocks = [model.block_weights(i) for i in range(CFG.layers)]
+
+    def run(head_pieces: int) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
+        traced: dict[tuple[int, str], torch.Tensor] = {}
+        weights = CpuWeights(blocks.__getitem__, CFG.layers, (0, CFG.heads), CFG.heads, CFG.head_dim, eager=True)
+        rows = inp.x.clone()
+        with torch.inference_mode():
+            run_blocks(
+                rows,
+                BlockInputs(mod, inp.segments, inp.rope_freqs),
+                RankBlocks(weights, LocalExchange(0, LocalArena(layout, rows.device, lambda: None)), CFG.heads,
+                           CFG.head_dim, CFG.eps),
+                range(CFG.layers),
+                LoopPaths(pattern="ulysses", head_pieces=head_pieces),
+                LoopHooks(trace=lambda i, op, t: traced.__setitem__((i, op), t.clone())),
+            )
+        return rows, traced
+
+    whole, want = run(0)
+    out, got = run(pieces)
+    assert torch.equal(out, whole)
+    assert sorted(got) == sorted(want) and {op for _, op in got} >= {"attn.qkv_proj", "attention", "block"}
+    for key, t in want.items():
+        assert torch.equal(got[key], t), key

@@ -158,15 +158,20 @@ def test_ulysses_pattern_in_head_pieces_host_and_gloo(engine_factory):
     is normed, roped and attended as soon as it is here (3 ranks of uneven shares, 4 + 4 + 2 heads, in 3 and in 5
     pieces: the 2-head rank's extra pieces are empty; host exchange, its output all-to-all chunked or not; gloo):
     the unsplit output, recorded as the Ulysses pattern in that many pieces, and over the host exchange one chunk
-    (a doorbell to each peer) per piece and per output chunk."""
+    (a doorbell to each peer) per piece and per output chunk; verify finds every op's output (the pieces' q, k, v
+    and attention put together) equal to the unsplit run's."""
     from h3ms_async.status.hub import get_hub
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
-    runs = (("host", {"head_pieces": 3, "exchange_chunks": 2}), ("host", {"head_pieces": 5}), ("nccl", {"head_pieces": 2}))
+    runs = (("host", {"head_pieces": 3, "exchange_chunks": 2, "verify": True}), ("host", {"head_pieces": 5}),
+            ("nccl", {"head_pieces": 2}))
     for exchange, kw in runs:
         eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, pattern="ulysses", **kw)
         eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
         _check_exact(eng, model, _layouts(), seen)
+        if kw.get("verify"):  # each op's output as the pieces put it together, against the unsplit run's
+            verified = get_hub().status()["exactness"]["verify"][-1]
+            assert verified["bit_exact"] and verified["first_difference"] is None, verified
         rec = get_hub().recent_steps(1)[0]
         assert (rec["pattern"], rec["head_pieces"]) == ("ulysses", kw["head_pieces"]), rec
         if exchange == "host":
