@@ -214,6 +214,9 @@ def test_validated_on_gpu_only_within_the_bound(report):
     missed = table({**report, "validation": rows, "validated_on_gpu": within_bound(rows)})
     assert "NOT validated" in missed and "at 2, 4, 8 logical ranks" in missed
     assert "Not validated on a GPU in this run" in table(report)
+    ulysses = [{**r, "pattern": "ulysses"} for r in rows]
+    assert "at 2, 4, 8 logical ranks with the ulysses pattern" in table({**report, "validation": ulysses,
+                                                                         "validated_on_gpu": False})
 
 
 def test_the_overlaps_compute_is_timed_on_the_shard_alone(monkeypatch):
@@ -251,7 +254,7 @@ def test_the_overlaps_compute_is_timed_on_the_shard_alone(monkeypatch):
 def test_validation_takes_the_time_slicing_over_the_overlapped_compute():
     """The no-exchange baseline of logical ranks runs the step's overlaps too, so the time-slicing term is that
     baseline over the model's compute *with* the overlaps' cost, and the checked prediction is the overlapped block
-    plus it; the error is against the measured block."""
+    plus it; the error is against the measured block; a Ulysses validation row takes the Ulysses prediction."""
     from h3ms_async.dit.exactness import Overlap
     from h3ms_async.tools.bench.model import validation_row
 
@@ -265,3 +268,9 @@ def test_validation_takes_the_time_slicing_over_the_overlapped_compute():
     assert row["predicted_shared_block_s"] == pytest.approx(pred.block_s + row["sharing_s"])
     assert row["error_pct"] == pytest.approx((row["predicted_shared_block_s"] - 0.65) / 0.65 * 100)
     assert validation_row(parts, 2, link, every, 0.0, 0.65, [])["sharing_s"] == 0.0  # never negative
+    # the Ulysses pattern (--validate-pattern ulysses) is checked against its own prediction
+    pieces = Overlap.from_name("pieces8")
+    u_row = validation_row(parts, 4, link, pieces, 0.64, 0.66, [], "ulysses")
+    u_pred = sm.predict(parts, 4, link, pattern="ulysses", head_pieces=8)
+    assert u_row["pattern"] == "ulysses" and u_row["predicted_block_s"] == pytest.approx(u_pred.block_s)
+    assert u_pred.block_s != pytest.approx(sm.predict(parts, 4, link, head_pieces=8).block_s)

@@ -11,8 +11,8 @@ Links: PCIe Gen4 and Gen5 with host staging and NVLink with NCCL at stated rates
 (``--pcie4-gbps``...), plus the measured host link when the parts carry pinned copy rates, plus a
 multi-host network with ``--net-gbit``. Every prediction is made for the block-input all-gather
 (what the split runs) and for Ulysses, dense and sparse. ``--validate`` (CUDA only) runs the real
-split on logical ranks of one GPU (``--validate-ranks``, 2 and 4 by default) and prints predicted
-vs measured step time.
+split on logical ranks of one GPU (``--validate-ranks``, 2 and 4 by default; the all-gather pattern
+unless ``--validate-pattern ulysses``) and prints predicted vs measured step time.
 """
 
 from __future__ import annotations
@@ -244,17 +244,21 @@ def table(res: dict) -> str:
             star = "*U" if pref[(n, link, attn)] == "ulysses" else "*G"
             cells.append(f"{g['speedup']:5.2f}x [{u['speedup']:5.2f}x] {g['step_s']:6.2f}s {star}")
         lines.append(f"{link:<16} {attn:<6} " + " ".join(f"{c:>30}" for c in cells))
-    checked = ", ".join(str(r["world"]) for r in res.get("validation", []))
+    validation = res.get("validation", [])
+    checked = ", ".join(str(r["world"]) for r in validation)
+    with_pattern = (
+        f" with the {validation[0].get('pattern', 'gather')} pattern" if validation else ""
+    )
     if res["validated_on_gpu"]:
         verdict = (
             f"Validated on this GPU: predicted within {res['validation_bound_pct']:g} % of "
-            f"measured at {checked} logical ranks (the JSON's validation)."
+            f"measured at {checked} logical ranks{with_pattern} (the JSON's validation)."
         )
     elif checked:
         verdict = (
-            f"NOT validated: at {checked} logical ranks on this GPU the prediction missed the "
-            f"measurement by more than {res['validation_bound_pct']:g} % somewhere (the JSON's "
-            "validation)."
+            f"NOT validated: at {checked} logical ranks{with_pattern} on this GPU the prediction "
+            f"missed the measurement by more than {res['validation_bound_pct']:g} % somewhere "
+            "(the JSON's validation)."
         )
     else:
         verdict = "Not validated on a GPU in this run (bench model --validate there)."
@@ -447,17 +451,19 @@ def validation_row(
     baseline: float,
     measured: float,
     walls: Sequence[float],
+    pattern: str = "gather",
 ) -> dict:
-    """One world size's check: the prediction for ``schedule`` plus the time-slicing of logical
-    ranks (``sharing_s``) against the ``measured`` block.  The no-exchange ``baseline`` runs the
-    same overlaps' compute as the split (its ranks take the step's options), so the time-slicing
-    is that baseline over the model's compute with the overlaps' cost
+    """One world size's check: the prediction for ``schedule`` under ``pattern`` plus the
+    time-slicing of logical ranks (``sharing_s``) against the ``measured`` block.  The no-exchange
+    ``baseline`` runs the same overlaps' compute as the split (its ranks take the step's options),
+    so the time-slicing is that baseline over the model's compute with the overlaps' cost
     (``Parts.overlap_compute_frac``)."""
-    pred = _predict(parts, world, link, schedule)
+    pred = _predict(parts, world, link, schedule, pattern=pattern)
     sharing = max(0.0, baseline - pred.compute_block_s)
     shared = pred.block_s + sharing
     return {
         "world": world,
+        "pattern": pattern,
         "predicted_block_s": pred.block_s,
         "baseline_no_exchange_block_s": baseline,
         "sharing_s": sharing,
@@ -476,9 +482,11 @@ def validate(
     layers: int,
     ranks: Sequence[int],
     schedule: Overlap = NO_OVERLAP,
+    pattern: str = "gather",
 ) -> list[dict]:
     """Predicted vs measured block time of the real split on logical ranks of this one GPU
-    (time-sliced, sharing its link; host exchange, chunks 0, the overlaps of ``schedule``).
+    (time-sliced, sharing its link; host exchange, chunks 0, ``pattern``, the overlaps of
+    ``schedule``: the gather overlap and gather ahead only with the all-gather pattern).
 
     Logical ranks pay a cost separate GPUs do not: N CUDA contexts time-slicing one GPU.  It is
     measured beside the split, as the same ranks' no-exchange baseline over the model's compute
@@ -489,7 +497,7 @@ def validate(
     from h3ms_async.dit.options import SplitOptions
     from h3ms_async.dit.reference import make_step_inputs
     from h3ms_async.dit.split import SplitEngine
-    from workers.dit.protocol import Transport
+    from workers.dit.protocol import Pattern, Transport
 
     model = _reference(layers, weights)
     cfg = model.cfg
@@ -512,8 +520,9 @@ def validate(
                 exchange=Transport.HOST,
                 exchange_chunks=0,
                 head_pieces=schedule.head_pieces,
-                gather_overlap=schedule.gather,
-                gather_ahead=schedule.ahead,
+                gather_overlap=schedule.gather and pattern == "gather",
+                gather_ahead=schedule.ahead if pattern == "gather" else 0,
+                pattern=Pattern(pattern),
             ),
         )
         try:
@@ -530,7 +539,7 @@ def validate(
             baseline = max(r.wall_s for r in eng.last_rank_results) / layers
         finally:
             eng.release()
-        rows.append(validation_row(parts, n, link, schedule, baseline, measured, walls))
+        rows.append(validation_row(parts, n, link, schedule, baseline, measured, walls, pattern))
         row = rows[-1]
         print(
             f"N={n} logical ranks on one GPU: predicted {row['predicted_block_s'] * 1e3:.1f} "
@@ -631,6 +640,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="blocks per validation step; with an overlapped --schedule also the blocks its "
         "compute cost is timed over when the parts are measured",
     )
+    p.add_argument(
+        "--validate-pattern",
+        choices=["gather", "ulysses"],
+        default="gather",
+        help="the pattern --validate runs (ulysses: with --schedule's head pieces only)",
+    )
     p.add_argument("--out", default=None, help="write the JSON here too")
     a = p.parse_args(argv)
     if not 0.0 <= a.overlap <= 1.0:
@@ -699,7 +714,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         res["validation"] = validate(
-            vparts, a.tokens, a.weights, a.validate_layers, a.validate_ranks, schedule
+            vparts,
+            a.tokens,
+            a.weights,
+            a.validate_layers,
+            a.validate_ranks,
+            schedule,
+            a.validate_pattern,
         )
         res["validation_bound_pct"] = VALIDATION_BOUND_PCT
         res["validated_on_gpu"] = within_bound(res["validation"])
