@@ -276,8 +276,7 @@ class ArenaLayout:
     def qkv_cols(self, rank: int) -> list[tuple[int, int]]:
         """Rank ``rank``'s q, k and v column ranges in a fused projection of every head
         (``[q | k | v]``, each ``C`` wide)."""
-        c0, c1 = self.cols(rank)
-        return [(base + c0, base + c1) for base in (0, self.columns, 2 * self.columns)]
+        return qkv_ranges(*self.cols(rank), self.columns)
 
     def chunk_rows(self, rank: int, chunks: int, j: int) -> tuple[int, int]:
         """Tokens [a, b) of ``rank``'s rows in chunk j of ``chunks`` (:func:`piece` of its rows, in
@@ -374,6 +373,12 @@ def decode_seq(word: int) -> tuple[int, int, int, int, int, int]:
         (word >> 8) & 0xFF,
         word & 0xFF,
     )
+
+
+def qkv_ranges(a: int, b: int, width: int) -> list[tuple[int, int]]:
+    """The q, k and v ranges of columns [a, b) in a ``[q | k | v]`` projection, each ``width``
+    wide."""
+    return [(base + a, base + b) for base in (0, width, 2 * width)]
 
 
 def piece(n: int, chunks: int, j: int) -> tuple[int, int]:

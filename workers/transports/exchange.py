@@ -63,6 +63,7 @@ from workers.transports.arena import (
     MAX_CHUNKS,
     ArenaLayout,
     piece,
+    qkv_ranges,
 )
 
 _CPU = torch.device("cpu")
@@ -133,7 +134,7 @@ def received_qkv_heads(
     parts = []
     for j in range(n):
         a, b = layout.head_piece(rank, n, j)
-        parts.append(torch.cat([whole[:, base + a : base + b] for base in (0, c, 2 * c)], dim=1))
+        parts.append(packed_qkv(whole, qkv_ranges(a, b, c)))
     return torch.cat([p.reshape(-1) for p in parts]).view(whole.shape)
 
 
@@ -366,9 +367,8 @@ class ExchangeBase(ABC):
             a, b = self.layout.head_piece(self.rank, n, j)
             if b > a:
                 view = self.layout.q_piece_view(out, self.rank, n, j)
-                for k, base in enumerate((0, c, 2 * c)):
-                    dst = view[t0:t1, k * (b - a) : (k + 1) * (b - a)]
-                    dst.copy_(whole[:, base + a : base + b])
+                for k, (lo, hi) in enumerate(qkv_ranges(a, b, c)):
+                    view[t0:t1, k * (b - a) : (k + 1) * (b - a)].copy_(whole[:, lo:hi])
                 on_piece(a, b, view)
 
     def _begin_op(self, kind: int, n: int) -> None:  # noqa: B027 - a hook most transports skip

@@ -92,6 +92,7 @@ from workers.transports.arena import (
     encode_seq,
     fault_index,
     fault_op,
+    qkv_ranges,
     seq_index,
 )
 from workers.transports.exchange import (
@@ -398,12 +399,11 @@ class HostExchange(JobExchange):
         attends piece j while piece j+1 still moves."""
         lay, me = self.layout, self.rank
         t0, t1 = lay.rows(me)
-        columns = lay.columns
 
         def piece_cols(r: int, j: int) -> list[tuple[int, int]]:
             a, b = lay.head_piece(r, n, j)
             r0 = lay.cols(r)[0]
-            return [(base + r0 + a, base + r0 + b) for base in (0, columns, 2 * columns)]
+            return qkv_ranges(r0 + a, r0 + b, lay.columns)
 
         def stage(j: int) -> list[Callable[[], None]]:
             a, b = lay.head_piece(me, n, j)
