@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The split inside real ComfyUI on one CUDA GPU, then its node-level cost; everything lands in $OUT.
 # tests <= 8 min, cost <= 5 min: run them as separate device calls (a call may take 10 min at most).
-#   source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh [tests|lora|cost|cold|all]  (carry .ck .whl .carry)
+#   source benchmarks/device_setup.sh && bash benchmarks/device_comfy.sh [tests|lora|cost|cold|all]  (carry .whl .carry)
 #   lora: only the LoRA groups of tests/test_cuda_comfy.py (SDPA + DynamicVRAM, SDPA + --novram).
 #   cold: benchmarks/comfy_cold_start.py, all 50 full-width int8 blocks (a ~46 GB checkpoint written to disk first):
 #   plain ComfyUI's load + first step against the node's (workers' start, weight-store fill, ranks' load, probe), then

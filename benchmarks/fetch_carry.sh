@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Prepare everything a GPU device call carries (no internet there): .ck (comfy-kitchen, benchmarks/fetch_kitchen.sh),
-# .whl (the wheels ComfyUI and the pack need that the device image lacks, cp312 manylinux) and .carry (the ComfyUI
-# archive and a PyAV placeholder: PyAV's wheel is too big to carry). Then: carry [".ck", ".whl", ".carry"] and
-# `source benchmarks/device_setup.sh` on the device.
+# Prepare everything a GPU device call carries (no internet there): .whl (the wheels ComfyUI and the pack need that
+# the device image lacks, cp312 manylinux) and .carry (comfy-kitchen's CUDA build from benchmarks/fetch_kitchen.sh,
+# packed; the ComfyUI archive; a PyAV placeholder: PyAV's wheel is too big to carry). Then: carry [".whl", ".carry"]
+# and `source benchmarks/device_setup.sh` on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for d in /.ck/ /.whl/ /.carry/; do grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
@@ -68,4 +68,5 @@ __getattr__ = _getattr_of("av")
 __path__ = []
 sys.meta_path.append(_Finder())
 PY
-du -sh .ck .whl .carry
+tar -cJf .carry/comfy_kitchen.tar.xz .ck
+du -sh .whl .carry
