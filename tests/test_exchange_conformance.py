@@ -264,7 +264,7 @@ def test_transports_move_bytes_only():
         "all_gather_rows_produced",
         "all_to_all_cols",
         "all_to_all_qkv",
-        "all_to_all_qkv_heads",
+        "all_to_all_qkv_attend",
         "all_to_all_heads",
     )
     for cls in (HostExchange, DistExchange, LocalExchange, NoExchange, CudaExchange, CudaIpcExchange):
@@ -288,8 +288,10 @@ def test_transports_move_bytes_only():
                 ex.all_to_all_qkv(torch.zeros(1, 18, dtype=torch.bfloat16), out=torch.zeros(1))
             with pytest.raises(ValueError, match=r"head pieces must be an int"):
                 ex.all_to_all_heads(lambda a, b: torch.zeros(12, b - a), -1)
+            with pytest.raises(ValueError, match=r"head pieces must be at most 127, got 128"):
+                ex.all_to_all_qkv_attend(torch.zeros(1, 18, dtype=torch.bfloat16), 128, print)
             with pytest.raises(ValueError, match=r"head pieces must be an int"):
-                ex.all_to_all_qkv_heads(torch.zeros(1, 18, dtype=torch.bfloat16), 256, print)
+                ex.all_to_all_qkv_attend(torch.zeros(1, 18, dtype=torch.bfloat16), -1, print)
             with pytest.raises(ValueError, match=r"row pieces must be an int in 0..255"):
                 ex.all_gather_rows_produced(lambda a, b: torch.zeros(b - a, 6), 256)
             if not isinstance(ex, HostExchange):  # its op would first wait for rank 1 to begin

@@ -154,12 +154,13 @@ def test_ulysses_pattern_host_and_gloo(engine_factory):
 
 
 def test_ulysses_pattern_in_head_pieces_host_and_gloo(engine_factory):
-    """The Ulysses pattern with attention in head pieces: q, k and v move in each rank's head pieces and each piece
-    is normed, roped and attended as soon as it is here (3 ranks of uneven shares, 4 + 4 + 2 heads, in 3 and in 5
-    pieces: the 2-head rank's extra pieces are empty; host exchange, its output all-to-all chunked or not; gloo):
-    the unsplit output, recorded as the Ulysses pattern in that many pieces, and over the host exchange one chunk
-    (a doorbell to each peer) per piece and per output chunk; verify finds every op's output (the pieces' q, k, v
-    and attention put together) equal to the unsplit run's."""
+    """The Ulysses pattern with attention in head pieces: q, k and v move in each rank's head pieces, each piece
+    is normed, roped and attended as soon as it is here and its output moves back piece by piece (3 ranks of uneven
+    shares, 4 + 4 + 2 heads, in 3 and in 5 pieces: the 2-head rank's extra pieces are empty; host exchange, with
+    exchange_chunks, which this op does not use, and without; gloo): the unsplit output, recorded as the Ulysses
+    pattern in that many pieces, and over the host exchange two chunks (a doorbell to each peer) per piece, its
+    q/k/v and its output; verify finds every op's output (the pieces' q, k, v and attention put together) equal to
+    the unsplit run's."""
     from h3ms_async.status.hub import get_hub
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
@@ -175,8 +176,11 @@ def test_ulysses_pattern_in_head_pieces_host_and_gloo(engine_factory):
         rec = get_hub().recent_steps(1)[0]
         assert (rec["pattern"], rec["head_pieces"]) == ("ulysses", kw["head_pieces"]), rec
         if exchange == "host":
-            per_block = kw["head_pieces"] + max(1, kw.get("exchange_chunks", 0))
-            assert [r.signals for r in eng.last_rank_results] == [2 * (1 + CFG_UNEVEN.layers * per_block)] * 3
+            # a doorbell to each peer per chunk, and one per block where a rank comes to the block's op before a peer
+            # has left the last one's (the buffers' reuse guard: each block's op writes the same two)
+            chunks = 1 + CFG_UNEVEN.layers * 2 * kw["head_pieces"]
+            signals = [r.signals for r in eng.last_rank_results]
+            assert all(2 * chunks <= s <= 2 * (chunks + CFG_UNEVEN.layers) for s in signals), signals
     seen.done()
 
 

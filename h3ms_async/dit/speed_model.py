@@ -31,8 +31,8 @@ The schedule: by default every op waits for the compute before it and the next c
 bytes, so the exposed exchange is the whole exchange time.  The overlaps the split implements
 (``SplitOptions.head_pieces``, ``gather_overlap``) are modelled as they run: attention in P head
 pieces is a pipeline with the all-to-all's hops (piece j moves while piece j+1 computes; in the
-Ulysses pattern with the q/k/v all-to-all's instead, piece j+1 moving in while piece j computes,
-and the attention output's all-to-all follows whole), the
+Ulysses pattern with both all-to-alls': piece j+1's q, k and v move in and piece j-1's output
+moves back while piece j computes, each hop of the two sharing its copy stream), the
 qkv projection of a rank's own rows runs while the other ranks' rows travel, and the gather-ahead
 (``gather_ahead`` row pieces) is a pipeline of a block's tail (out_proj, MLP: the block's work
 besides attention and the qkv projection) with the next block's all-gather; with it, the
@@ -44,6 +44,7 @@ hides a further fraction of what stays exposed, for schedules not built yet.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -401,6 +402,17 @@ def pipelined(compute: float, hops: Sequence[float], pieces: int) -> float:
     return (compute + sum(hops) + (p - 1) * max(compute, *hops)) / p
 
 
+def pipelined_both_ways(
+    compute: float, hops_in: Sequence[float], hops_out: Sequence[float], pieces: int
+) -> float:
+    """Wall time of ``pieces`` equal pieces of work, each moved in through ``hops_in``, computed,
+    then moved out through ``hops_out``; hop i of both ways runs on one engine (a copy stream),
+    so a piece's hop i in and another's hop i out take turns on it."""
+    p = max(1, pieces)
+    engines = [a + b for a, b in itertools.zip_longest(hops_in, hops_out, fillvalue=0.0)]
+    return (compute + sum(hops_in) + sum(hops_out) + (p - 1) * max(compute, *engines)) / p
+
+
 def predict(
     parts: Parts,
     world: int,
@@ -460,20 +472,21 @@ def predict(
         compute = [compute_block]
     block = 0.0
     for c, att, qkv, tl in zip(compute, attn, own_qkv, tail):
-        # the pieces' pipeline: the output's all-to-all in the gather pattern, the q/k/v one in
+        # the pieces' pipeline: the output's all-to-all in the gather pattern, both all-to-alls in
         # the Ulysses pattern (workers/dit/loop.py)
-        qkv_pieces = head_pieces if pattern == "ulysses" else 0
         out_pieces = head_pieces if pattern == "gather" else 0
-        if ahead:
-            exposed_first = pipelined(tl, hops[first_name], ahead) - tl
-        elif qkv_pieces > 1 and world > 1:
-            exposed_first = pipelined(att, hops[first_name], qkv_pieces) - att
+        if world == 1:
+            exposed = 0.0
+        elif pattern == "ulysses" and head_pieces > 1:
+            both = pipelined_both_ways(att, hops[first_name], hops[second_name], head_pieces)
+            exposed = both - att
         else:
-            exposed_first = first - (
-                min(first, qkv) if gather_overlap and pattern == "gather" else 0
-            )
-        exposed_second = pipelined(att, hops[second_name], out_pieces) - att if world > 1 else 0.0
-        block = max(block, c + (exposed_first + exposed_second) * (1.0 - overlap))
+            if ahead:
+                exposed = pipelined(tl, hops[first_name], ahead) - tl
+            else:
+                exposed = first - (min(first, qkv) if gather_overlap and pattern == "gather" else 0)
+            exposed += pipelined(att, hops[second_name], out_pieces) - att
+        block = max(block, c + exposed * (1.0 - overlap))
     exposed = block - compute_block
     unsplit_block = parts.unsplit_block_s * (
         (1 - parts.attention_fraction) + parts.attention_fraction * ratio

@@ -43,10 +43,10 @@ from workers.dit.weights import BlockView, check_names
 from workers.runtime import config
 from workers.runtime.handlers import WorkerContext, WorkerUnusable
 from workers.transports.exchange import (
+    AttendFn,
     ExchangeBase,
     ExchangeTimeout,
     ProduceFn,
-    QkvPieceFn,
     RowsFn,
     RowsProduceFn,
 )
@@ -612,15 +612,15 @@ class CudaExchange(ExchangeBase):
 
         return self._moved(run)
 
-    def _all_to_all_qkv_heads(
-        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    def _all_to_all_qkv_attend(
+        self, local: torch.Tensor, n: int, attend: AttendFn, out: torch.Tensor
     ) -> torch.Tensor:
         def run(cur: torch.cuda.Stream) -> torch.Tensor:
-            def each(a: int, b: int, qkv: torch.Tensor) -> None:
+            def each(a: int, b: int, qkv: torch.Tensor) -> torch.Tensor:
                 cur.wait_stream(self.h2d)  # this piece's copies in were queued before this call
-                self._busy(lambda: on_piece(a, b, qkv))
+                return self._busy(lambda: attend(a, b, qkv))
 
-            return self._inner.all_to_all_qkv_heads(local, n, each, out=out)
+            return self._inner.all_to_all_qkv_attend(local, n, each, out=out)
 
         return self._moved(run)
 

@@ -139,7 +139,7 @@ def run_blocks(
             )
         if gathered is None and pattern == "ulysses" and head_pieces > 1:
             attn_rows = _ulysses_in_pieces(
-                exchange, n1, blk, rope_freqs, rank, head_pieces, chunks, op_trace
+                exchange, n1, blk, rope_freqs, rank, head_pieces, op_trace
             )
         elif gathered is None and pattern == "ulysses":
             qkv = _ulysses_projection(exchange, n1, blk, chunks)
@@ -268,20 +268,19 @@ def _ulysses_in_pieces(
     rope_freqs: torch.Tensor,
     rank: RankBlocks,
     pieces: int,
-    chunks: int,
     trace: dit_ops.Trace | None,
 ) -> torch.Tensor:
     """The Ulysses pattern with attention in head pieces: q, k, v of every head for this rank's
-    tokens move in this rank's head pieces (``Exchange.all_to_all_qkv_heads``), each piece's heads
-    are normed, roped and attended as soon as they are here (while the next piece still moves), and
-    the attention output goes back by the all-to-all of columns: this rank's rows of every head.
-    ``trace`` sees the group's projection and attention as the one-piece path lays them out."""
+    tokens move in this rank's head pieces, each piece's heads are normed, roped and attended as
+    soon as they are here, and each piece's output goes back while the next piece is attended
+    (``Exchange.all_to_all_qkv_attend``): this rank's rows of every head.  ``trace`` sees the
+    group's projection and attention as the one-piece path lays them out."""
     w, head_dim = blk.weights, rank.head_dim
     own = dit_ops.linear(n1, blk.qkv, blk.qkv_scale, None, quant=blk.quant["attn.qkv_proj"])
     outs: list[torch.Tensor] = []
     raw: list[torch.Tensor] = []
 
-    def on_piece(a: int, b: int, qkv: torch.Tensor) -> None:
+    def attend(a: int, b: int, qkv: torch.Tensor) -> torch.Tensor:
         heads = (b - a) // head_dim
         if trace is not None:
             raw.append(qkv.clone())  # the projection, before norm and rope change it in place
@@ -294,17 +293,18 @@ def _ulysses_in_pieces(
             head_dim,
             rank.eps,
         )
-        outs.append(dit_ops.attend_group(qkv, heads, head_dim, rank.attend))
+        out = dit_ops.attend_group(qkv, heads, head_dim, rank.attend)
+        if trace is not None:
+            outs.append(out)
+        return out
 
-    exchange.all_to_all_qkv_heads(own, pieces, on_piece)
-    if not outs:  # a rank without heads
-        outs.append(own.new_empty((rope_freqs.shape[1], 0)))
-    attn = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    rows = exchange.all_to_all_qkv_attend(own, pieces, attend)
     if trace is not None:
         thirds = [p.chunk(3, dim=1) for p in raw]
-        trace("attn.qkv_proj", torch.cat([t[k] for k in range(3) for t in thirds], dim=1))
-        trace("attention", attn)
-    return exchange.all_to_all_cols(attn, chunks)
+        empty = own.new_empty((rope_freqs.shape[1], 0))  # a rank without heads
+        trace("attn.qkv_proj", torch.cat([t[k] for k in range(3) for t in thirds] or [empty], 1))
+        trace("attention", torch.cat(outs, dim=1) if outs else empty)
+    return rows
 
 
 def _gathered_projection(exchange: Exchange, n1: torch.Tensor, blk: BlockView) -> torch.Tensor:

@@ -10,7 +10,8 @@ Arena (one shm segment for all ranks; see :class:`ArenaLayout`)::
     A_r [S, c_r]  one all-to-all block per rank: rank r writes its columns for every other rank's
     tokens
     Q_r [S, 3c_r] (``qkv`` layouts only) rank r's q, k, v columns: every rank writes its tokens'
-    rows (``all_to_all_qkv_heads``: rank r's head pieces one after another, each ``[S, 3w_j]``)
+    rows (``all_to_all_qkv_attend``: rank r's head pieces one after another, each ``[S, 3w_j]``,
+    and A_r holds rank r's attention output in the same pieces, each ``[S, w_j]``)
 
 Sequence word (one int64, monotonic within a job)::
 
@@ -18,7 +19,8 @@ Sequence word (one int64, monotonic within a job)::
     bits 33..46  job number in that generation (1..16383, cycling)
     bits 19..32  op index in the job (1..16383)
     bits 16..18  op kind (0 gather, 1 all-to-all, 2 all-to-all by head pieces, 3 q/k/v all-to-all,
-                 4 q/k/v all-to-all by head pieces)
+                 4 q/k/v in and attention output back by head pieces: chunks 1..P the q/k/v
+                 pieces, P+1..2P the output pieces)
     bits 8..15   chunk count of the op
     bits 0..7    chunks of the op published so far
 
@@ -41,7 +43,7 @@ from workers.runtime.shm import align, dtype_name, torch_dtype
 CACHE_LINE = 64
 WORDS_PER_LINE = CACHE_LINE // 8
 MAGIC = 0x4833_4D53_5843_4831  # "H3MSXCH1"
-VERSION = 2
+VERSION = 3
 MAX_WORLD = 64
 MAX_CHUNKS = 255
 MAX_OPS_PER_JOB = (1 << 14) - 1
@@ -51,21 +53,21 @@ KIND_GATHER = 0
 KIND_ALL_TO_ALL = 1
 KIND_ALL_TO_ALL_HEADS = 2
 KIND_QKV = 3
-KIND_QKV_HEADS = 4
+KIND_QKV_ATTEND = 4
 KIND_NAMES = {
     KIND_GATHER: "all_gather_rows",
     KIND_ALL_TO_ALL: "all_to_all_cols",
     KIND_ALL_TO_ALL_HEADS: "all_to_all_heads",
     KIND_QKV: "all_to_all_qkv",
-    KIND_QKV_HEADS: "all_to_all_qkv_heads",
+    KIND_QKV_ATTEND: "all_to_all_qkv_attend",
 }
-#: The arena buffer each op kind writes (the reuse guard is per buffer).
-BUFFER = {
-    KIND_GATHER: "G",
-    KIND_ALL_TO_ALL: "A",
-    KIND_ALL_TO_ALL_HEADS: "A",
-    KIND_QKV: "Q",
-    KIND_QKV_HEADS: "Q",
+#: The arena buffers each op kind writes (the reuse guard is per buffer).
+BUFFERS = {
+    KIND_GATHER: ("G",),
+    KIND_ALL_TO_ALL: ("A",),
+    KIND_ALL_TO_ALL_HEADS: ("A",),
+    KIND_QKV: ("Q",),
+    KIND_QKV_ATTEND: ("Q", "A"),
 }
 
 
@@ -294,14 +296,14 @@ class ArenaLayout:
 
     def a_piece_view(self, a_rank: torch.Tensor, rank: int, pieces: int, j: int) -> torch.Tensor:
         """Head piece j of ``rank``'s block ``a_rank`` (its :meth:`a_view`) as ``all_to_all_heads``
-        lays it out: ``[S, b - a]`` after the pieces before it."""
+        and ``all_to_all_qkv_attend`` lay it out: ``[S, b - a]`` after the pieces before it."""
         a, b = self.head_piece(rank, pieces, j)
         flat = a_rank.reshape(-1)
         return flat[self.tokens * a : self.tokens * b].view(self.tokens, b - a)
 
     def q_piece_view(self, q_block: torch.Tensor, rank: int, pieces: int, j: int) -> torch.Tensor:
         """Head piece j of ``rank``'s q, k, v block ``q_block`` (its :meth:`q_view`, or any
-        ``[n, 3·c_r]`` block of it) as ``all_to_all_qkv_heads`` lays it out: the piece's heads' q,
+        ``[n, 3·c_r]`` block of it) as ``all_to_all_qkv_attend`` lays it out: the piece's heads' q,
         k and v packed alone, ``[n, 3·(b - a)]``, after the pieces before it."""
         a, b = self.head_piece(rank, pieces, j)
         n = q_block.shape[0]

@@ -61,7 +61,7 @@ import torch
 
 from workers.runtime import cuda_ipc
 from workers.runtime.shm import align
-from workers.transports.arena import BUFFER, ArenaLayout
+from workers.transports.arena import BUFFERS, ArenaLayout
 from workers.transports.exchange import ExchangeError
 from workers.transports.host import AsyncCopyFn, CopyFn, HostExchange
 
@@ -375,12 +375,13 @@ class CudaIpcExchange(HostExchange):
         super()._begin_op(kind, n)
         self._open_peers()
         if self._streams is not None:
-            # the guard above saw every peer publish past the buffer's last use, so each has
+            # the guard above saw every peer publish past the buffers' last use, so each has
             # recorded its read event for that use
-            need = stamp(self._job, max(self._last_use[BUFFER[kind]], 0))
-            ev = RING + READ_BUFFERS.index(BUFFER[kind])
-            for p in self._peers:
-                self.buffers.wait(self._events_of(p)[ev], self._streams[0], need)
+            for name in BUFFERS[kind]:
+                need = stamp(self._job, max(self._last_use[name], 0))
+                ev = RING + READ_BUFFERS.index(name)
+                for p in self._peers:
+                    self.buffers.wait(self._events_of(p)[ev], self._streams[0], need)
 
     def begin(self, abort_generation: int) -> None:
         super().begin(abort_generation)

@@ -23,11 +23,13 @@ size), ``C`` all columns, ``S`` all tokens (``docs/architecture.md`` §3):
   for its tokens, as the fused projection lays them out); every rank gets ``[S, 3·c_r]`` = q, k
   and v of its own heads for every token, packed ``[q | k | v]`` as a projection of its head group
   alone (:func:`received_qkv`).
-* ``all_to_all_qkv_heads`` (the Ulysses pattern with attention in head pieces): the same exchange
-  in this rank's head pieces (:meth:`ArenaLayout.head_piece`); the result holds the pieces one
-  after another, each its heads' q, k and v packed alone ``[S, 3·w_j]``
-  (:meth:`ArenaLayout.q_piece_view`, :func:`received_qkv_heads`), and each piece is handed to a
-  callback as soon as it is here, so the rank attends piece j while piece j+1 still travels.
+* ``all_to_all_qkv_attend`` (the Ulysses pattern with attention in head pieces): the q/k/v
+  all-to-all in this rank's head pieces (:meth:`ArenaLayout.head_piece`), each piece, its heads'
+  q, k and v packed alone ``[S, 3·w_j]`` (:meth:`ArenaLayout.q_piece_view`), handed to a callback
+  as soon as it is here, which attends it: ``[S, w_j]``; those outputs go back by the all-to-all of
+  columns, piece by piece, so piece j+1 travels in and piece j-1's output travels back while
+  piece j is attended.  Every rank gets ``[n_r, C]``: every rank's attention output of its own
+  tokens (:func:`received_attended`).
 
 ``chunks`` (0..255; 0 and 1: one shot) pipelines an op in that many pieces where the transport can;
 every rank must give the same.
@@ -53,13 +55,13 @@ from typing import Protocol, TypedDict
 import torch
 
 from workers.transports.arena import (
-    BUFFER,
+    BUFFERS,
     KIND_ALL_TO_ALL,
     KIND_ALL_TO_ALL_HEADS,
     KIND_GATHER,
     KIND_NAMES,
     KIND_QKV,
-    KIND_QKV_HEADS,
+    KIND_QKV_ATTEND,
     MAX_CHUNKS,
     ArenaLayout,
     piece,
@@ -76,9 +78,10 @@ ProduceFn = Callable[[int, int], torch.Tensor]
 RowsProduceFn = Callable[[int, int], torch.Tensor]
 #: ``on_rows(a, b, rows)``: the gathered rows of tokens [a, b) (one rank's), once they are here.
 RowsFn = Callable[[int, int, torch.Tensor], None]
-#: ``on_piece(c_a, c_b, qkv)``: q, k and v of this rank's columns [c_a, c_b) (whole heads, its own
-#: coordinates) for every token, packed ``[S, 3·(c_b - c_a)]``, once they are here.
-QkvPieceFn = Callable[[int, int, torch.Tensor], None]
+#: ``attend(c_a, c_b, qkv)``: given q, k and v of this rank's columns [c_a, c_b) (whole heads, its
+#: own coordinates) for every token, packed ``[S, 3·(c_b - c_a)]``, those heads' attention output
+#: ``[S, c_b - c_a]``.
+AttendFn = Callable[[int, int, torch.Tensor], torch.Tensor]
 
 
 class ExchangeError(RuntimeError):
@@ -123,19 +126,33 @@ def received_qkv(layout: ArenaLayout, rank: int, inputs: Sequence[torch.Tensor])
     return torch.cat([packed_qkv(inputs[p], cols) for p in range(layout.world)])
 
 
-def received_qkv_heads(
+def qkv_pieces(
     layout: ArenaLayout, rank: int, pieces: int, inputs: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """``all_to_all_qkv_heads``' result on ``rank``: :func:`received_qkv` laid out in its head
-    pieces, each piece's q, k and v packed alone, one piece after another."""
+) -> list[tuple[int, int, torch.Tensor]]:
+    """What ``all_to_all_qkv_attend`` hands ``rank``'s callback: each non-empty head piece's bounds
+    and its heads' q, k and v for every token, packed alone ``[S, 3·(b - a)]``, in order."""
     whole = received_qkv(layout, rank, inputs)
     c = whole.shape[1] // 3
     n = max(1, pieces)
-    parts = []
-    for j in range(n):
-        a, b = layout.head_piece(rank, n, j)
-        parts.append(packed_qkv(whole, qkv_ranges(a, b, c)))
-    return torch.cat([p.reshape(-1) for p in parts]).view(whole.shape)
+    bounds = [layout.head_piece(rank, n, j) for j in range(n)]
+    return [(a, b, packed_qkv(whole, qkv_ranges(a, b, c))) for a, b in bounds if b > a]
+
+
+def received_attended(
+    layout: ArenaLayout,
+    rank: int,
+    pieces: int,
+    inputs: Sequence[torch.Tensor],
+    attend: AttendFn,
+) -> torch.Tensor:
+    """``all_to_all_qkv_attend``'s result on ``rank``: every rank's ``attend`` of its q/k/v pieces
+    (:func:`qkv_pieces`) put side by side, moved by :func:`received_cols`."""
+    outs = []
+    for p in range(layout.world):
+        parts = [attend(a, b, qkv) for a, b, qkv in qkv_pieces(layout, p, pieces, inputs)]
+        empty = inputs[p].new_empty((layout.tokens, 0))
+        outs.append(torch.cat(parts, dim=1) if parts else empty)
+    return received_cols(layout, rank, outs)
 
 
 class Exchange(Protocol):
@@ -164,12 +181,13 @@ class Exchange(Protocol):
         """q, k and v of every head for this rank's tokens ``[n_rank, 3·C]`` in, q, k and v of this
         rank's heads for every token ``[S, 3·c_rank]`` out (:func:`packed_qkv` layout)."""
 
-    def all_to_all_qkv_heads(
-        self, local: torch.Tensor, pieces: int, on_piece: QkvPieceFn
+    def all_to_all_qkv_attend(
+        self, local: torch.Tensor, pieces: int, attend: AttendFn
     ) -> torch.Tensor:
-        """:meth:`all_to_all_qkv` in this rank's head pieces, calling ``on_piece(c_a, c_b, qkv)``
-        for each non-empty piece in order as soon as it is here (:func:`received_qkv_heads`
-        layout)."""
+        """:meth:`all_to_all_qkv` in this rank's head pieces, ``attend(c_a, c_b, qkv)`` called for
+        each non-empty piece in order as soon as it is here, and its outputs moved back as
+        :meth:`all_to_all_cols` moves columns: ``[n_rank, 3·C]`` in, ``[n_rank, C]`` out
+        (:func:`received_attended`)."""
 
     def all_to_all_heads(self, produce: ProduceFn, pieces: int) -> torch.Tensor:
         """:meth:`all_to_all_cols` of the columns ``produce(c_a, c_b)`` returns per head piece; a
@@ -209,7 +227,7 @@ class ExchangeBase(ABC):
     take the tensor the result goes into (``out`` when given, checked, else :meth:`_result`) and
     hand over to the transport's hooks, which only move bytes: ``_all_gather_rows``,
     ``_all_to_all_cols`` and ``_all_to_all_qkv`` (required); ``_all_gather_rows_each``,
-    ``_all_gather_rows_produced``, ``_all_to_all_heads`` and ``_all_to_all_qkv_heads`` (by
+    ``_all_gather_rows_produced``, ``_all_to_all_heads`` and ``_all_to_all_qkv_attend`` (by
     default built on the first three, for transports that move a whole op in one collective).
     ``_begin_op`` is called once per op, after the checks.
     """
@@ -276,25 +294,26 @@ class ExchangeBase(ABC):
         n, res = self._start(KIND_QKV, chunks, out, (lay.tokens, 3 * (c1 - c0)), local.device)
         return self._all_to_all_qkv(local, n, res)
 
-    def all_to_all_qkv_heads(
+    def all_to_all_qkv_attend(
         self,
         local: torch.Tensor,
         pieces: int,
-        on_piece: QkvPieceFn,
+        attend: AttendFn,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`all_to_all_qkv` in ``pieces`` head pieces of this rank's group (0 and 1: one
-        piece): the result ``[S, 3·c_rank]`` holds the pieces one after another, each packed alone
-        (:meth:`ArenaLayout.q_piece_view`), and ``on_piece(c_a, c_b, qkv)`` gets each non-empty
-        piece in order as soon as it is here.  ``out`` must be contiguous."""
+        piece; at most ``MAX_CHUNKS // 2``: the op publishes each piece twice), each non-empty
+        piece's q, k and v packed alone (:meth:`ArenaLayout.q_piece_view`) handed to ``attend(c_a,
+        c_b, qkv)`` in order, its ``[S, c_b - c_a]`` output moved back: the result is
+        ``[n_rank, C]``, every rank's attention output of this rank's tokens."""
         lay = self.layout
-        c0, c1 = lay.cols(self.rank)
-        self._check_input(KIND_NAMES[KIND_QKV_HEADS], local, (self._n_rows, 3 * lay.columns))
-        if out is not None and not out.is_contiguous():
-            raise ValueError(f"rank {self.rank}: all_to_all_qkv_heads out must be contiguous")
-        shape = (lay.tokens, 3 * (c1 - c0))
-        n, res = self._start(KIND_QKV_HEADS, pieces, out, shape, local.device, "head pieces")
-        return self._all_to_all_qkv_heads(local, n, on_piece, res)
+        what = KIND_NAMES[KIND_QKV_ATTEND]
+        self._check_input(what, local, (self._n_rows, 3 * lay.columns))
+        if isinstance(pieces, int) and pieces > MAX_CHUNKS // 2:
+            raise ValueError(f"{what}: head pieces must be at most {MAX_CHUNKS // 2}, got {pieces}")
+        shape = (self._n_rows, lay.columns)
+        n, res = self._start(KIND_QKV_ATTEND, pieces, out, shape, local.device, "head pieces")
+        return self._all_to_all_qkv_attend(local, n, attend, res)
 
     def all_to_all_heads(
         self, produce: ProduceFn, pieces: int, out: torch.Tensor | None = None
@@ -343,33 +362,55 @@ class ExchangeBase(ABC):
     def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:
         """Every piece produced first, then one all-to-all of the whole columns."""
         parts = [part for j in range(n) if (part := self._piece(produce, n, j)[2]) is not None]
-        if not parts:  # a rank without heads
-            return self._all_to_all_cols(out.new_empty((self.layout.tokens, 0)), 1, out)
-        return self._all_to_all_cols(
-            torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], 1, out
-        )
+        return self._attended(parts, out)
 
-    def _all_to_all_qkv_heads(
-        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    def _all_to_all_qkv_attend(
+        self, local: torch.Tensor, n: int, attend: AttendFn, out: torch.Tensor
     ) -> torch.Tensor:
-        """One q/k/v all-to-all of the whole columns, then each piece laid out and handed over."""
-        whole = self._all_to_all_qkv(local, 1, torch.empty_like(out))
-        self._hand_over_pieces(whole, 0, n, on_piece, out)
-        return out
+        """One q/k/v all-to-all of the whole columns, each piece attended, one all-to-all of the
+        whole output."""
+        lay = self.layout
+        c0, c1 = lay.cols(self.rank)
+        shape = (lay.tokens, 3 * (c1 - c0))
+        whole = self._all_to_all_qkv(local, 1, out.new_empty(shape))
+        pieces = out.new_empty(shape)
+        return self._attended(self._attend_pieces(whole, 0, n, attend, pieces), out)
 
-    def _hand_over_pieces(
-        self, whole: torch.Tensor, t0: int, n: int, on_piece: QkvPieceFn, out: torch.Tensor
-    ) -> None:
+    def _attend_pieces(
+        self, whole: torch.Tensor, t0: int, n: int, attend: AttendFn, pieces: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Lay ``whole`` (rows from token ``t0`` on, the :func:`packed_qkv` layout) out in
-        ``out`` piece by piece, handing each non-empty piece over once it is there."""
+        ``pieces`` (``[S, 3·c_rank]``) piece by piece, attending each non-empty piece once it is
+        there: the outputs, checked."""
         c, t1 = whole.shape[1] // 3, t0 + whole.shape[0]
+        outs = []
         for j in range(n):
             a, b = self.layout.head_piece(self.rank, n, j)
             if b > a:
-                view = self.layout.q_piece_view(out, self.rank, n, j)
+                view = self.layout.q_piece_view(pieces, self.rank, n, j)
                 for k, (lo, hi) in enumerate(qkv_ranges(a, b, c)):
                     view[t0:t1, k * (b - a) : (k + 1) * (b - a)].copy_(whole[:, lo:hi])
-                on_piece(a, b, view)
+                outs.append(self._attended_piece(attend, a, b, view))
+        return outs
+
+    def _attended_piece(self, attend: AttendFn, a: int, b: int, qkv: torch.Tensor) -> torch.Tensor:
+        """``attend``'s output of head piece [a, b), checked."""
+        part = attend(a, b, qkv)
+        shape = (self.layout.tokens, b - a)
+        if tuple(part.shape) != shape or part.dtype != self.layout.torch_dtype:
+            raise ValueError(
+                f"rank {self.rank}: all_to_all_qkv_attend: attend() must return "
+                f"{self.layout.dtype} {list(shape)} for head piece [{a}, {b}), got {part.dtype} "
+                f"{list(part.shape)}"
+            )
+        return part
+
+    def _attended(self, outs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """The all-to-all of this rank's attended pieces ``outs`` put side by side, into
+        ``out``."""
+        if not outs:  # a rank without heads
+            return self._all_to_all_cols(out.new_empty((self.layout.tokens, 0)), 1, out)
+        return self._all_to_all_cols(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], 1, out)
 
     def _begin_op(self, kind: int, n: int) -> None:  # noqa: B027 - a hook most transports skip
         """Called once per op after its argument checks, before its result is allocated (``n``:
@@ -581,7 +622,7 @@ class NoExchange(InProcess, ExchangeBase):
         return t.normal_(generator=self._gens[t.device])
 
     def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-        buf = BUFFER[kind]
+        buf = BUFFERS[kind][-1]  # the buffer the op's result is laid out like: its last
         if buf not in self._buffers:
             self._buffers[buf] = self._peer_data(shape, device)
         return self._buffers[buf]
@@ -602,14 +643,17 @@ class NoExchange(InProcess, ExchangeBase):
         out[t0:t1].copy_(packed_qkv(local, self.layout.qkv_cols(self.rank)))
         return out
 
-    def _all_to_all_qkv_heads(
-        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    def _all_to_all_qkv_attend(
+        self, local: torch.Tensor, n: int, attend: AttendFn, out: torch.Tensor
     ) -> torch.Tensor:
-        """Its own rows of each piece; the peers' rows keep their random values."""
-        t0 = self.layout.rows(self.rank)[0]
-        own = packed_qkv(local, self.layout.qkv_cols(self.rank))
-        self._hand_over_pieces(own, t0, n, on_piece, out)
-        return out
+        """Its own rows of each q/k/v piece (the peers' rows keep their random values) attended,
+        and its own columns of the output."""
+        lay = self.layout
+        c0, c1 = lay.cols(self.rank)
+        pieces = self._result(KIND_QKV, (lay.tokens, 3 * (c1 - c0)), local.device)
+        own = packed_qkv(local, lay.qkv_cols(self.rank))
+        outs = self._attend_pieces(own, lay.rows(self.rank)[0], n, attend, pieces)
+        return self._attended(outs, out)
 
 
 class IdentityExchange(InProcess):
@@ -646,8 +690,8 @@ class IdentityExchange(InProcess):
     def all_to_all_qkv(self, local: torch.Tensor, chunks: int = 0) -> torch.Tensor:
         raise ValueError("the unsplit run projects q, k and v for every token itself")
 
-    def all_to_all_qkv_heads(
-        self, local: torch.Tensor, pieces: int, on_piece: QkvPieceFn
+    def all_to_all_qkv_attend(
+        self, local: torch.Tensor, pieces: int, attend: AttendFn
     ) -> torch.Tensor:
         raise ValueError("the unsplit run projects q, k and v for every token itself")
 

@@ -13,9 +13,11 @@ computes piece j+1.
 ``all_to_all_heads``: chunk j carries head piece j of every rank, published as soon as it is
 produced, so peers read piece j while its producer computes piece j+1; while this op runs, ``A_r``
 holds rank r's pieces one after another, each ``[S, w_j]``.
-``all_to_all_qkv_heads``: chunk j carries head piece j of every receiver (``Q_r`` holds rank r's
-pieces one after another, each ``[S, 3·w_j]``); every piece's copies out start at once and each
-piece is handed to the receiver's callback as soon as every peer's part of it is in.
+``all_to_all_qkv_attend``: chunk j < P carries q/k/v head piece j of every receiver (``Q_r`` holds
+rank r's pieces one after another, each ``[S, 3·w_j]``), chunk P + j every rank's attention output
+of its piece j (``A_r`` in pieces, as ``all_to_all_heads``); every q/k/v piece's copies out start
+at once, each piece is attended as soon as every peer's part of it is in, and its output's copies
+out start at once too.
 
 Signalling.  After a chunk's bytes are in the arena the writer stores its *sequence word*
 (``workers.transports.arena``: generation, job, op, op kind, chunk count, chunks published) and
@@ -77,14 +79,14 @@ from typing import Any
 import torch
 
 from workers.transports.arena import (
-    BUFFER,
+    BUFFERS,
     JOB_CYCLE,
     KIND_ALL_TO_ALL,
     KIND_ALL_TO_ALL_HEADS,
     KIND_GATHER,
     KIND_NAMES,
     KIND_QKV,
-    KIND_QKV_HEADS,
+    KIND_QKV_ATTEND,
     MAX_OPS_PER_JOB,
     ArenaLayout,
     decode_seq,
@@ -96,12 +98,12 @@ from workers.transports.arena import (
     seq_index,
 )
 from workers.transports.exchange import (
+    AttendFn,
     ExchangeChunkMismatch,
     ExchangeStats,
     ExchangeTimeout,
     JobExchange,
     ProduceFn,
-    QkvPieceFn,
     RowsFn,
     RowsProduceFn,
     packed_qkv,
@@ -258,7 +260,7 @@ class HostExchange(JobExchange):
 
     # -- the ops -----------------------------------------------------------------------------------
     def _begin_op(self, kind: int, n: int) -> None:
-        if kind in (KIND_QKV, KIND_QKV_HEADS):
+        if kind in (KIND_QKV, KIND_QKV_ATTEND):
             self.layout.check_qkv()
         if self._op >= MAX_OPS_PER_JOB:
             raise RuntimeError(
@@ -266,7 +268,8 @@ class HostExchange(JobExchange):
             )
         super()._begin_op(kind, n)
         self._op += 1
-        self._n_chunks = n
+        # the op's chunks in the sequence word: each head piece twice for the q/k/v-and-output op
+        self._n_chunks = 2 * n if kind == KIND_QKV_ATTEND else n
         self._deadline = time.monotonic() + self.deadline_s
         self._guard_reuse(kind)
 
@@ -325,11 +328,7 @@ class HostExchange(JobExchange):
             self._timed_copy(out[a:b], part, _default_copy)
             if not self._peers:
                 return []
-            t = time.perf_counter()
-            wait = self._to_host_async(self._g_rows(me, a, b), part)
-            self._stats["copy_s"] += time.perf_counter() - t
-            self._stats["bytes_written"] += part.numel() * part.element_size()
-            return [wait]
+            return [self._started_copy(self._g_rows(me, a, b), part)]
 
         def take(p: int, j: int) -> None:
             a, b = lay.chunk_rows(p, n, j)
@@ -390,59 +389,101 @@ class HostExchange(JobExchange):
         self._pipeline(KIND_QKV, n, publish, take)
         return out
 
-    def _all_to_all_qkv_heads(
-        self, local: torch.Tensor, n: int, on_piece: QkvPieceFn, out: torch.Tensor
+    def _all_to_all_qkv_attend(
+        self, local: torch.Tensor, n: int, attend: AttendFn, out: torch.Tensor
     ) -> torch.Tensor:
-        """Chunk j carries head piece j of every receiver.  The projection is whole when the op
-        begins, so every piece's copies out start at once; then piece by piece this rank waits for
-        its own copies out, publishes, takes the peers' piece and hands it over, so the receiver
-        attends piece j while piece j+1 still moves."""
+        """Chunk j < n carries q/k/v head piece j of every receiver, chunk n + j every rank's
+        output of its piece j.  The projection is whole when the op begins, so every q/k/v piece's
+        copies out start at once.  Then piece by piece this rank publishes its q/k/v piece j, takes
+        the peers' and attends it, starts the output's copies out, and only then publishes its
+        output of piece j-1 and takes the peers': piece j is attended while piece j+1 travels in
+        and piece j-1's output travels back.  (A published count is monotonic, so an output piece
+        is published after every q/k/v piece: the q/k/v copies out, queued first, are done by
+        then.)"""
         lay, me = self.layout, self.rank
         t0, t1 = lay.rows(me)
+        c0, c1 = lay.cols(me)
+        # the received q/k/v in pieces; its copies in are queued before the attention that reads
+        # them, which the compute stream waits for before anything else can take its memory
+        received = out.new_empty((lay.tokens, 3 * (c1 - c0)))
+        mine = self._a_block(me)
+        chunks = self._n_chunks
 
         def piece_cols(r: int, j: int) -> list[tuple[int, int]]:
             a, b = lay.head_piece(r, n, j)
             r0 = lay.cols(r)[0]
             return qkv_ranges(r0 + a, r0 + b, lay.columns)
 
-        def stage(j: int) -> list[Callable[[], None]]:
+        def stage_qkv(j: int) -> list[Callable[[], None]]:
             a, b = lay.head_piece(me, n, j)
             if b > a and t1 > t0:
-                own = lay.q_piece_view(out, me, n, j)[t0:t1]
+                own = lay.q_piece_view(received, me, n, j)[t0:t1]
                 self._timed_copy(own, packed_qkv(local, piece_cols(me, j)), _default_copy)
             waits = []
             for r in self._peers if t1 > t0 else ():
                 ra, rb = lay.head_piece(r, n, j)
                 if rb > ra:
                     part = packed_qkv(local, piece_cols(r, j))
-                    t = time.perf_counter()
-                    waits.append(self._to_host_async(self._q_piece_rows(r, me, n, j, t0, t1), part))
-                    self._stats["copy_s"] += time.perf_counter() - t
-                    self._stats["bytes_written"] += part.numel() * part.element_size()
+                    dst = self._q_piece_rows(r, me, n, j, t0, t1)
+                    waits.append(self._started_copy(dst, part))
             self._staged(j)
             return waits
 
-        def take(p: int, j: int) -> None:
+        def take_qkv(p: int, j: int) -> None:
             a, b = lay.rows(p)
             ha, hb = lay.head_piece(me, n, j)
             if b > a and hb > ha:
-                dst = lay.q_piece_view(out, me, n, j)[a:b]
+                dst = lay.q_piece_view(received, me, n, j)[a:b]
                 self._timed_copy(
                     dst, self._q_piece_rows(me, p, n, j, a, b), self._to_device, read=True
                 )
 
-        started = [stage(j) for j in range(n)]
-        for j in range(n):
-            t = time.perf_counter()
-            for wait in started[j]:
-                wait()
-            self._stats["copy_s"] += time.perf_counter() - t
-            self._publish(KIND_QKV_HEADS, n, j)
-            self._consume(KIND_QKV_HEADS, n, j, take)
+        def stage_out(j: int) -> list[Callable[[], None]]:
             a, b = lay.head_piece(me, n, j)
+            waits = []
             if b > a:
-                on_piece(a, b, lay.q_piece_view(out, me, n, j))
-        self._op_done(KIND_QKV_HEADS)
+                part = self._attended_piece(attend, a, b, lay.q_piece_view(received, me, n, j))
+                self._timed_copy(out[:, c0 + a : c0 + b], part[t0:t1], _default_copy)
+                dst = lay.a_piece_view(mine, me, n, j)
+                for r in self._peers:
+                    r0, r1 = lay.rows(r)
+                    if r1 > r0:
+                        waits.append(self._started_copy(dst[r0:r1], part[r0:r1]))
+            self._staged(n + j)
+            return waits
+
+        def take_out(p: int, j: int) -> None:
+            a, b = lay.head_piece(p, n, j - n)
+            if b > a and t1 > t0:
+                p0 = lay.cols(p)[0]
+                src = lay.a_piece_view(self._a_block(p), p, n, j - n)[t0:t1]
+                self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
+
+        qkv_waits = [stage_qkv(j) for j in range(n)]
+        published = 0
+
+        def publish(upto: int, waits: list[list[Callable[[], None]]]) -> None:
+            """Publish chunks up to ``upto`` (exclusive), each once its copies out are done."""
+            nonlocal published
+            while published < upto:
+                t = time.perf_counter()
+                for wait in waits[published]:
+                    wait()
+                self._stats["copy_s"] += time.perf_counter() - t
+                self._publish(KIND_QKV_ATTEND, chunks, published)
+                published += 1
+
+        out_waits: list[list[Callable[[], None]]] = []
+        for j in range(n):
+            publish(j + 1, qkv_waits)
+            self._consume(KIND_QKV_ATTEND, chunks, j, take_qkv)
+            out_waits.append(stage_out(j))
+            if j:
+                publish(n + j, qkv_waits + out_waits)
+                self._consume(KIND_QKV_ATTEND, chunks, n + j - 1, take_out)
+        publish(chunks, qkv_waits + out_waits)
+        self._consume(KIND_QKV_ATTEND, chunks, chunks - 1, take_out)
+        self._op_done(KIND_QKV_ATTEND)
         return out
 
     def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:
@@ -463,10 +504,7 @@ class HostExchange(JobExchange):
             for r in self._peers:
                 r0, r1 = lay.rows(r)
                 if r1 > r0:
-                    t = time.perf_counter()
-                    waits.append(self._to_host_async(dst[r0:r1], part[r0:r1]))
-                    self._stats["copy_s"] += time.perf_counter() - t
-                    self._stats["bytes_written"] += (r1 - r0) * (b - a) * part.element_size()
+                    waits.append(self._started_copy(dst[r0:r1], part[r0:r1]))
             return waits
 
         def take(p: int, j: int) -> None:
@@ -516,9 +554,10 @@ class HostExchange(JobExchange):
 
     # -- op machinery ------------------------------------------------------------------------------
     def _op_done(self, kind: int) -> None:
-        """Every chunk of the current op is consumed: its buffer's last use in this job."""
-        self._last_use[BUFFER[kind]] = self._op
-        self._reads_done((BUFFER[kind],))
+        """Every chunk of the current op is consumed: its buffers' last use in this job."""
+        for name in BUFFERS[kind]:
+            self._last_use[name] = self._op
+        self._reads_done(BUFFERS[kind])
 
     def _staged(self, j: int) -> None:
         """Every copy out of chunk j of the current op is started (a transport whose peers wait
@@ -528,6 +567,14 @@ class HostExchange(JobExchange):
         """This rank has started every read out of ``buffers`` so far and publishes nothing later
         yet: a transport that orders its peers' next writes after those reads on the GPU
         (``workers.transports.cuda_ipc``'s events) marks it here."""
+
+    def _started_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        """``to_host_async(dst, src)``, timed and counted: the wait for the copy."""
+        t = time.perf_counter()
+        wait = self._to_host_async(dst, src)
+        self._stats["copy_s"] += time.perf_counter() - t
+        self._stats["bytes_written"] += src.numel() * src.element_size()
+        return wait
 
     def _to_host_after(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``to_host_async`` and its wait: a copy out of a tensor computed after the op began."""
@@ -612,7 +659,7 @@ class HostExchange(JobExchange):
         return pop > op
 
     def _guard_reuse(self, kind: int) -> None:
-        last = self._last_use[BUFFER[kind]]
+        last = max(self._last_use[name] for name in BUFFERS[kind])
         pending = [p for p in self._peers if not self._past(p, last)]
         if pending:
             if last > 0:

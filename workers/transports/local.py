@@ -17,12 +17,12 @@ from collections.abc import Callable
 import torch
 
 from workers.transports.arena import (
-    BUFFER,
+    BUFFERS,
     KIND_ALL_TO_ALL,
     KIND_ALL_TO_ALL_HEADS,
     KIND_GATHER,
     KIND_QKV,
-    KIND_QKV_HEADS,
+    KIND_QKV_ATTEND,
     ArenaLayout,
 )
 from workers.transports.exchange import ExchangeBase, InProcess, RowsProduceFn, packed_qkv
@@ -56,17 +56,17 @@ class LocalExchange(InProcess, ExchangeBase):
     def __init__(self, rank: int, arena: LocalArena) -> None:
         self.rank, self.layout, self._arena = rank, arena.layout, arena
         self.device = arena.gathered.device
-        self._last = ""  # the buffer of the previous op
+        self._last: tuple[str, ...] = ()  # the buffers of the previous op
 
     def _begin_op(self, kind: int, n: int) -> None:
-        if kind in (KIND_QKV, KIND_QKV_HEADS):
+        if kind in (KIND_QKV, KIND_QKV_ATTEND):
             self.layout.check_qkv()
-        if BUFFER[kind] == self._last:
+        if set(BUFFERS[kind]) & set(self._last):
             self._arena.meet()  # every rank is done with the previous op's result
-        self._last = BUFFER[kind]
+        self._last = BUFFERS[kind]
 
     def _result(self, kind: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-        if kind == KIND_QKV_HEADS:  # laid out in head pieces: not the shared buffer's layout
+        if kind == KIND_QKV_ATTEND:  # two ops over the shared buffers: a result of its own
             return super()._result(kind, shape, device)
         return self._shared(kind)
 

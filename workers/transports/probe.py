@@ -18,7 +18,8 @@ blocks of
 (all_gather_rows, all_to_all_cols); a layout planned with ``qkv`` adds ``all_to_all_qkv`` (of a
 ``[S, 3·C]`` pattern); ``"overlap": true`` adds ``all_to_all_heads`` in as many head pieces as
 chunks (each piece produced on demand from the pattern), on a ``qkv`` layout
-``all_to_all_qkv_heads`` in as many head pieces (each piece handed over once, in order),
+``all_to_all_qkv_attend`` in as many head pieces (each piece handed over once, in order, and
+"attended" by :func:`probe_attend`),
 ``all_gather_rows_each`` (each rank's
 rows handed over once, its own first) and ``all_gather_rows_produced`` in as many row pieces as
 chunks (every row produced once, pieces in order).  Every rank generates every rank's inputs
@@ -52,9 +53,10 @@ from workers.transports.exchange import (
     Exchange,
     ExchangeError,
     gathered_rows,
+    qkv_pieces,
+    received_attended,
     received_cols,
     received_qkv,
-    received_qkv_heads,
 )
 from workers.transports.host import HostExchange
 
@@ -150,7 +152,7 @@ def _block(
         )
         check(f"all_to_all_heads ({chunks} pieces)", got, received_cols(lay, rank, cols))
         if lay.q_offsets:
-            bad += _qkv_heads(ex, lay, rank, qkv[rank], qkv, chunks, timed, mine)
+            bad += _qkv_attend(ex, lay, rank, qkv, chunks, timed, mine)
         handed: list[tuple[int, int, torch.Tensor]] = []
         got = timed(
             "each_s", ex.all_gather_rows_each, mine(rows[rank]), functools.partial(_keep, handed)
@@ -179,39 +181,43 @@ def _block(
     return bad
 
 
-def _qkv_heads(
+def probe_attend(a: int, b: int, qkv: torch.Tensor) -> torch.Tensor:
+    """The probe's stand-in for attention: q - v of the piece ``[S, 3·(b - a)]`` (exact on every
+    device; it mixes q and v, so a piece laid out wrong or a wrong output place shows)."""
+    w = b - a
+    return qkv[:, :w] - qkv[:, 2 * w :]
+
+
+def _qkv_attend(
     ex: Exchange,
     lay: ArenaLayout,
     rank: int,
-    local: torch.Tensor,
     qkv: list[torch.Tensor],
     pieces: int,
     timed: Timed,
     mine: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[str]:
-    """``all_to_all_qkv_heads`` in ``pieces`` head pieces: its result, and every non-empty piece
-    handed over once, in order, equal to its part of the result; returns what differed."""
+    """``all_to_all_qkv_attend`` in ``pieces`` head pieces, attended by :func:`probe_attend`: its
+    result, and every non-empty piece handed over once, in order, equal to the spec's; returns
+    what differed."""
     handed: list[tuple[int, int, torch.Tensor]] = []
-    got = timed(
-        "qkv_heads_s",
-        ex.all_to_all_qkv_heads,
-        mine(local),
-        pieces,
-        functools.partial(_keep, handed),
-    )
-    want = received_qkv_heads(lay, rank, pieces, qkv)
+
+    def attend(a: int, b: int, piece: torch.Tensor) -> torch.Tensor:
+        _keep(handed, a, b, piece)
+        return probe_attend(a, b, piece)
+
+    got = timed("qkv_attend_s", ex.all_to_all_qkv_attend, mine(qkv[rank]), pieces, attend)
+    want = received_attended(lay, rank, pieces, qkv, probe_attend)
     bad = (
-        [] if torch.equal(got.cpu(), want) else [f"all_to_all_qkv_heads ({pieces} pieces) differs"]
+        [] if torch.equal(got.cpu(), want) else [f"all_to_all_qkv_attend ({pieces} pieces) differs"]
     )
-    n = max(1, pieces)
-    bounds = [lay.head_piece(rank, n, j) for j in range(n)]
-    expected = [(a, b) for a, b in bounds if b > a]
-    if [(a, b) for a, b, _ in handed] != expected:
+    expected = qkv_pieces(lay, rank, pieces, qkv)
+    if [(a, b) for a, b, _ in handed] != [(a, b) for a, b, _ in expected]:
         bad.append(
-            f"q/k/v pieces handed over as {[(a, b) for a, b, _ in handed]}, expected {expected}"
+            f"q/k/v pieces handed over as {[(a, b) for a, b, _ in handed]}, expected "
+            f"{[(a, b) for a, b, _ in expected]}"
         )
-    views = {bounds[j]: lay.q_piece_view(want, rank, n, j) for j in range(n)}
-    if not all(torch.equal(part, views[(a, b)]) for a, b, part in handed):
+    elif not all(torch.equal(h[2], e[2]) for h, e in zip(handed, expected)):
         bad.append("handed-over q/k/v pieces differ")
     return bad
 
@@ -250,7 +256,7 @@ def run_case(
     for chunks in case.get("chunks", [0]):
         for tname, ex in exchanges:
             ex.reset_stats()
-            keys = ("gather_s", "a2a_s", "qkv_s", "heads_s", "qkv_heads_s", "each_s", "produced_s")
+            keys = ("gather_s", "a2a_s", "qkv_s", "heads_s", "qkv_attend_s", "each_s", "produced_s")
             times = {k: [] for k in keys}
             for rnd in range(rounds):
                 ex.begin(gen)
