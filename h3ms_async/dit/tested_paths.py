@@ -72,9 +72,9 @@ TESTED: dict[str, dict[SplitPath, str]] = {
     # gather-ahead case (host, all overlaps, GPU-direct, streamed weights) on one H100 at f2383e5
     # (docs/device_runs/h100_s13_f2383e5_*); the GPU-direct exchange ordered by CUDA IPC events
     # (chunked and not, an interrupt and a killed rank, every collective) on one H100 at c24a884
-    # (docs/device_runs/h100_s16_c24a884_*); the Ulysses pattern in head pieces, host-staged and
-    # GPU-direct, on one H100 at 3768da9 (docs/device_runs/h100_s26_3768da9_*). The exchange across
-    # GPUs has no pass yet: no machine
+    # (docs/device_runs/h100_s16_c24a884_*); the Ulysses pattern in head pieces (its q/k/v in and
+    # its output back by pieces), host-staged and GPU-direct, on one H100 at 53d12c4
+    # (docs/device_runs/h100_s27_53d12c4_*). The exchange across GPUs has no pass yet: no machine
     # with several GPUs was lent (its test: tests/test_cuda.py::test_split_across_gpus_is_exact
     # [cuda_ipc], run by benchmarks/device_run.sh gpus).
     "cuda": {
