@@ -179,6 +179,14 @@ def test_the_implemented_overlaps_hide_what_they_can():
     assert len(hops) == 2 and sum(hops) == pytest.approx(gath)  # out to the arena, then in from it
     assert ahead.block_s == pytest.approx(pieces.block_s - gath + sm.pipelined(tail, hops, 4) - tail)
     assert ahead.block_s < pieces.block_s
+    # NCCL moves each op as one collective once its input is whole (workers/transports/dist.py): every overlap's
+    # pieces cost their compute and hide nothing, in either pattern
+    nccl = sm.Link("nvlink", "nccl", 150.0, 20e-6, "test", True)
+    for pattern in ("gather", "ulysses"):
+        none = sm.predict(parts, 4, nccl, pattern=pattern)
+        every = sm.predict(parts, 4, nccl, pattern=pattern, head_pieces=8, gather_overlap=True, gather_ahead=8)
+        assert every.compute_block_s == pytest.approx(none.compute_block_s * (1 + parts.overlap_compute_frac))
+        assert every.exposed_block_s == pytest.approx(none.exposed_block_s) == pytest.approx(none.exchange_block_s)
     run = _bench("--parts", str(PARTS), "--ranks", "2", "--schedule", "gather+pieces4")
     assert run.returncode == 0 and "schedule gather+pieces4" in run.stderr, run.stderr
     assert json.loads(run.stdout)["schedule"]["overlaps"] == "gather+pieces4"

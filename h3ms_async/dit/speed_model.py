@@ -38,7 +38,7 @@ qkv projection of a rank's own rows runs while the other ranks' rows travel, and
 besides attention and the qkv projection) with the next block's all-gather; with it, the
 gather overlap no longer applies (the next block finds its rows gathered).  With any overlap on, a
 rank's compute grows by the measured ``Parts.overlap_compute_frac`` (the pieces' smaller
-kernels).  ``overlap`` (0..1)
+kernels).  Over NCCL, which moves each op as one collective, they hide nothing.  ``overlap`` (0..1)
 hides a further fraction of what stays exposed, for schedules not built yet.
 """
 
@@ -470,21 +470,25 @@ def predict(
     if link.shared:  # logical ranks: one GPU computes every rank's work in turn
         attn, own_qkv, tail = [sum(attn)], [sum(own_qkv)], [sum(tail)]
         compute = [compute_block]
+    # NCCL moves every op as one collective once its input is whole (workers/transports/dist.py):
+    # the overlaps' pieces cost their compute there and hide nothing
+    hides = link.transport != "nccl"
     block = 0.0
     for c, att, qkv, tl in zip(compute, attn, own_qkv, tail):
         # the pieces' pipeline: the output's all-to-all in the gather pattern, both all-to-alls in
         # the Ulysses pattern (workers/dit/loop.py)
-        out_pieces = head_pieces if pattern == "gather" else 0
+        out_pieces = head_pieces if pattern == "gather" and hides else 0
         if world == 1:
             exposed = 0.0
-        elif pattern == "ulysses" and head_pieces > 1:
+        elif pattern == "ulysses" and head_pieces > 1 and hides:
             both = pipelined_both_ways(att, hops[first_name], hops[second_name], head_pieces)
             exposed = both - att
         else:
-            if ahead:
+            if ahead and hides:
                 exposed = pipelined(tl, hops[first_name], ahead) - tl
             else:
-                exposed = first - (min(first, qkv) if gather_overlap and pattern == "gather" else 0)
+                beside = gather_overlap and pattern == "gather" and not ahead and hides
+                exposed = first - (min(first, qkv) if beside else 0)
             exposed += pipelined(att, hops[second_name], out_pieces) - att
         block = max(block, c + exposed * (1.0 - overlap))
     exposed = block - compute_block
