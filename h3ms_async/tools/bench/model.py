@@ -10,9 +10,10 @@ with an overlapped ``--schedule``, what its overlaps' kernels add to the largest
 Links: PCIe Gen4 and Gen5 with host staging and NVLink with NCCL at stated rates
 (``--pcie4-gbps``...), plus the measured host link when the parts carry pinned copy rates, plus a
 multi-host network with ``--net-gbit``. Every prediction is made for the block-input all-gather
-(what the split runs) and for Ulysses, dense and sparse. ``--validate`` (CUDA only) runs the real
-split on logical ranks of one GPU (``--validate-ranks``, 2 and 4 by default; the all-gather pattern
-unless ``--validate-pattern ulysses``) and prints predicted vs measured step time.
+(what the split runs) and for Ulysses, dense and sparse (sparse: the all-gather pattern only, as the
+split runs it). ``--validate`` (CUDA only) runs the real split on logical ranks of one GPU
+(``--validate-ranks``, 2 and 4 by default; the all-gather pattern unless ``--validate-pattern
+ulysses``) and prints predicted vs measured step time.
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def run(
             if link.shared:
                 continue
             for sparse in modes:
+                # sparse attention runs with the all-gather pattern only (the split refuses Ulysses
+                # with it)
+                patterns = ("gather",) if sparse else sm.PATTERNS
                 pair = {
                     p: _predict(
                         parts,
@@ -172,7 +176,7 @@ def run(
                         compute_scale=compute_scale,
                         shares=shares,
                     )
-                    for p in sm.PATTERNS
+                    for p in patterns
                 }
                 preds += [p.to_dict() for p in pair.values()]
                 best = min(pair.values(), key=lambda p: p.step_s)
@@ -182,7 +186,11 @@ def run(
                         "link": link.name,
                         "attention": best.attention,
                         "pattern": best.pattern,
-                        "gather_over_ulysses": pair["gather"].step_s / pair["ulysses"].step_s,
+                        "gather_over_ulysses": (
+                            pair["gather"].step_s / pair["ulysses"].step_s
+                            if "ulysses" in pair
+                            else None
+                        ),
                     }
                 )
     return {
@@ -240,9 +248,10 @@ def table(res: dict) -> str:
     for (link, attn), by_n in rows.items():
         cells = []
         for n in worlds:
-            g, u = by_n[n]["gather"], by_n[n]["ulysses"]
+            g, u = by_n[n]["gather"], by_n[n].get("ulysses")
             star = "*U" if pref[(n, link, attn)] == "ulysses" else "*G"
-            cells.append(f"{g['speedup']:5.2f}x [{u['speedup']:5.2f}x] {g['step_s']:6.2f}s {star}")
+            other = f"{u['speedup']:5.2f}x" if u else f"{'-':>6}"
+            cells.append(f"{g['speedup']:5.2f}x [{other}] {g['step_s']:6.2f}s {star}")
         lines.append(f"{link:<16} {attn:<6} " + " ".join(f"{c:>30}" for c in cells))
     validation = res.get("validation", [])
     checked = ", ".join(str(r["world"]) for r in validation)
