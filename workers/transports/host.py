@@ -406,7 +406,6 @@ class HostExchange(JobExchange):
         # the received q/k/v in pieces; its copies in are queued before the attention that reads
         # them, which the compute stream waits for before anything else can take its memory
         received = out.new_empty((lay.tokens, 3 * (c1 - c0)))
-        mine = self._a_block(me)
         chunks = self._n_chunks
 
         def piece_cols(r: int, j: int) -> list[tuple[int, int]]:
@@ -443,26 +442,18 @@ class HostExchange(JobExchange):
             waits = []
             if b > a:
                 part = self._attended_piece(attend, a, b, lay.q_piece_view(received, me, n, j))
-                self._timed_copy(out[:, c0 + a : c0 + b], part[t0:t1], _default_copy)
-                dst = lay.a_piece_view(mine, me, n, j)
-                for r in self._peers:
-                    r0, r1 = lay.rows(r)
-                    if r1 > r0:
-                        waits.append(self._started_copy(dst[r0:r1], part[r0:r1]))
+                waits = self._send_head_piece(n, j, a, part, out)
             self._staged(n + j)
             return waits
 
         def take_out(p: int, j: int) -> None:
-            a, b = lay.head_piece(p, n, j - n)
-            if b > a and t1 > t0:
-                p0 = lay.cols(p)[0]
-                src = lay.a_piece_view(self._a_block(p), p, n, j - n)[t0:t1]
-                self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
+            self._take_head_piece(p, n, j - n, out)
 
-        qkv_waits = [stage_qkv(j) for j in range(n)]
+        # chunk k's copies out: the q/k/v pieces' started at once, each output piece's once attended
+        waits = [stage_qkv(j) for j in range(n)]
         published = 0
 
-        def publish(upto: int, waits: list[list[Callable[[], None]]]) -> None:
+        def publish(upto: int) -> None:
             """Publish chunks up to ``upto`` (exclusive), each once its copies out are done."""
             nonlocal published
             while published < upto:
@@ -473,15 +464,14 @@ class HostExchange(JobExchange):
                 self._publish(KIND_QKV_ATTEND, chunks, published)
                 published += 1
 
-        out_waits: list[list[Callable[[], None]]] = []
         for j in range(n):
-            publish(j + 1, qkv_waits)
+            publish(j + 1)
             self._consume(KIND_QKV_ATTEND, chunks, j, take_qkv)
-            out_waits.append(stage_out(j))
+            waits.append(stage_out(j))
             if j:
-                publish(n + j, qkv_waits + out_waits)
+                publish(n + j)
                 self._consume(KIND_QKV_ATTEND, chunks, n + j - 1, take_out)
-        publish(chunks, qkv_waits + out_waits)
+        publish(chunks)
         self._consume(KIND_QKV_ATTEND, chunks, chunks - 1, take_out)
         self._op_done(KIND_QKV_ATTEND)
         return out
@@ -489,33 +479,44 @@ class HostExchange(JobExchange):
     def _all_to_all_heads(self, produce: ProduceFn, n: int, out: torch.Tensor) -> torch.Tensor:
         """Piece j is chunk j of the op, published once its copies out are done; piece j+1 is
         produced (and its copies started) before this rank waits for them."""
-        lay, me = self.layout, self.rank
-        t0, t1 = lay.rows(me)
-        c0 = lay.cols(me)[0]
-        mine = self._a_block(me)
 
         def stage(j: int) -> list[Callable[[], None]]:
-            a, b, part = self._piece(produce, n, j)
-            if part is None:
-                return []
-            self._timed_copy(out[:, c0 + a : c0 + b], part[t0:t1], _default_copy)
-            dst = lay.a_piece_view(mine, me, n, j)
-            waits = []
-            for r in self._peers:
-                r0, r1 = lay.rows(r)
-                if r1 > r0:
-                    waits.append(self._started_copy(dst[r0:r1], part[r0:r1]))
-            return waits
+            a, _, part = self._piece(produce, n, j)
+            return [] if part is None else self._send_head_piece(n, j, a, part, out)
 
         def take(p: int, j: int) -> None:
-            a, b = lay.head_piece(p, n, j)
-            if b > a and t1 > t0:
-                p0 = lay.cols(p)[0]
-                src = lay.a_piece_view(self._a_block(p), p, n, j)[t0:t1]
-                self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
+            self._take_head_piece(p, n, j, out)
 
         self._produced_pieces(KIND_ALL_TO_ALL_HEADS, n, stage, take)
         return out
+
+    def _send_head_piece(
+        self, n: int, j: int, a: int, part: torch.Tensor, out: torch.Tensor
+    ) -> list[Callable[[], None]]:
+        """This rank's head piece j of ``n`` (``part``: its columns from ``a`` on, every token) as
+        the all-to-all of columns moves it: its own rows into ``out``, each peer's rows copied out
+        into A (piece j's place); the waits for those copies."""
+        lay, me = self.layout, self.rank
+        t0, t1 = lay.rows(me)
+        c0 = lay.cols(me)[0]
+        self._timed_copy(out[:, c0 + a : c0 + a + part.shape[1]], part[t0:t1], _default_copy)
+        dst = lay.a_piece_view(self._a_block(me), me, n, j)
+        waits = []
+        for r in self._peers:
+            r0, r1 = lay.rows(r)
+            if r1 > r0:
+                waits.append(self._started_copy(dst[r0:r1], part[r0:r1]))
+        return waits
+
+    def _take_head_piece(self, p: int, n: int, j: int, out: torch.Tensor) -> None:
+        """Peer p's head piece j of ``n``, this rank's rows of it, from A into ``out``."""
+        lay = self.layout
+        t0, t1 = lay.rows(self.rank)
+        a, b = lay.head_piece(p, n, j)
+        if b > a and t1 > t0:
+            p0 = lay.cols(p)[0]
+            src = lay.a_piece_view(self._a_block(p), p, n, j)[t0:t1]
+            self._timed_copy(out[:, p0 + a : p0 + b], src, self._to_device, read=True)
 
     def _produced_pieces(
         self,
