@@ -216,7 +216,7 @@ def test_the_no_exchange_baseline_starts_every_rank_together(engine_factory, int
     eng.run_blocks(inp.x.clone(), int8_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, exchange="none")
     took = time.monotonic() - t
     waits = [r.start_wait_s for r in eng.last_rank_results]
-    assert all(0 < w <= 1.0 for w in waits), waits
+    assert all(0 < w < 1.1 for w in waits), waits  # the sleep each had, which a busy machine stretches a little
     assert all(r.wall_s + w <= took for r, w in zip(eng.last_rank_results, waits))  # the wall leaves the wait out
 
 
