@@ -139,7 +139,8 @@ def test_ulysses_pattern_host_and_gloo(engine_factory):
     from h3ms_async.dit.speed_model import choose_pattern
     from h3ms_async.status.hub import get_hub
     assert [choose_pattern(5376, 56, 128, n, "host") for n in (2, 4, 6, 7, 8)] == ["gather"] * 3 + ["ulysses"] * 2
-    assert [choose_pattern(5376, 56, 128, n, "nccl") for n in (4, 5)] == ["gather", "ulysses"]
+    for transport in ("nccl", "cuda_ipc"):
+        assert [choose_pattern(5376, 56, 128, n, transport) for n in (4, 5)] == ["gather", "ulysses"]
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
     for exchange, kw in (("host", {"exchange_chunks": 3}), ("nccl", {})):

@@ -28,7 +28,7 @@ def pick_pattern(
         config.heads,
         config.head_dim,
         len(devices),
-        "host" if transport == Transport.HOST else "nccl",
+        "nccl" if transport.collective else transport.value,
         options.shares,
     )
     return Pattern(picked)

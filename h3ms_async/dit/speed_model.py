@@ -290,9 +290,10 @@ def choose_pattern(
     shares: Sequence[float] | None = None,
 ) -> str:
     """The pattern whose first op moves fewer bytes through the busiest rank's link (the all-to-all
-    of the attention output is the same in both): for H3's shapes the all-gather up to N = 6 with
-    host staging and N = 4 with NCCL, Ulysses above.  The ratio does not depend on the token count
-    (a nominal one is used)."""
+    of the attention output is the same in both) on ``transport`` (``host``, ``cuda_ipc`` or
+    ``nccl``): for H3's shapes the all-gather up to N = 6 with host staging and N = 4 with NCCL or
+    GPU-direct, Ulysses above.  The ratio does not depend on the token count (a nominal one is
+    used)."""
     shape = Shape(4096 * world, hidden, heads, head_dim, 1, "bfloat16")
     plan = make_plan(shape, world, shares)
 
