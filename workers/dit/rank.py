@@ -525,28 +525,28 @@ def run_step(ctx: WorkerContext, msg: dit_protocol.DitStep) -> dit_protocol.DitS
     sparse = (
         dit_sparse.sparse_step(msg.sparse, st.pooled, w.heads, msg.segments) if msg.sparse else None
     )
-    rank = RankBlocks(
-        w.provider,
-        ex,
-        g1 - g0,
-        int(cfg["head_dim"]),
-        float(cfg["eps"]),
-        _attend(cfg["attention"]),
-        _clock(ex, device),
-    )
-    paths = LoopPaths(
-        int(msg.chunks),
-        int(msg.head_pieces),
-        bool(msg.gather_overlap),
-        msg.pattern,
-        sparse,
-        gather_ahead=_gather_ahead(msg),
-    )
-    hooks = LoopHooks(before_block=check_abort, trace=trace if msg.trace else None)
-    # set-up ends here, right before the loop, so that the blocks' timings tile the rest of the wall
-    setup_s = time.perf_counter() - t_start
-    start_wait_s = _wait_for_start(msg.start_at)
     try:
+        rank = RankBlocks(
+            w.provider,
+            ex,
+            g1 - g0,
+            int(cfg["head_dim"]),
+            float(cfg["eps"]),
+            _attend(cfg["attention"]),
+            _clock(ex, device),
+        )
+        paths = LoopPaths(
+            int(msg.chunks),
+            int(msg.head_pieces),
+            bool(msg.gather_overlap),
+            msg.pattern,
+            sparse,
+            gather_ahead=_gather_ahead(msg),
+        )
+        hooks = LoopHooks(before_block=check_abort, trace=trace if msg.trace else None)
+        # set-up ends right before the loop: the blocks' timings tile the rest of the wall
+        setup_s = time.perf_counter() - t_start
+        start_wait_s = _wait_for_start(msg.start_at)
         per_block = run_blocks(
             x_rows, BlockInputs(mod, segs, rope), rank, range(b0, b1), paths, hooks
         )
