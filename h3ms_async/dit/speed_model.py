@@ -345,11 +345,6 @@ def op_hops(
     return (t + link.op_latency_s,)
 
 
-def op_seconds(shape: Shape, plan: Plan, kind: str, link: Link, host_mem_gbps: float) -> float:
-    """One op's wall time on ``link`` (the slowest rank's), latency included."""
-    return sum(op_hops(shape, plan, kind, link, host_mem_gbps))
-
-
 def shard_seconds(parts: Parts, plan: Plan, attention_ratio: float = 1.0) -> list[float]:
     """Each rank's compute per block: tokens share of the non-attention work, heads share of the
     attention (times ``attention_ratio`` for sparse steps), plus the per-rank overhead at N > 1; a

@@ -282,18 +282,3 @@ class Assembler:
     @property
     def done(self) -> bool:
         return self.next_chunk == self.plan.num_chunks
-
-
-def decode_unsplit(
-    z_padded: torch.Tensor,
-    plan: ChunkPlan,
-    decode_chunk: Callable[[torch.Tensor], torch.Tensor],
-    out: torch.Tensor,
-    blend_fn: BlendFn,
-    finalize_fn: FinalizeFn,
-) -> torch.Tensor:
-    """Decode every chunk here, in order (the reference the split must equal)."""
-    asm = Assembler(plan, out, blend_fn, finalize_fn)
-    for a, b in plan.spans:
-        asm.add(decode_chunk(z_padded[:, :, a:b]))
-    return out
