@@ -98,13 +98,6 @@ def install(
     return True
 
 
-def config_of(obj: Any, attr: str) -> dict | None:
-    """The live config of ``obj.attr``'s hook, or None when it is not hooked."""
-    with _LOCK:
-        hook = _live(obj, attr)
-        return hook.config if hook is not None else None
-
-
 def _remove(key: tuple[int, str], hook: Hook) -> bool:
     obj = hook.ref()
     if obj is None:

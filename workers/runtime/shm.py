@@ -397,10 +397,6 @@ class Arena:
         self.used = end
         return desc
 
-    def reset(self) -> None:
-        """Forget every allocation (the caller guarantees no descriptor is still in use)."""
-        self.used = 0
-
 
 def register_cuda(segment: Segment, device: str = "cuda") -> bool:
     """Register the whole segment with CUDA as pinned host memory when ``device`` is CUDA; no-op
