@@ -37,6 +37,7 @@ from .comfy_weights import block_reader, weight_key
 from .errors import MultiStreamError
 from .h3_detect import is_h3, read_config
 from .modulation import BlockModulation
+from .work_units import refuse_work_units
 
 log = get_logger("MultiStream")
 
@@ -94,7 +95,8 @@ class SplitState:
 
     def set_patcher(self, patcher: Any) -> None:
         """ComfyUI's ON_PRE_RUN: sampling of a new prompt starts (its first split step is the one
-        ``verify`` checks)."""
+        ``verify`` checks).  Refuses ComfyUI's MultiGPU CFG Split put after this node."""
+        refuse_work_units(patcher)
         with self._lock:
             self._patcher = weakref.ref(patcher)
             self._new_prompt = True

@@ -18,6 +18,7 @@ from .h3_detect import diffusion_model_of, is_h3
 from .inputs import SECOND_GPU_INPUT, ModelPatchNode, enabled_input, ram_reserve_input
 from .model_wrapper import install_split
 from .sparse_attention_node import SPARSE_TYPE
+from .work_units import refuse_work_units
 
 log = get_logger("MultiStream")
 
@@ -210,9 +211,10 @@ class H3MultiStreamAsync(ModelPatchNode):
         if unsafe:
             log.warning("H3 MultiStream: running unsplit: %s", unsafe)
             return (model,)
-        # only a model this node splits: unsplit, ComfyUI's own sparse attention runs as it would
-        # without the node
+        # only a model this node splits: unsplit, ComfyUI's own sparse attention and MultiGPU CFG
+        # Split run as they would without the node
         refuse_comfy_sparse(model)
+        refuse_work_units(model)
         from h3ms_async.dit.exchange_choice import parse as parse_exchange
         from h3ms_async.dit.options import COMFY_ATTENTION, SplitOptions, parse_pattern
         from workers.dit.protocol import Residency

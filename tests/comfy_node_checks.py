@@ -733,6 +733,36 @@ def test_comfy_model_sparse_attention_is_refused_naming_our_node(split, monkeypa
                                            "auto")[0] is not None  # enabled=false keeps ComfyUI's node
 
 
+def test_comfys_multigpu_cfg_split_is_refused_naming_both_nodes(split, monkeypatch, tmp_path):
+    """ComfyUI's MultiGPU CFG Split makes its model copies (this CPU process is shown a second device, ``cpu:1``:
+    ComfyUI's node copies onto every device it lists); before H3 MultiStream in the chain the node refuses, after it
+    sampling does, before a rank starts; enabled=false keeps ComfyUI's node."""
+    import comfy.model_management as mm
+    import comfy.sd
+    from comfy_extras.nodes_multigpu import MultiGPUCFGSplitNode
+
+    path = comfy_h3.write_checkpoint(str(tmp_path / "h3-multigpu.safetensors"), layers=2)
+    patcher = comfy.sd.load_diffusion_model(path)  # a core loader: ComfyUI's node can reload it per device
+    monkeypatch.setattr(mm, "get_all_torch_devices",
+                        lambda exclude_current=False: [torch.device("cpu"), torch.device("cpu", 1)])
+
+    def cfg_split(m):
+        out = MultiGPUCFGSplitNode.execute(m, 2)[0]
+        assert [c.load_device for c in out.get_additional_models_with_key("multigpu")] == [torch.device("cpu", 1)]
+        return out
+
+    monkeypatch.setenv(NODE.RANK_MAP_ENV, "cpu,cpu")
+    with pytest.raises(MultiStreamError, match=r"MultiGPU CFG Split \(model copies on cpu:1\)") as ei:
+        NODE.H3MultiStreamAsync().patch(cfg_split(patcher), True, -1, "host", 0, True, 0.0, "auto")
+    assert "enabled=false" in str(ei.value)
+    after = cfg_split(_patch_node(patcher, "cpu,cpu", monkeypatch))
+    with pytest.raises(MultiStreamError, match="Remove the MultiGPU CFG Split node"):
+        sample(after)
+    assert split.engines() == []  # refused before a weight store or a worker existed
+    kept = NODE.H3MultiStreamAsync().patch(cfg_split(patcher), False, -1, "host", 0, True, 0.0, "auto")[0]
+    assert len(sample(kept)) == 2  # ComfyUI's node runs as it would without ours
+
+
 def test_sparse_settings_reach_the_ranks_and_cpu_runs_dense_with_one_line(split, monkeypatch, caplog):
     """The settings node's output on H3 MultiStream's sparse_attention input: the window becomes the model's own
     sigmas, the ranks (CPU: comfy-kitchen has no CPU sparse kernel) report the kernel cannot run, the split runs
