@@ -95,8 +95,10 @@ class SplitState:
 
     def set_patcher(self, patcher: Any) -> None:
         """ComfyUI's ON_PRE_RUN: sampling of a new prompt starts (its first split step is the one
-        ``verify`` checks).  Refuses ComfyUI's MultiGPU CFG Split put after this node."""
-        refuse_work_units(patcher)
+        ``verify`` checks).  Refuses ComfyUI's MultiGPU CFG Split put after this node, unless
+        the split is detached (plain ComfyUI then runs it)."""
+        if not self.detached:
+            refuse_work_units(patcher)
         with self._lock:
             self._patcher = weakref.ref(patcher)
             self._new_prompt = True
