@@ -20,8 +20,9 @@ MULTIGPU_KEY = "multigpu"
 
 
 def refuse_work_units(patcher: Any) -> None:
-    """Raise when ``patcher`` carries ComfyUI's MultiGPU CFG Split copies (or is one)."""
-    copies = list(getattr(patcher, "get_additional_models_with_key", lambda _k: [])(MULTIGPU_KEY))
+    """Raise when ``patcher`` (a ComfyUI ``ModelPatcher``) carries ComfyUI's MultiGPU CFG Split
+    copies (or is one)."""
+    copies = patcher.get_additional_models_with_key(MULTIGPU_KEY)
     if not copies and not getattr(patcher, "is_multigpu_base_clone", False):
         return
     where = ", ".join(str(getattr(c, "load_device", "?")) for c in copies) or str(
