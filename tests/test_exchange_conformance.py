@@ -40,6 +40,9 @@ from workers.transports.probe import case_layout, run_case
 pytestmark = pytest.mark.usefixtures("no_exchange_leaks")
 
 WORLDS = (1, 2, 3, 5, 8)
+#: The worlds of the implementations that start rank processes (seconds per world): 5 ranks add no case that 3
+#: (uneven, a one-row rank) and 8 (ranks without rows or heads) do not already hold.
+PROCESS_WORLDS = (1, 2, 3, 8)
 HEAD_DIM = 2
 #: Uneven token bounds per world: a rank of one row from 2 ranks on, one without rows at 8.
 TOKENS = {
@@ -149,16 +152,16 @@ class Impl:
 
 IMPLEMENTATIONS = [
     Impl("host", lambda rig, rank: HostExchange(*rig.host_args(rank))),
-    Impl("gloo", probe="gloo"),
+    Impl("gloo", probe="gloo", worlds=PROCESS_WORLDS),
     Impl("simulated", lambda rig, rank: LocalExchange(rank, rig.local())),
     Impl("none", lambda rig, rank: NoExchange(rank, rig.layout), worlds=(1,)),
     Impl("identity", lambda rig, rank: IdentityExchange(), worlds=(1,), full=False),
     Impl("cuda-host", _cuda_host, cuda=True),
     Impl("nccl", probe="nccl", cuda=True),
     Impl("cuda-ipc", probe="cuda_ipc", cuda=True, shares_gpus=True),
-    Impl("cuda-ipc-cpu", probe="cuda_ipc", env=IPC_CPU),
+    Impl("cuda-ipc-cpu", probe="cuda_ipc", env=IPC_CPU, worlds=PROCESS_WORLDS),
     Impl("cuda-ipc-events", probe="cuda_ipc", cuda=True, shares_gpus=True, case=EVENTS),
-    Impl("cuda-ipc-events-cpu", probe="cuda_ipc", env=IPC_CPU, case=EVENTS),
+    Impl("cuda-ipc-events-cpu", probe="cuda_ipc", env=IPC_CPU, case=EVENTS, worlds=PROCESS_WORLDS),
 ]
 
 

@@ -124,11 +124,11 @@ def test_overlaps_uneven_groups_host_and_gloo(engine_factory):
     the unsplit output either way."""
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
+    # one set of workers started for gloo: the exchange is a per-step setting (the host arena is always there)
+    eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange="nccl", head_pieces=3, gather_overlap=True)
+    eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
     for exchange in ("host", "nccl"):
-        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, head_pieces=3,
-                             gather_overlap=True)
-        eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
-        _check_exact(eng, model, _layouts(), seen)
+        _check_exact(eng, model, _layouts(), seen, exchange=exchange)
     seen.done()
 
 
@@ -143,10 +143,10 @@ def test_ulysses_pattern_host_and_gloo(engine_factory):
         assert [choose_pattern(5376, 56, 128, n, transport) for n in (4, 5)] == ["gather", "ulysses"]
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
-    for exchange, kw in (("host", {"exchange_chunks": 3}), ("nccl", {})):
-        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, pattern="ulysses", **kw)
-        eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
-        _check_exact(eng, model, _layouts(), seen)
+    eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange="nccl", pattern="ulysses")
+    eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
+    for kw in ({"exchange": "host", "exchange_chunks": 3}, {}):
+        _check_exact(eng, model, _layouts(), seen, **kw)
         assert get_hub().recent_steps(1)[0]["pattern"] == "ulysses"
     seen.done()
     with pytest.raises(ValueError, match="sparse attention runs with the all-gather pattern"):
@@ -165,13 +165,16 @@ def test_ulysses_pattern_in_head_pieces_host_and_gloo(engine_factory):
     from h3ms_async.status.hub import get_hub
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
-    runs = (("host", {"head_pieces": 3, "exchange_chunks": 2, "verify": True}), ("host", {"head_pieces": 5}),
-            ("nccl", {"head_pieces": 2}))
-    for exchange, kw in runs:
-        eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange=exchange, pattern="ulysses", **kw)
+    # verify is an engine setting, the rest per step: the workers started for gloo also run the host-exchange steps
+    verifying = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange="host", pattern="ulysses", verify=True)
+    plain = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange="nccl", pattern="ulysses")
+    runs = ((verifying, "host", {"head_pieces": 3, "exchange_chunks": 2}), (plain, "host", {"head_pieces": 5}),
+            (plain, "nccl", {"head_pieces": 2}))
+    for eng in (verifying, plain):
         eng.load_weights(("t", "uneven"), CFG_UNEVEN, model.block_weights)
-        _check_exact(eng, model, _layouts(), seen)
-        if kw.get("verify"):  # each op's output as the pieces put it together, against the unsplit run's
+    for eng, exchange, kw in runs:
+        _check_exact(eng, model, _layouts(), seen, exchange=exchange, **kw)
+        if eng is verifying:  # each op's output as the pieces put it together, against the unsplit run's
             verified = get_hub().status()["exactness"]["verify"][-1]
             assert verified["bit_exact"] and verified["first_difference"] is None, verified
         rec = get_hub().recent_steps(1)[0]
