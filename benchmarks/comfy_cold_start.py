@@ -39,6 +39,10 @@ place (``WeightStore.rewrite``); ``node_third_prompt`` gives its bytes and secon
 prompt's full fill (``full_fill``), whether the store segment stayed (``same_store``), and ``bit_exact`` whether its
 samples equal plain ComfyUI's at that strength.
 
+Last, ``node_other_rank_map``: the rank map one rank longer (its first device again), as a user trying another GPU
+count, on the model last sampled: new workers that load the store the last prompt left (``same_store``,
+``fill_bytes`` 0, ``kept_bytes``), the load's and the first block stack's seconds, and ``bit_exact``.
+
 Beside them: the file's sequential read rate after a drop (its first 4 GiB, ``disk_read_gbps``, and the whole
 file, ``disk_read_whole_gbps``: a virtual disk may serve part of a file just written from its host's cache), and the copy bandwidths the fill is bounded by (CUDA:
 pinned and pageable device-to-host and host-to-device; CPU: a host memcpy). JSON: ``$OUT/comfy_cold_start.json``.
@@ -256,6 +260,23 @@ if {lora}:  # the LoRA at another strength: only the patched tensors are rewritt
                      wall_s=round(refill.wall_s, 4), line=refill.line()),
                  full_fill=dict(bytes=load.fill_bytes, fill_s=round(load.fill_s, 6), wall_s=round(load.wall_s, 3)),
                  bit_exact=comfy_h3.same(plain_third, third_out)[0] if proofs[2].failure is None else None)
+# another rank map (one rank more) on the model last sampled: new workers, which load the store the last prompt left
+last_model, last_plain = (relora, plain_third) if {lora} else (model, plain_out)
+last_segment = S.engines()[0].loaded.store.segment.name
+more = {ranks!r} + "," + {ranks!r}.split(",")[0]
+os.environ["H3MS_RANK_MAP"] = more
+proofs.append(SplitProof(more.split(","), strict=False))
+with proofs[-1]:
+    more_stacks, more_out = sample(N["H3MultiStreamAsync"]().patch(last_model, True, -1, "host", 8, True, 0.0, "auto",
+                                                                   None)[0])
+more_eng = S.engines()[0]
+ml = more_eng.last_load
+other_rank_map = dict(devices=more_eng.devices, block_stack_s=more_stacks,
+                      first_over_steady_s=round(more_stacks[0] - min(more_stacks[1:]), 4),
+                      same_store=more_eng.loaded.store.segment.name == last_segment, fill_bytes=ml.fill_bytes,
+                      kept_bytes=ml.kept_bytes, workers_start_s=round(ml.workers_start_s, 3),
+                      ranks_load_s=round(ml.ranks_load_s, 3), wall_s=round(ml.wall_s, 3), line=ml.line(),
+                      bit_exact=comfy_h3.same(last_plain, more_out)[0] if proofs[-1].failure is None else None)
 verdicts = [v for v in get_hub().exactness()["verdicts"] if v["program"] == "dit"]
 comfy_cold, node_cold = cold(plain_load_s, plain), cold(node_load_s, first)
 print("RESULT " + json.dumps(dict(
@@ -284,6 +305,7 @@ print("RESULT " + json.dumps(dict(
     node_second_prompt=dict(block_stack_s=second, first_over_steady_s=round(second[0] - min(second[1:]), 4),
                             refilled=refilled),
     node_third_prompt=third,
+    node_other_rank_map=other_rank_map,
     node_cold_over_comfy_cold=round(node_cold / comfy_cold, 3) if comfy_cold > 0 else None,
     split_proof=[p.failure for p in proofs],
     bit_exact=comfy_h3.same(plain_out, first_out)[0] and comfy_h3.same(plain_out, second_out)[0]

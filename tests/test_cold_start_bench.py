@@ -1,6 +1,7 @@
 """``benchmarks/comfy_cold_start.py`` at a tiny size on CPU ranks inside real ComfyUI: plain ComfyUI's and the node's
-cold cost from the same checkpoint file, the node's load phases (the workers start while the store fills), and a second
-prompt that refills nothing (the GPU run uses the same script at full size: docs/performance.md)."""
+cold cost from the same checkpoint file, the node's load phases (the workers start while the store fills), a second
+prompt that refills nothing, and another rank map that loads the store already filled (the GPU run uses the same
+script at full size: docs/performance.md)."""
 from __future__ import annotations
 
 import json
@@ -45,8 +46,12 @@ def test_cold_start_tiny_on_cpu_ranks(tmp_path) -> None:
     assert probe["probed"] and 0 < probe["start_s"] < probe["end_s"] <= w["wall_s"]
     assert probe["overlapped"] == (probe["start_s"] < w["fill_end_s"])
     assert 0 < w["ranks_first_block_s"] <= w["ranks_last_block_s"] <= w["wall_s"]
-    assert rep["split_proof"] == [None, None]  # every model call of both prompts split on both ranks
+    assert rep["split_proof"] == [None, None, None]  # every model call of every prompt split on every rank
     assert rep["node_second_prompt"]["refilled"] is False and rep["bit_exact"] is True
+    # one rank more: new workers on the store already filled, the samples still plain ComfyUI's
+    more = rep["node_other_rank_map"]
+    assert more["devices"] == ["cpu"] * 3 and more["same_store"] and more["fill_bytes"] == 0, more
+    assert more["kept_bytes"] == w["fill_bytes"] and more["workers_start_s"] > 0 and more["bit_exact"] is True
     plain_cold = rep["plain"]["cold_s"]  # noise around 0 here, so at times not above it: no ratio then
     expected = pytest.approx(first["cold_s"] / plain_cold, rel=0.01) if plain_cold > 0 else None
     assert rep["node_cold_over_comfy_cold"] == expected

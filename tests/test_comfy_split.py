@@ -114,7 +114,8 @@ def _run(cases: str, comfy_args: list[str]) -> dict[str, dict]:
 def test_default_cpu_attention():
     """ComfyUI's default CPU attention (sub-quadratic), which the ranks import and run themselves: a PromptExecutor
     graph from UNETLoader; fp32 / bf16->fp32 / int8; LoRA before and after the node; the settings switch keeping
-    pids and store; a whole-model attention override (unsplit); 3 ranks with shares; the release node."""
+    pids and store; 3 ranks with shares after 2 (new workers, the filled store kept); a whole-model attention
+    override (unsplit); the release node."""
     cases = r'''
     assert A.optimized_attention.__name__ == "attention_sub_quad", A.optimized_attention.__name__
     import execution
@@ -155,7 +156,13 @@ def test_default_cpu_attention():
            same_pids=pids() == first_pids, same_store=store() == first_store)
     bf16 = comfy_h3.load(write("bf16", dtype=torch.bfloat16), dtype=torch.bfloat16)
     assert bf16.model.manual_cast_dtype == torch.float32  # bf16 weights, fp32 compute: cast per layer on the ranks
-    report("bf16->fp32 2 ranks", ksample(bf16), split_ksample(node(bf16, 2), 2))
+    plain_bf16 = ksample(bf16)
+    report("bf16->fp32 2 ranks", plain_bf16, split_ksample(node(bf16, 2), 2))
+    # another GPU set and shares: new workers, the filled store kept (no fill)
+    bf16_store = store()
+    report("bf16->fp32 3 ranks shares 1,2,1", plain_bf16, split_ksample(node(bf16, 3, "1,2,1"), 3),
+           shares=S.engines()[0].options.shares, kept=store() == bf16_store,
+           filled=S.engines()[0].last_load.fill_bytes, kept_bytes=S.engines()[0].last_load.kept_bytes)
     int8 = comfy_h3.load(write("int8", int8=True))
     report("int8 2 ranks", ksample(int8), split_ksample(node(int8, 2), 2))
     lora = comfy_h3.lora_state_dict(2)
@@ -170,17 +177,17 @@ def test_default_cpu_attention():
     over = fp32.clone(); over.set_model_optimized_attention(A.attention_basic)
     over_split = node(fp32, 2).clone(); over_split.set_model_optimized_attention(A.attention_basic)
     report("attention override unsplit", ksample(over), split_ksample(over_split, 2, unsplit=True))
-    report("bf16->fp32 3 ranks shares 1,2,1", ksample(bf16), split_ksample(node(bf16, 3, "1,2,1"), 3),
-           shares=S.engines()[0].options.shares)
-    three = pids()
+    last = pids()
     N["H3MSReleaseResourcesAsync"]().run(True, True, False)
-    note("after release", engines=len(S.engines()), pids_gone=all(not os.path.exists(f"/proc/{p}") for p in three))
+    note("after release", engines=len(S.engines()), pids_gone=all(not os.path.exists(f"/proc/{p}") for p in last))
 '''
     out = _run(cases, [])
     assert len(out) == 11, list(out)
     assert out["PromptExecutor graph UNETLoader -> node -> KSampler, 2 ranks"]["engines"] == 1
     assert out["fp32 2 ranks gloo"]["same_pids"] and out["fp32 2 ranks gloo"]["same_store"]
-    assert out["bf16->fp32 3 ranks shares 1,2,1"]["shares"] == [1.0, 2.0, 1.0]
+    three = out["bf16->fp32 3 ranks shares 1,2,1"]
+    assert three["shares"] == [1.0, 2.0, 1.0]
+    assert three["kept"] and three["filled"] == 0 and three["kept_bytes"] > 0, three
     assert out["after release"]["engines"] == 0 and out["after release"]["pids_gone"]
 
 
@@ -192,7 +199,13 @@ def test_pytorch_attention():
     fp32 = comfy_h3.load(write("fp32"))
     report("fp32 2 ranks", ksample(fp32), split_ksample(node(fp32, 2), 2))
     bf16 = comfy_h3.load(write("bf16", dtype=torch.bfloat16), dtype=torch.bfloat16)
-    report("bf16->fp32 2 ranks", ksample(bf16), split_ksample(node(bf16, 2), 2))
+    plain_bf16 = ksample(bf16)
+    report("bf16->fp32 2 ranks", plain_bf16, split_ksample(node(bf16, 2), 2))
+    # another GPU set and shares: new workers, the filled store kept (no fill)
+    bf16_store = store()
+    report("bf16->fp32 3 ranks shares 1,2,1", plain_bf16, split_ksample(node(bf16, 3, "1,2,1"), 3),
+           shares=S.engines()[0].options.shares, kept=store() == bf16_store,
+           filled=S.engines()[0].last_load.fill_bytes, kept_bytes=S.engines()[0].last_load.kept_bytes)
     int8 = comfy_h3.load(write("int8", int8=True))
     plain8 = ksample(int8)
     report("int8 2 ranks", plain8, split_ksample(node(int8, 2), 2))

@@ -456,6 +456,59 @@ def test_a_refused_store_starts_no_workers(engine_factory, int8_model):
     assert not eng.pool.running and _no_workers_alive()
 
 
+def test_the_filled_store_outlives_a_new_plan_and_a_new_gpu_set(int8_model):
+    """A load for another plan of the same weights keeps the filled store and only reloads the ranks: another pattern
+    on the same workers, then (``get_engine``) another GPU set with shares, whose new engine takes the store the old
+    one hands over as its workers stop. Neither reads a block, each step equals the unsplit output, and the load says
+    it kept the store. Other weights fill anew and unlink the old store; an engine that cannot be made releases the
+    store handed to it; nothing is left."""
+    from h3ms_async.dit.split import engines, get_engine, release_all_engines
+
+    reads: list[int] = []
+
+    def reader(i: int) -> dict:
+        reads.append(i)
+        return int8_model.block_weights(i)
+
+    seen = Compared()
+    key = ("t", "int8", 5)
+    try:
+        eng = get_engine(["cpu"] * 2, SplitOptions())
+        assert eng.load_weights(key, CFG, reader)
+        filled, name = len(reads), eng.loaded.store.segment.name
+        assert filled == CFG.layers and eng.last_load.kept_bytes == 0
+        _check_exact(eng, int8_model, _layouts()[:1], seen)
+        pids = [w["pid"] for w in eng.pool.snapshot()]
+
+        assert get_engine(["cpu"] * 2, SplitOptions(pattern="ulysses")) is eng  # same workers
+        assert eng.load_weights(key, CFG, reader)
+        assert len(reads) == filled and eng.loaded.store.segment.name == name and eng.loaded.pattern == "ulysses"
+        assert eng.last_load.fill_bytes == 0 and eng.last_load.kept_bytes == eng.loaded.store.nbytes > 0
+        assert "kept from the last plan (no fill)" in eng.last_load.line()
+        _check_exact(eng, int8_model, _layouts()[:1], seen)
+        assert [w["pid"] for w in eng.pool.snapshot()] == pids
+
+        three = get_engine(["cpu"] * 3, SplitOptions(shares=(1.0, 2.0, 1.0)))
+        assert three is not eng and not eng.pool.running and eng.loaded is None
+        assert three.load_weights(key, CFG, reader)
+        assert len(reads) == filled and three.loaded.store.segment.name == name and three.last_load.fill_bytes == 0
+        _check_exact(three, int8_model, _layouts(), seen)
+        holders = [os.getpid()] + [w["pid"] for w in three.pool.snapshot()]
+        assert _holders(name, holders) == holders  # the new ranks map the store this process kept
+
+        other = ReferenceDiT(CFG, weights="int8", seed=6)
+        assert three.load_weights(("t", "int8", 6), CFG, other.block_weights)
+        assert three.last_load.kept_bytes == 0 and _holders(name, holders) == []
+        name = three.loaded.store.segment.name
+        with pytest.raises(GPUSelectionError, match="shares"):
+            get_engine(["cpu"] * 2, SplitOptions(shares=(1.0, 1.0, 1.0)))
+        assert engines() == [] and _holders(name, [os.getpid()]) == []
+    finally:
+        release_all_engines()
+    seen.done()
+    assert _no_workers_alive() and held_shm(os.getpid()) == set()
+
+
 BIG = DiTConfig(hidden=384, layers=8, heads=8, head_dim=48, ffn=1024, t_dim=32, rope_pairs=12)
 
 

@@ -92,6 +92,9 @@ class LoadTimes:
     refill: PatchRefill | None = None
     #: why a patch change was filled in full instead (None: it was no patch change, or in place)
     full_because: str | None = None
+    #: the bytes of a store kept from the last load (another plan: GPU set, shares, pattern or
+    #: attention function) and loaded without a fill (then ``fill_*`` are 0); 0: filled
+    kept_bytes: int = 0
 
     @property
     def fill_gbps(self) -> float:
@@ -106,19 +109,27 @@ class LoadTimes:
         if self.refill is not None:
             return f"{self.refill.line()}, load {self.wall_s:.2f} s"
         out = "" if self.full_because is None else f"weights: LoRA change, {self.full_because}; "
-        out += (
-            f"weights loaded in {self.wall_s:.2f}s: store filled {self.fill_bytes / 1e9:.2f} GB in "
-            f"{self.fill_s:.2f}s ({self.fill_gbps:.2f} GB/s; reading {self.fill_read_s:.2f}s, "
-            f"writing {self.fill_copy_s:.2f}s beside it, {self.fill_file_bytes / 1e9:.2f} GB of it "
-            f"from the file), workers started in "
-            f"{self.workers_start_s:.2f}s beside it ({self.start_wait_s:.2f}s waited after the "
-            f"fill), ranks loaded in {self.ranks_load_s:.2f}s after it"
-        )
+        out += f"weights loaded in {self.wall_s:.2f}s: "
+        if self.kept_bytes:
+            out += (
+                f"store of {self.kept_bytes / 1e9:.2f} GB kept from the last plan (no fill), "
+                f"workers started in {self.workers_start_s:.2f}s, ranks loaded in "
+                f"{self.ranks_load_s:.2f}s after them"
+            )
+        else:
+            out += (
+                f"store filled {self.fill_bytes / 1e9:.2f} GB in {self.fill_s:.2f}s "
+                f"({self.fill_gbps:.2f} GB/s; reading {self.fill_read_s:.2f}s, writing "
+                f"{self.fill_copy_s:.2f}s beside it, {self.fill_file_bytes / 1e9:.2f} GB of it "
+                f"from the file), workers started in {self.workers_start_s:.2f}s beside it "
+                f"({self.start_wait_s:.2f}s waited after the fill), ranks loaded in "
+                f"{self.ranks_load_s:.2f}s after it"
+            )
         if self.ranks_first_block_s is not None:
             out += f" (first block taken in at {self.ranks_first_block_s:.2f}s"
             if self.ranks_last_block_s is not None:
                 out += f", last at {self.ranks_last_block_s:.2f}s"
-            out += f"; fill ended at {self.fill_end_s:.2f}s)"
+            out += ")" if self.kept_bytes else f"; fill ended at {self.fill_end_s:.2f}s)"
         p = self.probe
         if p is None:
             return out + "; no plan probe at load"

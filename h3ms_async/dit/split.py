@@ -93,7 +93,14 @@ class SplitEngine(Engine):
     error = SplitError
     interrupted = SplitInterrupted
 
-    def __init__(self, devices: Sequence[str], options: SplitOptions = DEFAULT_OPTIONS) -> None:
+    def __init__(
+        self,
+        devices: Sequence[str],
+        options: SplitOptions = DEFAULT_OPTIONS,
+        weights: LoadedWeights | None = None,
+    ) -> None:
+        """``weights``: a filled store handed over by the engine this one replaces
+        (:meth:`hand_over`); the first load of its key takes it instead of filling anew."""
         if not devices:
             raise ValueError(
                 "devices: the split needs at least one rank device (e.g. ['cpu','cpu'] or "
@@ -112,8 +119,9 @@ class SplitEngine(Engine):
         env = cpu_thread_env(self.devices)
         if options.comfy_host is not None:
             env.update(options.comfy_host.to_env())
-        #: The filled weight store the ranks loaded (None until a load).
-        self.loaded: LoadedWeights | None = None
+        #: The filled weight store the ranks loaded (None until a load; a store handed over by
+        #: another engine before this one's first load).
+        self.loaded: LoadedWeights | None = weights
         #: The shm buffers steps run in (``h3ms_async/dit/step_buffers.py``).
         self.step_buffers = StepBufferSlot(self._unmap_released)
         self._steps = 0
@@ -210,7 +218,8 @@ class SplitEngine(Engine):
         with self._lock:
             ld = self.loaded
             same_plan = ld is not None and ld.head_bounds == head_bounds and ld.pattern == pattern
-            if ld is not None and same_plan and ld.store.key == key:
+            ranks_took = self._rank_starts >= 0  # not a store handed over, still unloaded
+            if ld is not None and same_plan and ld.store.key == key and ranks_took:
                 return False
             full_because = None
             if (
@@ -228,36 +237,50 @@ class SplitEngine(Engine):
                 except LayoutChanged as exc:
                     full_because = f"full refill: {exc}"
                     log.info("weights: LoRA change, %s", full_because)
-            self._drop_store()
+            kept = self._keep_store(key, n, config)
+            if kept is None:
+                self._drop_store()
             t0 = time.monotonic()
-            sized = size_store(
-                key,
-                n,
-                lambda i: dit_ops.rank_weights(block_weights(i)),  # adaLN stays with the owner
-                reserve_gb=self.options.cache_ram_reserve_gb,
-            )
-            store = sized.store
+            sized = None
+            if kept is not None:
+                store = kept.store
+                dtype = dtype_name(compute_dtype) if compute_dtype else kept.compute_dtype
+            else:
+                sized = size_store(
+                    key,
+                    n,
+                    lambda i: dit_ops.rank_weights(block_weights(i)),  # adaLN stays with the owner
+                    reserve_gb=self.options.cache_ram_reserve_gb,
+                )
+                store = sized.store
+                dtype = dtype_name(compute_dtype or sized.first["norm1.weight"].dtype)
             started: list[cf.Future[Any]] = []
             try:
-                dtype = compute_dtype or sized.first["norm1.weight"].dtype
-                self.loaded = LoadedWeights(store, config, head_bounds, dtype_name(dtype), pattern)
+                self.loaded = LoadedWeights(store, config, head_bounds, dtype, pattern)
                 # Once the store passed its RAM and /dev/shm checks, before the blocks are copied:
                 # a CUDA worker's start takes seconds, a whole H3's fill tens.
                 loading = get_coordinator().submit(self._start_and_load(self._placing(first_step)))
                 started.append(loading)
                 ahead = None
                 if first_step is not None and self.ranks > 1:
-                    first = {n: tensor_of(t) for n, t in sized.first.items()}
+                    first = (
+                        store.block(0)
+                        if sized is None
+                        else {n: tensor_of(t) for n, t in sized.first.items()}
+                    )
                     ahead = self._probe_ahead(first_step, self.probe.block0_ops(first), t0)
                     started.append(ahead)
-                sized.run()
+                if sized is not None:
+                    sized.run()
             except BaseException:
                 self._settle(started)
                 if self.loaded is None:
                     store.release()
                 self._drop_store()
                 raise
-            assert store.filled_at is not None
+            # a kept store was complete before this load began
+            filled_at = t0 if sized is None else store.filled_at
+            assert filled_at is not None
             try:
                 probed = None
                 if ahead is not None:
@@ -276,21 +299,23 @@ class SplitEngine(Engine):
             t_end = time.monotonic()
             firsts = [r.first_block_at for r in loaded if r.first_block_at is not None]
             lasts = [r.last_block_at for r in loaded if r.last_block_at is not None]
+            filled = sized is not None
             self.last_load = LoadTimes(
                 workers_start_s=started_s,
-                fill_s=store.fill_seconds,
-                fill_bytes=store.nbytes,
-                start_wait_s=max(0.0, started_at - store.filled_at),
-                ranks_load_s=t_end - max(started_at, store.filled_at),
+                fill_s=store.fill_seconds if filled else 0.0,
+                fill_bytes=store.nbytes if filled else 0,
+                start_wait_s=max(0.0, started_at - filled_at),
+                ranks_load_s=t_end - max(started_at, filled_at),
                 wall_s=t_end - t0,
-                fill_end_s=store.filled_at - t0,
-                fill_read_s=store.read_seconds,
-                fill_copy_s=store.copy_seconds,
-                fill_file_bytes=store.file_bytes,
+                fill_end_s=filled_at - t0,
+                fill_read_s=store.read_seconds if filled else 0.0,
+                fill_copy_s=store.copy_seconds if filled else 0.0,
+                fill_file_bytes=store.file_bytes if filled else 0,
                 ranks_first_block_s=max(firsts) - t0 if firsts else None,
                 ranks_last_block_s=max(lasts) - t0 if lasts else None,
                 probe=probed,
                 full_because=full_because,
+                kept_bytes=0 if filled else store.nbytes,
             )
             log.info("%s", self.last_load.line())
             return True
@@ -457,8 +482,33 @@ class SplitEngine(Engine):
         return results
 
     def _drop_store(self) -> None:
+        ld = self._let_go()
+        if ld is not None:
+            ld.store.release()
+            log.info("weight store released")
+
+    def _keep_store(self, key: StoreKey, n: int, config: DiTConfig) -> LoadedWeights | None:
+        """The weights held (loaded for another plan: other head groups or pattern; or handed over
+        by another engine) when their store holds ``key``'s ``n`` blocks of ``config``: the store's
+        content depends on nothing else, so the ranks let go of it and it stays for the new plan
+        (None: it does not, and stays held)."""
+        ld = self.loaded
+        if ld is None or ld.store.key != key or len(ld.store.manifest) != n or ld.config != config:
+            return None
+        return self._let_go()
+
+    def hand_over(self) -> LoadedWeights | None:
+        """The weights this engine holds, for the engine replacing it (another GPU set, shares or
+        attention function: :func:`get_engine`): its ranks let go of the store, which this engine
+        then no longer holds (its release leaves it alone)."""
+        with self._lock:
+            return self._let_go()
+
+    def _let_go(self) -> LoadedWeights | None:
+        """The ranks drop their views of the store (which stays mapped here) and the step buffers
+        go; returns what was held."""
         if self.loaded is None:
-            return
+            return None
         # dit_release closes the ranks' exchanges; a fresh exchange on the old arena would read its
         # stale sequence words as "ready", so the next step must get new step buffers.
         self.step_buffers.drop()
@@ -473,11 +523,13 @@ class SplitEngine(Engine):
                     "releasing rank weights",
                 )
             except Exception as exc:  # noqa: BLE001
-                # dead workers hold no views; the store goes anyway
-                log.warning("releasing rank weights failed (%s); unlinking the store anyway", exc)
-        self.loaded.store.release()
-        self.loaded = None
-        log.info("weight store released")
+                # dead workers hold no views; the store is let go anyway
+                log.warning(
+                    "releasing rank weights failed (%s); letting go of the store anyway", exc
+                )
+        ld, self.loaded = self.loaded, None
+        self._rank_starts = -1
+        return ld
 
     # -- steps -------------------------------------------------------------------------------------
     def run_blocks(
@@ -838,7 +890,25 @@ def get_engine(devices: Sequence[str], options: SplitOptions = DEFAULT_OPTIONS) 
     each engine's workers and store hold memory.
     """
     tested_paths.check(devices, options.pattern, *options.overlaps_on(devices))
-    eng = ENGINES.get(process_key(devices, options), lambda: SplitEngine(devices, options))
+    handed: list[LoadedWeights] = []
+
+    def hand_over(old: SplitEngine) -> None:
+        ld = old.hand_over()
+        if ld is not None:
+            handed.append(ld)
+
+    def make() -> SplitEngine:
+        # the store outlives the engine: a new one loads it without a refill when the key matches
+        for extra in handed[1:]:
+            extra.store.release()
+        try:
+            return SplitEngine(devices, options, handed[0] if handed else None)
+        except BaseException:
+            if handed:
+                handed[0].store.release()
+            raise
+
+    eng = ENGINES.get(process_key(devices, options), make, before_release=hand_over)
     eng.options = options
     return eng
 

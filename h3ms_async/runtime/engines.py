@@ -267,15 +267,26 @@ class EngineRegistry(Generic[E]):
         """The status provider that applies ``fn`` to the live engines at each read."""
         return lambda: fn(self.live())
 
-    def get(self, key: tuple, make: Callable[[], E]) -> E:
+    def get(
+        self,
+        key: tuple,
+        make: Callable[[], E],
+        before_release: Callable[[E], None] | None = None,
+    ) -> E:
         """The cached engine for ``key``, made by ``make()`` the first time.  Engines cached for
         another key are released first: one runs at a time, and each one's workers and resident
-        state hold memory."""
+        state hold memory.  ``before_release(old)`` runs on each of them first (what it hands to
+        the new engine, ``make`` takes)."""
         with self._lock:
             eng = self._cached.get(key)
             if eng is None:
-                for old in list(self._cached):
-                    self._cached.pop(old).release()
+                for old_key in list(self._cached):
+                    old = self._cached.pop(old_key)
+                    try:
+                        if before_release is not None:
+                            before_release(old)
+                    finally:
+                        old.release()
                 eng = self._cached[key] = make()
             return eng
 
