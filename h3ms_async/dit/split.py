@@ -887,7 +887,8 @@ def get_engine(devices: Sequence[str], options: SplitOptions = DEFAULT_OPTIONS) 
     An engine is keyed on :func:`process_key`; other options (exchange, chunks, residency, RAM
     reserve, deadlines) are replaced in place, so switching them keeps the workers and the filled
     weight store. Engines for another process key are released first: one split runs at a time, and
-    each engine's workers and store hold memory.
+    each engine's workers and store hold memory. Their filled store passes to the new engine, whose
+    first load keeps it when it holds that load's weights (:meth:`SplitEngine.hand_over`).
     """
     tested_paths.check(devices, options.pattern, *options.overlaps_on(devices))
     handed: list[LoadedWeights] = []
@@ -898,7 +899,6 @@ def get_engine(devices: Sequence[str], options: SplitOptions = DEFAULT_OPTIONS) 
             handed.append(ld)
 
     def make() -> SplitEngine:
-        # the store outlives the engine: a new one loads it without a refill when the key matches
         for extra in handed[1:]:
             extra.store.release()
         try:
