@@ -899,16 +899,15 @@ def get_engine(devices: Sequence[str], options: SplitOptions = DEFAULT_OPTIONS) 
             handed.append(ld)
 
     def make() -> SplitEngine:
-        for extra in handed[1:]:
-            extra.store.release()
-        try:
-            return SplitEngine(devices, options, handed[0] if handed else None)
-        except BaseException:
-            if handed:
-                handed[0].store.release()
-            raise
+        eng = SplitEngine(devices, options, handed[0] if handed else None)
+        del handed[:1]  # taken
+        return eng
 
-    eng = ENGINES.get(process_key(devices, options), make, before_release=hand_over)
+    try:
+        eng = ENGINES.get(process_key(devices, options), make, before_release=hand_over)
+    finally:
+        for ld in handed:  # handed over, not taken: the old engine's release or the new one failed
+            ld.store.release()
     eng.options = options
     return eng
 
