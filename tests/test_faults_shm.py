@@ -20,7 +20,7 @@ PRESSURE = """
 engine = make_engine()
 loaded = shm_used()
 try:
-    step(engine, 40000)
+    step(engine, 9000)
     error = None
 except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
@@ -74,10 +74,10 @@ report(code=code, held=info["used"], used=shm_used(), procs=mentions(info["run_d
 
 
 def test_small_shm_fails_the_step_clearly_then_the_next_step_succeeds(tmp_path):
-    res = run_with_private_shm(PRESSURE, 24, {"H3MS_RUN_DIR": str(tmp_path)})
+    res = run_with_private_shm(PRESSURE, 6, {"H3MS_RUN_DIR": str(tmp_path)})
     err = res["error"]
     assert err is not None and "ShmError" in err, res
-    assert "/dev/shm is too small" in err and "MiB free of 24.0 MiB" in err and "--shm-size" in err, err
+    assert "/dev/shm is too small" in err and "MiB free of 6.0 MiB" in err and "--shm-size" in err, err
     assert res["states"] == ["ready", "ready"]  # no rank died (no SIGBUS): the failure was at creation
     assert res["ok"] is True  # the next steps run, bit-exact
     assert res["ok_new_shape"] is True  # old buffers are freed before new ones are reserved

@@ -125,7 +125,7 @@ checks = os.path.join(run_dir, "comfy_node_checks.py")
 os.symlink({checks!r}, checks)
 os.chdir(run_dir)
 rc = pytest.main(["-q", "-p", "no:cacheprovider", "--noconftest", "-c", "/dev/null", "--rootdir", run_dir,
-                  "--timeout=240", "-W", "ignore::DeprecationWarning", "--durations=5", checks] + {select!r})
+                  "--timeout=240", "-W", "ignore::DeprecationWarning", "--durations=12", checks] + {select!r})
 print("INNER_PYTEST_RC", int(rc), flush=True)
 '''
 

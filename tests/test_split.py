@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from dataclasses import replace
 
@@ -519,24 +518,29 @@ def big_model():
 
 
 def _long_step(eng: SplitEngine, model: ReferenceDiT, **kw):
-    inp = make_step_inputs(BIG, layout_for_tokens(6000), 3, torch.bfloat16)
-    mod = model.modulation(inp.t_emb)  # before the step: the tests time from its start
-    return inp, (lambda: eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, **kw))
+    """A step of 8 blocks whose ``progress`` (block by block, from the arena's sequence words) is passed on: the
+    tests below act once its first block is done, so they hit the middle of the step on a CPU of any speed."""
+    inp = make_step_inputs(BIG, layout_for_tokens(3000), 3, torch.bfloat16)
+    mod = model.modulation(inp.t_emb)
+    return inp, (lambda **more: eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, **kw, **more))
 
 
 def test_worker_killed_mid_step_fails_fast_then_recovers(engine_factory, big_model):
     eng = engine_factory(["cpu"] * 3)
     eng.load_weights(("t", "big"), BIG, big_model.block_weights)
     inp, step = _long_step(eng, big_model)
-    step()  # warm: the timing below is a real step
     victim = eng.pool.snapshot()[1]["pid"]
-    killer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
-    killer.start()
-    t = time.monotonic()
+    killed: list[tuple[int, float]] = []
+
+    def kill_after_the_first_block(done: int, total: int) -> None:
+        if done >= 1 and not killed:
+            os.kill(victim, signal.SIGKILL)
+            killed.append((done, time.monotonic()))
+
     with pytest.raises(SplitError) as ei:
-        step()
-    elapsed = time.monotonic() - t - 0.5
-    killer.join()
+        step(progress=kill_after_the_first_block)
+    assert killed and killed[0][0] < 8, killed  # the kill came mid-step
+    elapsed = time.monotonic() - killed[0][1]
     assert elapsed < 5.0, f"failure took {elapsed:.1f}s after the kill"
     msg = str(ei.value)
     assert "rank 1" in msg and "last lines" in msg
@@ -551,18 +555,21 @@ def test_interrupt_aborts_every_rank(engine_factory, big_model):
     eng = engine_factory(["cpu"] * 2, exchange_chunks=4)
     eng.load_weights(("t", "big"), BIG, big_model.block_weights)
     inp, step = _long_step(eng, big_model)
-    step()
-    fire = time.monotonic() + 0.4
     from h3ms_async.status.hub import get_hub
     busy_seen = []
+    done_blocks: list[int] = []
+    fired: list[float] = []
 
     def interrupt() -> bool:
         busy_seen.append(get_hub().busy())  # the status routes see the running job (standalone too)
-        return time.monotonic() > fire
+        if done_blocks and not fired:
+            fired.append(time.monotonic())
+        return bool(fired)
 
     with pytest.raises(SplitInterrupted):
-        eng.run_blocks(inp.x, big_model.modulation(inp.t_emb), inp.segments, inp.rope_freqs, interrupt=interrupt)
-    t = time.monotonic() - fire
+        step(interrupt=interrupt, progress=lambda done, total: done_blocks.append(done) if done else None)
+    assert fired and max(done_blocks) < 8, done_blocks  # the interrupt came mid-step
+    t = time.monotonic() - fired[0]
     assert t < 2.0, f"interrupt took {t:.2f}s"
     assert busy_seen and all(busy_seen) and not get_hub().busy()
     states = [w["state"] for w in eng.pool.snapshot()]
