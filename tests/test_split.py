@@ -517,12 +517,12 @@ def big_model():
     return ReferenceDiT(BIG, weights="bf16", seed=9)
 
 
-def _long_step(eng: SplitEngine, model: ReferenceDiT, **kw):
+def _long_step(eng: SplitEngine, model: ReferenceDiT):
     """A step of 8 blocks whose ``progress`` (block by block, from the arena's sequence words) is passed on: the
     tests below act once its first block is done, so they hit the middle of the step on a CPU of any speed."""
     inp = make_step_inputs(BIG, layout_for_tokens(3000), 3, torch.bfloat16)
     mod = model.modulation(inp.t_emb)
-    return inp, (lambda **more: eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, **kw, **more))
+    return inp, (lambda **controls: eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, **controls))
 
 
 def test_worker_killed_mid_step_fails_fast_then_recovers(engine_factory, big_model):
