@@ -134,8 +134,9 @@ class H3MultiStreamAsync(ModelPatchNode):
                     "tooltip": "How each block's attention gets its inputs. gather: every GPU "
                     "gets the whole block input and projects its own heads. ulysses: every GPU "
                     "projects every head for its own tokens, then q, k and v are exchanged (each "
-                    "GPU holds every head's qkv weights; fewer bytes from about 7 GPUs on PCIe, 5 "
-                    "with nccl). auto: the one that moves fewer bytes for this GPU count. A "
+                    "GPU holds every head's qkv weights). auto: the one the speed model predicts "
+                    "faster for this GPU count, exchange and overlaps (with the default overlaps: "
+                    "ulysses from 4 GPUs on PCIe host staging, from 5 with nccl). A "
                     "pattern runs only on a device kind where its bit-exactness test has passed "
                     "(ulysses: CPU and CUDA; elsewhere auto falls back to gather). Sparse "
                     "attention uses gather.",

@@ -289,3 +289,47 @@ def test_validation_takes_the_time_slicing_over_the_overlapped_compute():
     u_pred = sm.predict(parts, 4, link, pattern="ulysses", head_pieces=8)
     assert u_row["pattern"] == "ulysses" and u_row["predicted_block_s"] == pytest.approx(u_pred.block_s)
     assert u_pred.block_s != pytest.approx(sm.predict(parts, 4, link, head_pieces=8).block_s)
+
+
+def test_auto_pattern_is_the_faster_prediction_with_the_overlaps_it_may_run():
+    """``pattern: auto`` loads the pattern the model predicts faster (``choose_pattern``, the H100 parts in the
+    package): without overlaps that is the all-gather up to 6 host-staged ranks (its gather moves fewer bytes than
+    Ulysses' q/k/v there); with the 8 head pieces (and, for the all-gather, 8 row pieces) that ``overlaps: auto``
+    runs, Ulysses from 4 on PCIe Gen4 host staging, where its pieces hide both all-to-alls. NCCL hides nothing
+    behind pieces: the all-gather up to 4 either way."""
+    from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
+
+    none = {"gather": NO_OVERLAP, "ulysses": NO_OVERLAP}
+    pieces = {"gather": Overlap(8, True, 8), "ulysses": Overlap(8)}
+
+    def picks(transport: str, overlaps: dict, ranks=range(2, 9)) -> list[str]:
+        return [sm.choose_pattern(5376, 56, 128, n, transport, overlaps) for n in ranks]
+
+    assert picks("host", none) == ["gather"] * 5 + ["ulysses"] * 2
+    assert picks("host", pieces) == ["gather"] * 2 + ["ulysses"] * 5
+    assert picks("nccl", none) == picks("nccl", pieces) == ["gather"] * 3 + ["ulysses"] * 4
+    # a pattern left out is not a choice; uneven shares are the model's too
+    assert sm.choose_pattern(5376, 56, 128, 8, "host", {"gather": NO_OVERLAP}) == "gather"
+    assert sm.choose_pattern(5376, 56, 128, 3, "host", pieces, shares=(1.0, 1.0, 0.5)) in ("gather", "ulysses")
+    # each pick is the faster of the two predictions on the transport's usual link
+    parts, link = sm.reference_parts(), sm.usual_link("host")
+    for n, overlaps in ((4, pieces), (6, none), (7, none)):
+        step = {p: sm.predict(parts, n, link, pattern=p, head_pieces=o.head_pieces, gather_overlap=o.gather,
+                              gather_ahead=o.ahead).step_s for p, o in overlaps.items()}
+        assert sm.choose_pattern(5376, 56, 128, n, "host", overlaps) == min(step, key=step.get), (n, step)
+    with pytest.raises(ValueError, match="transport 'gloo'"):
+        sm.usual_link("gloo")
+
+
+def test_the_reference_parts_scale_to_another_width():
+    """Another model width keeps the token count: the linears' time goes with hidden², attention's with heads x
+    head_dim; at H3's own width the parts are the file's."""
+    ref = sm.reference_parts()
+    assert sm.parts_for_width(ref, 5376, 56, 128) == ref
+    half = sm.parts_for_width(ref, 2688, 28, 128)
+    a = ref.attention_fraction
+    scale = (1 - a) / 4 + a / 2
+    assert math.isclose(half.unsplit_block_s, ref.unsplit_block_s * scale)
+    assert math.isclose(half.attention_fraction, a / 2 / scale)
+    assert half.shape.hidden == 2688 and half.shape.columns == 28 * 128 and half.shape.tokens == ref.shape.tokens
+    assert all(math.isclose(half.shard_block_s[n], t * scale) for n, t in ref.shard_block_s.items())

@@ -133,13 +133,9 @@ def test_overlaps_uneven_groups_host_and_gloo(engine_factory):
 
 def test_ulysses_pattern_host_and_gloo(engine_factory):
     """The Ulysses pattern (every rank projects every head for its tokens, then an all-to-all of q, k, v) over
-    uneven shares, host exchange chunked, and gloo: the unsplit output; "auto" picks it only where it moves fewer
-    bytes."""
-    from h3ms_async.dit.speed_model import choose_pattern
+    uneven shares, host exchange chunked, and gloo: the unsplit output; "auto" picks it only where the speed model
+    predicts it faster (tests/test_bench_model.py)."""
     from h3ms_async.status.hub import get_hub
-    assert [choose_pattern(5376, 56, 128, n, "host") for n in (2, 4, 6, 7, 8)] == ["gather"] * 3 + ["ulysses"] * 2
-    for transport in ("nccl", "cuda_ipc"):
-        assert [choose_pattern(5376, 56, 128, n, transport) for n in (4, 5)] == ["gather", "ulysses"]
     seen = Compared()
     model = ReferenceDiT(CFG_UNEVEN, weights="int8", seed=7)
     eng = engine_factory(["cpu"] * 3, shares=(1.0, 1.0, 0.7), exchange="nccl", pattern="ulysses")

@@ -41,13 +41,32 @@ def test_untested_paths_are_refused_and_auto_falls_back(monkeypatch):
 
 
 def test_auto_never_picks_an_untested_pattern(monkeypatch):
-    """At 8 host-staged ranks the all-to-all of q, k, v moves fewer bytes than the all-gather (the model prefers
-    Ulysses there), yet on a device kind where Ulysses has no passing test "auto" loads the all-gather."""
+    """At 8 host-staged ranks the model prefers Ulysses, yet on a device kind where Ulysses has no passing test
+    "auto" loads the all-gather."""
     from h3ms_async.dit import speed_model
+    from h3ms_async.dit.exactness import NO_OVERLAP
     from h3ms_async.dit.reference import DiTConfig
     cfg = DiTConfig(layers=1)
-    assert speed_model.choose_pattern(cfg.hidden, cfg.heads, cfg.head_dim, 8, "host") == "ulysses"
+    none = {"gather": NO_OVERLAP, "ulysses": NO_OVERLAP}
+    assert speed_model.choose_pattern(cfg.hidden, cfg.heads, cfg.head_dim, 8, "host", none) == "ulysses"
     monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
     monkeypatch.setitem(tested_paths.TESTED, "cuda", {})
     for devices, picked in ((["cuda:0"] * 8, "gather"), (["cpu"] * 8, "ulysses")):
         assert pick_pattern(SplitOptions(pattern="auto"), devices, Transport.HOST, cfg) == picked, devices
+
+
+def test_auto_weighs_each_pattern_with_the_overlaps_it_may_run(monkeypatch):
+    """At 4 host-staged ranks of H3, "auto" loads Ulysses when the options let the engine run head pieces under it
+    (with them the model predicts it faster) and the all-gather when they do not: the overlaps are off, or head
+    pieces under Ulysses have no passing test on the device kind."""
+    from h3ms_async.dit.reference import DiTConfig
+    monkeypatch.delenv("H3MS_ALLOW_UNTESTED_PATHS", raising=False)
+    cfg = DiTConfig(layers=1)
+    tuned = SplitOptions(pattern="auto", head_pieces=8, gather_overlap=True, gather_ahead=8, overlap_tuning=True)
+    cuda = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert pick_pattern(tuned, cuda, Transport.HOST, cfg) == "ulysses"
+    assert pick_pattern(tuned, cuda, Transport.NONE, cfg) == "ulysses"  # the no-exchange baseline: as host staging
+    assert pick_pattern(SplitOptions(pattern="auto"), cuda, Transport.HOST, cfg) == "gather"
+    monkeypatch.setitem(tested_paths.TESTED, "cuda", {p: t for p, t in tested_paths.TESTED["cuda"].items()
+                                                      if p != SplitPath.ULYSSES_PIECES})
+    assert pick_pattern(tuned, cuda, Transport.HOST, cfg) == "gather"

@@ -64,8 +64,9 @@ class SplitOptions:
     passing test on the ranks' device kind (``h3ms_async.dit.overlap_tuner``).  ``pattern``: how
     attention gets its inputs, "gather" (all-gather of the block input), "ulysses" (every rank
     projects every head for its tokens, then an all-to-all of q, k, v; dense attention only) or
-    "auto" (the one whose exchange moves fewer bytes at this N and transport,
-    ``speed_model.choose_pattern``; gather with sparse attention), fixed when weights load.
+    "auto" (the one the speed model predicts faster at this N and transport with the overlaps
+    these options let it run, ``speed_model.choose_pattern``; gather with sparse attention),
+    fixed when weights load.
     """
 
     exchange: exchange_choice.Setting = Transport.HOST

@@ -44,10 +44,13 @@ hides a further fraction of what stays exposed, for schedules not built yet.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal, overload
 
 from h3ms_async.dit.exactness import Overlap
@@ -56,6 +59,34 @@ from workers.dit.protocol import PATTERNS
 
 TRANSPORTS = ("host", "nccl", "cuda_ipc")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+#: Stated link rates (GB/s per direction) and where they come from; the model marks them as
+#: assumptions.
+PCIE4_GBPS = 25.0
+PCIE5_GBPS = 50.0
+NVLINK_GBPS = 360.0
+HOST_OP_LATENCY_S = 40e-6
+NCCL_OP_LATENCY_S = 20e-6
+NET_EFFICIENCY = 0.9
+SOURCES = {
+    "pcie4": "ASSUMED: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable for pinned "
+    "copies",
+    "pcie5": "ASSUMED: PCIe Gen5 x16 is 64 GB/s raw per direction; ~50 GB/s achievable (the H200 "
+    "host measured 51.9-55.0 GB/s pinned, docs/performance.md)",
+    "nvlink": "ASSUMED: NVLink4 (H100/H200, 450 GB/s per direction raw); NCCL all-gather bus "
+    "bandwidth ~350-400 GB/s achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
+    "pcie4_p2p": "ASSUMED: peer-to-peer copies between GPUs under one PCIe Gen4 switch or root "
+    "complex at the pinned-copy rate (~25 GB/s per direction); GPU-direct exchange (cuda_ipc)",
+    "pcie5_p2p": "ASSUMED: peer-to-peer copies on PCIe Gen5 at ~50 GB/s per direction; GPU-direct "
+    "exchange (cuda_ipc)",
+    "nvlink_p2p": "ASSUMED: copy-engine peer copies over NVLink4 at the NCCL bus bandwidth figure "
+    "(~360 GB/s per direction); GPU-direct exchange (cuda_ipc)",
+    "host_latency": "per-op signalling of the host exchange: 31-43 us per doorbell measured on the "
+    "2-core CPU box (docs/performance.md), taken as 40 us per op",
+    "nccl_latency": "ASSUMED: ~20 us per NCCL collective launch on NVLink",
+    "net": "ASSUMED: network line rate x 0.9 achievable, hierarchical collectives (each remote row "
+    "crosses a host's link once), inter-host part after the intra-host part (no overlap)",
+}
 #: Each pattern's two ops per block, in block order: (name, op kind of :func:`traffic`).
 _OPS = {
     "gather": (("all_gather_input", "gather"), ("all_to_all_attn", "a2a_out")),
@@ -279,31 +310,6 @@ def net_bytes(shape: Shape, plan: Plan, kind: str, gpus_per_host: int) -> int:
             got = sum(m[p][r] for p in remote for r in mine)
         worst = max(worst, got)
     return worst
-
-
-def choose_pattern(
-    hidden: int,
-    heads: int,
-    head_dim: int,
-    world: int,
-    transport: str,
-    shares: Sequence[float] | None = None,
-) -> str:
-    """The pattern whose first op moves fewer bytes through the busiest rank's link (the all-to-all
-    of the attention output is the same in both) on ``transport`` (``host``, ``cuda_ipc`` or
-    ``nccl``): for H3's shapes the all-gather up to N = 6 with host staging and N = 4 with NCCL or
-    GPU-direct, Ulysses above.  The ratio does not depend on the token count (a nominal one is
-    used)."""
-    shape = Shape(4096 * world, hidden, heads, head_dim, 1, "bfloat16")
-    plan = make_plan(shape, world, shares)
-
-    def busiest(kind: str) -> int:
-        moved = moved_bytes(transport)(shape, plan, kind)
-        if transport == "host":
-            return max(w + r for w, r in moved)
-        return max(max(s, r) for s, r in moved)
-
-    return "ulysses" if busiest("a2a_qkv") < busiest("gather") else "gather"
 
 
 # -- times
@@ -645,3 +651,83 @@ def parts_to_dict(p: Parts) -> dict:
         if getattr(p, key) is not None:
             d[key] = getattr(p, key)
     return d
+
+
+# -- the pattern ``pattern: auto`` loads
+# -----------------------------------------------------------------------------------------------
+#: The parts :func:`choose_pattern` predicts with: full H3 measured on one H100 (each figure's
+#: source is in the file).
+REFERENCE_PARTS = Path(__file__).with_name("speed_parts_h100.json")
+
+
+@functools.cache
+def reference_parts() -> Parts:
+    return parts_from_dict(json.loads(REFERENCE_PARTS.read_text()))
+
+
+def usual_link(transport: str) -> Link:
+    """The link :func:`choose_pattern` assumes for ``transport``: host staging and the GPU-direct
+    exchange over PCIe Gen4 (the slowest common link, where the choice matters most), NCCL over
+    NVLink (where it is mostly used)."""
+    if transport == "host":
+        return Link("pcie4-host", "host", PCIE4_GBPS, HOST_OP_LATENCY_S, SOURCES["pcie4"], True)
+    if transport == "cuda_ipc":
+        return Link(
+            "pcie4-p2p", "cuda_ipc", PCIE4_GBPS, HOST_OP_LATENCY_S, SOURCES["pcie4_p2p"], True
+        )
+    if transport == "nccl":
+        return Link("nvlink-nccl", "nccl", NVLINK_GBPS, NCCL_OP_LATENCY_S, SOURCES["nvlink"], True)
+    raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+
+
+def parts_for_width(parts: Parts, hidden: int, heads: int, head_dim: int) -> Parts:
+    """``parts`` for a model of another width at the same token count: the linears' time scaled by
+    hidden², attention's by heads x head_dim (their multiply-adds per token), every rank's shard
+    alike."""
+    s = parts.shape
+    if (hidden, heads, head_dim) == (s.hidden, s.heads, s.head_dim):
+        return parts
+    linears = (hidden / s.hidden) ** 2
+    attention = heads * head_dim / s.columns
+    a = parts.attention_fraction
+    scale = (1 - a) * linears + a * attention
+    return replace(
+        parts,
+        shape=replace(s, hidden=hidden, heads=heads, head_dim=head_dim),
+        unsplit_block_s=parts.unsplit_block_s * scale,
+        attention_fraction=a * attention / scale,
+        shard_block_s={n: t * scale for n, t in parts.shard_block_s.items()},
+    )
+
+
+def choose_pattern(
+    hidden: int,
+    heads: int,
+    head_dim: int,
+    world: int,
+    transport: str,
+    overlaps: dict[str, Overlap],
+    shares: Sequence[float] | None = None,
+) -> str:
+    """The pattern the model predicts the faster dense step for, at ``world`` ranks on
+    ``transport``'s :func:`usual_link`, each pattern with the overlaps the engine may run under
+    it (``overlaps``; a pattern missing from it is not a choice), from :func:`reference_parts`
+    scaled to this width; the all-gather on a tie.  For H3 with host staging: the all-gather up
+    to N = 6 without overlaps, Ulysses from N = 4 with 8 head pieces (they hide most of its
+    all-to-alls: docs/performance.md, "Ours beside the peers")."""
+    parts = parts_for_width(reference_parts(), hidden, heads, head_dim)
+    link = usual_link(transport)
+    steps = {
+        pattern: predict(
+            parts,
+            world,
+            link,
+            pattern=pattern,
+            head_pieces=o.head_pieces,
+            gather_overlap=o.gather,
+            gather_ahead=o.ahead,
+            shares=shares,
+        ).step_s
+        for pattern, o in overlaps.items()
+    }
+    return min(steps, key=lambda p: (steps[p], p != "gather"))

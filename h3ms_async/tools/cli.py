@@ -79,5 +79,6 @@ def add_pattern_argument(p: argparse.ArgumentParser) -> None:
         choices=[*PATTERNS, "auto"],
         default="gather",
         help="how attention gets its inputs: the all-gather of the block input, Ulysses (an "
-        "all-to-all of q, k, v), or auto (the one that moves fewer bytes at this rank count)",
+        "all-to-all of q, k, v), or auto (the one the speed model predicts faster at this rank "
+        "count)",
     )

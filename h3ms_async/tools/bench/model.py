@@ -31,48 +31,41 @@ from h3ms_async.dit.exactness import NO_OVERLAP, Overlap
 from h3ms_async.dit.tested_paths import allow_untested_paths
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 
-#: Stated link rates (GB/s per direction) and where they come from; the model marks them as
-#: assumptions.
-PCIE4_GBPS = 25.0
-PCIE5_GBPS = 50.0
-NVLINK_GBPS = 360.0
-HOST_OP_LATENCY_S = 40e-6
-NCCL_OP_LATENCY_S = 20e-6
-NET_EFFICIENCY = 0.9
-SOURCES = {
-    "pcie4": "ASSUMED: PCIe Gen4 x16 is 32 GB/s raw per direction; ~25 GB/s achievable for pinned "
-    "copies",
-    "pcie5": "ASSUMED: PCIe Gen5 x16 is 64 GB/s raw per direction; ~50 GB/s achievable (the H200 "
-    "host measured 51.9-55.0 GB/s pinned, docs/performance.md)",
-    "nvlink": "ASSUMED: NVLink4 (H100/H200, 450 GB/s per direction raw); NCCL all-gather bus "
-    "bandwidth ~350-400 GB/s achievable on 8 GPUs (nccl-tests); all-to-all taken at the same rate",
-    "pcie4_p2p": "ASSUMED: peer-to-peer copies between GPUs under one PCIe Gen4 switch or root "
-    "complex at the pinned-copy rate (~25 GB/s per direction); GPU-direct exchange (cuda_ipc)",
-    "pcie5_p2p": "ASSUMED: peer-to-peer copies on PCIe Gen5 at ~50 GB/s per direction; GPU-direct "
-    "exchange (cuda_ipc)",
-    "nvlink_p2p": "ASSUMED: copy-engine peer copies over NVLink4 at the NCCL bus bandwidth figure "
-    "(~360 GB/s per direction); GPU-direct exchange (cuda_ipc)",
-    "host_latency": "per-op signalling of the host exchange: 31-43 us per doorbell measured on the "
-    "2-core CPU box (docs/performance.md), taken as 40 us per op",
-    "nccl_latency": "ASSUMED: ~20 us per NCCL collective launch on NVLink",
-    "net": "ASSUMED: network line rate x 0.9 achievable, hierarchical collectives (each remote row "
-    "crosses a host's link once), inter-host part after the intra-host part (no overlap)",
-}
-
 
 def default_links(parts: sm.Parts, a) -> list[sm.Link]:
     links = [
-        sm.Link("pcie4-host", "host", a.pcie4_gbps, HOST_OP_LATENCY_S, SOURCES["pcie4"], True),
-        sm.Link("pcie5-host", "host", a.pcie5_gbps, HOST_OP_LATENCY_S, SOURCES["pcie5"], True),
-        sm.Link("nvlink-nccl", "nccl", a.nvlink_gbps, NCCL_OP_LATENCY_S, SOURCES["nvlink"], True),
         sm.Link(
-            "pcie4-p2p", "cuda_ipc", a.pcie4_gbps, HOST_OP_LATENCY_S, SOURCES["pcie4_p2p"], True
+            "pcie4-host", "host", a.pcie4_gbps, sm.HOST_OP_LATENCY_S, sm.SOURCES["pcie4"], True
         ),
         sm.Link(
-            "pcie5-p2p", "cuda_ipc", a.pcie5_gbps, HOST_OP_LATENCY_S, SOURCES["pcie5_p2p"], True
+            "pcie5-host", "host", a.pcie5_gbps, sm.HOST_OP_LATENCY_S, sm.SOURCES["pcie5"], True
         ),
         sm.Link(
-            "nvlink-p2p", "cuda_ipc", a.nvlink_gbps, HOST_OP_LATENCY_S, SOURCES["nvlink_p2p"], True
+            "nvlink-nccl", "nccl", a.nvlink_gbps, sm.NCCL_OP_LATENCY_S, sm.SOURCES["nvlink"], True
+        ),
+        sm.Link(
+            "pcie4-p2p",
+            "cuda_ipc",
+            a.pcie4_gbps,
+            sm.HOST_OP_LATENCY_S,
+            sm.SOURCES["pcie4_p2p"],
+            True,
+        ),
+        sm.Link(
+            "pcie5-p2p",
+            "cuda_ipc",
+            a.pcie5_gbps,
+            sm.HOST_OP_LATENCY_S,
+            sm.SOURCES["pcie5_p2p"],
+            True,
+        ),
+        sm.Link(
+            "nvlink-p2p",
+            "cuda_ipc",
+            a.nvlink_gbps,
+            sm.HOST_OP_LATENCY_S,
+            sm.SOURCES["nvlink_p2p"],
+            True,
         ),
     ]
     if parts.pinned_h2d_gbps and parts.pinned_d2h_gbps:
@@ -85,7 +78,7 @@ def default_links(parts: sm.Parts, a) -> list[sm.Link]:
                 "measured-host",
                 "host",
                 parts.pinned_h2d_gbps,
-                HOST_OP_LATENCY_S,
+                sm.HOST_OP_LATENCY_S,
                 src,
                 False,
                 d2h_gbps=parts.pinned_d2h_gbps,
@@ -97,11 +90,11 @@ def default_links(parts: sm.Parts, a) -> list[sm.Link]:
                 f"net{a.net_gbit:g}g-nccl",
                 "nccl",
                 a.nvlink_gbps,
-                NCCL_OP_LATENCY_S,
-                f"{SOURCES['nvlink']} inside a host; {SOURCES['net']}; {a.net_gbit:g} Gb/s per "
-                f"host, {a.gpus_per_host} GPU(s) per host",
+                sm.NCCL_OP_LATENCY_S,
+                f"{sm.SOURCES['nvlink']} inside a host; {sm.SOURCES['net']}; "
+                f"{a.net_gbit:g} Gb/s per host, {a.gpus_per_host} GPU(s) per host",
                 True,
-                net_gbps=a.net_gbit / 8 * NET_EFFICIENCY,
+                net_gbps=a.net_gbit / 8 * sm.NET_EFFICIENCY,
                 gpus_per_host=a.gpus_per_host,
             )
         )
@@ -514,8 +507,8 @@ def validate(
     link = sm.Link(
         "logical-one-gpu",
         "host",
-        parts.pinned_h2d_gbps or PCIE5_GBPS,
-        HOST_OP_LATENCY_S,
+        parts.pinned_h2d_gbps or sm.PCIE5_GBPS,
+        sm.HOST_OP_LATENCY_S,
         "MEASURED pinned copies of this GPU, every logical rank on it",
         False,
         d2h_gbps=parts.pinned_d2h_gbps,
@@ -610,9 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--shares", default=None, help="comma-separated relative rank speeds (uneven shares)"
     )
-    p.add_argument("--pcie4-gbps", type=float, default=PCIE4_GBPS)
-    p.add_argument("--pcie5-gbps", type=float, default=PCIE5_GBPS)
-    p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
+    p.add_argument("--pcie4-gbps", type=float, default=sm.PCIE4_GBPS)
+    p.add_argument("--pcie5-gbps", type=float, default=sm.PCIE5_GBPS)
+    p.add_argument("--nvlink-gbps", type=float, default=sm.NVLINK_GBPS)
     p.add_argument(
         "--net-gbit", type=float, default=0.0, help="add ranks over hosts on this network (Gb/s)"
     )
