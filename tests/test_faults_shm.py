@@ -1,8 +1,8 @@
 """Fault family: shared-memory pressure and lifetime, measured on a private tmpfs mounted on /dev/shm.
 
-* a /dev/shm too small for a step's buffers fails that step at creation with an error naming /dev/shm, its size and
-  ``--shm-size`` (no SIGBUS, no dead rank), and the next step that fits succeeds bit-exact; a new shape's buffers
-  need room only for themselves (the old ones are unmapped everywhere first);
+* a /dev/shm too small for a step's buffers fails that step before its plan is probed, with an error naming
+  /dev/shm, its size and ``--shm-size`` (no SIGBUS, no dead rank), and the next step that fits succeeds bit-exact; a
+  new shape's buffers need room only for themselves (the old ones are unmapped everywhere first);
 * a SIGKILLed owner with a filled weight store, and a script that built an engine directly and just exits, leave
   nothing within 5 s: /dev/shm back to 0 bytes used, no worker or reaper process, no run dir.
 """
@@ -19,11 +19,13 @@ pytestmark = [pytest.mark.skipif(private_shm_refusal() is not None, reason=priva
 PRESSURE = """
 engine = make_engine()
 loaded = shm_used()
+rounds = engine.probe.rounds
 try:
     step(engine, 9000)
     error = None
 except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
+probed_first = engine.probe.rounds - rounds
 after_error = [w["state"] for w in engine.pool.snapshot()]
 ok = step(engine, 3000) and step(engine, 3000, seed=2)
 # Shrink /dev/shm to what is used now plus 60 % of one step's buffers: a new shape's buffers fit only if the old
@@ -34,7 +36,8 @@ size_kib = (used + (used - loaded) * 6 // 10) // 1024
 subprocess.run(["mount", "-o", f"remount,size={size_kib}k", "/dev/shm"], check=True)
 ok_new_shape = step(engine, 3100)
 engine.release()
-report(error=error, ok=ok, ok_new_shape=ok_new_shape, loaded=loaded, states=after_error, used_after=shm_used())
+report(error=error, probed_first=probed_first, ok=ok, ok_new_shape=ok_new_shape, loaded=loaded, states=after_error,
+       used_after=shm_used())
 """
 
 #: The owner: an engine built directly (not through get_engine), weights filled, one step run; then ``{tail}``.
@@ -79,6 +82,7 @@ def test_small_shm_fails_the_step_clearly_then_the_next_step_succeeds(tmp_path):
     assert err is not None and "ShmError" in err, res
     assert "/dev/shm is too small" in err and "MiB free of 6.0 MiB" in err and "--shm-size" in err, err
     assert res["states"] == ["ready", "ready"]  # no rank died (no SIGBUS): the failure was at creation
+    assert res["probed_first"] == 0  # refused before its plan was probed (the probe would only delay the error)
     assert res["ok"] is True  # the next steps run, bit-exact
     assert res["ok_new_shape"] is True  # old buffers are freed before new ones are reserved
     assert res["loaded"] > 0 and res["used_after"] == 0

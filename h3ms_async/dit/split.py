@@ -575,8 +575,12 @@ class SplitEngine(Engine):
             raise SplitError(
                 "head plan changed since the weights were loaded; call load_weights again"
             )
-        plan, ran, sparse_off = self.probe.measured_plan(plan, asked, probe)
         transport = self._transport(opts.exchange)
+        ipc_sync = exchange_choice.resolve_sync(opts.ipc_sync, transport, self.devices)
+        self.step_buffers.check_room(
+            PlannedStep(step, plan, opts, ld.pattern, transport, ipc_sync=ipc_sync), ld
+        )
+        plan, ran, sparse_off = self.probe.measured_plan(plan, asked, probe)
         sparse_step = (
             None
             if sparse_cfg is None or sparse_off
@@ -605,7 +609,7 @@ class SplitEngine(Engine):
             transport,
             sparse_step,
             overlap_phase=phase,
-            ipc_sync=exchange_choice.resolve_sync(opts.ipc_sync, transport, self.devices),
+            ipc_sync=ipc_sync,
         )
         with self.job():
             if opts.verify and self._verify_due:

@@ -19,7 +19,14 @@ import torch
 
 from workers.dit.protocol import Transport
 from workers.runtime.protocol import TensorDesc
-from workers.runtime.shm import Arena, Segment, dtype_name, register_cuda, slot_bytes
+from workers.runtime.shm import (
+    Arena,
+    Segment,
+    check_room,
+    dtype_name,
+    register_cuda,
+    slot_bytes,
+)
 from workers.transports import cuda_ipc
 from workers.transports.arena import ArenaLayout
 
@@ -84,32 +91,34 @@ class StepBufferSlot:
         handles and words belong to one ordering); the side segment alone for
         new adaLN rows or per-token row shapes).  Under the Ulysses pattern the arena also holds the
         q/k/v blocks."""
-        step, plan = planned.step, planned.plan
-        x, rope = step.x, step.rope_freqs
-        key = (
-            tuple(plan.token_bounds),
-            tuple(loaded.head_bounds),
-            x.dtype,
-            tuple(rope.shape),
-            rope.dtype,
-            planned.transport,
-            planned.ipc_sync,
-            str(x.device),
-            planned.pattern == "ulysses",
-        )
+        key, side_key = _keys(planned, loaded)
         buf = self._current
         if buf is None or buf.shape_key != key:
             buf = self._new(key, planned, loaded)
-        rows = tuple(
-            (i, int(r.numel()))
-            for i, (_, _, r) in enumerate(step.mod_segments)
-            if isinstance(r, torch.Tensor)
-        )
-        mod = step.modulation
-        side_key = (tuple(mod.shape), mod.dtype, rows)
         if buf.side_key != side_key:
-            _new_side(buf, side_key, mod, rows)
+            _new_side(buf, side_key)
         return buf
+
+    def check_room(self, planned: PlannedStep, loaded: LoadedWeights) -> None:
+        """Refuse ``planned`` now (ShmError naming /dev/shm's size and ``--shm-size``) when /dev/shm
+        has no room for the buffers it would add, even with the held ones it replaces freed: before
+        its plan is probed, which at a new large shape takes seconds that the step would spend only
+        to fail when it reserves them."""
+        key, side_key = _keys(planned, loaded)
+        buf = self._current
+        need = freed = 0
+        if buf is None or buf.shape_key != key:
+            layout = _layout(planned, loaded)
+            need = _segment_bytes(_step_specs(planned)) + _side_bytes(side_key)
+            if planned.transport in ARENA_BYTES:
+                need += ARENA_BYTES[planned.transport](layout)
+            if buf is not None:
+                freed = sum(seg.size for seg in (buf.step, buf.arena, buf.side) if seg is not None)
+        elif buf.side_key != side_key:
+            need = _side_bytes(side_key)
+            freed = buf.side.size if buf.side is not None else 0
+        if need > freed:
+            check_room(need - freed)
 
     def drop(self) -> None:
         """Free the held buffers, if any; the next step makes new ones."""
@@ -118,38 +127,86 @@ class StepBufferSlot:
             self._current = None
 
     def _new(self, key: tuple, planned: PlannedStep, loaded: LoadedWeights) -> StepBuffers:
-        plan, x, rope = planned.plan, planned.step.x, planned.step.rope_freqs
-        head_dim, hidden = loaded.config.head_dim, loaded.config.hidden
-        transport, qkv = planned.transport, planned.pattern == "ulysses"
+        transport = planned.transport
         self.drop()
         self._unmap_released()
-        specs: Specs = {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
+        specs = _step_specs(planned)
         step = Segment.create(_segment_bytes(specs), "step")
         arena_seg = None
         try:
             descs = _alloc(step, specs)
-            col_bounds = [g * head_dim for g in loaded.head_bounds]
-            ranks = len(plan.token_bounds) - 1
-            layout = ArenaLayout.plan(
-                ranks, list(plan.token_bounds), col_bounds, hidden, x.dtype, head_dim, qkv
-            )
+            layout = _layout(planned, loaded)
             if transport in ARENA_BYTES:
                 arena_seg = Segment.create(ARENA_BYTES[transport](layout), "arena")
                 layout.init_header(arena_seg.base_tensor())
         except BaseException:
             _free(step, arena_seg)
             raise
+        x = planned.step.x
         pinned = x.is_cuda and register_cuda(step, str(x.device))
         self._current = StepBuffers(key, step, descs, arena_seg, layout, pinned)
         return self._current
 
 
-def _new_side(buf: StepBuffers, side_key: tuple, mod: torch.Tensor, rows: tuple) -> None:
+def _keys(planned: PlannedStep, loaded: LoadedWeights) -> tuple[tuple, tuple]:
+    """What the step segment and arena (the first) and the side segment (the second) are kept for:
+    held buffers are reused while their key stays."""
+    step, plan = planned.step, planned.plan
+    x, rope, mod = step.x, step.rope_freqs, step.modulation
+    key = (
+        tuple(plan.token_bounds),
+        tuple(loaded.head_bounds),
+        x.dtype,
+        tuple(rope.shape),
+        rope.dtype,
+        planned.transport,
+        planned.ipc_sync,
+        str(x.device),
+        planned.pattern == "ulysses",
+    )
+    rows = tuple(
+        (i, int(r.numel()))
+        for i, (_, _, r) in enumerate(step.mod_segments)
+        if isinstance(r, torch.Tensor)
+    )
+    return key, (tuple(mod.shape), mod.dtype, rows)
+
+
+def _step_specs(planned: PlannedStep) -> Specs:
+    x, rope = planned.step.x, planned.step.rope_freqs
+    return {"x": (x.dtype, x.shape), "rope": (rope.dtype, rope.shape)}
+
+
+def _layout(planned: PlannedStep, loaded: LoadedWeights) -> ArenaLayout:
+    plan, head_dim = planned.plan, loaded.config.head_dim
+    return ArenaLayout.plan(
+        len(plan.token_bounds) - 1,
+        list(plan.token_bounds),
+        [g * head_dim for g in loaded.head_bounds],
+        loaded.config.hidden,
+        planned.step.x.dtype,
+        head_dim,
+        planned.pattern == "ulysses",
+    )
+
+
+def _side_specs(side_key: tuple) -> Specs:
+    """The side segment's tensors for its key: the adaLN rows, then each per-token row index."""
+    mod_shape, mod_dtype, rows = side_key
+    specs: Specs = {"modulation": (mod_dtype, mod_shape)}
+    specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
+    return specs
+
+
+def _side_bytes(side_key: tuple) -> int:
+    return _segment_bytes(_side_specs(side_key))
+
+
+def _new_side(buf: StepBuffers, side_key: tuple) -> None:
     """Replace ``buf``'s side segment (adaLN rows and per-token rows) for new shapes; ranks map the
     new one at the step that names it and drop the old one (its owner let go) at their next
     attach."""
-    specs: Specs = {"modulation": (mod.dtype, mod.shape)}
-    specs.update({f"row{i}": (torch.int64, (n,)) for i, n in rows})
+    specs = _side_specs(side_key)
     side = Segment.create(_segment_bytes(specs), "side")
     try:
         descs = _alloc(side, specs)
