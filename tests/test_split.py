@@ -25,6 +25,7 @@ from workers.dit.protocol import Transport
 from workers.runtime.shm import held_shm
 
 from split_checks import Compared, engine_step
+from split_proof import dit_step_failure
 
 CFG = DiTConfig(hidden=128, layers=2, heads=8, head_dim=32, ffn=192, t_dim=16, rope_pairs=12)
 CFG_UNEVEN = DiTConfig(hidden=160, layers=2, heads=10, head_dim=32, ffn=224, t_dim=16, rope_pairs=12)
@@ -522,10 +523,14 @@ def _long_step(eng: SplitEngine, model: ReferenceDiT):
 
 
 def _assert_a_short_step_is_exact(eng: SplitEngine, model: ReferenceDiT) -> None:
-    """The engine runs on after a failed or interrupted step: a short step (its own plan) equals the unsplit one."""
+    """The engine runs on after a failed or interrupted step: a short step (its own plan) runs split on every rank and
+    equals the unsplit one."""
+    from h3ms_async.status.hub import get_hub
     inp = make_step_inputs(BIG, layout_for_tokens(600), 4, torch.bfloat16)
     out = eng.run_blocks(inp.x, model.modulation(inp.t_emb), inp.segments, inp.rope_freqs)
     assert torch.equal(out, _reference(model, inp))
+    why = dit_step_failure(get_hub().recent_steps(1)[0], eng.devices, tokens=inp.x.shape[0], blocks=BIG.layers)
+    assert why is None, why
 
 
 def test_worker_killed_mid_step_fails_fast_then_recovers(engine_factory, big_model):
