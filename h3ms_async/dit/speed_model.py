@@ -714,7 +714,7 @@ def choose_pattern(
     it (``overlaps``; a pattern missing from it is not a choice), from :func:`reference_parts`
     scaled to this width; the all-gather on a tie.  For H3 with host staging: the all-gather up
     to N = 6 without overlaps, Ulysses from N = 4 with 8 head pieces (they hide most of its
-    all-to-alls: docs/performance.md, "Ours beside the peers")."""
+    all-to-alls: docs/performance.md, "The pattern `auto` loads")."""
     parts = parts_for_width(reference_parts(), hidden, heads, head_dim)
     link = usual_link(transport)
     steps = {

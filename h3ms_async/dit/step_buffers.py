@@ -108,10 +108,9 @@ class StepBufferSlot:
         buf = self._current
         need = freed = 0
         if buf is None or buf.shape_key != key:
-            layout = _layout(planned, loaded)
             need = _segment_bytes(_step_specs(planned)) + _side_bytes(side_key)
             if planned.transport in ARENA_BYTES:
-                need += ARENA_BYTES[planned.transport](layout)
+                need += ARENA_BYTES[planned.transport](_layout(planned, loaded))
             if buf is not None:
                 freed = sum(seg.size for seg in (buf.step, buf.arena, buf.side) if seg is not None)
         elif buf.side_key != side_key:
