@@ -1,0 +1,18 @@
+# the whole CUDA test file from fresh workers, then every CUDA exchange of one GPU against the spec, then real
+# ComfyUI on CUDA if time is left
+source .carry/next/head.sh
+timeout 380 python3 -m pytest -v -p no:cacheprovider -s -rs -m cuda tests/test_cuda.py --durations=10 \
+  > $R/pytest_cuda.log 2>&1
+echo "test_cuda rc=$? t=$SECONDS" >> $R/summary.txt
+grep -hE "FAILED|passed|failed" $R/pytest_cuda.log | tail -8 >> $R/summary.txt
+timeout 130 python3 -m pytest -v -p no:cacheprovider -rs tests/test_exchange_conformance.py \
+  -k "cuda-host or (cuda-ipc and not cpu)" > $R/pytest_conformance_cuda.log 2>&1
+echo "conformance rc=$? t=$SECONDS" >> $R/summary.txt
+grep -hE "FAILED|passed|failed" $R/pytest_conformance_cuda.log | tail -3 >> $R/summary.txt
+left=$((580-SECONDS))
+[ $left -gt 100 ] && timeout $left python3 -m h3ms_async bench gpu --tokens 75794 --layers 2 --residency resident \
+  --steps 2 --weights bf16 --ranks 2 --pattern ulysses --exchange host,cuda_ipc --overlap none,pieces8,pieces16 \
+  --out $R/bench_gpu_ulysses_bf16 > $R/bench_gpu_ulysses_bf16.log 2>&1
+echo "bf16 ulysses rc=$? t=$SECONDS" >> $R/summary.txt
+grep -E "ms|exact" $R/bench_gpu_ulysses_bf16.log | tail -14 >> $R/summary.txt
+pack
