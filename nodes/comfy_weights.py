@@ -326,26 +326,29 @@ def block_reader(
     compute_dtype: torch.dtype,
     ram: Callable[[], int] = available_ram,
     before: Callable[[int], object] | None = None,
+    read_ahead: bool = True,
 ) -> Callable[[int], dict[str, Source]]:
     """``block_weights(i)`` for ``SplitEngine.load_weights``, refusing a block that would eat into
     the RAM reserve.  ``before(i)`` runs ahead of reading block i: the step's adaLN row of block i
     (``BlockModulation.row``), so a cold checkpoint is read once, block after block, and the
     readahead then asks for whole blocks, adaLN weights included.  A tensor ComfyUI maps unchanged
-    from the checkpoint comes back as its file range (:func:`file_source`)."""
+    from the checkpoint comes back as its file range (:func:`file_source`).  ``read_ahead=False``
+    for a LoRA change's rewrite (``patched_weights``): it copies only the patched modules, which
+    ComfyUI's cast reads itself, so reading the rest of each block ahead is all waste."""
     dm = patcher.get_model_object("diffusion_model")
     reserve = int(reserve_gb * GIB)
     path = checkpoint_path(patcher)
-    ahead: list[BlockReadahead | None] = []  # made at the first read: only a fill reads
+    ahead: list[BlockReadahead | None] = []  # made at the first read, if ever read
 
     def read(i: int) -> dict[str, Source]:
-        if not ahead:
+        if read_ahead and not ahead:
             safetensors = path is not None and path.lower().endswith((".safetensors", ".sft"))
             ahead.append(
                 BlockReadahead.of(path, _read_ahead(patcher, adaln=before is not None))
                 if path and safetensors
                 else None
             )
-        if ahead[0] is not None:
+        if ahead and ahead[0] is not None:
             ahead[0].reading(i)
         if before is not None:
             before(i)

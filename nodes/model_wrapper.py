@@ -211,13 +211,17 @@ class _RunStack:
         )
         # a load probes this step's plan on the ranks while the store fills, and a fill computes
         # each block's row as it reads the block: one pass over a cold checkpoint feeds both
+        reserve = self.state.reserve_gb
         engine.load_weights(
             key,
             read_config(self.dm),
-            block_reader(patcher, self.state.reserve_gb, dtype, before=rows.row),
+            block_reader(patcher, reserve, dtype, before=rows.row),
             n,
             compute_dtype=dtype,
             first_step=step,
+            patched_weights=block_reader(
+                patcher, reserve, dtype, before=rows.row, read_ahead=False
+            ),
         )
         step = replace(step, modulation=rows.stacked())
         try:

@@ -298,9 +298,15 @@ def test_lora_strength_change_rewrites_only_the_patched_tensors():
     tensors of the patched modules (the bytes counted equal those tensors' bytes in the store), keeping the store
     segment and the workers, and the ranks take the new qkv rows in again; every output equals plain ComfyUI at that
     strength. The same for an int8 checkpoint, where the case records whether the change kept the blocks' layout
-    (in place) or changed it (a full fill, with the reason)."""
+    (in place) or changed it (a full fill, with the reason). A rewrite reads nothing of the checkpoint ahead (the
+    patched modules are read by ComfyUI's cast; at 50 full-width blocks the whole-block readahead made the strength
+    change read 24 GB it did not use), where the full fill does."""
     cases = r'''
     lora = comfy_h3.lora_state_dict(2)
+    from h3ms_async.runtime.readahead import BlockReadahead
+    made = []  # every readahead a load made, its file's name
+    _of = BlockReadahead.of.__func__
+    BlockReadahead.of = classmethod(lambda cls, path, wanted: made.append(os.path.basename(path)) or _of(cls, path, wanted))
     modules = {k.removeprefix("diffusion_model.").split(".lora_")[0] for k in lora}  # "blocks.<i>.<module>"
 
     def with_lora(model, strength):
@@ -315,7 +321,7 @@ def test_lora_strength_change_rewrites_only_the_patched_tensors():
         patched = [(i, n, t) for i in range(len(st.manifest)) for n, t in st.block(i).items()
                    if f"blocks.{i}.{n.rsplit('.', 1)[0]}" in modules]
         refill = ld.refill
-        return dict(same_store=store() == seg, same_pids=pids() == workers, line=ld.line(),
+        return dict(same_store=store() == seg, same_pids=pids() == workers, line=ld.line(), readaheads=made[:],
                     full_because=ld.full_because, refill=None if refill is None else dict(
                         tensors=refill.store.tensors, of_tensors=refill.store.of_tensors, bytes=refill.store.bytes,
                         names=sorted(f"{i}:{n}" for i, names in refill.store.blocks for n in names),
@@ -330,6 +336,7 @@ def test_lora_strength_change_rewrites_only_the_patched_tensors():
         for strength in (0.8, 0.3, None):
             model = with_lora(base, strength)
             plain = ksample(model)
+            made.clear()
             split = split_ksample(node(model, 2), 2)
             extra = {}
             if before is not None:
@@ -338,7 +345,7 @@ def test_lora_strength_change_rewrites_only_the_patched_tensors():
             last = plain
             if before is None:
                 before = (store(), pids())
-                note(f"{kind} full fill", line=S.engines()[0].last_load.line())
+                note(f"{kind} full fill", line=S.engines()[0].last_load.line(), readaheads=made[:])
         S.release_all_engines()
 '''
     out = _run(cases, ["--use-pytorch-cross-attention"])
@@ -349,10 +356,13 @@ def test_lora_strength_change_rewrites_only_the_patched_tensors():
             assert case["same_pids"] and case["plain_changed"], case
             if case["refill"] is None:  # int8 whose layout changed: a full fill, saying why
                 assert kind == "int8" and "layout" in case["full_because"] and not case["same_store"], case
+                assert len(case["readaheads"]) == 1, case
                 continue
             assert case["same_store"] and case["full_because"] is None, case  # rewritten in place, no new segment
+            assert case["readaheads"] == [], case
             r = case["refill"]
             assert r["names"] == case["want_names"] and r["bytes"] == case["want_bytes"], case
             assert r["of_tensors"] == case["of_tensors"] > r["tensors"] > 0, case
             assert r["ranks_bytes"] > 0, case  # each rank's qkv rows are its own copy: taken in again
     assert out["fp32 lora 0.3"]["refill"] is not None and out["fp32 lora None"]["refill"] is not None
+    assert all(len(out[f"{kind} full fill"]["readaheads"]) == 1 for kind in ("fp32", "int8")), out

@@ -190,6 +190,7 @@ class SplitEngine(Engine):
         *,
         compute_dtype: torch.dtype | None = None,
         first_step: Step | None = None,
+        patched_weights: BlockReader | None = None,
     ) -> bool:
         """Fill the weight store for ``key`` (no-op when it already holds ``key``) and load every
         rank.
@@ -199,9 +200,11 @@ class SplitEngine(Engine):
         not its modulation) that step's plan is probed on the ranks
         (:meth:`PlanProbe.probe_ahead`), so the step finds its verdict.
         ``compute_dtype``: the residual stream's dtype (ranks warm their attention up in it before
-        the first step); default: the stored norm weights' dtype. Returns whether anything was
-        (re)loaded.  Raises ``WeightStoreRefused`` when the RAM reserve forbids it, and a failed
-        fill's own error once every rank has stopped its load.
+        the first step); default: the stored norm weights' dtype.  ``patched_weights``: what a
+        weight-patch change (a LoRA's strength) rewrites the patched tensors from, which reads
+        only what it hands over (default ``block_weights``, whose reads may serve a whole fill).
+        Returns whether anything was (re)loaded.  Raises ``WeightStoreRefused`` when the RAM
+        reserve forbids it, and a failed fill's own error once every rank has stopped its load.
         """
         n = config.layers if n_blocks is None else n_blocks
         if self.ranks > config.heads:
@@ -232,7 +235,7 @@ class SplitEngine(Engine):
             ):
                 assert isinstance(key, PatchedKey)
                 try:
-                    self._refill_patched(key, block_weights)
+                    self._refill_patched(key, patched_weights or block_weights)
                     return True
                 except LayoutChanged as exc:
                     full_because = f"full refill: {exc}"
