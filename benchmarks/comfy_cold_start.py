@@ -256,6 +256,7 @@ if {lora}:  # the LoRA at another strength: only the patched tensors are rewritt
                  refill=None if refill.refill is None else dict(
                      tensors=refill.refill.store.tensors, of_tensors=refill.refill.store.of_tensors,
                      bytes=refill.fill_bytes, store_s=round(refill.fill_s, 4),
+                     store_read_s=round(refill.refill.store.read_s, 4),
                      ranks_s=round(refill.ranks_load_s, 4), ranks_bytes=refill.refill.ranks_bytes,
                      wall_s=round(refill.wall_s, 4), line=refill.line()),
                  full_fill=dict(bytes=load.fill_bytes, fill_s=round(load.fill_s, 6), wall_s=round(load.wall_s, 3)),

@@ -49,7 +49,8 @@ class PatchRefill:
         s = self.store
         return (
             f"weights: LoRA change, refilled {s.tensors} of {s.of_tensors} tensors, "
-            f"{s.bytes / GIB:.2f} GiB in {s.seconds:.2f} s; the ranks took them in again in "
+            f"{s.bytes / GIB:.2f} GiB in {s.seconds:.2f} s ({s.read_s:.2f} s of it reading the "
+            f"blocks); the ranks took them in again in "
             f"{self.ranks_s:.2f} s ({self.ranks_bytes / GIB:.2f} GiB copied on the busiest)"
         )
 
