@@ -51,6 +51,11 @@ def test_pool_start_ping_echo_release(n):
         assert [w["rank"] for w in snap] == list(range(n))
         assert all(w["state"] == "ready" and w["device"] == "cpu" and w["vram_bytes"] is None for w in snap)
         pids = [w["pid"] for w in snap]
+        # where each worker's start went: every phase measured, a CPU rank pins no device, and the phases
+        # add up to no more than the pool's own start
+        starts = pool.start_times()
+        assert all(s is not None and s.device_s == 0.0 and s.program_s > 0 and s.python_s > 0 for s in starts)
+        assert all(s.connect_s >= 0 and s.welcome_s > 0 and s.total_s <= pool.start_s for s in starts), starts
         run_dir = pool.run_dir
         assert os.stat(run_dir).st_mode & 0o777 == 0o700
         assert os.path.basename(run_dir).startswith(f"h3ms-{os.getpid()}-")

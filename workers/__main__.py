@@ -22,7 +22,9 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
+from dataclasses import dataclass
 
 from workers.runtime import auth, config, protocol
 
@@ -80,17 +82,35 @@ def _vram(device: str) -> int | None:
     return int(torch.cuda.memory_reserved(torch.device(device)))
 
 
+@dataclass
+class _Start:
+    """Where this worker's start went before it answers the challenge (``protocol.Auth``)."""
+
+    device_s: float = 0.0
+    program_s: float = 0.0
+    #: ``time.monotonic()`` when it began to connect
+    connect_at: float = 0.0
+
+
 async def _handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, rank: int
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    key: bytes,
+    rank: int,
+    start: _Start,
 ) -> protocol.Welcome:
     msg = await asyncio.wait_for(protocol.read_message(reader), 30)
     if not isinstance(msg, protocol.Challenge):
         raise protocol.ProtocolError(f"expected a challenge first, got {msg.kind!r}")
-    writer.write(
-        protocol.encode(
-            protocol.Auth(rank=rank, pid=os.getpid(), mac=auth.response(key, msg.nonce, rank))
-        )
+    answer = protocol.Auth(
+        rank=rank,
+        pid=os.getpid(),
+        mac=auth.response(key, msg.nonce, rank),
+        device_s=start.device_s,
+        program_s=start.program_s,
+        connect_s=time.monotonic() - start.connect_at,
     )
+    writer.write(protocol.encode(answer))
     await writer.drain()
     msg = await asyncio.wait_for(protocol.read_message(reader), 30)
     if isinstance(msg, protocol.Refused):
@@ -196,9 +216,9 @@ async def _serve(
             task.cancel()
 
 
-async def _main_async(args: argparse.Namespace, key: bytes) -> str:
+async def _main_async(args: argparse.Namespace, key: bytes, start: _Start) -> str:
     reader, writer = await asyncio.open_unix_connection(args.socket, limit=1 << 20)
-    welcome = await _handshake(reader, writer, key, args.rank)
+    welcome = await _handshake(reader, writer, key, args.rank, start)
     ctx = _make_context(args, welcome)
     log.info(
         "rank %d/%d ready on %s (pid %d, %s loop)",
@@ -242,23 +262,29 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%Y-%m-%d %H:%M:%S",
     )
     _die_with_parent(args.parent_pid)
+    start = _Start()
+    t = time.monotonic()
     if args.device.startswith("cuda"):
         import torch
 
         torch.cuda.set_device(torch.device(args.device))
+        start.device_s = time.monotonic() - t
     try:
         key = auth.read_key(sys.stdin.buffer)
     except auth.AuthError as exc:
         log.error("%s", exc)
         return 2
+    t = time.monotonic()
     try:
         load_program(args.program)
     except ProgramNotFound as exc:
         log.error("%s", exc)
         return 2
+    start.program_s = time.monotonic() - t
+    start.connect_at = time.monotonic()
     loop = _new_loop()
     try:
-        reason = loop.run_until_complete(_main_async(args, key))
+        reason = loop.run_until_complete(_main_async(args, key, start))
     except (TimeoutError, auth.AuthError, protocol.ProtocolError, OSError) as exc:
         log.error("rank %d stopping: %s: %s", args.rank, type(exc).__name__, exc)
         return 2

@@ -21,7 +21,7 @@ from h3ms_async.runtime.channel import (
 )
 from h3ms_async.runtime.control_block import ControlBlock
 from h3ms_async.runtime.heartbeat import HB_INTERVAL, on_heartbeat, watch_heartbeat
-from h3ms_async.runtime.worker_handle import WorkerHandle, WorkerState
+from h3ms_async.runtime.worker_handle import StartTimes, WorkerHandle, WorkerState
 from workers.runtime import auth, protocol
 
 log = get_logger("pool")
@@ -77,7 +77,9 @@ class Admission:
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         workers = self._workers
         try:
-            rank, _pid = await authenticate(reader, writer, self._key, timeout=AUTH_TIMEOUT_S)
+            answer = await authenticate(reader, writer, self._key, timeout=AUTH_TIMEOUT_S)
+            answered_at = time.monotonic()
+            rank = answer.rank
             if not 0 <= rank < len(workers):
                 raise auth.AuthError(f"rank {rank} is not in this pool of {len(workers)}")
             w = workers[rank]
@@ -132,6 +134,14 @@ class Admission:
             w.state = WorkerState.READY
             w.serves = frozenset(pong.serves or ())
             w.last_hb = time.monotonic()
+            reported = answer.device_s + answer.program_s + answer.connect_s
+            w.start = StartTimes(
+                python_s=max(0.0, answered_at - w.started_at - reported),
+                device_s=answer.device_s,
+                program_s=answer.program_s,
+                connect_s=answer.connect_s,
+                welcome_s=w.last_hb - answered_at,
+            )
             watch_heartbeat(w, self._hb_timeout)
             w.changed.set()
 

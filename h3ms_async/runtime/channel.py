@@ -50,8 +50,8 @@ def peer_credentials(writer: asyncio.StreamWriter) -> tuple[int, int, int]:
 
 async def authenticate(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, timeout: float
-) -> tuple[int, int]:
-    """Challenge a freshly connected peer; return its (rank, pid).
+) -> protocol.Auth:
+    """Challenge a freshly connected peer; return its verified answer (rank, pid, start phases).
 
     Raises :class:`auth.AuthError` for a wrong key, :class:`protocol.ProtocolError` for anything
     that is not an ``auth`` answer, ``EOFError`` / ``TimeoutError`` if the peer goes away or stays
@@ -68,7 +68,7 @@ async def authenticate(
         raise protocol.ProtocolError(f"expected 'auth' as the first message, got {msg.kind!r}")
     if not auth.verify(key, nonce, msg.rank, msg.mac):
         raise auth.AuthError(f"wrong key (claimed rank {msg.rank}, pid {msg.pid})")
-    return msg.rank, msg.pid
+    return msg
 
 
 class Channel:

@@ -37,7 +37,12 @@ from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.requests import request_all, request_one
 from h3ms_async.runtime.shutdown import stop_workers
 from h3ms_async.runtime.spawn import spawn, worker_env
-from h3ms_async.runtime.worker_handle import WorkerHandle, WorkerState, WorkerTimeout
+from h3ms_async.runtime.worker_handle import (
+    StartTimes,
+    WorkerHandle,
+    WorkerState,
+    WorkerTimeout,
+)
 from workers.runtime import auth, config, protocol
 from workers.runtime.shm import Segment
 
@@ -247,13 +252,16 @@ class WorkerPool:
         self.up_at = time.monotonic()
         self.start_s = self.up_at - began
         get_coordinator().register_pool(self)
+        slowest = max(self._workers, key=lambda w: w.start.total_s if w.start else 0.0)
         log.info(
-            "pool %r started: %d worker(s) on %s in %.2f s (run dir %s)",
+            "pool %r started: %d worker(s) on %s in %.2f s (run dir %s; the slowest, rank %d: %s)",
             self.name,
             self.world_size,
             ",".join(self._devices),
             loop.time() - t0,
             self._run_dir,
+            slowest.rank,
+            slowest.start.line() if slowest.start else "no start times",
         )
 
     async def _wait_ready(self, deadline: float) -> None:
@@ -383,6 +391,10 @@ class WorkerPool:
     def worker_pids(self) -> list[int | None]:
         """Each worker's process id by rank (None: not started)."""
         return [w.pid for w in self._workers] if self._workers else [None] * len(self._devices)
+
+    def start_times(self) -> list[StartTimes | None]:
+        """Where each rank's worker start went (None: not started, or not yet ready)."""
+        return [w.start for w in self._workers] if self._workers else [None] * len(self._devices)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Per worker: rank, device, pid, state (a :class:`WorkerState` value), uptime_s,

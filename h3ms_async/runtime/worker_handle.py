@@ -30,6 +30,31 @@ class WorkerState(enum.StrEnum):
     STOPPED = "stopped"  #: gone after a release
 
 
+@dataclass(frozen=True)
+class StartTimes:
+    """Where one worker's start went, in seconds: the interpreter's start and its first imports
+    (``python_s``: from the spawn to the worker's answer to the challenge, less the phases it
+    reports), a CUDA rank importing torch and pinning its device, importing its rank program,
+    connecting, then from that answer to its answer of the first ping (``welcome_s``)."""
+
+    python_s: float
+    device_s: float
+    program_s: float
+    connect_s: float
+    welcome_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.python_s + self.device_s + self.program_s + self.connect_s + self.welcome_s
+
+    def line(self) -> str:
+        return (
+            f"interpreter {self.python_s:.2f} s, torch and its device {self.device_s:.2f} s, rank "
+            f"program {self.program_s:.2f} s, connecting {self.connect_s:.2f} s, first ping "
+            f"{self.welcome_s:.2f} s"
+        )
+
+
 class WorkerError(RuntimeError):
     """A worker failed (error, death, deadline); the message names rank and device and quotes its
     log."""
@@ -79,6 +104,8 @@ class WorkerHandle:
     jobs_done: int = 0
     #: the kinds this worker serves (its answer to the first ping)
     serves: frozenset[str] = frozenset()
+    #: where its start went, once it answered the first ping
+    start: StartTimes | None = None
     #: open pidfd of ``proc`` while the loop watches it; -1 once it exited or is no longer watched
     pidfd: int = -1
     #: set once ``proc`` has exited and was reaped

@@ -284,6 +284,12 @@ class Auth(Message, tag="auth"):
     rank: int
     pid: int
     mac: bytes
+    #: seconds of the worker's start before this answer, by phase: a CUDA rank importing torch and
+    #: pinning its device, importing the rank program, connecting and awaiting the challenge (the
+    #: interpreter's own start is what the pool measures beyond their sum)
+    device_s: float = 0.0
+    program_s: float = 0.0
+    connect_s: float = 0.0
 
 
 class Welcome(Message, tag="welcome"):
