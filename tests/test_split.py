@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -580,6 +581,44 @@ def test_interrupt_aborts_every_rank(engine_factory, big_model):
     assert busy_seen and all(busy_seen) and not get_hub().busy()
     states = [w["state"] for w in eng.pool.snapshot()]
     assert all(st in ("ready", "busy") for st in states), states  # alive: nobody was killed for it
+    _assert_a_short_step_is_exact(eng, big_model)
+
+
+def test_an_interrupt_during_the_plan_probe_ends_it_on_every_rank(engine_factory, big_model):
+    """A step's new plan is probed on the ranks before its first block. An interrupt then (ComfyUI's cancel) ends the
+    probe on every rank and keeps no verdict: the same step probes again, and is interrupted there again. (The
+    probe's wait polled no interrupt: a cancel at a new shape waited for the whole probe, over a second at full width
+    on a GPU, minutes for long steps on a CPU.)"""
+    eng = engine_factory(["cpu"] * 2)
+    eng.load_weights(("t", "big"), BIG, big_model.block_weights)
+    inp = make_step_inputs(BIG, layout_for_tokens(6000), 3, torch.bfloat16)
+    mod = big_model.modulation(inp.t_emb)
+    for attempt in range(2):
+        rounds = eng.probe.rounds
+        fired: list[float] = []
+        blocks: list[int] = []
+
+        def cancel_once_the_probe_is_sent() -> None:  # as ComfyUI's cancel button: from another thread
+            deadline = time.monotonic() + 60.0
+            while eng.probe.rounds == rounds and time.monotonic() < deadline:
+                time.sleep(0.002)
+            fired.append(time.monotonic())
+
+        canceller = threading.Thread(target=cancel_once_the_probe_is_sent)
+        canceller.start()
+        with pytest.raises(SplitInterrupted, match="invariance interrupted"):
+            eng.run_blocks(inp.x, mod, inp.segments, inp.rope_freqs, interrupt=lambda: bool(fired),
+                           progress=lambda done, total: blocks.append(done))
+        took = time.monotonic() - fired[0]
+        canceller.join(5.0)
+        assert took < 2.0 and not blocks, (attempt, took, blocks)  # ended in the probe, no block ran
+        assert eng.probe.rounds == rounds + 1, attempt
+    logs = [w["log"] for w in eng.pool.snapshot()]
+
+    def every_rank_stopped_its_probe() -> bool:  # at its next call: the current one is not cut short
+        return all("plan probe aborted by the coordinator" in open(p, encoding="utf-8").read() for p in logs)
+
+    _wait(every_rank_stopped_its_probe, "every rank to stop its probe", 60)
     _assert_a_short_step_is_exact(eng, big_model)
 
 

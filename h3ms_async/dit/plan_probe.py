@@ -12,7 +12,7 @@ needs the ranks' devices and the blocks' structure, not their weights.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import msgspec
@@ -77,12 +77,14 @@ class PlanProbe:
         plan: plans.SplitPlan,
         asked: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> tuple[plans.SplitPlan, exactness.Overlap, bool]:
         """The plan to run, as measured on the ranks (``h3ms_async.dit.exactness``): as made, with
         its token bounds adjusted, or refused (``SplitUnsafe``, ``first`` only the first time); the
         overlap it runs with (``asked`` less what measured inexact); and whether sparse attention,
         asked for with the probe settings ``sparse`` (``h3ms_async.dit.sparse.probe_settings``), is
-        off on it.  Probed once per new plan, overlap and sparse settings."""
+        off on it.  Probed once per new plan, overlap and sparse settings; ``interrupt`` (the
+        step's) ends a probe on every rank, keeping no verdict (``SplitInterrupted``)."""
         if self.engine.ranks == 1:
             return plan, exactness.NO_OVERLAP, False
         ld = self.engine.loaded
@@ -100,7 +102,7 @@ class PlanProbe:
         self._ahead.discard(key)
         if verdict is None:
             with self.engine.job():
-                verdict = self._probe_plan(plan, asked, sparse, ops)
+                verdict = self._probe_plan(plan, asked, sparse, ops, interrupt)
             exactness.VERDICTS.put(key, verdict)
         if verdict.token_bounds is None:
             raise SplitUnsafe(verdict.detail, first=first)
@@ -208,6 +210,7 @@ class PlanProbe:
         asked: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None,
         ops: list[dit_protocol.LinearOp],
+        interrupt: Callable[[], bool] | None = None,
     ) -> PlanVerdict:
         """Probe ``plan`` (and the overlap ``asked`` for, and sparse attention with the probe
         settings ``sparse``) on every rank (concurrently); on a token-split failure probe the
@@ -215,7 +218,7 @@ class PlanProbe:
         ld = self.engine.loaded
         assert ld is not None
         tokens = plan.token_bounds[-1]
-        reports = self._probe_round([plan.token_bounds], plan, ops, asked, sparse)
+        reports = self._probe_round([plan.token_bounds], plan, ops, asked, sparse, interrupt)
         rounds = [reports]
         failing = exactness.fixed_failure(reports)
         if failing is not None:
@@ -233,7 +236,9 @@ class PlanProbe:
             cands = exactness.adjusted_bounds(plan.token_bounds)
             pick = None
             if cands:
-                rounds.append(self._probe_round(cands, plan, ops, exactness.NO_OVERLAP))
+                rounds.append(
+                    self._probe_round(cands, plan, ops, exactness.NO_OVERLAP, None, interrupt)
+                )
                 pick = exactness.first_exact(rounds[-1], len(cands))
             ms = exactness.slowest_ms(*rounds)
             if pick is None:
@@ -299,6 +304,7 @@ class PlanProbe:
         ops: list[dit_protocol.LinearOp],
         overlap: exactness.Overlap,
         sparse: dit_protocol.SparseProbeSettings | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[dit_protocol.ProbeReport]:
         self.rounds += 1
         hb, tb0 = plan.head_bounds, plan.token_bounds
@@ -326,11 +332,22 @@ class PlanProbe:
                 gather_ranges=every_rank,
                 sparse=sparse,
             )
+        pool = self.engine.pool
+
+        async def send() -> list[dit_protocol.ProbeReports]:
+            # the abort generation read on the loop right before the probe is sent, as a step's,
+            # once the pool is up: a restart (a dead rank) begins a new generation count
+            await pool.start()
+            gen = pool.abort_generation
+            sent = [m and msgspec.structs.replace(m, abort_gen=gen) for m in msgs]
+            return await pool.all(sent, self.engine.options.step_timeout_s)
+
         # the probe needs no weights: fresh workers (a restarted pool) answer it as they are
         answers = self.engine.run(
-            self.engine.pool.all(msgs, self.engine.options.step_timeout_s),
+            send(),
             self.engine.options.step_timeout_s,
             "measuring the plan's invariance",
+            interrupt=interrupt,
         )
         by_rank = {
             r: rep

@@ -583,7 +583,7 @@ class SplitEngine(Engine):
         self.step_buffers.check_room(
             PlannedStep(step, plan, opts, ld.pattern, transport, ipc_sync=ipc_sync), ld
         )
-        plan, ran, sparse_off = self.probe.measured_plan(plan, asked, probe)
+        plan, ran, sparse_off = self.probe.measured_plan(plan, asked, probe, step.interrupt)
         sparse_step = (
             None
             if sparse_cfg is None or sparse_off

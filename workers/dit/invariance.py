@@ -330,6 +330,15 @@ def _linear_verdict(
     )
 
 
+class ProbeAborted(RuntimeError):
+    """The coordinator aborted the probe (the step it was for was interrupted)."""
+
+
+def _stop_if(stopped: Callable[[], bool] | None, before: str) -> None:
+    if stopped is not None and stopped():
+        raise ProbeAborted(f"plan probe aborted by the coordinator before {before}")
+
+
 def probe_attention(
     pool: RandomPool,
     seq: int,
@@ -339,11 +348,13 @@ def probe_attention(
     act: torch.dtype,
     attend: dit_ops.Attend,
     clock: Clock,
+    stopped: Callable[[], bool] | None = None,
 ) -> list[list[OpVerdict]]:
     """Attention over all ``seq`` tokens: every head in one call, made once, against each head
     group of each shard's variants called alone, as a rank lays its q, k, v out (a packed
     projection of the group's heads only; ``dit_ops.attend_head_piece`` lays a head piece out the
-    same way).  The first verdict's time includes the whole call."""
+    same way).  The first verdict's time includes the whole call.  Between calls it raises
+    :class:`ProbeAborted` once ``stopped()``."""
     t0 = clock.start()
     qkv = pool.view(act, seq, 3 * total_heads * head_dim)
     full = dit_ops.attend_views(*dit_ops.qkv_views(qkv, total_heads, head_dim), attend)
@@ -352,6 +363,7 @@ def probe_attention(
     for variants in shards:
         out: list[OpVerdict] = []
         for v in variants:
+            _stop_if(stopped, v.name)
             out.append(
                 _attention_verdict(qkv, full, dig, v, total_heads, head_dim, act, attend, clock, t0)
             )
@@ -510,6 +522,7 @@ def run_probe(
     gather_ranges: Sequence[tuple[int, int]] = (),
     eps: float = 1e-5,
     sparse: SparseProbeSettings | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> list[ProbeReport]:
     """Probe every op of ``ops`` and attention on ``device`` for each shard (see the module
     docstring); one report per shard, in order.
@@ -523,7 +536,8 @@ def run_probe(
     one shard only): also sparse attention as the rank runs it, with the blocks' epsilon ``eps``
     (:func:`probe_sparse`).  Each op's unsplit call is made once for all the verdicts of every
     shard taken from it.  Runs under inference mode and :func:`workers.dit.ops.probing`; the
-    random buffers go when it returns.  Every report's ``ms`` is the whole probe's.
+    random buffers go when it returns.  Every report's ``ms`` is the whole probe's.  Between its
+    calls it raises :class:`ProbeAborted` once ``stopped()`` (the coordinator's abort).
     """
     if sparse is not None and len(shards) != 1:
         raise ValueError(f"a sparse probe takes one shard, got {len(shards)}")
@@ -533,6 +547,7 @@ def run_probe(
     t0 = clock.start()
     with torch.inference_mode(), dit_ops.probing():
         for op in ops:
+            _stop_if(stopped, op.name)
             asked = []
             for sh in shards:
                 variants = [Variant(op.name, op.split, sh.candidates)]
@@ -553,10 +568,14 @@ def run_probe(
                 parts = [(g0 + a, g0 + b) for a, b in bounds if b > a]
                 mine.append(Variant("attention.pieces", "pieces", parts))
             groups.append(mine)
-        got = probe_attention(pool, tokens, groups, total_heads, head_dim, dtype, attend, clock)
+        _stop_if(stopped, "attention")
+        got = probe_attention(
+            pool, tokens, groups, total_heads, head_dim, dtype, attend, clock, stopped
+        )
         for rep, verdicts in zip(reports, got):
             rep.ops += verdicts
         if sparse:
+            _stop_if(stopped, "sparse attention")
             qkv = next(op for op in ops if op.name == "attn.qkv_proj")
             reports[0].ops += probe_sparse(
                 pool, qkv, tokens, shards[0].heads, total_heads, head_dim, dtype, eps, sparse, clock

@@ -542,6 +542,8 @@ class DitProbe(Request, tag="dit_probe"):
     pieces: int = 0
     gather_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     sparse: SparseProbeSettings | None = None
+    #: the pool's abort generation when the probe was sent: a later one ends it between two calls
+    abort_gen: int = 0
     ANSWER: ClassVar[type[Answer]] = ProbeReports
 
     def __post_init__(self) -> None:

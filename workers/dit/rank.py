@@ -284,27 +284,36 @@ async def _dit_probe(ctx: WorkerContext, msg: dit_protocol.DitProbe) -> dit_prot
     weights needed."""
     model = msg.model
     dtype = getattr(torch, model.compute_dtype)
+    gen = int(msg.abort_gen)  # an interrupted step's abort ends its probe between two calls
     attend = await _warm(ctx, model.attention, dtype)
-    reports = await ctx.run_compute(
-        functools.partial(
-            invariance.run_probe,
-            msg.ops,
-            tokens=int(msg.tokens),
-            shards=msg.shards,
-            total_heads=int(model.heads),
-            head_dim=int(model.head_dim),
-            dtype=dtype,
-            attend=attend,
-            device=torch.device(ctx.device),
-            pieces=int(msg.pieces),
-            gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
-            eps=float(model.eps),
-            sparse=msg.sparse or None,
-        )
-    )
-    if ctx.device.startswith("cuda"):
-        # the probe's random buffers and products are not the steps' working set
-        torch.cuda.empty_cache()
+
+    def probe() -> list[dit_protocol.ProbeReport]:
+        # on the compute thread, which goes on after an abort cancelled the request's task
+        try:
+            return invariance.run_probe(
+                msg.ops,
+                tokens=int(msg.tokens),
+                shards=msg.shards,
+                total_heads=int(model.heads),
+                head_dim=int(model.head_dim),
+                dtype=dtype,
+                attend=attend,
+                device=torch.device(ctx.device),
+                pieces=int(msg.pieces),
+                gather_ranges=[(int(a), int(b)) for a, b in msg.gather_ranges],
+                eps=float(model.eps),
+                sparse=msg.sparse or None,
+                stopped=lambda: ctx.abort_generation() != gen,
+            )
+        except invariance.ProbeAborted as exc:
+            ctx.log.info("[dit] rank %d: %s", ctx.rank, exc)
+            raise
+        finally:
+            if ctx.device.startswith("cuda"):
+                # the probe's random buffers and products are not the steps' working set
+                torch.cuda.empty_cache()
+
+    reports = await ctx.run_compute(probe)
     return dit_protocol.ProbeReports(reports=reports)
 
 
