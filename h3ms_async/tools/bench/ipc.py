@@ -7,6 +7,7 @@ workers).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -59,13 +60,19 @@ def _shm_copy_gb_s(copy_mib: int, reps: int) -> float:
     return nbytes * reps / dt / 1e9
 
 
-async def _start_seconds(n: int) -> float:
-    pool = WorkerPool(["cpu"] * n, name=f"bench{n}")
+async def _start(n: int, device: str, program: str | None) -> dict:
+    """Start ``n`` workers on ``device`` running ``program``: the wall time, and the slowest rank's
+    phases (``StartTimes``)."""
+    pool = WorkerPool([device] * n, name=f"bench{n}", program=program)
     t0 = time.perf_counter()
     await pool.start()
     dt = time.perf_counter() - t0
+    times = [t for t in pool.start_times() if t is not None]
     await pool.release()
-    return dt
+    slowest = max(times, key=lambda t: t.total_s)
+    return {"wall_s": round(dt, 3)} | {
+        k: round(v, 3) for k, v in dataclasses.asdict(slowest).items()
+    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -80,9 +87,12 @@ def run_bench_ipc(
     copy_mib: int = 64,
     copy_reps: int = 5,
     pool_sizes: Sequence[int] = (1, 4, 8),
+    start_device: str = "cpu",
+    program: str | None = None,
     timeout: float = 600.0,
 ) -> dict:
-    """Run every measurement, print the JSON result on stdout and return it."""
+    """Run every measurement, print the JSON result on stdout and return it.  The pools whose start
+    is timed run ``program`` on ``start_device`` (every rank on it)."""
     coord = get_coordinator()
     pool = WorkerPool(["cpu"], name="benchipc")
     coord.run(pool.start(), timeout, what="starting the bench worker")
@@ -95,7 +105,7 @@ def run_bench_ipc(
     finally:
         coord.run(pool.release(), timeout, what="releasing the bench worker")
     starts = {
-        str(n): round(coord.run(_start_seconds(n), timeout, what=f"starting {n} workers"), 3)
+        str(n): coord.run(_start(n, start_device, program), timeout, what=f"starting {n} workers")
         for n in pool_sizes
     }
     result = {
@@ -111,7 +121,7 @@ def run_bench_ipc(
         "pipeline_window": window,
         "shm_copy_gb_s": round(_shm_copy_gb_s(copy_mib, copy_reps), 2),
         "shm_copy_mib": copy_mib,
-        "pool_start_s": starts,
+        "pool_start": {"device": start_device, "program": program, "by_size": starts},
     }
     print(json.dumps(result, indent=2))
     return result
@@ -140,6 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[1, 4, 8],
         help="worker counts whose start time is measured",
     )
+    p.add_argument(
+        "--start-device",
+        default="cpu",
+        help="the device of every worker whose start is timed (default cpu; e.g. cuda:0)",
+    )
+    p.add_argument(
+        "--program",
+        default=None,
+        help="the rank program those workers import (e.g. dit; default: none, the runtime only)",
+    )
     args = p.parse_args(argv)
     sizes = args.pool_sizes
     if min(sizes) < 1:
@@ -153,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         window=args.window,
         copy_mib=args.copy_mib,
         pool_sizes=sizes,
+        start_device=args.start_device,
+        program=args.program,
     )
     return 0
 
