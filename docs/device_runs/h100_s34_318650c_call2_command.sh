@@ -1,0 +1,2 @@
+# the CUDA tests call 1 did not reach (its 380 s limit), from fresh workers
+source .carry/next/head.sh; timeout 270 python3 -m pytest -v -p no:cacheprovider -rs -m cuda tests/test_cuda.py -k "resident_blocks_are_placed or auto_residency_streams or gpu_direct_events_stop" --durations=5 > $R/pytest_cuda_rest.log 2>&1; echo "rest rc=$? t=$SECONDS" >> $R/summary.txt; grep -hE "PASSED|FAILED|passed|failed" $R/pytest_cuda_rest.log | tail -6 >> $R/summary.txt; pack
