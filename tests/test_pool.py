@@ -236,12 +236,12 @@ def test_rundir_sweep_removes_unlocked_dirs_only(tmp_path, monkeypatch):
 
 
 def test_bench_ipc_smoke():
-    out = run_bench_ipc(samples=200, messages=500, copy_mib=64, pool_sizes=(1, 2), program="dit")
+    out = run_bench_ipc(samples=200, messages=500, copy_mib=64, pool_sizes=(1,), program="dit")
     assert out["control_rtt_us"]["samples"] == 200
     assert 0 < out["control_rtt_us"]["p50"] <= out["control_rtt_us"]["p99"]
     assert out["messages_per_s"] > 0 and out["shm_copy_gb_s"] > 0
     start = out["pool_start"]
-    assert start["device"] == "cpu" and start["program"] == "dit" and set(start["by_size"]) == {"1", "2"}
+    assert start["device"] == "cpu" and start["program"] == "dit" and set(start["by_size"]) == {"1"}
     for size in start["by_size"].values():
         phases = [size[k] for k in ("python_s", "program_s", "connect_s", "welcome_s")]
         assert all(p >= 0 for p in phases) and size["program_s"] > 0, size
