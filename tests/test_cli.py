@@ -58,6 +58,8 @@ CASES = [
     ("serve-port-busy", ["serve", "--port", _BUSY], {}, [f"--port {_BUSY}", "already in use", "another --port"]),
     ("bench-ipc-sizes", ["bench", "ipc", "--pool-sizes", "abc"], {}, ["--pool-sizes", "'abc'", "1,4,8"]),
     ("bench-ipc-zero", ["bench", "ipc", "--pool-sizes", "0"], {}, ["--pool-sizes", ">= 1"]),
+    ("bench-ipc-device", ["bench", "ipc", "--start-device", "gpu0"], {}, ["--start-device", "cpu, cuda or cuda:N"]),
+    ("bench-ipc-program", ["bench", "ipc", "--program", "nope"], {}, ["--program", "workers.nope.rank", "e.g. dit"]),
     ("bench-split-chunks", ["bench", "split", "--chunks", "x"], {}, ["--chunks", "'x'"]),
     ("bench-exchange-world", ["bench", "exchange", "--world", "1"], {}, ["--world", "at least 2"]),
     ("bench-attention-helpers", ["bench", "attention", "--helpers", "x"], {}, ["--helpers", "e.g."]),

@@ -6,8 +6,10 @@ workers).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 
 from h3ms_async.runtime.coordinator import get_coordinator
 from h3ms_async.runtime.pool import WorkerPool
+from h3ms_async.runtime.visibility import rank_devices
 from h3ms_async.tools.cli import ArgParser, int_list, positive_int
 from workers.runtime.protocol import Ping, TensorDesc
 
@@ -73,6 +76,27 @@ async def _start(n: int, device: str, program: str | None) -> dict:
     return {"wall_s": round(dt, 3)} | {
         k: round(v, 3) for k, v in dataclasses.asdict(slowest).items()
     }
+
+
+def _device(text: str) -> str:
+    """argparse type: one worker device (``cpu``, ``cuda``, ``cuda:N``)."""
+    try:
+        return rank_devices([text])[0]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N") from None
+
+
+def _program(text: str) -> str:
+    """argparse type: a rank program, a package ``workers/<name>/`` with a ``rank.py``."""
+    try:
+        found = importlib.util.find_spec(f"workers.{text}.rank") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no rank program (there is no module workers.{text}.rank; e.g. dit)"
+        )
+    return text
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -152,11 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--start-device",
+        type=_device,
         default="cpu",
         help="the device of every worker whose start is timed (default cpu; e.g. cuda:0)",
     )
     p.add_argument(
         "--program",
+        type=_program,
         default=None,
         help="the rank program those workers import (e.g. dit; default: none, the runtime only)",
     )
